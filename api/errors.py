@@ -1,0 +1,52 @@
+"""Errors mapped to HTTP once, in the shape of the dialect the route speaks.
+
+Typed ServiceErrors keep their status; a Redis outage is 503; anything unexpected is a logged
+500, never a 400.
+"""
+
+from __future__ import annotations
+
+import structlog
+from litestar import Request, Response
+from litestar.exceptions import HTTPException
+
+from api import dialects
+from shared.codec import encode
+from shared.errors import QueueUnavailable, ServiceError
+from shared.redis import REDIS_DOWN
+
+__all__ = ["exception_handlers"]
+
+log = structlog.get_logger()
+
+
+def _dialect(request: Request) -> str:
+    override = getattr(request.state, "dialect", None)
+    if override:
+        return override
+    handler = request.scope.get("route_handler")
+    return handler.opt.get("dialect", "jobs") if handler is not None else "jobs"
+
+
+def _service_error(exc: Exception) -> ServiceError:
+    if isinstance(exc, ServiceError):
+        return exc
+    if isinstance(exc, REDIS_DOWN):
+        log.warning("redis_unavailable", error=str(exc))
+        return QueueUnavailable("the queue is unavailable; try again shortly")
+    if isinstance(exc, HTTPException):  # Litestar's own (405, 413, ...): keep its status
+        err = ServiceError(str(exc.detail))
+        err.status, err.code = exc.status_code, "http_error"
+        return err
+    log.exception("unhandled_error", error_type=type(exc).__name__)
+    return ServiceError("internal server error")
+
+
+def handle(request: Request, exc: Exception) -> Response:
+    err = _service_error(exc)
+    status, body = dialects.error_body(_dialect(request), err)
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    return Response(encode(body), status_code=status, media_type="application/json", headers=headers)
+
+
+exception_handlers = {Exception: handle}

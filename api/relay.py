@@ -1,0 +1,153 @@
+"""From a job's events to the client: ordering, gap filling, and the three framings.
+
+:func:`follow` yields a job's events in sequence order, exactly once, ending with the terminal
+event. Live pub/sub messages are the fast path; the event log fills any gap (a message lost in a
+reconnect, or a resume from ``Last-Event-ID``). Every dialect builds on it, and on the framing
+helpers below, so no dialect has its own relay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from shared.codec import decode_event, encode
+from shared.errors import QueueUnavailable, error_from_code
+from shared.events import Error, Event, is_terminal
+from shared.queue import Queue
+from shared.redis import REDIS_DOWN
+from shared.result import ResultBuilder
+from shared.schemas import JobResult
+
+__all__ = ["follow", "collect", "prefetch", "sse", "jsonline", "SSE_DONE", "KEEPALIVE", "Keepalive"]
+
+SSE_DONE = b"data: [DONE]\n\n"
+KEEPALIVE = b": keep-alive\n\n"
+
+
+class Keepalive:
+    """Yielded by :func:`follow` when nothing happened for ``keepalive_s`` (SSE sends a comment)."""
+
+
+KEEPALIVE_TICK = Keepalive()
+
+
+async def follow(
+    queue: Queue,
+    live: asyncio.Queue[bytes],
+    model: str,
+    job_id: str,
+    *,
+    after_seq: int = 0,
+    backfill: bool = False,
+    check_log_s: float = 5.0,
+    keepalive_s: float | None = None,
+) -> AsyncIterator[Event | Keepalive]:
+    """Yield the job's events with seq > ``after_seq``, in order, ending with the terminal one.
+
+    ``backfill`` reads the log first (resume, or re-attaching to an existing job). While nothing
+    arrives the log is re-checked every ``check_log_s``, so a lost live message costs latency,
+    never an event.
+    """
+    async def read_log(after: int) -> list[Event]:
+        try:
+            return await queue.read_events(model, job_id, after)
+        except REDIS_DOWN:
+            raise QueueUnavailable("lost the connection to the queue while relaying the job") from None
+
+    last = after_seq
+    wait_s = min(check_log_s, keepalive_s) if keepalive_s else check_log_s
+    idle_s = 0.0
+    pending: list[Event] = await read_log(last) if backfill else []
+    while True:
+        for event in pending:
+            if event.seq <= last:
+                continue  # a duplicate: already delivered live or from the log
+            last = event.seq
+            yield event
+            if is_terminal(event):
+                return
+        try:
+            data = await asyncio.wait_for(live.get(), wait_s)
+        except TimeoutError:
+            idle_s += wait_s
+            if keepalive_s:
+                yield KEEPALIVE_TICK
+            if idle_s >= check_log_s:
+                idle_s = 0.0
+                pending = await read_log(last)
+            else:
+                pending = []
+            continue
+        idle_s = 0.0
+        event = decode_event(data) if data else None  # empty bytes = RESYNC from the listener
+        if event is not None and event.seq <= last + 1:
+            pending = [event]
+        else:  # a gap, or a reconnect: the log has everything after `last`
+            pending = await read_log(last)
+
+
+async def prefetch(events: AsyncIterator[Event | Keepalive], wait_s: float) -> AsyncIterator[Event | Keepalive]:
+    """Wait up to ``wait_s`` for the first event before the response starts, so an error that
+    comes first (say, a prompt too long for the model) still gets a real HTTP status. Raises that
+    error; otherwise returns an iterator that replays what was read, then continues.
+
+    The wait runs ``anext`` in a task rather than under a timeout: cancelling an async generator
+    mid-await would close it for good.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    head: Event | None = None
+    waiting: asyncio.Future[Event | Keepalive] | None = None
+    while head is None:
+        step = asyncio.ensure_future(anext(events))
+        done, _ = await asyncio.wait({step}, timeout=max(0.0, deadline - loop.time()))
+        if not done:
+            waiting = step
+            break
+        item = step.result()
+        if isinstance(item, Error):
+            raise error_from_code(item.code, item.message, item.status)
+        if isinstance(item, Keepalive):
+            if loop.time() >= deadline:
+                break
+            continue
+        head = item
+
+    async def replay() -> AsyncIterator[Event | Keepalive]:
+        try:
+            first = head if waiting is None else await waiting
+            if first is not None:
+                yield first
+                if not isinstance(first, Keepalive) and is_terminal(first):
+                    return
+            async for item in events:
+                yield item
+        finally:
+            if waiting is not None and not waiting.done():
+                waiting.cancel()
+
+    return replay()
+
+
+async def collect(events: AsyncIterator[Event | Keepalive]) -> JobResult:
+    """Fold a whole job into its result (non-streaming responses); a terminal error is raised."""
+    builder = ResultBuilder()
+    async for event in events:
+        if isinstance(event, Keepalive):
+            continue
+        if isinstance(event, Error):
+            raise error_from_code(event.code, event.message, event.status)
+        builder.add(event)
+    return builder.result()
+
+
+def sse(payload: object, *, event_id: int | None = None, space: bool = True) -> bytes:
+    """One Server-Sent Event. ``space`` is the dialect's choice: ``data: {..}`` or ``data:{..}``."""
+    head = f"id: {event_id}\n".encode() if event_id is not None else b""
+    data = payload if isinstance(payload, bytes) else encode(payload)
+    return head + (b"data: " if space else b"data:") + data + b"\n\n"
+
+
+def jsonline(payload: object) -> bytes:
+    return encode(payload) + b"\n"

@@ -1,0 +1,97 @@
+"""Fire-and-poll: ``/v1/jobs`` submit, status, event stream (with resume) and cancel."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from litestar import Request, Response, delete, get, post
+from litestar.params import FromPath
+from litestar.response import Stream
+
+from api.dialects import render_result
+from api.http import accepted, decode_body, json_response, stream_response
+from api.relay import KEEPALIVE, Keepalive, follow, sse
+from api.services import Svc
+from shared.errors import InvalidRequest, JobNotFound
+from shared.events import Event
+from shared.schemas import GenerationRequest, JobRecord
+
+__all__ = ["create_job", "get_job", "job_events", "cancel_job"]
+
+
+def job_view(record: JobRecord) -> dict[str, Any]:
+    """A job as ``GET /v1/jobs/{id}`` shows it; the result in the submitting dialect's shape."""
+    result = None
+    if record.result is not None:
+        result = render_result(record.request, record.result, record.id, int(record.queued_at // 1000))
+    return {
+        "id": record.id,
+        "object": "job",
+        "model": record.model,
+        "status": record.status,
+        "dialect": record.request.dialect,
+        "attempt": record.attempt,
+        "worker": record.worker or None,
+        "queued_at": record.queued_at,
+        "started_at": record.started_at,
+        "first_token_at": record.first_token_at,
+        "finished_at": record.finished_at,
+        "result": result,
+        "error": record.error,
+    }
+
+
+async def _record(svc: Svc, job_id: FromPath[str]) -> JobRecord:
+    record = await svc.queue.get_job(svc.model, job_id)
+    if record is None:
+        raise JobNotFound(f"job {job_id} not found")
+    return record
+
+
+@post("/v1/jobs", opt={"dialect": "jobs"})
+async def create_job(request: Request, svc: Svc) -> Response:
+    """Queue a job in llmq's internal request shape; always answers 202 with the job id."""
+    return await accepted(svc, request, await decode_body(request, GenerationRequest))
+
+
+@get("/v1/jobs/{job_id:str}", opt={"dialect": "jobs"})
+async def get_job(svc: Svc, job_id: FromPath[str]) -> Response:
+    return json_response(job_view(await _record(svc, job_id)))
+
+
+@delete("/v1/jobs/{job_id:str}", opt={"dialect": "jobs"}, status_code=200)
+async def cancel_job(svc: Svc, job_id: FromPath[str]) -> Response:
+    """Cancel wherever the job is: flagged if queued, aborted on its worker if running."""
+    if await svc.queue.cancel(svc.model, job_id) is None:
+        raise JobNotFound(f"job {job_id} not found")
+    return json_response(job_view(await _record(svc, job_id)))
+
+
+@get("/v1/jobs/{job_id:str}/events", opt={"dialect": "jobs"})
+async def job_events(request: Request, svc: Svc, job_id: FromPath[str]) -> Stream:
+    """The job's events as SSE, ``id:`` = sequence number; resumes after ``Last-Event-ID``."""
+    last_event_id = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
+    try:
+        after = int(last_event_id)
+    except ValueError:
+        raise InvalidRequest("Last-Event-ID must be an event sequence number", param="Last-Event-ID") from None
+    await _record(svc, job_id)  # 404 before any byte is sent
+    live_cm = svc.listener.subscribe(svc.keys.live(svc.model, job_id))
+    live = await live_cm.__aenter__()
+
+    async def frames() -> AsyncIterator[bytes]:
+        try:
+            events: AsyncIterator[Event | Keepalive] = follow(
+                svc.queue, live, svc.model, job_id, after_seq=after, backfill=True,
+                keepalive_s=svc.settings.sse_keepalive_s,
+            )
+            async for event in events:
+                if isinstance(event, Keepalive):
+                    yield KEEPALIVE
+                else:
+                    yield sse(event, event_id=event.seq)
+        finally:
+            await live_cm.__aexit__(None, None, None)
+
+    return stream_response(frames(), "text/event-stream")

@@ -1,0 +1,66 @@
+"""LMI / DJL Serving routes: ``/invocations`` (dispatching on the body) and ``/predictions/{model}``."""
+
+from __future__ import annotations
+
+import msgspec
+from litestar import Request, Response, post
+from litestar.params import FromPath
+from litestar.response import Stream
+
+from api.dialects import lmi
+from api.http import decode_body, json_response, stream_response
+from api.relay import collect, prefetch
+from api.routes.openai import completions_response
+from api.services import Svc
+from api.submit import submit
+from shared.errors import InvalidRequest, ModelNotFound
+
+__all__ = ["invocations", "predictions"]
+
+JSONLINES = "application/jsonlines"
+SSE = "text/event-stream"
+
+
+class _BodyKeys(msgspec.Struct):
+    """Which schema a body speaks, read without decoding the rest (LMI dispatches on keys)."""
+
+    # An empty Raw (falsy) means the key is absent; Raw cannot sit in a union with None.
+    inputs: msgspec.Raw = msgspec.Raw()
+    messages: msgspec.Raw = msgspec.Raw()
+    prompt: msgspec.Raw = msgspec.Raw()
+
+
+_keys_decoder = msgspec.json.Decoder(_BodyKeys)
+
+
+async def _lmi_response(request: Request, svc: Svc) -> Response | Stream:
+    body = await decode_body(request, lmi.LmiRequest)
+    req = lmi.to_generation_request(body)
+    sub = await submit(svc, req)
+    if not body.stream:
+        result = await collect(sub.events)
+        return json_response(lmi.render_result(req, result))
+    sse_format = svc.settings.lmi_output_formatter == "sse"
+    events = await prefetch(sub.events, svc.settings.sse_keepalive_s)
+    return stream_response(lmi.render_stream(req, events, sse_format=sse_format), SSE if sse_format else JSONLINES)
+
+
+@post("/invocations", opt={"dialect": "lmi"}, status_code=200)
+async def invocations(request: Request, svc: Svc) -> Response | Stream:
+    try:
+        keys = _keys_decoder.decode(await request.body())
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise InvalidRequest(f"Malformed JSON body: {exc}") from None
+    if not keys.inputs and keys.prompt:
+        request.state.dialect = "openai_completions"  # errors in the OpenAI shape from here on
+        return await completions_response(request, svc)
+    if not keys.inputs and keys.messages:
+        raise InvalidRequest("chat bodies (`messages`) are not supported yet")
+    return await _lmi_response(request, svc)
+
+
+@post("/predictions/{model:str}", opt={"dialect": "lmi"}, status_code=200)
+async def predictions(request: Request, svc: Svc, model: FromPath[str]) -> Response | Stream:
+    if model != svc.model:
+        raise ModelNotFound(f"Model not found: {model}")
+    return await _lmi_response(request, svc)

@@ -1,0 +1,64 @@
+"""What request handlers use, owned by the app's lifespan (one Redis client, one listener)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from litestar import Litestar
+from litestar.di import NamedDependency
+
+from api.listener import EventListener
+from shared.config import Settings
+from shared.keys import Keys
+from shared.queue import Queue
+from shared.redis import connect
+
+__all__ = ["Services", "Svc", "lifespan"]
+
+
+@dataclass(slots=True)
+class Services:
+    settings: Settings
+    keys: Keys
+    queue: Queue
+    listener: EventListener
+
+    @property
+    def model(self) -> str:
+        return self.settings.model_name
+
+
+# How handlers ask for the services: ``svc: Svc`` (injected by name).
+Svc = NamedDependency[Services]
+
+
+@asynccontextmanager
+async def lifespan(app: Litestar) -> AsyncIterator[None]:
+    settings: Settings = app.state.settings
+    keys = Keys(settings.prefix)
+    redis = connect(settings.redis_dsn, block_ms=settings.block_ms)
+    listener = EventListener(redis, keys.api_home(os.urandom(4).hex()))
+    services = Services(
+        settings=settings,
+        keys=keys,
+        queue=Queue(redis, keys, result_ttl_s=settings.result_ttl_s, idempotency_ttl_s=settings.idempotency_ttl_s),
+        listener=listener,
+    )
+    # The listener reconnects by itself, so the API starts (and answers 503) before Redis is up.
+    task = asyncio.create_task(listener.run(), name="event-listener")
+    app.state.services = services
+    try:
+        yield
+    finally:
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        await redis.aclose()
+
+

@@ -1,0 +1,94 @@
+"""Submitting a job and following it: the path every dialect shares.
+
+Order matters: subscribe to the job's live channel, then enqueue (record + stream entry in one
+script), so the first token can never be published before we listen.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+import msgspec
+
+from api.relay import Keepalive, follow
+from api.services import Services
+from shared.errors import InvalidRequest, ModelNotFound
+from shared.events import Event
+from shared.queue import now_ms
+from shared.schemas import GenerationRequest, JobRecord
+
+__all__ = ["Submission", "submit", "enqueue_detached", "check_model"]
+
+
+@dataclass(slots=True)
+class Submission:
+    job_id: str
+    created: int  # epoch seconds, for dialects that print it
+    request: GenerationRequest  # as queued: the model filled in
+    events: AsyncIterator[Event | Keepalive]
+
+
+def check_model(svc: Services, req: GenerationRequest) -> GenerationRequest:
+    """Fill in the default model, or refuse one this deployment does not serve or a generation
+    that can never fit its context (the exact prompt-length check happens in the engine)."""
+    limit = svc.settings.max_model_len
+    if req.sampling.max_tokens >= limit:
+        raise InvalidRequest(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{req.sampling.max_tokens} tokens for the completion alone. Please reduce the length.",
+            param="max_tokens",
+        )
+    if not req.model:
+        return _replace_model(req, svc.model)
+    if req.model != svc.model:
+        raise ModelNotFound(f"The model `{req.model}` does not exist.", param="model")
+    return req
+
+
+def _replace_model(req: GenerationRequest, model: str) -> GenerationRequest:
+    return msgspec.structs.replace(req, model=model)
+
+
+def _record(svc: Services, req: GenerationRequest) -> JobRecord:
+    return JobRecord(id=uuid.uuid4().hex, model=svc.model, request=req, queued_at=now_ms())
+
+
+async def enqueue_detached(svc: Services, req: GenerationRequest, idempotency_key: str | None) -> str:
+    """Fire-and-poll: queue the job without following it; returns the owning job id."""
+    return await svc.queue.enqueue(_record(svc, check_model(svc, req)), idempotency_key)
+
+
+async def submit(
+    svc: Services, req: GenerationRequest, *, idempotency_key: str | None = None, keepalive: bool = False
+) -> Submission:
+    """Queue the job and return its events. The caller must iterate ``events`` (or close it):
+    the subscription is released when that iterator finishes."""
+    record = _record(svc, check_model(svc, req))
+    keys, model = svc.keys, svc.model
+    stack = AsyncExitStack()
+    try:
+        live = await stack.enter_async_context(svc.listener.subscribe(keys.live(model, record.id)))
+        job_id = await svc.queue.enqueue(record, idempotency_key)
+        if job_id != record.id:
+            # A repeated Idempotency-Key: follow the earlier job from its first event.
+            live = await stack.enter_async_context(svc.listener.subscribe(keys.live(model, job_id)))
+    except BaseException:
+        await stack.aclose()
+        raise
+
+    async def events() -> AsyncIterator[Event | Keepalive]:
+        async with stack:
+            async for event in follow(
+                svc.queue,
+                live,
+                model,
+                job_id,
+                backfill=job_id != record.id,
+                keepalive_s=svc.settings.sse_keepalive_s if keepalive else None,
+            ):
+                yield event
+
+    return Submission(job_id=job_id, created=int(record.queued_at // 1000), request=record.request, events=events())

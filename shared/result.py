@@ -1,0 +1,59 @@
+"""Folding a job's events into its final result.
+
+The worker uses this to write ``result`` into the job record; the API uses the same code to
+answer non-streaming requests from the events it relayed, so both always agree.
+"""
+
+from __future__ import annotations
+
+from shared.events import Done, Event, Tokens
+from shared.schemas import Choice, JobResult, Usage
+
+__all__ = ["ResultBuilder"]
+
+
+def _extend(target: list | None, items: list | None) -> list | None:
+    if items is None:
+        return target
+    if target is None:
+        return list(items)
+    target.extend(items)
+    return target
+
+
+class ResultBuilder:
+    def __init__(self) -> None:
+        self._choices: dict[int, Choice] = {}
+        # Text arrives in many small pieces: join once at the end instead of re-concatenating.
+        self._text_parts: dict[int, list[str]] = {}
+        self.usage = Usage()
+
+    def _choice(self, index: int) -> Choice:
+        choice = self._choices.get(index)
+        if choice is None:
+            choice = self._choices[index] = Choice(index=index, token_ids=[])
+            self._text_parts[index] = []
+        return choice
+
+    def add(self, event: Event) -> None:
+        if isinstance(event, (Tokens, Done)):
+            for delta in event.deltas:
+                choice = self._choice(delta.index)
+                self._text_parts[delta.index].append(delta.text)
+                choice.token_ids.extend(delta.token_ids)
+                choice.token_texts = _extend(choice.token_texts, delta.token_texts)
+                choice.logprobs = _extend(choice.logprobs, delta.logprobs)
+                choice.top_logprobs = _extend(choice.top_logprobs, delta.top_logprobs)
+                if delta.finish_reason is not None:
+                    choice.finish_reason = delta.finish_reason
+                    choice.stop_reason = delta.stop_reason
+        if isinstance(event, Done):
+            self.usage = event.usage
+
+    def result(self) -> JobResult:
+        choices = []
+        for index in sorted(self._choices):
+            choice = self._choices[index]
+            choice.text = "".join(self._text_parts[index])
+            choices.append(choice)
+        return JobResult(choices=choices, usage=self.usage)

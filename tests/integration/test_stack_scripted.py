@@ -1,0 +1,142 @@
+"""The whole queue path on a real port, real Redis and a scripted engine: exact wire bytes.
+
+The engine's tokens are known in advance, so these tests can pin framing byte for byte. The
+same paths run on real vLLM in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+import uvicorn
+
+from api.app import create_app
+from shared.config import load_settings
+from shared.keys import Keys
+from shared.queue import Queue
+from shared.redis import connect
+from tests.conftest import free_port
+from tests.scripted_engine import ScriptedEngine, expected_text
+from workers.runner import Worker
+
+
+@pytest.fixture(scope="module")
+async def stack(redis_url):
+    prefix = "scripted"
+    settings = load_settings({}, redis_url=redis_url, prefix=prefix, served_model_name="tiny", port=free_port(),
+                             block_ms=200, sse_keepalive_s=0.5)
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=settings.port,
+                                           log_level="warning", lifespan="on"))
+    server_task = asyncio.create_task(server.serve())
+    redis = connect(redis_url)
+    worker = Worker(settings, Queue(redis, Keys(prefix)), ScriptedEngine(delay_s=0.001), worker_id="w-scripted")
+    worker_task = asyncio.create_task(worker.run())
+    while not (server.started and worker.ready):
+        await asyncio.sleep(0.05)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{settings.port}", timeout=30) as client:
+        yield client, redis, settings
+    worker.stop()
+    await asyncio.wait_for(worker_task, 10)
+    server.should_exit = True
+    await server_task
+    await redis.aclose()
+
+
+async def test_lmi_jsonlines_frames_one_token_per_line_and_summary_last(stack):
+    client, _, _ = stack
+    body = {"inputs": "abc", "parameters": {"max_new_tokens": 4, "details": True}, "stream": True}
+    async with client.stream("POST", "/invocations", json=body) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        assert resp.headers["content-type"].startswith("application/jsonlines")
+        raw = await resp.aread()
+    lines = raw.split(b"\n")
+    assert lines[-1] == b""  # every line ends with a newline
+    objs = [json.loads(x) for x in lines[:-1]]
+    assert [o["token"]["text"] for o in objs] == ["a", "b", "c", "a"]
+    assert [o["token"]["id"] for o in objs] == [97, 98, 99, 97]
+    assert all("generated_text" not in o for o in objs[:-1])
+    assert objs[-1]["generated_text"] == "abca"
+    assert objs[-1]["details"] == {"finish_reason": "length", "generated_tokens": 4, "inputs": "abc"}
+
+
+async def test_lmi_non_streaming_matches_stream_and_has_details_tokens(stack):
+    client, _, _ = stack
+    body = {"inputs": "xyz", "parameters": {"max_new_tokens": 5, "details": True, "return_full_text": True}}
+    resp = await client.post("/invocations", json=body)
+    assert resp.status_code == 200
+    out = resp.json()
+    assert out["generated_text"] == "xyz" + expected_text("xyz", 5)
+    assert out["details"]["generated_tokens"] == 5
+    assert [t["text"] for t in out["details"]["tokens"]] == list(expected_text("xyz", 5))
+    assert out["details"]["tokens"][0] == {"id": 120, "text": "x", "log_prob": -0.5}
+
+
+async def test_openai_stream_is_sse_with_space_and_done_terminator(stack):
+    client, _, _ = stack
+    body = {"prompt": "hey", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        raw = await resp.aread()
+    frames = raw.split(b"\n\n")
+    assert frames[-1] == b"" and frames[-2] == b"data: [DONE]"
+    chunks = [json.loads(f.removeprefix(b"data: ")) for f in frames[:-2] if not f.startswith(b":")]
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "hey"
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, None, "length"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["object"] == "text_completion"
+
+
+async def test_error_before_first_token_gets_real_status(stack):
+    client, _, _ = stack
+    resp = await client.post("/v1/completions", json={"prompt": "fail", "max_tokens": 3, "stream": True})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["message"] == "scripted failure"
+    resp = await client.post("/invocations", json={"inputs": "fail"})
+    assert resp.status_code == 424 and resp.json() == {"error": "scripted failure", "code": 424}
+
+
+async def test_job_events_resume_after_last_event_id(stack):
+    client, _, _ = stack
+    resp = await client.post("/v1/completions", json={"prompt": "resume", "max_tokens": 6},
+                             headers={"Prefer": "respond-async"})
+    assert resp.status_code == 202
+    job_id = resp.json()["id"]
+    assert resp.headers["location"] == f"/v1/jobs/{job_id}"
+
+    async def events(headers: dict[str, str]) -> list[tuple[int, dict]]:
+        async with client.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers) as r:
+            raw = (await r.aread()).decode()
+        out = []
+        for frame in raw.split("\n\n"):
+            if frame.startswith("id: "):
+                id_line, data_line = frame.split("\n")
+                out.append((int(id_line[4:]), json.loads(data_line.removeprefix("data: "))))
+        return out
+
+    full = await events({})
+    assert [seq for seq, _ in full] == list(range(1, len(full) + 1))
+    assert full[-1][1]["type"] == "done"
+    resumed = await events({"Last-Event-ID": "3"})
+    assert resumed == full[3:]
+
+    job = (await client.get(f"/v1/jobs/{job_id}")).json()
+    assert job["status"] == "done"
+    assert job["result"]["choices"][0]["text"] == expected_text("resume", 6)
+    assert job["result"]["object"] == "text_completion"
+
+
+async def test_unknown_job_is_404_and_bad_bodies_get_dialect_errors(stack):
+    client, _, _ = stack
+    assert (await client.get("/v1/jobs/nope")).status_code == 404
+    assert (await client.get("/v1/jobs/nope/events")).status_code == 404
+    resp = await client.post("/invocations", content=b"{not json")
+    assert resp.status_code == 424 and resp.json()["code"] == 424
+    resp = await client.post("/invocations", json={"inputs": "x", "parameters": {"top_p": 1.5}})
+    assert resp.status_code == 424 and "top_p" in resp.json()["error"]
+    resp = await client.post("/v1/completions", json={"prompt": 5})
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "BadRequestError"
+    resp = await client.post("/v1/completions", json={"prompt": "x", "model": "other"})
+    assert resp.status_code == 404

@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import pytest
+
+from shared.config import DEFAULT_MODEL, SettingsError, load_settings
+from shared.keys import Keys
+
+
+def test_per_model_keys_share_one_cluster_hash_tag():
+    keys = Keys("llmq")
+    job_keys = [keys.queue("m"), keys.job("m", "j1"), keys.events("m", "j1"), keys.live("m", "j1"),
+                keys.idempotency("m", "k"), keys.dead("m"), keys.workers("m")]
+    assert job_keys[0] == "llmq:{m}:queue"
+    assert keys.job("m", "j1") == "llmq:{m}:job:j1"
+    assert keys.events("m", "j1") == "llmq:{m}:events:j1"
+    assert keys.live("m", "j1") == "llmq:{m}:live:j1"
+    assert all(k.startswith("llmq:{m}:") for k in job_keys)
+    assert keys.worker("w1") == "llmq:worker:w1"
+
+
+def test_prefix_isolates_runs():
+    assert Keys("test-1").queue("m") != Keys("test-2").queue("m")
+
+
+def test_settings_come_from_prefixed_environment():
+    s = load_settings({"LLMQ_PORT": "9000", "LLMQ_PREFIX": "x", "LLMQ_MODEL": "/models/llama-3/",
+                       "LLMQ_LOG_JSON": "false", "UNRELATED": "1"})
+    assert (s.port, s.prefix, s.log_json) == (9000, "x", False)
+    assert s.model_name == "llama-3" and s.model_path == "/models/llama-3/"
+
+
+def test_settings_defaults():
+    s = load_settings({})
+    assert s.port == 8080 and s.prefix == "llmq" and s.model == DEFAULT_MODEL
+    assert s.redis_dsn.startswith("redis://127.0.0.1:")
+    assert s.model_path.endswith(f"models/{DEFAULT_MODEL}")
+
+
+def test_lmi_option_output_formatter_is_honoured():
+    assert load_settings({"OPTION_OUTPUT_FORMATTER": "SSE"}).lmi_output_formatter == "sse"
+
+
+@pytest.mark.parametrize("env", [{"LLMQ_PORT": "eighty"}, {"LLMQ_LMI_OUTPUT_FORMATTER": "xml"}])
+def test_bad_settings_fail_fast(env):
+    with pytest.raises(SettingsError):
+        load_settings(env)

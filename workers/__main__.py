@@ -1,0 +1,68 @@
+"""``python -m workers``: one worker process owning one vLLM engine.
+
+Settings are loaded here and passed down; an AsyncExitStack owns the Redis client and the engine.
+SIGTERM/SIGINT start a graceful drain; a second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from contextlib import AsyncExitStack
+
+import structlog
+
+from shared.config import DEFAULT_MODEL, Settings, apply_engine_environment, load_settings
+from shared.keys import Keys
+from shared.logging import configure_logging
+from shared.queue import Queue
+from shared.redis import connect, wait_for_redis
+
+
+async def serve(settings: Settings) -> None:
+    log = structlog.get_logger()
+    model_path = settings.model_path
+    if settings.model == DEFAULT_MODEL:
+        from workers.tiny_model import ensure_tiny_model
+
+        ensure_tiny_model(model_path)
+    apply_engine_environment(settings)
+
+    async with AsyncExitStack() as stack:
+        redis = connect(settings.redis_dsn, block_ms=settings.block_ms)
+        stack.push_async_callback(redis.aclose)
+        await wait_for_redis(redis, what="worker")
+
+        from workers.engine import VllmEngine  # heavy import: only once Redis is known good
+        from workers.runner import Worker
+
+        log.info("engine_loading", model=model_path)
+        engine = VllmEngine.build(settings, model_path)
+        stack.callback(engine.shutdown)
+
+        queue = Queue(redis, Keys(settings.prefix), result_ttl_s=settings.result_ttl_s)
+        worker = Worker(settings, queue, engine)
+        loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            if worker.stopping:
+                raise SystemExit(1)
+            log.info("worker_stopping", worker=worker.worker_id)
+            worker.stop()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
+        await worker.run()
+        log.info("worker_stopped", worker=worker.worker_id, failed=worker.failed)
+    if worker.failed:
+        raise SystemExit(1)
+
+
+def main() -> None:
+    settings = load_settings()
+    configure_logging(settings.log_level, settings.log_json)
+    asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    main()
