@@ -26,6 +26,8 @@ model: install
 	$(PY) -m workers.tiny_model
 
 # The whole stack: embedded Redis (unless LLMQ_REDIS_URL is set), web, worker, housekeeping.
+# The Procfile says `python`: the venv goes first on PATH so that is the venv's.
+run: export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 run: model
 	@if [ -z "$$LLMQ_REDIS_URL" ]; then \
 		exec $(VENV)/bin/honcho -f Procfile.dev start; \

@@ -40,4 +40,5 @@ def create_app(settings: Settings | None = None) -> Litestar:
         exception_handlers=exception_handlers,
         state=State({"settings": settings}),
         openapi_config=None,
+        logging_config=None,  # keep structlog's set-up (configure_logging), not Litestar's default
     )

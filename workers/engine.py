@@ -6,6 +6,7 @@ It builds one ``AsyncLLM`` from Settings, maps the internal request to vLLM (one
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -138,3 +139,7 @@ class VllmEngine:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        # Collect the engine now: left to interpreter teardown, AsyncLLM.__del__ runs after
+        # vLLM's module globals are gone and prints a TypeError.
+        del self.engine
+        gc.collect()

@@ -71,6 +71,42 @@ def test_openai_client_completions_stream_and_non_stream(stack):
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
+def test_openai_n_and_logprobs(stack):
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
+    out = client.completions.create(model=stack.model, prompt="Two ways", max_tokens=8, n=2, temperature=1.0,
+                                    seed=7, logprobs=2, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    for choice in out.choices:
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+        assert all(x <= 0 for x in lp.token_logprobs)
+        assert all(1 <= len(top) <= 2 for top in lp.top_logprobs)
+    assert out.usage.completion_tokens == 16
+    chunks = list(client.completions.create(model=stack.model, prompt="Two ways", max_tokens=8, n=2,
+                                            temperature=1.0, seed=7, stream=True, extra_body={"ignore_eos": True}))
+    finished = [c.choices[0].index for c in chunks if c.choices[0].finish_reason == "length"]
+    assert sorted(finished) == [0, 1]
+
+
+def test_delete_cancels_a_running_job(stack):
+    with httpx.Client(base_url=stack.url, timeout=60) as client:
+        job_id = client.post("/v1/jobs", json={"prompt": "Cancel me", "sampling": {
+            "max_tokens": 1000, "temperature": 0, "ignore_eos": True}}).json()["id"]
+        deadline = time.monotonic() + 30
+        while client.get(f"/v1/jobs/{job_id}").json()["status"] != "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert client.delete(f"/v1/jobs/{job_id}").status_code == 200
+        with client.stream("GET", f"/v1/jobs/{job_id}/events") as resp:
+            frames = [f for f in resp.read().decode().split("\n\n") if f.startswith("id: ")]
+        last = json.loads(frames[-1].split("\n")[1][len("data: "):])
+        assert last["type"] == "error" and last["code"] == "cancelled"
+        job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["status"] == "cancelled" and job["error"]["code"] == "cancelled"
+    generated = sum(len(d["token_ids"]) for f in frames[:-1] for d in json.loads(f.split("\n")[1][6:])["deltas"])
+    assert generated < 1000, "the engine should have stopped early"
+
+
 def test_fire_and_poll_goes_queued_running_done_with_the_same_text(stack):
     body = {"inputs": "Fire and poll", "parameters": {"do_sample": False, "max_new_tokens": 400,
                                                      "ignore_eos_token": True}}
