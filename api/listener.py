@@ -77,7 +77,7 @@ class EventListener:
                 queue.put_nowait(RESYNC)
 
     @asynccontextmanager
-    async def subscribe(self, channel: str, *, timeout_s: float = 5.0) -> AsyncIterator[asyncio.Queue[bytes]]:
+    async def subscribe(self, channel: str, *, timeout_s: float = 2.0) -> AsyncIterator[asyncio.Queue[bytes]]:
         """Yield a queue of this channel's messages; Redis has confirmed the subscription."""
         key = channel.encode()
         queue: asyncio.Queue[bytes] = asyncio.Queue()

@@ -6,6 +6,7 @@ script), so the first token can never be published before we listen.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
@@ -20,7 +21,7 @@ from shared.events import Event
 from shared.queue import now_ms
 from shared.schemas import GenerationRequest, JobRecord
 
-__all__ = ["Submission", "submit", "enqueue_detached", "check_model"]
+__all__ = ["Submission", "submit", "enqueue_detached", "check_model", "subscribe_job", "job_events"]
 
 
 @dataclass(slots=True)
@@ -61,34 +62,49 @@ async def enqueue_detached(svc: Services, req: GenerationRequest, idempotency_ke
     return await svc.queue.enqueue(_record(svc, check_model(svc, req)), idempotency_key)
 
 
+async def subscribe_job(svc: Services, job_id: str, stack: AsyncExitStack) -> asyncio.Queue[bytes]:
+    """Subscribe to a job's live channel; the subscription lives as long as ``stack``."""
+    return await stack.enter_async_context(svc.listener.subscribe(svc.keys.live(svc.model, job_id)))
+
+
+def job_events(
+    svc: Services,
+    stack: AsyncExitStack,
+    live: asyncio.Queue[bytes],
+    job_id: str,
+    *,
+    after_seq: int = 0,
+    backfill: bool = False,
+    keepalive: bool = False,
+) -> AsyncIterator[Event | Keepalive]:
+    """The job's events; iterating to the end (or closing the iterator) closes ``stack``."""
+
+    async def events() -> AsyncIterator[Event | Keepalive]:
+        async with stack:
+            async for event in follow(
+                svc.queue, live, svc.model, job_id, after_seq=after_seq, backfill=backfill,
+                keepalive_s=svc.settings.sse_keepalive_s if keepalive else None,
+            ):
+                yield event
+
+    return events()
+
+
 async def submit(
     svc: Services, req: GenerationRequest, *, idempotency_key: str | None = None, keepalive: bool = False
 ) -> Submission:
     """Queue the job and return its events. The caller must iterate ``events`` (or close it):
     the subscription is released when that iterator finishes."""
     record = _record(svc, check_model(svc, req))
-    keys, model = svc.keys, svc.model
     stack = AsyncExitStack()
     try:
-        live = await stack.enter_async_context(svc.listener.subscribe(keys.live(model, record.id)))
+        live = await subscribe_job(svc, record.id, stack)
         job_id = await svc.queue.enqueue(record, idempotency_key)
         if job_id != record.id:
             # A repeated Idempotency-Key: follow the earlier job from its first event.
-            live = await stack.enter_async_context(svc.listener.subscribe(keys.live(model, job_id)))
+            live = await subscribe_job(svc, job_id, stack)
     except BaseException:
         await stack.aclose()
         raise
-
-    async def events() -> AsyncIterator[Event | Keepalive]:
-        async with stack:
-            async for event in follow(
-                svc.queue,
-                live,
-                model,
-                job_id,
-                backfill=job_id != record.id,
-                keepalive_s=svc.settings.sse_keepalive_s if keepalive else None,
-            ):
-                yield event
-
-    return Submission(job_id=job_id, created=int(record.queued_at // 1000), request=record.request, events=events())
+    events = job_events(svc, stack, live, job_id, backfill=job_id != record.id, keepalive=keepalive)
+    return Submission(job_id=job_id, created=int(record.queued_at // 1000), request=record.request, events=events)

@@ -90,7 +90,9 @@ def _step(out: RequestOutput, want_top: int | None) -> Step:
                 texts.append(sampled.decoded_token or "")
                 if want_top:
                     # The dict holds the top k plus the sampled token when that ranked lower.
-                    ranked = sorted((lp.rank or 0, tid, lp) for tid, lp in position.items() if (lp.rank or 0) <= want_top)
+                    ranked = sorted(
+                        (lp.rank or 0, tid, lp) for tid, lp in position.items() if (lp.rank or 0) <= want_top
+                    )
                     tops.append([TopLogprob(tid, lp.decoded_token or "", lp.logprob) for _, tid, lp in ranked])
             delta.logprobs, delta.token_texts = logprobs, texts
             delta.top_logprobs = tops if want_top else None

@@ -75,6 +75,7 @@ class Worker:
         self._outbox: list[Outbound] = []
         self._outbox_ready = asyncio.Event()
         self._stopping = asyncio.Event()
+        self._closing = False  # set after the drain: the flusher exits once the outbox is empty
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -109,8 +110,10 @@ class Worker:
             await self._drain()
             for task in (heartbeat, control):
                 task.cancel()
-            await self._flush_remaining()
-            flusher.cancel()
+            # Let the flusher write what is left; cancelling it could drop a batch mid-write.
+            self._closing = True
+            self._outbox_ready.set()
+            await flusher
         await self._unregister()
 
     # --- reading ------------------------------------------------------------------------------
@@ -238,6 +241,8 @@ class Worker:
             await asyncio.sleep(0)
             self._outbox_ready.clear()
             await self._flush_once()
+            if self._closing and not self._outbox:
+                return
 
     async def _flush_once(self) -> None:
         batch, self._outbox = self._outbox, []
@@ -253,10 +258,6 @@ class Worker:
                 log.warning("redis_flush_failed", events=len(batch), retry_in_s=delay, error=str(exc))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
-
-    async def _flush_remaining(self) -> None:
-        while self._outbox:
-            await self._flush_once()
 
     # --- drain, heartbeat, control -------------------------------------------------------------
 

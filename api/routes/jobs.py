@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from typing import Any
 
 from litestar import Request, Response, delete, get, post
@@ -11,10 +12,11 @@ from litestar.response import Stream
 
 from api.dialects import render_result
 from api.http import accepted, decode_body, json_response, stream_response
-from api.relay import KEEPALIVE, Keepalive, follow, sse
+from api.relay import KEEPALIVE, Keepalive, sse
 from api.services import Svc
+from api.submit import job_events as follow_job
+from api.submit import subscribe_job
 from shared.errors import InvalidRequest, JobNotFound
-from shared.events import Event
 from shared.schemas import GenerationRequest, JobRecord
 
 __all__ = ["create_job", "get_job", "job_events", "cancel_job"]
@@ -70,28 +72,20 @@ async def cancel_job(svc: Svc, job_id: FromPath[str]) -> Response:
 
 @get("/v1/jobs/{job_id:str}/events", opt={"dialect": "jobs"})
 async def job_events(request: Request, svc: Svc, job_id: FromPath[str]) -> Stream:
-    """The job's events as SSE, ``id:`` = sequence number; resumes after ``Last-Event-ID``."""
+    """The job's events as SSE, ``id:`` = sequence number; resumes after ``Last-Event-ID``.
+    It reads the log first, then live events, so it works for finished and running jobs alike."""
     last_event_id = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
     try:
         after = int(last_event_id)
     except ValueError:
         raise InvalidRequest("Last-Event-ID must be an event sequence number", param="Last-Event-ID") from None
     await _record(svc, job_id)  # 404 before any byte is sent
-    live_cm = svc.listener.subscribe(svc.keys.live(svc.model, job_id))
-    live = await live_cm.__aenter__()
+    stack = AsyncExitStack()
+    live = await subscribe_job(svc, job_id, stack)
+    events = follow_job(svc, stack, live, job_id, after_seq=after, backfill=True, keepalive=True)
 
     async def frames() -> AsyncIterator[bytes]:
-        try:
-            events: AsyncIterator[Event | Keepalive] = follow(
-                svc.queue, live, svc.model, job_id, after_seq=after, backfill=True,
-                keepalive_s=svc.settings.sse_keepalive_s,
-            )
-            async for event in events:
-                if isinstance(event, Keepalive):
-                    yield KEEPALIVE
-                else:
-                    yield sse(event, event_id=event.seq)
-        finally:
-            await live_cm.__aexit__(None, None, None)
+        async for event in events:
+            yield KEEPALIVE if isinstance(event, Keepalive) else sse(event, event_id=event.seq)
 
     return stream_response(frames(), "text/event-stream")

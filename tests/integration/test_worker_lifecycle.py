@@ -1,0 +1,118 @@
+"""Worker lifecycle on real Redis with a scripted engine: drain on stop, heartbeat, cancellation.
+
+The scripted engine makes timing controllable; the same loop runs on vLLM in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from shared.config import load_settings
+from shared.keys import GROUP, Keys
+from shared.queue import Queue, now_ms
+from shared.schemas import GenerationRequest, JobRecord, SamplingParams
+from tests.scripted_engine import ScriptedEngine, expected_text
+from workers.runner import Worker
+
+
+@pytest.fixture
+async def make_worker(redis, prefix):
+    started: list[tuple[Worker, asyncio.Task]] = []
+
+    async def start(delay_s: float = 0.001, **settings_overrides) -> tuple[Worker, Queue]:
+        settings = load_settings({}, prefix=prefix, served_model_name="m", block_ms=100, heartbeat_s=0.2,
+                                 **settings_overrides)
+        queue = Queue(redis, Keys(prefix))
+        worker = Worker(settings, queue, ScriptedEngine(delay_s=delay_s))
+        task = asyncio.create_task(worker.run())
+        started.append((worker, task))
+        while not worker.ready:
+            await asyncio.sleep(0.01)
+        return worker, queue
+
+    yield start
+    for worker, task in started:
+        worker.stop()
+        await asyncio.wait_for(task, 10)
+
+
+async def _submit(queue: Queue, prompt: str, max_tokens: int) -> str:
+    rec = JobRecord(id=uuid.uuid4().hex, model="m", queued_at=now_ms(),
+                    request=GenerationRequest(prompt=prompt, sampling=SamplingParams(max_tokens=max_tokens)))
+    return await queue.enqueue(rec)
+
+
+async def _wait_status(queue: Queue, job_id: str, *statuses: str, timeout: float = 10) -> str:
+    async with asyncio.timeout(timeout):
+        while True:
+            job = await queue.get_job("m", job_id)
+            if job is not None and job.status in statuses:
+                return job.status
+            await asyncio.sleep(0.01)
+
+
+async def test_stop_drains_in_flight_jobs_then_unregisters(make_worker, redis, keys):
+    worker, queue = await make_worker(delay_s=0.01)
+    assert await redis.zscore(keys.workers("m"), worker.worker_id) is not None
+    job_id = await _submit(queue, "drain", 50)  # ~0.5 s of tokens
+    await _wait_status(queue, job_id, "running")
+    worker.stop()
+    await _wait_status(queue, job_id, "done")
+    job = await queue.get_job("m", job_id)
+    assert job.result.choices[0].text == expected_text("drain", 50)
+    async with asyncio.timeout(5):
+        while await redis.exists(keys.worker(worker.worker_id)):
+            await asyncio.sleep(0.05)
+    assert await redis.zscore(keys.workers("m"), worker.worker_id) is None
+
+
+async def test_jobs_past_the_drain_timeout_end_with_a_clear_error(make_worker, keys):
+    worker, queue = await make_worker(delay_s=0.05, drain_timeout_s=0.2)
+    job_id = await _submit(queue, "slow", 1000)
+    await _wait_status(queue, job_id, "running")
+    worker.stop()
+    assert await _wait_status(queue, job_id, "failed") == "failed"
+    job = await queue.get_job("m", job_id)
+    assert job.error.code == "worker_shutdown" and job.error.status == 503
+    events = await queue.read_events("m", job_id)
+    assert events[-1].code == "worker_shutdown"
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert (await queue.redis.xpending(keys.queue("m"), GROUP))["pending"] == 0
+
+
+async def test_heartbeat_reports_slots_and_running(make_worker, redis, keys):
+    worker, queue = await make_worker(delay_s=0.02)
+    job_id = await _submit(queue, "beat", 100)
+    await _wait_status(queue, job_id, "running")
+    await asyncio.sleep(0.5)
+    beat = await redis.hgetall(keys.worker(worker.worker_id))
+    assert beat[b"model"] == b"m" and beat[b"slots"] == b"64" and beat[b"status"] == b"ready"
+    assert beat[b"running"] == b"1"
+    assert 0 < await redis.ttl(keys.worker(worker.worker_id)) <= 2
+
+
+async def test_worker_never_holds_more_jobs_than_slots(make_worker, redis, keys):
+    worker, queue = await make_worker(delay_s=0.02, max_num_seqs=3)
+    ids = [await _submit(queue, f"s{i}", 20) for i in range(9)]
+    peak = 0
+    async with asyncio.timeout(20):
+        while True:
+            pending = (await redis.xpending(keys.queue("m"), GROUP))["pending"]
+            peak = max(peak, pending)
+            statuses = [(await queue.get_job("m", i)).status for i in ids]
+            if all(s == "done" for s in statuses):
+                break
+            await asyncio.sleep(0.005)
+    assert 1 <= peak <= 3
+
+
+async def test_cancel_reaches_the_worker_that_runs_the_job(make_worker):
+    worker, queue = await make_worker(delay_s=0.01)
+    job_id = await _submit(queue, "stop", 1000)
+    await _wait_status(queue, job_id, "running")
+    assert await queue.cancel("m", job_id) == "running"
+    assert await _wait_status(queue, job_id, "cancelled") == "cancelled"
+    assert job_id in worker.engine.aborted
