@@ -140,3 +140,26 @@ async def test_unknown_job_is_404_and_bad_bodies_get_dialect_errors(stack):
     assert resp.status_code == 400 and resp.json()["error"]["type"] == "BadRequestError"
     resp = await client.post("/v1/completions", json={"prompt": "x", "model": "other"})
     assert resp.status_code == 404
+
+
+async def test_invocations_dispatches_on_body_keys(stack):
+    client, _, _ = stack
+    resp = await client.post("/invocations", json={"prompt": "abc", "max_tokens": 2})
+    assert resp.status_code == 200 and resp.json()["object"] == "text_completion"
+    assert resp.json()["choices"][0]["text"] == "ab"
+    resp = await client.post("/invocations", json={"prompt": 5})
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "BadRequestError"
+    resp = await client.post("/invocations", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert resp.status_code == 424 and resp.json()["code"] == 424
+    resp = await client.post("/predictions/tiny", json={"inputs": "ab", "parameters": {"max_new_tokens": 3}})
+    assert resp.json() == {"generated_text": "aba"}
+    assert (await client.post("/predictions/other", json={"inputs": "ab"})).status_code == 404
+
+
+async def test_repeated_idempotency_key_follows_the_first_job(stack):
+    client, _, _ = stack
+    body = {"prompt": "idem", "max_tokens": 4}
+    headers = {"Idempotency-Key": "same-key"}
+    first = (await client.post("/v1/completions", json=body, headers=headers)).json()
+    again = (await client.post("/v1/completions", json={**body, "max_tokens": 9}, headers=headers)).json()
+    assert again["id"] == first["id"] and again["choices"][0]["text"] == first["choices"][0]["text"] == "idem"
