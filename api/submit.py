@@ -21,7 +21,7 @@ from shared.events import Event
 from shared.queue import now_ms
 from shared.schemas import GenerationRequest, JobRecord
 
-__all__ = ["Submission", "submit", "enqueue_detached", "check_model", "subscribe_job", "job_events"]
+__all__ = ["Submission", "submit", "enqueue_detached", "admit", "subscribe_job", "job_events"]
 
 
 @dataclass(slots=True)
@@ -32,7 +32,7 @@ class Submission:
     events: AsyncIterator[Event | Keepalive]
 
 
-def check_model(svc: Services, req: GenerationRequest) -> GenerationRequest:
+def admit(svc: Services, req: GenerationRequest) -> GenerationRequest:
     """Fill in the default model, or refuse one this deployment does not serve or a generation
     that can never fit its context (the exact prompt-length check happens in the engine)."""
     limit = svc.settings.max_model_len
@@ -43,14 +43,10 @@ def check_model(svc: Services, req: GenerationRequest) -> GenerationRequest:
             param="max_tokens",
         )
     if not req.model:
-        return _replace_model(req, svc.model)
+        return msgspec.structs.replace(req, model=svc.model)
     if req.model != svc.model:
         raise ModelNotFound(f"The model `{req.model}` does not exist.", param="model")
     return req
-
-
-def _replace_model(req: GenerationRequest, model: str) -> GenerationRequest:
-    return msgspec.structs.replace(req, model=model)
 
 
 def _record(svc: Services, req: GenerationRequest) -> JobRecord:
@@ -59,7 +55,7 @@ def _record(svc: Services, req: GenerationRequest) -> JobRecord:
 
 async def enqueue_detached(svc: Services, req: GenerationRequest, idempotency_key: str | None) -> str:
     """Fire-and-poll: queue the job without following it; returns the owning job id."""
-    return await svc.queue.enqueue(_record(svc, check_model(svc, req)), idempotency_key)
+    return await svc.queue.enqueue(_record(svc, admit(svc, req)), idempotency_key)
 
 
 async def subscribe_job(svc: Services, job_id: str, stack: AsyncExitStack) -> asyncio.Queue[bytes]:
@@ -95,7 +91,7 @@ async def submit(
 ) -> Submission:
     """Queue the job and return its events. The caller must iterate ``events`` (or close it):
     the subscription is released when that iterator finishes."""
-    record = _record(svc, check_model(svc, req))
+    record = _record(svc, admit(svc, req))
     stack = AsyncExitStack()
     try:
         live = await subscribe_job(svc, record.id, stack)
