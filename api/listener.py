@@ -49,8 +49,12 @@ class EventListener:
                     log.info("listener_reconnected", channels=len(self._queues))
                     self._broadcast_resync()
                 delay = 0.1
-                async for message in pubsub.listen():
-                    self._dispatch(message)
+                while True:
+                    # A bounded blocking read: an idle connection is not an error (a plain
+                    # listen() would hit socket_timeout), and timeout=0 would spin the CPU.
+                    message = await pubsub.get_message(timeout=1.0)
+                    if message is not None:
+                        self._dispatch(message)
             except REDIS_DOWN as exc:
                 self._connected.clear()
                 self._pubsub = None

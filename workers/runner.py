@@ -321,7 +321,10 @@ class Worker:
             pubsub = self.queue.redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(channel)
-                async for message in pubsub.listen():
+                while True:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if message is None:
+                        continue
                     job_id = message["data"].decode()
                     if self.cancel_job(job_id, JobCancelled("job was cancelled")):
                         log.info("job_cancel_requested", job_id=job_id)
