@@ -21,7 +21,7 @@ from shared.events import Event
 from shared.queue import now_ms
 from shared.schemas import GenerationRequest, JobRecord
 
-__all__ = ["Submission", "submit", "enqueue_detached", "admit", "subscribe_job", "job_events"]
+__all__ = ["Submission", "submit", "enqueue_detached", "admit", "subscribe_job", "follow_job"]
 
 
 @dataclass(slots=True)
@@ -63,7 +63,7 @@ async def subscribe_job(svc: Services, job_id: str, stack: AsyncExitStack) -> as
     return await stack.enter_async_context(svc.listener.subscribe(svc.keys.live(svc.model, job_id)))
 
 
-def job_events(
+def follow_job(
     svc: Services,
     stack: AsyncExitStack,
     live: asyncio.Queue[bytes],
@@ -102,5 +102,5 @@ async def submit(
     except BaseException:
         await stack.aclose()
         raise
-    events = job_events(svc, stack, live, job_id, backfill=job_id != record.id, keepalive=keepalive)
+    events = follow_job(svc, stack, live, job_id, backfill=job_id != record.id, keepalive=keepalive)
     return Submission(job_id=job_id, created=int(record.queued_at // 1000), request=record.request, events=events)

@@ -27,7 +27,7 @@ from shared.events import Done, Error, Event, Timings, TokenDelta, Tokens
 from shared.queue import Delivery, Outbound, Queue, now_ms
 from shared.redis import REDIS_DOWN
 from shared.result import ResultBuilder
-from shared.schemas import GenerationRequest, Usage
+from shared.schemas import GenerationRequest, JobResult, Usage
 
 __all__ = ["Worker", "Engine"]
 
@@ -172,9 +172,9 @@ class Worker:
                         state.seq += 1
                         done = Done(seq=state.seq, deltas=deltas, usage=usage, timings=timings)
                         state.builder.add(done)
-                        self._emit(d.job_id, done, entry_id=d.entry_id, result=state.builder.result(),
-                                   first_token_at=first_token_at)
-                        self._log_finished(timings, usage, state)
+                        result = state.builder.result()
+                        self._emit(d.job_id, done, entry_id=d.entry_id, result=result, first_token_at=first_token_at)
+                        self._log_finished(timings, usage, result)
                         return
                     if deltas:
                         state.seq += 1
@@ -202,7 +202,7 @@ class Worker:
                 self._running.pop(d.job_id, None)
                 self._slot_freed.set()
 
-    def _log_finished(self, timings: Timings, usage: Usage, state: _JobState) -> None:
+    def _log_finished(self, timings: Timings, usage: Usage, result: JobResult) -> None:
         started = timings.started_at or timings.queued_at
         log.info(
             "job_finished",
@@ -211,7 +211,7 @@ class Worker:
             duration_ms=round((timings.finished_at or started) - started, 1),
             prompt_tokens=usage.prompt_tokens,
             completion_tokens=usage.completion_tokens,
-            finish_reason=",".join(str(c.finish_reason) for c in state.builder.result().choices),
+            finish_reason=",".join(str(c.finish_reason) for c in result.choices),
         )
 
     def _fail(self, d: Delivery, state: _JobState, exc: ServiceError) -> None:

@@ -3,7 +3,6 @@ renderers for results, streams and errors. None of them touches Redis or Litesta
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from api.dialects import jobs, lmi, openai_completions
@@ -13,9 +12,6 @@ from shared.schemas import GenerationRequest, JobResult
 __all__ = ["render_result", "error_body"]
 
 _MODULES = {m.NAME: m for m in (jobs, lmi, openai_completions)}
-
-RenderResult = Callable[[GenerationRequest, JobResult, str, int], Any]
-
 
 def render_result(req: GenerationRequest, result: JobResult, job_id: str, created: int) -> Any:
     """A finished job's result in the shape of the dialect that submitted it."""

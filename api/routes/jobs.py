@@ -14,8 +14,7 @@ from api.dialects import render_result
 from api.http import accepted, decode_body, json_response, stream_response
 from api.relay import KEEPALIVE, Keepalive, sse
 from api.services import Svc
-from api.submit import job_events as follow_job
-from api.submit import subscribe_job
+from api.submit import follow_job, subscribe_job
 from shared.errors import InvalidRequest, JobNotFound
 from shared.schemas import GenerationRequest, JobRecord
 
