@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.schemas import TopLogprob, Usage
+from shared.schemas import PromptInfo, TopLogprob, Usage
 
 __all__ = ["TokenDelta", "Tokens", "Timings", "Done", "Error", "Event", "is_terminal"]
 
@@ -32,9 +32,11 @@ class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     """The stop string or token id that matched; None when EOS (or the length) ended it."""
 
 
-class Tokens(msgspec.Struct, tag="tokens", kw_only=True):
+class Tokens(msgspec.Struct, tag="tokens", kw_only=True, omit_defaults=True):
     seq: int
     deltas: list[TokenDelta]
+    prompt: PromptInfo | None = None
+    """On the first event only, when the request asked for the prompt's tokens."""
 
 
 class Timings(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -46,12 +48,13 @@ class Timings(msgspec.Struct, kw_only=True, omit_defaults=True):
     finished_at: float | None = None
 
 
-class Done(msgspec.Struct, tag="done", kw_only=True):
+class Done(msgspec.Struct, tag="done", kw_only=True, omit_defaults=True):
     """Ends the job. It carries the final engine step's tokens, so a dialect whose last line
     holds both the last token and the summary (LMI, TGI) never has to hold a token back."""
 
     seq: int
     deltas: list[TokenDelta] = []
+    prompt: PromptInfo | None = None
     usage: Usage = msgspec.field(default_factory=Usage)
     timings: Timings = msgspec.field(default_factory=Timings)
 

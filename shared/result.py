@@ -7,7 +7,7 @@ answer non-streaming requests from the events it relayed, so both always agree.
 from __future__ import annotations
 
 from shared.events import Done, Event, Tokens
-from shared.schemas import Choice, JobResult, Usage
+from shared.schemas import Choice, JobResult, PromptInfo, Usage
 
 __all__ = ["ResultBuilder"]
 
@@ -27,6 +27,7 @@ class ResultBuilder:
         # Text arrives in many small pieces: join once at the end instead of re-concatenating.
         self._text_parts: dict[int, list[str]] = {}
         self.usage = Usage()
+        self.prompt: PromptInfo | None = None
 
     def _choice(self, index: int) -> Choice:
         choice = self._choices.get(index)
@@ -37,6 +38,8 @@ class ResultBuilder:
 
     def add(self, event: Event) -> None:
         if isinstance(event, (Tokens, Done)):
+            if event.prompt is not None:
+                self.prompt = event.prompt
             for delta in event.deltas:
                 choice = self._choice(delta.index)
                 self._text_parts[delta.index].append(delta.text)
@@ -56,4 +59,4 @@ class ResultBuilder:
             choice = self._choices[index]
             choice.text = "".join(self._text_parts[index])
             choices.append(choice)
-        return JobResult(choices=choices, usage=self.usage)
+        return JobResult(choices=choices, usage=self.usage, prompt=self.prompt)

@@ -11,9 +11,13 @@ import msgspec
 from msgspec import Meta
 
 __all__ = [
+    "StructuredOutput",
     "SamplingParams",
+    "ChatMessage",
+    "PromptInfo",
     "OutputOptions",
     "GenerationRequest",
+    "ChatOptions",
     "Choice",
     "TopLogprob",
     "Usage",
@@ -26,6 +30,27 @@ __all__ = [
 
 JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
 TERMINAL_STATUSES = frozenset({"done", "failed", "cancelled"})
+
+
+class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Constrained decoding (vLLM structured outputs): exactly one of the fields is set."""
+
+    json: dict | None = None
+    """A JSON Schema the output must validate against."""
+    json_object: bool = False
+    """Any JSON object."""
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    """An EBNF / Lark grammar."""
+
+    def __post_init__(self) -> None:
+        chosen = [self.json is not None, self.json_object, self.regex is not None, self.choice is not None,
+                  self.grammar is not None]
+        if sum(chosen) != 1:
+            raise ValueError("structured output needs exactly one of json, json_object, regex, choice, grammar")
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured output `choice` must not be empty")
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -56,6 +81,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] = {}
+    allowed_token_ids: list[int] | None = None
+    structured: StructuredOutput | None = None
+    beam_width: Annotated[int, Meta(ge=1, le=32)] = 1
+    """Beam search when > 1 (LMI ``num_beams``): returns ``beam_width`` beams, best first."""
+    length_penalty: float = 1.0
+    """Beam search only: scores are divided by ``length ** length_penalty``."""
 
 
 class OutputOptions(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -65,6 +96,34 @@ class OutputOptions(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     return_full_text: bool = False
     echo: bool = False
     include_usage: bool = False
+    prompt_tokens: bool = False
+    """The worker reports the prompt's tokens (:class:`PromptInfo`) on the first event; with
+    ``sampling.prompt_logprobs`` they carry logprobs too."""
+
+
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One chat turn. Dialects flatten multi-part content to text before queueing."""
+
+    role: str
+    content: str = ""
+    name: str | None = None
+
+
+class ChatOptions(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How the worker renders ``messages`` with the model's chat template."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, object] = {}
+
+
+class PromptInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The prompt as the engine saw it. ``logprobs[0]`` is None: the first token has no context."""
+
+    token_ids: list[int] = []
+    token_texts: list[str] = []
+    logprobs: list[float | None] | None = None
+    top_logprobs: list[list[TopLogprob]] | None = None
 
 
 class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -73,6 +132,9 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     model: str = ""
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    """A chat: the worker renders it with the model's chat template."""
+    chat: ChatOptions = msgspec.field(default_factory=ChatOptions)
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     output: OutputOptions = msgspec.field(default_factory=OutputOptions)
     dialect: str = "jobs"
@@ -80,8 +142,9 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     priority: int = 0
 
     def __post_init__(self) -> None:
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            raise ValueError("exactly one of `prompt` or `prompt_token_ids` is required")
+        given = sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages))
+        if given != 1:
+            raise ValueError("exactly one of `prompt`, `prompt_token_ids` or `messages` is required")
 
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -115,6 +178,8 @@ class Usage(msgspec.Struct, kw_only=True):
 class JobResult(msgspec.Struct, kw_only=True):
     choices: list[Choice] = []
     usage: Usage = msgspec.field(default_factory=Usage)
+    prompt: PromptInfo | None = None
+    """Present when the request asked for ``output.prompt_tokens``."""
 
 
 class JobError(msgspec.Struct, kw_only=True):

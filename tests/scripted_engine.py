@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from shared.errors import InvalidRequest
 from shared.events import TokenDelta
-from shared.schemas import GenerationRequest
+from shared.schemas import GenerationRequest, PromptInfo
 
 
 @dataclass(slots=True)
@@ -21,6 +21,7 @@ class Step:
     deltas: list[TokenDelta]
     finished: bool = False
     prompt_tokens: int = 0
+    prompt: PromptInfo | None = None
 
 
 def expected_text(prompt: str, max_tokens: int) -> str:

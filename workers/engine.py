@@ -10,19 +10,21 @@ import gc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import msgspec
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TextPrompt, TokensPrompt
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from shared.config import Settings
 from shared.errors import EngineDead, InvalidRequest
 from shared.events import TokenDelta
-from shared.schemas import GenerationRequest, TopLogprob
+from shared.schemas import GenerationRequest, PromptInfo, StructuredOutput, TopLogprob
+from workers.beam import beam_search
 
 __all__ = ["VllmEngine", "Step", "to_sampling_params"]
 
@@ -34,6 +36,8 @@ class Step:
     deltas: list[TokenDelta]
     finished: bool = False
     prompt_tokens: int = 0
+    prompt: PromptInfo | None = None
+    """The prompt's tokens, on the first step, when the request asked for them."""
 
 
 def to_sampling_params(req: GenerationRequest) -> VllmSamplingParams:
@@ -60,16 +64,27 @@ def to_sampling_params(req: GenerationRequest) -> VllmSamplingParams:
         skip_special_tokens=s.skip_special_tokens,
         spaces_between_special_tokens=s.spaces_between_special_tokens,
         logit_bias=dict(s.logit_bias) or None,
+        allowed_token_ids=list(s.allowed_token_ids) if s.allowed_token_ids is not None else None,
+        structured_outputs=_structured(s.structured),
         # DELTA: each output carries only what is new, so per-token work stays O(new tokens).
         output_kind=RequestOutputKind.DELTA,
     )
 
 
-def _to_prompt(req: GenerationRequest) -> TextPrompt | TokensPrompt:
-    if req.prompt_token_ids is not None:
-        return TokensPrompt(prompt_token_ids=list(req.prompt_token_ids))
-    assert req.prompt is not None
-    return TextPrompt(prompt=req.prompt)
+def _structured(so: StructuredOutput | None) -> StructuredOutputsParams | None:
+    if so is None:
+        return None
+    return StructuredOutputsParams(
+        json=so.json, json_object=True if so.json_object else None, regex=so.regex, choice=so.choice,
+        grammar=so.grammar,
+    )
+
+
+def _top(position: dict, k: int) -> list[TopLogprob]:
+    """The k best alternatives of one position; vLLM's dict also holds the sampled token when it
+    ranked lower, which the caller reports separately."""
+    ranked = sorted((lp.rank or 0, tid, lp) for tid, lp in position.items() if (lp.rank or 0) <= k)
+    return [TopLogprob(tid, lp.decoded_token or "", lp.logprob) for _, tid, lp in ranked]
 
 
 def _step(out: RequestOutput, want_top: int | None) -> Step:
@@ -89,11 +104,7 @@ def _step(out: RequestOutput, want_top: int | None) -> Step:
                 logprobs.append(sampled.logprob)
                 texts.append(sampled.decoded_token or "")
                 if want_top:
-                    # The dict holds the top k plus the sampled token when that ranked lower.
-                    ranked = sorted(
-                        (lp.rank or 0, tid, lp) for tid, lp in position.items() if (lp.rank or 0) <= want_top
-                    )
-                    tops.append([TopLogprob(tid, lp.decoded_token or "", lp.logprob) for _, tid, lp in ranked])
+                    tops.append(_top(position, want_top))
             delta.logprobs, delta.token_texts = logprobs, texts
             delta.top_logprobs = tops if want_top else None
         deltas.append(delta)
@@ -106,6 +117,7 @@ class VllmEngine:
     def __init__(self, engine: AsyncLLM, max_model_len: int) -> None:
         self.engine = engine
         self.max_model_len = max_model_len
+        self.tokenizer = engine.get_tokenizer()
 
     @classmethod
     def build(cls, settings: Settings, model_path: str) -> VllmEngine:
@@ -122,19 +134,105 @@ class VllmEngine:
         )
         return cls(AsyncLLM.from_engine_args(args), settings.max_model_len)
 
+    def _prompt(self, req: GenerationRequest) -> TextPrompt | TokensPrompt:
+        if req.prompt_token_ids is not None:
+            return TokensPrompt(prompt_token_ids=list(req.prompt_token_ids))
+        if req.messages is not None:
+            return TokensPrompt(prompt_token_ids=self._render_chat(req))
+        assert req.prompt is not None
+        return TextPrompt(prompt=req.prompt)
+
+    def _render_chat(self, req: GenerationRequest) -> list[int]:
+        """The model's own chat template, tokenised here so the template's BOS is not doubled."""
+        messages = [msgspec.structs.asdict(m) for m in req.messages or ()]
+        for m in messages:
+            if m.get("name") is None:
+                m.pop("name", None)
+        try:
+            encoded = self.tokenizer.apply_chat_template(
+                messages, tokenize=True, add_generation_prompt=req.chat.add_generation_prompt,
+                continue_final_message=req.chat.continue_final_message, **req.chat.template_kwargs,
+            )
+        except Exception as exc:  # jinja errors: a role the template refuses, a bad kwarg, ...
+            raise InvalidRequest(f"the chat template could not render these messages: {exc}") from None
+        ids = encoded["input_ids"] if not isinstance(encoded, list) else encoded
+        return list(ids)
+
+    def _prompt_info(self, out: RequestOutput, req: GenerationRequest) -> PromptInfo:
+        ids = list(out.prompt_token_ids or ())
+        info = PromptInfo(token_ids=ids)
+        positions = out.prompt_logprobs
+        k = req.sampling.prompt_logprobs
+        if positions is not None:
+            texts, logprobs, tops = [], [], []
+            for tid, position in zip(ids, positions, strict=False):
+                if position is None:  # the first token: nothing before it to predict it from
+                    texts.append(self.tokenizer.decode([tid]))
+                    logprobs.append(None)
+                    tops.append([])
+                    continue
+                texts.append(position[tid].decoded_token or "")
+                logprobs.append(position[tid].logprob)
+                tops.append(_top(position, k or 0) if k else [])
+            info.token_texts, info.logprobs = texts, logprobs
+            info.top_logprobs = tops if k else None
+        else:
+            info.token_texts = [self.tokenizer.decode([tid]) for tid in ids]
+        return info
+
     async def stream(self, job_id: str, req: GenerationRequest) -> AsyncIterator[Step]:
         want_top = req.sampling.logprobs
         try:
             params = to_sampling_params(req)
+            prompt = self._prompt(req)
         except ValueError as exc:  # SamplingParams' own range checks
             raise InvalidRequest(str(exc)) from None
         try:
-            async for out in self.engine.generate(_to_prompt(req), params, request_id=job_id, priority=req.priority):
-                yield _step(out, want_top)
+            if req.sampling.beam_width > 1:
+                yield await self._beam_search(job_id, req, prompt)
+                return
+            first = True
+            async for out in self.engine.generate(prompt, params, request_id=job_id, priority=req.priority):
+                step = _step(out, want_top)
+                if first and req.output.prompt_tokens:
+                    step.prompt = self._prompt_info(out, req)
+                first = False
+                yield step
         except VLLMValidationError as exc:  # the engine's checks: prompt too long, bad token ids, ...
             raise InvalidRequest(str(exc)) from None
         except EngineDeadError as exc:
             raise EngineDead(f"the engine died: {exc}") from None
+
+    async def _beam_search(self, job_id: str, req: GenerationRequest, prompt: TextPrompt | TokensPrompt) -> Step:
+        s = req.sampling
+        ids = list(prompt["prompt_token_ids"]) if "prompt_token_ids" in prompt else self.tokenizer.encode(req.prompt)
+        calls = 0
+
+        async def next_tokens(tokens: list[int], k: int) -> dict[int, tuple[float, str]]:
+            nonlocal calls
+            calls += 1
+            params = VllmSamplingParams(max_tokens=1, temperature=0.0, logprobs=k)
+            final = None
+            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=tokens), params,
+                                                  request_id=f"{job_id}-beam-{calls}", priority=req.priority):
+                final = out
+            assert final is not None
+            (position,) = final.outputs[0].logprobs or [{}]
+            return {tid: (lp.logprob, lp.decoded_token or "") for tid, lp in position.items()}
+
+        beams = await beam_search(
+            ids, next_tokens, width=s.beam_width, max_tokens=s.max_tokens,
+            eos_token_id=self.tokenizer.eos_token_id, ignore_eos=s.ignore_eos, length_penalty=s.length_penalty,
+        )
+        deltas = [
+            TokenDelta(
+                index=i, token_ids=b.token_ids, token_texts=b.texts, logprobs=b.logprobs,
+                text=self.tokenizer.decode(b.token_ids, skip_special_tokens=s.skip_special_tokens),
+                finish_reason=b.finish_reason,
+            )
+            for i, b in enumerate(beams)
+        ]
+        return Step(deltas=deltas, finished=True, prompt_tokens=len(ids))
 
     async def abort(self, job_id: str) -> None:
         await self.engine.abort(job_id)

@@ -27,7 +27,7 @@ from shared.events import Done, Error, Event, Timings, TokenDelta, Tokens
 from shared.queue import Delivery, Outbound, Queue, now_ms
 from shared.redis import REDIS_DOWN
 from shared.result import ResultBuilder
-from shared.schemas import GenerationRequest, JobResult, Usage
+from shared.schemas import GenerationRequest, JobResult, PromptInfo, Usage
 
 __all__ = ["Worker", "Engine"]
 
@@ -38,6 +38,7 @@ class _Step(Protocol):
     deltas: list[TokenDelta]
     finished: bool
     prompt_tokens: int
+    prompt: PromptInfo | None
 
 
 class Engine(Protocol):
@@ -170,15 +171,15 @@ class Worker:
                     if step.finished:
                         timings.finished_at = now_ms()
                         state.seq += 1
-                        done = Done(seq=state.seq, deltas=deltas, usage=usage, timings=timings)
+                        done = Done(seq=state.seq, deltas=deltas, prompt=step.prompt, usage=usage, timings=timings)
                         state.builder.add(done)
                         result = state.builder.result()
                         self._emit(d.job_id, done, entry_id=d.entry_id, result=result, first_token_at=first_token_at)
                         self._log_finished(timings, usage, result)
                         return
-                    if deltas:
+                    if deltas or step.prompt is not None:
                         state.seq += 1
-                        event = Tokens(seq=state.seq, deltas=deltas)
+                        event = Tokens(seq=state.seq, deltas=deltas, prompt=step.prompt)
                         state.builder.add(event)
                         self._emit(d.job_id, event, first_token_at=first_token_at)
                 raise ServiceError("the engine ended the job without a final output")

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.dialects import jobs, lmi, openai_completions
+from api.dialects import happy_vllm, jobs, lmi, lmtp, openai_completions, tgi, triton
 from shared.errors import ServiceError
 from shared.schemas import GenerationRequest, JobResult
 
 __all__ = ["render_result", "error_body"]
 
-_MODULES = {m.NAME: m for m in (jobs, lmi, openai_completions)}
+_MODULES = {m.NAME: m for m in (jobs, lmi, openai_completions, tgi, triton, happy_vllm, lmtp)}
+
 
 def render_result(req: GenerationRequest, result: JobResult, job_id: str, created: int) -> Any:
     """A finished job's result in the shape of the dialect that submitted it."""

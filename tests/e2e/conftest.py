@@ -15,14 +15,15 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO, free_port
 
-WORKERS = 2
+# Two workers prove jobs spread across processes; LLMQ_E2E_WORKERS=1 is lighter while developing.
+WORKERS = int(os.environ.get("LLMQ_E2E_WORKERS", "2"))
 READY_TIMEOUT_S = 420  # two engines loading and warming up on 2 shared cores
 
 
@@ -34,6 +35,27 @@ class Stack:
     prefix: str
     model: str
     logs: Path
+    env: dict[str, str] = field(default_factory=dict)
+    procs: list[tuple[subprocess.Popen, Path]] = field(default_factory=list)
+    _apis: dict[tuple, str] = field(default_factory=dict)
+
+    def api(self, **settings: str) -> str:
+        """The URL of an API process with extra settings (``LLMQ_*`` or foreign aliases such as
+        ``OPTION_TGI_COMPAT``) on the same queue; started on first use, shared afterwards."""
+        key = tuple(sorted(settings.items()))
+        if key not in self._apis:
+            port = free_port()
+            log = self.logs / f"api-{port}.log"
+            proc = _spawn(["-m", "api"], {**self.env, "LLMQ_PORT": str(port), **settings}, log)
+            self.procs.append((proc, log))
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 60
+            while _ready_workers(url) < 1:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"API with {settings} did not start\n{_tail(log)}")
+                time.sleep(0.2)
+            self._apis[key] = url
+        return self._apis[key]
 
 
 def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -89,7 +111,7 @@ def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         from shared.config import load_settings
 
         yield Stack(url=url, sse_url=sse_url, redis_url=redis_url, prefix=prefix,
-                    model=load_settings({}).model_name, logs=logs)
+                    model=load_settings({}).model_name, logs=logs, env=env, procs=procs)
     finally:
         for p, _ in procs:
             if p.poll() is None:

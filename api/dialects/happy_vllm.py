@@ -1,0 +1,9 @@
+"""Placeholder: the happy_vllm dialect is being written (issue 3)."""
+
+from __future__ import annotations
+
+from api.dialects.jobs import error_body, render_result
+
+__all__ = ["render_result", "error_body"]
+
+NAME = "happy_vllm"

@@ -1,0 +1,5 @@
+"""Placeholder: the triton routes are being written (issue 3)."""
+
+from __future__ import annotations
+
+ROUTES: list = []
