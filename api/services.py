@@ -12,6 +12,7 @@ from litestar import Litestar
 from litestar.di import NamedDependency
 
 from api.listener import EventListener
+from api.models import ModelRegistry
 from shared.config import Settings
 from shared.keys import Keys
 from shared.queue import Queue
@@ -26,9 +27,11 @@ class Services:
     keys: Keys
     queue: Queue
     listener: EventListener
+    models: ModelRegistry
 
     @property
     def model(self) -> str:
+        """The default model: what a request that names none goes to."""
         return self.settings.model_name
 
 
@@ -47,6 +50,7 @@ async def lifespan(app: Litestar) -> AsyncIterator[None]:
         keys=keys,
         queue=Queue(redis, keys, result_ttl_s=settings.result_ttl_s, idempotency_ttl_s=settings.idempotency_ttl_s),
         listener=listener,
+        models=ModelRegistry(redis, keys, settings.model_name),
     )
     # The listener reconnects by itself, so the API starts (and answers 503) before Redis is up.
     task = asyncio.create_task(listener.run(), name="event-listener")

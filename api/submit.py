@@ -16,7 +16,7 @@ import msgspec
 
 from api.relay import Keepalive, follow
 from api.services import Services
-from shared.errors import InvalidRequest, ModelNotFound
+from shared.errors import InvalidRequest
 from shared.events import Event
 from shared.queue import now_ms
 from shared.schemas import GenerationRequest, JobRecord
@@ -32,9 +32,10 @@ class Submission:
     events: AsyncIterator[Event | Keepalive]
 
 
-def admit(svc: Services, req: GenerationRequest) -> GenerationRequest:
-    """Fill in the default model, or refuse one this deployment does not serve or a generation
-    that can never fit its context (the exact prompt-length check happens in the engine)."""
+async def admit(svc: Services, req: GenerationRequest) -> GenerationRequest:
+    """Route the request to its model (the default when it names none), or refuse a model that is
+    not served or a generation that can never fit the context (the exact prompt-length check
+    happens in the engine)."""
     limit = svc.settings.max_model_len
     if req.sampling.max_tokens >= limit:
         raise InvalidRequest(
@@ -42,31 +43,29 @@ def admit(svc: Services, req: GenerationRequest) -> GenerationRequest:
             f"{req.sampling.max_tokens} tokens for the completion alone. Please reduce the length.",
             param="max_tokens",
         )
-    if not req.model:
-        return msgspec.structs.replace(req, model=svc.model)
-    if req.model != svc.model:
-        raise ModelNotFound(f"The model `{req.model}` does not exist.", param="model")
-    return req
+    model = await svc.models.resolve(req.model)
+    return req if req.model == model else msgspec.structs.replace(req, model=model)
 
 
-def _record(svc: Services, req: GenerationRequest) -> JobRecord:
-    return JobRecord(id=uuid.uuid4().hex, model=svc.model, request=req, queued_at=now_ms())
+def _record(req: GenerationRequest) -> JobRecord:
+    return JobRecord(id=uuid.uuid4().hex, model=req.model, request=req, queued_at=now_ms())
 
 
 async def enqueue_detached(svc: Services, req: GenerationRequest, idempotency_key: str | None) -> str:
     """Fire-and-poll: queue the job without following it; returns the owning job id."""
-    return await svc.queue.enqueue(_record(svc, admit(svc, req)), idempotency_key)
+    return await svc.queue.enqueue(_record(await admit(svc, req)), idempotency_key)
 
 
-async def subscribe_job(svc: Services, job_id: str, stack: AsyncExitStack) -> asyncio.Queue[bytes]:
+async def subscribe_job(svc: Services, model: str, job_id: str, stack: AsyncExitStack) -> asyncio.Queue[bytes]:
     """Subscribe to a job's live channel; the subscription lives as long as ``stack``."""
-    return await stack.enter_async_context(svc.listener.subscribe(svc.keys.live(svc.model, job_id)))
+    return await stack.enter_async_context(svc.listener.subscribe(svc.keys.live(model, job_id)))
 
 
 def follow_job(
     svc: Services,
     stack: AsyncExitStack,
     live: asyncio.Queue[bytes],
+    model: str,
     job_id: str,
     *,
     after_seq: int = 0,
@@ -78,7 +77,7 @@ def follow_job(
     async def events() -> AsyncIterator[Event | Keepalive]:
         async with stack:
             async for event in follow(
-                svc.queue, live, svc.model, job_id, after_seq=after_seq, backfill=backfill,
+                svc.queue, live, model, job_id, after_seq=after_seq, backfill=backfill,
                 keepalive_s=svc.settings.sse_keepalive_s if keepalive else None,
             ):
                 yield event
@@ -91,16 +90,17 @@ async def submit(
 ) -> Submission:
     """Queue the job and return its events. The caller must iterate ``events`` (or close it):
     the subscription is released when that iterator finishes."""
-    record = _record(svc, admit(svc, req))
+    record = _record(await admit(svc, req))
+    model = record.model
     stack = AsyncExitStack()
     try:
-        live = await subscribe_job(svc, record.id, stack)
+        live = await subscribe_job(svc, model, record.id, stack)
         job_id = await svc.queue.enqueue(record, idempotency_key)
         if job_id != record.id:
             # A repeated Idempotency-Key: follow the earlier job from its first event.
-            live = await subscribe_job(svc, job_id, stack)
+            live = await subscribe_job(svc, model, job_id, stack)
     except BaseException:
         await stack.aclose()
         raise
-    events = follow_job(svc, stack, live, job_id, backfill=job_id != record.id, keepalive=keepalive)
+    events = follow_job(svc, stack, live, model, job_id, backfill=job_id != record.id, keepalive=keepalive)
     return Submission(job_id=job_id, created=int(record.queued_at // 1000), request=record.request, events=events)

@@ -10,6 +10,7 @@ __all__ = [
     "ModelNotFound",
     "JobNotFound",
     "QueueUnavailable",
+    "ModelUnavailable",
     "GenerationFailed",
     "EngineDead",
     "JobCancelled",
@@ -52,6 +53,14 @@ class QueueUnavailable(ServiceError):
     code = "queue_unavailable"
 
 
+class ModelUnavailable(ServiceError):
+    """The model is known but no warm worker serves it right now: refused rather than queued,
+    so a request never waits for a worker that may not come (clients retry after Retry-After)."""
+
+    status = 503
+    code = "model_unavailable"
+
+
 class GenerationFailed(ServiceError):
     status = 500
     code = "generation_failed"
@@ -84,5 +93,5 @@ def error_from_code(code: str, message: str, status: int) -> ServiceError:
     return exc
 
 
-_ALL = (InvalidRequest, ModelNotFound, JobNotFound, QueueUnavailable, GenerationFailed, EngineDead, JobCancelled,
-        WorkerShutdown)
+_ALL = (InvalidRequest, ModelNotFound, JobNotFound, QueueUnavailable, ModelUnavailable, GenerationFailed,
+        EngineDead, JobCancelled, WorkerShutdown)

@@ -51,6 +51,10 @@ class Keys:
         """Sorted set: ready worker id -> heartbeat expiry (ms); how the API knows it can serve."""
         return f"{self._model(model)}:workers"
 
+    def models(self) -> str:
+        """Sorted set: model name -> latest heartbeat expiry (ms) of any worker serving it."""
+        return f"{self.prefix}:models"
+
     def worker(self, worker_id: str) -> str:
         """Hash with TTL: one worker's heartbeat (model, slots, running, host, pid, started)."""
         return f"{self.prefix}:worker:{worker_id}"

@@ -76,7 +76,7 @@ def _structured(so: StructuredOutput | None) -> StructuredOutputsParams | None:
         return None
     return StructuredOutputsParams(
         json=so.json, json_object=True if so.json_object else None, regex=so.regex, choice=so.choice,
-        grammar=so.grammar,
+        grammar=so.grammar, disable_any_whitespace=so.disable_any_whitespace,
     )
 
 

@@ -293,7 +293,9 @@ class Worker:
         pipe.expire(keys.worker(self.worker_id), int(ttl_s) + 1)
         if self.ready and not self._stopping.is_set():
             # The API answers health checks from this set: only warm workers are in it.
-            pipe.zadd(keys.workers(self.model), {self.worker_id: now_ms() + ttl_s * 1000})
+            expiry = now_ms() + ttl_s * 1000
+            pipe.zadd(keys.workers(self.model), {self.worker_id: expiry})
+            pipe.zadd(keys.models(), {self.model: expiry}, gt=True)  # how APIs discover models
         else:
             pipe.zrem(keys.workers(self.model), self.worker_id)
         pipe.zremrangebyscore(keys.workers(self.model), 0, now_ms())

@@ -59,7 +59,7 @@ class LmiRequest(msgspec.Struct, kw_only=True):
     stream: bool = False
 
 
-def to_generation_request(body: LmiRequest) -> GenerationRequest:
+def to_generation_request(body: LmiRequest, model: str = "") -> GenerationRequest:
     p = body.parameters
     if p.n > 1 or p.best_of > 1 or p.num_beams > 1:
         raise InvalidRequest("`n`, `best_of` and `num_beams` greater than 1 are not supported yet")
@@ -89,6 +89,7 @@ def to_generation_request(body: LmiRequest) -> GenerationRequest:
         spaces_between_special_tokens=p.spaces_between_special_tokens,
     )
     return GenerationRequest(
+        model=model,
         prompt=body.inputs,
         sampling=sampling,
         output=OutputOptions(details=p.details, return_full_text=p.return_full_text),

@@ -44,10 +44,12 @@ def job_view(record: JobRecord) -> dict[str, Any]:
 
 
 async def _record(svc: Svc, job_id: FromPath[str]) -> JobRecord:
-    record = await svc.queue.get_job(svc.model, job_id)
-    if record is None:
-        raise JobNotFound(f"job {job_id} not found")
-    return record
+    """Find the job under whichever model it was queued for (keys are per model)."""
+    for model in await svc.models.ever_served():
+        record = await svc.queue.get_job(model, job_id)
+        if record is not None:
+            return record
+    raise JobNotFound(f"job {job_id} not found")
 
 
 @post("/v1/jobs", opt={"dialect": "jobs"})
@@ -64,7 +66,8 @@ async def get_job(svc: Svc, job_id: FromPath[str]) -> Response:
 @delete("/v1/jobs/{job_id:str}", opt={"dialect": "jobs"}, status_code=200)
 async def cancel_job(svc: Svc, job_id: FromPath[str]) -> Response:
     """Cancel wherever the job is: flagged if queued, aborted on its worker if running."""
-    if await svc.queue.cancel(svc.model, job_id) is None:
+    record = await _record(svc, job_id)
+    if await svc.queue.cancel(record.model, job_id) is None:
         raise JobNotFound(f"job {job_id} not found")
     return json_response(job_view(await _record(svc, job_id)))
 
@@ -78,10 +81,10 @@ async def job_events(request: Request, svc: Svc, job_id: FromPath[str]) -> Strea
         after = int(last_event_id)
     except ValueError:
         raise InvalidRequest("Last-Event-ID must be an event sequence number", param="Last-Event-ID") from None
-    await _record(svc, job_id)  # 404 before any byte is sent
+    model = (await _record(svc, job_id)).model  # 404 before any byte is sent
     stack = AsyncExitStack()
-    live = await subscribe_job(svc, job_id, stack)
-    events = follow_job(svc, stack, live, job_id, after_seq=after, backfill=True, keepalive=True)
+    live = await subscribe_job(svc, model, job_id, stack)
+    events = follow_job(svc, stack, live, model, job_id, after_seq=after, backfill=True, keepalive=True)
 
     async def frames() -> AsyncIterator[bytes]:
         async for event in events:

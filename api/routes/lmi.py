@@ -13,7 +13,7 @@ from api.relay import collect, prefetch
 from api.routes.openai import completions_response
 from api.services import Svc
 from api.submit import submit
-from shared.errors import InvalidRequest, ModelNotFound
+from shared.errors import InvalidRequest
 
 __all__ = ["invocations", "predictions"]
 
@@ -33,9 +33,9 @@ class _BodyKeys(msgspec.Struct):
 _keys_decoder = msgspec.json.Decoder(_BodyKeys)
 
 
-async def _lmi_response(request: Request, svc: Svc) -> Response | Stream:
+async def _lmi_response(request: Request, svc: Svc, model: str = "") -> Response | Stream:
     body = await decode_body(request, lmi.LmiRequest)
-    req = lmi.to_generation_request(body)
+    req = lmi.to_generation_request(body, model=model)
     sub = await submit(svc, req)
     if not body.stream:
         result = await collect(sub.events)
@@ -61,6 +61,4 @@ async def invocations(request: Request, svc: Svc) -> Response | Stream:
 
 @post("/predictions/{model:str}", opt={"dialect": "lmi"}, status_code=200)
 async def predictions(request: Request, svc: Svc, model: FromPath[str]) -> Response | Stream:
-    if model != svc.model:
-        raise ModelNotFound(f"Model not found: {model}")
-    return await _lmi_response(request, svc)
+    return await _lmi_response(request, svc, model=model)

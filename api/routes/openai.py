@@ -35,7 +35,11 @@ async def completions(request: Request, svc: Svc) -> Response | Stream:
 
 @get("/v1/models", opt={"dialect": "openai_completions"})
 async def models(svc: Svc) -> Response:
-    name = svc.model
-    card = {"id": name, "object": "model", "created": 0, "owned_by": "llmq", "root": svc.settings.model,
-            "parent": None, "max_model_len": svc.settings.max_model_len}
-    return json_response({"object": "list", "data": [card]})
+    """The models a warm worker serves right now."""
+    cards = [
+        {"id": name, "object": "model", "created": 0, "owned_by": "llmq",
+         "root": svc.settings.model if name == svc.model else name, "parent": None,
+         "max_model_len": svc.settings.max_model_len}
+        for name in await svc.models.live()
+    ]
+    return json_response({"object": "list", "data": cards})

@@ -41,7 +41,7 @@ def test_api_and_housekeeping_survive_redis_starting_late(tmp_path):
     redis = None
     base = f"http://127.0.0.1:{api_port}"
     try:
-        _wait_for(lambda: httpx.get(f"{base}/v1/models").status_code == 200, 30, "the API to start")
+        _wait_for(lambda: httpx.get(f"{base}/ping").status_code == 503, 30, "the API to start")
         down = httpx.post(f"{base}/v1/completions", json={"prompt": "x"}, timeout=10)
         assert down.status_code == 503 and down.headers["retry-after"]
         assert down.json()["error"]["type"] == "ServiceUnavailableError"
@@ -53,10 +53,12 @@ def test_api_and_housekeeping_survive_redis_starting_late(tmp_path):
 
         redis = subprocess.Popen([redis_server_binary(), "--port", str(redis_port), "--bind", "127.0.0.1",
                                   "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
-        accepted = _wait_for(
-            lambda: (r := httpx.post(f"{base}/v1/jobs", json={"prompt": "x"}, timeout=10)).status_code == 202 and r,
+        # Back in touch with Redis, the API knows no worker serves the model: a different 503.
+        refused = _wait_for(
+            lambda: (r := httpx.post(f"{base}/v1/jobs", json={"prompt": "x"}, timeout=10)).json()["error"]["code"]
+            == "model_unavailable" and r,
             20, "the API to reach Redis")
-        assert accepted.json()["status"] == "queued"
+        assert refused.status_code == 503 and refused.headers["retry-after"]
         _wait_for(lambda: b"housekeeping_sweep" in (tmp_path / "housekeeping.log").read_bytes(), 20,
                   "the housekeeping sweep")
         assert all(p.poll() is None for p in procs.values())
