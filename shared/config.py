@@ -74,6 +74,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # api
     lmi_output_formatter: str = "jsonlines"
     """LLMQ_LMI_OUTPUT_FORMATTER (or LMI's OPTION_OUTPUT_FORMATTER): `jsonlines` or `sse`."""
+    lmi_tgi_compat: bool = False
+    """LLMQ_LMI_TGI_COMPAT (or LMI's OPTION_TGI_COMPAT): LMI answers in TGI's shapes: array body,
+    SSE streams, details on, tokens as {id, text, logprob, special}."""
     sse_keepalive_s: float = 15.0
     """LLMQ_SSE_KEEPALIVE_S: SSE comment interval while a request waits."""
     log_json: bool | None = None
@@ -116,7 +119,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # Settings that LMI users already set in serving.properties / env, honoured under their own names.
-_FOREIGN_ALIASES = {"OPTION_OUTPUT_FORMATTER": "lmi_output_formatter"}
+_FOREIGN_ALIASES = {"OPTION_OUTPUT_FORMATTER": "lmi_output_formatter", "OPTION_TGI_COMPAT": "lmi_tgi_compat"}
 _CHOICES = {"lmi_output_formatter": ("jsonlines", "sse"), "log_level": ("debug", "info", "warning", "error")}
 
 

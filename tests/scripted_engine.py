@@ -35,6 +35,8 @@ class ScriptedEngine:
 
     async def stream(self, job_id: str, req: GenerationRequest) -> AsyncIterator[Step]:
         prompt = req.prompt or "".join(chr(97 + t % 26) for t in req.prompt_token_ids or [0])
+        if req.messages:
+            prompt = req.messages[-1].content or "a"
         if prompt == "fail":
             raise InvalidRequest("scripted failure")
         n = req.sampling.max_tokens

@@ -1,24 +1,36 @@
-"""AWS LMI / DJL Serving, rolling-batch schema (``specs/lmi-inference-schema.md``).
+"""AWS LMI / DJL Serving (``specs/lmi-inference-schema.md``): the request side and errors.
 
 ``POST /invocations`` and ``POST /predictions/{model}`` with ``{"inputs", "parameters", "stream"}``.
-Streams are JSON lines by default, SSE when configured; only the last line carries
-``generated_text`` (and ``details``). Validation errors are ``{"error": ..., "code": 424}``.
+``inputs`` as a string is the rolling-batch schema; as a list, the dynamic-batch schema (one job
+per input). Rendering lives in :mod:`api.dialects.lmi_render`. Three shapes share this module:
+
+- ``lmi``: rolling batch; validation errors are 424 ``{"error", "code"}``;
+- ``lmi_tgi``: ``OPTION_TGI_COMPAT``: TGI's shapes (array body, SSE, details on, ``logprob``/``special``);
+- ``lmi_batch``: dynamic batch; errors are 424 ``{"code", "message", "error"}``.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
 
-from api.relay import Keepalive, jsonline, sse
+from api.dialects.lmi_render import render_result, render_stream
 from shared.errors import InvalidRequest, ServiceError
-from shared.events import Done, Error, Event, TokenDelta, Tokens
-from shared.schemas import Choice, GenerationRequest, JobResult, OutputOptions, SamplingParams
+from shared.schemas import GenerationRequest, OutputOptions, SamplingParams
 
-__all__ = ["LmiParameters", "LmiRequest", "to_generation_request", "render_result", "render_stream", "error_body"]
+__all__ = [
+    "LmiParameters",
+    "LmiRequest",
+    "to_generation_requests",
+    "render_result",
+    "render_stream",
+    "error_body",
+    "TGI_COMPAT",
+    "DYNAMIC_BATCH",
+]
 
 NAME = "lmi"
 
@@ -34,41 +46,48 @@ class LmiParameters(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     top_k: Annotated[int, Meta(ge=-1)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     max_new_tokens: Annotated[int, Meta(ge=1)] = 30
-    details: bool = False
+    details: bool | None = None
+    """Default: off, on under TGI compatibility."""
     return_full_text: bool = False
     stop_sequences: list[Annotated[str, Meta(min_length=1)]] | None = None
     decoder_input_details: bool = False
+    top_n_tokens: Annotated[int, Meta(ge=0, le=20)] = 0
     # vLLM extras
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
-    n: Annotated[int, Meta(ge=1)] = 1
-    best_of: Annotated[int, Meta(ge=1)] = 1
-    num_beams: Annotated[int, Meta(ge=1)] = 1
+    n: Annotated[int, Meta(ge=1, le=32)] = 1
+    best_of: Annotated[int, Meta(ge=1, le=32)] | None = None
+    num_beams: Annotated[int, Meta(ge=1, le=32)] = 1
+    length_penalty: float = 1.0
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos_token: bool = False
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
 
 
 class LmiRequest(msgspec.Struct, kw_only=True):
-    inputs: str
+    inputs: str | list[str]
     parameters: LmiParameters = msgspec.field(default_factory=LmiParameters)
     stream: bool = False
 
 
-def to_generation_request(body: LmiRequest, model: str = "") -> GenerationRequest:
-    p = body.parameters
-    if p.n > 1 or p.best_of > 1 or p.num_beams > 1:
-        raise InvalidRequest("`n`, `best_of` and `num_beams` greater than 1 are not supported yet")
-    if p.decoder_input_details:
-        raise InvalidRequest("`decoder_input_details` is not supported yet")
+def _sampling(p: LmiParameters, stream: bool) -> SamplingParams:
     # LMI >= 0.32 infers sampling from the sampling parameters; an explicit do_sample wins.
     sampling_asked = any(v is not None for v in (p.temperature, p.top_k, p.top_p))
     do_sample = p.do_sample if p.do_sample is not None else sampling_asked
-    sampling = SamplingParams(
+    sequences = max(p.n, p.best_of or 1)
+    if stream and (sequences > 1 or p.num_beams > 1):
+        raise InvalidRequest("`n`, `best_of` and `num_beams` greater than 1 are not supported with streaming")
+    if stream and p.decoder_input_details:
+        raise InvalidRequest("`decoder_input_details` is not supported with streaming")
+    if sequences > 1 and p.num_beams == 1 and not do_sample:
+        raise InvalidRequest("`n` and `best_of` greater than 1 need sampling: set `do_sample` or a `temperature`")
+    return SamplingParams(
+        n=sequences if p.num_beams == 1 else 1,
         temperature=(1.0 if p.temperature is None else p.temperature) if do_sample else 0.0,
         top_p=(p.top_p or 1.0) if do_sample else 1.0,
         top_k=(p.top_k or 0) if do_sample else 0,
@@ -82,117 +101,45 @@ def to_generation_request(body: LmiRequest, model: str = "") -> GenerationReques
         stop_token_ids=p.stop_token_ids or [],
         include_stop_str_in_output=p.include_stop_str_in_output,
         ignore_eos=p.ignore_eos_token,
-        # Every LMI token line has a log_prob and its own text: ask for the sampled token's
-        # logprob (0) at least.
-        logprobs=p.logprobs or 0,
+        # Every LMI token carries a log_prob and its own text: ask for the sampled token's logprob
+        # (0) at least; top_n_tokens asks for that many alternatives.
+        logprobs=max(p.logprobs or 0, p.top_n_tokens),
+        prompt_logprobs=0 if p.decoder_input_details else p.prompt_logprobs,
         skip_special_tokens=p.skip_special_tokens,
         spaces_between_special_tokens=p.spaces_between_special_tokens,
-    )
-    return GenerationRequest(
-        model=model,
-        prompt=body.inputs,
-        sampling=sampling,
-        output=OutputOptions(details=p.details, return_full_text=p.return_full_text),
-        dialect=NAME,
+        beam_width=p.num_beams,
+        length_penalty=p.length_penalty,
     )
 
 
-# --- rendering ------------------------------------------------------------------------------
-
-def _finish_reason(choice_reason: str | None, stop_reason: str | int | None) -> str:
-    """vLLM's vocabulary to LMI's documented one: length | eos_token | stop_sequence."""
-    if choice_reason == "length":
-        return "length"
-    if choice_reason == "stop":
-        return "eos_token" if stop_reason is None else "stop_sequence"
-    return choice_reason or "error"
-
-
-def _tokens(ids: list[int], texts: list[str] | None, logprobs: list[float] | None) -> list[dict[str, Any]]:
+def to_generation_requests(body: LmiRequest, *, model: str = "", tgi_compat: bool = False) -> list[GenerationRequest]:
+    """One request per input: a string is rolling batch, a list is the dynamic-batch schema."""
+    p = body.parameters
+    inputs = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+    batch = isinstance(body.inputs, list)
+    if batch and not inputs:
+        raise InvalidRequest("`inputs` must not be an empty list")
+    if batch and (max(p.n, p.best_of or 1) > 1 or p.num_beams > 1):
+        raise InvalidRequest("`n`, `best_of` and `num_beams` need a single input, not a list")
+    sampling = _sampling(p, body.stream)
+    output = OutputOptions(
+        details=p.details if p.details is not None else tgi_compat,
+        return_full_text=p.return_full_text,
+        prompt_tokens=p.decoder_input_details,
+    )
+    dialect = DYNAMIC_BATCH.NAME if batch else (TGI_COMPAT.NAME if tgi_compat else NAME)
     return [
-        {"id": tid, "text": texts[i] if texts else "", "log_prob": logprobs[i] if logprobs else None}
-        for i, tid in enumerate(ids)
+        GenerationRequest(model=model, prompt=text, sampling=sampling, output=output, dialect=dialect)
+        for text in inputs
     ]
 
 
-def _generated_text(req: GenerationRequest, text: str) -> str:
-    return (req.prompt or "") + text if req.output.return_full_text else text
+def to_generation_request(body: LmiRequest, *, model: str = "", tgi_compat: bool = False) -> GenerationRequest:
+    (req,) = to_generation_requests(body, model=model, tgi_compat=tgi_compat)
+    return req
 
 
-def render_result(req: GenerationRequest, result: JobResult, job_id: str = "", created: int = 0) -> dict[str, Any]:
-    choice = result.choices[0] if result.choices else Choice()
-    body: dict[str, Any] = {"generated_text": _generated_text(req, choice.text)}
-    if req.output.details:
-        body["details"] = {
-            "finish_reason": _finish_reason(choice.finish_reason, choice.stop_reason),
-            "generated_tokens": len(choice.token_ids),
-            "inputs": req.prompt,
-            "tokens": _tokens(choice.token_ids, choice.token_texts, choice.logprobs),
-        }
-    return body
-
-
-def _delta_lines(delta: TokenDelta) -> list[dict[str, Any]]:
-    """One line per token. The text is the incremental detokeniser's, not each token decoded
-    alone, so the lines always add up to ``generated_text`` even when a character spans several
-    byte-level tokens; when one delta holds several tokens its text rides on the last one."""
-    texts = [""] * (len(delta.token_ids) - 1) + [delta.text]
-    return [{"token": t} for t in _tokens(delta.token_ids, texts, delta.logprobs)]
-
-
-_ERROR_LINE = {
-    "token": {"id": -1, "text": "", "log_prob": -1, "special_token": True},
-    "generated_text": "",
-    "details": {"finish_reason": "error", "generated_tokens": None, "inputs": None},
-}
-
-
-async def render_stream(
-    req: GenerationRequest, events: AsyncIterator[Event | Keepalive], *, sse_format: bool
-) -> AsyncIterator[bytes]:
-    def frame(obj: object) -> bytes:
-        return sse(obj) if sse_format else jsonline(obj)
-
-    try:
-        async for line in _lines(req, events):
-            yield frame(line)
-    except ServiceError as exc:  # the relay itself failed (say, Redis went away mid-stream)
-        yield frame({**_ERROR_LINE, "error": exc.message})
-
-
-async def _lines(req: GenerationRequest, events: AsyncIterator[Event | Keepalive]) -> AsyncIterator[dict[str, Any]]:
-    text_parts: list[str] = []
-    generated = 0
-    async for event in events:
-        if isinstance(event, Keepalive):
-            continue  # JSON lines has no comment syntax; SSE keep-alives are not LMI's either
-        if isinstance(event, Error):
-            yield {**_ERROR_LINE, "error": event.message}
-            return
-        assert isinstance(event, (Tokens, Done))
-        lines = [line for delta in event.deltas for line in _delta_lines(delta)]
-        for delta in event.deltas:
-            text_parts.append(delta.text)
-            generated += len(delta.token_ids)
-        if isinstance(event, Tokens):
-            for line in lines:
-                yield line
-            continue
-        # The last line carries the last token plus generated_text (and details when asked).
-        last = lines.pop() if lines else {"token": {"id": -1, "text": "", "log_prob": None, "special_token": True}}
-        for line in lines:
-            yield line
-        last["generated_text"] = _generated_text(req, "".join(text_parts))
-        if req.output.details:
-            final = event.deltas[-1] if event.deltas else TokenDelta()
-            last["details"] = {
-                "finish_reason": _finish_reason(final.finish_reason, final.stop_reason),
-                "generated_tokens": generated,
-                "inputs": req.prompt,
-            }
-        yield last
-        return
-
+# --- errors ---------------------------------------------------------------------------------
 
 def error_body(exc: ServiceError) -> tuple[int, dict[str, Any]]:
     if isinstance(exc, InvalidRequest):
@@ -205,4 +152,18 @@ def error_body(exc: ServiceError) -> tuple[int, dict[str, Any]]:
             "code": exc.status,
             "details": {"finish_reason": "error", "generated_tokens": None, "inputs": None, "tokens": None},
         }
+    # DJL's frontend shape for everything else (404 model, 503 capacity or queue down, ...)
     return exc.status, {"code": exc.status, "type": exc.code, "message": exc.message}
+
+
+def batch_error_body(exc: ServiceError) -> tuple[int, dict[str, Any]]:
+    """The dynamic-batch handler's failure: 424 ``invoke handler failure`` with the detail."""
+    if isinstance(exc, InvalidRequest) or exc.status == 500:
+        return 424, {"code": 424, "message": "invoke handler failure", "error": exc.message}
+    return error_body(exc)
+
+
+# The other two shapes, registered as dialects of their own so errors and stored results
+# (GET /v1/jobs/{id}) render the way they were asked for.
+TGI_COMPAT = SimpleNamespace(NAME="lmi_tgi", render_result=render_result, error_body=error_body)
+DYNAMIC_BATCH = SimpleNamespace(NAME="lmi_batch", render_result=render_result, error_body=batch_error_body)

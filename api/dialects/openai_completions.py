@@ -16,9 +16,25 @@ from msgspec import Meta
 from api.relay import KEEPALIVE, SSE_DONE, Keepalive, sse
 from shared.errors import InvalidRequest, ServiceError, error_from_code
 from shared.events import Done, Error, Event, TokenDelta
-from shared.schemas import Choice, GenerationRequest, JobResult, OutputOptions, SamplingParams, TopLogprob
+from shared.schemas import (
+    Choice,
+    GenerationRequest,
+    JobResult,
+    OutputOptions,
+    PromptInfo,
+    SamplingParams,
+    TopLogprob,
+    Usage,
+)
 
-__all__ = ["CompletionRequest", "to_generation_request", "render_result", "render_stream", "error_body"]
+__all__ = [
+    "CompletionRequest",
+    "to_generation_requests",
+    "render_result",
+    "render_results",
+    "render_stream",
+    "error_body",
+]
 
 NAME = "openai_completions"
 
@@ -63,11 +79,29 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     priority: int = 0
 
 
-def to_generation_request(body: CompletionRequest) -> GenerationRequest:
-    if isinstance(body.prompt, list) and not all(isinstance(t, int) for t in body.prompt):
-        raise InvalidRequest("a list of prompts is not supported yet; send one prompt per request", param="prompt")
-    if body.echo:
-        raise InvalidRequest("`echo` is not supported yet", param="echo")
+MAX_PROMPTS = 256  # one job per prompt: a bound on what one request may queue
+
+
+def _prompts(prompt: str | list) -> list[tuple[str | None, list[int] | None]]:
+    """OpenAI's four prompt forms as (text, token ids) pairs, one per job."""
+    if isinstance(prompt, str):
+        return [(prompt, None)]
+    if not prompt:
+        raise InvalidRequest("prompt must not be empty", param="prompt")
+    if all(isinstance(t, int) for t in prompt):
+        return [(None, list(prompt))]
+    if all(isinstance(t, str) for t in prompt):
+        return [(t, None) for t in prompt]
+    if all(isinstance(t, list) and t and all(isinstance(i, int) for i in t) for t in prompt):
+        return [(None, list(t)) for t in prompt]
+    raise InvalidRequest(
+        "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists",
+        param="prompt",
+    )
+
+
+def to_generation_requests(body: CompletionRequest) -> list[GenerationRequest]:
+    """One GenerationRequest per prompt (a list of prompts is a batch)."""
     if body.stream_options is not None and not body.stream:
         raise InvalidRequest("Stream options can only be defined when `stream=True`.", param="stream_options")
     temperature = 1.0 if body.temperature is None else body.temperature
@@ -80,9 +114,9 @@ def to_generation_request(body: CompletionRequest) -> GenerationRequest:
         logit_bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
     except ValueError:
         raise InvalidRequest("logit_bias keys must be token ids", param="logit_bias") from None
-    prompt, prompt_ids = (body.prompt, None) if isinstance(body.prompt, str) else (None, body.prompt)
-    if prompt_ids is not None and not prompt_ids:
-        raise InvalidRequest("prompt must not be empty", param="prompt")
+    prompts = _prompts(body.prompt)
+    if len(prompts) > MAX_PROMPTS:
+        raise InvalidRequest(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
     sampling = SamplingParams(
         n=body.n,
         temperature=temperature,
@@ -100,26 +134,30 @@ def to_generation_request(body: CompletionRequest) -> GenerationRequest:
         include_stop_str_in_output=body.include_stop_str_in_output,
         ignore_eos=body.ignore_eos,
         logprobs=body.logprobs,
+        # echo with logprobs scores the prompt too, as vLLM does
+        prompt_logprobs=body.logprobs if body.echo else None,
         skip_special_tokens=body.skip_special_tokens,
         spaces_between_special_tokens=body.spaces_between_special_tokens,
         logit_bias=logit_bias,
     )
     include_usage = body.stream_options.include_usage if body.stream_options else False
-    return GenerationRequest(
-        model=body.model or "",
-        prompt=prompt,
-        prompt_token_ids=prompt_ids,
-        sampling=sampling,
-        output=OutputOptions(include_usage=include_usage),
-        dialect=NAME,
-        priority=body.priority,
-    )
+    output = OutputOptions(include_usage=include_usage, echo=body.echo, prompt_tokens=body.echo)
+    return [
+        GenerationRequest(
+            model=body.model or "", prompt=text, prompt_token_ids=ids, sampling=sampling, output=output,
+            dialect=NAME, priority=body.priority,
+        )
+        for text, ids in prompts
+    ]
 
 
 # --- rendering ------------------------------------------------------------------------------
 
 def _logprobs(
-    texts: list[str] | None, logprobs: list[float] | None, tops: list[list[TopLogprob]] | None, offset: int
+    texts: list[str] | None,
+    logprobs: list[float | None] | None,
+    tops: list[list[TopLogprob]] | None,
+    offset: int,
 ) -> dict[str, Any] | None:
     if logprobs is None or texts is None:
         return None
@@ -127,12 +165,11 @@ def _logprobs(
     for text in texts:
         offsets.append(offset)
         offset += len(text)
-    return {
-        "text_offset": offsets,
-        "token_logprobs": logprobs,
-        "tokens": texts,
-        "top_logprobs": [{t.text: t.logprob for t in top} for top in tops] if tops else [{} for _ in texts],
-    }
+    top_dicts: list[dict[str, float] | None] = [
+        None if lp is None else ({t.text: t.logprob for t in tops[i]} if tops else {})
+        for i, lp in enumerate(logprobs)
+    ]
+    return {"text_offset": offsets, "token_logprobs": logprobs, "tokens": texts, "top_logprobs": top_dicts}
 
 
 def _usage(result_usage) -> dict[str, int]:
@@ -143,40 +180,91 @@ def _usage(result_usage) -> dict[str, int]:
     }
 
 
-def _choice(c: Choice) -> dict[str, Any]:
+def _echo(req: GenerationRequest, prompt: PromptInfo | None, want_logprobs: bool):
+    """The prompt as ``echo`` prints it: text, and its per-token logprobs when asked."""
+    text = req.prompt if req.prompt is not None else "".join(prompt.token_texts if prompt else ())
+    if not want_logprobs or prompt is None or prompt.logprobs is None:
+        return text, None, None, None
+    tops = prompt.top_logprobs or [[] for _ in prompt.logprobs]
+    return text, list(prompt.token_texts), list(prompt.logprobs), list(tops)
+
+
+def _with_echo(req, prompt, text, texts, logprobs, tops):
+    """Prefix one choice's text (and logprobs) with its prompt."""
+    e_text, e_texts, e_lps, e_tops = _echo(req, prompt, logprobs is not None)
+    if e_lps is not None and logprobs is not None:
+        texts = e_texts + list(texts or [])
+        tops = e_tops + list(tops or [[] for _ in logprobs])
+        logprobs = e_lps + list(logprobs)
+    return e_text + text, texts, logprobs, tops
+
+
+def _choice(c: Choice, req: GenerationRequest, prompt: PromptInfo | None, index: int) -> dict[str, Any]:
+    text, texts, logprobs, tops = c.text, c.token_texts, c.logprobs, c.top_logprobs
+    if req.output.echo:
+        text, texts, logprobs, tops = _with_echo(req, prompt, text, texts, logprobs, tops)
     return {
-        "index": c.index,
-        "text": c.text,
-        "logprobs": _logprobs(c.token_texts, c.logprobs, c.top_logprobs, 0),
+        "index": index,
+        "text": text,
+        "logprobs": _logprobs(texts, logprobs, tops, 0),
         "finish_reason": c.finish_reason,
         "stop_reason": c.stop_reason,
     }
 
 
-def render_result(req: GenerationRequest, result: JobResult, job_id: str, created: int) -> dict[str, Any]:
+def render_results(
+    reqs: list[GenerationRequest], results: list[JobResult], job_id: str, created: int
+) -> dict[str, Any]:
+    """A batch of prompts as one completion: choice indexes run across the prompts."""
+    n = reqs[0].sampling.n
+    choices = [
+        _choice(c, req, result.prompt, j * n + c.index)
+        for j, (req, result) in enumerate(zip(reqs, results, strict=True))
+        for c in result.choices
+    ]
+    usage = Usage(
+        prompt_tokens=sum(r.usage.prompt_tokens for r in results),
+        completion_tokens=sum(r.usage.completion_tokens for r in results),
+    )
     return {
         "id": f"cmpl-{job_id}",
         "object": "text_completion",
         "created": created,
-        "model": req.model,
-        "choices": [_choice(c) for c in result.choices],
-        "usage": _usage(result.usage),
+        "model": reqs[0].model,
+        "choices": choices,
+        "usage": _usage(usage),
     }
 
 
+def render_result(req: GenerationRequest, result: JobResult, job_id: str, created: int) -> dict[str, Any]:
+    return render_results([req], [result], job_id, created)
+
+
 async def render_stream(
-    req: GenerationRequest, events: AsyncIterator[Event | Keepalive], job_id: str, created: int
+    reqs: list[GenerationRequest] | GenerationRequest,
+    events: AsyncIterator[Event | Keepalive],
+    job_id: str,
+    created: int,
 ) -> AsyncIterator[bytes]:
-    head = {"id": f"cmpl-{job_id}", "object": "text_completion", "created": created, "model": req.model}
+    """Chunks as vLLM streams them; ``events`` is one job's, or several merged by api.fanout."""
+    reqs = reqs if isinstance(reqs, list) else [reqs]
+    first = reqs[0]
+    n = first.sampling.n
+    head = {"id": f"cmpl-{job_id}", "object": "text_completion", "created": created, "model": first.model}
     offsets: dict[int, int] = {}
+    prompts: dict[int, PromptInfo] = {}
 
     def chunk_choice(d: TokenDelta) -> dict[str, Any]:
+        text, texts, logprobs, tops = d.text, d.token_texts, d.logprobs, d.top_logprobs
+        if first.output.echo and d.index not in offsets:  # a choice's first chunk carries its prompt
+            job = d.index // n
+            text, texts, logprobs, tops = _with_echo(reqs[job], prompts.get(job), text, texts, logprobs, tops)
         offset = offsets.get(d.index, 0)
-        offsets[d.index] = offset + len(d.text)
+        offsets[d.index] = offset + len(text)
         return {
             "index": d.index,
-            "text": d.text,
-            "logprobs": _logprobs(d.token_texts, d.logprobs, d.top_logprobs, offset),
+            "text": text,
+            "logprobs": _logprobs(texts, logprobs, tops, offset),
             "finish_reason": d.finish_reason,
             "stop_reason": d.stop_reason,
         }
@@ -189,10 +277,13 @@ async def render_stream(
             if isinstance(event, Error):
                 yield sse(error_body(error_from_code(event.code, event.message, event.status))[1])
                 break
+            if event.prompt is not None:
+                prompts[event.deltas[0].index // n if event.deltas else 0] = event.prompt
             for delta in event.deltas:
-                yield sse({**head, "choices": [chunk_choice(delta)]})
+                if delta.token_ids or delta.text or delta.finish_reason or delta.index not in offsets:
+                    yield sse({**head, "choices": [chunk_choice(delta)]})
             if isinstance(event, Done):
-                if req.output.include_usage:
+                if first.output.include_usage:
                     yield sse({**head, "choices": [], "usage": _usage(event.usage)})
                 break
     except ServiceError as exc:  # the relay itself failed (say, Redis went away mid-stream)

@@ -1,4 +1,5 @@
-"""LMI / DJL Serving routes: ``/invocations`` (dispatching on the body) and ``/predictions/{model}``."""
+"""LMI / DJL Serving routes: ``/invocations`` (dispatching on the body keys: ``inputs`` is LMI's
+schema, ``messages`` its chat schema, ``prompt`` OpenAI completions) and ``/predictions/{model}``."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ from litestar.params import FromPath
 from litestar.response import Stream
 
 from api.dialects import lmi
+from api.dialects.lmi_render import render_batch_result, render_batch_stream
+from api.fanout import collect_all, merge, submit_all
 from api.http import decode_body, json_response, stream_response
 from api.relay import collect, prefetch
 from api.routes.openai import completions_response
+from api.routes.openai_chat import chat_response
 from api.services import Svc
-from api.submit import submit
 from shared.errors import InvalidRequest
 
 __all__ = ["invocations", "predictions"]
@@ -35,14 +38,24 @@ _keys_decoder = msgspec.json.Decoder(_BodyKeys)
 
 async def _lmi_response(request: Request, svc: Svc, model: str = "") -> Response | Stream:
     body = await decode_body(request, lmi.LmiRequest)
-    req = lmi.to_generation_request(body, model=model)
-    sub = await submit(svc, req)
+    tgi_compat = svc.settings.lmi_tgi_compat
+    if isinstance(body.inputs, list):
+        request.state.dialect = lmi.DYNAMIC_BATCH.NAME  # errors in the dynamic-batch shape from here on
+    reqs = lmi.to_generation_requests(body, model=model, tgi_compat=tgi_compat)
+    subs = await submit_all(svc, reqs, keepalive=body.stream)
+    if isinstance(body.inputs, list):
+        if not body.stream:
+            return json_response(render_batch_result(await collect_all(subs)))
+        events = await prefetch(merge(subs, 1), svc.settings.sse_keepalive_s)
+        return stream_response(render_batch_stream(len(reqs), events), JSONLINES)
+    (sub,) = subs
     if not body.stream:
-        result = await collect(sub.events)
-        return json_response(lmi.render_result(req, result))
-    sse_format = svc.settings.lmi_output_formatter == "sse"
+        return json_response(lmi.render_result(sub.request, await collect(sub.events)))
+    # TGI compatibility streams SSE by default, as LMI does.
+    sse_format = tgi_compat or svc.settings.lmi_output_formatter == "sse"
     events = await prefetch(sub.events, svc.settings.sse_keepalive_s)
-    return stream_response(lmi.render_stream(req, events, sse_format=sse_format), SSE if sse_format else JSONLINES)
+    return stream_response(lmi.render_stream(sub.request, events, sse_format=sse_format),
+                           SSE if sse_format else JSONLINES)
 
 
 @post("/invocations", opt={"dialect": "lmi"}, status_code=200)
@@ -55,7 +68,7 @@ async def invocations(request: Request, svc: Svc) -> Response | Stream:
         request.state.dialect = "openai_completions"  # errors in the OpenAI shape from here on
         return await completions_response(request, svc)
     if not keys.inputs and keys.messages:
-        raise InvalidRequest("chat bodies (`messages`) are not supported yet")
+        return await chat_response(request, svc, lmi=True)  # LMI's chat schema
     return await _lmi_response(request, svc)
 
 

@@ -6,26 +6,35 @@ from litestar import Request, Response, get, post
 from litestar.response import Stream
 
 from api.dialects import openai_completions as oc
+from api.fanout import collect_all, merge, submit_all
 from api.http import accepted, decode_body, idempotency_key, json_response, stream_response, wants_async
-from api.relay import collect, prefetch
+from api.relay import prefetch
 from api.services import Svc
 from api.submit import submit
+from shared.errors import InvalidRequest
 
 __all__ = ["completions", "models", "completions_response"]
 
 
 async def completions_response(request: Request, svc: Svc) -> Response | Stream:
     body = await decode_body(request, oc.CompletionRequest)
-    req = oc.to_generation_request(body)
-    if wants_async(request):
-        return await accepted(svc, request, req)
-    sub = await submit(svc, req, idempotency_key=idempotency_key(request), keepalive=body.stream)
-    req = sub.request
+    reqs = oc.to_generation_requests(body)
+    if len(reqs) == 1:
+        if wants_async(request):
+            return await accepted(svc, request, reqs[0])
+        subs = [await submit(svc, reqs[0], idempotency_key=idempotency_key(request), keepalive=body.stream)]
+    elif wants_async(request) or idempotency_key(request):
+        raise InvalidRequest("a list of prompts cannot be run as one fire-and-poll job; send one per prompt",
+                             param="prompt")
+    else:
+        subs = await submit_all(svc, reqs, keepalive=body.stream)
+    reqs = [sub.request for sub in subs]
+    head = subs[0]
     if not body.stream:
-        result = await collect(sub.events)
-        return json_response(oc.render_result(req, result, sub.job_id, sub.created))
-    events = await prefetch(sub.events, svc.settings.sse_keepalive_s)
-    return stream_response(oc.render_stream(req, events, sub.job_id, sub.created), "text/event-stream")
+        results = await collect_all(subs)
+        return json_response(oc.render_results(reqs, results, head.job_id, head.created))
+    events = await prefetch(merge(subs, body.n), svc.settings.sse_keepalive_s)
+    return stream_response(oc.render_stream(reqs, events, head.job_id, head.created), "text/event-stream")
 
 
 @post("/v1/completions", opt={"dialect": "openai_completions"}, status_code=200)

@@ -149,8 +149,11 @@ async def test_invocations_dispatches_on_body_keys(stack):
     assert resp.json()["choices"][0]["text"] == "ab"
     resp = await client.post("/invocations", json={"prompt": 5})
     assert resp.status_code == 400 and resp.json()["error"]["type"] == "BadRequestError"
-    resp = await client.post("/invocations", json={"messages": [{"role": "user", "content": "hi"}]})
-    assert resp.status_code == 424 and resp.json()["code"] == 424
+    resp = await client.post("/invocations", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert resp.status_code == 200 and resp.json()["object"] == "chat.completion"
+    assert resp.json()["choices"][0]["message"] == {"role": "assistant", "content": "hih"}
+    resp = await client.post("/invocations", json={"messages": "hi"})
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "BadRequestError"
     resp = await client.post("/predictions/tiny", json={"inputs": "ab", "parameters": {"max_new_tokens": 3}})
     assert resp.json() == {"generated_text": "aba"}
     assert (await client.post("/predictions/other", json={"inputs": "ab"})).status_code == 404

@@ -7,10 +7,11 @@ import pytest
 
 from api.dialects import lmi
 from api.dialects import openai_completions as oc
+from api.dialects.lmi_render import finish_reason
 from api.relay import SSE_DONE, Keepalive, sse
 from shared.errors import InvalidRequest
 from shared.events import Done, Error, TokenDelta, Tokens
-from shared.schemas import Usage
+from shared.schemas import Choice, JobResult, PromptInfo, TopLogprob, Usage
 
 
 def lmi_req(body: dict):
@@ -40,9 +41,57 @@ def test_lmi_maps_stop_sequences_and_vllm_extras():
     assert req.output.details and req.output.return_full_text
 
 
-def test_lmi_rejects_what_it_cannot_do_yet():
+@pytest.mark.parametrize("body", [
+    {"inputs": "x", "parameters": {"n": 2}},  # several sequences need sampling
+    {"inputs": "x", "stream": True, "parameters": {"n": 2, "do_sample": True}},
+    {"inputs": "x", "stream": True, "parameters": {"num_beams": 2}},
+    {"inputs": "x", "stream": True, "parameters": {"decoder_input_details": True}},
+    {"inputs": [], "parameters": {}},
+    {"inputs": ["a", "b"], "parameters": {"num_beams": 2}},
+])
+def test_lmi_rejects_what_lmi_rejects(body):
     with pytest.raises(InvalidRequest):
-        lmi_req({"inputs": "x", "parameters": {"n": 2}})
+        lmi.to_generation_requests(msgspec.convert(body, lmi.LmiRequest))
+
+
+def test_lmi_best_of_beams_prefill_and_top_tokens_map_onto_the_engine():
+    best = lmi_req({"inputs": "x", "parameters": {"best_of": 3, "n": 1, "temperature": 0.8}})
+    assert best.sampling.n == 3
+    beams = lmi_req({"inputs": "x", "parameters": {"num_beams": 4}})
+    assert beams.sampling.beam_width == 4 and beams.sampling.n == 1
+    prefill = lmi_req({"inputs": "x", "parameters": {"decoder_input_details": True, "top_n_tokens": 2}})
+    assert prefill.output.prompt_tokens and prefill.sampling.prompt_logprobs == 0
+    assert prefill.sampling.logprobs == 2
+    batch = lmi.to_generation_requests(msgspec.convert({"inputs": ["a", "b"]}, lmi.LmiRequest))
+    assert [r.prompt for r in batch] == ["a", "b"] and {r.dialect for r in batch} == {"lmi_batch"}
+
+
+def test_lmi_several_sequences_put_the_most_likely_first_and_the_rest_in_best_of_sequences():
+    req = lmi_req({"inputs": "p", "parameters": {"best_of": 2, "temperature": 0.8}})
+    unlikely = Choice(index=0, text="a", token_ids=[5], token_texts=["a"], logprobs=[-3.0], finish_reason="length")
+    likely = Choice(index=1, text="b", token_ids=[2], token_texts=[""], logprobs=[-0.1], finish_reason="stop")
+    body = lmi.render_result(req, JobResult(choices=[unlikely, likely]))
+    assert body["generated_text"] == "b" and body["details"]["finish_reason"] == "eos_token"
+    assert body["details"]["tokens"] == [{"id": 2, "text": "", "log_prob": -0.1, "special_token": True}]
+    (other,) = body["details"]["best_of_sequences"]
+    assert other == {"generated_text": "a", "finish_reason": "length", "generated_tokens": 1,
+                     "tokens": [{"id": 5, "text": "a", "log_prob": -3.0}]}
+
+
+def test_lmi_tgi_compat_is_an_array_with_details_and_tgi_token_names():
+    req = lmi.to_generation_request(msgspec.convert({"inputs": "p"}, lmi.LmiRequest), tgi_compat=True)
+    choice = Choice(text="a", token_ids=[5], token_texts=["a"], logprobs=[-1.0], finish_reason="length")
+    (body,) = lmi.render_result(req, JobResult(choices=[choice]))
+    assert body["details"]["tokens"] == [{"id": 5, "text": "a", "logprob": -1.0, "special": False}]
+
+
+def test_lmi_decoder_input_details_gives_prefill():
+    req = lmi_req({"inputs": "p", "parameters": {"decoder_input_details": True, "details": True}})
+    prompt = PromptInfo(token_ids=[1, 9], token_texts=["<s>", "p"], logprobs=[None, -2.0])
+    choice = Choice(text="a", token_ids=[5], token_texts=["a"], logprobs=[-1.0], finish_reason="length")
+    body = lmi.render_result(req, JobResult(choices=[choice], prompt=prompt))
+    assert body["details"]["prefill"] == [{"id": 1, "text": "<s>", "log_prob": None},
+                                          {"id": 9, "text": "p", "log_prob": -2.0}]
 
 
 async def _aiter(items):
@@ -65,17 +114,22 @@ async def test_lmi_sse_frames_are_data_space_json():
     done = Done(seq=1, deltas=[TokenDelta(token_ids=[9], text="z", token_texts=["z"], logprobs=[-0.5],
                                           finish_reason="stop")], usage=Usage(completion_tokens=1))
     frames = [f async for f in lmi.render_stream(req, _aiter([done]), sse_format=True)]
-    assert frames == [b'data: {"token":{"id":9,"text":"z","log_prob":-0.5},"generated_text":"z"}\n\n']
+    assert frames == [b'data: {"token":{"id":9,"text":"z","log_prob":-0.5,"special_token":true},"generated_text":"z"}\n\n']
 
 
 def test_lmi_finish_reasons_use_lmi_vocabulary():
-    assert lmi._finish_reason("length", None) == "length"
-    assert lmi._finish_reason("stop", None) == "eos_token"
-    assert lmi._finish_reason("stop", "\n") == "stop_sequence"
+    assert finish_reason("length", None) == "length"
+    assert finish_reason("stop", None) == "eos_token"
+    assert finish_reason("stop", "\n") == "stop_sequence"
+
+
+def oc_reqs(body: dict):
+    return oc.to_generation_requests(msgspec.convert(body, oc.CompletionRequest))
 
 
 def oc_req(body: dict):
-    return oc.to_generation_request(msgspec.convert(body, oc.CompletionRequest))
+    (req,) = oc_reqs(body)
+    return req
 
 
 def test_openai_defaults_match_vllm():
@@ -89,7 +143,9 @@ def test_openai_defaults_match_vllm():
     {"prompt": "x", "stop": [""]},
     {"prompt": "x", "stream_options": {"include_usage": True}},
     {"prompt": "x", "logit_bias": {"abc": 1.0}},
-    {"prompt": ["a", "b"]},
+    {"prompt": []},
+    {"prompt": ["a", [1, 2]]},
+    {"prompt": [[1], []]},
 ])
 def test_openai_rejects_invalid_combinations(body):
     with pytest.raises(InvalidRequest):
@@ -105,6 +161,38 @@ async def test_openai_stream_ends_with_done_after_an_in_band_error():
     error = msgspec.json.decode(frames[-2][len(b"data: "):])
     assert error["error"]["message"] == "boom" and error["error"]["code"] == 500
     assert frames[0].startswith(b'data: {"id":"cmpl-id1","object":"text_completion","created":123')
+
+
+def test_openai_prompt_lists_become_one_job_each():
+    reqs = oc_reqs({"prompt": ["a", "b"], "n": 2, "temperature": 0.5})
+    assert [r.prompt for r in reqs] == ["a", "b"] and all(r.sampling.n == 2 for r in reqs)
+    assert [r.prompt_token_ids for r in oc_reqs({"prompt": [[1, 2], [3]]})] == [[1, 2], [3]]
+
+
+def test_openai_batch_result_numbers_choices_across_prompts_and_echoes():
+    reqs = oc_reqs({"prompt": ["ab", "cd"], "n": 2, "temperature": 0.5, "echo": True})
+    results = [
+        JobResult(choices=[Choice(index=i, text=f"{j}{i}", finish_reason="length") for i in range(2)],
+                  usage=Usage(prompt_tokens=2, completion_tokens=2))
+        for j in range(2)
+    ]
+    body = oc.render_results(reqs, results, "x", 1)
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "ab00"), (1, "ab01"), (2, "cd10"), (3, "cd11")]
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+
+
+def test_openai_echo_with_logprobs_prefixes_the_prompt_tokens():
+    req = oc_req({"prompt": [1, 5], "echo": True, "logprobs": 1})
+    assert req.sampling.prompt_logprobs == 1 and req.output.prompt_tokens
+    prompt = PromptInfo(token_ids=[1, 5], token_texts=["<s>", "x"], logprobs=[None, -1.5],
+                        top_logprobs=[[], [TopLogprob(5, "x", -1.5)]])
+    choice = Choice(text="y", token_ids=[7], token_texts=["y"], logprobs=[-0.5],
+                    top_logprobs=[[TopLogprob(7, "y", -0.5)]], finish_reason="length")
+    body = oc.render_result(req, JobResult(choices=[choice], prompt=prompt), "x", 1)
+    (c,) = body["choices"]
+    assert c["text"] == "<s>xy"
+    assert c["logprobs"] == {"text_offset": [0, 3, 4], "token_logprobs": [None, -1.5, -0.5],
+                             "tokens": ["<s>", "x", "y"], "top_logprobs": [None, {"x": -1.5}, {"y": -0.5}]}
 
 
 def test_sse_framing_helper():
