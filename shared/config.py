@@ -62,6 +62,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache_gib: float | None = None
     """LLMQ_KV_CACHE_GIB: KV cache size per engine; unset: vLLM decides (0.25 for the tiny model)."""
 
+    compact_json: bool | None = None
+    """LLMQ_COMPACT_JSON: structured JSON output without optional whitespace (engine-wide in vLLM);
+    unset: on for the tiny model, which otherwise pads JSON with whitespace until max_tokens."""
     enforce_eager: bool | None = None
     """LLMQ_ENFORCE_EAGER: skip torch.compile; unset: on for CPU engines (see apply_engine_environment)."""
 
@@ -102,6 +105,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def eager(self) -> bool:
         return _cpu_engine() if self.enforce_eager is None else self.enforce_eager
+
+    @property
+    def json_compact(self) -> bool:
+        return self.model == DEFAULT_MODEL if self.compact_json is None else self.compact_json
 
     @property
     def kv_cache_bytes(self) -> int | None:

@@ -43,8 +43,6 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     choice: list[str] | None = None
     grammar: str | None = None
     """An EBNF / Lark grammar."""
-    disable_any_whitespace: bool = False
-    """JSON without optional whitespace (vLLM's option): small models otherwise pad forever."""
 
     def __post_init__(self) -> None:
         chosen = [self.json is not None, self.json_object, self.regex is not None, self.choice is not None,

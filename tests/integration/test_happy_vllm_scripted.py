@@ -1,0 +1,196 @@
+"""happy_vllm's legacy generate on a real port, real Redis and a scripted engine: exact wire bytes.
+
+The scripted engine answers with its prompt's characters cycled (``"abc"`` with ``max_tokens: 4``
+gives ``"abca"``), one token per step, so every line of the cumulative stream is known in advance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+import uvicorn
+
+from api.app import create_app
+from shared.config import load_settings
+from shared.errors import GenerationFailed
+from shared.events import TokenDelta
+from shared.keys import Keys
+from shared.queue import Queue
+from shared.redis import connect
+from shared.schemas import PromptInfo
+from tests.conftest import free_port
+from tests.scripted_engine import ScriptedEngine, Step
+from workers.runner import Worker
+
+
+class HappyEngine(ScriptedEngine):
+    """The scripted engine, reporting the prompt's tokens first when asked (as the real one does);
+    ``break`` fails after its first token."""
+
+    async def stream(self, job_id, req):
+        if req.prompt == "break":
+            yield Step(deltas=[TokenDelta(token_ids=[98], text="b")], prompt_tokens=5)
+            raise GenerationFailed("scripted failure mid-stream")
+        first = True
+        async for step in super().stream(job_id, req):
+            if first and req.output.prompt_tokens:
+                step.prompt = PromptInfo(token_ids=[ord(c) for c in req.prompt])
+            first = False
+            yield step
+
+
+async def _serve(settings):
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings), host="127.0.0.1", port=settings.port, log_level="warning", lifespan="on")
+    )
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.05)
+    return server, task
+
+
+@pytest.fixture(scope="module")
+async def client(redis_url):
+    prefix = "scripted-happy"
+    settings = load_settings(
+        {},
+        redis_url=redis_url,
+        prefix=prefix,
+        served_model_name="tiny",
+        port=free_port(),
+        block_ms=200,
+        sse_keepalive_s=0.5,
+    )
+    server, server_task = await _serve(settings)
+    redis = connect(redis_url)
+    worker = Worker(settings, Queue(redis, Keys(prefix)), HappyEngine(delay_s=0.001), worker_id="w-happy")
+    worker_task = asyncio.create_task(worker.run())
+    while not worker.ready:
+        await asyncio.sleep(0.05)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{settings.port}", timeout=30) as http:
+        yield http
+    worker.stop()
+    await asyncio.wait_for(worker_task, 10)
+    server.should_exit = True
+    await server_task
+    await redis.aclose()
+
+
+async def raw_stream(client, body: dict) -> tuple[httpx.Response, bytes]:
+    async with client.stream("POST", "/v1/generate_stream", json=body) as resp:
+        return resp, await resp.aread()
+
+
+async def test_generate_body_bytes(client):
+    resp = await client.post("/v1/generate", json={"prompt": "abc", "max_tokens": 4, "temperature": 0})
+    assert resp.status_code == 200 and resp.headers["content-type"] == "application/json"
+    assert resp.content == (
+        b'{"responses":["abca"],"finish_reasons":["length"],'
+        b'"usages":[{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7}]}'
+    )
+    resp = await client.post("/v1/generate", json={"prompt": "ab", "max_tokens": 1, "prompt_in_response": True})
+    assert resp.json()["prompt"] == "ab" and list(resp.json())[-1] == "prompt"
+
+
+async def test_generate_stream_is_ndjson_with_cumulative_text_and_the_string_None(client):
+    resp, raw = await raw_stream(client, {"prompt": "abc", "max_tokens": 4})
+    assert resp.status_code == 200 and resp.headers["content-type"] == "application/x-ndjson"
+    line = (
+        '{"responses": ["%s"], "finish_reasons": ["%s"], '
+        '"usages": [{"prompt_tokens": 3, "completion_tokens": %d, "total_tokens": %d}]}\n'
+    )
+    expected = "".join(line % ("abca"[: i + 1], "length" if i == 3 else "None", i + 1, i + 4) for i in range(4))
+    assert raw == expected.encode()
+
+
+async def test_last_stream_line_equals_the_non_streamed_response(client):
+    body = {"prompt": "hello", "max_tokens": 7, "prompt_in_response": True}
+    full = (await client.post("/v1/generate", json=body)).json()
+    _, raw = await raw_stream(client, body)
+    lines = [json.loads(x) for x in raw.splitlines()]
+    assert (
+        lines[-1]
+        == full
+        == {
+            "responses": ["hellohe"],
+            "finish_reasons": ["length"],
+            "usages": [{"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}],
+            "prompt": "hello",
+        }
+    )
+    assert [x["responses"][0] for x in lines] == ["hellohe"[: i + 1] for i in range(7)]
+
+
+async def test_errors_before_the_first_line_get_a_real_status(client):
+    resp, raw = await raw_stream(client, {"prompt": "fail", "max_tokens": 2})
+    assert resp.status_code == 422 and json.loads(raw) == {"detail": "scripted failure"}
+    resp = await client.post("/v1/generate", json={"prompt": "break"})
+    assert resp.status_code == 500 and resp.json() == {"detail": "scripted failure mid-stream"}
+
+
+async def test_error_after_the_first_line_ends_the_stream_with_a_detail_line(client):
+    resp, raw = await raw_stream(client, {"prompt": "break"})
+    assert resp.status_code == 200
+    assert raw == (
+        b'{"responses": ["b"], "finish_reasons": ["None"], '
+        b'"usages": [{"prompt_tokens": 0, "completion_tokens": 1, "total_tokens": 1}]}\n'
+        b'{"detail": "scripted failure mid-stream"}\n'
+    )
+
+
+async def test_invalid_bodies_are_422_detail(client):
+    cases = [
+        ({"max_tokens": 3}, "field required: `prompt`"),
+        (
+            {"prompt": "x", "response_pool": ["a"], "json_format": {"a": "string"}},
+            "Two keywords are incompatible : response_pool and json_format",
+        ),
+        (
+            {"prompt": "x", "response_pool": ["a"], "min_tokens": 1},
+            "min_tokens : 1 is incompatible with the `response_pool` keyword",
+        ),
+        (
+            {"prompt": "x", "temperature": -1},
+            "Invalid sampling parameter: Expected `float` >= 0.0 - at `$.temperature`",
+        ),
+    ]
+    for body, detail in cases:
+        resp = await client.post("/v1/generate", json=body)
+        assert (resp.status_code, resp.json()) == (422, {"detail": detail}), body
+    resp = await client.post("/v1/generate_stream", json={"prompt": "x", "use_beam_search": True})
+    assert resp.status_code == 422 and resp.json()["detail"].startswith("Unsupported sampling parameter(s)")
+    resp = await client.post("/v1/generate", content=b"[1]")
+    assert resp.status_code == 422 and "Expected `object`" in resp.json()["detail"]
+
+
+async def test_technical_routes(client):
+    assert (await client.get("/liveness")).json() == {"alive": "ok"}
+    resp = await client.get("/readiness")
+    assert (resp.status_code, resp.json()) == (200, {"ready": "ok"})
+    info = (await client.get("/v1/info")).json()
+    assert set(info) == {"application", "version", "vllm_version", "model_name", "truncation_side", "max_length"}
+    assert info["model_name"] == "tiny" and info["application"] == "llmq"
+
+
+async def test_readiness_is_ko_with_200_when_no_worker_serves_the_model(redis_url):
+    ghost = load_settings(
+        {},
+        redis_url=redis_url,
+        prefix="scripted-happy-ghost",
+        served_model_name="ghost",
+        port=free_port(),
+        block_ms=200,
+    )
+    server, task = await _serve(ghost)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ghost.port}", timeout=30) as http:
+            resp = await http.get("/readiness")
+            assert (resp.status_code, resp.json()) == (200, {"ready": "ko"})
+            resp = await http.post("/v1/generate", json={"prompt": "x"})
+            assert resp.status_code == 503 and "ghost" in resp.json()["detail"]
+    finally:
+        server.should_exit = True
+        await task
