@@ -7,7 +7,7 @@ from litestar.datastructures import State
 from litestar.di import Provide
 
 from api.errors import exception_handlers
-from api.routes import happy_vllm, health, jobs, lmi, lmtp, openai, tgi, triton
+from api.routes import happy_vllm, health, jobs, lmi, lmtp, openai, openai_chat, tgi, triton
 from api.services import Services, lifespan
 from shared.config import Settings, load_settings
 from shared.logging import configure_logging
@@ -38,6 +38,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
             *triton.ROUTES,
             *happy_vllm.ROUTES,
             *lmtp.ROUTES,
+            *openai_chat.ROUTES,
         ],
         dependencies={"svc": Provide(_services, sync_to_thread=False)},
         lifespan=[lifespan],

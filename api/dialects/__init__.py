@@ -5,13 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.dialects import happy_vllm, jobs, lmi, lmtp, openai_completions, tgi, triton
+from api.dialects import happy_vllm, jobs, lmi, lmtp, openai_chat, openai_completions, tgi, triton
 from shared.errors import ServiceError
 from shared.schemas import GenerationRequest, JobResult
 
 __all__ = ["render_result", "error_body"]
 
-_MODULES = {m.NAME: m for m in (jobs, lmi, openai_completions, tgi, triton, happy_vllm, lmtp)}
+_MODULES = {
+    m.NAME: m
+    for m in (jobs, lmi, lmi.TGI_COMPAT, lmi.DYNAMIC_BATCH, openai_completions, openai_chat, tgi, triton, happy_vllm,
+              lmtp)
+}
 
 
 def render_result(req: GenerationRequest, result: JobResult, job_id: str, created: int) -> Any:

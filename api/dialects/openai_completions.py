@@ -34,6 +34,7 @@ __all__ = [
     "render_results",
     "render_stream",
     "error_body",
+    "usage_body",
 ]
 
 NAME = "openai_completions"
@@ -172,11 +173,11 @@ def _logprobs(
     return {"text_offset": offsets, "token_logprobs": logprobs, "tokens": texts, "top_logprobs": top_dicts}
 
 
-def _usage(result_usage) -> dict[str, int]:
+def usage_body(usage: Usage) -> dict[str, int]:
     return {
-        "prompt_tokens": result_usage.prompt_tokens,
-        "completion_tokens": result_usage.completion_tokens,
-        "total_tokens": result_usage.prompt_tokens + result_usage.completion_tokens,
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
     }
 
 
@@ -232,7 +233,7 @@ def render_results(
         "created": created,
         "model": reqs[0].model,
         "choices": choices,
-        "usage": _usage(usage),
+        "usage": usage_body(usage),
     }
 
 
@@ -284,7 +285,7 @@ async def render_stream(
                     yield sse({**head, "choices": [chunk_choice(delta)]})
             if isinstance(event, Done):
                 if first.output.include_usage:
-                    yield sse({**head, "choices": [], "usage": _usage(event.usage)})
+                    yield sse({**head, "choices": [], "usage": usage_body(event.usage)})
                 break
     except ServiceError as exc:  # the relay itself failed (say, Redis went away mid-stream)
         yield sse(error_body(exc)[1])

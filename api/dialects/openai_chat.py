@@ -1,0 +1,399 @@
+"""OpenAI ``POST /v1/chat/completions`` as vLLM's OpenAI server speaks it; also LMI's chat.
+
+The worker renders ``messages`` with the model's own chat template. A stream is, per choice, a
+first chunk with ``delta: {"role": "assistant", "content": ""}``, then content deltas with
+``finish_reason`` on the last one, a usage-only chunk (``choices: []``) when
+``stream_options.include_usage``, and ``data: [DONE]`` last, also after an in-band error.
+LMI's chat sends the same chunks as JSON lines without ``[DONE]`` (``sse_format=False``).
+Errors have the OpenAI shape of :mod:`api.dialects.openai_completions`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from api.dialects.openai_completions import error_body, usage_body
+from api.relay import KEEPALIVE, SSE_DONE, Keepalive, jsonline, sse
+from shared.errors import InvalidRequest, ServiceError, error_from_code
+from shared.events import Done, Error, Event, TokenDelta
+from shared.schemas import (
+    ChatMessage,
+    ChatOptions,
+    Choice,
+    GenerationRequest,
+    JobResult,
+    OutputOptions,
+    SamplingParams,
+    StructuredOutput,
+)
+
+__all__ = ["ChatRequest", "to_generation_request", "render_result", "render_stream", "error_body"]
+
+NAME = "openai_chat"
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
+LOGPROB_FLOOR = -9999.0  # vLLM clamps -inf so the JSON stays valid
+# apply_chat_template's own arguments: a template kwarg must not override how the worker renders.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    "conversation messages tools documents chat_template add_generation_prompt continue_final_message tokenize "
+    "padding truncation max_length return_tensors return_dict return_assistant_tokens_mask tokenizer_kwargs".split()
+)
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str = "text"
+    text: str | None = None
+
+
+class Message(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True):
+    """vLLM's ``structured_outputs``; its options (whitespace, ...) are accepted and ignored: vLLM 0.32
+    reads ``disable_any_whitespace`` from the engine's config only (``LLMQ_COMPACT_JSON``)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class ChatRequest(msgspec.Struct, kw_only=True):
+    """OpenAI's fields plus vLLM's extras; unknown fields are accepted, as vLLM does. Single-field
+    ranges are vLLM's (``SamplingParams._verify_args``); cross-field checks use vLLM's messages."""
+
+    messages: list[Message]
+    model: str | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    n: Annotated[int, Meta(ge=1, le=128)] | None = 1
+    response_format: ResponseFormat | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    priority: int = 0
+    # vLLM fields llmq does not implement: refused when used (_UNSUPPORTED), never silently ignored
+    echo: bool = False
+    chat_template: str | None = None
+    prompt_logprobs: int | None = None
+    use_beam_search: bool = False
+
+
+_UNSUPPORTED = (
+    ("echo", "`echo` is not supported by this server"),
+    ("chat_template", "a per-request `chat_template` is not supported; the model's own template is used"),
+    ("prompt_logprobs", "`prompt_logprobs` is not supported for chat"),
+    ("use_beam_search", "`use_beam_search` is not supported for chat"),
+)
+
+
+def _refuse(bad: bool, message: str, param: str | None = None) -> None:
+    if bad:
+        raise InvalidRequest(message, param=param)
+
+
+# --- translation ----------------------------------------------------------------------------
+
+
+def _unsupported(b: ChatRequest) -> None:
+    tools_asked = b.tools is not None or b.tool_choice not in (None, "none")
+    _refuse(tools_asked, "tool calling (`tools`, `tool_choice`) is not supported by this server", "tools")
+    for name, message in _UNSUPPORTED:
+        _refuse(bool(getattr(b, name)), message, name)
+    continuous = bool(b.stream_options and b.stream_options.continuous_usage_stats)
+    _refuse(continuous, "`stream_options.continuous_usage_stats` is not supported", "stream_options")
+
+
+def _cross_checks(b: ChatRequest, temperature: float, max_tokens: int) -> None:
+    """vLLM's request validators and ``SamplingParams`` checks that involve two fields."""
+    n, so = 1 if b.n is None else b.n, b.stream_options
+    _refuse(so is not None and not b.stream, "Stream options can only be defined when `stream=True`.", "stream_options")
+    top_only = bool(b.top_logprobs) and not b.logprobs
+    _refuse(top_only, "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+    _refuse(
+        b.continue_final_message and b.add_generation_prompt,
+        "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+    )
+    _refuse(
+        b.min_tokens > max_tokens,
+        f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {b.min_tokens}.",
+        "min_tokens",
+    )
+    _refuse(n > 1 and temperature < GREEDY_EPS, f"n must be 1 when using greedy sampling, got {n}.", "n")
+
+
+def _content(m: Message, i: int) -> str:
+    """Text parts are joined with newlines, as vLLM does for text-only models."""
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    texts = []
+    for part in m.content:
+        unsupported = f"messages[{i}]: content parts of type `{part.type}` are not supported (text only)"
+        _refuse(part.type != "text", unsupported, "messages")
+        _refuse(part.text is None, f"messages[{i}]: a `text` content part needs `text`", "messages")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def _messages(b: ChatRequest) -> list[ChatMessage]:
+    out = []
+    for i, m in enumerate(b.messages):
+        _refuse(bool(m.tool_calls), f"messages[{i}]: `tool_calls` are not supported by this server", "messages")
+        out.append(ChatMessage(role=m.role, content=_content(m, i), name=m.name))
+    return out
+
+
+def _structured(b: ChatRequest) -> StructuredOutput | None:
+    """``response_format`` overrides ``structured_outputs``, as in vLLM's
+    ``structured_outputs_from_response_format``."""
+    fields: dict[str, Any] = {}
+    so = b.structured_outputs
+    if so is not None:
+        _refuse(
+            sum(x is not None for x in (so.json, so.regex, so.choice)) > 1,
+            "You can only use one kind of constraints for structured outputs ('json', 'regex' or 'choice').",
+            "structured_outputs",
+        )
+        fields = {k: v for k, v in msgspec.structs.asdict(so).items() if v is not None and v is not False}
+        if isinstance(so.json, str):
+            fields["json"] = _schema_from_string(so.json)
+        _refuse(so.grammar == "", "structured_outputs.grammar cannot be an empty string", "structured_outputs")
+    rf = b.response_format
+    if rf is not None and rf.type != "text":
+        fields.update(_from_response_format(rf))
+    if so is None and not fields:
+        return None
+    try:
+        return StructuredOutput(**fields)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="structured_outputs") from None
+
+
+def _schema_from_string(text: str) -> dict[str, Any]:
+    try:
+        return msgspec.json.decode(text, type=dict[str, Any])
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        raise InvalidRequest("structured_outputs.json must be a JSON object", param="structured_outputs") from None
+
+
+def _from_response_format(rf: ResponseFormat) -> dict[str, Any]:
+    if rf.type == "json_object":
+        return {"json_object": True}
+    supported = "response_format type must be 'text', 'json_object' or 'json_schema', got '" + rf.type + "'"
+    _refuse(rf.type != "json_schema", supported, "response_format")
+    schema = rf.json_schema.schema if rf.json_schema is not None else None
+    message = "When response_format type is 'json_schema', the 'json_schema' field (with a 'schema') must be provided."
+    _refuse(schema is None, message, "response_format")
+    return {"json": schema}
+
+
+def _template_kwargs(b: ChatRequest) -> dict[str, object]:
+    kwargs = dict(b.chat_template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    _refuse(bool(reserved), f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+    return kwargs
+
+
+def to_generation_request(body: ChatRequest, *, max_model_len: int) -> GenerationRequest:
+    """``max_tokens`` (or ``max_completion_tokens``) null means "up to the context", as in vLLM:
+    the request asks for ``max_model_len - 1`` tokens and the engine stops at the context's end."""
+    _unsupported(body)
+    temperature = 1.0 if body.temperature is None else body.temperature
+    asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = max_model_len - 1 if asked is None else asked
+    _cross_checks(body, temperature, max_tokens)
+    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    _refuse(any(not s for s in stop), "stop cannot contain an empty string.", "stop")
+    try:
+        logit_bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
+    except ValueError:
+        raise InvalidRequest("logit_bias keys must be token ids", param="logit_bias") from None
+    sampling = SamplingParams(
+        n=1 if body.n is None else body.n,
+        temperature=temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        min_p=body.min_p or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        seed=None if body.seed == -1 else body.seed,
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        stop=stop,
+        stop_token_ids=body.stop_token_ids or [],
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        ignore_eos=body.ignore_eos,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
+        logit_bias=logit_bias,
+        structured=_structured(body),
+    )
+    chat = ChatOptions(
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        template_kwargs=_template_kwargs(body),
+    )
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return GenerationRequest(
+        model=body.model or "",
+        messages=_messages(body),
+        chat=chat,
+        sampling=sampling,
+        output=OutputOptions(include_usage=include_usage),
+        dialect=NAME,
+        priority=body.priority,
+    )
+
+
+# --- rendering ------------------------------------------------------------------------------
+
+
+def response_role(req: GenerationRequest) -> str:
+    """vLLM answers as the assistant, or, without a generation prompt, as the last message's role."""
+    if req.chat.add_generation_prompt or not req.messages:
+        return "assistant"
+    return req.messages[-1].role
+
+
+def _token(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": list(text.encode("utf-8", "replace"))}
+
+
+def _logprobs(src: Choice | TokenDelta) -> dict[str, Any]:
+    content, tops = [], src.top_logprobs or []
+    for i, (text, logprob) in enumerate(zip(src.token_texts or [], src.logprobs or [], strict=False)):
+        top = tops[i] if i < len(tops) else []
+        content.append({**_token(text, logprob), "top_logprobs": [_token(t.text, t.logprob) for t in top]})
+    return {"content": content}
+
+
+def _choice(c: Choice, role: str, want_logprobs: bool) -> dict[str, Any]:
+    return {
+        "index": c.index,
+        "message": {"role": role, "content": c.text},
+        "logprobs": _logprobs(c) if want_logprobs else None,
+        "finish_reason": c.finish_reason or "stop",
+        "stop_reason": c.stop_reason,
+    }
+
+
+def render_result(req: GenerationRequest, result: JobResult, job_id: str, created: int) -> dict[str, Any]:
+    role, want_logprobs = response_role(req), req.sampling.logprobs is not None
+    return {
+        "id": f"chatcmpl-{job_id}",
+        "object": "chat.completion",
+        "created": created,
+        "model": req.model,
+        "choices": [_choice(c, role, want_logprobs) for c in result.choices],
+        "usage": usage_body(result.usage),
+    }
+
+
+def _delta_choice(d: TokenDelta, want_logprobs: bool) -> dict[str, Any] | None:
+    if not d.text and not d.token_ids and d.finish_reason is None:
+        return None  # nothing new (vLLM skips these too)
+    choice = {
+        "index": d.index,
+        "delta": {"content": d.text},
+        "logprobs": _logprobs(d) if want_logprobs else None,
+        "finish_reason": d.finish_reason,
+    }
+    if d.finish_reason is not None:
+        choice["stop_reason"] = d.stop_reason
+    return choice
+
+
+async def render_stream(
+    req: GenerationRequest,
+    events: AsyncIterator[Event | Keepalive],
+    job_id: str,
+    created: int,
+    *,
+    sse_format: bool = True,
+) -> AsyncIterator[bytes]:
+    """SSE chunks ending with ``[DONE]``; with ``sse_format=False`` (LMI's default for chat) the
+    same chunks as JSON lines, no keep-alives and no terminator."""
+    head = {"id": f"chatcmpl-{job_id}", "object": "chat.completion.chunk", "created": created, "model": req.model}
+    frame = sse if sse_format else jsonline
+    want_logprobs, role = req.sampling.logprobs is not None, response_role(req)
+    started = False
+    try:
+        async for event in events:
+            if isinstance(event, Keepalive):
+                if sse_format:
+                    yield KEEPALIVE
+                continue
+            if isinstance(event, Error):
+                yield frame(error_body(error_from_code(event.code, event.message, event.status))[1])
+                break
+            if not started:  # like vLLM: every choice opens with its role, before any content
+                started = True
+                for index in range(req.sampling.n):
+                    opening = {"index": index, "delta": {"role": role, "content": ""}, "logprobs": None}
+                    yield frame({**head, "choices": [{**opening, "finish_reason": None}]})
+            for delta in event.deltas:
+                choice = _delta_choice(delta, want_logprobs)
+                if choice is not None:
+                    yield frame({**head, "choices": [choice]})
+            if isinstance(event, Done):
+                if req.output.include_usage:
+                    yield frame({**head, "choices": [], "usage": usage_body(event.usage)})
+                break
+    except ServiceError as exc:  # the relay itself failed (say, Redis went away mid-stream)
+        yield frame(error_body(exc)[1])
+    if sse_format:  # the openai SDK waits for [DONE], also after an error
+        yield SSE_DONE

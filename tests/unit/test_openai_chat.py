@@ -1,0 +1,334 @@
+"""OpenAI chat completions: translation, vLLM's validation messages, and the rendered bytes."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from api.dialects import openai_chat as chat
+from api.relay import KEEPALIVE, SSE_DONE, Keepalive
+from shared.errors import InvalidRequest
+from shared.events import Done, Error, TokenDelta, Tokens
+from shared.schemas import ChatMessage, Choice, JobResult, StructuredOutput, TopLogprob, Usage
+
+MAX_LEN = 1024
+HI = [{"role": "user", "content": "hi"}]
+
+
+def req(body: dict):
+    return chat.to_generation_request(msgspec.convert(body, chat.ChatRequest), max_model_len=MAX_LEN)
+
+
+def refused(body: dict) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as info:
+        req(body)
+    return info.value
+
+
+async def _aiter(items):
+    for item in items:
+        yield item
+
+
+async def frames(r, events, *, sse_format=True) -> list[bytes]:
+    return [f async for f in chat.render_stream(r, _aiter(events), "j1", 7, sse_format=sse_format)]
+
+
+# --- translation ----------------------------------------------------------------------------
+
+
+def test_defaults_match_vllm_chat():
+    r = req({"messages": HI})
+    s = r.sampling
+    assert r.messages == [ChatMessage(role="user", content="hi")] and r.prompt is None
+    assert (s.n, s.temperature, s.top_p, s.top_k, s.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert s.logprobs is None and s.structured is None
+    assert s.max_tokens == MAX_LEN - 1  # null max_tokens: up to the context, the engine stops at its end
+    assert r.chat.add_generation_prompt and not r.chat.continue_final_message and r.chat.template_kwargs == {}
+    assert r.dialect == "openai_chat" and r.model == "" and not r.output.include_usage
+
+
+def test_messages_keep_roles_and_names_and_flatten_text_parts_with_newlines():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "name": "ann", "content": parts}]
+    messages += [{"role": "assistant", "content": None}, {"role": "tool", "content": "42", "tool_call_id": "call_1"}]
+    r = req({"messages": messages})
+    assert r.messages == [
+        ChatMessage(role="system", content="be brief"),
+        ChatMessage(role="user", content="a\nb", name="ann"),
+        ChatMessage(role="assistant", content=""),
+        ChatMessage(role="tool", content="42"),
+    ]
+
+
+def test_every_sampling_field_is_mapped():
+    body = {"messages": HI, "model": "m", "temperature": 0.5, "top_p": 0.9, "n": 3, "stop": "\n", "seed": 11}
+    body |= {"max_tokens": 9, "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {"5": -100}}
+    body |= {"ignore_eos": True, "top_k": 4, "min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 2, "priority": 3}
+    body |= {"stop_token_ids": [7], "include_stop_str_in_output": True, "skip_special_tokens": False}
+    r = req({**body, "stream": True, "stream_options": {"include_usage": True}})
+    s = r.sampling
+    assert (s.temperature, s.top_p, s.n, s.stop, s.seed, s.max_tokens) == (0.5, 0.9, 3, ["\n"], 11, 9)
+    assert (s.presence_penalty, s.frequency_penalty, s.logit_bias, s.ignore_eos) == (0.5, -0.5, {5: -100.0}, True)
+    assert (s.top_k, s.min_p, s.repetition_penalty, s.min_tokens) == (4, 0.1, 1.2, 2)
+    assert (s.stop_token_ids, s.include_stop_str_in_output, s.skip_special_tokens) == ([7], True, False)
+    assert (r.model, r.priority, r.output.include_usage) == ("m", 3, True)
+    assert req({"messages": HI, "seed": -1, "stop": ["a", "b"]}).sampling.seed is None  # -1: no seed, as vLLM
+    assert req({"messages": HI, "stop": ["a", "b"]}).sampling.stop == ["a", "b"]
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    assert req({"messages": HI, "max_tokens": 5, "max_completion_tokens": 3}).sampling.max_tokens == 3
+    assert req({"messages": HI, "max_completion_tokens": None, "max_tokens": 5}).sampling.max_tokens == 5
+
+
+def test_logprobs_and_top_logprobs():
+    assert req({"messages": HI, "logprobs": True}).sampling.logprobs == 0
+    assert req({"messages": HI, "logprobs": True, "top_logprobs": 5}).sampling.logprobs == 5
+    assert req({"messages": HI, "logprobs": False, "top_logprobs": 0}).sampling.logprobs is None
+    assert req({"messages": HI, "top_logprobs": None}).sampling.logprobs is None
+    err = refused({"messages": HI, "top_logprobs": 2})
+    assert err.message == "when using `top_logprobs`, `logprobs` must be set to true." and err.param == "top_logprobs"
+
+
+def test_chat_template_options():
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    r = req({"messages": HI, **options, "chat_template_kwargs": {"enable_thinking": False}})
+    assert not r.chat.add_generation_prompt and r.chat.continue_final_message
+    assert r.chat.template_kwargs == {"enable_thinking": False}
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, StructuredOutput(json_object=True)),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+            StructuredOutput(json={"type": "object"}),
+        ),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, StructuredOutput(choice=["yes", "no"])),
+        ({"structured_outputs": {"regex": "[0-9]+", "whitespace_pattern": " "}}, StructuredOutput(regex="[0-9]+")),
+        (
+            {"structured_outputs": {"json_object": True, "disable_any_whitespace": True}},
+            StructuredOutput(json_object=True),
+        ),  # an engine-wide option in vLLM 0.32: accepted, ignored per request
+        ({"structured_outputs": {"json": '{"type": "integer"}'}}, StructuredOutput(json={"type": "integer"})),
+        ({"structured_outputs": {"grammar": 'root ::= "a"'}}, StructuredOutput(grammar='root ::= "a"')),
+        (
+            {
+                "structured_outputs": {"json": {"type": "object"}},
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array"}}},
+            },
+            StructuredOutput(json={"type": "array"}),
+        ),  # response_format overrides, as in vLLM
+    ],
+)
+def test_response_format_and_structured_outputs(extra, expected):
+    assert req({"messages": HI, **extra}).sampling.structured == expected
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"n": 2, "temperature": 0}, "n must be 1 when using greedy sampling, got 2."),
+        ({"stream_options": {"include_usage": True}}, "Stream options can only be defined when `stream=True`."),
+        (
+            {"add_generation_prompt": True, "continue_final_message": True},
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+        ),
+        ({"max_tokens": 2, "min_tokens": 3}, "min_tokens must be less than or equal to max_tokens=2, got 3."),
+        ({"stop": ["a", ""]}, "stop cannot contain an empty string."),
+        ({"logit_bias": {"abc": 1.0}}, "logit_bias keys must be token ids"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            "tool calling (`tools`, `tool_choice`) is not supported by this server",
+        ),
+        ({"tool_choice": "auto"}, "tool calling (`tools`, `tool_choice`) is not supported by this server"),
+        ({"echo": True}, "`echo` is not supported by this server"),
+        (
+            {"chat_template": "{{ x }}"},
+            "a per-request `chat_template` is not supported; the model's own template is used",
+        ),
+        (
+            {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+            "`stream_options.continuous_usage_stats` is not supported",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "When response_format type is 'json_schema', the 'json_schema' field (with a 'schema') must be provided.",
+        ),
+        (
+            {"response_format": {"type": "xml"}},
+            "response_format type must be 'text', 'json_object' or 'json_schema', got 'xml'",
+        ),
+        (
+            {"structured_outputs": {"choice": ["a"], "regex": "a"}},
+            "You can only use one kind of constraints for structured outputs ('json', 'regex' or 'choice').",
+        ),
+        ({"structured_outputs": {"json": "[1, 2"}}, "structured_outputs.json must be a JSON object"),
+        (
+            {"chat_template_kwargs": {"tokenize": False, "chat_template": "x"}},
+            "chat_template_kwargs may not set chat_template, tokenize",
+        ),
+    ],
+)
+def test_invalid_requests_get_vllms_message(extra, message):
+    assert refused({"messages": HI, **extra}).message == message
+
+
+def test_structured_outputs_need_exactly_one_constraint():
+    one = "structured output needs exactly one of json, json_object, regex, choice, grammar"
+    assert refused({"messages": HI, "structured_outputs": {}}).message == one
+    both = {"structured_outputs": {"json": {"type": "object"}}, "response_format": {"type": "json_object"}}
+    assert refused({"messages": HI, **both}).message == one  # response_format adds to it, as in vLLM
+    empty = refused({"messages": HI, "structured_outputs": {"choice": []}})
+    assert empty.message == "structured output `choice` must not be empty" and empty.param == "structured_outputs"
+
+
+def test_non_text_content_and_tool_calls_in_history_are_refused():
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    err = refused({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, image]}]})
+    assert err.message == "messages[0]: content parts of type `image_url` are not supported (text only)"
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    err = refused({"messages": [*HI, {"role": "assistant", "tool_calls": calls}]})
+    assert err.message == "messages[1]: `tool_calls` are not supported by this server"
+
+
+BAD_RANGES = [{"temperature": 2.5}, {"top_p": 0}, {"n": 0}, {"top_logprobs": 21, "logprobs": True}]
+BAD_RANGES += [{"max_tokens": 0}, {"presence_penalty": 3}, {"frequency_penalty": -2.5}, {"min_p": 1.5}]
+BAD_RANGES += [{"top_k": -2}, {"repetition_penalty": 0}, {"min_tokens": -1}, {"messages": "hi"}, {"logprobs": "x"}]
+
+
+@pytest.mark.parametrize("extra", BAD_RANGES)
+def test_single_field_ranges_fail_validation(extra):
+    with pytest.raises(msgspec.ValidationError):  # the route turns these into 400 InvalidRequest
+        msgspec.convert({"messages": HI, **extra}, chat.ChatRequest)
+
+
+# --- rendering ------------------------------------------------------------------------------
+
+
+def test_render_result_is_a_chat_completion_with_logprobs():
+    r = req({"messages": HI, "logprobs": True, "top_logprobs": 1, "model": "tiny"})
+    tops = [[TopLogprob(5, "é", -0.1)], [TopLogprob(6, "!", -0.5)]]
+    choice = Choice(text="é!", token_ids=[5, 6], token_texts=["é", "!"], logprobs=[float("-inf"), -0.5])
+    choice.top_logprobs, choice.finish_reason, choice.stop_reason = tops, "stop", "\n"
+    usage = Usage(prompt_tokens=4, completion_tokens=2)
+    body = chat.render_result(r, JobResult(choices=[choice], usage=usage), "j1", 7)
+    e_top, bang = {"token": "é", "logprob": -0.1, "bytes": [195, 169]}, {"token": "!", "logprob": -0.5, "bytes": [33]}
+    e_sampled = {"token": "é", "logprob": -9999.0, "bytes": [195, 169]}  # -inf floored, as vLLM
+    logprobs = {"content": [{**e_sampled, "top_logprobs": [e_top]}, {**bang, "top_logprobs": [bang]}]}
+    message = {"role": "assistant", "content": "é!"}
+    assert body == {
+        "id": "chatcmpl-j1",
+        "object": "chat.completion",
+        "created": 7,
+        "model": "tiny",
+        "choices": [
+            {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": "stop", "stop_reason": "\n"}
+        ],
+        "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6},
+    }
+
+
+def test_render_result_without_logprobs_and_without_generation_prompt():
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    r = req({"messages": [{"role": "assistant", "content": "Once"}], **options})
+    body = chat.render_result(r, JobResult(choices=[Choice(text=" upon", finish_reason="length")]), "j", 1)
+    # Without a generation prompt vLLM answers in the last message's role.
+    message = {"role": "assistant", "content": " upon"}
+    expected = {"index": 0, "message": message, "logprobs": None, "finish_reason": "length", "stop_reason": None}
+    assert body["choices"] == [expected]
+    r = req({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False})
+    body = chat.render_result(r, JobResult(choices=[Choice(text="y")]), "j", 1)
+    assert body["choices"][0]["message"] == {"role": "user", "content": "y"}
+
+
+HEAD = b'data: {"id":"chatcmpl-j1","object":"chat.completion.chunk","created":7,"model":"tiny",'
+
+
+async def test_stream_role_chunk_first_then_deltas_usage_and_done():
+    r = req({"messages": HI, "model": "tiny", "stream": True, "stream_options": {"include_usage": True}})
+    events = [
+        Keepalive(),
+        Tokens(seq=1, deltas=[TokenDelta(token_ids=[1], text="a")]),
+        Done(
+            seq=2,
+            deltas=[TokenDelta(token_ids=[2], text="b", finish_reason="stop")],
+            usage=Usage(prompt_tokens=3, completion_tokens=2),
+        ),
+    ]
+    assert await frames(r, events) == [
+        KEEPALIVE,
+        HEAD + b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
+        b'"finish_reason":null}]}\n\n',
+        HEAD + b'"choices":[{"index":0,"delta":{"content":"a"},"logprobs":null,"finish_reason":null}]}\n\n',
+        HEAD + b'"choices":[{"index":0,"delta":{"content":"b"},"logprobs":null,"finish_reason":"stop",'
+        b'"stop_reason":null}]}\n\n',
+        HEAD + b'"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}\n\n',
+        SSE_DONE,
+    ]
+
+
+async def test_stream_opens_every_choice_and_carries_chunk_logprobs():
+    r = req({"messages": HI, "model": "tiny", "stream": True, "n": 2, "logprobs": True})
+    events = [
+        Done(
+            seq=1,
+            deltas=[
+                TokenDelta(
+                    index=1, token_ids=[9], text="z", token_texts=["z"], logprobs=[-0.25], finish_reason="length"
+                ),
+                TokenDelta(index=0, token_ids=[], text="", finish_reason=None),  # nothing new: skipped
+            ],
+        )
+    ]
+    out = [msgspec.json.decode(f.removeprefix(b"data: ")) for f in (await frames(r, events))[:-1]]
+    assert [(c["choices"][0]["index"], c["choices"][0]["delta"]) for c in out] == [
+        (0, {"role": "assistant", "content": ""}),
+        (1, {"role": "assistant", "content": ""}),
+        (1, {"content": "z"}),
+    ]
+    assert out[2]["choices"][0]["logprobs"] == {
+        "content": [{"token": "z", "logprob": -0.25, "bytes": [122], "top_logprobs": []}]
+    }
+
+
+async def test_stream_ends_with_done_after_an_in_band_error():
+    r = req({"messages": HI, "model": "tiny", "stream": True})
+    events = [
+        Tokens(seq=1, deltas=[TokenDelta(token_ids=[1], text="a")]),
+        Error(seq=2, code="generation_failed", message="engine died", status=500),
+    ]
+    out = await frames(r, events)
+    assert out[-2:] == [
+        b'data: {"error":{"message":"engine died","type":"InternalServerError","param":null,"code":500}}\n\n',
+        SSE_DONE,
+    ]
+    assert len(out) == 4
+
+
+async def test_lmi_json_lines_form_has_no_keepalives_and_no_done():
+    r = req({"messages": HI, "model": "tiny", "stream": True})
+    events = [
+        Keepalive(),
+        Done(seq=1, deltas=[TokenDelta(token_ids=[1], text="a", finish_reason="length")]),
+    ]
+    out = await frames(r, events, sse_format=False)
+    assert out == [
+        b'{"id":"chatcmpl-j1","object":"chat.completion.chunk","created":7,"model":"tiny","choices":[{"index":0,'
+        b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n',
+        b'{"id":"chatcmpl-j1","object":"chat.completion.chunk","created":7,"model":"tiny","choices":[{"index":0,'
+        b'"delta":{"content":"a"},"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n',
+    ]
+    error = [Error(seq=1, code="invalid_request", message="bad", status=400)]
+    assert await frames(r, error, sse_format=False) == [
+        b'{"error":{"message":"bad","type":"BadRequestError","param":null,"code":400}}\n'
+    ]
+
+
+def test_errors_use_the_openai_shape():
+    status, body = chat.error_body(InvalidRequest("nope", param="n"))
+    assert status == 400
+    assert body == {"error": {"message": "nope", "type": "BadRequestError", "param": "n", "code": 400}}
