@@ -17,6 +17,7 @@ import msgspec
 from msgspec import Meta
 
 from api.dialects.openai_completions import error_body, usage_body
+from api.dialects.openai_structured import ResponseFormat, StructuredOutputs, structured_output
 from api.relay import KEEPALIVE, SSE_DONE, Keepalive, jsonline, sse
 from shared.errors import InvalidRequest, ServiceError, error_from_code
 from shared.events import Done, Error, Event, TokenDelta
@@ -28,7 +29,6 @@ from shared.schemas import (
     JobResult,
     OutputOptions,
     SamplingParams,
-    StructuredOutput,
 )
 
 __all__ = ["ChatRequest", "to_generation_request", "render_result", "render_stream", "error_body"]
@@ -55,29 +55,6 @@ class Message(msgspec.Struct, kw_only=True):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
-
-
-class JsonSchemaFormat(msgspec.Struct, kw_only=True):
-    name: str
-    description: str | None = None
-    schema: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ResponseFormat(msgspec.Struct, kw_only=True):
-    type: str
-    json_schema: JsonSchemaFormat | None = None
-
-
-class StructuredOutputs(msgspec.Struct, kw_only=True):
-    """vLLM's ``structured_outputs``; its options (whitespace, ...) are accepted and ignored: vLLM 0.32
-    reads ``disable_any_whitespace`` from the engine's config only (``LLMQ_COMPACT_JSON``)."""
-
-    json: str | dict[str, Any] | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -195,50 +172,6 @@ def _messages(b: ChatRequest) -> list[ChatMessage]:
     return out
 
 
-def _structured(b: ChatRequest) -> StructuredOutput | None:
-    """``response_format`` overrides ``structured_outputs``, as in vLLM's
-    ``structured_outputs_from_response_format``."""
-    fields: dict[str, Any] = {}
-    so = b.structured_outputs
-    if so is not None:
-        _refuse(
-            sum(x is not None for x in (so.json, so.regex, so.choice)) > 1,
-            "You can only use one kind of constraints for structured outputs ('json', 'regex' or 'choice').",
-            "structured_outputs",
-        )
-        fields = {k: v for k, v in msgspec.structs.asdict(so).items() if v is not None and v is not False}
-        if isinstance(so.json, str):
-            fields["json"] = _schema_from_string(so.json)
-        _refuse(so.grammar == "", "structured_outputs.grammar cannot be an empty string", "structured_outputs")
-    rf = b.response_format
-    if rf is not None and rf.type != "text":
-        fields.update(_from_response_format(rf))
-    if so is None and not fields:
-        return None
-    try:
-        return StructuredOutput(**fields)
-    except ValueError as exc:
-        raise InvalidRequest(str(exc), param="structured_outputs") from None
-
-
-def _schema_from_string(text: str) -> dict[str, Any]:
-    try:
-        return msgspec.json.decode(text, type=dict[str, Any])
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        raise InvalidRequest("structured_outputs.json must be a JSON object", param="structured_outputs") from None
-
-
-def _from_response_format(rf: ResponseFormat) -> dict[str, Any]:
-    if rf.type == "json_object":
-        return {"json_object": True}
-    supported = "response_format type must be 'text', 'json_object' or 'json_schema', got '" + rf.type + "'"
-    _refuse(rf.type != "json_schema", supported, "response_format")
-    schema = rf.json_schema.schema if rf.json_schema is not None else None
-    message = "When response_format type is 'json_schema', the 'json_schema' field (with a 'schema') must be provided."
-    _refuse(schema is None, message, "response_format")
-    return {"json": schema}
-
-
 def _template_kwargs(b: ChatRequest) -> dict[str, object]:
     kwargs = dict(b.chat_template_kwargs or {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
@@ -280,7 +213,7 @@ def to_generation_request(body: ChatRequest, *, max_model_len: int) -> Generatio
         skip_special_tokens=body.skip_special_tokens,
         spaces_between_special_tokens=body.spaces_between_special_tokens,
         logit_bias=logit_bias,
-        structured=_structured(body),
+        structured=structured_output(body.structured_outputs, body.response_format),
     )
     chat = ChatOptions(
         add_generation_prompt=body.add_generation_prompt,

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
+from api.dialects.openai_structured import ResponseFormat, StructuredOutputs, structured_output
 from api.relay import KEEPALIVE, SSE_DONE, Keepalive, sse
 from shared.errors import InvalidRequest, ServiceError, error_from_code
 from shared.events import Done, Error, Event, TokenDelta
@@ -78,6 +79,8 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     priority: int = 0
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 MAX_PROMPTS = 256  # one job per prompt: a bound on what one request may queue
@@ -140,6 +143,7 @@ def to_generation_requests(body: CompletionRequest) -> list[GenerationRequest]:
         skip_special_tokens=body.skip_special_tokens,
         spaces_between_special_tokens=body.spaces_between_special_tokens,
         logit_bias=logit_bias,
+        structured=structured_output(body.structured_outputs, body.response_format),
     )
     include_usage = body.stream_options.include_usage if body.stream_options else False
     output = OutputOptions(include_usage=include_usage, echo=body.echo, prompt_tokens=body.echo)

@@ -3,6 +3,8 @@ prompts (one job each), echo, echo with logprobs, n across prompts, and model ro
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -65,3 +67,17 @@ def test_unknown_model_is_404_and_models_lists_the_live_one(stack, client):
     assert [m.id for m in client.models.list().data] == [stack.model]
     lmi = httpx.post(f"{stack.url}/predictions/not-served", json={"inputs": "x"}, timeout=30)
     assert lmi.status_code == 404 and lmi.json()["code"] == 404
+
+
+def test_structured_outputs_on_completions(stack, client):
+    pick = client.completions.create(model=stack.model, prompt="Pick:", max_tokens=10, temperature=0,
+                                     extra_body={"structured_outputs": {"choice": ["red", "green"]}})
+    assert pick.choices[0].text in ("red", "green") and pick.choices[0].finish_reason == "stop"
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    out = client.completions.create(
+        model=stack.model, prompt="JSON:", max_tokens=40, temperature=0,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+    )
+    assert out.choices[0].finish_reason == "stop"
+    assert json.loads(out.choices[0].text) in ({"ok": True}, {"ok": False})

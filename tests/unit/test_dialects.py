@@ -201,3 +201,13 @@ def test_sse_framing_helper():
     assert sse({"a": 1}) == b'data: {"a":1}\n\n'
     assert sse({"a": 1}, space=False) == b'data:{"a":1}\n\n'
     assert sse({"a": 1}, event_id=7) == b'id: 7\ndata: {"a":1}\n\n'
+
+
+def test_openai_completions_take_structured_outputs_and_response_format():
+    so = oc_req({"prompt": "x", "structured_outputs": {"regex": "[0-9]+"}}).sampling.structured
+    assert so is not None and so.regex == "[0-9]+"
+    schema = {"type": "object"}
+    rf = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    assert oc_req({"prompt": "x", "response_format": rf}).sampling.structured.json == schema
+    with pytest.raises(InvalidRequest):
+        oc_req({"prompt": "x", "response_format": {"type": "json_schema"}})
