@@ -6,24 +6,16 @@ gives ``"abca"``), one token per step, so every line of the cumulative stream is
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
 import pytest
-import uvicorn
 
-from api.app import create_app
-from shared.config import load_settings
 from shared.errors import GenerationFailed
 from shared.events import TokenDelta
-from shared.keys import Keys
-from shared.queue import Queue
-from shared.redis import connect
 from shared.schemas import PromptInfo
-from tests.conftest import free_port
 from tests.scripted_engine import ScriptedEngine, Step
-from workers.runner import Worker
+from tests.scripted_stack import scripted_settings, scripted_stack, serve_api
 
 
 class HappyEngine(ScriptedEngine):
@@ -42,42 +34,10 @@ class HappyEngine(ScriptedEngine):
             yield step
 
 
-async def _serve(settings):
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=settings.port, log_level="warning", lifespan="on")
-    )
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.05)
-    return server, task
-
-
 @pytest.fixture(scope="module")
 async def client(redis_url):
-    prefix = "scripted-happy"
-    settings = load_settings(
-        {},
-        redis_url=redis_url,
-        prefix=prefix,
-        served_model_name="tiny",
-        port=free_port(),
-        block_ms=200,
-        sse_keepalive_s=0.5,
-    )
-    server, server_task = await _serve(settings)
-    redis = connect(redis_url)
-    worker = Worker(settings, Queue(redis, Keys(prefix)), HappyEngine(delay_s=0.001), worker_id="w-happy")
-    worker_task = asyncio.create_task(worker.run())
-    while not worker.ready:
-        await asyncio.sleep(0.05)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{settings.port}", timeout=30) as http:
-        yield http
-    worker.stop()
-    await asyncio.wait_for(worker_task, 10)
-    server.should_exit = True
-    await server_task
-    await redis.aclose()
-
+    async with scripted_stack(redis_url, "scripted-happy", HappyEngine(delay_s=0.001)) as s:
+        yield s.client
 
 async def raw_stream(client, body: dict) -> tuple[httpx.Response, bytes]:
     async with client.stream("POST", "/v1/generate_stream", json=body) as resp:
@@ -176,21 +136,10 @@ async def test_technical_routes(client):
 
 
 async def test_readiness_is_ko_with_200_when_no_worker_serves_the_model(redis_url):
-    ghost = load_settings(
-        {},
-        redis_url=redis_url,
-        prefix="scripted-happy-ghost",
-        served_model_name="ghost",
-        port=free_port(),
-        block_ms=200,
-    )
-    server, task = await _serve(ghost)
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ghost.port}", timeout=30) as http:
+    ghost = scripted_settings(redis_url, "scripted-happy-ghost", served_model_name="ghost")
+    async with serve_api(ghost) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             resp = await http.get("/readiness")
             assert (resp.status_code, resp.json()) == (200, {"ready": "ko"})
             resp = await http.post("/v1/generate", json={"prompt": "x"})
             assert resp.status_code == 503 and "ghost" in resp.json()["detail"]
-    finally:
-        server.should_exit = True
-        await task

@@ -13,22 +13,15 @@ import json
 import httpx
 import msgspec
 import pytest
-import uvicorn
 from litestar import Request, Response, post
 from litestar.response import Stream
 
-from api.app import create_app
 from api.routes.openai_chat import chat_response
 from api.services import Svc
-from shared.config import load_settings
 from shared.errors import GenerationFailed
 from shared.events import TokenDelta
-from shared.keys import Keys
-from shared.queue import Queue
-from shared.redis import connect
-from tests.conftest import free_port
 from tests.scripted_engine import ScriptedEngine, Step
-from workers.runner import Worker
+from tests.scripted_stack import scripted_stack
 
 SLOW_S = 1.6  # a "slow..." chat waits this long before its first token: several keep-alive intervals
 
@@ -57,35 +50,8 @@ async def lmi_chat(request: Request, svc: Svc) -> Response | Stream:
 
 @pytest.fixture(scope="module")
 async def client(redis_url):
-    prefix = "scripted-chat"
-    settings = load_settings(
-        {},
-        redis_url=redis_url,
-        prefix=prefix,
-        served_model_name="tiny",
-        port=free_port(),
-        block_ms=200,
-        sse_keepalive_s=0.5,
-    )
-    app = create_app(settings)
-    app.register(lmi_chat)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning", lifespan="on")
-    )
-    server_task = asyncio.create_task(server.serve())
-    redis = connect(redis_url)
-    worker = Worker(settings, Queue(redis, Keys(prefix)), ChatEngine(delay_s=0.001), worker_id="w-chat")
-    worker_task = asyncio.create_task(worker.run())
-    while not (server.started and worker.ready):
-        await asyncio.sleep(0.05)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{settings.port}", timeout=30) as http:
-        yield http
-    worker.stop()
-    await asyncio.wait_for(worker_task, 10)
-    server.should_exit = True
-    await server_task
-    await redis.aclose()
-
+    async with scripted_stack(redis_url, "scripted-chat", ChatEngine(delay_s=0.001), routes=[lmi_chat]) as s:
+        yield s.client
 
 def chat_body(text: str, **extra) -> dict:
     return {"messages": [{"role": "system", "content": "ignored"}, {"role": "user", "content": text}], **extra}

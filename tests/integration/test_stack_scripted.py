@@ -6,44 +6,18 @@ same paths run on real vLLM in tests/e2e.
 
 from __future__ import annotations
 
-import asyncio
 import json
 
-import httpx
 import pytest
-import uvicorn
 
-from api.app import create_app
-from shared.config import load_settings
-from shared.keys import Keys
-from shared.queue import Queue
-from shared.redis import connect
-from tests.conftest import free_port
-from tests.scripted_engine import ScriptedEngine, expected_text
-from workers.runner import Worker
+from tests.scripted_engine import expected_text
+from tests.scripted_stack import scripted_stack
 
 
 @pytest.fixture(scope="module")
 async def stack(redis_url):
-    prefix = "scripted"
-    settings = load_settings({}, redis_url=redis_url, prefix=prefix, served_model_name="tiny", port=free_port(),
-                             block_ms=200, sse_keepalive_s=0.5)
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=settings.port,
-                                           log_level="warning", lifespan="on"))
-    server_task = asyncio.create_task(server.serve())
-    redis = connect(redis_url)
-    worker = Worker(settings, Queue(redis, Keys(prefix)), ScriptedEngine(delay_s=0.001), worker_id="w-scripted")
-    worker_task = asyncio.create_task(worker.run())
-    while not (server.started and worker.ready):
-        await asyncio.sleep(0.05)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{settings.port}", timeout=30) as client:
-        yield client, redis, settings
-    worker.stop()
-    await asyncio.wait_for(worker_task, 10)
-    server.should_exit = True
-    await server_task
-    await redis.aclose()
-
+    async with scripted_stack(redis_url, "scripted") as s:
+        yield s.client, s.redis, s.settings
 
 async def test_lmi_jsonlines_frames_one_token_per_line_and_summary_last(stack):
     client, _, _ = stack

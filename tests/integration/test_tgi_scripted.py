@@ -9,21 +9,14 @@ import json
 
 import httpx
 import pytest
-import uvicorn
 from huggingface_hub import InferenceClient
 from huggingface_hub.errors import GenerationError, OverloadedError, ValidationError
 
-from api.app import create_app
-from shared.config import load_settings
 from shared.errors import GenerationFailed, ServiceError
 from shared.events import TokenDelta
-from shared.keys import Keys
-from shared.queue import Queue
-from shared.redis import connect
 from shared.schemas import GenerationRequest, PromptInfo, TopLogprob
-from tests.conftest import free_port
 from tests.scripted_engine import ScriptedEngine, Step
-from workers.runner import Worker
+from tests.scripted_stack import scripted_stack
 
 EOS = 2
 
@@ -76,36 +69,10 @@ class TgiEngine(ScriptedEngine):
 
 @pytest.fixture(scope="module")
 async def stack(redis_url):
-    prefix = "scripted-tgi"
-    settings = load_settings(
-        {},
-        redis_url=redis_url,
-        prefix=prefix,
-        served_model_name="tiny",
-        port=free_port(),
-        block_ms=200,
-        sse_keepalive_s=0.5,
-        max_model_len=64,
-        cache_dir="/nonexistent-llmq-cache",  # no tokenizer files: the special-id lookup finds none
-    )
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=settings.port, log_level="warning", lifespan="on")
-    )
-    server_task = asyncio.create_task(server.serve())
-    redis = connect(redis_url)
-    worker = Worker(settings, Queue(redis, Keys(prefix)), TgiEngine(delay_s=0.001), worker_id="w-tgi")
-    worker_task = asyncio.create_task(worker.run())
-    while not (server.started and worker.ready):
-        await asyncio.sleep(0.05)
-    url = f"http://127.0.0.1:{settings.port}"
-    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-        yield client, url
-    worker.stop()
-    await asyncio.wait_for(worker_task, 10)
-    server.should_exit = True
-    await server_task
-    await redis.aclose()
-
+    # no tokenizer files: the special-id lookup finds none
+    async with scripted_stack(redis_url, "scripted-tgi", TgiEngine(delay_s=0.001), max_model_len=64,
+                              cache_dir="/nonexistent-llmq-cache") as s:
+        yield s.client, s.url
 
 def _frames(raw: bytes) -> list[bytes]:
     frames = raw.split(b"\n\n")

@@ -6,24 +6,16 @@ gives ``"abca"``), one token per step, so every response and event is known in a
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
 import pytest
-import uvicorn
 
-from api.app import create_app
-from shared.config import load_settings
 from shared.errors import GenerationFailed
 from shared.events import TokenDelta
-from shared.keys import Keys
-from shared.queue import Queue
-from shared.redis import connect
 from shared.schemas import PromptInfo
-from tests.conftest import free_port
 from tests.scripted_engine import ScriptedEngine, Step
-from workers.runner import Worker
+from tests.scripted_stack import scripted_settings, scripted_stack, serve_api
 
 SSE = "text/event-stream; charset=utf-8"
 
@@ -46,33 +38,8 @@ class TritonEngine(ScriptedEngine):
 
 @pytest.fixture(scope="module")
 async def stack(redis_url):
-    prefix = "scripted-triton"
-    settings = load_settings(
-        {},
-        redis_url=redis_url,
-        prefix=prefix,
-        served_model_name="tiny",
-        port=free_port(),
-        block_ms=200,
-        sse_keepalive_s=0.5,
-    )
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=settings.port, log_level="warning", lifespan="on")
-    )
-    server_task = asyncio.create_task(server.serve())
-    redis = connect(redis_url)
-    worker = Worker(settings, Queue(redis, Keys(prefix)), TritonEngine(delay_s=0.001), worker_id="w-triton")
-    worker_task = asyncio.create_task(worker.run())
-    while not (server.started and worker.ready):
-        await asyncio.sleep(0.05)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{settings.port}", timeout=30) as http:
-        yield http, settings
-    worker.stop()
-    await asyncio.wait_for(worker_task, 10)
-    server.should_exit = True
-    await server_task
-    await redis.aclose()
-
+    async with scripted_stack(redis_url, "scripted-triton", TritonEngine(delay_s=0.001)) as s:
+        yield s.client, s.settings
 
 @pytest.fixture
 def client(stack):
@@ -205,22 +172,9 @@ async def test_health_and_metadata(client):
 
 async def test_a_model_without_a_warm_worker_is_not_ready_and_refused_with_503(stack, redis_url):
     _, settings = stack
-    ghost = load_settings(
-        {},
-        redis_url=redis_url,
-        prefix="scripted-triton-ghost",
-        served_model_name="ghost",
-        port=free_port(),
-        block_ms=200,
-    )
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(ghost), host="127.0.0.1", port=ghost.port, log_level="warning", lifespan="on")
-    )
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.05)
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ghost.port}", timeout=30) as http:
+    ghost = scripted_settings(redis_url, "scripted-triton-ghost", served_model_name="ghost")
+    async with serve_api(ghost) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             assert (await http.get("/v2/health/live")).status_code == 200
             resp = await http.get("/v2/health/ready")
             assert (resp.status_code, resp.content) == (400, b"")
@@ -228,6 +182,3 @@ async def test_a_model_without_a_warm_worker_is_not_ready_and_refused_with_503(s
             assert (await http.get("/v2/models/ghost")).status_code == 200  # configured, so known
             resp = await http.post("/v2/models/ghost/generate", json={"text_input": "x"})
             assert resp.status_code == 503 and "ghost" in resp.json()["error"]
-    finally:
-        server.should_exit = True
-        await task
