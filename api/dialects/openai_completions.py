@@ -79,6 +79,8 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     priority: int = 0
+    use_beam_search: bool = False
+    prompt_logprobs: int | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 
@@ -108,6 +110,9 @@ def to_generation_requests(body: CompletionRequest) -> list[GenerationRequest]:
     """One GenerationRequest per prompt (a list of prompts is a batch)."""
     if body.stream_options is not None and not body.stream:
         raise InvalidRequest("Stream options can only be defined when `stream=True`.", param="stream_options")
+    for name in ("suffix", "use_beam_search", "prompt_logprobs"):
+        if getattr(body, name) not in (None, False):
+            raise InvalidRequest(f"`{name}` is not supported by this server", param=name)
     temperature = 1.0 if body.temperature is None else body.temperature
     if body.n > 1 and temperature == 0:
         raise InvalidRequest("n must be 1 when using greedy sampling, got " + str(body.n), param="n")

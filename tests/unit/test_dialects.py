@@ -148,6 +148,8 @@ def test_openai_defaults_match_vllm():
     {"prompt": []},
     {"prompt": ["a", [1, 2]]},
     {"prompt": [[1], []]},
+    {"prompt": "x", "suffix": "y"},
+    {"prompt": "x", "use_beam_search": True},
 ])
 def test_openai_rejects_invalid_combinations(body):
     with pytest.raises(InvalidRequest):
