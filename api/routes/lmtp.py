@@ -1,5 +1,171 @@
-"""Placeholder: the lmtp routes are being written (issue 3)."""
+"""LMTP over WebSocket at ``/`` (where LMQL's ``lmql serve-model`` listens; TGI's ``POST /`` shares
+the path). One socket carries many streams: each GENERATE or SCORE is one job followed by its own
+task, and every frame goes out through one lock, so frames never interleave mid-message.
+Closing the socket cancels the jobs still running.
+"""
 
 from __future__ import annotations
 
-ROUTES: list = []
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import structlog
+from litestar import WebSocket, websocket
+
+from api.dialects import lmtp
+from api.relay import Keepalive
+from api.services import Services, Svc
+from api.submit import Submission, submit
+from shared.errors import ServiceError, error_from_code
+from shared.events import Error, Event, is_terminal
+from shared.redis import REDIS_DOWN
+
+__all__ = ["ROUTES", "lmtp_socket", "Session"]
+
+log = structlog.get_logger()
+
+Feed = Callable[[Event], list[dict[str, Any]]]
+
+
+class Session:
+    """One client socket: dispatches commands, runs a task per stream, owns the send lock."""
+
+    def __init__(self, socket: WebSocket, svc: Services) -> None:
+        self.socket = socket
+        self.svc = svc
+        self.lock = asyncio.Lock()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.closed = False
+
+    async def send(self, verb: str, payload: dict[str, Any]) -> None:
+        text = lmtp.frame(verb, payload)
+        async with self.lock:
+            await self.socket.send_text(text)
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(_logged(work))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def handle(self, text: str) -> None:
+        try:
+            frame = lmtp.parse_frame(text)
+        except lmtp.FrameError as exc:
+            await self.send("MSG", lmtp.error_payload(exc.stream_id, exc.message))
+            return
+        if frame.verb == "GENERATE":
+            self.spawn(self.stream(frame, self.start_generate))
+        elif frame.verb == "SCORE":
+            self.spawn(self.stream(frame, self.start_score))
+        elif frame.verb == "MODEL_INFO":
+            self.spawn(self.model_info(frame))
+        else:  # LMQL's server's wording
+            await self.send("MSG", lmtp.error_payload(frame.stream_id, f"Unknown command: {frame.verb}"))
+
+    async def start_generate(self, frame: lmtp.Frame) -> tuple[Submission, Feed]:
+        cmd = lmtp.decode_generate(frame)
+        return await submit(self.svc, lmtp.to_generation_request(cmd)), lmtp.TokenStream(cmd).feed
+
+    async def start_score(self, frame: lmtp.Frame) -> tuple[Submission, Feed]:
+        cmd = lmtp.decode_score(frame)
+        return await submit(self.svc, lmtp.to_score_request(cmd)), lmtp.ScoreStream(cmd).feed
+
+    async def stream(self, frame: lmtp.Frame, start: Callable[[lmtp.Frame], Any]) -> None:
+        """One GENERATE/SCORE stream. Its errors are TOKEN error frames: LMQL's client only
+        delivers TOKEN frames to a stream, so a MSG error would leave it waiting forever."""
+        if not isinstance(frame.stream_id, int) or isinstance(frame.stream_id, bool):
+            await self.send("MSG", lmtp.error_payload(frame.stream_id, f"{frame.verb} needs an integer `stream_id`"))
+            return
+        try:
+            sub, feed = await start(frame)
+            await self.follow(sub, feed)
+        except ServiceError as exc:
+            await self.send("TOKEN", lmtp.error_payload(frame.stream_id, exc.message))
+        except REDIS_DOWN:
+            await self.send("TOKEN", lmtp.error_payload(frame.stream_id, "the queue is unavailable; try again shortly"))
+        except Exception:
+            if self.closed:  # a send to the socket that just closed: nobody to tell
+                raise
+            log.exception("lmtp_stream_failed", stream_id=frame.stream_id)
+            await self.send("TOKEN", lmtp.error_payload(frame.stream_id, "internal server error"))
+
+    async def follow(self, sub: Submission, feed: Feed) -> None:
+        """Relay one job as TOKEN frames; a job error is raised as its typed ServiceError."""
+        finished = False
+        try:
+            async for event in sub.events:
+                if isinstance(event, Keepalive):
+                    continue
+                finished = is_terminal(event)
+                if isinstance(event, Error):
+                    raise error_from_code(event.code, event.message, event.status)
+                for payload in feed(event):
+                    await self.send("TOKEN", payload)
+        finally:
+            await sub.events.aclose()
+            if not finished:
+                await self.cancel(sub)
+
+    async def cancel(self, sub: Submission) -> None:
+        """The client went away (or the relay failed): stop the job rather than finish it unseen."""
+        try:
+            await self.svc.queue.cancel(sub.request.model, sub.job_id)
+        except REDIS_DOWN as exc:
+            log.warning("lmtp_cancel_failed", job_id=sub.job_id, error=str(exc))
+
+    async def model_info(self, frame: lmtp.Frame) -> None:
+        """A MSG reply. An unknown model is a MSG error, as LMQL's server answers one."""
+        try:
+            cmd = lmtp.decode_model_info(frame)
+            name = cmd.model or str(cmd.data.get("model") or "") or self.svc.model
+            live = await self.svc.models.live()
+        except ServiceError as exc:
+            await self.send("MSG", lmtp.error_payload(frame.stream_id, exc.message))
+            return
+        except REDIS_DOWN:
+            await self.send("MSG", lmtp.error_payload(frame.stream_id, "the queue is unavailable; try again shortly"))
+            return
+        if name not in live and name != self.svc.model:
+            await self.send("MSG", lmtp.error_payload(frame.stream_id, f"The model `{name}` does not exist."))
+            return
+        info = lmtp.model_info_payload(frame.stream_id, name, live.get(name, 0), self.svc.settings.max_model_len)
+        await self.send("MSG", info)
+
+    async def close(self) -> None:
+        """Cancel every stream; each one's ``finally`` cancels its job."""
+        self.closed = True
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _logged(work: Coroutine[Any, Any, None]) -> None:
+    """A stream task never dies silently; a send to a socket that just closed is routine."""
+    try:
+        await work
+    except Exception as exc:
+        log.info("lmtp_stream_ended", error_type=type(exc).__name__, error=str(exc))
+
+
+@websocket("/", opt={"dialect": lmtp.NAME})
+async def lmtp_socket(socket: WebSocket, svc: Svc) -> None:
+    await socket.accept()
+    session = Session(socket, svc)
+    try:
+        while True:
+            message = await socket.receive()
+            if message["type"] == "websocket.disconnect":
+                break
+            text = message.get("text")
+            if text is None:  # a binary frame: LMTP is text, but be lenient about the frame type
+                text = (message.get("bytes") or b"").decode("utf-8", errors="replace")
+            await session.handle(text)
+    except Exception as exc:  # a send to a closed socket: the client is gone
+        log.debug("lmtp_socket_closed", error_type=type(exc).__name__, error=str(exc))
+    finally:
+        await session.close()
+
+
+ROUTES: list = [lmtp_socket]
