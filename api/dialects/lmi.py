@@ -18,6 +18,7 @@ import msgspec
 from msgspec import Meta
 
 from api.dialects.lmi_render import render_result, render_stream
+from api.dialects.openai_structured import StructuredOutputs, structured_output
 from shared.errors import InvalidRequest, ServiceError
 from shared.schemas import GenerationRequest, OutputOptions, SamplingParams
 
@@ -67,6 +68,8 @@ class LmiParameters(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
+    """vLLM's constrained decoding, which LMI's vLLM path passes through to the engine."""
 
 
 class LmiRequest(msgspec.Struct, kw_only=True):
@@ -109,6 +112,7 @@ def _sampling(p: LmiParameters, stream: bool) -> SamplingParams:
         spaces_between_special_tokens=p.spaces_between_special_tokens,
         beam_width=p.num_beams,
         length_penalty=p.length_penalty,
+        structured=structured_output(p.structured_outputs, None),
     )
 
 

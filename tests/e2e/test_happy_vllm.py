@@ -7,6 +7,7 @@ tests use plain httpx.
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -77,6 +78,9 @@ def _valid(out: dict, valid: list[str]) -> None:
 
 
 def test_json_format_simple_form_is_enforced(stack):
+    """happy_vllm's simple form allows extra properties (its schema has no additionalProperties:
+    false), and the random tiny model may add one it never closes; so: the declared fields come
+    first with the declared types, and a finished answer is valid JSON."""
     body = {
         "prompt": "Describe the weather as JSON:",
         "json_format": {"sunny": "boolean", "windy": "boolean"},
@@ -85,8 +89,10 @@ def test_json_format_simple_form_is_enforced(stack):
     }
     with httpx.Client(timeout=120) as client:
         out = client.post(f"{stack.url}/v1/generate", json=body).json()
-    valid = [f'{{"sunny":{a},"windy":{b}}}' for a in ("true", "false") for b in ("true", "false")]
-    _valid(out, valid)
+    text, reason = out["responses"][0], out["finish_reasons"][0]
+    assert re.match(r'\{"sunny":(true|false),"windy":(true|false)[,}]', text), out
+    if reason == "stop":
+        assert isinstance(json.loads(text)["sunny"], bool), out
 
 
 def test_json_format_json_schema_is_enforced(stack):

@@ -109,3 +109,15 @@ def test_chat_on_invocations_is_json_lines_by_default_and_sse_when_configured(st
     with httpx.stream("POST", f"{stack.sse_url}/invocations", json={**body, "stream": True}, timeout=60) as resp:
         raw = resp.read()
     assert resp.headers["content-type"].startswith("text/event-stream") and raw.endswith(b"data: [DONE]\n\n")
+
+
+def test_structured_outputs_pass_through_to_the_engine(stack):
+    body = {"inputs": "Pick:", "parameters": {**GREEDY, "structured_outputs": {"choice": ["left", "right"]}}}
+    assert _post(stack.url, body).json()["generated_text"] in ("left", "right")
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    body = {"inputs": "JSON:", "parameters": {"do_sample": False, "max_new_tokens": 40, "details": True,
+                                              "structured_outputs": {"json": schema}}}
+    result = _post(stack.url, body).json()
+    assert result["details"]["finish_reason"] == "eos_token", result
+    assert isinstance(json.loads(result["generated_text"])["n"], int)

@@ -213,3 +213,10 @@ def test_openai_completions_take_structured_outputs_and_response_format():
     assert oc_req({"prompt": "x", "response_format": rf}).sampling.structured.json == schema
     with pytest.raises(InvalidRequest):
         oc_req({"prompt": "x", "response_format": {"type": "json_schema"}})
+
+
+def test_lmi_structured_outputs_reach_the_internal_request():
+    so = lmi_req({"inputs": "x", "parameters": {"structured_outputs": {"regex": "a+"}}}).sampling.structured
+    assert so is not None and so.regex == "a+"
+    with pytest.raises(InvalidRequest):
+        lmi_req({"inputs": "x", "parameters": {"structured_outputs": {"regex": "a", "choice": ["b"]}}})
