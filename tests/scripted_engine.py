@@ -1,7 +1,8 @@
 """A scripted engine for queue-layer tests: deterministic tokens, no model.
 
 It produces ``max_tokens`` tokens whose text is the prompt's characters cycled, so a test
-knows exactly what every stream must contain. Never the only test of a user path: the e2e
+knows exactly what every stream must contain. The prompt ``fail`` is refused before any token;
+``break`` fails after its first token. Never the only test of a user path: the e2e
 suite runs the same paths on real vLLM.
 """
 
@@ -11,7 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from shared.errors import InvalidRequest
+from shared.errors import GenerationFailed, InvalidRequest
 from shared.events import TokenDelta
 from shared.schemas import GenerationRequest, PromptInfo
 
@@ -39,6 +40,9 @@ class ScriptedEngine:
             prompt = req.messages[-1].content or "a"
         if prompt == "fail":
             raise InvalidRequest("scripted failure")
+        if prompt == "break":  # fails after its first token
+            yield Step(deltas=[TokenDelta(token_ids=[98], text="b")], prompt_tokens=5)
+            raise GenerationFailed("scripted failure mid-stream")
         n = req.sampling.max_tokens
         for i in range(n):
             await asyncio.sleep(self.delay_s)
@@ -47,7 +51,9 @@ class ScriptedEngine:
             delta = TokenDelta(token_ids=[ord(char)], text=char, finish_reason="length" if last else None)
             if req.sampling.logprobs is not None:
                 delta.logprobs, delta.token_texts = [-0.5], [char]
-            yield Step(deltas=[delta], finished=last, prompt_tokens=len(prompt))
+            # The prompt's tokens on the first step when asked, as the real engine reports them.
+            info = PromptInfo(token_ids=[ord(c) for c in prompt]) if i == 0 and req.output.prompt_tokens else None
+            yield Step(deltas=[delta], finished=last, prompt_tokens=len(prompt), prompt=info)
 
     async def abort(self, job_id: str) -> None:
         self.aborted.append(job_id)

@@ -11,35 +11,17 @@ import json
 import httpx
 import pytest
 
-from shared.errors import GenerationFailed
-from shared.events import TokenDelta
-from shared.schemas import PromptInfo
-from tests.scripted_engine import ScriptedEngine, Step
+from tests.scripted_engine import ScriptedEngine
 from tests.scripted_stack import scripted_settings, scripted_stack, serve_api
 
 SSE = "text/event-stream; charset=utf-8"
 
 
-class TritonEngine(ScriptedEngine):
-    """The scripted engine, reporting the prompt's tokens first when asked (as the real one does);
-    ``break`` fails after its first token."""
-
-    async def stream(self, job_id, req):
-        if req.prompt == "break":
-            yield Step(deltas=[TokenDelta(token_ids=[98], text="b")], prompt_tokens=5)
-            raise GenerationFailed("scripted failure mid-stream")
-        first = True
-        async for step in super().stream(job_id, req):
-            if first and req.output.prompt_tokens:
-                step.prompt = PromptInfo(token_ids=[ord(c) for c in req.prompt])
-            first = False
-            yield step
-
-
 @pytest.fixture(scope="module")
 async def stack(redis_url):
-    async with scripted_stack(redis_url, "scripted-triton", TritonEngine(delay_s=0.001)) as s:
+    async with scripted_stack(redis_url, "scripted-triton", ScriptedEngine(delay_s=0.001)) as s:
         yield s.client, s.settings
+
 
 @pytest.fixture
 def client(stack):
