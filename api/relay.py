@@ -9,11 +9,11 @@ helpers below, so no dialect has its own relay.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from shared.codec import decode_event, encode
 from shared.errors import QueueUnavailable, error_from_code
-from shared.events import Error, Event, is_terminal
+from shared.events import Done, Error, Event, Tokens, is_terminal
 from shared.queue import Queue
 from shared.redis import REDIS_DOWN
 from shared.result import ResultBuilder
@@ -130,8 +130,11 @@ async def prefetch(events: AsyncIterator[Event | Keepalive], wait_s: float) -> A
     return replay()
 
 
-async def collect(events: AsyncIterator[Event | Keepalive]) -> JobResult:
-    """Fold a whole job into its result (non-streaming responses); a terminal error is raised."""
+async def collect(
+    events: AsyncIterator[Event | Keepalive], on_event: Callable[[Tokens | Done], None] | None = None
+) -> JobResult:
+    """Fold a whole job into its result (non-streaming responses); a terminal error is raised.
+    ``on_event`` sees each token event too (a dialect that keeps per-event detail)."""
     builder = ResultBuilder()
     async for event in events:
         if isinstance(event, Keepalive):
@@ -139,6 +142,8 @@ async def collect(events: AsyncIterator[Event | Keepalive]) -> JobResult:
         if isinstance(event, Error):
             raise error_from_code(event.code, event.message, event.status)
         builder.add(event)
+        if on_event is not None:
+            on_event(event)
     return builder.result()
 
 

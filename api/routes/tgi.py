@@ -20,13 +20,12 @@ from litestar.response import Stream
 from api import tokenizer
 from api.dialects import tgi
 from api.http import decode_body, json_response, stream_response
-from api.relay import KEEPALIVE, Keepalive, sse
+from api.relay import KEEPALIVE, Keepalive, collect, sse
 from api.services import Services, Svc
 from api.submit import submit
 from shared.errors import QueueUnavailable, ServiceError, error_from_code
-from shared.events import Done, Error, Event, TokenDelta
+from shared.events import Done, Error, Event, TokenDelta, Tokens
 from shared.redis import REDIS_DOWN
-from shared.result import ResultBuilder
 from shared.schemas import GenerationRequest, JobResult
 
 __all__ = ["ROUTES", "render_stream"]
@@ -61,20 +60,19 @@ async def _collect(
 ) -> tuple[JobResult, dict[int, list[dict[str, Any]]]]:
     """Fold the job as relay.collect does, keeping each event's TGI tokens, so a non-streamed
     answer has exactly the tokens (and texts) a stream would have sent."""
-    builder, tokens, texts = ResultBuilder(), {}, {}
+    tokens: dict[int, list[dict[str, Any]]] = {}
+    texts: dict[int, tgi.TokenTexts] = {}
+
+    def keep_tokens(event: Tokens | Done) -> None:
+        for delta in event.deltas:
+            seq_texts = texts.setdefault(delta.index, tgi.TokenTexts(special))
+            tokens.setdefault(delta.index, []).extend(seq_texts.delta(delta))
+
     try:
-        async for event in events:
-            if isinstance(event, Keepalive):
-                continue
-            if isinstance(event, Error):
-                raise error_from_code(event.code, event.message, event.status)
-            builder.add(event)
-            for delta in event.deltas:
-                seq_texts = texts.setdefault(delta.index, tgi.TokenTexts(special))
-                tokens.setdefault(delta.index, []).extend(seq_texts.delta(delta))
+        result = await collect(events, keep_tokens)
     finally:
         await _close(events)
-    return builder.result(), tokens
+    return result, tokens
 
 
 async def _generate(svc: Services, body: tgi.GenerateRequest, *, compat: bool) -> Response:
