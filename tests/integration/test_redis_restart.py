@@ -1,0 +1,134 @@
+"""Redis restarts under load, with AOF persistence: no queued job is lost, nothing is restarted by
+hand, and every request ends (completed, or a clear error), never hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from redis import Redis as SyncRedis
+
+from shared.redis import redis_server_binary
+from tests.conftest import free_port
+from tests.scripted_engine import ScriptedEngine, expected_text
+from tests.scripted_stack import scripted_stack
+
+TERMINAL = {"done", "failed", "cancelled"}
+
+
+class AofRedis:
+    """A redis-server with appendfsync always, restartable on the same port and data directory."""
+
+    def __init__(self, data: Path) -> None:
+        self.data, self.port = data, free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [redis_server_binary(), "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.data),
+             "--save", "", "--appendonly", "yes", "--appendfsync", "always"],
+            stdout=subprocess.DEVNULL,
+        )
+        client = SyncRedis.from_url(self.url)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        client.close()
+
+    def stop(self) -> None:
+        assert self.proc is not None
+        self.proc.terminate()  # SIGTERM: redis-server fsyncs the AOF and exits
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def aof_redis(tmp_path):
+    server = AofRedis(tmp_path)
+    server.start()
+    yield server
+    if server.proc is not None and server.proc.poll() is None:
+        server.stop()
+
+
+async def _status(client, job_id: str) -> str | None:
+    try:
+        resp = await client.get(f"/v1/jobs/{job_id}")
+    except Exception:
+        return None
+    return resp.json()["status"] if resp.status_code == 200 else None
+
+
+async def test_a_redis_restart_loses_no_queued_job_and_nothing_hangs(aof_redis):
+    engine = ScriptedEngine(delay_s=0.02)
+    async with scripted_stack(aof_redis.url, "restart", engine, max_num_seqs=1, heartbeat_s=0.2) as s:
+        ids = []
+        for i in range(6):  # one runs, five wait in the queue
+            resp = await s.client.post("/v1/jobs", json={"prompt": f"job{i}", "sampling": {"max_tokens": 20}})
+            assert resp.status_code == 202, resp.text
+            ids.append(resp.json()["id"])
+        await asyncio.sleep(0.2)
+        aof_redis.stop()
+        await asyncio.sleep(1.0)  # the API answers 503 meanwhile; nothing may crash
+        resp = await s.client.post("/v1/jobs", json={"prompt": "x"})
+        assert resp.status_code == 503
+        aof_redis.start()
+
+        statuses: dict[str, str | None] = {}
+        async with asyncio.timeout(60):
+            while True:
+                statuses = {job_id: await _status(s.client, job_id) for job_id in ids}
+                if all(v in TERMINAL for v in statuses.values()):
+                    break
+                await asyncio.sleep(0.2)
+        # The queued jobs survived the restart and ran; the one in flight may have ended with a
+        # clear error instead, but none is lost or stuck.
+        assert sum(v == "done" for v in statuses.values()) >= 5, statuses
+        for job_id, status in statuses.items():
+            body = (await s.client.get(f"/v1/jobs/{job_id}")).json()
+            if status == "done":
+                text = body["result"]["choices"][0]["text"]
+                prompt = f"job{ids.index(job_id)}"
+                assert text == expected_text(prompt, 20), body
+            else:
+                assert body["error"]["message"], body
+        # A new request after the restart is served normally.
+        resp = await s.client.post("/v1/completions", json={"prompt": "after", "max_tokens": 5})
+        assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == expected_text("after", 5)
+
+
+async def test_a_stream_in_flight_across_a_redis_restart_completes_or_ends_clearly(aof_redis):
+    engine = ScriptedEngine(delay_s=0.02)
+    async with scripted_stack(aof_redis.url, "restart-stream", engine, heartbeat_s=0.2) as s:
+        body = {"prompt": "stream", "max_tokens": 60, "stream": True}
+
+        async def read() -> bytes:
+            async with s.client.stream("POST", "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                return await resp.aread()
+
+        reader = asyncio.create_task(read())
+        await asyncio.sleep(0.3)
+        aof_redis.stop()
+        await asyncio.sleep(1.0)
+        aof_redis.start()
+        async with asyncio.timeout(60):
+            raw = await reader
+        assert raw.endswith(b"data: [DONE]\n\n")
+        chunks = [c[len(b"data: "):] for c in raw.split(b"\n\n") if c.startswith(b"data: {")]
+        objs = [json.loads(c) for c in chunks]
+        errors = [o for o in objs if "error" in o]
+        text = "".join(c["text"] for o in objs for c in o.get("choices", []))
+        # The guarantee is "completes, or ends with a clear error"; what happens with a 1 s outage
+        # is that the worker's flusher retries and the relay re-reads the log: every token, once.
+        assert not errors and text == expected_text("stream", 60), (errors, text)
