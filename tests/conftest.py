@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 
 from shared.keys import Keys
 from shared.redis import connect, redis_server_binary
+from tests.faults import FIGURES, Figures, write_table
 
 
 def free_port() -> int:
@@ -69,3 +70,18 @@ async def redis(redis_url: str) -> AsyncIterator[Redis]:
 
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def figures(request: pytest.FixtureRequest) -> Figures:
+    """A fault scenario's figures, printed in the session's fault table."""
+    fig = Figures(scenario=request.node.name.removeprefix("test_"))
+    FIGURES.append(fig)
+    return fig
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ARG001
+    if FIGURES:
+        table = write_table(REPO / "faults.json")
+        terminalreporter.write_sep("=", "fault suite figures (also in faults.json)")
+        terminalreporter.write_line(table)

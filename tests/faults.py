@@ -1,0 +1,48 @@
+"""The fault suite's figures: each fault scenario records what it sent and what arrived, and the
+session prints one table (and writes ``faults.json``) so the README's numbers come from a run.
+
+A scenario asserts its own figures (0 lost, 0 duplicated); the table is the report.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = ["Figures", "FIGURES", "write_table", "lost_and_duplicated"]
+
+
+@dataclass
+class Figures:
+    scenario: str
+    requests_sent: int = 0
+    completed: int = 0
+    ended_with_error: int = 0
+    tokens_lost: int = 0
+    tokens_duplicated: int = 0
+    jobs_lost: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Named timings, e.g. ``slot_free_s`` or ``recovery_s``."""
+
+
+FIGURES: list[Figures] = []
+
+
+def lost_and_duplicated(expected: list, got: list) -> tuple[int, int]:
+    """Compare a stream with what it should have been, position by position: tokens that did not
+    arrive where they belong are lost; tokens beyond the expected length are duplicates."""
+    matched = sum(1 for a, b in zip(expected, got, strict=False) if a == b)
+    return len(expected) - matched, max(0, len(got) - len(expected))
+
+
+def write_table(path: Path) -> str:
+    rows = sorted(FIGURES, key=lambda f: f.scenario)
+    path.write_text(json.dumps([asdict(f) for f in rows], indent=2) + "\n")
+    head = ("scenario", "sent", "completed", "errors", "tokens lost", "tokens dup", "jobs lost", "timings")
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for f in rows:
+        timings = ", ".join(f"{k}={v:.2f}" for k, v in f.seconds.items())
+        lines.append(" | ".join(str(x) for x in (f.scenario, f.requests_sent, f.completed, f.ended_with_error,
+                                                  f.tokens_lost, f.tokens_duplicated, f.jobs_lost, timings)))
+    return "\n".join("| " + line + " |" for line in lines)
