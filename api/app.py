@@ -6,7 +6,9 @@ from litestar import Litestar
 from litestar.datastructures import State
 from litestar.di import Provide
 
+from api.auth import KeyGuard, parse_keys
 from api.errors import exception_handlers
+from api.http import RequestLifecycle
 from api.routes import happy_vllm, health, jobs, lmi, lmtp, openai, openai_chat, tgi, triton
 from api.services import Services, lifespan
 from shared.config import Settings, load_settings
@@ -23,6 +25,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
     if settings is None:  # the entrypoint: load settings (and logging) exactly once, here
         settings = load_settings()
         configure_logging(settings.log_level, settings.log_json)
+    keys = parse_keys(settings.api_keys)
+    guard = KeyGuard(keys) if keys else None
     return Litestar(
         route_handlers=[
             lmi.invocations,
@@ -43,6 +47,10 @@ def create_app(settings: Settings | None = None) -> Litestar:
         dependencies={"svc": Provide(_services, sync_to_thread=False)},
         lifespan=[lifespan],
         exception_handlers=exception_handlers,
+        # Guards run after routing, so a 401 renders in the route's dialect.
+        guards=[guard] if guard is not None else None,
+        middleware=[lambda app: RequestLifecycle(app, guard)],
+        request_max_body_size=settings.max_body_bytes,
         state=State({"settings": settings}),
         openapi_config=None,
         logging_config=None,  # keep structlog's set-up (configure_logging), not Litestar's default

@@ -9,10 +9,11 @@ from __future__ import annotations
 import structlog
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
+from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 
 from api import dialects
 from shared.codec import encode
-from shared.errors import QueueUnavailable, ServiceError
+from shared.errors import PayloadTooLarge, QueueUnavailable, ServiceError
 from shared.redis import REDIS_DOWN
 
 __all__ = ["exception_handlers"]
@@ -34,6 +35,8 @@ def _service_error(exc: Exception) -> ServiceError:
     if isinstance(exc, REDIS_DOWN):
         log.warning("redis_unavailable", error=str(exc))
         return QueueUnavailable("the queue is unavailable; try again shortly")
+    if isinstance(exc, RequestEntityTooLarge):  # LLMQ_MAX_BODY_BYTES, enforced while Litestar reads the body
+        return PayloadTooLarge("Request body too large: the limit is set by LLMQ_MAX_BODY_BYTES")
     if isinstance(exc, HTTPException):  # Litestar's own (405, 413, ...): keep its status
         err = ServiceError(str(exc.detail))
         err.status, err.code = exc.status_code, "http_error"
@@ -45,7 +48,11 @@ def _service_error(exc: Exception) -> ServiceError:
 def handle(request: Request, exc: Exception) -> Response:
     err = _service_error(exc)
     status, body = dialects.error_body(_dialect(request), err)
-    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    headers = None
+    if status in (429, 503):
+        headers = {"Retry-After": "1"}
+    elif status == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
     return Response(encode(body), status_code=status, media_type="application/json", headers=headers)
 
 

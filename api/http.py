@@ -1,21 +1,30 @@
-"""Small HTTP helpers every route uses: typed body decoding, fire-and-poll, stream responses."""
+"""Small HTTP helpers every route uses: typed body decoding, fire-and-poll, stream responses;
+and the middleware that ties each request's jobs to its connection."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
+import structlog
 from litestar import Request, Response
+from litestar.datastructures import Headers
 from litestar.response import Stream
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.auth import KeyGuard, presented_key
 from api.services import Services
-from api.submit import enqueue_detached
+from api.submit import end_watches, enqueue_detached, watching
 from shared.codec import encode
 from shared.errors import InvalidRequest
 from shared.schemas import GenerationRequest
 
-__all__ = ["decode_body", "wants_async", "accepted", "stream_response", "json_response", "idempotency_key"]
+__all__ = ["decode_body", "wants_async", "accepted", "stream_response", "json_response", "idempotency_key",
+           "RequestLifecycle"]
+
+log = structlog.get_logger()
 
 T = TypeVar("T")
 
@@ -62,3 +71,98 @@ def json_response(body: object, status: int = 200, headers: dict[str, str] | Non
 
 def stream_response(content: AsyncIterator[bytes], media_type: str, headers: dict[str, str] | None = None) -> Stream:
     return Stream(content, media_type=media_type, headers={**STREAM_HEADERS, **(headers or {})})
+
+
+class RequestLifecycle:
+    """ASGI middleware: a request's jobs live as long as its connection.
+
+    - Every job a request (or LMTP socket) submits is watched; when the request ends before a
+      job's terminal event was relayed, the job is cancelled (:func:`api.submit.end_watches`).
+    - A client that disconnects while a non-streaming handler still waits is noticed here: once
+      the body is read, a task listens for ``http.disconnect`` and cancels the handler (uvicorn
+      and Litestar never cancel a handler by themselves; a streaming response is stopped by
+      Litestar, which hears the same disconnect through this middleware's ``receive``). Only
+      ``http.disconnect`` counts: an idle timeout never looks like a client that left.
+    - With API keys on, a WebSocket upgrade without a valid key is refused with HTTP 401 (or a
+      policy-violation close where the server cannot send a denial response).
+    """
+
+    def __init__(self, app: ASGIApp, guard: KeyGuard | None = None) -> None:
+        self.app = app
+        self.guard = guard
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "websocket" and self.guard is not None:
+            if not self.guard.valid(presented_key(Headers.from_scope(scope))):
+                await _refuse_websocket(scope, receive, send)
+                return
+        if kind not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        with watching() as watches:
+            try:
+                if kind == "http":
+                    await _until_disconnect(self.app, scope, receive, send)
+                else:
+                    await self.app(scope, receive, send)
+            finally:
+                await end_watches(watches)
+
+
+async def _until_disconnect(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+    gone = asyncio.Event()
+    body_read = response_done = False
+    listener: asyncio.Task[None] | None = None
+
+    async def listen() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone.set()
+        if not response_done:
+            handler.cancel()
+
+    async def app_receive() -> Message:
+        # Until the body is read, the app reads it; after that only this middleware reads the
+        # connection, and the app hears of a disconnect through ``gone``.
+        nonlocal body_read, listener
+        if body_read:
+            await gone.wait()
+            return {"type": "http.disconnect"}
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            body_read = True
+            gone.set()
+        elif not message.get("more_body", False):
+            body_read = True
+            listener = asyncio.create_task(listen())
+        return message
+
+    async def app_send(message: Message) -> None:
+        nonlocal response_done
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            response_done = True
+        await send(message)
+
+    handler: asyncio.Task[Any] = asyncio.create_task(app(scope, app_receive, app_send))
+    try:
+        await handler
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if not gone.is_set() or (current is not None and current.cancelling()):
+            raise  # the server is cancelling us, not a client that left
+        log.info("client_disconnected", path=scope.get("path"))
+    finally:
+        if listener is not None:
+            listener.cancel()
+
+
+async def _refuse_websocket(scope: Scope, receive: Receive, send: Send) -> None:
+    await receive()  # websocket.connect
+    message = "Missing or invalid API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`"
+    if "websocket.http.response" in scope.get("extensions", {}):
+        await send({"type": "websocket.http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
+        await send({"type": "websocket.http.response.body", "body": encode({"error": message})})
+    else:
+        await send({"type": "websocket.close", "code": 1008, "reason": "unauthorized"})

@@ -74,6 +74,12 @@ class EventListener:
             future = self._confirmations.pop(channel, None)
             if future is not None and not future.done():
                 future.set_result(None)
+            else:
+                # A re-subscription: redis-py reconnects and re-subscribes by itself (no error
+                # reaches run()), and messages published meanwhile are gone. From this
+                # confirmation on, every event arrives live; every earlier one is in the log.
+                for queue in self._queues.get(channel, ()):
+                    queue.put_nowait(RESYNC)
 
     def _broadcast_resync(self) -> None:
         for queues in self._queues.values():

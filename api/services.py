@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from litestar import Litestar
 from litestar.di import NamedDependency
@@ -28,6 +29,15 @@ class Services:
     queue: Queue
     listener: EventListener
     models: ModelRegistry
+    background: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run ``work`` to completion even if the request that started it is cancelled (a
+        cancel-on-disconnect runs inside a cancelled scope); the set keeps the task alive."""
+        task = asyncio.create_task(work)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return task
 
     @property
     def model(self) -> str:
@@ -58,6 +68,8 @@ async def lifespan(app: Litestar) -> AsyncIterator[None]:
     try:
         yield
     finally:
+        if services.background:  # cancels of disconnected requests: let them reach Redis
+            await asyncio.wait(list(services.background), timeout=5)
         task.cancel()
         try:
             await task

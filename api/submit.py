@@ -2,26 +2,93 @@
 
 Order matters: subscribe to the job's live channel, then enqueue (record + stream entry in one
 script), so the first token can never be published before we listen.
+
+Cancel on disconnect: every job a request submits (not fire-and-poll ones) is watched by that
+request (:class:`JobWatch`, registered before the enqueue awaits). When the request ends (the
+response is done, the client disconnected, the LMTP socket closed) any watched job whose
+terminal event was not relayed is cancelled; the worker aborts it in the engine. Ending early
+is the only trigger: a job that finished is never cancelled, whoever reads it later.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack, contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import msgspec
+import structlog
 
+from api.auth import current_owner
 from api.relay import Keepalive, follow
 from api.services import Services
-from shared.errors import InvalidRequest
-from shared.events import Event
+from shared.codec import decode_request, encode
+from shared.errors import InvalidRequest, Overloaded
+from shared.events import Event, is_terminal
 from shared.queue import now_ms
+from shared.redis import REDIS_DOWN
 from shared.schemas import GenerationRequest, JobRecord
 
-__all__ = ["Submission", "submit", "enqueue_detached", "admit", "subscribe_job", "follow_job"]
+__all__ = ["Submission", "submit", "enqueue_detached", "admit", "subscribe_job", "follow_job", "JobWatch",
+           "watching", "end_watches"]
+
+log = structlog.get_logger()
+
+
+@dataclass(eq=False, slots=True)
+class JobWatch:
+    """A job that lives only as long as the request that submitted it."""
+
+    svc: Services
+    model: str
+    job_id: str
+    stack: AsyncExitStack
+    finished: bool = False  # its terminal event was relayed (or it was already cancelled)
+    scope: set[JobWatch] | None = None  # the request's watches, left once the relay is closed
+
+    def cancel(self) -> asyncio.Task[None] | None:
+        """Cancel the job (in the background: this may run inside a cancelled scope)."""
+        if self.finished:
+            return None
+        self.finished = True
+        return self.svc.spawn(_cancel(self.svc, self.model, self.job_id))
+
+
+async def _cancel(svc: Services, model: str, job_id: str) -> None:
+    try:
+        status = await svc.queue.cancel(model, job_id)
+    except REDIS_DOWN as exc:
+        log.warning("cancel_on_disconnect_failed", job_id=job_id, error=str(exc))
+        return
+    if status in ("queued", "running"):
+        log.info("job_cancelled_on_disconnect", job_id=job_id, model=model, was=status)
+
+
+_watches: ContextVar[set[JobWatch] | None] = ContextVar("llmq_watches", default=None)
+
+
+@contextmanager
+def watching() -> Iterator[set[JobWatch]]:
+    """Scope one request (or socket): jobs submitted inside are collected in the yielded set."""
+    watches: set[JobWatch] = set()
+    token = _watches.set(watches)
+    try:
+        yield watches
+    finally:
+        _watches.reset(token)
+
+
+async def end_watches(watches: set[JobWatch]) -> None:
+    """The request is over: cancel its unfinished jobs, release subscriptions nobody closed."""
+    pending = list(watches)
+    tasks = [t for t in (w.cancel() for w in pending) if t is not None]
+    for w in pending:
+        await w.stack.aclose()
+    if tasks:
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @dataclass(slots=True)
@@ -43,17 +110,44 @@ async def admit(svc: Services, req: GenerationRequest) -> GenerationRequest:
             f"{req.sampling.max_tokens} tokens for the completion alone. Please reduce the length.",
             param="max_tokens",
         )
+    try:
+        # What the worker will read back: a dialect that let an out-of-range value through (or a
+        # lenient "inf") is refused here with a 400, never queued for a worker that cannot run it.
+        decode_request(encode(req))
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"Invalid request: {exc}") from None
     model = await svc.models.resolve(req.model)
     return req if req.model == model else msgspec.structs.replace(req, model=model)
 
 
 def _record(req: GenerationRequest) -> JobRecord:
-    return JobRecord(id=uuid.uuid4().hex, model=req.model, request=req, queued_at=now_ms())
+    return JobRecord(id=uuid.uuid4().hex, model=req.model, request=req, queued_at=now_ms(), owner=current_owner.get())
+
+
+def _scoped_key(record: JobRecord, idempotency_key: str | None) -> str | None:
+    """An Idempotency-Key is per API key: another key reusing it must not reach this job."""
+    if idempotency_key and record.owner:
+        return f"{record.owner}:{idempotency_key}"
+    return idempotency_key
+
+
+async def check_depth(svc: Services, model: str) -> None:
+    """Admission control: refuse before queueing when the model already has ``max_queued``
+    unfinished jobs. Finished entries are XDEL'd, so XLEN counts exactly the queued and running
+    ones. Not atomic with the enqueue: concurrent submitters may overshoot by a few."""
+    limit = svc.settings.max_queued
+    depth = await svc.queue.redis.xlen(svc.keys.queue(model))
+    if depth >= limit:
+        log.info("queue_full", model=model, depth=depth, limit=limit)
+        raise Overloaded(f"Model {model} is overloaded: {depth} requests are queued (limit {limit}); retry later")
 
 
 async def enqueue_detached(svc: Services, req: GenerationRequest, idempotency_key: str | None) -> str:
-    """Fire-and-poll: queue the job without following it; returns the owning job id."""
-    return await svc.queue.enqueue(_record(await admit(svc, req)), idempotency_key)
+    """Fire-and-poll: queue the job without following it; returns the owning job id. Not watched:
+    the job outlives the request that queued it."""
+    record = _record(await admit(svc, req))
+    await check_depth(svc, record.model)
+    return await svc.queue.enqueue(record, _scoped_key(record, idempotency_key))
 
 
 async def subscribe_job(svc: Services, model: str, job_id: str, stack: AsyncExitStack) -> asyncio.Queue[bytes]:
@@ -71,16 +165,26 @@ def follow_job(
     after_seq: int = 0,
     backfill: bool = False,
     keepalive: bool = False,
+    watch: JobWatch | None = None,
 ) -> AsyncIterator[Event | Keepalive]:
-    """The job's events; iterating to the end (or closing the iterator) closes ``stack``."""
+    """The job's events; iterating to the end (or closing the iterator) closes ``stack``. With a
+    ``watch``, leaving before the terminal event (closed, cancelled, failed) cancels the job."""
 
     async def events() -> AsyncIterator[Event | Keepalive]:
-        async with stack:
-            async for event in follow(
-                svc.queue, live, model, job_id, after_seq=after_seq, backfill=backfill,
-                keepalive_s=svc.settings.sse_keepalive_s if keepalive else None,
-            ):
-                yield event
+        try:
+            async with stack:
+                async for event in follow(
+                    svc.queue, live, model, job_id, after_seq=after_seq, backfill=backfill,
+                    keepalive_s=svc.settings.sse_keepalive_s if keepalive else None,
+                ):
+                    if watch is not None and not isinstance(event, Keepalive) and is_terminal(event):
+                        watch.finished = True
+                    yield event
+        finally:
+            if watch is not None:
+                watch.cancel()  # a no-op once the terminal event went out
+                if watch.scope is not None:
+                    watch.scope.discard(watch)  # a long LMTP socket keeps only live streams
 
     return events()
 
@@ -92,15 +196,27 @@ async def submit(
     the subscription is released when that iterator finishes."""
     record = _record(await admit(svc, req))
     model = record.model
+    await check_depth(svc, model)
     stack = AsyncExitStack()
+    # Watched from before the first await that could queue it: a request cancelled while the
+    # enqueue is in flight (an LMTP socket closing) still cancels the job it may have queued.
+    watch = JobWatch(svc, model, record.id, stack, scope=_watches.get())
+    if watch.scope is not None:
+        watch.scope.add(watch)
     try:
         live = await subscribe_job(svc, model, record.id, stack)
-        job_id = await svc.queue.enqueue(record, idempotency_key)
+        job_id = await svc.queue.enqueue(record, _scoped_key(record, idempotency_key))
         if job_id != record.id:
-            # A repeated Idempotency-Key: follow the earlier job from its first event.
+            # A repeated Idempotency-Key: follow the earlier job from its first event. That job
+            # belongs to whoever queued it first, so leaving early must not cancel it.
+            watch.finished = True
             live = await subscribe_job(svc, model, job_id, stack)
     except BaseException:
+        # Cancelled or failed after the enqueue may have run: nobody will follow the job. (A
+        # failure before it finds no record, and the cancel is a no-op.)
+        watch.cancel()
         await stack.aclose()
         raise
-    events = follow_job(svc, stack, live, model, job_id, backfill=job_id != record.id, keepalive=keepalive)
+    events = follow_job(svc, stack, live, model, job_id, backfill=job_id != record.id, keepalive=keepalive,
+                        watch=watch if job_id == record.id else None)
     return Submission(job_id=job_id, created=int(record.queued_at // 1000), request=record.request, events=events)

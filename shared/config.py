@@ -59,6 +59,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """LLMQ_DRAIN_TIMEOUT_S: on SIGTERM, how long in-flight jobs may run before they are ended."""
     heartbeat_s: float = 5.0
     """LLMQ_HEARTBEAT_S: how often a worker refreshes its heartbeat key (TTL is 3x this)."""
+    lease_s: float = 10.0
+    """LLMQ_LEASE_S: a job's lease; a worker renews it every third of this (and every heartbeat).
+    A job whose lease lapsed (worker dead or stalled) is taken over by a live worker."""
+    max_deliveries: int = 3
+    """LLMQ_MAX_DELIVERIES: deliveries that may end without an answer (crash, stall) before the
+    job goes to the dead-letter stream and fails with `dead_letter`. Drain hand-backs do not count."""
     kv_cache_gib: float | None = None
     """LLMQ_KV_CACHE_GIB: KV cache size per engine; unset: vLLM decides (0.25 for the tiny model)."""
 
@@ -82,6 +88,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     SSE streams, details on, tokens as {id, text, logprob, special}."""
     sse_keepalive_s: float = 15.0
     """LLMQ_SSE_KEEPALIVE_S: SSE comment interval while a request waits."""
+    max_queued: int = 10000
+    """LLMQ_MAX_QUEUED: per model, the most unfinished jobs (queued or running) before new work is
+    refused with 429 + Retry-After."""
+    api_keys: str = ""
+    """LLMQ_API_KEYS: comma-separated API keys. Set: generation and job routes need
+    `Authorization: Bearer <key>` or `x-api-key: <key>`; health probes stay open."""
+    max_body_bytes: int = 10_000_000
+    """LLMQ_MAX_BODY_BYTES: the largest request body accepted (413 past it)."""
     log_json: bool | None = None
     """LLMQ_LOG_JSON: force JSON (true) or console (false) logs; default JSON unless on a TTY."""
     log_level: str = "info"

@@ -15,6 +15,12 @@ __all__ = [
     "EngineDead",
     "JobCancelled",
     "WorkerShutdown",
+    "DeadLetter",
+    "WorkerLost",
+    "LeaseLost",
+    "Unauthorized",
+    "Overloaded",
+    "PayloadTooLarge",
     "error_from_code",
 ]
 
@@ -83,6 +89,47 @@ class WorkerShutdown(ServiceError):
     code = "worker_shutdown"
 
 
+class DeadLetter(ServiceError):
+    """The job's deliveries kept ending without an answer (workers died or stalled running it)."""
+
+    status = 500
+    code = "dead_letter"
+
+
+class WorkerLost(ServiceError):
+    """The worker died after streaming part of a job that cannot be continued seamlessly."""
+
+    status = 503
+    code = "worker_lost"
+
+
+class LeaseLost(ServiceError):
+    """Internal: this worker no longer owns the job (a peer reclaimed it); it writes nothing more."""
+
+    status = 503
+    code = "lease_lost"
+
+
+class Unauthorized(ServiceError):
+    """API keys are on and the request carried none, or an unknown one."""
+
+    status = 401
+    code = "unauthorized"
+
+
+class Overloaded(ServiceError):
+    """The model's queue is at its depth limit: refused now (429 + Retry-After) rather than
+    queued behind work it could not be served after."""
+
+    status = 429
+    code = "overloaded"
+
+
+class PayloadTooLarge(ServiceError):
+    status = 413
+    code = "payload_too_large"
+
+
 def error_from_code(code: str, message: str, status: int) -> ServiceError:
     """Rebuild a typed error from a terminal ``error`` event (which crossed a process boundary)."""
     for cls in _ALL:
@@ -94,4 +141,4 @@ def error_from_code(code: str, message: str, status: int) -> ServiceError:
 
 
 _ALL = (InvalidRequest, ModelNotFound, JobNotFound, QueueUnavailable, ModelUnavailable, GenerationFailed,
-        EngineDead, JobCancelled, WorkerShutdown)
+        EngineDead, JobCancelled, WorkerShutdown, DeadLetter, WorkerLost, Unauthorized, Overloaded, PayloadTooLarge)

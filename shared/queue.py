@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from importlib import resources
 
+import msgspec
+import structlog
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
@@ -19,7 +21,10 @@ from shared.events import Done, Error, Event
 from shared.keys import GROUP, Keys
 from shared.schemas import GenerationRequest, JobError, JobRecord, JobResult
 
-__all__ = ["Queue", "Delivery", "Outbound", "now_ms"]
+__all__ = ["Queue", "Delivery", "Outbound", "Held", "now_ms"]
+
+log = structlog.get_logger()
+_ids = msgspec.json.Decoder(list[int])
 
 
 def now_ms() -> float:
@@ -36,10 +41,15 @@ class Delivery:
 
     entry_id: bytes
     job_id: str
-    state: str  # "run", "missing" or "cancelled"
+    state: str  # "run", "cancelled", "dead", "missing", "finished" (see start.lua) or "invalid"
     request: GenerationRequest | None
     queued_at: float
     attempt: int
+    last_seq: int = 0
+    """The job's last logged event: > 0 when an earlier attempt already published events."""
+    prompt_ids: list[int] | None = None
+    """The prompt's token ids as an earlier attempt's engine saw them (for continuation)."""
+    reclaimed: bool = False
 
 
 @dataclass(slots=True)
@@ -51,6 +61,20 @@ class Outbound:
     entry_id: bytes | None = None  # set on terminal events: the queue entry to ack and delete
     result: JobResult | None = None
     first_token_at: float | None = None
+    attempt: int = 0
+    """The writer's attempt: the write happens only while (worker, attempt) still own the job.
+    0 = unfenced (a delivery whose record is missing)."""
+    dead: bool = False  # terminal only: also record the job in the dead-letter stream
+    prompt_ids: list[int] | None = None  # stored with the event so a successor can continue
+
+
+@dataclass(slots=True)
+class Held:
+    """A job a worker holds: what its lease renewal and hand-back need."""
+
+    job_id: str
+    entry_id: bytes
+    attempt: int
 
 
 class Queue:
@@ -61,6 +85,8 @@ class Queue:
         self.idempotency_ttl_s = idempotency_ttl_s
         self._enqueue = redis.register_script(_script("enqueue.lua"))
         self._start = redis.register_script(_script("start.lua"))
+        self._flush = redis.register_script(_script("flush.lua"))
+        self._renew = redis.register_script(_script("renew.lua"))
         self._cancel = redis.register_script(_script("cancel.lua"))
 
     # --- both sides ---------------------------------------------------------------------------
@@ -109,7 +135,8 @@ class Queue:
 
     # --- worker side --------------------------------------------------------------------------
 
-    async def read_new(self, model: str, consumer: str, count: int, block_ms: int) -> list[Delivery]:
+    async def read_new(self, model: str, consumer: str, count: int, block_ms: int,
+                       max_deliveries: int = 3) -> list[Delivery]:
         """Take up to ``count`` new entries (never more than the engine has free slots) and claim
         them in one round trip."""
         reply = await self.redis.xreadgroup(
@@ -118,63 +145,124 @@ class Queue:
         if not reply:
             return []
         entries = [(entry_id, fields[b"job"].decode()) for entry_id, fields in reply[0][1]]
-        states = await self._start(
-            keys=[self.keys.job(model, job_id) for _, job_id in entries], args=[consumer, now_ms()]
-        )
+        return await self._claim(model, consumer, entries, max_deliveries, reclaimed=False)
+
+    async def reclaim(self, model: str, consumer: str, count: int, lease_ms: int, *,
+                      max_deliveries: int = 3, exclude: frozenset[str] = frozenset()) -> list[Delivery]:
+        """Take over up to ``count`` entries whose lease expired (idle > ``lease_ms``: their
+        worker stopped renewing) and claim them; ``exclude`` = jobs this consumer already runs.
+
+        XAUTOCLAIM's min-idle check is atomic, so two reclaimers never get the same entry; the
+        claim bumps the job's attempt, which fences off the previous owner.
+        """
+        queue = self.keys.queue(model)
+        taken: list[tuple[bytes, str]] = []
+        cursor: bytes | str = "0-0"
+        for _ in range(10):  # bounded: a huge PEL is scanned over several calls, not one
+            cursor, claimed, *_ = await self.redis.xautoclaim(
+                queue, GROUP, consumer, lease_ms, start_id=cursor, count=count - len(taken)
+            )
+            for entry_id, fields in claimed:
+                if fields is None or b"job" not in fields:
+                    # A deleted entry still referenced by the PEL (Redis < 7): clear the reference.
+                    if entry_id is not None:
+                        await self.redis.xack(queue, GROUP, entry_id)
+                    continue
+                taken.append((entry_id, fields[b"job"].decode()))
+            if len(taken) >= count or cursor in (b"0-0", "0-0"):
+                break
+        mine = [(e, j) for e, j in taken if j in exclude]
+        if mine:  # our own jobs (a stalled loop let the lease lapse): XAUTOCLAIM renewed them
+            log.warning("lease_lapsed_own_jobs", jobs=[j for _, j in mine])
+        fresh = [(e, j) for e, j in taken if j not in exclude]
+        return await self._claim(model, consumer, fresh, max_deliveries, reclaimed=True)
+
+    async def _claim(self, model: str, consumer: str, entries: list[tuple[bytes, str]], max_deliveries: int,
+                     *, reclaimed: bool) -> list[Delivery]:
+        if not entries:
+            return []
+        keys: list[str] = []
+        for _, job_id in entries:
+            keys += [self.keys.job(model, job_id), self.keys.events(model, job_id)]
+        states = await self._start(keys=keys, args=[consumer, now_ms(), max_deliveries])
         deliveries = []
-        for (entry_id, job_id), (state, request, queued_at, attempt) in zip(entries, states, strict=True):
+        for (entry_id, job_id), (state, request, queued_at, attempt, last_seq, prompt_ids) in zip(
+            entries, states, strict=True
+        ):
             state = state.decode()
+            decoded = None
+            if state in ("run", "cancelled", "dead"):
+                try:
+                    decoded = decode_request(request)
+                except msgspec.ValidationError as exc:
+                    # A request no worker can run (written by a buggy or newer API): fail that job,
+                    # never the worker that read it.
+                    log.warning("job_request_invalid", job_id=job_id, error=str(exc))
+                    state = "invalid"
             deliveries.append(Delivery(
                 entry_id=entry_id,
                 job_id=job_id,
                 state=state,
-                request=decode_request(request) if state == "run" else None,
+                request=decoded,
                 queued_at=float(queued_at),
                 attempt=int(attempt),
+                last_seq=int(last_seq),
+                prompt_ids=_ids.decode(prompt_ids) if prompt_ids else None,
+                reclaimed=reclaimed,
             ))
         return deliveries
 
-    async def flush(self, model: str, batch: list[Outbound]) -> None:
-        """Publish a batch of events in ONE round trip: per event PUBLISH to the live channel and
-        XADD to the event log; per terminal event also the record update and XACK + XDEL.
-
-        MULTI makes each flush all-or-nothing; it is legal on Cluster because every key of one
-        model shares the model's hash tag.
-        """
-        ttl = self.result_ttl_s
+    async def ack(self, model: str, entry_id: bytes) -> None:
+        """Ack and delete one delivered entry that needs no answer (its job is gone or finished)."""
+        queue = self.keys.queue(model)
         pipe = self.redis.pipeline(transaction=True)
-        for out in batch:
-            data = encode(out.event)
-            events_key = self.keys.events(model, out.job_id)
-            job_key = self.keys.job(model, out.job_id)
-            pipe.publish(self.keys.live(model, out.job_id), data)
-            # Entry id = sequence number: XRANGE from "<n+1>-0" resumes exactly after event n.
-            pipe.xadd(events_key, {"e": data}, id=f"{out.event.seq}-0")
-            if out.event.seq == 1:
-                # A safety TTL from the first write, so a crashed worker cannot leave orphans.
-                pipe.expire(events_key, ttl)
-            if out.first_token_at is not None:
-                pipe.hset(job_key, "first_token_at", out.first_token_at)
-            if isinstance(out.event, (Done, Error)):
-                self._finish(pipe, model, out)
+        pipe.xack(queue, GROUP, entry_id)
+        pipe.xdel(queue, entry_id)
         await pipe.execute()
 
-    def _finish(self, pipe, model: str, out: Outbound) -> None:
-        event = out.event
-        job_key = self.keys.job(model, out.job_id)
-        fields: dict[str, str | bytes | float] = {"finished_at": now_ms()}
-        if isinstance(event, Done):
-            fields["status"] = "done"
-            fields["result"] = encode(out.result or JobResult())
-        else:
-            assert isinstance(event, Error)
-            fields["status"] = "cancelled" if event.code == "cancelled" else "failed"
-            fields["error"] = encode(JobError(code=event.code, message=event.message, status=event.status))
-        pipe.hset(job_key, mapping=fields)
-        pipe.expire(job_key, self.result_ttl_s)
-        pipe.expire(self.keys.events(model, out.job_id), self.result_ttl_s)
-        if out.entry_id is not None:
-            queue = self.keys.queue(model)
-            pipe.xack(queue, GROUP, out.entry_id)
-            pipe.xdel(queue, out.entry_id)
+    async def renew(self, model: str, worker: str, held: list[Held], *, hand_back_idle_ms: int | None = None
+                    ) -> list[str]:
+        """Renew the leases of ``held`` (reset their idle time; fenced). With ``hand_back_idle_ms``
+        instead hand them back: idle set past the lease, so a peer's next reclaim takes them at
+        once. Returns the job ids this worker no longer owns."""
+        if not held:
+            return []
+        args: list[str | bytes | int] = [worker, hand_back_idle_ms or 0, 1 if hand_back_idle_ms else 0]
+        for h in held:
+            args += [h.entry_id, h.attempt]
+        lost = await self._renew(
+            keys=[self.keys.queue(model), *(self.keys.job(model, h.job_id) for h in held)], args=args
+        )
+        return [held[int(i)].job_id for i in lost]
 
+    async def flush(self, model: str, batch: list[Outbound], worker: str = "") -> list[str]:
+        """Publish a batch of events in ONE round trip (flush.lua): per event PUBLISH to the live
+        channel and XADD to the event log; per terminal event also the record update and XACK +
+        XDEL. Each event is written only while ``worker`` still owns its job at the event's
+        attempt. Returns the ids of jobs whose events were refused: the worker lost them.
+
+        One script is atomic, and legal on Cluster: every key of one model shares its hash tag.
+        """
+        keys = [self.keys.queue(model), self.keys.dead(model)]
+        args: list[str | bytes | int | float] = [worker, self.result_ttl_s, now_ms()]
+        for out in batch:
+            keys += [self.keys.job(model, out.job_id), self.keys.events(model, out.job_id)]
+            status, field, payload = self._terminal(out)
+            args += [
+                out.attempt, out.event.seq, encode(out.event), self.keys.live(model, out.job_id),
+                "" if out.first_token_at is None else out.first_token_at, status, field, payload,
+                out.entry_id or "", out.job_id if out.dead else "",
+                encode(out.prompt_ids) if out.prompt_ids is not None else "",
+            ]
+        lost = await self._flush(keys=keys, args=args)
+        return sorted({batch[int(i)].job_id for i in lost})
+
+    @staticmethod
+    def _terminal(out: Outbound) -> tuple[str, str, bytes | str]:
+        event = out.event
+        if isinstance(event, Done):
+            return "done", "result", encode(out.result or JobResult())
+        if isinstance(event, Error):
+            status = "cancelled" if event.code == "cancelled" else "failed"
+            return status, "error", encode(JobError(code=event.code, message=event.message, status=event.status))
+        return "", "", ""

@@ -204,3 +204,5 @@ class JobRecord(msgspec.Struct, kw_only=True):
     cancel: bool = False
     result: JobResult | None = None
     error: JobError | None = None
+    owner: str = ""
+    """With API keys on: a hash of the key that queued the job (only that key may read or cancel it)."""

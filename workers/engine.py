@@ -39,6 +39,9 @@ class Step:
     prompt_tokens: int = 0
     prompt: PromptInfo | None = None
     """The prompt's tokens, on the first step, when the request asked for them."""
+    prompt_token_ids: list[int] | None = None
+    """The prompt's token ids as the engine saw them, on the first step: kept with the job so
+    another worker can continue it if this one dies (workers/continuation.py)."""
 
 
 def to_sampling_params(req: GenerationRequest) -> VllmSamplingParams:
@@ -205,6 +208,8 @@ class VllmEngine:
             first = True
             async for out in self.engine.generate(prompt, params, request_id=job_id, priority=req.priority):
                 step = _step(out, want_top)
+                if first:
+                    step.prompt_token_ids = list(out.prompt_token_ids or ())
                 if first and req.output.prompt_tokens:
                     step.prompt = self._prompt_info(out, req)
                 first = False

@@ -1,7 +1,15 @@
 """``python -m workers.housekeeping``: the arq process for cron and retryable background work.
 
-The hot path never goes through arq (it polls a sorted set); this process runs sweeps: for now
-it prunes expired worker registrations and logs each model's queue depth, lag and pending count.
+The hot path never goes through arq (it polls a sorted set); this process runs sweeps: it
+prunes expired worker registrations, deletes consumers of dead workers once they hold nothing,
+and logs each model's queue depth, lag, pending count, orphaned jobs and dead letters.
+
+It does not reclaim jobs itself. Taking over a job means running it, which needs an engine; an
+entry claimed here would only have to be claimed again by a worker, and "claimed but not yet
+running" is exactly the state a crash must not leave behind. So live workers reclaim (before
+every read, while they have free slots), and this sweep reports what waits for them: entries
+whose lease lapsed (``orphaned``) and how old the oldest is, the number to alert on when no
+worker has room or none is alive.
 """
 
 from __future__ import annotations
@@ -38,8 +46,34 @@ async def sweep(ctx: dict[str, Any]) -> dict[str, int]:
     except ResponseError:  # no queue yet
         pass
     stats["queued"] = await redis.xlen(keys.queue(model))
+    stats.update(await _orphans_and_consumers(redis, keys, settings))
+    stats["dead_letters"] = await redis.xlen(keys.dead(model))
     log.info("housekeeping_sweep", model=model, **stats)
     return stats
+
+
+# A consumer this idle, holding nothing, whose worker's heartbeat key is gone, belongs to a dead
+# worker (consumer names are worker ids). The heartbeat check is what protects a live worker.
+STALE_CONSUMER_MS = 10 * 60 * 1000
+
+
+async def _orphans_and_consumers(redis, keys: Keys, settings: Settings) -> dict[str, int | float]:
+    queue = keys.queue(settings.model_name)
+    lease_ms = int(settings.lease_s * 1000)
+    try:
+        orphans = await redis.xpending_range(queue, GROUP, min="-", max="+", count=1000, idle=lease_ms)
+        consumers = await redis.xinfo_consumers(queue, GROUP)
+    except ResponseError:  # no queue or group yet
+        return {}
+    removed = 0
+    for consumer in consumers:
+        name = consumer["name"]
+        # DELCONSUMER discards the consumer's pending entries: only ever for one that holds none.
+        if consumer["pending"] == 0 and consumer["idle"] > STALE_CONSUMER_MS:
+            if not await redis.exists(keys.worker(name.decode())):
+                removed += await redis.xgroup_delconsumer(queue, GROUP, name) == 0
+    oldest = max((o["time_since_delivered"] for o in orphans), default=0)
+    return {"orphaned": len(orphans), "oldest_orphan_s": round(oldest / 1000, 1), "consumers_removed": removed}
 
 
 async def startup(ctx: dict[str, Any]) -> None:

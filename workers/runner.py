@@ -2,12 +2,16 @@
 
 Tasks (all owned by :meth:`Worker.run`):
 
-- reader: ``XREADGROUP COUNT <free slots> BLOCK <ms>``; never holds more jobs than the engine
-  can start, so nothing waits unseen inside this process.
+- reader: first takes over jobs whose lease lapsed (``XAUTOCLAIM``: their worker died or
+  stalled; they continue from their published tokens, workers/continuation.py), then
+  ``XREADGROUP COUNT <free slots> BLOCK <ms>``; never holds more jobs than the engine can start,
+  so nothing waits unseen inside this process.
 - one task per job: iterates the engine's DELTA outputs and appends events to the outbox.
 - flusher: writes everything in the outbox in one pipelined round trip; events produced by the
   same engine step for different jobs land in the same flush.
-- heartbeat and control: the worker's key with a TTL, and job aborts arriving through Redis.
+- heartbeat and control: the worker's key with a TTL, the leases of its jobs (renewed, fenced by
+  owner and attempt: a job reclaimed by a peer is aborted here and written nowhere), and job
+  aborts arriving through Redis.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ from typing import Protocol
 import structlog
 
 from shared.config import Settings
-from shared.errors import EngineDead, JobCancelled, ServiceError, WorkerShutdown
+from shared.errors import DeadLetter, EngineDead, InvalidRequest, JobCancelled, LeaseLost, ServiceError, WorkerShutdown
 from shared.events import Done, Error, Event, Timings, TokenDelta, Tokens
-from shared.queue import Delivery, Outbound, Queue, now_ms
+from shared.queue import Delivery, Held, Outbound, Queue, now_ms
 from shared.redis import REDIS_DOWN
 from shared.result import ResultBuilder
 from shared.schemas import GenerationRequest, JobResult, PromptInfo, Usage
+from workers.continuation import Continuation, plan_continuation
+from workers.presence import Presence
 
 __all__ = ["Worker", "Engine"]
 
@@ -51,6 +57,7 @@ class Engine(Protocol):
 @dataclass(slots=True)
 class _Running:
     task: asyncio.Task[None]
+    held: Held
     stop_reason: ServiceError | None = None  # why we cancelled it, if we did
 
 
@@ -60,7 +67,7 @@ class _JobState:
     builder: ResultBuilder = field(default_factory=ResultBuilder)
 
 
-class Worker:
+class Worker(Presence):
     def __init__(self, settings: Settings, queue: Queue, engine: Engine, *, worker_id: str | None = None):
         self.settings = settings
         self.queue = queue
@@ -77,6 +84,9 @@ class Worker:
         self._outbox_ready = asyncio.Event()
         self._stopping = asyncio.Event()
         self._closing = False  # set after the drain: the flusher exits once the outbox is empty
+        self._flush_lock = asyncio.Lock()  # one flush at a time: a job's events reach Redis in order
+        self._lease_ms = int(settings.lease_s * 1000)
+        self._next_reclaim = 0.0
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -128,45 +138,80 @@ class Worker:
                 await self._slot_freed.wait()
                 continue
             try:
-                deliveries = await self.queue.read_new(self.model, self.worker_id, free, self.settings.block_ms)
+                free -= await self._reclaim(free)
+                if free > 0:
+                    for delivery in await self.queue.read_new(self.model, self.worker_id, free,
+                                                              self.settings.block_ms, self.settings.max_deliveries):
+                        await self._accept(delivery)
                 delay = 0.1
             except REDIS_DOWN as exc:
                 log.warning("redis_read_failed", retry_in_s=delay, error=str(exc))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
-                continue
-            for delivery in deliveries:
-                self._accept(delivery)
 
-    def _accept(self, d: Delivery) -> None:
+    async def _reclaim(self, free: int) -> int:
+        """Take over jobs whose lease lapsed, before any new work (they have waited longest).
+        Checked at most every quarter lease; returns how many slots the taken jobs fill."""
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._next_reclaim:
+            return 0
+        self._next_reclaim = loop.time() + min(self.settings.lease_s / 4, 1.0)
+        deliveries = await self.queue.reclaim(self.model, self.worker_id, free, self._lease_ms,
+                                              max_deliveries=self.settings.max_deliveries,
+                                              exclude=frozenset(self._running))
+        for delivery in deliveries:
+            log.info("job_reclaimed", job_id=delivery.job_id, attempt=delivery.attempt, state=delivery.state,
+                     after_seq=delivery.last_seq)
+            await self._accept(delivery)
+        return len(deliveries)
+
+    async def _accept(self, d: Delivery) -> None:
         if d.state == "missing":
             # The record expired or was never written: nothing to answer; just clear the entry.
             log.warning("job_record_missing", job_id=d.job_id)
-            self._emit(d.job_id, Error(seq=1, code="job_missing", message="job record not found", status=404),
-                       entry_id=d.entry_id)
+            self._emit(d, Error(seq=1, code="job_missing", message="job record not found", status=404),
+                       entry_id=d.entry_id, attempt=0)
+        elif d.state == "finished":  # the job already ended; only its entry was left behind
+            await self.queue.ack(self.model, d.entry_id)
         elif d.state == "cancelled":
-            exc = JobCancelled("job was cancelled before it started")
-            self._emit(d.job_id, Error(seq=1, code=exc.code, message=exc.message, status=exc.status),
-                       entry_id=d.entry_id)
+            self._end(d, d.last_seq, JobCancelled("job was cancelled before it started"))
+        elif d.state == "invalid":
+            self._end(d, d.last_seq, InvalidRequest("the queued request is not valid for this worker"))
+        elif d.state == "dead":
+            log.warning("job_dead_lettered", job_id=d.job_id, attempt=d.attempt)
+            exc = DeadLetter(f"the job was delivered {d.attempt - 1} times and no worker finished it "
+                             "(workers died or stalled while running it)")
+            self._emit(d, Error(seq=d.last_seq + 1, code=exc.code, message=exc.message, status=exc.status),
+                       entry_id=d.entry_id, dead=True)
         else:
             assert d.request is not None
             task = asyncio.create_task(self._run_job(d, d.request), name=f"job-{d.job_id}")
-            self._running[d.job_id] = _Running(task=task)
+            self._running[d.job_id] = _Running(task=task, held=Held(d.job_id, d.entry_id, d.attempt))
 
     # --- one job ------------------------------------------------------------------------------
 
     async def _run_job(self, d: Delivery, req: GenerationRequest) -> None:
-        state = _JobState()
+        state = _JobState(seq=d.last_seq)
         timings = Timings(queued_at=d.queued_at, started_at=now_ms())
         usage = Usage()
-        with structlog.contextvars.bound_contextvars(job_id=d.job_id, model=self.model, worker=self.worker_id):
+        with structlog.contextvars.bound_contextvars(job_id=d.job_id, model=self.model, worker=self.worker_id,
+                                                     attempt=d.attempt):
             try:
-                async for step in self.engine.stream(d.job_id, req):
-                    usage.prompt_tokens = step.prompt_tokens or usage.prompt_tokens
+                plan = await self._plan(d, req)
+                state.seq, state.builder = plan.seq, plan.builder
+                usage.prompt_tokens, usage.completion_tokens = plan.prompt_tokens, plan.emitted
+                # The first token time of a continued job was recorded by its first attempt.
+                prompt_ids = None if plan.emitted else []  # [] = not yet known; None = do not store
+                async for step in self.engine.stream(d.job_id, plan.request):
+                    if not plan.emitted:
+                        usage.prompt_tokens = step.prompt_tokens or usage.prompt_tokens
+                    if prompt_ids == []:
+                        prompt_ids = getattr(step, "prompt_token_ids", None) or (
+                            step.prompt.token_ids if step.prompt is not None else None)
                     deltas = [x for x in step.deltas if x.token_ids or x.text or x.finish_reason]
                     usage.completion_tokens += sum(len(x.token_ids) for x in deltas)
                     first_token_at = None
-                    if timings.first_token_at is None and usage.completion_tokens:
+                    if timings.first_token_at is None and usage.completion_tokens and not plan.emitted:
                         first_token_at = timings.first_token_at = now_ms()
                     if step.finished:
                         timings.finished_at = now_ms()
@@ -174,20 +219,27 @@ class Worker:
                         done = Done(seq=state.seq, deltas=deltas, prompt=step.prompt, usage=usage, timings=timings)
                         state.builder.add(done)
                         result = state.builder.result()
-                        self._emit(d.job_id, done, entry_id=d.entry_id, result=result, first_token_at=first_token_at)
+                        self._emit(d, done, entry_id=d.entry_id, result=result, first_token_at=first_token_at)
                         self._log_finished(timings, usage, result)
                         return
                     if deltas or step.prompt is not None:
                         state.seq += 1
                         event = Tokens(seq=state.seq, deltas=deltas, prompt=step.prompt)
                         state.builder.add(event)
-                        self._emit(d.job_id, event, first_token_at=first_token_at)
+                        # The prompt's ids ride the first event, so whoever sees a token in the log
+                        # can also continue after it.
+                        self._emit(d, event, first_token_at=first_token_at, prompt_ids=prompt_ids or None)
+                        prompt_ids = None
                 raise ServiceError("the engine ended the job without a final output")
             except asyncio.CancelledError:
                 reason = self._running[d.job_id].stop_reason
                 if reason is None:
                     raise
                 await self.engine.abort(d.job_id)
+                if isinstance(reason, LeaseLost):
+                    # A peer owns the job now (or will, after a hand-back): write nothing about it.
+                    log.info("job_released", reason=reason.message)
+                    return
                 self._fail(d, state, reason)
             except EngineDead as exc:
                 # Fatal for the process: fail this job, stop taking work, exit to be restarted.
@@ -215,10 +267,30 @@ class Worker:
             finish_reason=",".join(str(c.finish_reason) for c in result.choices),
         )
 
+    async def _plan(self, d: Delivery, req: GenerationRequest) -> Continuation:
+        """A fresh start, or the continuation of what earlier attempts already published."""
+        if not d.last_seq:
+            return Continuation(request=req)
+        delay = 0.1
+        while True:
+            try:
+                prior = await self.queue.read_events(self.model, d.job_id)
+                break
+            except REDIS_DOWN as exc:
+                log.warning("redis_read_failed", retry_in_s=delay, error=str(exc))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        plan = plan_continuation(req, [e for e in prior if isinstance(e, Tokens)], d.prompt_ids)
+        log.info("job_continued", after_seq=plan.seq, emitted=plan.emitted)
+        return plan
+
     def _fail(self, d: Delivery, state: _JobState, exc: ServiceError) -> None:
+        self._end(d, state.seq, exc)
         state.seq += 1
-        log.info("job_ended", code=exc.code, message=exc.message)
-        self._emit(d.job_id, Error(seq=state.seq, code=exc.code, message=exc.message, status=exc.status),
+
+    def _end(self, d: Delivery, last_seq: int, exc: ServiceError) -> None:
+        log.info("job_ended", job_id=d.job_id, code=exc.code, message=exc.message)
+        self._emit(d, Error(seq=last_seq + 1, code=exc.code, message=exc.message, status=exc.status),
                    entry_id=d.entry_id)
 
     def cancel_job(self, job_id: str, reason: ServiceError) -> bool:
@@ -231,9 +303,16 @@ class Worker:
 
     # --- publishing ---------------------------------------------------------------------------
 
-    def _emit(self, job_id: str, event: Event, **extra) -> None:
-        self._outbox.append(Outbound(job_id=job_id, event=event, **extra))
+    def _emit(self, d: Delivery, event: Event, **extra) -> None:
+        extra.setdefault("attempt", d.attempt)
+        self._outbox.append(Outbound(job_id=d.job_id, event=event, **extra))
         self._outbox_ready.set()
+
+    def _lose(self, job_ids: list[str]) -> None:
+        """Jobs a peer took over (our lease lapsed): stop them here without writing anything."""
+        for job_id in job_ids:
+            if self.cancel_job(job_id, LeaseLost("a peer took the job over")):
+                log.warning("lease_lost", job_id=job_id)
 
     async def _flusher(self) -> None:
         while True:
@@ -246,19 +325,21 @@ class Worker:
                 return
 
     async def _flush_once(self) -> None:
-        batch, self._outbox = self._outbox, []
-        if not batch:
-            return
-        delay = 0.1
-        while True:
-            try:
-                await self.queue.flush(self.model, batch)
+        async with self._flush_lock:
+            batch, self._outbox = self._outbox, []
+            if not batch:
                 return
-            except REDIS_DOWN as exc:
-                # Keep the batch: events are never dropped, only delayed until Redis is back.
-                log.warning("redis_flush_failed", events=len(batch), retry_in_s=delay, error=str(exc))
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+            delay = 0.1
+            while True:
+                try:
+                    self._lose(await self.queue.flush(self.model, batch, self.worker_id))
+                    return
+                except REDIS_DOWN as exc:
+                    # Keep the batch: events are never dropped, only delayed until Redis is back.
+                    # (flush.lua skips events already logged, so a retried batch writes nothing twice.)
+                    log.warning("redis_flush_failed", events=len(batch), retry_in_s=delay, error=str(exc))
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
 
     # --- drain, heartbeat, control -------------------------------------------------------------
 
@@ -268,71 +349,36 @@ class Worker:
         log.info("worker_draining", in_flight=len(self._running), timeout_s=self.settings.drain_timeout_s)
         tasks = [r.task for r in self._running.values()]
         _, pending = await asyncio.wait(tasks, timeout=self.settings.drain_timeout_s)
+        if not pending:
+            return
+        # With a live peer the rest is handed back and continues there from its published tokens;
+        # with none (the whole model is shutting down) it ends with a clear error, never a hang.
+        hand_back = await self._peer_ready()
+        held = [r.held for r in self._running.values()]
+        reason = LeaseLost("handed back on shutdown") if hand_back else WorkerShutdown(
+            "worker shut down before the job finished")
         for job_id in list(self._running):
-            self.cancel_job(job_id, WorkerShutdown("worker shut down before the job finished"))
-        if pending:
-            await asyncio.wait(pending)
-
-    def _heartbeat_fields(self) -> dict[str, str | int | float]:
-        return {
-            "model": self.model,
-            "slots": self.slots,
-            "running": len(self._running),
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "started": self.started_at,
-            "status": "draining" if self._stopping.is_set() else ("ready" if self.ready else "warming"),
-            "last_heartbeat": now_ms(),
-        }
-
-    async def _beat(self) -> None:
-        keys = self.queue.keys
-        ttl_s = self.settings.heartbeat_s * 3
-        pipe = self.queue.redis.pipeline(transaction=False)
-        pipe.hset(keys.worker(self.worker_id), mapping=self._heartbeat_fields())
-        pipe.expire(keys.worker(self.worker_id), int(ttl_s) + 1)
-        if self.ready and not self._stopping.is_set():
-            # The API answers health checks from this set: only warm workers are in it.
-            expiry = now_ms() + ttl_s * 1000
-            pipe.zadd(keys.workers(self.model), {self.worker_id: expiry})
-            pipe.zadd(keys.models(), {self.model: expiry}, gt=True)  # how APIs discover models
-        else:
-            pipe.zrem(keys.workers(self.model), self.worker_id)
-        pipe.zremrangebyscore(keys.workers(self.model), 0, now_ms())
-        await pipe.execute()
+            self.cancel_job(job_id, reason)
+        await asyncio.wait(pending)
+        if hand_back:
+            # Every event produced so far must be in the log before a peer continues after it.
+            while self._outbox:
+                await self._flush_once()
+            try:
+                lost = await self.queue.renew(self.model, self.worker_id, held,
+                                              hand_back_idle_ms=self._lease_ms + 60_000)
+                log.info("jobs_handed_back", jobs=[h.job_id for h in held if h.job_id not in lost])
+            except REDIS_DOWN as exc:  # the leases lapse instead: peers still take the jobs, later
+                log.warning("hand_back_failed", error=str(exc))
 
     async def _heartbeat(self) -> None:
+        # Leases are renewed at least three times per lease, so one late beat never loses a job.
+        period = min(self.settings.heartbeat_s, self.settings.lease_s / 3)
         while True:
             try:
                 await self._beat()
+                held = [r.held for r in self._running.values()]
+                self._lose(await self.queue.renew(self.model, self.worker_id, held))
             except REDIS_DOWN as exc:
                 log.warning("heartbeat_failed", error=str(exc))
-            await asyncio.sleep(self.settings.heartbeat_s)
-
-    async def _unregister(self) -> None:
-        keys = self.queue.keys
-        try:
-            await self.queue.redis.delete(keys.worker(self.worker_id))
-            await self.queue.redis.zrem(keys.workers(self.model), self.worker_id)
-        except REDIS_DOWN:
-            pass
-
-    async def _control(self) -> None:
-        """Abort jobs on request (DELETE /v1/jobs/{id}); the notice names the job id."""
-        channel = self.queue.keys.worker_control(self.worker_id)
-        while True:
-            pubsub = self.queue.redis.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(channel)
-                while True:
-                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                    if message is None:
-                        continue
-                    job_id = message["data"].decode()
-                    if self.cancel_job(job_id, JobCancelled("job was cancelled")):
-                        log.info("job_cancel_requested", job_id=job_id)
-            except REDIS_DOWN as exc:
-                log.warning("control_channel_lost", error=str(exc))
-                await asyncio.sleep(1.0)
-            finally:
-                await pubsub.aclose()
+            await asyncio.sleep(period)

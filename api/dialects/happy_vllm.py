@@ -17,6 +17,7 @@ backend takes the same keywords in ``parameters``.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -83,9 +84,16 @@ def sampling_from_dict(params: dict[str, Any], *, extra_keys: tuple[str, ...] = 
             param=unknown[0],
         )
     try:
-        return msgspec.convert(params, VllmSampling, strict=False)
+        sampling = msgspec.convert(params, VllmSampling, strict=False)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"Invalid sampling parameter: {exc}") from None
+    # Lenient conversion reads "inf" and "nan" as floats, which JSON cannot carry to the worker.
+    for name in VllmSampling.__struct_fields__:
+        value = getattr(sampling, name)
+        values = value.values() if isinstance(value, dict) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            raise InvalidRequest(f"Invalid sampling parameter: `{name}` must be a finite number", param=name)
+    return sampling
 
 
 def to_sampling_params(p: VllmSampling, structured: StructuredOutput | None = None) -> SamplingParams:

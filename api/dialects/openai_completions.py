@@ -302,7 +302,8 @@ async def render_stream(
     yield SSE_DONE
 
 
-_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "BadRequestError",
+          429: "RateLimitError", 503: "ServiceUnavailableError"}
 
 
 def error_body(exc: ServiceError) -> tuple[int, dict[str, Any]]:

@@ -87,6 +87,8 @@ def _range_checks(p: GenerateParameters, do_sample: bool, best_of: int) -> None:
         raise InvalidRequest("you must use sampling when `best_of` is > 1")
     if p.temperature is not None and p.temperature <= 0.0:
         raise InvalidRequest("`temperature` must be strictly positive")
+    if p.temperature is not None and p.temperature > 2.0:  # vLLM's limit; TGI itself has none
+        raise InvalidRequest("`temperature` must be <= 2.0")
     if p.repetition_penalty is not None and p.repetition_penalty <= 0.0:
         raise InvalidRequest("`repetition_penalty` must be strictly positive")
     if p.frequency_penalty is not None and not -2.0 <= p.frequency_penalty <= 2.0:

@@ -346,7 +346,7 @@ def _step(
 
 # Triton's statuses: INVALID_ARG/UNKNOWN/CANCELLED -> 400, NOT_FOUND -> 404, INTERNAL -> 500,
 # UNSUPPORTED -> 501, UNAVAILABLE -> 503 (Triton has no 429: an overload is UNAVAILABLE).
-_STATUSES = {404: 404, 405: 405, 429: 503, 501: 501, 503: 503}
+_STATUSES = {401: 401, 404: 404, 405: 405, 413: 413, 429: 503, 501: 501, 503: 503}
 
 
 def error_body(exc: ServiceError) -> tuple[int, dict[str, Any]]:

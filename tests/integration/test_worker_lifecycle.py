@@ -6,6 +6,7 @@ The scripted engine makes timing controllable; the same loop runs on vLLM in tes
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 
 import pytest
@@ -116,3 +117,18 @@ async def test_cancel_reaches_the_worker_that_runs_the_job(make_worker):
     assert await queue.cancel("m", job_id) == "running"
     assert await _wait_status(queue, job_id, "cancelled") == "cancelled"
     assert job_id in worker.engine.aborted
+
+
+async def test_a_request_no_worker_can_decode_fails_that_job_not_the_worker(make_worker, redis, keys):
+    worker, queue = await make_worker()
+    # Structs do not validate on construction: this is what a buggy (or newer) API could queue.
+    bad = JobRecord(id=uuid.uuid4().hex, model="m", queued_at=now_ms(),
+                    request=GenerationRequest(prompt="x", sampling=SamplingParams(temperature=5.0)))
+    await queue.enqueue(bad)
+    async with asyncio.timeout(10):  # read raw: the record's request does not decode either
+        while await redis.hget(keys.job("m", bad.id), "status") != b"failed":
+            await asyncio.sleep(0.01)
+    error = json.loads(await redis.hget(keys.job("m", bad.id), "error"))
+    assert error["code"] == "invalid_request" and error["status"] == 400
+    good = await _submit(queue, "still here", 3)  # the worker kept running
+    assert await _wait_status(queue, good, "done") == "done"

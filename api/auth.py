@@ -1,0 +1,92 @@
+"""API keys (``LLMQ_API_KEYS``): who may submit, read and cancel jobs.
+
+With keys configured, every route except the health probes needs ``Authorization: Bearer <key>``
+or ``x-api-key: <key>``. A job remembers a hash of the key that queued it (``JobRecord.owner``),
+and only that key may read, follow or cancel it; another key gets the same 404 as a job that
+does not exist, so job ids cannot be probed. Without keys nothing is checked and owner is "".
+
+The check is a Litestar guard: it runs after routing, so a 401 renders in the route's dialect.
+The key's owner hash travels to :func:`api.submit.submit` in a context variable (set by the
+guard, in the request's own task), so no route has to thread it through.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from contextvars import ContextVar
+
+from litestar.connection import ASGIConnection
+from litestar.handlers.base import BaseRouteHandler
+
+from shared.errors import JobNotFound, Unauthorized
+
+__all__ = ["OPEN_PATHS", "current_owner", "owner_of", "presented_key", "parse_keys", "KeyGuard"]
+
+# Probes a load balancer or orchestrator calls without credentials. Metadata (/v1/models, /info,
+# /v2, /v2/models/{m}) is not here: vLLM's --api-key protects /v1/models too.
+OPEN_PATHS = frozenset({
+    "/ping", "/health", "/liveness", "/readiness", "/v2/health/live", "/v2/health/ready",
+    "/v2/models/{model:str}/ready", "/v2/models/{model:str}/versions/{version:str}/ready",
+})
+
+current_owner: ContextVar[str] = ContextVar("llmq_owner", default="")
+"""The owner hash of the request being served ("" with keys off)."""
+
+
+def owner_of(key: str) -> str:
+    """What a job record stores: never the key itself, so a Redis dump leaks no credentials."""
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def parse_keys(setting: str) -> tuple[str, ...]:
+    return tuple(k.strip() for k in setting.split(",") if k.strip())
+
+
+def presented_key(headers) -> str | None:
+    """The key a client sent: ``Authorization: Bearer <key>`` (OpenAI, TGI clients) or
+    ``x-api-key`` (Anthropic-style clients)."""
+    auth = headers.get("authorization") or ""
+    scheme, _, value = auth.partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    return headers.get("x-api-key") or None
+
+
+class KeyGuard:
+    """The app-wide guard; registered only when keys are configured."""
+
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        self.keys = tuple(k.encode() for k in keys)
+
+    def valid(self, key: str | None) -> bool:
+        if not key:
+            return False
+        given = key.encode()
+        # compare_digest over every key: the time taken does not say how close a guess was.
+        return any([hmac.compare_digest(given, k) for k in self.keys])
+
+    async def __call__(self, connection: ASGIConnection, handler: BaseRouteHandler) -> None:
+        if handler.paths & OPEN_PATHS or "OPTIONS" in (getattr(handler, "http_methods", None) or ()):
+            return
+        key = presented_key(connection.headers)
+        if not self.valid(key):
+            raise Unauthorized("Missing or invalid API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`")
+        assert key is not None
+        owner = owner_of(key)
+        current_owner.set(owner)
+        job_id = connection.path_params.get("job_id")
+        if job_id is not None:
+            await _check_job_owner(connection, job_id, owner)
+
+
+async def _check_job_owner(connection: ASGIConnection, job_id: str, owner: str) -> None:
+    """A job queued under another key is reported exactly like a missing one."""
+    svc = connection.app.state.services
+    for model in await svc.models.ever_served():
+        exists, stored = await svc.queue.redis.hmget(svc.keys.job(model, job_id), "model", "owner")
+        if exists is not None:
+            if not hmac.compare_digest(stored or b"", owner.encode()):
+                raise JobNotFound(f"job {job_id} not found")
+            return
+    # Not found anywhere: the route answers its own 404.
