@@ -26,7 +26,7 @@ from shared.keys import GROUP, Keys
 from tests.conftest import free_port
 from tests.e2e.conftest import READY_TIMEOUT_S, _ready_workers, _spawn, _tail
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 
 LEASE_S = 3
 MAX_TOKENS = 200

@@ -13,6 +13,7 @@ import asyncio
 import json
 import time
 
+import pytest
 from redis.asyncio import Redis
 
 from shared.keys import Keys
@@ -71,7 +72,7 @@ async def _until_finished(queue: Queue, model: str, job_id: str):
             await asyncio.sleep(0.02)
 
 
-async def _check(stack, redis: Redis, job_id: str, gone_at: float, what: str) -> None:
+async def _check(stack, redis: Redis, job_id: str, gone_at: float, what: str, figures) -> None:
     keys = Keys(stack.prefix)
     rec = await _until_finished(Queue(redis, keys), stack.model, job_id)
     assert rec.status == "cancelled", rec
@@ -81,11 +82,14 @@ async def _check(stack, redis: Redis, job_id: str, gone_at: float, what: str) ->
     idle_s = (await _heartbeat_idle_at(redis, keys, stack.model, rec.finished_at) - gone_at) / 1000
     print(f"\n{what}: job cancelled (slot free) {freed_s:.3f} s after the client left; "
           f"first heartbeat with running=0 {idle_s:.3f} s after it left")
+    figures.requests_sent, figures.ended_with_error = 1, 1  # cancelled, as asked
+    figures.seconds.update(slot_free_s=freed_s, heartbeat_idle_s=idle_s)
     assert freed_s < BOUND_S
     assert idle_s < BOUND_S
 
 
-async def test_streaming_client_disconnect_frees_the_slot(stack):
+@pytest.mark.faults
+async def test_streaming_client_disconnect_frees_the_slot(stack, figures):
     redis = connect(stack.redis_url)
     try:
         body = {"prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True, "stream": True}
@@ -98,12 +102,13 @@ async def test_streaming_client_disconnect_frees_the_slot(stack):
                 buf += chunk
         job_id = buf.split(b'"id":"cmpl-', 1)[1].split(b'"', 1)[0].decode()
         gone_at = await _close(writer)
-        await _check(stack, redis, job_id, gone_at, "streaming disconnect")
+        await _check(stack, redis, job_id, gone_at, "streaming disconnect", figures)
     finally:
         await redis.aclose()
 
 
-async def test_non_streaming_client_disconnect_frees_the_slot(stack):
+@pytest.mark.faults
+async def test_non_streaming_client_disconnect_frees_the_slot(stack, figures):
     redis = connect(stack.redis_url)
     try:
         body = {"prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True}
@@ -111,6 +116,6 @@ async def test_non_streaming_client_disconnect_frees_the_slot(stack):
         job_id = await _running_job(redis, Keys(stack.prefix), stack.model)
         await asyncio.sleep(0.5)  # let it generate a little: the abort hits a running engine request
         gone_at = await _close(writer)
-        await _check(stack, redis, job_id, gone_at, "non-streaming disconnect")
+        await _check(stack, redis, job_id, gone_at, "non-streaming disconnect", figures)
     finally:
         await redis.aclose()

@@ -236,7 +236,8 @@ OVERLOAD_CASES = [
 ]
 
 
-async def test_queue_full_is_refused_with_retry_after_in_each_dialect(redis_url, prefix):
+@pytest.mark.faults
+async def test_queue_full_is_refused_with_retry_after_in_each_dialect(redis_url, prefix, figures):
     engine = ScriptedEngine(delay_s=0.1)
     async with scripted_stack(redis_url, prefix, engine, max_num_seqs=1, max_queued=2) as s:
         ids = []
@@ -258,6 +259,8 @@ async def test_queue_full_is_refused_with_retry_after_in_each_dialect(redis_url,
         assert json.loads(resp.content.removeprefix(b"data:"))["error_type"] == "overloaded"
         # Refused requests left nothing behind: still exactly the two jobs.
         assert await s.redis.xlen(Keys(prefix).queue(MODEL)) == 2
+        # The requests past the limit: every one refused at once with 429 (TGI's stream: in-band).
+        figures.requests_sent = figures.ended_with_error = len(OVERLOAD_CASES) + 2
         # Room again once a job ends: cancel both, then a request is served.
         for job_id in ids:
             assert (await s.client.delete(f"/v1/jobs/{job_id}")).status_code == 200

@@ -28,6 +28,8 @@ from tests.faults import FIGURES, Figures
 from tests.scripted_engine import ScriptedEngine, expected_text
 from tests.scripted_stack import ScriptedStack, scripted_stack
 
+pytestmark = pytest.mark.faults
+
 TOKENS = 100
 STREAM_TIMEOUT_S = 60  # a hang fails the test; a healthy run takes a few seconds
 
