@@ -77,6 +77,29 @@ def _tail(log: Path) -> str:
     return log.read_text(errors="replace")[-3000:] if log.exists() else ""
 
 
+def wait_ready(url: str, procs: list[tuple[subprocess.Popen, Path]], workers: int) -> None:
+    """Until ``workers`` warm workers serve the API at ``url``; fails with every log's tail if a
+    process dies or the engines take longer than READY_TIMEOUT_S."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while _ready_workers(url) < workers:
+        dead = [(p, log) for p, log in procs if p.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            detail = "\n".join(f"--- {log.name}\n{_tail(log)}" for _, log in procs)
+            pytest.fail(f"stack did not become ready (dead: {[log.name for _, log in dead]})\n{detail}")
+        time.sleep(1)
+
+
+def stop_all(procs: list[tuple[subprocess.Popen, Path]]) -> None:
+    for p, _ in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p, _ in procs:
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 @pytest.fixture(scope="session")
 def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     logs = tmp_path_factory.mktemp("e2e-logs")
@@ -101,23 +124,10 @@ def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         procs.append((_spawn(["-m", "api"], {**env, "LLMQ_PORT": str(p), **extra}, log), log))
     url, sse_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{sse_port}"
     try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while _ready_workers(url) < WORKERS:
-            dead = [(p, log) for p, log in procs if p.poll() is not None]
-            if dead or time.monotonic() > deadline:
-                detail = "\n".join(f"--- {log.name}\n{_tail(log)}" for _, log in procs)
-                pytest.fail(f"stack did not become ready (dead: {[log.name for _, log in dead]})\n{detail}")
-            time.sleep(1)
+        wait_ready(url, procs, WORKERS)
         from shared.config import load_settings
 
         yield Stack(url=url, sse_url=sse_url, redis_url=redis_url, prefix=prefix,
                     model=load_settings({}).model_name, logs=logs, env=env, procs=procs)
     finally:
-        for p, _ in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p, _ in procs:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)

@@ -24,7 +24,7 @@ from redis import Redis
 from shared.config import load_settings
 from shared.keys import GROUP, Keys
 from tests.conftest import free_port
-from tests.e2e.conftest import READY_TIMEOUT_S, _ready_workers, _spawn, _tail
+from tests.e2e.conftest import _spawn, _tail, stop_all, wait_ready
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 
@@ -58,21 +58,10 @@ def small(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     procs.append((_spawn(["-m", "api"], {**env, "LLMQ_PORT": str(port)}, log), log))
     stack = Small(f"http://127.0.0.1:{port}", prefix, redis_url, procs, logs)
     try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while _ready_workers(stack.url) < 2:
-            if any(p.poll() is not None for p, _ in procs) or time.monotonic() > deadline:
-                pytest.fail(f"crash stack did not become ready\n{stack.tails()}")
-            time.sleep(1)
+        wait_ready(stack.url, procs, 2)
         yield stack
     finally:
-        for p, _ in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p, _ in procs:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
 
 
 def test_sigkill_mid_stream_continues_on_a_peer_identical_to_an_uninterrupted_run(small, figures):

@@ -6,14 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from redis import Redis as SyncRedis
 
 from shared.redis import redis_server_binary
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_for_ping
 from tests.faults import lost_and_duplicated
 from tests.scripted_engine import ScriptedEngine, expected_text
 from tests.scripted_stack import scripted_stack
@@ -37,17 +35,7 @@ class AofRedis:
              "--save", "", "--appendonly", "yes", "--appendfsync", "always"],
             stdout=subprocess.DEVNULL,
         )
-        client = SyncRedis.from_url(self.url)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        client.close()
+        wait_for_ping(self.url)
 
     def stop(self) -> None:
         assert self.proc is not None
