@@ -101,12 +101,15 @@ async def make_worker(redis, prefix):
             await asyncio.wait_for(r.task, 20)
 
 
-def kill(r: Running) -> None:
-    """What SIGKILL does to a worker, in process: every task stops at once, nothing is cleaned up
-    (no final flush, no unregister, no ack); its heartbeat key and leases simply lapse."""
-    for running in list(r.worker._running.values()):
-        running.task.cancel()
-    r.task.cancel()
+async def kill(r: Running) -> None:
+    """What SIGKILL does to a worker, in process: every task stops, nothing is cleaned up (no final
+    flush, no unregister, no ack); its heartbeat key and leases simply lapse. Returns once every
+    task of the worker is gone, so no write of it can land after this (a real kill is instant)."""
+    jobs = [running.task for running in r.worker._running.values()]
+    for task in (*jobs, r.task):
+        task.cancel()
+    await asyncio.gather(*jobs, r.task, return_exceptions=True)
+    assert not r.worker._running, "a job task outlived its worker"
 
 
 async def submit(queue: Queue, prompt: str, max_tokens: int, **sampling) -> str:
@@ -192,7 +195,7 @@ async def test_a_dead_workers_job_continues_on_a_live_worker_seamlessly(make_wor
     job_id = await client.start("crash me", 120)
     await running_on(a.queue, job_id, a.worker, min_tokens=10)
     b = await make_worker(delay_s=0.005)
-    kill(a)
+    await kill(a)
     killed_at = time.monotonic()
     events = await client.finish()
     recovered_s = time.monotonic() - killed_at
