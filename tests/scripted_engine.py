@@ -33,8 +33,19 @@ class ScriptedEngine:
     def __init__(self, delay_s: float = 0.0) -> None:
         self.delay_s = delay_s
         self.aborted: list[str] = []
+        self.active = 0
+        self.peak_active = 0  # most jobs generating at once: what the engine's slots bound
 
     async def stream(self, job_id: str, req: GenerationRequest) -> AsyncIterator[Step]:
+        self.active += 1
+        self.peak_active = max(self.peak_active, self.active)
+        try:
+            async for step in self._steps(req):
+                yield step
+        finally:
+            self.active -= 1
+
+    async def _steps(self, req: GenerationRequest) -> AsyncIterator[Step]:
         prompt = req.prompt or "".join(chr(97 + t % 26) for t in req.prompt_token_ids or [0])
         if req.messages:
             prompt = req.messages[-1].content or "a"
