@@ -16,7 +16,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.auth import KeyGuard, presented_key
 from api.services import Services
-from api.submit import end_watches, enqueue_detached, watching
+from api.submit import PRIORITY_HEADER, TIMEOUT_HEADER, end_watches, enqueue_detached, header_options, watching
 from shared.codec import encode
 from shared.errors import InvalidRequest
 from shared.schemas import GenerationRequest
@@ -83,6 +83,7 @@ class RequestLifecycle:
       and Litestar never cancel a handler by themselves; a streaming response is stopped by
       Litestar, which hears the same disconnect through this middleware's ``receive``). Only
       ``http.disconnect`` counts: an idle timeout never looks like a client that left.
+    - The per-request option headers (deadline, priority) are kept for :func:`api.submit.admit`.
     - With API keys on, a WebSocket upgrade without a valid key is refused with HTTP 401 (or a
       policy-violation close where the server cannot send a denial response).
     """
@@ -100,6 +101,8 @@ class RequestLifecycle:
         if kind not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
+        headers = Headers.from_scope(scope)
+        header_options.set((headers.get(TIMEOUT_HEADER), headers.get(PRIORITY_HEADER)))
         with watching() as watches:
             try:
                 if kind == "http":

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from shared.codec import decode_event, encode
 from shared.errors import QueueUnavailable, error_from_code
 from shared.events import Done, Error, Event, Tokens, is_terminal
-from shared.queue import Queue
+from shared.queue import Queue, now_ms
 from shared.redis import REDIS_DOWN
 from shared.result import ResultBuilder
 from shared.schemas import JobResult
@@ -23,6 +23,8 @@ __all__ = ["follow", "collect", "prefetch", "sse", "jsonline", "SSE_DONE", "KEEP
 
 SSE_DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keep-alive\n\n"
+# How long past its deadline a running job's own worker has to end it before the API does.
+DEADLINE_GRACE_MS = 2000
 
 
 class Keepalive:
@@ -42,12 +44,15 @@ async def follow(
     backfill: bool = False,
     check_log_s: float = 5.0,
     keepalive_s: float | None = None,
+    deadline: float | None = None,
 ) -> AsyncIterator[Event | Keepalive]:
     """Yield the job's events with seq > ``after_seq``, in order, ending with the terminal one.
 
     ``backfill`` reads the log first (resume, or re-attaching to an existing job). While nothing
     arrives the log is re-checked every ``check_log_s``, so a lost live message costs latency,
-    never an event.
+    never an event. Past the job's ``deadline`` (epoch ms) the job is ended here if nobody else
+    ended it (queued: at once; running: after a grace for its worker), so a client never waits
+    beyond its deadline for a job no worker reads.
     """
     async def read_log(after: int) -> list[Event]:
         try:
@@ -55,9 +60,18 @@ async def follow(
         except REDIS_DOWN:
             raise QueueUnavailable("lost the connection to the queue while relaying the job") from None
 
+    async def expire() -> float:
+        """End the job if it is overdue; returns when to check again (epoch ms)."""
+        try:
+            await queue.expire(model, job_id, grace_ms=DEADLINE_GRACE_MS)
+        except REDIS_DOWN:
+            raise QueueUnavailable("lost the connection to the queue while relaying the job") from None
+        return now_ms() + DEADLINE_GRACE_MS
+
     last = after_seq
-    wait_s = min(check_log_s, keepalive_s) if keepalive_s else check_log_s
+    base_wait_s = min(check_log_s, keepalive_s) if keepalive_s else check_log_s
     idle_s = 0.0
+    check_at = deadline
     pending: list[Event] = await read_log(last) if backfill else []
     while True:
         for event in pending:
@@ -67,9 +81,17 @@ async def follow(
             yield event
             if is_terminal(event):
                 return
+        wait_s = base_wait_s
+        if check_at is not None:
+            if now_ms() >= check_at:
+                check_at = await expire()
+            wait_s = min(wait_s, max(0.001, (check_at - now_ms()) / 1000))
         try:
             data = await asyncio.wait_for(live.get(), wait_s)
         except TimeoutError:
+            if check_at is not None and now_ms() >= check_at:
+                pending = []
+                continue
             idle_s += wait_s
             if keepalive_s:
                 yield KEEPALIVE_TICK

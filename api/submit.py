@@ -26,14 +26,23 @@ from api.auth import current_owner
 from api.relay import Keepalive, follow
 from api.services import Services
 from shared.codec import decode_request, encode
-from shared.errors import InvalidRequest, Overloaded
+from shared.errors import InvalidRequest
 from shared.events import Event, is_terminal
 from shared.queue import now_ms
 from shared.redis import REDIS_DOWN
 from shared.schemas import GenerationRequest, JobRecord
 
 __all__ = ["Submission", "submit", "enqueue_detached", "admit", "subscribe_job", "follow_job", "JobWatch",
-           "watching", "end_watches"]
+           "watching", "end_watches", "header_options", "check_queueable", "TIMEOUT_HEADER", "PRIORITY_HEADER"]
+
+# Per-request options every dialect accepts as headers (most wire formats have no field for them).
+TIMEOUT_HEADER = "x-llmq-timeout"
+"""Seconds from enqueue until the request must have finished (its deadline)."""
+PRIORITY_HEADER = "x-llmq-priority"
+"""An integer, lower runs earlier; a body field (OpenAI's ``priority``) wins over it."""
+
+header_options: ContextVar[tuple[str | None, str | None]] = ContextVar("llmq_header_options", default=(None, None))
+"""The raw (timeout, priority) headers of the request being served (set by api.http's middleware)."""
 
 log = structlog.get_logger()
 
@@ -99,29 +108,56 @@ class Submission:
     events: AsyncIterator[Event | Keepalive]
 
 
-async def admit(svc: Services, req: GenerationRequest) -> GenerationRequest:
-    """Route the request to its model (the default when it names none), or refuse a model that is
-    not served or a generation that can never fit the context (the exact prompt-length check
-    happens in the engine)."""
-    limit = svc.settings.max_model_len
-    if req.sampling.max_tokens >= limit:
+def check_queueable(req: GenerationRequest, max_model_len: int) -> None:
+    """The checks of :func:`admit` that need no Redis: a generation that can never fit the
+    context, or a request the worker would not read back exactly as queued."""
+    if req.sampling.max_tokens >= max_model_len:
         raise InvalidRequest(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{req.sampling.max_tokens} tokens for the completion alone. Please reduce the length.",
             param="max_tokens",
         )
     try:
         # What the worker will read back: a dialect that let an out-of-range value through (or a
         # lenient "inf") is refused here with a 400, never queued for a worker that cannot run it.
-        decode_request(encode(req))
+        back = decode_request(encode(req))
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"Invalid request: {exc}") from None
+    if back != req:  # JSON has no NaN or infinity: such a number (say in a schema) would turn into null
+        raise InvalidRequest("Invalid request: numbers must be finite")
+
+
+async def admit(svc: Services, req: GenerationRequest) -> GenerationRequest:
+    """Route the request to its model (the default when it names none), or refuse a model that is
+    not served or a generation that can never fit the context (the exact prompt-length check
+    happens in the engine)."""
+    req = _with_header_options(req)
+    check_queueable(req, svc.settings.max_model_len)
     model = await svc.models.resolve(req.model)
     return req if req.model == model else msgspec.structs.replace(req, model=model)
 
 
-def _record(req: GenerationRequest) -> JobRecord:
-    return JobRecord(id=uuid.uuid4().hex, model=req.model, request=req, queued_at=now_ms(), owner=current_owner.get())
+def _with_header_options(req: GenerationRequest) -> GenerationRequest:
+    timeout, priority = header_options.get()
+    changes: dict[str, object] = {}
+    if timeout is not None and req.timeout_s is None:
+        try:
+            changes["timeout_s"] = float(timeout)
+        except ValueError:
+            raise InvalidRequest("X-LLMQ-Timeout must be a number of seconds", param="X-LLMQ-Timeout") from None
+    if priority is not None and req.priority == 0:
+        try:
+            changes["priority"] = int(priority)
+        except ValueError:
+            raise InvalidRequest("X-LLMQ-Priority must be an integer", param="X-LLMQ-Priority") from None
+    return msgspec.structs.replace(req, **changes) if changes else req
+
+
+def _record(svc: Services, req: GenerationRequest) -> JobRecord:
+    queued_at = now_ms()
+    timeout_s = req.timeout_s or svc.settings.deadline_s
+    return JobRecord(id=uuid.uuid4().hex, model=req.model, request=req, queued_at=queued_at,
+                     owner=current_owner.get(), deadline=queued_at + timeout_s * 1000 if timeout_s else None)
 
 
 def _scoped_key(record: JobRecord, idempotency_key: str | None) -> str | None:
@@ -131,23 +167,11 @@ def _scoped_key(record: JobRecord, idempotency_key: str | None) -> str | None:
     return idempotency_key
 
 
-async def check_depth(svc: Services, model: str) -> None:
-    """Admission control: refuse before queueing when the model already has ``max_queued``
-    unfinished jobs. Finished entries are XDEL'd, so XLEN counts exactly the queued and running
-    ones. Not atomic with the enqueue: concurrent submitters may overshoot by a few."""
-    limit = svc.settings.max_queued
-    depth = await svc.queue.redis.xlen(svc.keys.queue(model))
-    if depth >= limit:
-        log.info("queue_full", model=model, depth=depth, limit=limit)
-        raise Overloaded(f"Model {model} is overloaded: {depth} requests are queued (limit {limit}); retry later")
-
-
 async def enqueue_detached(svc: Services, req: GenerationRequest, idempotency_key: str | None) -> str:
     """Fire-and-poll: queue the job without following it; returns the owning job id. Not watched:
     the job outlives the request that queued it."""
-    record = _record(await admit(svc, req))
-    await check_depth(svc, record.model)
-    return await svc.queue.enqueue(record, _scoped_key(record, idempotency_key))
+    record = _record(svc, await admit(svc, req))
+    return await svc.queue.enqueue(record, _scoped_key(record, idempotency_key), max_queued=svc.settings.max_queued)
 
 
 async def subscribe_job(svc: Services, model: str, job_id: str, stack: AsyncExitStack) -> asyncio.Queue[bytes]:
@@ -166,6 +190,7 @@ def follow_job(
     backfill: bool = False,
     keepalive: bool = False,
     watch: JobWatch | None = None,
+    deadline: float | None = None,
 ) -> AsyncIterator[Event | Keepalive]:
     """The job's events; iterating to the end (or closing the iterator) closes ``stack``. With a
     ``watch``, leaving before the terminal event (closed, cancelled, failed) cancels the job."""
@@ -175,7 +200,7 @@ def follow_job(
             async with stack:
                 async for event in follow(
                     svc.queue, live, model, job_id, after_seq=after_seq, backfill=backfill,
-                    keepalive_s=svc.settings.sse_keepalive_s if keepalive else None,
+                    keepalive_s=svc.settings.sse_keepalive_s if keepalive else None, deadline=deadline,
                 ):
                     if watch is not None and not isinstance(event, Keepalive) and is_terminal(event):
                         watch.finished = True
@@ -194,9 +219,8 @@ async def submit(
 ) -> Submission:
     """Queue the job and return its events. The caller must iterate ``events`` (or close it):
     the subscription is released when that iterator finishes."""
-    record = _record(await admit(svc, req))
+    record = _record(svc, await admit(svc, req))
     model = record.model
-    await check_depth(svc, model)
     stack = AsyncExitStack()
     # Watched from before the first await that could queue it: a request cancelled while the
     # enqueue is in flight (an LMTP socket closing) still cancels the job it may have queued.
@@ -205,7 +229,8 @@ async def submit(
         watch.scope.add(watch)
     try:
         live = await subscribe_job(svc, model, record.id, stack)
-        job_id = await svc.queue.enqueue(record, _scoped_key(record, idempotency_key))
+        job_id = await svc.queue.enqueue(record, _scoped_key(record, idempotency_key),
+                                         max_queued=svc.settings.max_queued)
         if job_id != record.id:
             # A repeated Idempotency-Key: follow the earlier job from its first event. That job
             # belongs to whoever queued it first, so leaving early must not cancel it.
@@ -217,6 +242,7 @@ async def submit(
         watch.cancel()
         await stack.aclose()
         raise
-    events = follow_job(svc, stack, live, model, job_id, backfill=job_id != record.id, keepalive=keepalive,
-                        watch=watch if job_id == record.id else None)
+    ours = job_id == record.id
+    events = follow_job(svc, stack, live, model, job_id, backfill=not ours, keepalive=keepalive,
+                        watch=watch if ours else None, deadline=record.deadline if ours else None)
     return Submission(job_id=job_id, created=int(record.queued_at // 1000), request=record.request, events=events)

@@ -94,6 +94,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     api_keys: str = ""
     """LLMQ_API_KEYS: comma-separated API keys. Set: generation and job routes need
     `Authorization: Bearer <key>` or `x-api-key: <key>`; health probes stay open."""
+    deadline_s: float = 0.0
+    """LLMQ_DEADLINE_S: default seconds a request may take from enqueue to its last token (0: no
+    deadline). Per request: the `X-LLMQ-Timeout` header (seconds) or `timeout_s` in /v1/jobs."""
     max_body_bytes: int = 10_000_000
     """LLMQ_MAX_BODY_BYTES: the largest request body accepted (413 past it)."""
     log_json: bool | None = None

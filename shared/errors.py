@@ -21,6 +21,7 @@ __all__ = [
     "Unauthorized",
     "Overloaded",
     "PayloadTooLarge",
+    "DeadlineExceeded",
     "error_from_code",
 ]
 
@@ -130,6 +131,13 @@ class PayloadTooLarge(ServiceError):
     code = "payload_too_large"
 
 
+class DeadlineExceeded(ServiceError):
+    """The job's deadline passed: in the queue (it never started) or while running (aborted)."""
+
+    status = 504
+    code = "deadline_exceeded"
+
+
 def error_from_code(code: str, message: str, status: int) -> ServiceError:
     """Rebuild a typed error from a terminal ``error`` event (which crossed a process boundary)."""
     for cls in _ALL:
@@ -141,4 +149,5 @@ def error_from_code(code: str, message: str, status: int) -> ServiceError:
 
 
 _ALL = (InvalidRequest, ModelNotFound, JobNotFound, QueueUnavailable, ModelUnavailable, GenerationFailed,
-        EngineDead, JobCancelled, WorkerShutdown, DeadLetter, WorkerLost, Unauthorized, Overloaded, PayloadTooLarge)
+        EngineDead, JobCancelled, WorkerShutdown, DeadLetter, WorkerLost, Unauthorized, Overloaded, PayloadTooLarge,
+        DeadlineExceeded)

@@ -6,10 +6,13 @@ and transactions that touch one job (record + queue + event log) stay in one slo
 
 from __future__ import annotations
 
-__all__ = ["Keys", "GROUP"]
+__all__ = ["Keys", "GROUP", "LEVELS"]
 
 # The consumer group every worker of a model reads the queue through.
 GROUP = "workers"
+# Priority levels: one queue stream per level, read in order (0 first). A constant, not a setting,
+# so an API and a worker can never disagree about which streams exist.
+LEVELS = 3
 
 
 class Keys:
@@ -23,9 +26,14 @@ class Keys:
     def _model(self, model: str) -> str:
         return f"{self.prefix}:{{{model}}}"
 
-    def queue(self, model: str) -> str:
-        """Stream: one entry per queued job, read through group ``workers``."""
-        return f"{self._model(model)}:queue"
+    def queue(self, model: str, level: int = 0) -> str:
+        """Stream: one entry per queued job, read through group ``workers``; level 0 (the default
+        priority) is ``...:queue``, lower priorities ``...:queue:1`` and ``...:queue:2``."""
+        return f"{self._model(model)}:queue" + (f":{level}" if level else "")
+
+    def queues(self, model: str) -> list[str]:
+        """Every level's queue, in reading order (most urgent first)."""
+        return [self.queue(model, level) for level in range(LEVELS)]
 
     def job(self, model: str, job_id: str) -> str:
         """Hash: the job record (status, request, timestamps, worker, attempt, result, error)."""

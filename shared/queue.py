@@ -17,11 +17,12 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from shared.codec import decode_event, decode_request, encode, job_from_hash, job_to_hash
+from shared.errors import DeadlineExceeded, Overloaded
 from shared.events import Done, Error, Event
-from shared.keys import GROUP, Keys
+from shared.keys import GROUP, LEVELS, Keys
 from shared.schemas import GenerationRequest, JobError, JobRecord, JobResult
 
-__all__ = ["Queue", "Delivery", "Outbound", "Held", "now_ms"]
+__all__ = ["Queue", "Delivery", "Outbound", "Held", "now_ms", "level_of"]
 
 log = structlog.get_logger()
 _ids = msgspec.json.Decoder(list[int])
@@ -29,6 +30,11 @@ _ids = msgspec.json.Decoder(list[int])
 
 def now_ms() -> float:
     return round(time.time() * 1000, 3)
+
+
+def level_of(priority: int) -> int:
+    """The queue level of a request priority: 0 (the default and anything more urgent) to 2."""
+    return min(max(priority, 0), LEVELS - 1)
 
 
 def _script(name: str) -> str:
@@ -41,10 +47,13 @@ class Delivery:
 
     entry_id: bytes
     job_id: str
-    state: str  # "run", "cancelled", "dead", "missing", "finished" (see start.lua) or "invalid"
+    state: str  # "run", "cancelled", "dead", "expired", "missing", "finished" (start.lua) or "invalid"
     request: GenerationRequest | None
     queued_at: float
     attempt: int
+    level: int = 0
+    """The priority level whose stream the entry is in."""
+    deadline: float | None = None
     last_seq: int = 0
     """The job's last logged event: > 0 when an earlier attempt already published events."""
     prompt_ids: list[int] | None = None
@@ -66,6 +75,7 @@ class Outbound:
     0 = unfenced (a delivery whose record is missing)."""
     dead: bool = False  # terminal only: also record the job in the dead-letter stream
     prompt_ids: list[int] | None = None  # stored with the event so a successor can continue
+    level: int = 0  # terminal only: the level stream that holds ``entry_id``
 
 
 @dataclass(slots=True)
@@ -75,6 +85,7 @@ class Held:
     job_id: str
     entry_id: bytes
     attempt: int
+    level: int = 0
 
 
 class Queue:
@@ -88,17 +99,27 @@ class Queue:
         self._flush = redis.register_script(_script("flush.lua"))
         self._renew = redis.register_script(_script("renew.lua"))
         self._cancel = redis.register_script(_script("cancel.lua"))
+        self._read = redis.register_script(_script("read.lua"))
+        self._expire = redis.register_script(_script("expire.lua"))
 
     # --- both sides ---------------------------------------------------------------------------
 
     async def ensure_group(self, model: str) -> None:
-        """Create the consumer group from the stream's start ('0'), so jobs queued before any
-        worker existed are still delivered."""
-        try:
-            await self.redis.xgroup_create(self.keys.queue(model), GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        """Create every level's consumer group from the stream's start ('0'), so jobs queued
+        before any worker existed are still delivered."""
+        for queue in self.keys.queues(model):
+            try:
+                await self.redis.xgroup_create(queue, GROUP, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    async def depth(self, model: str) -> int:
+        """Unfinished jobs (queued or running) over every level: finished entries are deleted."""
+        pipe = self.redis.pipeline(transaction=False)
+        for queue in self.keys.queues(model):
+            pipe.xlen(queue)
+        return sum(await pipe.execute())
 
     async def get_job(self, model: str, job_id: str) -> JobRecord | None:
         raw = await self.redis.hgetall(self.keys.job(model, job_id))
@@ -111,17 +132,39 @@ class Queue:
 
     # --- API side -----------------------------------------------------------------------------
 
-    async def enqueue(self, record: JobRecord, idempotency_key: str | None = None) -> str:
-        """Write the record and queue the job atomically; returns the owning job id (an earlier
-        job's id when ``idempotency_key`` was seen before)."""
-        keys = [self.keys.job(record.model, record.id), self.keys.queue(record.model)]
+    async def enqueue(self, record: JobRecord, idempotency_key: str | None = None, *,
+                      max_queued: int = 2**62) -> str:
+        """Write the record and queue the job on its priority level, atomically; returns the
+        owning job id (an earlier job's id when ``idempotency_key`` was seen before). Raises
+        :class:`Overloaded` when the model already has ``max_queued`` unfinished jobs."""
+        model = record.model
+        keys = [self.keys.job(model, record.id), self.keys.queue(model, level_of(record.request.priority)),
+                *self.keys.queues(model)]
         if idempotency_key:
-            keys.append(self.keys.idempotency(record.model, idempotency_key))
-        args: list[bytes | str | int] = [record.id, self.idempotency_ttl_s]
+            keys.append(self.keys.idempotency(model, idempotency_key))
+        args: list[bytes | str | int] = [record.id, self.idempotency_ttl_s, max_queued, LEVELS]
         for field, value in job_to_hash(record).items():
             args += [field, value]
         owner = await self._enqueue(keys=keys, args=args)
+        if isinstance(owner, int):
+            log.info("queue_full", model=model, depth=owner, limit=max_queued)
+            raise Overloaded(f"Model {model} is overloaded: {owner} requests are queued (limit {max_queued}); "
+                             "retry later")
         return owner.decode()
+
+    async def expire(self, model: str, job_id: str, *, grace_ms: int) -> bool:
+        """End the job with ``deadline_exceeded`` if its deadline passed (plus ``grace_ms`` when it
+        is running: its worker ends it first) and it is still unfinished. True when this ended it."""
+        exc = DeadlineExceeded("the request's deadline passed before it finished")
+        event = encode(Error(seq=0, code=exc.code, message=exc.message, status=exc.status))
+        head = b'{"type":"error","seq":0,'
+        assert event.startswith(head)  # expire.lua writes the same bytes with the real seq
+        error = encode(JobError(code=exc.code, message=exc.message, status=exc.status))
+        ended = await self._expire(
+            keys=[self.keys.job(model, job_id), self.keys.events(model, job_id)],
+            args=[now_ms(), grace_ms, self.result_ttl_s, self.keys.live(model, job_id), event[len(head):], error],
+        )
+        return bool(ended)
 
     async def cancel(self, model: str, job_id: str) -> str | None:
         """Flag the job cancelled and tell its worker. Returns the status it had, or None."""
@@ -136,15 +179,30 @@ class Queue:
     # --- worker side --------------------------------------------------------------------------
 
     async def read_new(self, model: str, consumer: str, count: int, block_ms: int,
-                       max_deliveries: int = 3) -> list[Delivery]:
-        """Take up to ``count`` new entries (never more than the engine has free slots) and claim
-        them in one round trip."""
-        reply = await self.redis.xreadgroup(
-            GROUP, consumer, {self.keys.queue(model): ">"}, count=count, block=block_ms
-        )
-        if not reply:
-            return []
-        entries = [(entry_id, fields[b"job"].decode()) for entry_id, fields in reply[0][1]]
+                       max_deliveries: int = 3, *, hand_back_idle_ms: int = 60_000) -> list[Delivery]:
+        """Take up to ``count`` new entries (never more than the engine has free slots), the most
+        urgent level first, and claim them.
+
+        read.lua takes what is there in level order without blocking; only when every level is
+        empty does one XREADGROUP block on all of them. That read may return up to ``count``
+        entries per level (if several arrive at once): the excess is handed straight back (idle
+        set past the lease) for the next reclaim, by a peer or by us."""
+        queues = self.keys.queues(model)
+        rows = await self._read(keys=queues, args=[consumer, count])
+        entries = [(int(level), entry_id, job.decode()) for level, entry_id, job in rows]
+        if not entries:
+            reply = await self.redis.xreadgroup(GROUP, consumer, dict.fromkeys(queues, ">"), count=count,
+                                                block=block_ms)
+            for stream, items in reply or []:
+                level = queues.index(stream.decode())
+                entries += [(level, entry_id, fields[b"job"].decode()) for entry_id, fields in items]
+            entries.sort(key=lambda e: e[0])
+            if len(entries) > count:
+                extra, entries = entries[count:], entries[:count]
+                pipe = self.redis.pipeline(transaction=False)
+                for level, entry_id, _ in extra:
+                    pipe.xclaim(queues[level], GROUP, consumer, 0, [entry_id], idle=hand_back_idle_ms, justid=True)
+                await pipe.execute()
         return await self._claim(model, consumer, entries, max_deliveries, reclaimed=False)
 
     async def reclaim(self, model: str, consumer: str, count: int, lease_ms: int, *,
@@ -155,43 +213,45 @@ class Queue:
         XAUTOCLAIM's min-idle check is atomic, so two reclaimers never get the same entry; the
         claim bumps the job's attempt, which fences off the previous owner.
         """
-        queue = self.keys.queue(model)
-        taken: list[tuple[bytes, str]] = []
-        cursor: bytes | str = "0-0"
-        for _ in range(10):  # bounded: a huge PEL is scanned over several calls, not one
-            cursor, claimed, *_ = await self.redis.xautoclaim(
-                queue, GROUP, consumer, lease_ms, start_id=cursor, count=count - len(taken)
-            )
-            for entry_id, fields in claimed:
-                if fields is None or b"job" not in fields:
-                    # A deleted entry still referenced by the PEL (Redis < 7): clear the reference.
-                    if entry_id is not None:
-                        await self.redis.xack(queue, GROUP, entry_id)
-                    continue
-                taken.append((entry_id, fields[b"job"].decode()))
-            if len(taken) >= count or cursor in (b"0-0", "0-0"):
-                break
-        mine = [(e, j) for e, j in taken if j in exclude]
+        taken: list[tuple[int, bytes, str]] = []
+        for level, queue in enumerate(self.keys.queues(model)):  # the most urgent level first
+            cursor: bytes | str = "0-0"
+            for _ in range(10):  # bounded: a huge PEL is scanned over several calls, not one
+                if len(taken) >= count:
+                    break
+                cursor, claimed, *_ = await self.redis.xautoclaim(
+                    queue, GROUP, consumer, lease_ms, start_id=cursor, count=count - len(taken)
+                )
+                for entry_id, fields in claimed:
+                    if fields is None or b"job" not in fields:
+                        # A deleted entry still referenced by the PEL (Redis < 7): clear the reference.
+                        if entry_id is not None:
+                            await self.redis.xack(queue, GROUP, entry_id)
+                        continue
+                    taken.append((level, entry_id, fields[b"job"].decode()))
+                if cursor in (b"0-0", "0-0"):
+                    break
+        mine = [j for _, _, j in taken if j in exclude]
         if mine:  # our own jobs (a stalled loop let the lease lapse): XAUTOCLAIM renewed them
-            log.warning("lease_lapsed_own_jobs", jobs=[j for _, j in mine])
-        fresh = [(e, j) for e, j in taken if j not in exclude]
+            log.warning("lease_lapsed_own_jobs", jobs=mine)
+        fresh = [t for t in taken if t[2] not in exclude]
         return await self._claim(model, consumer, fresh, max_deliveries, reclaimed=True)
 
-    async def _claim(self, model: str, consumer: str, entries: list[tuple[bytes, str]], max_deliveries: int,
+    async def _claim(self, model: str, consumer: str, entries: list[tuple[int, bytes, str]], max_deliveries: int,
                      *, reclaimed: bool) -> list[Delivery]:
         if not entries:
             return []
         keys: list[str] = []
-        for _, job_id in entries:
+        for _, _, job_id in entries:
             keys += [self.keys.job(model, job_id), self.keys.events(model, job_id)]
         states = await self._start(keys=keys, args=[consumer, now_ms(), max_deliveries])
         deliveries = []
-        for (entry_id, job_id), (state, request, queued_at, attempt, last_seq, prompt_ids) in zip(
+        for (level, entry_id, job_id), (state, request, queued_at, attempt, last_seq, prompt_ids, deadline) in zip(
             entries, states, strict=True
         ):
             state = state.decode()
             decoded = None
-            if state in ("run", "cancelled", "dead"):
+            if state in ("run", "cancelled", "dead", "expired"):
                 try:
                     decoded = decode_request(request)
                 except msgspec.ValidationError as exc:
@@ -209,12 +269,14 @@ class Queue:
                 last_seq=int(last_seq),
                 prompt_ids=_ids.decode(prompt_ids) if prompt_ids else None,
                 reclaimed=reclaimed,
+                level=level,
+                deadline=float(deadline) if deadline else None,
             ))
         return deliveries
 
-    async def ack(self, model: str, entry_id: bytes) -> None:
+    async def ack(self, model: str, entry_id: bytes, level: int = 0) -> None:
         """Ack and delete one delivered entry that needs no answer (its job is gone or finished)."""
-        queue = self.keys.queue(model)
+        queue = self.keys.queue(model, level)
         pipe = self.redis.pipeline(transaction=True)
         pipe.xack(queue, GROUP, entry_id)
         pipe.xdel(queue, entry_id)
@@ -228,11 +290,11 @@ class Queue:
         if not held:
             return []
         args: list[str | bytes | int] = [worker, hand_back_idle_ms or 0, 1 if hand_back_idle_ms else 0]
+        keys: list[str] = []
         for h in held:
             args += [h.entry_id, h.attempt]
-        lost = await self._renew(
-            keys=[self.keys.queue(model), *(self.keys.job(model, h.job_id) for h in held)], args=args
-        )
+            keys += [self.keys.job(model, h.job_id), self.keys.queue(model, h.level)]
+        lost = await self._renew(keys=keys, args=args)
         return [held[int(i)].job_id for i in lost]
 
     async def flush(self, model: str, batch: list[Outbound], worker: str = "") -> list[str]:
@@ -243,10 +305,11 @@ class Queue:
 
         One script is atomic, and legal on Cluster: every key of one model shares its hash tag.
         """
-        keys = [self.keys.queue(model), self.keys.dead(model)]
+        keys = [self.keys.dead(model)]
         args: list[str | bytes | int | float] = [worker, self.result_ttl_s, now_ms()]
         for out in batch:
-            keys += [self.keys.job(model, out.job_id), self.keys.events(model, out.job_id)]
+            keys += [self.keys.job(model, out.job_id), self.keys.events(model, out.job_id),
+                     self.keys.queue(model, out.level)]
             status, field, payload = self._terminal(out)
             args += [
                 out.attempt, out.event.seq, encode(out.event), self.keys.live(model, out.job_id),

@@ -140,6 +140,11 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     dialect: str = "jobs"
     """Which dialect renders the result: ``jobs``, ``lmi``, ``openai_completions``, ..."""
     priority: int = 0
+    """Lower runs earlier (vLLM's convention). Queued on the level stream ``clamp(priority, 0, 2)``;
+    the engine gets the value itself (its priority scheduler orders and preempts by it)."""
+    timeout_s: Annotated[float, Meta(gt=0.0)] | None = None
+    """Seconds from enqueue until the job must have finished; None: the header or the default
+    (``LLMQ_DEADLINE_S``). The API turns it into the record's absolute ``deadline``."""
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages))
@@ -206,3 +211,6 @@ class JobRecord(msgspec.Struct, kw_only=True):
     error: JobError | None = None
     owner: str = ""
     """With API keys on: a hash of the key that queued the job (only that key may read or cancel it)."""
+    deadline: float | None = None
+    """Epoch ms by which the job must be finished: past it a queued job never starts and a running
+    one is aborted, both ending with ``deadline_exceeded``."""

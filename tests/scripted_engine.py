@@ -33,10 +33,12 @@ class ScriptedEngine:
     def __init__(self, delay_s: float = 0.0) -> None:
         self.delay_s = delay_s
         self.aborted: list[str] = []
+        self.started: list[str] = []  # job ids in the order they reached the engine
         self.active = 0
         self.peak_active = 0  # most jobs generating at once: what the engine's slots bound
 
     async def stream(self, job_id: str, req: GenerationRequest) -> AsyncIterator[Step]:
+        self.started.append(job_id)
         self.active += 1
         self.peak_active = max(self.peak_active, self.active)
         try:

@@ -145,6 +145,8 @@ class VllmEngine:
             structured_outputs_config=_structured_config(settings.json_compact),
             disable_log_stats=True,
             enable_log_requests=False,
+            # Requests carry a priority (lower first); the default FCFS policy refuses any but 0.
+            scheduling_policy="priority",
         )
         return cls(AsyncLLM.from_engine_args(args), settings.max_model_len)
 

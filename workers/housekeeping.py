@@ -38,15 +38,19 @@ async def sweep(ctx: dict[str, Any]) -> dict[str, int]:
     redis = ctx["redis"]
     model = settings.model_name
     pruned = await redis.zremrangebyscore(keys.workers(model), 0, now_ms())
-    stats = {"ready_workers": await redis.zcard(keys.workers(model)), "pruned_workers": pruned}
-    try:
-        for group in await redis.xinfo_groups(keys.queue(model)):
-            if group["name"].decode() == GROUP:
-                stats.update(pending=group["pending"], lag=group.get("lag") or 0)
-    except ResponseError:  # no queue yet
-        pass
-    stats["queued"] = await redis.xlen(keys.queue(model))
-    stats.update(await _orphans_and_consumers(redis, keys, settings))
+    stats: dict[str, int | float] = {"ready_workers": await redis.zcard(keys.workers(model)),
+                                     "pruned_workers": pruned, "pending": 0, "lag": 0, "queued": 0}
+    for queue in keys.queues(model):  # every priority level, summed
+        try:
+            for group in await redis.xinfo_groups(queue):
+                if group["name"].decode() == GROUP:
+                    stats["pending"] += group["pending"]
+                    stats["lag"] += group.get("lag") or 0
+        except ResponseError:  # no queue yet
+            pass
+        stats["queued"] += await redis.xlen(queue)
+        for name, value in (await _orphans_and_consumers(redis, keys, queue, settings)).items():
+            stats[name] = max(stats.get(name, 0), value) if name == "oldest_orphan_s" else stats.get(name, 0) + value
     stats["dead_letters"] = await redis.xlen(keys.dead(model))
     log.info("housekeeping_sweep", model=model, **stats)
     return stats
@@ -57,8 +61,7 @@ async def sweep(ctx: dict[str, Any]) -> dict[str, int]:
 STALE_CONSUMER_MS = 10 * 60 * 1000
 
 
-async def _orphans_and_consumers(redis, keys: Keys, settings: Settings) -> dict[str, int | float]:
-    queue = keys.queue(settings.model_name)
+async def _orphans_and_consumers(redis, keys: Keys, queue: str, settings: Settings) -> dict[str, int | float]:
     lease_ms = int(settings.lease_s * 1000)
     try:
         orphans = await redis.xpending_range(queue, GROUP, min="-", max="+", count=1000, idle=lease_ms)

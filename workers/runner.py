@@ -3,15 +3,14 @@
 Tasks (all owned by :meth:`Worker.run`):
 
 - reader: first takes over jobs whose lease lapsed (``XAUTOCLAIM``: their worker died or
-  stalled; they continue from their published tokens, workers/continuation.py), then
-  ``XREADGROUP COUNT <free slots> BLOCK <ms>``; never holds more jobs than the engine can start,
-  so nothing waits unseen inside this process.
-- one task per job: iterates the engine's DELTA outputs and appends events to the outbox.
-- flusher: writes everything in the outbox in one pipelined round trip; events produced by the
-  same engine step for different jobs land in the same flush.
+  stalled; they continue from their published tokens, workers/continuation.py), then new jobs,
+  the most urgent priority level first (``Queue.read_new``); never holds more jobs than the
+  engine can start, so nothing waits unseen inside this process.
+- one task per job: iterates the engine's DELTA outputs and appends events to the outbox; a
+  timer aborts it at the job's deadline.
+- flusher: writes the outbox in one round trip per batch (events of one engine step together).
 - heartbeat and control: the worker's key with a TTL, the leases of its jobs (renewed, fenced by
-  owner and attempt: a job reclaimed by a peer is aborted here and written nowhere), and job
-  aborts arriving through Redis.
+  owner and attempt: a job reclaimed by a peer is aborted here and written nowhere), and aborts.
 """
 
 from __future__ import annotations
@@ -26,7 +25,16 @@ from typing import Protocol
 import structlog
 
 from shared.config import Settings
-from shared.errors import DeadLetter, EngineDead, InvalidRequest, JobCancelled, LeaseLost, ServiceError, WorkerShutdown
+from shared.errors import (
+    DeadLetter,
+    DeadlineExceeded,
+    EngineDead,
+    InvalidRequest,
+    JobCancelled,
+    LeaseLost,
+    ServiceError,
+    WorkerShutdown,
+)
 from shared.events import Done, Error, Event, Timings, TokenDelta, Tokens
 from shared.queue import Delivery, Held, Outbound, Queue, now_ms
 from shared.redis import REDIS_DOWN
@@ -59,6 +67,7 @@ class _Running:
     task: asyncio.Task[None]
     held: Held
     stop_reason: ServiceError | None = None  # why we cancelled it, if we did
+    deadline: asyncio.TimerHandle | None = None  # aborts the job when its deadline passes
 
 
 @dataclass(slots=True)
@@ -172,9 +181,12 @@ class Worker(Presence):
             self._emit(d, Error(seq=1, code="job_missing", message="job record not found", status=404),
                        entry_id=d.entry_id, attempt=0)
         elif d.state == "finished":  # the job already ended; only its entry was left behind
-            await self.queue.ack(self.model, d.entry_id)
+            await self.queue.ack(self.model, d.entry_id, d.level)
         elif d.state == "cancelled":
             self._end(d, d.last_seq, JobCancelled("job was cancelled before it started"))
+        elif d.state == "expired":
+            log.info("job_expired_in_queue", job_id=d.job_id, waited_ms=round(now_ms() - d.queued_at, 1))
+            self._end(d, d.last_seq, DeadlineExceeded("the request's deadline passed while it was queued"))
         elif d.state == "invalid":
             self._end(d, d.last_seq, InvalidRequest("the queued request is not valid for this worker"))
         elif d.state == "dead":
@@ -186,7 +198,12 @@ class Worker(Presence):
         else:
             assert d.request is not None
             task = asyncio.create_task(self._run_job(d, d.request), name=f"job-{d.job_id}")
-            self._running[d.job_id] = _Running(task=task, held=Held(d.job_id, d.entry_id, d.attempt))
+            running = _Running(task=task, held=Held(d.job_id, d.entry_id, d.attempt, d.level))
+            if d.deadline is not None:
+                running.deadline = asyncio.get_running_loop().call_later(
+                    max(0.0, (d.deadline - now_ms()) / 1000), self.cancel_job, d.job_id,
+                    DeadlineExceeded("the request's deadline passed while it was running"))
+            self._running[d.job_id] = running
 
     # --- one job ------------------------------------------------------------------------------
 
@@ -252,20 +269,18 @@ class Worker(Presence):
                 log.exception("job_failed")
                 self._fail(d, state, ServiceError(f"generation failed: {type(exc).__name__}: {exc}"))
             finally:
-                self._running.pop(d.job_id, None)
+                running = self._running.pop(d.job_id, None)
+                if running is not None and running.deadline is not None:
+                    running.deadline.cancel()
                 self._slot_freed.set()
 
     def _log_finished(self, timings: Timings, usage: Usage, result: JobResult) -> None:
         started = timings.started_at or timings.queued_at
-        log.info(
-            "job_finished",
-            queue_ms=round(started - timings.queued_at, 1),
-            ttft_ms=round((timings.first_token_at or started) - started, 1),
-            duration_ms=round((timings.finished_at or started) - started, 1),
-            prompt_tokens=usage.prompt_tokens,
-            completion_tokens=usage.completion_tokens,
-            finish_reason=",".join(str(c.finish_reason) for c in result.choices),
-        )
+        log.info("job_finished", queue_ms=round(started - timings.queued_at, 1),
+                 ttft_ms=round((timings.first_token_at or started) - started, 1),
+                 duration_ms=round((timings.finished_at or started) - started, 1),
+                 prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                 finish_reason=",".join(str(c.finish_reason) for c in result.choices))
 
     async def _plan(self, d: Delivery, req: GenerationRequest) -> Continuation:
         """A fresh start, or the continuation of what earlier attempts already published."""
@@ -305,6 +320,7 @@ class Worker(Presence):
 
     def _emit(self, d: Delivery, event: Event, **extra) -> None:
         extra.setdefault("attempt", d.attempt)
+        extra.setdefault("level", d.level)
         self._outbox.append(Outbound(job_id=d.job_id, event=event, **extra))
         self._outbox_ready.set()
 

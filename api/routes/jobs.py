@@ -12,11 +12,12 @@ from litestar.response import Stream
 
 from api.dialects import render_result
 from api.http import accepted, decode_body, json_response, stream_response
-from api.relay import KEEPALIVE, Keepalive, sse
+from api.relay import DEADLINE_GRACE_MS, KEEPALIVE, Keepalive, sse
 from api.services import Svc
 from api.submit import follow_job, subscribe_job
 from shared.errors import InvalidRequest, JobNotFound
-from shared.schemas import GenerationRequest, JobRecord
+from shared.queue import now_ms
+from shared.schemas import TERMINAL_STATUSES, GenerationRequest, JobRecord
 
 __all__ = ["create_job", "get_job", "job_events", "cancel_job"]
 
@@ -38,6 +39,7 @@ def job_view(record: JobRecord) -> dict[str, Any]:
         "started_at": record.started_at,
         "first_token_at": record.first_token_at,
         "finished_at": record.finished_at,
+        "deadline": record.deadline,
         "result": result,
         "error": record.error,
     }
@@ -60,7 +62,12 @@ async def create_job(request: Request, svc: Svc) -> Response:
 
 @get("/v1/jobs/{job_id:str}", opt={"dialect": "jobs"})
 async def get_job(svc: Svc, job_id: FromPath[str]) -> Response:
-    return json_response(job_view(await _record(svc, job_id)))
+    record = await _record(svc, job_id)
+    if record.status not in TERMINAL_STATUSES and record.deadline is not None and now_ms() >= record.deadline:
+        # Nobody may be waiting on a fire-and-poll job: the poll that finds it overdue ends it.
+        if await svc.queue.expire(record.model, job_id, grace_ms=DEADLINE_GRACE_MS):
+            record = await _record(svc, job_id)
+    return json_response(job_view(record))
 
 
 @delete("/v1/jobs/{job_id:str}", opt={"dialect": "jobs"}, status_code=200)
@@ -81,10 +88,12 @@ async def job_events(request: Request, svc: Svc, job_id: FromPath[str]) -> Strea
         after = int(last_event_id)
     except ValueError:
         raise InvalidRequest("Last-Event-ID must be an event sequence number", param="Last-Event-ID") from None
-    model = (await _record(svc, job_id)).model  # 404 before any byte is sent
+    record = await _record(svc, job_id)  # 404 before any byte is sent
+    model = record.model
     stack = AsyncExitStack()
     live = await subscribe_job(svc, model, job_id, stack)
-    events = follow_job(svc, stack, live, model, job_id, after_seq=after, backfill=True, keepalive=True)
+    events = follow_job(svc, stack, live, model, job_id, after_seq=after, backfill=True, keepalive=True,
+                        deadline=record.deadline)
 
     async def frames() -> AsyncIterator[bytes]:
         async for event in events:

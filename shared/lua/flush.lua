@@ -1,5 +1,5 @@
 -- Write a batch of events, fenced by (worker, attempt): one round trip, all-or-nothing per event.
--- KEYS[1] queue stream   KEYS[2] dead-letter stream   then per event: job hash, event log
+-- KEYS[1] dead-letter stream   then per event: job hash, event log, the queue stream it came from
 -- ARGV[1] worker id   ARGV[2] TTL (s) of finished records and logs   ARGV[3] now (epoch ms)
 -- then per event 11 values: attempt, seq, event bytes, live channel, first_token_at,
 --   terminal status ('' for token events), 'result' or 'error', its JSON, queue entry id,
@@ -11,7 +11,7 @@ local lost = {}
 local per = 11
 for i = 0, (#ARGV - 3) / per - 1 do
   local a = 3 + i * per
-  local job, log = KEYS[3 + 2 * i], KEYS[4 + 2 * i]
+  local job, log, queue = KEYS[2 + 3 * i], KEYS[3 + 3 * i], KEYS[4 + 3 * i]
   local attempt = ARGV[a + 1]
   local owned = true
   if attempt ~= '0' then
@@ -39,12 +39,12 @@ for i = 0, (#ARGV - 3) / per - 1 do
         if entry ~= '' then
           if ARGV[a + 10] ~= '' then
             -- The dead-letter stream is a record for operators, so it may be trimmed (never the queue).
-            redis.call('XADD', KEYS[2], 'MAXLEN', '~', 10000, '*', 'job', ARGV[a + 10],
+            redis.call('XADD', KEYS[1], 'MAXLEN', '~', 10000, '*', 'job', ARGV[a + 10],
               'entry', entry, 'attempts', attempt, 'at', ARGV[3])
           end
           -- Only entries delivered to us get here: acked and deleted together (no PEL leak).
-          redis.call('XACK', KEYS[1], 'workers', entry)
-          redis.call('XDEL', KEYS[1], entry)
+          redis.call('XACK', queue, 'workers', entry)
+          redis.call('XDEL', queue, entry)
         end
       end
     end

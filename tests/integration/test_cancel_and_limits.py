@@ -195,8 +195,8 @@ async def test_submit_cancelled_during_enqueue_still_cancels_its_job(redis_url, 
         real_enqueue = svc.queue.enqueue
         enqueued = asyncio.Event()
 
-        async def enqueue_then_hang(rec, key=None):
-            queued.append(await real_enqueue(rec, key))
+        async def enqueue_then_hang(rec, key=None, **options):
+            queued.append(await real_enqueue(rec, key, **options))
             enqueued.set()
             await asyncio.sleep(3600)  # the reply "never arrives": the caller is cancelled here
 

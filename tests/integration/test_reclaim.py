@@ -225,6 +225,8 @@ async def test_a_stalled_worker_loses_its_job_and_its_late_writes_are_refused(ma
         return []  # A's heartbeat misses every renewal (a blocked loop) while its engine keeps going
 
     a.queue.renew = no_renewal
+    # A blocked loop does not reclaim either: A's own XAUTOCLAIM would otherwise renew its job.
+    a.queue.reclaim = no_renewal
     b = await make_worker(delay_s=0.005)
     events = await client.finish()
 

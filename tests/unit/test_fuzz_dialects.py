@@ -23,6 +23,7 @@ from api.dialects import openai_chat as chat
 from api.dialects import openai_completions as oc
 from api.dialects import triton as tr
 from api.routes.lmi import _keys_decoder
+from api.submit import check_queueable
 from shared.codec import decode_request, encode, job_from_hash, job_to_hash
 from shared.errors import InvalidRequest, ServiceError
 from shared.schemas import ChatOptions, GenerationRequest, JobRecord, OutputOptions, SamplingParams
@@ -54,8 +55,7 @@ def decode(kind: type, body: bytes) -> Any:
 
 def admit(req: GenerationRequest) -> None:
     """The pure part of ``api.submit.admit``."""
-    if req.sampling.max_tokens >= MAX_MODEL_LEN:
-        raise InvalidRequest("too many tokens", param="max_tokens")
+    check_queueable(req, MAX_MODEL_LEN)
 
 
 class Violation(AssertionError):

@@ -1,0 +1,28 @@
+-- End a job whose deadline passed and that nobody ended: called by the API (a client waiting on
+-- it, or a poll). A queued job ends at its deadline; a running one only after a grace period, as
+-- its worker aborts it at the deadline itself and this is the backstop for a worker that cannot.
+-- KEYS[1] job hash   KEYS[2] event log
+-- ARGV[1] now (epoch ms)   ARGV[2] grace (ms) for running jobs   ARGV[3] TTL (s) of finished jobs
+-- ARGV[4] live channel   ARGV[5] the error event's JSON after its seq: '"code":...}'
+-- ARGV[6] the record's error JSON
+-- Bumping the attempt fences off the owner: its later writes are refused, so it aborts the job
+-- and writes nothing. The stream entry stays until a worker reads or reclaims it and finds the
+-- job finished (start.lua), which acks and deletes it.
+-- Returns 1 when this call ended the job, else 0.
+local f = redis.call('HMGET', KEYS[1], 'status', 'deadline')
+if f[1] ~= 'queued' and f[1] ~= 'running' then return 0 end
+if not f[2] then return 0 end
+local due = tonumber(f[2])
+if f[1] == 'running' then due = due + tonumber(ARGV[2]) end
+if tonumber(ARGV[1]) < due then return 0 end
+local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+local seq = 1
+if last[1] then seq = tonumber(string.match(last[1][1], '^(%d+)')) + 1 end
+local event = '{"type":"error","seq":' .. seq .. ',' .. ARGV[5]
+redis.call('HINCRBY', KEYS[1], 'attempt', 1)
+redis.call('HSET', KEYS[1], 'worker', '', 'status', 'failed', 'error', ARGV[6], 'finished_at', ARGV[1])
+redis.call('XADD', KEYS[2], seq .. '-0', 'e', event)
+redis.call('PUBLISH', ARGV[4], event)
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+return 1

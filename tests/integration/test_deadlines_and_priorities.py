@@ -1,0 +1,213 @@
+"""Deadlines and priority levels: the real app on a real port, a scripted worker, real Redis.
+
+A deadline is absolute (``queued_at`` + the request's timeout): a job still queued when it passes
+never reaches the engine, a running one is aborted, and both end with ``deadline_exceeded``
+(504). Priorities: one stream per level, read most urgent first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from shared.codec import decode_event
+from shared.events import Error
+from shared.keys import GROUP, Keys
+from shared.queue import Queue, level_of
+from tests.integration.test_cancel_and_limits import MODEL, record, wait_status
+from tests.scripted_engine import ScriptedEngine
+from tests.scripted_stack import scripted_stack
+
+BOUND_S = 5.0  # generous upper bound on "ended at its deadline"; the measured figure is recorded
+
+
+async def occupy(s, tokens: int = 400) -> str:
+    """Fill the only engine slot with a long job; returns its id once it runs."""
+    resp = await s.client.post("/v1/jobs", json={"prompt": "busy", "sampling": {"max_tokens": tokens}})
+    job_id = resp.json()["id"]
+    await wait_status(s.redis, s.settings.prefix, job_id, {"running"})
+    return job_id
+
+
+def ran(engine: ScriptedEngine) -> list[str]:
+    """The jobs that reached the engine, in order (without the worker's warm-up)."""
+    return [j for j in engine.started if not j.startswith("warmup-")]
+
+
+async def log_events(s, job_id: str) -> list:
+    return await Queue(s.redis, Keys(s.settings.prefix)).read_events(MODEL, job_id)
+
+
+async def queue_drained(s, timeout: float = 20) -> None:
+    """Every level's stream and pending list empty: no entry outlived its job."""
+    keys = Keys(s.settings.prefix)
+    async with asyncio.timeout(timeout):
+        while True:
+            lengths = [await s.redis.xlen(q) for q in keys.queues(MODEL)]
+            pending = [(await s.redis.xpending(q, GROUP))["pending"] for q in keys.queues(MODEL)]
+            if not any(lengths) and not any(pending):
+                return
+            await asyncio.sleep(0.05)
+
+
+# --- deadlines ---------------------------------------------------------------------------------
+
+
+@pytest.mark.faults
+async def test_a_job_whose_deadline_passes_in_the_queue_never_reaches_the_engine(redis_url, prefix, figures):
+    engine = ScriptedEngine(delay_s=0.01)
+    async with scripted_stack(redis_url, prefix, engine, max_num_seqs=1) as s:
+        busy = await occupy(s, tokens=150)
+        # Fire-and-poll with nobody following: only the worker can end it, when it reads it.
+        polled = await s.client.post("/v1/jobs", json={"prompt": "late", "timeout_s": 0.3})
+        # A waiting client (X-LLMQ-Timeout): the API ends the job at the deadline, not the worker.
+        t0 = time.monotonic()
+        resp = await s.client.post("/v1/completions", json={"prompt": "late", "max_tokens": 4},
+                                   headers={"X-LLMQ-Timeout": "0.5"})
+        waited = time.monotonic() - t0
+        assert resp.status_code == 504, resp.text
+        assert resp.json()["error"]["message"] == "the request's deadline passed before it finished"
+        assert 0.4 < waited < BOUND_S
+        # TGI's shape for the same (a stream: the error is its one event after the 200).
+        tgi = await s.client.post("/generate_stream", json={"inputs": "late", "parameters": {"max_new_tokens": 2}},
+                                  headers={"X-LLMQ-Timeout": "0.2"})
+        assert json.loads(tgi.content.removeprefix(b"data:"))["error_type"] == "deadline_exceeded"
+
+        rec = await wait_status(s.redis, prefix, polled.json()["id"], {"failed"})
+        assert rec.error is not None and (rec.error.code, rec.error.status) == ("deadline_exceeded", 504)
+        assert rec.started_at is None  # it never ran
+        events = await log_events(s, rec.id)
+        assert len(events) == 1 and isinstance(events[0], Error) and events[0].seq == 1
+        assert ran(engine) == [busy]  # none of the expired jobs reached the engine
+        await queue_drained(s)  # and their entries were acked and deleted when read
+        assert (await record(s.redis, prefix, busy)).status == "done"
+    figures.requests_sent, figures.ended_with_error, figures.completed = 4, 3, 1
+    figures.seconds["sync_wait_s"] = waited
+
+
+@pytest.mark.faults
+async def test_a_running_job_is_aborted_at_its_deadline_and_its_slot_freed(redis_url, prefix, figures):
+    engine = ScriptedEngine(delay_s=0.02)
+    # The default deadline (LLMQ_DEADLINE_S) applies to every request that sets none.
+    async with scripted_stack(redis_url, prefix, engine, max_num_seqs=1, deadline_s=0.6) as s:
+        t0 = time.monotonic()
+        async with s.client.stream("POST", "/v1/completions",
+                                   json={"prompt": "slow", "max_tokens": 1000, "stream": True}) as resp:
+            assert resp.status_code == 200
+            raw = await resp.aread()
+        ended = time.monotonic() - t0
+        frames = [f for f in raw.split(b"\n\n") if f.startswith(b"data: {")]
+        texts = [json.loads(f.removeprefix(b"data: ")).get("choices", [{}])[0].get("text", "") for f in frames[:-1]]
+        assert 5 < len("".join(texts)) < 1000  # tokens flowed, then the deadline cut it short
+        error = json.loads(frames[-1].removeprefix(b"data: "))["error"]
+        assert error["message"] == "the request's deadline passed while it was running"
+        assert raw.endswith(b"data: [DONE]\n\n")
+        assert 0.5 < ended < BOUND_S
+        job_id = ran(engine)[0]
+        assert engine.aborted == [job_id]
+        rec = await record(s.redis, prefix, job_id)
+        assert rec.status == "failed" and rec.error.code == "deadline_exceeded"
+        assert rec.deadline == pytest.approx(rec.queued_at + 600)
+        # The slot is free: the next request runs at once (its own 0.6 s deadline is plenty).
+        resp = await s.client.post("/v1/completions", json={"prompt": "next", "max_tokens": 3})
+        assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "nex"
+        await queue_drained(s)
+    figures.requests_sent, figures.ended_with_error, figures.completed = 2, 1, 1
+    figures.seconds["aborted_after_s"] = ended
+
+
+async def test_a_worker_that_cannot_end_an_overdue_job_is_fenced_off_by_the_api(redis_url, prefix):
+    """The backstop: the worker's own timer never fires (a stalled loop); past the deadline plus
+    a grace the API ends the job for the waiting client, and the worker's late writes are refused."""
+    engine = ScriptedEngine(delay_s=0.02)
+    async with scripted_stack(redis_url, prefix, engine, max_num_seqs=1) as s:
+        accept = s.worker._accept
+
+        async def without_timer(delivery):
+            delivery.deadline = None  # the worker never learns the deadline: its timer cannot fire
+            await accept(delivery)
+
+        s.worker._accept = without_timer  # type: ignore[method-assign]
+        resp = await s.client.post("/v1/jobs/", json={"prompt": "stuck", "sampling": {"max_tokens": 400}},
+                                   headers={"X-LLMQ-Timeout": "0.5"})
+        assert resp.status_code == 202
+        job_id = resp.json()["id"]
+        events = []
+        async with s.client.stream("GET", f"/v1/jobs/{job_id}/events") as stream:
+            async for line in stream.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(decode_event(line.removeprefix("data: ")))
+        assert isinstance(events[-1], Error) and events[-1].code == "deadline_exceeded"
+        assert [e.seq for e in events] == list(range(1, len(events) + 1))  # one ordered log, no gap
+        rec = await record(s.redis, prefix, job_id)
+        assert rec.status == "failed" and rec.worker == ""
+        async with asyncio.timeout(BOUND_S):  # its next write is refused: the worker lets go of it
+            while job_id not in engine.aborted:
+                await asyncio.sleep(0.02)
+        await queue_drained(s, timeout=30)  # the stale entry is reclaimed, found finished, deleted
+
+
+@pytest.mark.parametrize(("headers", "param"), [
+    ({"X-LLMQ-Timeout": "soon"}, "X-LLMQ-Timeout"),
+    ({"X-LLMQ-Timeout": "0"}, None),
+    ({"X-LLMQ-Timeout": "-3"}, None),
+    ({"X-LLMQ-Priority": "high"}, "X-LLMQ-Priority"),
+])
+async def test_bad_option_headers_get_the_dialects_400(redis_url, prefix, headers, param):
+    async with scripted_stack(redis_url, prefix) as s:
+        resp = await s.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=headers)
+        assert resp.status_code == 400, resp.text
+        body = resp.json()["error"]
+        assert body["type"] == "BadRequestError" and body["param"] == param
+        resp = await s.client.post("/generate", json={"inputs": "x"}, headers=headers)
+        assert resp.status_code == 422 and resp.json()["error_type"] == "validation"
+
+
+# --- priorities --------------------------------------------------------------------------------
+
+
+def test_priorities_map_to_three_levels():
+    assert [level_of(p) for p in (-5, 0, 1, 2, 3, 100)] == [0, 0, 1, 2, 2, 2]
+
+
+async def test_queued_jobs_start_most_urgent_level_first(redis_url, prefix):
+    engine = ScriptedEngine(delay_s=0.01)
+    keys = Keys(prefix)
+    async with scripted_stack(redis_url, prefix, engine, max_num_seqs=1) as s:
+        busy = await occupy(s, tokens=100)
+        submitted: dict[str, str] = {}
+        for name, priority, header in [("low-a", 2, None), ("low-b", 9, None), ("mid", 1, None),
+                                       ("high-a", 0, None), ("urgent", -1, None), ("high-b", None, "0"),
+                                       ("mid-header", None, "1")]:
+            body: dict = {"prompt": name, "sampling": {"max_tokens": 2}}
+            if priority is not None:
+                body["priority"] = priority
+            resp = await s.client.post("/v1/jobs", json=body, headers={"X-LLMQ-Priority": header} if header else {})
+            submitted[resp.json()["id"]] = name
+        # While the slot is taken every job waits on its level's stream.
+        assert [await s.redis.xlen(q) for q in keys.queues(MODEL)] == [1 + 3, 2, 2]
+        for job_id in submitted:
+            await wait_status(s.redis, prefix, job_id, {"done"})
+    order = [submitted[j] for j in ran(engine) if j != busy]
+    # Level 0 in arrival order, then level 1, then level 2: the level is what orders the queue.
+    # (Within a level the engine, not the queue, orders by the priority value itself.)
+    assert order == ["high-a", "urgent", "high-b", "mid", "mid-header", "low-a", "low-b"]
+
+
+async def test_the_depth_limit_counts_every_level_and_holds_under_concurrency(redis_url, prefix):
+    engine = ScriptedEngine(delay_s=0.02)
+    async with scripted_stack(redis_url, prefix, engine, max_num_seqs=1, max_queued=5) as s:
+        await occupy(s, tokens=200)
+
+        async def submit(i: int) -> int:
+            body = {"prompt": f"j{i}", "priority": i % 3, "sampling": {"max_tokens": 2}}
+            return (await s.client.post("/v1/jobs", json=body)).status_code
+
+        statuses = await asyncio.gather(*(submit(i) for i in range(20)))
+        # One running + four queued = the limit of five unfinished jobs, whatever their levels;
+        # the check and the enqueue are one script, so concurrent submitters never overshoot.
+        assert sorted(statuses) == [202] * 4 + [429] * 16
+        assert sum([await s.redis.xlen(q) for q in Keys(prefix).queues(MODEL)]) == 5
