@@ -11,12 +11,16 @@ import asyncio
 import importlib.util
 import os
 import shutil
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import structlog
 from redis.asyncio import Redis
+from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -25,26 +29,75 @@ __all__ = ["connect", "wait_for_redis", "redis_server_binary", "redis_cli_binary
 # What a Redis outage looks like to callers (mapped to 503 by the API).
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 
+T = TypeVar("T")
+
+
+class _NotRetried(Exception):
+    def __init__(self, error: AuthenticationError) -> None:
+        self.error = error
+
+
+class _Retry(Retry):
+    """Retries outages, never rejected credentials. redis-py makes AuthenticationError (wrong
+    password, NOAUTH) a ConnectionError, so a plain Retry repeats a configuration error that no
+    retry can fix and only delays the caller's clear error."""
+
+    async def call_with_retry(self, do: Callable[[], Awaitable[T]], fail: Callable[[Any], Any]) -> T:
+        async def once() -> T:
+            try:
+                return await do()
+            except AuthenticationError as exc:
+                raise _NotRetried(exc) from exc
+
+        try:
+            return await super().call_with_retry(once, fail)
+        except _NotRetried as stop:
+            await fail(stop.error)  # the usual clean-up (disconnect); it may re-raise the error itself
+            raise stop.error from None
+
+
+async def _handshake(conn: AbstractConnection) -> None:
+    """AUTH/SELECT on a connection just opened, without a health-check PING inside it.
+
+    redis-py PINGs before the handshake's first command when a health check is due (always, on a
+    new connection). If that PING fails (NOAUTH from a URL without the password; "max clients"),
+    its retry reconnects, whose handshake PINGs again: a RecursionError after ~11 s instead of
+    the server's error (redis/redis-py#3745). A connection opened this instant needs no check.
+    """
+    conn.next_health_check = asyncio.get_running_loop().time() + conn.health_check_interval
+    await conn.on_connect()
+
 
 def connect(url: str, *, block_ms: int = 2000) -> Redis:
+    """A client for ``url``: ``redis://[[user]:password@]host:port/db`` or ``rediss://`` (TLS;
+    ``?ssl_ca_certs=<pem>&ssl_check_hostname=true``, redis-py's query options)."""
     return Redis.from_url(
         url,
         socket_timeout=block_ms / 1000 + 10,
         socket_connect_timeout=5,
         health_check_interval=30,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=3),
+        retry=_Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=3),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        redis_connect_func=_handshake,
     )
 
 
 async def wait_for_redis(redis: Redis, *, what: str, max_delay_s: float = 5.0) -> None:
-    """Ping until Redis answers, backing off; processes started before Redis never crash."""
+    """Ping until Redis answers, backing off; processes started before Redis never crash.
+
+    Rejected credentials are not an outage: Redis is up and said no, and the URL this process
+    holds will not change, so retrying would only hide a configuration error. Log it and raise.
+    """
     log = structlog.get_logger()
     delay = 0.1
     while True:
         try:
             await redis.ping()
             return
+        except AuthenticationError as exc:
+            log.error("redis_auth_failed", process=what, error=str(exc),
+                      hint="set the user and password in LLMQ_REDIS_URL: redis://user:password@host:port/0")
+            raise
         except REDIS_DOWN as exc:
             log.warning("redis_unreachable", process=what, retry_in_s=round(delay, 2), error=str(exc))
             await asyncio.sleep(delay)

@@ -148,7 +148,8 @@ async def test_password_protected_redis_works_through_the_url(tmp_path, prefix):
                 except REDIS_DOWN:
                     await asyncio.sleep(0.05)
         await probe.aclose()
-        # Plain redis-py: llmq's client (health checks on) recurses on NOAUTH; see the report.
+        # Plain redis-py here; llmq's own client on a URL without the password is covered in
+        # test_redis_tls_and_auth.py (it used to recurse on NOAUTH, redis/redis-py#3745).
         anonymous = Redis.from_url(f"redis://127.0.0.1:{port}/0")
         with pytest.raises((AuthenticationError, ResponseError)):
             await anonymous.set("x", "1")
