@@ -15,7 +15,9 @@ worker has room or none is alive.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
+from urllib.parse import parse_qs, unquote, urlparse
 
 import structlog
 from arq import cron
@@ -79,6 +81,23 @@ async def _orphans_and_consumers(redis, keys: Keys, queue: str, settings: Settin
     return {"orphaned": len(orphans), "oldest_orphan_s": round(oldest / 1000, 1), "consumers_removed": removed}
 
 
+def arq_redis_settings(dsn: str) -> RedisSettings:
+    """arq's connection settings for the same URL llmq's own clients use. arq's ``from_dsn``
+    drops the query (a private CA's ``ssl_ca_certs``, ``ssl_check_hostname``, ...) and keeps a
+    percent-encoded password encoded; redis-py reads both, so llmq does too."""
+    base = RedisSettings.from_dsn(dsn)
+    url = urlparse(dsn)
+    query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+    changes: dict[str, Any] = {"username": unquote(url.username) if url.username else None,
+                               "password": unquote(url.password) if url.password else None}
+    for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs"):
+        if name in query:
+            changes[name] = query[name]
+    if "ssl_check_hostname" in query:
+        changes["ssl_check_hostname"] = query["ssl_check_hostname"].lower() in ("1", "true", "yes", "on")
+    return dataclasses.replace(base, **changes)
+
+
 async def startup(ctx: dict[str, Any]) -> None:
     settings: Settings = ctx["settings"]
     ctx["keys"] = Keys(settings.prefix)
@@ -109,7 +128,7 @@ def main() -> None:
     asyncio.run(ready())
     run_worker(
         WorkerSettings,  # type: ignore[arg-type]
-        redis_settings=RedisSettings.from_dsn(settings.redis_dsn),
+        redis_settings=arq_redis_settings(settings.redis_dsn),
         queue_name=Keys(settings.prefix).arq_queue(),
         ctx={"settings": settings},
     )

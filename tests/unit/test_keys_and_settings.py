@@ -44,3 +44,15 @@ def test_lmi_option_output_formatter_is_honoured():
 def test_bad_settings_fail_fast(env):
     with pytest.raises(SettingsError):
         load_settings(env)
+
+
+def test_housekeeping_gives_arq_the_whole_redis_url():
+    from workers.housekeeping import arq_redis_settings
+
+    rs = arq_redis_settings("rediss://llmq:p%40ss@redis.internal:6380/2?ssl_ca_certs=/ca.pem"
+                            "&ssl_check_hostname=true&ssl_cert_reqs=required")
+    assert (rs.host, rs.port, rs.database, rs.ssl) == ("redis.internal", 6380, 2, True)
+    assert (rs.username, rs.password) == ("llmq", "p@ss")
+    assert (rs.ssl_ca_certs, rs.ssl_check_hostname, rs.ssl_cert_reqs) == ("/ca.pem", True, "required")
+    plain = arq_redis_settings("redis://127.0.0.1:6399/0")
+    assert (plain.ssl, plain.password, plain.ssl_ca_certs) == (False, None, None)
