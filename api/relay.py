@@ -123,7 +123,11 @@ async def prefetch(events: AsyncIterator[Event | Keepalive], wait_s: float) -> A
     waiting: asyncio.Future[Event | Keepalive] | None = None
     while head is None:
         step = asyncio.ensure_future(anext(events))
-        done, _ = await asyncio.wait({step}, timeout=max(0.0, deadline - loop.time()))
+        try:
+            done, _ = await asyncio.wait({step}, timeout=max(0.0, deadline - loop.time()))
+        except asyncio.CancelledError:
+            step.cancel()  # the handler was cancelled (client gone): leave no task reading on
+            raise
         if not done:
             waiting = step
             break

@@ -14,16 +14,22 @@ prompt token ids were never recorded.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 import msgspec
+import structlog
 
 from shared.errors import WorkerLost
 from shared.events import Event, Tokens
+from shared.queue import Delivery, Queue
+from shared.redis import REDIS_DOWN
 from shared.result import ResultBuilder
 from shared.schemas import GenerationRequest
 
-__all__ = ["Continuation", "plan_continuation"]
+__all__ = ["Continuation", "plan_continuation", "plan_for"]
+
+log = structlog.get_logger()
 
 
 @dataclass(slots=True)
@@ -72,4 +78,23 @@ def plan_continuation(req: GenerationRequest, prior: list[Event], prompt_ids: li
         req, prompt=None, messages=None, prompt_token_ids=prompt_ids + emitted_ids, sampling=sampling,
         output=msgspec.structs.replace(req.output, prompt_tokens=False),
     )
+    return plan
+
+
+async def plan_for(queue: Queue, model: str, d: Delivery, req: GenerationRequest) -> Continuation:
+    """A fresh start, or the continuation of what earlier attempts already published (the log
+    is read until Redis answers: the job cannot start without it)."""
+    if not d.last_seq:
+        return Continuation(request=req)
+    delay = 0.1
+    while True:
+        try:
+            prior = await queue.read_events(model, d.job_id)
+            break
+        except REDIS_DOWN as exc:
+            log.warning("redis_read_failed", retry_in_s=delay, error=str(exc))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+    plan = plan_continuation(req, [e for e in prior if isinstance(e, Tokens)], d.prompt_ids)
+    log.info("job_continued", after_seq=plan.seq, emitted=plan.emitted)
     return plan

@@ -40,7 +40,7 @@ from shared.queue import Delivery, Held, Outbound, Queue, now_ms
 from shared.redis import REDIS_DOWN
 from shared.result import ResultBuilder
 from shared.schemas import GenerationRequest, JobResult, PromptInfo, Usage
-from workers.continuation import Continuation, plan_continuation
+from workers.continuation import plan_for
 from workers.presence import Presence
 
 __all__ = ["Worker", "Engine"]
@@ -214,7 +214,7 @@ class Worker(Presence):
         with structlog.contextvars.bound_contextvars(job_id=d.job_id, model=self.model, worker=self.worker_id,
                                                      attempt=d.attempt):
             try:
-                plan = await self._plan(d, req)
+                plan = await plan_for(self.queue, self.model, d, req)
                 state.seq, state.builder = plan.seq, plan.builder
                 usage.prompt_tokens, usage.completion_tokens = plan.prompt_tokens, plan.emitted
                 # The first token time of a continued job was recorded by its first attempt.
@@ -259,8 +259,11 @@ class Worker(Presence):
                     return
                 self._fail(d, state, reason)
             except EngineDead as exc:
-                # Fatal for the process: fail this job, stop taking work, exit to be restarted.
-                self._fail(d, state, exc)
+                # Fatal for the process, not for the job: write nothing, stop renewing its lease
+                # and exit to be restarted; a peer (or our successor) takes it over when the lease
+                # lapses and continues it. Counted as a failed delivery, so a request that kills
+                # every engine it reaches ends in the dead-letter stream, not in a loop.
+                log.error("engine_dead_job_left_for_a_peer", error=exc.message)
                 self.failed = True
                 self.stop()
             except ServiceError as exc:
@@ -281,23 +284,6 @@ class Worker(Presence):
                  duration_ms=round((timings.finished_at or started) - started, 1),
                  prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                  finish_reason=",".join(str(c.finish_reason) for c in result.choices))
-
-    async def _plan(self, d: Delivery, req: GenerationRequest) -> Continuation:
-        """A fresh start, or the continuation of what earlier attempts already published."""
-        if not d.last_seq:
-            return Continuation(request=req)
-        delay = 0.1
-        while True:
-            try:
-                prior = await self.queue.read_events(self.model, d.job_id)
-                break
-            except REDIS_DOWN as exc:
-                log.warning("redis_read_failed", retry_in_s=delay, error=str(exc))
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-        plan = plan_continuation(req, [e for e in prior if isinstance(e, Tokens)], d.prompt_ids)
-        log.info("job_continued", after_seq=plan.seq, emitted=plan.emitted)
-        return plan
 
     def _fail(self, d: Delivery, state: _JobState, exc: ServiceError) -> None:
         self._end(d, state.seq, exc)

@@ -18,7 +18,7 @@ import pytest
 
 from api.relay import follow
 from shared.config import load_settings
-from shared.errors import WorkerLost
+from shared.errors import EngineDead, WorkerLost
 from shared.events import Done, Error, Event, TokenDelta, Tokens
 from shared.keys import GROUP, Keys
 from shared.queue import Outbound, Queue, now_ms
@@ -50,8 +50,9 @@ def expected_ids(prompt: str, n: int) -> list[int]:
 
 
 class ContextEngine:
-    def __init__(self, delay_s: float) -> None:
+    def __init__(self, delay_s: float, die_after: int | None = None) -> None:
         self.delay_s = delay_s
+        self.die_after = die_after  # tokens of a job after which the engine dies (EngineDead)
         self.aborted: list[str] = []
         self.requests: list[GenerationRequest] = []
 
@@ -61,6 +62,8 @@ class ContextEngine:
         prompt_len, n = len(ids), req.sampling.max_tokens
         for i in range(n):
             await asyncio.sleep(self.delay_s)
+            if self.die_after is not None and i == self.die_after and not job_id.startswith("warmup-"):
+                raise EngineDead("scripted engine death")
             ids.append(next_token(ids))
             last = i == n - 1
             delta = TokenDelta(token_ids=[ids[-1]], text=chr(ids[-1]), finish_reason="length" if last else None)
@@ -82,11 +85,11 @@ class Running:
 async def make_worker(redis, prefix):
     started: list[Running] = []
 
-    async def start(delay_s: float = 0.01, **overrides) -> Running:
+    async def start(delay_s: float = 0.01, die_after: int | None = None, **overrides) -> Running:
         settings = load_settings({}, prefix=prefix, served_model_name=MODEL, block_ms=100, heartbeat_s=0.2,
                                  **{"lease_s": 1.0, **overrides})
         queue = Queue(redis, Keys(prefix))
-        worker = Worker(settings, queue, ContextEngine(delay_s))
+        worker = Worker(settings, queue, ContextEngine(delay_s, die_after))
         task = asyncio.create_task(worker.run())
         started.append(Running(worker, queue, task))
         while not worker.ready:
@@ -353,3 +356,20 @@ async def test_housekeeping_reports_orphans_and_removes_only_empty_dead_consumer
     assert stats["orphaned"] == 1 and stats["oldest_orphan_s"] >= 0.2 and stats["consumers_removed"] == 1
     names = {c["name"] for c in await redis.xinfo_consumers(keys.queue(MODEL), GROUP)}
     assert names == {b"dead-with-job"}, "a consumer that still holds an entry is never deleted"
+
+
+async def test_a_job_whose_engine_died_continues_on_a_peer(make_worker, redis, keys):
+    """EngineDead is fatal for the worker, not for the job: the worker writes nothing more about
+    it and exits (to be restarted); the lease lapses and a peer continues the job seamlessly."""
+    a = await make_worker(delay_s=0.02, die_after=15)
+    client = Client(redis, a.queue)
+    job_id = await client.start("engine dies", 60)
+    await running_on(a.queue, job_id, a.worker, min_tokens=5)
+    b = await make_worker(delay_s=0.005)
+    await asyncio.wait_for(a.task, 10)  # A drains and exits on its own
+    assert a.worker.failed  # so `python -m workers` exits non-zero and gets restarted
+    events = await client.finish()
+    assert_seamless(events, "engine dies", 60)
+    job = await b.queue.get_job(MODEL, job_id)
+    assert job.status == "done" and job.worker == b.worker.worker_id and job.attempt == 2
+    assert await redis.xlen(keys.queue(MODEL)) == 0
