@@ -9,6 +9,7 @@ from litestar.di import Provide
 from api.auth import KeyGuard, parse_keys
 from api.errors import exception_handlers
 from api.http import RequestLifecycle
+from api.openapi import openapi_json
 from api.routes import happy_vllm, health, jobs, lmi, lmtp, openai, openai_chat, tgi, triton
 from api.services import Services, lifespan
 from shared.config import Settings, load_settings
@@ -43,6 +44,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
             *happy_vllm.ROUTES,
             *lmtp.ROUTES,
             *openai_chat.ROUTES,
+            openapi_json,
         ],
         dependencies={"svc": Provide(_services, sync_to_thread=False)},
         lifespan=[lifespan],
@@ -52,6 +54,6 @@ def create_app(settings: Settings | None = None) -> Litestar:
         middleware=[lambda app: RequestLifecycle(app, guard)],
         request_max_body_size=settings.max_body_bytes,
         state=State({"settings": settings}),
-        openapi_config=None,
+        openapi_config=None,  # the document is api.openapi's (routes read their own bodies)
         logging_config=None,  # keep structlog's set-up (configure_logging), not Litestar's default
     )

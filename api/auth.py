@@ -28,6 +28,7 @@ __all__ = ["OPEN_PATHS", "current_owner", "owner_of", "presented_key", "parse_ke
 OPEN_PATHS = frozenset({
     "/ping", "/health", "/liveness", "/readiness", "/v2/health/live", "/v2/health/ready",
     "/v2/models/{model:str}/ready", "/v2/models/{model:str}/versions/{version:str}/ready",
+    "/openapi.json",  # API documentation, open as vLLM's is; it names no model or key
 })
 
 current_owner: ContextVar[str] = ContextVar("llmq_owner", default="")

@@ -1,0 +1,319 @@
+"""The OpenAPI 3.1 document of llmq's HTTP API, served (open, like vLLM's) at ``GET /openapi.json``.
+
+Routes read their own bodies (``api.http.decode_body``), so Litestar's generator would know no
+request bodies. The document is built here instead from one table, :data:`OPERATIONS`: each
+route's method and path, its request body (the dialect's own msgspec Struct rendered by
+``msgspec.json.schema_components``, so a new field shows up without touching this file) and the
+statuses and media types it answers with. A unit test checks the table against the routes the
+app registers, so a new route cannot silently miss the document.
+
+Not described: the LMTP WebSocket at ``/`` (OpenAPI has no WebSocket operations), and the
+``OPTIONS`` answers Litestar adds to every path.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+import msgspec
+from litestar import Request, Response, get
+
+from api.auth import OPEN_PATHS, parse_keys
+from api.dialects import happy_vllm, lmi, openai_chat, openai_completions, tgi, triton
+from shared.codec import encode
+from shared.schemas import GenerationRequest
+
+__all__ = ["OPERATIONS", "Operation", "document", "openapi_json", "openapi_path"]
+
+REF = "#/components/schemas/{name}"
+JSON = "application/json"
+SSE = "text/event-stream"
+NDJSON = "application/x-ndjson"
+JSONLINES = "application/jsonlines"
+TEXT = "text/plain"
+
+# Errors each dialect can answer with, in its own shape (see api/dialects/*.error_body). 401 is
+# added to every non-open operation when API keys are on; 413 wherever a body is read; 503
+# everywhere (Redis unreachable, or no worker serves a model that was served before).
+_OPENAI = (400, 404, 429, 503)
+_TGI = (404, 422, 424, 429, 503)
+_LMI = (400, 404, 424, 429, 503)
+_TRITON = (400, 404, 503)  # Triton reports "overloaded" as 503
+_HAPPY = (404, 422, 429, 503)
+_JOBS = (400, 404, 429, 503)
+
+
+class Operation(msgspec.Struct, frozen=True, kw_only=True):
+    method: str
+    path: str
+    """OpenAPI style: ``{model}``, not Litestar's ``{model:str}``."""
+    summary: str
+    tag: str
+    body: str | None = None
+    """A key of the body schemas (:func:`_bodies`), or None for no body."""
+    examples: tuple[dict[str, Any], ...] = ()
+    """Request bodies that succeed (with the default model): documentation, and schemathesis's
+    examples phase."""
+    ok: dict[int, tuple[str, ...]] = msgspec.field(default_factory=lambda: {200: (JSON,)})
+    """Success (and other non-error) statuses -> the media types each may carry."""
+    errors: tuple[int, ...] = ()
+    headers: tuple[str, ...] = ()
+    """Request headers the route reads: ``Prefer``, ``Idempotency-Key``, ``Last-Event-ID``."""
+    query: tuple[str, ...] = ()
+
+
+_ASYNC = {202: (JSON,)}  # Prefer: respond-async, or /v1/jobs: the job id, poll /v1/jobs/{id}
+_ASYNC_HEADERS = ("Prefer", "Idempotency-Key")
+_CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+_TGI_EXAMPLE = {"inputs": "Hello", "parameters": {"max_new_tokens": 4}}
+_HAPPY_EXAMPLE = {"prompt": "Hello", "max_tokens": 4}
+_TRITON_GEN: dict[str, Any] = {
+    "tag": "triton", "body": "triton", "ok": {200: (JSON, SSE)}, "errors": _TRITON, "headers": ("Idempotency-Key",),
+    "examples": ({"text_input": "Hello", "parameters": {"max_tokens": 4}},
+                 {"text_input": "Hi", "max_tokens": 2, "stream": True}),
+}
+
+
+def _op(method: str, path: str, summary: str, tag: str, **kw: Any) -> Operation:
+    return Operation(method=method, path=path, summary=summary, tag=tag, **kw)
+
+
+OPERATIONS: tuple[Operation, ...] = (
+    # OpenAI
+    _op("post", "/v1/completions", "OpenAI completions", "openai", body="completions",
+        examples=({"prompt": "Hello", "max_tokens": 4}, {"prompt": ["a", "b"], "max_tokens": 2, "stream": True}),
+        ok={200: (JSON, SSE), **_ASYNC}, errors=_OPENAI, headers=_ASYNC_HEADERS),
+    _op("post", "/v1/chat/completions", "OpenAI chat completions", "openai", body="chat", examples=(_CHAT,),
+        ok={200: (JSON, SSE), **_ASYNC}, errors=_OPENAI, headers=_ASYNC_HEADERS),
+    _op("get", "/v1/models", "Models a warm worker serves", "openai"),
+    # LMI / SageMaker
+    _op("post", "/invocations", "LMI: dispatches on `inputs` / `prompt` / `messages`", "lmi", body="invocations",
+        examples=(_TGI_EXAMPLE, {"prompt": "Hi", "max_tokens": 2}, _CHAT),
+        ok={200: (JSON, JSONLINES, SSE), **_ASYNC}, errors=_LMI, headers=_ASYNC_HEADERS),
+    _op("post", "/predictions/{model}", "LMI: a named model", "lmi", body="lmi",
+        examples=({"inputs": ["a", "b"], "parameters": {"max_new_tokens": 2}, "stream": True},),
+        ok={200: (JSON, JSONLINES, SSE)}, errors=_LMI),
+    _op("get", "/ping", "LMI health", "health", ok={200: (JSON,), 503: (JSON,)}),
+    # TGI
+    _op("post", "/generate", "TGI generate", "tgi", body="tgi", examples=(_TGI_EXAMPLE,), errors=_TGI),
+    _op("post", "/generate_stream", "TGI stream (errors in-band)", "tgi", body="tgi", examples=(_TGI_EXAMPLE,),
+        ok={200: (SSE,)}, errors=_TGI),
+    _op("post", "/", "TGI compat: a one-element array, or a stream", "tgi", body="tgi",
+        examples=(_TGI_EXAMPLE, {**_TGI_EXAMPLE, "stream": True}), ok={200: (JSON, SSE)}, errors=_TGI),
+    _op("post", "/tokenize", "TGI tokenize", "tgi", body="tgi", examples=({"inputs": "Hello"},), errors=_TGI),
+    _op("get", "/info", "TGI info", "tgi"),
+    _op("get", "/health", "TGI health", "health", ok={200: (TEXT,), 503: (JSON,)}),
+    # Triton (KServe v2)
+    _op("post", "/v2/models/{model}/generate", "Triton generate", **_TRITON_GEN),
+    _op("post", "/v2/models/{model}/versions/{version}/generate", "Triton generate", **_TRITON_GEN),
+    _op("post", "/v2/models/{model}/generate_stream", "Triton generate_stream", **_TRITON_GEN),
+    _op("post", "/v2/models/{model}/versions/{version}/generate_stream", "Triton generate_stream", **_TRITON_GEN),
+    _op("get", "/v2", "KServe server metadata", "triton"),
+    _op("get", "/v2/health/live", "KServe liveness", "health", ok={200: (TEXT,)}),
+    _op("get", "/v2/health/ready", "KServe readiness", "health", ok={200: (TEXT,), 400: (TEXT,)}),
+    _op("get", "/v2/models/{model}", "KServe model metadata", "triton", errors=(404, 503)),
+    _op("get", "/v2/models/{model}/versions/{version}", "KServe model metadata", "triton", errors=(404, 503)),
+    _op("get", "/v2/models/{model}/ready", "KServe model readiness", "health", ok={200: (TEXT,)},
+        errors=(400, 404)),
+    _op("get", "/v2/models/{model}/versions/{version}/ready", "KServe model readiness", "health",
+        ok={200: (TEXT,)}, errors=(400, 404)),
+    # happy_vllm
+    _op("post", "/v1/generate", "happy_vllm generate", "happy_vllm", body="happy", examples=(_HAPPY_EXAMPLE,),
+        ok={200: (JSON,), **_ASYNC}, errors=_HAPPY, headers=_ASYNC_HEADERS),
+    _op("post", "/v1/generate_stream", "happy_vllm stream", "happy_vllm", body="happy", examples=(_HAPPY_EXAMPLE,),
+        ok={200: (NDJSON,)}, errors=_HAPPY, headers=("Idempotency-Key",)),
+    _op("get", "/liveness", "happy_vllm liveness", "health"),
+    _op("get", "/readiness", "happy_vllm readiness", "health"),
+    _op("get", "/v1/info", "happy_vllm info", "happy_vllm"),
+    # Fire-and-poll jobs
+    _op("post", "/v1/jobs", "Queue a job (llmq's internal request)", "jobs", body="job",
+        examples=({"prompt": "Hello", "sampling": {"max_tokens": 4}},), ok=_ASYNC, errors=_JOBS,
+        headers=("Idempotency-Key",)),
+    _op("get", "/v1/jobs/{job_id}", "A job's status and result", "jobs", errors=(404, 503)),
+    _op("delete", "/v1/jobs/{job_id}", "Cancel a job", "jobs", errors=(404, 503)),
+    _op("get", "/v1/jobs/{job_id}/events", "A job's events as SSE, resumable", "jobs", ok={200: (SSE,)},
+        errors=(400, 404, 503), headers=("Last-Event-ID",), query=("after",)),
+    # This document
+    _op("get", "/openapi.json", "This OpenAPI document", "meta"),
+)
+
+_PARAMS: dict[str, dict[str, Any]] = {
+    "model": {"name": "model", "in": "path", "required": True, "schema": {"type": "string"},
+              "description": "A served model name; any other is 404."},
+    "version": {"name": "version", "in": "path", "required": True, "schema": {"type": "string"},
+                "description": 'Triton model version: llmq serves every model as "1".'},
+    "job_id": {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}},
+    "Prefer": {"name": "Prefer", "in": "header", "required": False,
+               "schema": {"type": "string", "enum": ["respond-async"]},
+               "description": "RFC 7240: answer 202 with a job id instead of waiting."},
+    "Idempotency-Key": {"name": "Idempotency-Key", "in": "header", "required": False, "schema": {"type": "string"},
+                        "description": "A repeated key (per API key) follows the earlier job."},
+    "Last-Event-ID": {"name": "Last-Event-ID", "in": "header", "required": False, "schema": {"type": "string"},
+                      "description": "Resume after this event sequence number."},
+    "X-LLMQ-Timeout": {"name": "X-LLMQ-Timeout", "in": "header", "required": False,
+                       "schema": {"type": "string", "pattern": r"^\s*[0-9]*\.?[0-9]+\s*$"},
+                       "description": "Seconds from enqueue until the request must have finished (its deadline); "
+                                      "past it: 504 deadline_exceeded. Default: LLMQ_DEADLINE_S."},
+    "X-LLMQ-Priority": {"name": "X-LLMQ-Priority", "in": "header", "required": False,
+                        "schema": {"type": "string", "pattern": r"^\s*-?[0-9]+\s*$"},
+                        "description": "Lower runs earlier (default 0); a body `priority` field wins."},
+    "after": {"name": "after", "in": "query", "required": False, "schema": {"type": "string"},
+              "description": "Resume after this event sequence number (when no Last-Event-ID)."},
+}
+
+
+def openapi_path(litestar_path: str) -> str:
+    """``/v2/models/{model:str}`` -> ``/v2/models/{model}``."""
+    parts = litestar_path.split("/")
+    return "/".join(p.split(":", 1)[0] + "}" if p.startswith("{") and ":" in p else p for p in parts)
+
+
+def _any_json(t: type) -> dict[str, Any] | None:
+    # ``dict[str, object]`` (chat template kwargs): any JSON value.
+    return {"description": "any JSON value"} if t is object else None
+
+
+def _components(*types: type) -> dict[str, Any]:
+    return msgspec.json.schema_components(types, ref_template=REF, schema_hook=_any_json)[1]
+
+
+def _ref(t: type) -> dict[str, str]:
+    return {"$ref": REF.format(name=t.__name__)}
+
+
+def _scalar(schema: dict[str, Any]) -> dict[str, Any] | None:
+    """The scalar part of a property schema (Triton's request parameters are scalars only)."""
+    branches = schema.get("anyOf", [schema])
+    kept = [b for b in branches if b.get("type") in ("string", "integer", "number", "boolean")]
+    if not kept:
+        return None
+    return kept[0] if len(kept) == 1 else {"anyOf": kept}
+
+
+def _happy_body() -> dict[str, Any]:
+    """happy_vllm reads a plain object: its own keywords plus vLLM's SamplingParams keywords;
+    any other key is refused by name."""
+    parts = _components(happy_vllm.HappyOptions, happy_vllm.VllmSampling)
+    props = {**parts["HappyOptions"]["properties"], **parts["VllmSampling"]["properties"]}
+    return {"type": "object", "properties": props, "required": ["prompt"], "additionalProperties": False}
+
+
+def _triton_body() -> dict[str, Any]:
+    """Triton's ``{"id"?, "text_input", "parameters"?}``: model inputs and scalar vLLM sampling
+    keywords, at the top level or inside ``parameters``."""
+    parts = _components(triton._Inputs, happy_vllm.VllmSampling)
+    sampling = {k: s for k, v in parts["VllmSampling"]["properties"].items() if (s := _scalar(v)) is not None}
+    sampling["structured_outputs"] = {"type": "string", "description": "vLLM StructuredOutputsParams as JSON"}
+    inputs = parts["_Inputs"]["properties"]
+    inner = {"type": "object", "properties": {**inputs, **sampling}, "additionalProperties": False}
+    props = {"id": {"type": "string"}, **inputs, **sampling, "parameters": inner}
+    return {"type": "object", "properties": props, "required": ["text_input"], "additionalProperties": False}
+
+
+def _invocations_body() -> dict[str, Any]:
+    """LMI's ``/invocations`` dispatch, written as exclusive branches: ``inputs`` -> LMI's schema;
+    else ``prompt`` -> OpenAI completions; else ``messages`` -> chat."""
+    no_inputs = {"not": {"required": ["inputs"]}}
+    return {"oneOf": [
+        _ref(lmi.LmiRequest),
+        {"allOf": [_ref(openai_completions.CompletionRequest), no_inputs]},
+        {"allOf": [_ref(openai_chat.ChatRequest), no_inputs, {"not": {"required": ["prompt"]}}]},
+    ]}
+
+
+def _bodies() -> dict[str, dict[str, Any]]:
+    return {
+        "completions": _ref(openai_completions.CompletionRequest),
+        "chat": _ref(openai_chat.ChatRequest),
+        "lmi": _ref(lmi.LmiRequest),
+        "invocations": _invocations_body(),
+        "tgi": _ref(tgi.GenerateRequest),
+        "triton": _triton_body(),
+        "happy": _happy_body(),
+        "job": _ref(GenerationRequest),
+    }
+
+
+def _responses(op: Operation, keys_on: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for status, media in op.ok.items():
+        out[str(status)] = {"description": "OK" if status < 300 else "Not ready",
+                            "content": {m: {"schema": {}} for m in media}}
+    errors = set(op.errors)
+    if op.body is not None:
+        errors.add(413)  # LLMQ_MAX_BODY_BYTES
+    if keys_on and op.path not in _OPEN:
+        errors.add(401)
+    for status in sorted(errors - set(op.ok)):
+        out[str(status)] = {"description": "An error, in the route's dialect's shape",
+                            "content": {JSON: {"schema": {}}}}
+    return out
+
+
+_OPEN = frozenset(openapi_path(p) for p in OPEN_PATHS)
+
+
+def _operation_id(op: Operation) -> str:
+    words = re.findall(r"[A-Za-z0-9]+", op.path.replace("{", "by_"))
+    return "_".join([op.method, *words]) if words else f"{op.method}_root"
+
+
+def _options(op: Operation) -> tuple[str, ...]:
+    """Every route that queues work reads the deadline and priority headers (api.submit.admit)."""
+    return ("X-LLMQ-Timeout", "X-LLMQ-Priority") if op.body is not None and op.path != "/tokenize" else ()
+
+
+def _operation(op: Operation, bodies: dict[str, Any], keys_on: bool) -> dict[str, Any]:
+    names = [seg[1:-1] for seg in op.path.split("/") if seg.startswith("{")]
+    out: dict[str, Any] = {
+        "summary": op.summary,
+        "operationId": _operation_id(op),
+        "tags": [op.tag],
+        "parameters": [_PARAMS[n] for n in (*names, *op.headers, *_options(op), *op.query)],
+        "responses": _responses(op, keys_on),
+    }
+    if op.body is not None:
+        media: dict[str, Any] = {"schema": bodies[op.body]}
+        if op.examples:
+            media["examples"] = {f"example{i}": {"value": ex} for i, ex in enumerate(op.examples, 1)}
+        out["requestBody"] = {"required": True, "content": {JSON: media}}
+    if keys_on and op.path not in _OPEN:
+        out["security"] = [{"bearer": []}, {"apiKey": []}]
+    return out
+
+
+@functools.cache
+def document(keys_on: bool = False) -> dict[str, Any]:
+    """The whole document (cached: callers must not mutate it). ``keys_on``: API keys are
+    configured, so non-open operations need one."""
+    bodies = _bodies()
+    components: dict[str, Any] = {"schemas": _components(
+        openai_completions.CompletionRequest, openai_chat.ChatRequest, lmi.LmiRequest, tgi.GenerateRequest,
+        GenerationRequest)}
+    if keys_on:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"},
+                                         "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
+    paths: dict[str, dict[str, Any]] = {}
+    for op in OPERATIONS:
+        paths.setdefault(op.path, {})[op.method] = _operation(op, bodies, keys_on)
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "llmq", "version": "1",
+                 "description": "A queue-backed LLM inference service speaking several wire dialects. "
+                                "The LMTP WebSocket at `/` is not described (OpenAPI has no WebSockets)."},
+        "paths": paths,
+        "components": components,
+    }
+
+
+@functools.cache
+def _encoded(keys_on: bool) -> bytes:
+    return encode(document(keys_on))
+
+
+@get("/openapi.json", opt={"dialect": "jobs"}, include_in_schema=False)
+async def openapi_json(request: Request) -> Response:
+    keys_on = bool(parse_keys(request.app.state.settings.api_keys))
+    return Response(_encoded(keys_on), media_type=JSON)
