@@ -124,6 +124,16 @@ def _step(out: RequestOutput, want_top: int | None) -> Step:
     return Step(deltas=deltas, finished=out.finished, prompt_tokens=len(out.prompt_token_ids or ()))
 
 
+def _strip_primed(step: Step, primed: dict[int, str]) -> dict[int, str]:
+    """Drop the prompt text from each choice's first non-empty text (see ``_primed_text``)."""
+    for delta in step.deltas:
+        prefix = primed.get(delta.index)
+        if prefix is not None and delta.text:
+            delta.text = delta.text.removeprefix(prefix)
+            del primed[delta.index]
+    return primed
+
+
 class VllmEngine:
     """One vLLM engine. ``stream`` yields a :class:`Step` per engine step for one job."""
 
@@ -208,8 +218,11 @@ class VllmEngine:
                 yield await self._beam_search(job_id, req, prompt)
                 return
             first = True
+            primed = self._primed_text(req)
             async for out in self.engine.generate(prompt, params, request_id=job_id, priority=req.priority):
                 step = _step(out, want_top)
+                if primed:
+                    primed = _strip_primed(step, primed)
                 if first:
                     step.prompt_token_ids = list(out.prompt_token_ids or ())
                 if first and req.output.prompt_tokens:
@@ -220,6 +233,22 @@ class VllmEngine:
             raise InvalidRequest(str(exc)) from None
         except EngineDeadError as exc:
             raise EngineDead(f"the engine died: {exc}") from None
+
+    def _primed_text(self, req: GenerationRequest) -> dict[int, str] | None:
+        """Work around vLLM 0.32's detokenizer for a token-id prompt whose text ends inside a
+        UTF-8 character (a continued job's prompt often does: it ends where the last attempt
+        stopped). vLLM primes ``tokenizers.DecodeStream(ids=prompt)``, whose first completed
+        text is then the whole prompt's text plus the new character, not just the character.
+        Returns, per choice, the prompt text that will prefix that first text (None: no issue)."""
+        ids = req.prompt_token_ids
+        skip = req.sampling.skip_special_tokens
+        if not ids or not self.tokenizer.decode(ids[-4:], skip_special_tokens=skip).endswith("\ufffd"):
+            return None
+        complete = len(ids)
+        while complete > 0 and self.tokenizer.decode(ids[:complete], skip_special_tokens=skip).endswith("\ufffd"):
+            complete -= 1
+        text = self.tokenizer.decode(ids[:complete], skip_special_tokens=skip)
+        return dict.fromkeys(range(req.sampling.n), text) if text else None
 
     async def _beam_search(self, job_id: str, req: GenerationRequest, prompt: TextPrompt | TokensPrompt) -> Step:
         s = req.sampling

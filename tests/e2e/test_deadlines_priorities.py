@@ -5,6 +5,9 @@ refused, so these requests would fail. A deadline aborts the real engine's reque
 
 from __future__ import annotations
 
+import time
+
+import httpx
 import openai
 import pytest
 
@@ -39,3 +42,27 @@ def test_a_deadline_aborts_a_real_generation(stack, client):
     # The engine let go of it: the workers still answer at once.
     out = client.completions.create(model=stack.model, prompt="Hello", max_tokens=4, temperature=0)
     assert out.usage.completion_tokens == 4
+
+
+def test_a_token_prompt_ending_inside_a_character_does_not_echo_the_prompt(stack):
+    """A continued job's prompt (prompt + emitted ids) often ends inside a UTF-8 character. vLLM
+    0.32's detokenizer then reports the whole prompt's text as the first new text; the worker
+    strips it, so the text is exactly what the new tokens complete."""
+    from transformers import AutoTokenizer
+
+    from shared.config import load_settings
+
+    tok = AutoTokenizer.from_pretrained(str(load_settings({}).cache_path / "models" / "tiny-llama"))
+    ids = tok.encode("hello €uro", add_special_tokens=False)
+    cut = next(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
+    prompt = ids[:cut]  # "hello " + the first byte(s) of "€"
+    with httpx.Client(base_url=stack.url, timeout=60) as http:
+        job_id = http.post("/v1/jobs", json={"prompt_token_ids": prompt,
+                                             "sampling": {"max_tokens": 12, "temperature": 0}}).json()["id"]
+        while (job := http.get(f"/v1/jobs/{job_id}").json())["status"] not in ("done", "failed"):
+            time.sleep(0.1)
+    choice = job["result"]["choices"][0]
+    complete = tok.decode(prompt[:next(k for k in range(cut, 0, -1) if not tok.decode(prompt[:k]).endswith("\ufffd"))])
+    expected = tok.decode(prompt + choice["token_ids"]).removeprefix(complete)
+    assert not choice["text"].startswith("hello")
+    assert expected.startswith(choice["text"]) and len(expected) - len(choice["text"]) <= 1  # a held-back tail
