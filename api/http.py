@@ -15,6 +15,7 @@ from litestar.response import Stream
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.auth import KeyGuard, presented_key
+from api.relay import CoalescingSend
 from api.services import Services
 from api.submit import PRIORITY_HEADER, TIMEOUT_HEADER, end_watches, enqueue_detached, header_options, watching
 from shared.codec import encode
@@ -141,11 +142,13 @@ async def _until_disconnect(app: ASGIApp, scope: Scope, receive: Receive, send: 
             listener = asyncio.create_task(listen())
         return message
 
+    out = CoalescingSend(send)  # a stream's chunks of one loop turn go out in one write
+
     async def app_send(message: Message) -> None:
         nonlocal response_done
         if message["type"] == "http.response.body" and not message.get("more_body", False):
             response_done = True
-        await send(message)
+        await out(message)
 
     handler: asyncio.Task[Any] = asyncio.create_task(app(scope, app_receive, app_send))
     try:

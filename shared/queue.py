@@ -26,6 +26,8 @@ __all__ = ["Queue", "Delivery", "Outbound", "Held", "now_ms", "level_of"]
 
 log = structlog.get_logger()
 _ids = msgspec.json.Decoder(list[int])
+# XAUTOCLAIM calls per level per reclaim (a worker reclaims at most once a second).
+RECLAIM_CALLS_PER_LEVEL = 3
 
 
 def now_ms() -> float:
@@ -101,6 +103,7 @@ class Queue:
         self._cancel = redis.register_script(_script("cancel.lua"))
         self._read = redis.register_script(_script("read.lua"))
         self._expire = redis.register_script(_script("expire.lua"))
+        self._reclaim_from: dict[str, bytes | str] = {}  # per level queue: where the next scan resumes
 
     # --- both sides ---------------------------------------------------------------------------
 
@@ -215,13 +218,18 @@ class Queue:
         """
         taken: list[tuple[int, bytes, str]] = []
         for level, queue in enumerate(self.keys.queues(model)):  # the most urgent level first
-            cursor: bytes | str = "0-0"
-            for _ in range(10):  # bounded: a huge PEL is scanned over several calls, not one
+            # Each call scans at most 10 x COUNT PEL entries (XAUTOCLAIM's attempts limit; seen on
+            # 6.2.14 and 7.x). Bounded work per reclaim, resumed where the last one stopped: a PEL of 10,000
+            # live leases costs a few calls a second, and an expired entry anywhere in it is found
+            # within a few passes (restarting at 0-0 each time would never look past the head).
+            cursor: bytes | str = self._reclaim_from.get(queue, "0-0")
+            for _ in range(RECLAIM_CALLS_PER_LEVEL):
                 if len(taken) >= count:
                     break
                 cursor, claimed, *_ = await self.redis.xautoclaim(
                     queue, GROUP, consumer, lease_ms, start_id=cursor, count=count - len(taken)
                 )
+                self._reclaim_from[queue] = cursor
                 for entry_id, fields in claimed:
                     if fields is None or b"job" not in fields:
                         # A deleted entry still referenced by the PEL (Redis < 7): clear the reference.

@@ -1,0 +1,351 @@
+"""Relay capacity of ONE API process: token events per second delivered to SSE clients.
+
+``python -m tests.bench.relay [--clients 64 --tokens 2000 ...]`` starts a redis-server, one API
+process exactly as deployed (``python -m api``: uvicorn, one process), and, as a separate process,
+an emitter: the real ``workers.runner.Worker`` (presence, claim, fenced ``flush.lua``: PUBLISH +
+event-log XADD per event) driving a scripted engine with no delay that yields ``--per-event``
+tokens per step (the client's prompt says how many), so no model runs and only llmq's own path
+is measured. Client processes then open ``--clients`` concurrent ``/v1/completions`` streams (raw
+sockets: a client does no parsing until the run is over, so it is never the bottleneck), each
+receiving ``--tokens`` tokens.
+
+One *event* is one SSE ``data:`` frame carrying a choice, which is what one worker event (one
+engine step of one job) becomes; with ``--per-event 1`` events/s = tokens/s. Capacity = events
+delivered to every client / wall time (the first request sent to the last ``[DONE]`` read). The
+CPU each process used in that window says who the bottleneck was: the API at ~100 % of one core
+means the figure is the API's capacity. Configurations are run interleaved for ``--rounds``.
+Every stream is checked afterwards: exactly its tokens, in order, ending with ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from tests.bench.procs import REPO, free_port, load_average, markdown_table, start_redis, stop
+
+__all__ = ["BurstEngine", "expected_text", "check_stream"]
+
+MODEL = "relay-bench"
+_chunk = msgspec.json.Decoder(dict)
+
+
+def expected_text(tokens: int) -> str:
+    return "".join(chr(97 + i % 26) for i in range(tokens))
+
+
+# --- the emitter (a real worker with a scripted engine) -------------------------------------
+
+@dataclass(slots=True)
+class _Step:
+    deltas: list
+    finished: bool = False
+    prompt_tokens: int = 1
+    prompt: None = None
+
+
+class BurstEngine:
+    """``max_tokens`` tokens, no delay, token i is ``chr(97 + i % 26)``; the prompt ``burst-<k>``
+    asks for k tokens per step (default 1)."""
+
+    async def stream(self, job_id: str, req) -> AsyncIterator[_Step]:
+        from shared.events import TokenDelta
+
+        n = req.sampling.max_tokens
+        per_event = int(req.prompt.rpartition("-")[2]) if req.prompt and req.prompt.startswith("burst-") else 1
+        for start in range(0, n, per_event):
+            ids = [97 + i % 26 for i in range(start, min(n, start + per_event))]
+            last = start + per_event >= n
+            delta = TokenDelta(token_ids=ids, text="".join(map(chr, ids)), finish_reason="length" if last else None)
+            await asyncio.sleep(0)  # every job takes its step before the flusher writes the batch
+            yield _Step(deltas=[delta], finished=last)
+
+    async def abort(self, job_id: str) -> None:
+        pass
+
+
+async def serve_emitter(redis_url: str, prefix: str, slots: int) -> None:
+    from shared.config import load_settings
+    from shared.keys import Keys
+    from shared.logging import configure_logging
+    from shared.queue import Queue
+    from shared.redis import connect
+    from workers.runner import Worker
+
+    settings = load_settings({}, redis_url=redis_url, prefix=prefix, served_model_name=MODEL, max_num_seqs=slots)
+    configure_logging(settings.log_level, True)
+    redis = connect(redis_url, block_ms=settings.block_ms)
+    worker = Worker(settings, Queue(redis, Keys(prefix)), BurstEngine(), worker_id="relay-emitter")
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, worker.stop)
+    try:
+        await worker.run()
+    finally:
+        await redis.aclose()
+
+
+# --- clients --------------------------------------------------------------------------------
+
+async def _one_stream(port: int, body: bytes) -> tuple[bytes, float]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    parts: list[bytes] = []
+    tail = b""
+    while True:
+        data = await reader.read(262144)
+        if not data:
+            break
+        parts.append(data)
+        tail = (tail + data)[-64:]
+        if b"data: [DONE]" in tail:  # the end of every OpenAI stream (the chunked trailer follows)
+            break
+    done = time.time()
+    writer.close()
+    return b"".join(parts), done
+
+
+async def run_clients(port: int, streams: int, tokens: int, per_event: int) -> dict:
+    """Wait for "go" on stdin, open the streams at once, read them to the end, report."""
+    body = msgspec.json.encode({"model": MODEL, "prompt": f"burst-{per_event}", "max_tokens": tokens,
+                                "stream": True})
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    started = time.time()
+    cpu0 = time.process_time()
+    results = await asyncio.gather(*(_one_stream(port, body) for _ in range(streams)))
+    cpu = time.process_time() - cpu0
+    checks = [check_stream(raw, tokens) for raw, _ in results]
+    return {"started": started, "ended": max(done for _, done in results), "cpu_s": cpu,
+            "events": [c[0] for c in checks], "tokens": [c[1] for c in checks], "errors": [c[2] for c in checks]}
+
+
+def check_stream(raw: bytes, tokens: int) -> tuple[int, int, str]:
+    """(events with a choice, tokens, error) of one raw HTTP response; error '' when the stream
+    holds exactly the expected tokens in order and ends with [DONE]."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        return 0, 0, head.split(b"\r\n", 1)[0].decode(errors="replace")
+    payload = bytearray()
+    pos = 0
+    while pos < len(body):  # de-chunk (Transfer-Encoding: chunked)
+        eol = body.find(b"\r\n", pos)
+        if eol < 0:
+            break
+        size = int(body[pos:eol].split(b";")[0], 16)
+        if size == 0:
+            break
+        payload += body[eol + 2:eol + 2 + size]
+        pos = eol + 2 + size + 2
+    events, text = 0, []
+    done = False
+    for frame in bytes(payload).split(b"\n\n"):
+        if not frame.startswith(b"data: "):
+            continue
+        data = frame[6:]
+        if data == b"[DONE]":
+            done = True
+            continue
+        choices = _chunk.decode(data).get("choices") or []
+        if choices:
+            events += 1
+            text.append(choices[0]["text"])
+    got = "".join(text)
+    error = "" if done and got == expected_text(tokens) else f"stream mismatch: {len(got)} chars, done={done}"
+    return events, len(got), error
+
+
+# --- the run --------------------------------------------------------------------------------
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _spawn(args: Sequence[str], **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *args], cwd=REPO, **kw)
+
+
+class Stack:
+    """redis-server + ``python -m api`` + the emitter."""
+
+    def __init__(self, slots: int, log_dir: Path) -> None:
+        self.slots, self.log_dir = slots, log_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    async def __aenter__(self) -> Stack:
+        import httpx
+
+        self.redis_proc, url = start_redis()
+        self.procs["redis"] = self.redis_proc
+        prefix = f"relay-{uuid.uuid4().hex[:6]}"
+        self.port = free_port()
+        env = {**os.environ, "LLMQ_REDIS_URL": url, "LLMQ_PORT": str(self.port), "LLMQ_PREFIX": prefix,
+               "LLMQ_MODEL": MODEL, "LLMQ_MAX_MODEL_LEN": "1000000", "LLMQ_LOG_JSON": "true"}
+        with open(self.log_dir / "relay-api.log", "wb") as log:
+            self.procs["api"] = _spawn(["-m", "api"], env=env, stdout=log, stderr=subprocess.STDOUT)
+        with open(self.log_dir / "relay-emitter.log", "wb") as log:
+            self.procs["emitter"] = _spawn(["-m", "tests.bench.relay", "--serve-emitter", url, prefix,
+                                            str(self.slots)], stdout=log,
+                                           stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.port}") as client:
+            while True:  # /ping is 200 once the API sees a warm worker for its model
+                try:
+                    if (await client.get("/ping")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs.values()):
+                    await self.__aexit__(None, None, None)
+                    raise RuntimeError(f"the relay stack did not come up (logs in {self.log_dir})")
+                await asyncio.sleep(0.1)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for name in ("emitter", "api", "redis"):
+            if name in self.procs:
+                stop(self.procs[name])
+
+    def run(self, clients: int, tokens: int, per_event: int, client_procs: int) -> dict:
+        """One measured run: ``clients`` streams over ``client_procs`` processes."""
+        per_proc = [clients // client_procs + (1 if i < clients % client_procs else 0) for i in range(client_procs)]
+        readers = [_spawn(["-m", "tests.bench.relay", "--serve-clients", str(self.port), str(n), str(tokens),
+                           str(per_event)],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE) for n in per_proc if n]
+        for r in readers:  # every client process has imported everything and waits for "go"
+            assert r.stdout is not None
+            if r.stdout.readline() != b"ready\n":
+                raise RuntimeError("a client process failed to start")
+        cpu0 = {name: _cpu_s(p.pid) for name, p in self.procs.items()}
+        for r in readers:
+            assert r.stdin is not None
+            r.stdin.write(b"go\n")
+            r.stdin.flush()
+        outs = [msgspec.json.decode(r.communicate(timeout=600)[0].strip()) for r in readers]
+        cpu = {name: _cpu_s(p.pid) - cpu0[name] for name, p in self.procs.items()}
+        wall = max(o["ended"] for o in outs) - min(o["started"] for o in outs)
+        events = sum(sum(o["events"]) for o in outs)
+        toks = sum(sum(o["tokens"]) for o in outs)
+        errors = [e for o in outs for e in o["errors"] if e]
+        cpu["clients"] = sum(o["cpu_s"] for o in outs)
+        return {"clients": clients, "tokens_per_client": tokens, "per_event": per_event, "wall_s": round(wall, 3),
+                "events": events, "tokens": toks, "events_per_s": round(events / wall),
+                "tokens_per_s": round(toks / wall),
+                "cpu_pct": {k: round(100 * v / wall) for k, v in cpu.items()},
+                # What the API would deliver with a whole core to itself: robust on a shared box.
+                "events_per_api_cpu_s": round(events / cpu["api"]) if cpu["api"] else 0,
+                "errors": errors[:5],
+                "complete": not errors and toks == clients * tokens}
+
+
+async def measure(args: argparse.Namespace) -> dict:
+    log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    loads = [load_average()]
+    runs: dict[int, list[dict]] = {p: [] for p in args.per_event}
+    stack = Stack(max(args.clients, 1), log_dir)
+    profiler = None
+    await stack.__aenter__()
+    try:
+        stack.run(min(args.clients, 4), min(args.tokens, 50), 1, 1)  # warm-up: first requests fill caches
+        if args.profile_out and shutil.which("py-spy"):
+            api = stack.procs["api"].pid
+            profiler = subprocess.Popen(["py-spy", "record", "-p", str(api), "-o", args.profile_out, "-f", "raw",
+                                         "-r", "200"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(1.0)
+        for r in range(args.rounds):
+            order = args.per_event[r % len(args.per_event):] + args.per_event[:r % len(args.per_event)]
+            for p in order:
+                runs[p].append(stack.run(args.clients, args.tokens, p, args.client_procs))
+    finally:
+        if profiler is not None:
+            profiler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+            profiler.wait(30)
+        await stack.__aexit__(None, None, None)
+    loads.append(load_average())
+    summary = {}
+    for p, rs in runs.items():
+        summary[str(p)] = {
+            "events_per_s_median": statistics.median(r["events_per_s"] for r in rs),
+            "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in rs),
+            "api_cpu_pct_median": statistics.median(r["cpu_pct"]["api"] for r in rs),
+            "events_per_api_cpu_s_median": statistics.median(r["events_per_api_cpu_s"] for r in rs),
+            "complete": all(r["complete"] for r in rs),
+        }
+    best = summary[str(min(args.per_event))]["events_per_s_median"]
+    return {
+        "benchmark": "relay",
+        "measured": "SSE data frames carrying a choice (one per worker event) delivered to clients by ONE API "
+                    "process, per second of wall time; tokens/s counts the tokens inside them",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "machine": {"cpus": os.cpu_count(), "loadavg_before_after": loads},
+        "settings": {"clients": args.clients, "tokens": args.tokens, "per_event": args.per_event,
+                     "rounds": args.rounds, "client_procs": args.client_procs, "endpoint": "/v1/completions"},
+        "summary": summary,
+        "runs": [r for rs in runs.values() for r in rs],
+        "targets_met": {"events_per_s_ge_50000": best >= 50_000},
+    }
+
+
+def table(result: dict) -> str:
+    rows = []
+    for p, s in result["summary"].items():
+        rows.append([p, result["settings"]["clients"], result["settings"]["tokens"], s["events_per_s_median"],
+                     s["tokens_per_s_median"], s["api_cpu_pct_median"], s["events_per_api_cpu_s_median"],
+                     s["complete"]])
+    out = markdown_table(["tokens/event", "clients", "tokens/client", "events/s", "tokens/s", "API CPU %",
+                          "events per API CPU-second", "every stream complete"], rows)
+    runs = [[r["per_event"], r["wall_s"], r["events_per_s"], r["events_per_api_cpu_s"],
+             ", ".join(f"{k} {v}" for k, v in r["cpu_pct"].items())] for r in result["runs"]]
+    out += "\n\n" + markdown_table(["tokens/event", "wall s", "events/s", "events per API CPU-s",
+                                     "CPU % of one core"], runs)
+    out += f"\n\nload average before/after: {result['machine']['loadavg_before_after']}"
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tests.bench.relay", description=__doc__.split("\n")[0])
+    parser.add_argument("--clients", type=int, default=64, help="concurrent SSE streams")
+    parser.add_argument("--tokens", type=int, default=2000, help="tokens per stream")
+    parser.add_argument("--per-event", type=int, nargs="+", default=[1, 8], help="tokens per event (configs)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--client-procs", type=int, default=2, help="client processes sharing the streams")
+    parser.add_argument("--profile-out", default="", help="record the API with py-spy (raw stacks) to this file")
+    parser.add_argument("--log-dir", default="/tmp/llmq-bench-relay", help="API and emitter logs")
+    parser.add_argument("--out", default=str(REPO / "bench-relay.json"))
+    parser.add_argument("--serve-emitter", nargs=3, metavar=("URL", "PREFIX", "SLOTS"),
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--serve-clients", nargs=4, metavar=("PORT", "STREAMS", "TOKENS", "PER_EVENT"),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve_emitter:
+        url, prefix, slots = args.serve_emitter
+        asyncio.run(serve_emitter(url, prefix, int(slots)))
+        return
+    if args.serve_clients:
+        port, streams, tokens, per_event = map(int, args.serve_clients)
+        sys.stdout.buffer.write(msgspec.json.encode(asyncio.run(run_clients(port, streams, tokens, per_event))))
+        return
+    result = asyncio.run(measure(args))
+    Path(args.out).write_bytes(msgspec.json.format(msgspec.json.encode(result)))
+    print(table(result))
+    print(f"\nwritten: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
