@@ -9,8 +9,8 @@ helpers below, so no dialect has its own relay.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from shared.codec import decode_event, encode
 from shared.errors import QueueUnavailable, error_from_code
@@ -22,6 +22,8 @@ from shared.schemas import JobResult
 
 __all__ = ["follow", "collect", "prefetch", "sse", "jsonline", "SSE_DONE", "KEEPALIVE", "Keepalive",
            "CoalescingSend"]
+
+T = TypeVar("T")
 
 SSE_DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keep-alive\n\n"
@@ -57,17 +59,11 @@ async def follow(
     beyond its deadline for a job no worker reads.
     """
     async def read_log(after: int) -> list[Event]:
-        try:
-            return await queue.read_events(model, job_id, after)
-        except REDIS_DOWN:
-            raise QueueUnavailable("lost the connection to the queue while relaying the job") from None
+        return await _relaying(queue.read_events(model, job_id, after))
 
     async def expire() -> float:
         """End the job if it is overdue; returns when to check again (epoch ms)."""
-        try:
-            await queue.expire(model, job_id, grace_ms=DEADLINE_GRACE_MS)
-        except REDIS_DOWN:
-            raise QueueUnavailable("lost the connection to the queue while relaying the job") from None
+        await _relaying(queue.expire(model, job_id, grace_ms=DEADLINE_GRACE_MS))
         return now_ms() + DEADLINE_GRACE_MS
 
     last = after_seq
@@ -112,6 +108,14 @@ async def follow(
             pending = [event]
         else:  # a gap, or a reconnect: the log has everything after `last`
             pending = await read_log(last)
+
+
+async def _relaying(call: Awaitable[T]) -> T:
+    """A queue call made while relaying: Redis going away is the client's 503, not a 500."""
+    try:
+        return await call
+    except REDIS_DOWN:
+        raise QueueUnavailable("lost the connection to the queue while relaying the job") from None
 
 
 async def prefetch(events: AsyncIterator[Event | Keepalive], wait_s: float) -> AsyncIterator[Event | Keepalive]:

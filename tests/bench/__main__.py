@@ -23,8 +23,9 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 from shared.config import load_settings
-from tests.bench.report import REPO, build_report, render
+from tests.bench.report import build_report, render
 from tests.bench.serving import HttpTarget, Target, measure, start_targets
+from tests.conftest import REPO
 
 SMOKE = {"rounds": 1, "concurrency": "1,4", "requests": 8, "max_tokens": 16}
 

@@ -66,12 +66,8 @@ async def _serve(proto: IO[str]) -> None:
             n = len(out.outputs[0].token_ids)
             if not n:
                 continue
-            if rec.chunks == 0:
-                rec.ttft_s = now - start
-            else:
-                rec.itl_s.append(now - last)
+            rec.chunk(now, start, last)
             last = now
-            rec.chunks += 1
             rec.tokens += n
         rec.e2e_s = time.perf_counter() - start
         return rec

@@ -31,9 +31,6 @@ import subprocess
 import time
 import uuid
 from collections.abc import Sequence
-from pathlib import Path
-
-import msgspec
 
 from shared.redis import connect
 from tests.bench.procs import (
@@ -42,6 +39,7 @@ from tests.bench.procs import (
     load_average,
     markdown_table,
     renew_held,
+    save,
     spawn,
     start_redis,
     stats_ms,
@@ -376,9 +374,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         serve_arq_worker(args.redis_url, args.serve_arq, args.poll_delay)
         return
     result = asyncio.run(run(args))
-    Path(args.out).write_bytes(msgspec.json.format(msgspec.json.encode(result)))
-    print(table(result))
-    print(f"\nwritten: {args.out}")
+    save(result, args.out, table(result))
 
 
 if __name__ == "__main__":

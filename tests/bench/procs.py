@@ -6,21 +6,19 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import redis as sync_redis
+import msgspec
 
 from shared.redis import redis_server_binary
+from tests.conftest import REPO, free_port, wait_for_ping
 
 __all__ = ["REPO", "percentile", "stats_ms", "load_average", "free_port", "start_redis", "markdown_table",
-           "spawn", "stop", "fill_held", "renew_held"]
+           "spawn", "stop", "fill_held", "renew_held", "save"]
 
-REPO = Path(__file__).resolve().parents[2]
 HELD_MODEL_SLOTS = 64  # jobs per fake peer consumer in the held case (one worker's engine slots)
 
 
@@ -45,31 +43,25 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_redis() -> tuple[subprocess.Popen, str]:
     """A throwaway redis-server (no persistence) on a free loopback port; waits for PING."""
     port = free_port()
     proc = subprocess.Popen([redis_server_binary(), "--bind", "127.0.0.1", "--port", str(port), "--save", "",
                              "--appendonly", "no"], stdout=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
-    client = sync_redis.Redis.from_url(url)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except Exception:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise
-            time.sleep(0.02)
-    client.close()
+    try:
+        wait_for_ping(url)
+    except Exception:
+        proc.kill()
+        raise
     return proc, url
+
+
+def save(result: dict, out: str, table: str) -> None:
+    """Write a benchmark's JSON report and print its table."""
+    Path(out).write_bytes(msgspec.json.format(msgspec.json.encode(result)))
+    print(table)
+    print(f"\nwritten: {out}")
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

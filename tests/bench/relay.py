@@ -35,7 +35,7 @@ from pathlib import Path
 
 import msgspec
 
-from tests.bench.procs import REPO, free_port, load_average, markdown_table, start_redis, stop
+from tests.bench.procs import REPO, free_port, load_average, markdown_table, save, start_redis, stop
 
 __all__ = ["BurstEngine", "expected_text", "check_stream"]
 
@@ -342,9 +342,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.stdout.buffer.write(msgspec.json.encode(asyncio.run(run_clients(port, streams, tokens, per_event))))
         return
     result = asyncio.run(measure(args))
-    Path(args.out).write_bytes(msgspec.json.format(msgspec.json.encode(result)))
-    print(table(result))
-    print(f"\nwritten: {args.out}")
+    save(result, args.out, table(result))
 
 
 if __name__ == "__main__":

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import msgspec
 
+from tests.bench.procs import load_average
 from tests.bench.serving import Run
 from tests.bench.workload import median
+from tests.conftest import REPO
 
 __all__ = ["build_report", "render", "machine", "versions"]
 
-REPO = Path(__file__).resolve().parents[2]
 # The Summary fields a report takes the median of across rounds.
 FIELDS = ("output_tokens_per_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
           "tpot_p50_ms", "tokens_per_chunk")
@@ -32,7 +33,7 @@ def machine() -> dict[str, object]:
                 break
     except OSError:
         cpu = platform.processor()
-    return {"cores": os.cpu_count(), "cpu": cpu, "load_average": [round(x, 2) for x in os.getloadavg()],
+    return {"cores": os.cpu_count(), "cpu": cpu, "load_average": load_average(),
             "platform": platform.platform(), "python": platform.python_version()}
 
 

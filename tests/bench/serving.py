@@ -27,10 +27,10 @@ import msgspec
 from shared.config import DEFAULT_MODEL, Settings, apply_engine_environment
 from shared.redis import redis_server_binary
 from tests.bench.workload import RequestRecord, Summary, prompts_for, run_workload, summarize
+from tests.conftest import REPO, free_port
 
 __all__ = ["Run", "Target", "HttpTarget", "measure", "start_targets", "vllm_server_args"]
 
-REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 600.0  # three engines loading and warming up at once on 2 shared cores
 
 
@@ -114,14 +114,6 @@ async def measure(
 
 
 # --- starting the targets -------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -214,7 +206,7 @@ async def start_targets(
     targets: dict[str, Target] = {}
     waits = []
     if "llmq" in names:
-        redis_port, api_port = _free_port(), _free_port()
+        redis_port, api_port = free_port(), free_port()
         (logs / "redis").mkdir(exist_ok=True)
         procs.append((_spawn([redis_server_binary(), "--bind", "127.0.0.1", "--port", str(redis_port), "--dir",
                               str(logs / "redis"), "--save", "", "--appendonly", "no"], env, logs / "redis.log"),
@@ -229,7 +221,7 @@ async def start_targets(
         targets["llmq"] = HttpTarget("llmq", url, settings.model_name)
         waits.append(_until_200(f"{url}/ping", procs[-3:]))
     if "vllm-serve" in names:
-        port = _free_port()
+        port = free_port()
         log = logs / "vllm-serve.log"
         server = (_spawn(vllm_server_args(settings, port), env, log), log)
         procs.append(server)

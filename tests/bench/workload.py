@@ -23,7 +23,9 @@ from collections.abc import Awaitable, Callable, Sequence
 import httpx
 import msgspec
 
-__all__ = ["RequestRecord", "Summary", "prompts_for", "run_workload", "summarize", "percentile"]
+from tests.bench.procs import percentile
+
+__all__ = ["RequestRecord", "Summary", "prompts_for", "run_workload", "summarize"]
 
 _WORDS = ("river stone lantern orbit meadow copper violet harbor signal thunder quiet basket "
           "marble pepper window falcon garden silver ember canyon").split()
@@ -38,6 +40,14 @@ class RequestRecord(msgspec.Struct):
     tokens: int = 0
     chunks: int = 0
     error: str = ""
+
+    def chunk(self, now: float, start: float, last: float) -> None:
+        """A chunk carrying tokens arrived at ``now`` (``last``: the previous one's time)."""
+        if self.chunks == 0:
+            self.ttft_s = now - start
+        else:
+            self.itl_s.append(now - last)
+        self.chunks += 1
 
 
 class Summary(msgspec.Struct):
@@ -69,17 +79,6 @@ def prompts_for(n: int, tag: str = "") -> list[str]:
         words = [_WORDS[(i * 7 + j * (i % 5 + 1)) % len(_WORDS)] for j in range(20)]
         out.append(f"Request {tag}{i}: " + " ".join(words))
     return out
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), NaN for no values."""
-    if not values:
-        return math.nan
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def summarize(records: Sequence[RequestRecord], *, concurrency: int, max_tokens: int, duration_s: float) -> Summary:
@@ -156,12 +155,8 @@ async def _one_http(client: httpx.AsyncClient, url: str, body: dict) -> RequestR
             if chunk.get("usage"):
                 usage_tokens = chunk["usage"].get("completion_tokens")
             if chunk.get("choices"):
-                if rec.chunks == 0:
-                    rec.ttft_s = now - start
-                else:
-                    rec.itl_s.append(now - last)
+                rec.chunk(now, start, last)
                 last = now
-                rec.chunks += 1
     rec.e2e_s = time.perf_counter() - start
     rec.tokens = usage_tokens if usage_tokens is not None else rec.chunks
     return rec
