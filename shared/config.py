@@ -182,6 +182,19 @@ def _cpu_engine() -> bool:
         return False
 
 
+def _engine_threads() -> int:
+    """The CPU engine's torch/OpenMP threads: every CPU this process may use but one.
+
+    vLLM 0.32 means to serve with one torch thread ("Reducing Torch threads ... for serving"), but
+    its CPU worker has already made ``torch.set_num_threads`` a no-op, and with one engine process
+    nothing binds threads either: the engine ran one spinning OpenMP thread per CPU, and every
+    other process (its own frontend, Redis, the API) preempted its parallel regions. One CPU is
+    left to them, as vLLM's own auto-binding reserves one per engine. Measured on 2 cores at
+    concurrency 16: engine CPU per token 5.3 -> 2.5 ms, and tokens/s +40% for llmq and vllm serve.
+    """
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
 def apply_engine_environment(settings: Settings, environ: MutableMapping[str, str] | None = None) -> None:
     """Defaults for vLLM's and torch's own variables, set by the worker before vLLM is imported.
     Values already in the environment win."""
@@ -193,6 +206,7 @@ def apply_engine_environment(settings: Settings, environ: MutableMapping[str, st
         defaults["TORCHDYNAMO_DISABLE"] = "1"
     if _cpu_engine():
         defaults["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # loads in ~11 s instead of ~20 s
+        defaults["OMP_NUM_THREADS"] = str(_engine_threads())
     if Path(settings.model_path).is_dir():
         defaults["HF_HUB_OFFLINE"] = "1"  # a local model directory needs no hub
     for name, value in defaults.items():
