@@ -14,6 +14,9 @@ from contextlib import asynccontextmanager
 
 import structlog
 from redis.asyncio import Redis
+from redis.asyncio.connection import AbstractConnection
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.errors import QueueUnavailable
 from shared.redis import REDIS_DOWN
@@ -27,64 +30,92 @@ RESYNC = b""
 
 
 class EventListener:
-    def __init__(self, redis: Redis, home_channel: str) -> None:
-        self._redis = redis
+    def __init__(self, redis: Redis, home_channel: str, *, idle_s: float = 5.0) -> None:
+        # Its own connection, opened like every other one of this client (URL, auth, TLS), with no
+        # per-read timeout: liveness is checked by PING once a quiet window passes (see _read).
+        pool = redis.connection_pool
+        self._new_connection = lambda: pool.connection_class(
+            **{**pool.connection_kwargs, "socket_timeout": None, "decode_responses": False})
+        self._idle_s = idle_s
         # Always subscribed, so the connection stays in pub/sub mode with no requests in flight.
         self._home = home_channel.encode()
         self._queues: dict[bytes, set[asyncio.Queue[bytes]]] = {}
         self._confirmations: dict[bytes, asyncio.Future[None]] = {}
-        self._pubsub = None
+        self._conn: AbstractConnection | None = None
         self._connected = asyncio.Event()
+        self._reads = 0
 
     async def run(self) -> None:
         """Read messages until cancelled, reconnecting with backoff."""
         delay = 0.1
         while True:
-            pubsub = self._redis.pubsub()
+            conn = self._new_connection()
             try:
-                await pubsub.subscribe(self._home, *self._queues)
-                self._pubsub = pubsub
+                async with asyncio.timeout(self._idle_s):  # reads have no timeout of their own here
+                    await conn.connect()
+                    # Every channel again after a reconnect: each confirmation then tells that
+                    # channel's subscribers to read the log (_dispatch): messages published meanwhile are gone.
+                    await conn.send_command("SUBSCRIBE", self._home, *self._queues, check_health=False)
+                self._conn = conn
                 self._connected.set()
-                if delay > 0.1:  # we were disconnected: live messages may be lost
+                if delay > 0.1:
                     log.info("listener_reconnected", channels=len(self._queues))
-                    self._broadcast_resync()
                 delay = 0.1
-                while True:
-                    # A bounded blocking read: an idle connection is not an error (a plain
-                    # listen() would hit socket_timeout), and timeout=0 would spin the CPU.
-                    message = await pubsub.get_message(timeout=1.0)
-                    if message is not None:
-                        self._dispatch(message)
-            except REDIS_DOWN as exc:
-                self._connected.clear()
-                self._pubsub = None
-                log.warning("listener_disconnected", retry_in_s=delay, error=str(exc))
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                await self._read(conn)
+            except REDIS_DOWN as exc:  # OSError: a connect that timed out too
+                error = exc
             finally:
-                await pubsub.aclose()
+                self._conn = None
+                self._connected.clear()
+                await conn.disconnect(nowait=True)
+            log.warning("listener_disconnected", retry_in_s=delay, error=str(error))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
-    def _dispatch(self, message: dict) -> None:
-        kind = message["type"]
-        channel = message["channel"]
-        if kind == "message":
+    async def _read(self, conn: AbstractConnection) -> None:
+        """Dispatch replies until the connection fails.
+
+        One timeout per quiet window, not one per read: redis-py's ``get_message`` arms a timer
+        for every message, which cost as much as the rest of the relay. A window with no reply
+        sends a PING; a second one in a row means the connection is dead (a half-open TCP
+        connection never errors by itself)."""
+        pinged = False
+        while True:
+            before = self._reads
+            try:
+                async with asyncio.timeout(self._idle_s):
+                    while True:
+                        try:
+                            reply = await conn.read_response(disconnect_on_error=False)
+                        except ResponseError as exc:  # a refused SUBSCRIBE (an ACL without that channel)
+                            log.error("listener_command_refused", error=str(exc))
+                            continue
+                        self._reads += 1
+                        self._dispatch(reply)
+            except TimeoutError:
+                if self._reads != before:
+                    pinged = False
+                elif pinged:
+                    raise RedisTimeoutError(f"the pub/sub connection did not answer a PING in {self._idle_s} s") \
+                        from None
+                else:
+                    await conn.send_command("PING", check_health=False)
+                    pinged = True
+
+    def _dispatch(self, reply: list) -> None:
+        kind, channel = reply[0], reply[1]
+        if kind == b"message":
             for queue in self._queues.get(channel, ()):
-                queue.put_nowait(message["data"])
-        elif kind == "subscribe":
+                queue.put_nowait(reply[2])
+        elif kind == b"subscribe":
             future = self._confirmations.pop(channel, None)
             if future is not None and not future.done():
                 future.set_result(None)
             else:
-                # A re-subscription: redis-py reconnects and re-subscribes by itself (no error
-                # reaches run()), and messages published meanwhile are gone. From this
-                # confirmation on, every event arrives live; every earlier one is in the log.
+                # A re-subscription after a reconnect: messages published meanwhile are gone.
+                # From this confirmation on, every event arrives live; every earlier one is in the log.
                 for queue in self._queues.get(channel, ()):
                     queue.put_nowait(RESYNC)
-
-    def _broadcast_resync(self) -> None:
-        for queues in self._queues.values():
-            for queue in queues:
-                queue.put_nowait(RESYNC)
 
     @asynccontextmanager
     async def subscribe(self, channel: str, *, timeout_s: float = 2.0) -> AsyncIterator[asyncio.Queue[bytes]]:
@@ -109,18 +140,24 @@ class EventListener:
                     await self._unsubscribe(key)
 
     async def _confirmed_subscribe(self, key: bytes) -> None:
-        await self._connected.wait()
         future = self._confirmations.get(key)
         if future is None:
             future = self._confirmations[key] = asyncio.get_running_loop().create_future()
-        assert self._pubsub is not None
-        await self._pubsub.subscribe(key)
+        await self._connected.wait()
+        await self._send("SUBSCRIBE", key)
         await future
 
     async def _unsubscribe(self, key: bytes) -> None:
         self._confirmations.pop(key, None)
-        if self._pubsub is not None:
-            try:
-                await self._pubsub.unsubscribe(key)
-            except REDIS_DOWN:
-                pass  # the connection is gone, and its subscriptions with it
+        await self._send("UNSUBSCRIBE", key)
+
+    async def _send(self, *command: bytes | str) -> None:
+        conn = self._conn
+        # Checked right before the send, in the same step: redis-py would silently reconnect a
+        # dropped connection, and subscribe on a socket nobody reads.
+        if conn is None or not conn.is_connected:
+            return  # the reader is reconnecting: it subscribes every channel in _queues again
+        try:
+            await conn.send_command(*command, check_health=False)
+        except REDIS_DOWN:
+            pass  # the reader sees the broken connection too, and reconnects

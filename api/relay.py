@@ -85,10 +85,15 @@ async def follow(
                 check_at = await expire()
             wait_s = min(wait_s, max(0.001, (check_at - now_ms()) / 1000))
         try:
-            # Messages already queued are taken without wait_for (a task and a timer per event),
-            # so a burst of events flows through the whole chain in one task step and the
-            # response's writes coalesce (CoalescingSend).
-            data = live.get_nowait() if not live.empty() else await asyncio.wait_for(live.get(), wait_s)
+            # Messages already queued are taken without waiting, so a burst of events flows through
+            # the whole chain in one task step and the response's writes coalesce (CoalescingSend).
+            # A wait arms a timer, not wait_for's extra task per event (and keeps an item that
+            # arrives as the timer fires: it stays queued).
+            if live.empty():
+                async with asyncio.timeout(wait_s):
+                    data = await live.get()
+            else:
+                data = live.get_nowait()
         except TimeoutError:
             if check_at is not None and now_ms() >= check_at:
                 pending = []

@@ -11,6 +11,7 @@ import signal
 from contextlib import AsyncExitStack
 
 import structlog
+import uvloop
 
 from shared.config import DEFAULT_MODEL, Settings, apply_engine_environment, load_settings
 from shared.keys import Keys
@@ -61,7 +62,10 @@ async def serve(settings: Settings) -> None:
 def main() -> None:
     settings = load_settings()
     configure_logging(settings.log_level, settings.log_json)
-    asyncio.run(serve(settings))
+    # uvloop, as uvicorn runs the API and vLLM runs its own server: the worker's loop carries the
+    # engine's output handler and every token's flush.
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve(settings))
 
 
 if __name__ == "__main__":

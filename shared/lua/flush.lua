@@ -22,11 +22,11 @@ for i = 0, (#ARGV - 3) / per - 1 do
     table.insert(lost, i)
   else
     local seq = ARGV[a + 2]
-    local top = redis.call('XREVRANGE', log, '+', '-', 'COUNT', 1)
-    local logged = top[1] and tonumber(string.match(top[1][1], '^(%d+)')) >= tonumber(seq)
-    if not logged then
+    -- The entry id is the seq, so XADD itself refuses an event already logged (its id would not
+    -- be above the top): the retry check costs no extra command per event.
+    local added = redis.pcall('XADD', log, seq .. '-0', 'e', ARGV[a + 3])
+    if type(added) ~= 'table' or not added.err then
       redis.call('PUBLISH', ARGV[a + 4], ARGV[a + 3])
-      redis.call('XADD', log, seq .. '-0', 'e', ARGV[a + 3])
       if seq == '1' then redis.call('EXPIRE', log, ARGV[2]) end
       if ARGV[a + 5] ~= '' then redis.call('HSET', job, 'first_token_at', ARGV[a + 5]) end
       if ARGV[a + 11] ~= '' then redis.call('HSET', job, 'prompt_ids', ARGV[a + 11]) end

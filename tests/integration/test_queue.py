@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+from shared.codec import decode_event
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.keys import GROUP
 from shared.queue import Outbound, Queue, now_ms
@@ -123,6 +124,27 @@ async def test_event_log_resumes_by_sequence_and_finish_acks_the_entry(redis, ke
     assert (await redis.xpending(keys.queue(MODEL), GROUP))["pending"] == 0
     assert 0 < await redis.ttl(keys.job(MODEL, rec.id)) <= 60
     assert 0 < await redis.ttl(keys.events(MODEL, rec.id)) <= 60
+
+
+async def test_a_retried_flush_writes_each_event_once(redis, keys):
+    """A flush retried after a lost reply (redis-py retries on a dropped connection) must neither
+    log nor publish an event twice: the client would see a token twice."""
+    queue = Queue(redis, keys)
+    rec = record()
+    pubsub = redis.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe(keys.live(MODEL, rec.id))
+    first = [Outbound(job_id=rec.id, event=Tokens(seq=i, deltas=[TokenDelta(token_ids=[i])])) for i in (1, 2)]
+    await queue.flush(MODEL, first)
+    await queue.flush(MODEL, first)  # the retry: both already logged
+    await queue.flush(MODEL, [first[1], Outbound(job_id=rec.id, event=Tokens(seq=3, deltas=[]))])
+    assert [e.seq for e in await queue.read_events(MODEL, rec.id)] == [1, 2, 3]
+    published = []
+    for _ in range(30):
+        message = await pubsub.get_message(timeout=0.05)
+        if message is not None:
+            published.append(decode_event(message["data"]).seq)
+    assert published == [1, 2, 3]
+    await pubsub.aclose()
 
 
 async def test_cancel_before_delivery_is_seen_by_the_worker(redis, keys):

@@ -246,3 +246,69 @@ async def test_event_published_during_the_kill_is_backfilled_at_once(redis_url, 
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)
         await redis.aclose()
+
+
+async def test_a_silent_pubsub_connection_is_replaced_and_backfilled(redis_url, prefix):
+    """A half-open connection (the server's host vanished: no FIN, no RST) never fails a read.
+    The listener PINGs a connection quiet for ``idle_s`` and replaces it when the PING goes
+    unanswered too; its subscribers then read the log, so the stream ends within about two quiet
+    windows, not at the next periodic log check (30 s here)."""
+    host, port = redis_url.split("//")[1].split("/")[0].split(":")
+    links: list[dict] = []
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: dict) -> None:
+        while data := await reader.read(65536):
+            while link["dark"]:
+                await asyncio.sleep(0.01)  # held for good: a link that went dark
+            writer.write(data)
+            await writer.drain()
+
+    async def handle(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection(host, int(port))
+        link = {"dark": False}
+        links.append(link)
+        await asyncio.gather(pipe(client_r, server_w, link), pipe(server_r, client_w, link), return_exceptions=True)
+
+    proxy = await asyncio.start_server(handle, "127.0.0.1", 0)
+    proxy_port = proxy.sockets[0].getsockname()[1]
+    redis = connect(redis_url)
+    proxied = connect(redis_url.replace(f"{host}:{port}", f"127.0.0.1:{proxy_port}"))
+    keys = Keys(prefix)
+    queue = Queue(redis, keys)
+    listener = EventListener(proxied, keys.api_home("test"), idle_s=0.3)
+    runner = asyncio.create_task(listener.run())
+    model, job_id = "tiny", "silent"
+    events = [Tokens(seq=1, deltas=[TokenDelta(token_ids=[97], text="a")]),
+              Tokens(seq=2, deltas=[TokenDelta(token_ids=[98], text="b")]),
+              Done(seq=3, deltas=[TokenDelta(token_ids=[99], text="c", finish_reason="length")])]
+
+    async def log_and_publish(event) -> None:
+        data = encode(event)
+        pipe = redis.pipeline(transaction=True)
+        pipe.xadd(keys.events(model, job_id), {"e": data}, id=f"{event.seq}-0")
+        pipe.publish(keys.live(model, job_id), data)
+        await pipe.execute()
+
+    try:
+        async with listener.subscribe(keys.live(model, job_id)) as live:
+            stream = follow(queue, live, model, job_id, check_log_s=30.0)
+            await log_and_publish(events[0])
+            got = [await asyncio.wait_for(anext(stream), 5)]
+            for link in links:
+                link["dark"] = True
+            for event in events[1:]:
+                await log_and_publish(event)  # delivered to the dark link: never arrives
+            started = time.monotonic()
+            async for event in stream:
+                got.append(event)
+                assert time.monotonic() - started < 5, "a silent connection was not detected"
+            print(f"\n[relay-faults] silent pub/sub connection replaced and backfilled in "
+                  f"{time.monotonic() - started:.3f}s")
+            assert [e.seq for e in got] == [1, 2, 3]
+            assert len(links) >= 2  # a new connection replaced the dark one
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        proxy.close()
+        await redis.aclose()
+        await proxied.aclose()
