@@ -1,8 +1,8 @@
 """One pub/sub connection per API process, multiplexed across every in-flight request.
 
-A request subscribes to its job's live channel *before* the job is enqueued and waits for Redis
-to confirm the subscription, so no live event can be published before it is listening. Messages
-fan out to per-request asyncio queues. After a reconnect every subscriber gets ``RESYNC`` and
+A request subscribes to its job's live channel before it follows the job, and reads the job's
+log once Redis has confirmed the subscription, so no event falls between the two. Messages fan
+out to per-request asyncio queues. After a reconnect every subscriber gets ``RESYNC`` and
 backfills from the job's event log: pub/sub is treated as lossy, the log is the truth.
 """
 
@@ -42,7 +42,6 @@ class EventListener:
         self._queues: dict[bytes, set[asyncio.Queue[bytes]]] = {}
         self._confirmations: dict[bytes, asyncio.Future[None]] = {}
         self._conn: AbstractConnection | None = None
-        self._connected = asyncio.Event()
         self._reads = 0
 
     async def run(self) -> None:
@@ -53,11 +52,12 @@ class EventListener:
             try:
                 async with asyncio.timeout(self._idle_s):  # reads have no timeout of their own here
                     await conn.connect()
+                    # Set before the SUBSCRIBE below: a channel added while it is written then sends
+                    # its own (see _send), so none falls between the two.
+                    self._conn = conn
                     # Every channel again after a reconnect: each confirmation then tells that
                     # channel's subscribers to read the log (_dispatch): messages published meanwhile are gone.
                     await conn.send_command("SUBSCRIBE", self._home, *self._queues, check_health=False)
-                self._conn = conn
-                self._connected.set()
                 if delay > 0.1:
                     log.info("listener_reconnected", channels=len(self._queues))
                 delay = 0.1
@@ -66,7 +66,6 @@ class EventListener:
                 error = exc
             finally:
                 self._conn = None
-                self._connected.clear()
                 await conn.disconnect(nowait=True)
             log.warning("listener_disconnected", retry_in_s=delay, error=str(error))
             await asyncio.sleep(delay)
@@ -118,18 +117,23 @@ class EventListener:
                     queue.put_nowait(RESYNC)
 
     @asynccontextmanager
-    async def subscribe(self, channel: str, *, timeout_s: float = 2.0) -> AsyncIterator[asyncio.Queue[bytes]]:
-        """Yield a queue of this channel's messages; Redis has confirmed the subscription."""
+    async def subscribe(self, channel: str, *, timeout_s: float = 2.0, wait: bool = True
+                        ) -> AsyncIterator[asyncio.Queue[bytes]]:
+        """Yield a queue of this channel's messages, once Redis has confirmed the subscription.
+
+        ``wait=False`` yields as soon as the SUBSCRIBE is sent, so the caller can enqueue meanwhile
+        (a round trip less before the job starts); it then awaits :meth:`confirmed` and reads the
+        log, which holds every event published before the subscription took effect."""
         key = channel.encode()
         queue: asyncio.Queue[bytes] = asyncio.Queue()
         first = key not in self._queues
         self._queues.setdefault(key, set()).add(queue)
         try:
             if first:
-                try:
-                    await asyncio.wait_for(self._confirmed_subscribe(key), timeout_s)
-                except TimeoutError:
-                    raise QueueUnavailable("the queue's pub/sub connection is not available") from None
+                self._confirmations.setdefault(key, asyncio.get_running_loop().create_future())
+                await self._send("SUBSCRIBE", key)
+            if wait:
+                await self.confirmed(channel, timeout_s=timeout_s)
             yield queue
         finally:
             subscribers = self._queues.get(key)
@@ -139,13 +143,16 @@ class EventListener:
                     del self._queues[key]
                     await self._unsubscribe(key)
 
-    async def _confirmed_subscribe(self, key: bytes) -> None:
-        future = self._confirmations.get(key)
+    async def confirmed(self, channel: str, *, timeout_s: float = 2.0) -> None:
+        """Return once the subscription to ``channel`` is in effect; QueueUnavailable after
+        ``timeout_s`` (no pub/sub connection)."""
+        future = self._confirmations.get(channel.encode())
         if future is None:
-            future = self._confirmations[key] = asyncio.get_running_loop().create_future()
-        await self._connected.wait()
-        await self._send("SUBSCRIBE", key)
-        await future
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(future), timeout_s)
+        except TimeoutError:
+            raise QueueUnavailable("the queue's pub/sub connection is not available") from None
 
     async def _unsubscribe(self, key: bytes) -> None:
         self._confirmations.pop(key, None)
@@ -156,7 +163,7 @@ class EventListener:
         # Checked right before the send, in the same step: redis-py would silently reconnect a
         # dropped connection, and subscribe on a socket nobody reads.
         if conn is None or not conn.is_connected:
-            return  # the reader is reconnecting: it subscribes every channel in _queues again
+            return  # the reader is (re)connecting: it subscribes every channel in _queues then
         try:
             await conn.send_command(*command, check_health=False)
         except REDIS_DOWN:

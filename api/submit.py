@@ -1,7 +1,8 @@
 """Submitting a job and following it: the path every dialect shares.
 
-Order matters: subscribe to the job's live channel, then enqueue (record + stream entry in one
-script), so the first token can never be published before we listen.
+Order matters: send the SUBSCRIBE for the job's live channel, enqueue (record + stream entry in
+one script) while it takes effect, wait for its confirmation, then read the job's log before the
+live events: whatever was published before the subscription took effect is in the log.
 
 Cancel on disconnect: every job a request submits (not fire-and-poll ones) is watched by that
 request (:class:`JobWatch`, registered before the enqueue awaits). When the request ends (the
@@ -174,9 +175,10 @@ async def enqueue_detached(svc: Services, req: GenerationRequest, idempotency_ke
     return await svc.queue.enqueue(record, _scoped_key(record, idempotency_key), max_queued=svc.settings.max_queued)
 
 
-async def subscribe_job(svc: Services, model: str, job_id: str, stack: AsyncExitStack) -> asyncio.Queue[bytes]:
+async def subscribe_job(svc: Services, model: str, job_id: str, stack: AsyncExitStack, *, wait: bool = True
+                        ) -> asyncio.Queue[bytes]:
     """Subscribe to a job's live channel; the subscription lives as long as ``stack``."""
-    return await stack.enter_async_context(svc.listener.subscribe(svc.keys.live(model, job_id)))
+    return await stack.enter_async_context(svc.listener.subscribe(svc.keys.live(model, job_id), wait=wait))
 
 
 def follow_job(
@@ -228,9 +230,12 @@ async def submit(
     if watch.scope is not None:
         watch.scope.add(watch)
     try:
-        live = await subscribe_job(svc, model, record.id, stack)
+        # Subscribed while the job is queued (a round trip less before it starts); the events
+        # published before the subscription took effect are read from the log (backfill below).
+        live = await subscribe_job(svc, model, record.id, stack, wait=False)
         job_id = await svc.queue.enqueue(record, _scoped_key(record, idempotency_key),
                                          max_queued=svc.settings.max_queued)
+        await svc.listener.confirmed(svc.keys.live(model, record.id))
         if job_id != record.id:
             # A repeated Idempotency-Key: follow the earlier job from its first event. That job
             # belongs to whoever queued it first, so leaving early must not cancel it.
@@ -243,6 +248,6 @@ async def submit(
         await stack.aclose()
         raise
     ours = job_id == record.id
-    events = follow_job(svc, stack, live, model, job_id, backfill=not ours, keepalive=keepalive,
+    events = follow_job(svc, stack, live, model, job_id, backfill=True, keepalive=keepalive,
                         watch=watch if ours else None, deadline=record.deadline if ours else None)
     return Submission(job_id=job_id, created=int(record.queued_at // 1000), request=record.request, events=events)

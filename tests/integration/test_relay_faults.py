@@ -20,6 +20,7 @@ import pytest
 from api.listener import EventListener
 from api.relay import follow
 from shared.codec import encode
+from shared.errors import QueueUnavailable
 from shared.events import Done, TokenDelta, Tokens
 from shared.keys import Keys
 from shared.queue import Queue
@@ -312,3 +313,27 @@ async def test_a_silent_pubsub_connection_is_replaced_and_backfilled(redis_url, 
         proxy.close()
         await redis.aclose()
         await proxied.aclose()
+
+
+async def test_a_channel_subscribed_before_the_listener_connects_is_confirmed_once_it_does(redis_url, prefix):
+    """``subscribe(wait=False)`` only sends the SUBSCRIBE; with no connection yet, the listener's
+    connect subscribes every channel it holds, and ``confirmed`` returns once Redis confirmed
+    it (before that it is a 503, never a hang)."""
+    redis = connect(redis_url)
+    keys = Keys(prefix)
+    listener = EventListener(redis, keys.api_home("early"))
+    channel = keys.live("tiny", "early")
+    runner = None
+    try:
+        async with listener.subscribe(channel, wait=False) as live:
+            with pytest.raises(QueueUnavailable):
+                await listener.confirmed(channel, timeout_s=0.2)
+            runner = asyncio.create_task(listener.run())
+            await listener.confirmed(channel, timeout_s=5)
+            assert await redis.publish(channel, b"x") == 1
+            assert await asyncio.wait_for(live.get(), 5) == b"x"
+    finally:
+        if runner is not None:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+        await redis.aclose()
