@@ -64,8 +64,7 @@ def main() -> None:
     configure_logging(settings.log_level, settings.log_json)
     # uvloop, as uvicorn runs the API and vLLM runs its own server: the worker's loop carries the
     # engine's output handler and every token's flush.
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(serve(settings))
+    uvloop.run(serve(settings))
 
 
 if __name__ == "__main__":

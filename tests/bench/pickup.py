@@ -32,6 +32,8 @@ import time
 import uuid
 from collections.abc import Sequence
 
+import uvloop
+
 from shared.redis import connect
 from tests.bench.procs import (
     REPO,
@@ -365,10 +367,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--poll-delay", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_llmq:
-        asyncio.run(serve_llmq_worker(args.redis_url, *args.serve_llmq))
+        uvloop.run(serve_llmq_worker(args.redis_url, *args.serve_llmq))  # the loop a deployed worker runs
         return
     if args.serve_floor:
-        asyncio.run(serve_floor(args.redis_url, args.serve_floor))
+        uvloop.run(serve_floor(args.redis_url, args.serve_floor))  # the same loop as llmq's worker
         return
     if args.serve_arq:
         serve_arq_worker(args.redis_url, args.serve_arq, args.poll_delay)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+import uvloop
 
 from tests.bench.procs import REPO, free_port, load_average, markdown_table, save, start_redis, stop
 
@@ -335,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.serve_emitter:
         url, prefix, slots = args.serve_emitter
-        asyncio.run(serve_emitter(url, prefix, int(slots)))
+        uvloop.run(serve_emitter(url, prefix, int(slots)))  # the loop a deployed worker runs
         return
     if args.serve_clients:
         port, streams, tokens, per_event = map(int, args.serve_clients)
