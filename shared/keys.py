@@ -67,6 +67,14 @@ class Keys:
         """Hash with TTL: one worker's heartbeat (model, slots, running, host, pid, started)."""
         return f"{self.prefix}:worker:{worker_id}"
 
+    def worker_pattern(self) -> str:
+        """SCAN pattern matching every worker's heartbeat key (the control channels are no keys)."""
+        return f"{self.prefix}:worker:*"
+
+    def worker_id(self, key: str) -> str:
+        """The worker id in a heartbeat key (the inverse of :meth:`worker`)."""
+        return key.removeprefix(f"{self.prefix}:worker:")
+
     def api_home(self, instance: object) -> str:
         """Pub/sub channel each API process stays subscribed to (keeps its listener in pub/sub mode)."""
         return f"{self.prefix}:api:{instance}"

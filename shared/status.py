@@ -1,0 +1,160 @@
+"""``llmq-status`` (``python -m shared.status``): what the queue holds right now, read from Redis.
+
+The friendly face of the README's redis-cli recipes. Per model and priority level: jobs waiting
+(queued, not yet delivered), running (delivered and unfinished: the consumer group's pending
+entries) and the oldest unfinished job's age; the dead-letter count; and every worker's heartbeat
+(model, status, slots, running, last beat). ``--json`` prints the same as one JSON document.
+
+Everything is read, nothing written, so it is safe against a live deployment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+
+import msgspec
+from redis.asyncio import Redis
+
+from shared.config import load_settings
+from shared.keys import GROUP, Keys
+from shared.redis import connect
+
+__all__ = ["Status", "ModelStatus", "LevelStatus", "WorkerStatus", "snapshot", "render", "main"]
+
+
+class LevelStatus(msgspec.Struct, kw_only=True):
+    level: int
+    stream: str
+    waiting: int
+    """Queued and not yet delivered to any worker."""
+    running: int
+    """Delivered and unfinished (the group's pending entries; a dead worker's until reclaimed)."""
+    oldest_age_s: float | None
+    """Age of the oldest unfinished job on this level (a stream entry id is its enqueue time)."""
+
+
+class WorkerStatus(msgspec.Struct, kw_only=True):
+    id: str
+    model: str
+    status: str  # warming, ready, draining
+    slots: int
+    running: int
+    host: str
+    pid: int
+    last_heartbeat_age_s: float
+
+
+class ModelStatus(msgspec.Struct, kw_only=True):
+    name: str
+    waiting: int
+    running: int
+    dead_letters: int
+    ready_workers: int
+    levels: list[LevelStatus]
+
+
+class Status(msgspec.Struct, kw_only=True):
+    prefix: str
+    at: float
+    """Epoch seconds of the reading."""
+    models: list[ModelStatus]
+    workers: list[WorkerStatus]
+
+
+def _age_s(entry_id: bytes, now: float) -> float:
+    return round(max(0.0, now - int(entry_id.split(b"-")[0]) / 1000), 3)
+
+
+async def _level(redis: Redis, stream: str, level: int, now: float) -> LevelStatus:
+    pipe = redis.pipeline(transaction=False)
+    pipe.xlen(stream)
+    pipe.xrange(stream, count=1)
+    pipe.xpending(stream, GROUP)
+    length, first, pending = await pipe.execute()
+    running = pending["pending"]
+    return LevelStatus(level=level, stream=stream, waiting=max(0, length - running), running=running,
+                       oldest_age_s=_age_s(first[0][0], now) if first else None)
+
+
+async def _model(redis: Redis, keys: Keys, name: str, now: float) -> ModelStatus:
+    levels = []
+    for level, stream in enumerate(keys.queues(name)):
+        if await redis.exists(stream):
+            levels.append(await _level(redis, stream, level, now))
+    ready = await redis.zcount(keys.workers(name), now * 1000, "+inf")
+    return ModelStatus(
+        name=name, waiting=sum(lv.waiting for lv in levels), running=sum(lv.running for lv in levels),
+        dead_letters=await redis.xlen(keys.dead(name)), ready_workers=ready, levels=levels,
+    )
+
+
+async def _workers(redis: Redis, keys: Keys, now: float) -> list[WorkerStatus]:
+    workers = []
+    async for key in redis.scan_iter(match=keys.worker_pattern(), _type="hash", count=1000):
+        raw = {k.decode(): v.decode() for k, v in (await redis.hgetall(key)).items()}
+        if not raw:  # expired between the scan and the read
+            continue
+        workers.append(WorkerStatus(
+            id=keys.worker_id(key.decode()), model=raw.get("model", "?"), status=raw.get("status", "?"),
+            slots=int(raw.get("slots", 0)), running=int(raw.get("running", 0)), host=raw.get("host", "?"),
+            pid=int(raw.get("pid", 0)),
+            last_heartbeat_age_s=round(max(0.0, now - float(raw.get("last_heartbeat", 0)) / 1000), 3),
+        ))
+    return sorted(workers, key=lambda w: (w.model, w.id))
+
+
+async def snapshot(redis: Redis, keys: Keys) -> Status:
+    """One reading of every model any worker ever advertised, and of every live worker."""
+    now = time.time()
+    names = sorted(n.decode() for n in await redis.zrange(keys.models(), 0, -1))
+    return Status(prefix=keys.prefix, at=round(now, 3), models=[await _model(redis, keys, n, now) for n in names],
+                  workers=await _workers(redis, keys, now))
+
+
+def _table(header: list[str], rows: list[list[object]]) -> list[str]:
+    cells = [header, *[["-" if c is None else str(c) for c in row] for row in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+
+
+def render(status: Status) -> str:
+    lines = [f"llmq status, prefix {status.prefix}, at {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(status.at))}Z"]
+    if not status.models:
+        lines.append("no model has been served under this prefix")
+    for m in status.models:
+        lines += ["", f"model {m.name}: {m.waiting} waiting, {m.running} running, {m.dead_letters} dead-lettered, "
+                      f"{m.ready_workers} ready worker(s)"]
+        lines += _table(["level", "stream", "waiting", "running", "oldest (s)"],
+                        [[lv.level, lv.stream, lv.waiting, lv.running, lv.oldest_age_s] for lv in m.levels])
+    lines += ["", f"workers: {len(status.workers)}"]
+    if status.workers:
+        lines += _table(["id", "model", "status", "slots", "running", "host", "pid", "last beat (s ago)"],
+                        [[w.id, w.model, w.status, w.slots, w.running, w.host, w.pid, w.last_heartbeat_age_s]
+                         for w in status.workers])
+    return "\n".join(lines)
+
+
+async def _run(url: str, prefix: str, as_json: bool) -> str:
+    redis = connect(url)
+    try:
+        status = await snapshot(redis, Keys(prefix))
+    finally:
+        await redis.aclose()
+    return msgspec.json.format(msgspec.json.encode(status)).decode() if as_json else render(status)
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = load_settings()
+    p = argparse.ArgumentParser(prog="llmq-status", description=__doc__.split("\n")[0])
+    p.add_argument("--url", default=settings.redis_dsn, help="Redis URL (default: LLMQ_REDIS_URL, as the services)")
+    p.add_argument("--prefix", default=settings.prefix, help="key prefix (default: LLMQ_PREFIX)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    args = p.parse_args(argv)
+    sys.stdout.write(asyncio.run(_run(args.url, args.prefix, args.json)) + "\n")
+
+
+if __name__ == "__main__":
+    main()
