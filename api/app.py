@@ -9,6 +9,7 @@ from litestar.di import Provide
 from api.auth import KeyGuard, parse_keys
 from api.errors import exception_handlers
 from api.http import RequestLifecycle
+from api.metrics import metrics
 from api.openapi import openapi_json
 from api.routes import happy_vllm, health, jobs, lmi, lmtp, openai, openai_chat, tgi, triton
 from api.services import Services, lifespan
@@ -45,6 +46,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
             *lmtp.ROUTES,
             *openai_chat.ROUTES,
             openapi_json,
+            metrics,
         ],
         dependencies={"svc": Provide(_services, sync_to_thread=False)},
         lifespan=[lifespan],

@@ -29,6 +29,7 @@ OPEN_PATHS = frozenset({
     "/ping", "/health", "/liveness", "/readiness", "/v2/health/live", "/v2/health/ready",
     "/v2/models/{model:str}/ready", "/v2/models/{model:str}/versions/{version:str}/ready",
     "/openapi.json",  # API documentation, open as vLLM's is; it names no model or key
+    "/metrics",  # Prometheus scrapes, open as vLLM's are: queue figures, no prompt or key
 })
 
 current_owner: ContextVar[str] = ContextVar("llmq_owner", default="")

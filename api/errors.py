@@ -48,6 +48,9 @@ def _service_error(exc: Exception) -> ServiceError:
 def handle(request: Request, exc: Exception) -> Response:
     err = _service_error(exc)
     status, body = dialects.error_body(_dialect(request), err)
+    services = getattr(request.app.state, "services", None)  # None before the lifespan ran
+    if services is not None:
+        services.errors[(status, err.code)] = services.errors.get((status, err.code), 0) + 1
     headers = None
     if status in (429, 503):
         headers = {"Retry-After": "1"}

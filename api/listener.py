@@ -44,6 +44,11 @@ class EventListener:
         self._conn: AbstractConnection | None = None
         self._reads = 0
 
+    @property
+    def channels(self) -> int:
+        """Jobs being followed through this listener right now."""
+        return len(self._queues)
+
     async def run(self) -> None:
         """Read messages until cancelled, reconnecting with backoff."""
         delay = 0.1

@@ -96,6 +96,7 @@ OPERATIONS: tuple[Operation, ...] = (
         examples=({"inputs": ["a", "b"], "parameters": {"max_new_tokens": 2}, "stream": True},),
         ok={200: (JSON, JSONLINES, SSE)}, errors=_LMI),
     _op("get", "/ping", "LMI health", "health", ok={200: (JSON,), 503: (JSON,)}),
+    _op("get", "/metrics", "Prometheus metrics: queues, workers, latencies", "health", ok={200: (TEXT,)}),
     # TGI
     _op("post", "/generate", "TGI generate", "tgi", body="tgi", examples=(_TGI_EXAMPLE,), errors=_TGI),
     _op("post", "/generate_stream", "TGI stream (errors in-band)", "tgi", body="tgi", examples=(_TGI_EXAMPLE,),

@@ -30,6 +30,8 @@ class Services:
     listener: EventListener
     models: ModelRegistry
     background: set[asyncio.Task[Any]] = field(default_factory=set)
+    errors: dict[tuple[int, str], int] = field(default_factory=dict)
+    """Error answers of this process by (status, code): ``llmq_api_errors_total`` (api/errors.py counts)."""
 
     def spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run ``work`` to completion even if the request that started it is cancelled (a

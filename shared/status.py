@@ -14,15 +14,17 @@ import argparse
 import asyncio
 import sys
 import time
+from collections.abc import AsyncIterator
 
 import msgspec
 from redis.asyncio import Redis
 
 from shared.config import load_settings
 from shared.keys import GROUP, Keys
+from shared.metrics import Sample, decode_samples
 from shared.redis import connect
 
-__all__ = ["Status", "ModelStatus", "LevelStatus", "WorkerStatus", "snapshot", "render", "main"]
+__all__ = ["Status", "ModelStatus", "LevelStatus", "WorkerStatus", "snapshot", "heartbeats", "render", "main"]
 
 
 class LevelStatus(msgspec.Struct, kw_only=True):
@@ -45,6 +47,8 @@ class WorkerStatus(msgspec.Struct, kw_only=True):
     host: str
     pid: int
     last_heartbeat_age_s: float
+    metrics: list[Sample] = []
+    """Its Prometheus counters and histograms (shared/metrics.py), as of its last heartbeat."""
 
 
 class ModelStatus(msgspec.Struct, kw_only=True):
@@ -91,17 +95,23 @@ async def _model(redis: Redis, keys: Keys, name: str, now: float) -> ModelStatus
     )
 
 
-async def _workers(redis: Redis, keys: Keys, now: float) -> list[WorkerStatus]:
-    workers = []
+async def heartbeats(redis: Redis, keys: Keys) -> AsyncIterator[tuple[str, dict[str, str]]]:
+    """(worker id, heartbeat fields) of every worker whose heartbeat key has not expired."""
     async for key in redis.scan_iter(match=keys.worker_pattern(), _type="hash", count=1000):
         raw = {k.decode(): v.decode() for k, v in (await redis.hgetall(key)).items()}
-        if not raw:  # expired between the scan and the read
-            continue
+        if raw:  # else it expired between the scan and the read
+            yield keys.worker_id(key.decode()), raw
+
+
+async def _workers(redis: Redis, keys: Keys, now: float) -> list[WorkerStatus]:
+    workers = []
+    async for worker_id, raw in heartbeats(redis, keys):
         workers.append(WorkerStatus(
-            id=keys.worker_id(key.decode()), model=raw.get("model", "?"), status=raw.get("status", "?"),
+            id=worker_id, model=raw.get("model", "?"), status=raw.get("status", "?"),
             slots=int(raw.get("slots", 0)), running=int(raw.get("running", 0)), host=raw.get("host", "?"),
             pid=int(raw.get("pid", 0)),
             last_heartbeat_age_s=round(max(0.0, now - float(raw.get("last_heartbeat", 0)) / 1000), 3),
+            metrics=decode_samples(raw["metrics"]) if "metrics" in raw else [],
         ))
     return sorted(workers, key=lambda w: (w.model, w.id))
 

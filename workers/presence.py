@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from shared.errors import JobCancelled
+from shared.metrics import Recorder, encode_samples
 from shared.queue import now_ms
 from shared.redis import REDIS_DOWN
 
@@ -36,6 +37,7 @@ class Presence:
     slots: int
     started_at: float
     ready: bool
+    metrics: Recorder
     _running: dict
     _stopping: asyncio.Event
 
@@ -49,7 +51,7 @@ class Presence:
             return False
         return any(w.decode() != self.worker_id for w in ready)
 
-    def _heartbeat_fields(self) -> dict[str, str | int | float]:
+    def _heartbeat_fields(self) -> dict[str, str | int | float | bytes]:
         return {
             "model": self.model,
             "slots": self.slots,
@@ -59,6 +61,8 @@ class Presence:
             "started": self.started_at,
             "status": "draining" if self._stopping.is_set() else ("ready" if self.ready else "warming"),
             "last_heartbeat": now_ms(),
+            # Its Prometheus counters and histograms, served by the API's /metrics.
+            "metrics": encode_samples(self.metrics.samples()),
         }
 
     async def _beat(self) -> None:

@@ -35,7 +35,8 @@ from shared.errors import (
     ServiceError,
     WorkerShutdown,
 )
-from shared.events import Done, Error, Event, Timings, TokenDelta, Tokens
+from shared.events import Done, Error, Event, Timings, TokenDelta, Tokens, is_terminal
+from shared.metrics import Recorder
 from shared.queue import Delivery, Held, Outbound, Queue, now_ms
 from shared.redis import REDIS_DOWN
 from shared.result import ResultBuilder
@@ -96,6 +97,7 @@ class Worker(Presence):
         self._flush_lock = asyncio.Lock()  # one flush at a time: a job's events reach Redis in order
         self._lease_ms = int(settings.lease_s * 1000)
         self._next_reclaim = 0.0
+        self.metrics = Recorder(self.model)  # pushed with each heartbeat (shared/metrics.py)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -168,6 +170,7 @@ class Worker(Presence):
         deliveries = await self.queue.reclaim(self.model, self.worker_id, free, self._lease_ms,
                                               max_deliveries=self.settings.max_deliveries,
                                               exclude=frozenset(self._running))
+        self.metrics.inc("llmq_worker_jobs_reclaimed_total", len(deliveries))
         for delivery in deliveries:
             log.info("job_reclaimed", job_id=delivery.job_id, attempt=delivery.attempt, state=delivery.state,
                      after_seq=delivery.last_seq)
@@ -197,6 +200,9 @@ class Worker(Presence):
                        entry_id=d.entry_id, dead=True)
         else:
             assert d.request is not None
+            self.metrics.inc("llmq_worker_jobs_started_total")
+            if not d.reclaimed:
+                self.metrics.observe("llmq_queue_wait_seconds", (now_ms() - d.queued_at) / 1000)
             task = asyncio.create_task(self._run_job(d, d.request), name=f"job-{d.job_id}")
             running = _Running(task=task, held=Held(d.job_id, d.entry_id, d.attempt, d.level))
             if d.deadline is not None:
@@ -226,10 +232,13 @@ class Worker(Presence):
                         prompt_ids = getattr(step, "prompt_token_ids", None) or (
                             step.prompt.token_ids if step.prompt is not None else None)
                     deltas = [x for x in step.deltas if x.token_ids or x.text or x.finish_reason]
-                    usage.completion_tokens += sum(len(x.token_ids) for x in deltas)
+                    tokens = sum(len(x.token_ids) for x in deltas)
+                    usage.completion_tokens += tokens
+                    self.metrics.inc("llmq_worker_tokens_total", tokens)
                     first_token_at = None
                     if timings.first_token_at is None and usage.completion_tokens and not plan.emitted:
                         first_token_at = timings.first_token_at = now_ms()
+                        self.metrics.observe("llmq_ttft_seconds", (first_token_at - d.queued_at) / 1000)
                     if step.finished:
                         timings.finished_at = now_ms()
                         state.seq += 1
@@ -307,6 +316,10 @@ class Worker(Presence):
     def _emit(self, d: Delivery, event: Event, **extra) -> None:
         extra.setdefault("attempt", d.attempt)
         extra.setdefault("level", d.level)
+        if is_terminal(event):
+            self.metrics.inc("llmq_worker_jobs_ended_total", outcome="done" if isinstance(event, Done) else event.code)
+            if d.queued_at:  # 0: a delivery whose record is missing
+                self.metrics.observe("llmq_e2e_seconds", (now_ms() - d.queued_at) / 1000)
         self._outbox.append(Outbound(job_id=d.job_id, event=event, **extra))
         self._outbox_ready.set()
 

@@ -1,0 +1,145 @@
+"""Prometheus metrics: one catalogue, the workers' recorder, and the text exposition.
+
+Where each figure comes from:
+
+- queue gauges (depth, the group's lag and pending entries, the oldest job's age, dead letters,
+  ready workers) are read from Redis when ``/metrics`` is scraped (``shared.status``);
+- each worker counts its jobs, tokens, reclaims and outcomes and keeps the latency histograms,
+  and pushes them through Redis: one JSON field of its heartbeat hash, rewritten every beat. The
+  API serves them with a ``worker`` label. No port per worker: a worker on any host is scraped
+  through the one API, and its figures vanish with its heartbeat key;
+- the API counts what only it sees (error answers such as 429s, streams in flight).
+
+Counters are per process, so they restart at 0 with the process; Prometheus' ``rate()`` reads a
+reset as one.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import msgspec
+
+__all__ = ["CATALOGUE", "BUCKETS", "Sample", "Recorder", "exposition", "encode_samples", "decode_samples"]
+
+# Seconds; from a queue pickup (milliseconds) to a long generation (minutes).
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class Metric(NamedTuple):
+    kind: str  # gauge, counter or histogram
+    help: str
+
+
+CATALOGUE: dict[str, Metric] = {
+    "llmq_queue_depth": Metric("gauge", "Unfinished jobs on the level: lag + pending (finished entries are deleted)."),
+    "llmq_queue_lag": Metric("gauge", "Jobs queued and not yet delivered to any worker (the consumer group's lag)."),
+    "llmq_queue_pending": Metric("gauge", "Jobs delivered to a worker and unfinished (the group's pending entries)."),
+    "llmq_queue_oldest_age_seconds": Metric("gauge", "Age of the oldest unfinished job on the level."),
+    "llmq_dead_letters": Metric("gauge", "Records in the model's dead-letter stream."),
+    "llmq_workers_ready": Metric("gauge", "Warm workers serving the model."),
+    "llmq_api_streams_in_flight": Metric("gauge", "Jobs this API process is relaying to clients right now."),
+    "llmq_api_errors_total": Metric("counter", "Requests this API process refused or failed, by status and code."),
+    "llmq_worker_jobs_started_total": Metric("counter", "Jobs the worker started in its engine."),
+    "llmq_worker_jobs_reclaimed_total": Metric("counter", "Jobs the worker took over after their lease lapsed."),
+    "llmq_worker_jobs_ended_total": Metric("counter", "Jobs the worker ended, by outcome (done or an error code)."),
+    "llmq_worker_tokens_total": Metric("counter", "Tokens the worker generated."),
+    "llmq_queue_wait_seconds": Metric("histogram", "From enqueue to the job's start on a worker."),
+    "llmq_ttft_seconds": Metric("histogram", "From enqueue to the job's first token."),
+    "llmq_e2e_seconds": Metric("histogram", "From enqueue to the job's end."),
+}
+
+
+class Sample(NamedTuple):
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+class _Histogram:
+    __slots__ = ("counts", "total", "n")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(BUCKETS) + 1)  # the last one is +Inf
+        self.total = 0.0
+        self.n = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(BUCKETS, value)] += 1
+        self.total += value
+        self.n += 1
+
+    def samples(self, name: str, labels: dict[str, str]) -> list[Sample]:
+        out, running = [], 0
+        for bound, count in zip((*BUCKETS, float("inf")), self.counts, strict=True):
+            running += count
+            out.append(Sample(f"{name}_bucket", {**labels, "le": _number(bound)}, running))
+        return [*out, Sample(f"{name}_sum", labels, self.total), Sample(f"{name}_count", labels, self.n)]
+
+
+class Recorder:
+    """A worker's counters and histograms, all labelled with its model."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self._counters: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self._histograms: dict[str, _Histogram] = {}
+
+    def inc(self, name: str, amount: float = 1, **labels: str) -> None:
+        assert CATALOGUE[name].kind == "counter", name
+        key = (name, tuple(sorted(labels.items())))
+        self._counters[key] = self._counters.get(key, 0) + amount
+
+    def observe(self, name: str, seconds: float) -> None:
+        assert CATALOGUE[name].kind == "histogram", name
+        self._histograms.setdefault(name, _Histogram()).observe(max(0.0, seconds))
+
+    def samples(self) -> list[Sample]:
+        base = {"model": self.model}
+        out = [Sample(name, {**base, **dict(labels)}, value) for (name, labels), value in self._counters.items()]
+        for name, histogram in self._histograms.items():
+            out += histogram.samples(name, base)
+        return out
+
+
+def encode_samples(samples: Iterable[Sample]) -> bytes:
+    return msgspec.json.encode([[s.name, s.labels, s.value] for s in samples])
+
+
+def decode_samples(raw: bytes | str) -> list[Sample]:
+    return [Sample(name, labels, value) for name, labels, value in msgspec.json.decode(raw)]
+
+
+def _number(value: float) -> str:
+    if value == float("inf"):
+        return "+Inf"
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _family(name: str) -> str:
+    for suffix in ("_bucket", "_sum", "_count"):
+        base = name.removesuffix(suffix)
+        if base != name and CATALOGUE.get(base, Metric("", "")).kind == "histogram":
+            return base
+    return name
+
+
+def exposition(samples: Iterable[Sample]) -> str:
+    """Prometheus' text format (0.0.4): each family's HELP and TYPE once, then its samples."""
+    families: dict[str, list[Sample]] = {}
+    for sample in samples:
+        families.setdefault(_family(sample.name), []).append(sample)
+    lines = []
+    for family in sorted(families, key=lambda f: list(CATALOGUE).index(f) if f in CATALOGUE else len(CATALOGUE)):
+        metric = CATALOGUE.get(family, Metric("untyped", ""))
+        lines += [f"# HELP {family} {metric.help}", f"# TYPE {family} {metric.kind}"]
+        for s in families[family]:
+            labels = ",".join(f'{k}="{_escape(str(v))}"' for k, v in s.labels.items())
+            lines.append(f"{s.name}{{{labels}}} {_number(s.value)}" if labels else f"{s.name} {_number(s.value)}")
+    return "\n".join(lines) + "\n"
