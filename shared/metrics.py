@@ -89,7 +89,7 @@ class Recorder:
 
     def inc(self, name: str, amount: float = 1, **labels: str) -> None:
         assert CATALOGUE[name].kind == "counter", name
-        key = (name, tuple(sorted(labels.items())))
+        key = (name, tuple(sorted(labels.items())) if labels else ())  # unlabelled: once per step, keep it cheap
         self._counters[key] = self._counters.get(key, 0) + amount
 
     def observe(self, name: str, seconds: float) -> None:

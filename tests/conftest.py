@@ -41,21 +41,24 @@ def wait_for_ping(url: str, timeout_s: float = 10) -> None:
         client.close()
 
 
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def start_redis(data_dir: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """A throwaway redis-server (no persistence) on a free loopback port; waits for PING."""
     port = free_port()
-    data = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [redis_server_binary(), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data),
-         "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-    )
+    where = ["--dir", str(data_dir)] if data_dir is not None else []
+    proc = subprocess.Popen([redis_server_binary(), "--bind", "127.0.0.1", "--port", str(port), *where,
+                             "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
     try:
         wait_for_ping(url)
     except Exception:
         proc.kill()
         raise
+    return proc, url
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    proc, url = start_redis(tmp_path_factory.mktemp("redis"))
     yield url
     proc.terminate()
     proc.wait(10)

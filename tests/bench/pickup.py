@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import signal
 import statistics
@@ -41,6 +40,7 @@ from tests.bench.procs import (
     load_average,
     markdown_table,
     renew_held,
+    report_head,
     save,
     spawn,
     start_redis,
@@ -326,11 +326,8 @@ def report(args, targets: list[Target], llmq: LlmqTarget, held: LlmqTarget | Non
         ratios["held_over_empty_p50_median_of_rounds"] = round(statistics.median(paired), 3) if paired else 0.0
         met["held_changes_p50_lt_10pct"] = abs(ratios["held_over_empty_p50"] - 1) < 0.10
     return {
-        "benchmark": "pickup",
-        "measured": "enqueue -> the worker starts the job (llmq: record started_at - queued_at; "
-                    "arq: function start time - time before enqueue_job), ms",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        "machine": {"cpus": os.cpu_count(), "loadavg_before_after": loads},
+        **report_head("pickup", "enqueue -> the worker starts the job (llmq: record started_at - queued_at; "
+                                "arq: function start time - time before enqueue_job), ms", loads),
         "settings": {"rounds": args.rounds, "jobs": args.jobs, "arq_jobs": args.arq_jobs,
                      "arq_default_jobs": args.arq_default_jobs, "held": args.held, "llmq_gap_s": args.llmq_gap},
         "targets": rows,

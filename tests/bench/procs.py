@@ -8,16 +8,16 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
 
-from shared.redis import redis_server_binary
-from tests.conftest import REPO, free_port, wait_for_ping
+from tests.conftest import REPO, free_port, start_redis
 
-__all__ = ["REPO", "percentile", "stats_ms", "load_average", "free_port", "start_redis", "markdown_table",
-           "spawn", "stop", "fill_held", "renew_held", "save"]
+__all__ = ["REPO", "percentile", "stats_ms", "load_average", "free_port", "start_redis", "report_head",
+           "markdown_table", "spawn", "stop", "fill_held", "renew_held", "save"]
 
 HELD_MODEL_SLOTS = 64  # jobs per fake peer consumer in the held case (one worker's engine slots)
 
@@ -43,18 +43,10 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def start_redis() -> tuple[subprocess.Popen, str]:
-    """A throwaway redis-server (no persistence) on a free loopback port; waits for PING."""
-    port = free_port()
-    proc = subprocess.Popen([redis_server_binary(), "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                             "--appendonly", "no"], stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        wait_for_ping(url)
-    except Exception:
-        proc.kill()
-        raise
-    return proc, url
+def report_head(benchmark: str, measured: str, loads: list[list[float]]) -> dict:
+    """What every queue benchmark's JSON report starts with."""
+    return {"benchmark": benchmark, "measured": measured, "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+            "machine": {"cpus": os.cpu_count(), "loadavg_before_after": loads}}
 
 
 def save(result: dict, out: str, table: str) -> None:

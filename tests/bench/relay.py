@@ -36,7 +36,7 @@ from pathlib import Path
 import msgspec
 import uvloop
 
-from tests.bench.procs import REPO, free_port, load_average, markdown_table, save, start_redis, stop
+from tests.bench.procs import REPO, free_port, load_average, markdown_table, report_head, save, start_redis, stop
 
 __all__ = ["BurstEngine", "expected_text", "check_stream"]
 
@@ -290,11 +290,9 @@ async def measure(args: argparse.Namespace) -> dict:
         }
     best = summary[str(min(args.per_event))]["events_per_s_median"]
     return {
-        "benchmark": "relay",
-        "measured": "SSE data frames carrying a choice (one per worker event) delivered to clients by ONE API "
-                    "process, per second of wall time; tokens/s counts the tokens inside them",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        "machine": {"cpus": os.cpu_count(), "loadavg_before_after": loads},
+        **report_head("relay", "SSE data frames carrying a choice (one per worker event) delivered to clients "
+                               "by ONE API process, per second of wall time; tokens/s counts the tokens inside them",
+                      loads),
         "settings": {"clients": args.clients, "tokens": args.tokens, "per_event": args.per_event,
                      "rounds": args.rounds, "client_procs": args.client_procs, "endpoint": "/v1/completions"},
         "summary": summary,
