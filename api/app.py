@@ -11,7 +11,7 @@ from api.errors import exception_handlers
 from api.http import RequestLifecycle
 from api.metrics import metrics
 from api.openapi import openapi_json
-from api.routes import happy_vllm, health, jobs, lmi, lmtp, openai, openai_chat, tgi, triton
+from api.routes import batches, happy_vllm, health, jobs, lmi, lmtp, openai, openai_chat, tgi, triton
 from api.services import Services, lifespan
 from shared.config import Settings, load_settings
 from shared.logging import configure_logging
@@ -45,6 +45,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
             *happy_vllm.ROUTES,
             *lmtp.ROUTES,
             *openai_chat.ROUTES,
+            *batches.ROUTES,
             openapi_json,
             metrics,
         ],

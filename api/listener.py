@@ -4,24 +4,30 @@ A request subscribes to its job's live channel before it follows the job, and re
 log once Redis has confirmed the subscription, so no event falls between the two. Messages fan
 out to per-request asyncio queues. After a reconnect every subscriber gets ``RESYNC`` and
 backfills from the job's event log: pub/sub is treated as lossy, the log is the truth.
+
+On a Redis Cluster the connection goes to one master (plain PUBLISH reaches every node), or, with
+sharded pub/sub (Redis >= 7), to the master owning the followed channels' slots: api/shards.py
+runs one listener per such master, each with ``sharded=True`` (SSUBSCRIBE, ``smessage``).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import structlog
 from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from shared.cluster import pubsub_connection
 from shared.errors import QueueUnavailable
 from shared.redis import REDIS_DOWN
 
-__all__ = ["EventListener", "RESYNC"]
+__all__ = ["Listener", "EventListener", "RESYNC"]
 
 log = structlog.get_logger()
 
@@ -29,13 +35,31 @@ log = structlog.get_logger()
 RESYNC = b""
 
 
-class EventListener:
-    def __init__(self, redis: Redis, home_channel: str, *, idle_s: float = 5.0) -> None:
+class Listener:
+    """What request handlers use: this module's EventListener, or api/shards.py's ClusterListener."""
+
+    channels: int
+
+    async def run(self) -> None:
+        raise NotImplementedError
+
+    def subscribe(self, channel: str, *, timeout_s: float = 2.0, wait: bool = True
+                  ) -> AbstractAsyncContextManager[asyncio.Queue[bytes]]:
+        raise NotImplementedError
+
+    async def confirmed(self, channel: str, *, timeout_s: float = 2.0) -> None:
+        raise NotImplementedError
+
+
+class EventListener(Listener):
+    def __init__(self, redis: Redis, home_channel: str, *, idle_s: float = 5.0, node: ClusterNode | None = None,
+                 sharded: bool = False) -> None:
         # Its own connection, opened like every other one of this client (URL, auth, TLS), with no
         # per-read timeout: liveness is checked by PING once a quiet window passes (see _read).
-        pool = redis.connection_pool
-        self._new_connection = lambda: pool.connection_class(
-            **{**pool.connection_kwargs, "socket_timeout": None, "decode_responses": False})
+        self._new_connection = lambda: pubsub_connection(redis, node)
+        self._sharded = sharded
+        self._sub, self._unsub = ("SSUBSCRIBE", "SUNSUBSCRIBE") if sharded else ("SUBSCRIBE", "UNSUBSCRIBE")
+        self._resubscribing: set[asyncio.Task[None]] = set()
         self._idle_s = idle_s
         # Always subscribed, so the connection stays in pub/sub mode with no requests in flight.
         self._home = home_channel.encode()
@@ -53,16 +77,22 @@ class EventListener:
         """Read messages until cancelled, reconnecting with backoff."""
         delay = 0.1
         while True:
-            conn = self._new_connection()
+            conn: AbstractConnection | None = None
             try:
                 async with asyncio.timeout(self._idle_s):  # reads have no timeout of their own here
+                    conn = await self._new_connection()
                     await conn.connect()
                     # Set before the SUBSCRIBE below: a channel added while it is written then sends
                     # its own (see _send), so none falls between the two.
                     self._conn = conn
                     # Every channel again after a reconnect: each confirmation then tells that
                     # channel's subscribers to read the log (_dispatch): messages published meanwhile are gone.
-                    await conn.send_command("SUBSCRIBE", self._home, *self._queues, check_health=False)
+                    if not self._sharded:
+                        await conn.send_command("SUBSCRIBE", self._home, *self._queues, check_health=False)
+                    else:  # the home channel stays plain; one SSUBSCRIBE per channel (one slot each)
+                        await conn.send_command("SUBSCRIBE", self._home, check_health=False)
+                        for channel in list(self._queues):
+                            await conn.send_command("SSUBSCRIBE", channel, check_health=False)
                 if delay > 0.1:
                     log.info("listener_reconnected", channels=len(self._queues))
                 delay = 0.1
@@ -71,7 +101,8 @@ class EventListener:
                 error = exc
             finally:
                 self._conn = None
-                await conn.disconnect(nowait=True)
+                if conn is not None:
+                    await conn.disconnect(nowait=True)
             log.warning("listener_disconnected", retry_in_s=delay, error=str(error))
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
@@ -108,10 +139,16 @@ class EventListener:
 
     def _dispatch(self, reply: list) -> None:
         kind, channel = reply[0], reply[1]
-        if kind == b"message":
+        if kind in (b"message", b"smessage"):
             for queue in self._queues.get(channel, ()):
                 queue.put_nowait(reply[2])
-        elif kind == b"subscribe":
+        elif kind == b"sunsubscribe" and channel in self._queues:
+            # Dropped by the server (its slot moved), or our SUNSUBSCRIBE crossing a new subscriber's
+            # SSUBSCRIBE: subscribe again; the confirmation then sends RESYNC (messages may be gone).
+            task = asyncio.get_running_loop().create_task(self._send("SSUBSCRIBE", channel))
+            self._resubscribing.add(task)
+            task.add_done_callback(self._resubscribing.discard)
+        elif kind in (b"subscribe", b"ssubscribe"):
             future = self._confirmations.pop(channel, None)
             if future is not None and not future.done():
                 future.set_result(None)
@@ -136,7 +173,7 @@ class EventListener:
         try:
             if first:
                 self._confirmations.setdefault(key, asyncio.get_running_loop().create_future())
-                await self._send("SUBSCRIBE", key)
+                await self._send(self._sub, key)
             if wait:
                 await self.confirmed(channel, timeout_s=timeout_s)
             yield queue
@@ -161,7 +198,7 @@ class EventListener:
 
     async def _unsubscribe(self, key: bytes) -> None:
         self._confirmations.pop(key, None)
-        await self._send("UNSUBSCRIBE", key)
+        await self._send(self._unsub, key)
 
     async def _send(self, *command: bytes | str) -> None:
         conn = self._conn

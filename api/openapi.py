@@ -22,6 +22,7 @@ from litestar import Request, Response, get
 
 from api.auth import OPEN_PATHS, parse_keys
 from api.dialects import happy_vllm, lmi, openai_chat, openai_completions, tgi, triton
+from shared.batches import BatchCreate
 from shared.codec import encode
 from shared.schemas import GenerationRequest
 
@@ -62,6 +63,7 @@ class Operation(msgspec.Struct, frozen=True, kw_only=True):
     headers: tuple[str, ...] = ()
     """Request headers the route reads: ``Prefer``, ``Idempotency-Key``, ``Last-Event-ID``."""
     query: tuple[str, ...] = ()
+    body_media: str = JSON
 
 
 _ASYNC = {202: (JSON,)}  # Prefer: respond-async, or /v1/jobs: the job id, poll /v1/jobs/{id}
@@ -136,6 +138,21 @@ OPERATIONS: tuple[Operation, ...] = (
     _op("delete", "/v1/jobs/{job_id}", "Cancel a job", "jobs", errors=(404, 503)),
     _op("get", "/v1/jobs/{job_id}/events", "A job's events as SSE, resumable", "jobs", ok={200: (SSE,)},
         errors=(400, 404, 503), headers=("Last-Event-ID",), query=("after",)),
+    # OpenAI Files and Batches: offline batch files, run by the housekeeping process
+    _op("post", "/v1/files", "Upload a batch input file (JSONL; purpose=batch)", "batches", body="file_upload",
+        body_media="multipart/form-data", errors=(400, 503)),
+    _op("get", "/v1/files", "Files", "batches", errors=(503,)),
+    _op("get", "/v1/files/{file_id}", "A file", "batches", errors=(404, 503)),
+    _op("delete", "/v1/files/{file_id}", "Delete a file", "batches", errors=(404, 503)),
+    _op("get", "/v1/files/{file_id}/content", "A file's content (input, output or error JSONL)", "batches",
+        ok={200: ("application/octet-stream",)}, errors=(404, 503)),
+    _op("post", "/v1/batches", "Create a batch from an uploaded file", "batches", body="batch",
+        examples=({"input_file_id": "file-abc", "endpoint": "/v1/chat/completions", "completion_window": "24h"},),
+        errors=(400, 404, 503)),
+    _op("get", "/v1/batches", "Batches, newest first", "batches", errors=(400, 503), query=("limit", "batch_after")),
+    _op("get", "/v1/batches/{batch_id}", "A batch: status, request_counts, output and error files", "batches",
+        errors=(404, 503)),
+    _op("post", "/v1/batches/{batch_id}/cancel", "Cancel a batch", "batches", errors=(400, 404, 503)),
     # This document
     _op("get", "/openapi.json", "This OpenAPI document", "meta"),
 )
@@ -160,6 +177,12 @@ _PARAMS: dict[str, dict[str, Any]] = {
     "X-LLMQ-Priority": {"name": "X-LLMQ-Priority", "in": "header", "required": False,
                         "schema": {"type": "string", "pattern": r"^\s*-?[0-9]+\s*$"},
                         "description": "Lower runs earlier (default 0); a body `priority` field wins."},
+    "file_id": {"name": "file_id", "in": "path", "required": True, "schema": {"type": "string"}},
+    "batch_id": {"name": "batch_id", "in": "path", "required": True, "schema": {"type": "string"}},
+    "limit": {"name": "limit", "in": "query", "required": False, "schema": {"type": "integer"},
+              "description": "At most this many (1-100, default 20)."},
+    "batch_after": {"name": "after", "in": "query", "required": False, "schema": {"type": "string"},
+                    "description": "List the batches after this batch id."},
     "after": {"name": "after", "in": "query", "required": False, "schema": {"type": "string"},
               "description": "Resume after this event sequence number (when no Last-Event-ID)."},
 }
@@ -234,6 +257,10 @@ def _bodies() -> dict[str, dict[str, Any]]:
         "triton": _triton_body(),
         "happy": _happy_body(),
         "job": _ref(GenerationRequest),
+        "batch": _ref(BatchCreate),
+        "file_upload": {"type": "object", "required": ["file", "purpose"], "properties": {
+            "file": {"type": "string", "contentMediaType": "application/octet-stream"},
+            "purpose": {"type": "string", "enum": ["batch"]}}},
     }
 
 
@@ -263,7 +290,8 @@ def _operation_id(op: Operation) -> str:
 
 def _options(op: Operation) -> tuple[str, ...]:
     """Every route that queues work reads the deadline and priority headers (api.submit.admit)."""
-    return ("X-LLMQ-Timeout", "X-LLMQ-Priority") if op.body is not None and op.path != "/tokenize" else ()
+    return ("X-LLMQ-Timeout", "X-LLMQ-Priority") if op.body is not None and op.path not in ("/tokenize", "/v1/files") \
+        else ()
 
 
 def _operation(op: Operation, bodies: dict[str, Any], keys_on: bool) -> dict[str, Any]:
@@ -279,7 +307,7 @@ def _operation(op: Operation, bodies: dict[str, Any], keys_on: bool) -> dict[str
         media: dict[str, Any] = {"schema": bodies[op.body]}
         if op.examples:
             media["examples"] = {f"example{i}": {"value": ex} for i, ex in enumerate(op.examples, 1)}
-        out["requestBody"] = {"required": True, "content": {JSON: media}}
+        out["requestBody"] = {"required": True, "content": {op.body_media: media}}
     if keys_on and op.path not in _OPEN:
         out["security"] = [{"bearer": []}, {"apiKey": []}]
     return out
@@ -292,7 +320,7 @@ def document(keys_on: bool = False) -> dict[str, Any]:
     bodies = _bodies()
     components: dict[str, Any] = {"schemas": _components(
         openai_completions.CompletionRequest, openai_chat.ChatRequest, lmi.LmiRequest, tgi.GenerateRequest,
-        GenerationRequest)}
+        GenerationRequest, BatchCreate)}
     if keys_on:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"},
                                          "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}

@@ -12,8 +12,10 @@ from typing import Any
 from litestar import Litestar
 from litestar.di import NamedDependency
 
-from api.listener import EventListener
+from api.listener import EventListener, Listener
 from api.models import ModelRegistry
+from api.shards import ClusterListener
+from shared.cluster import is_cluster
 from shared.config import Settings
 from shared.keys import Keys
 from shared.queue import Queue
@@ -27,7 +29,7 @@ class Services:
     settings: Settings
     keys: Keys
     queue: Queue
-    listener: EventListener
+    listener: Listener
     models: ModelRegistry
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     errors: dict[tuple[int, str], int] = field(default_factory=dict)
@@ -56,7 +58,8 @@ async def lifespan(app: Litestar) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
     keys = Keys(settings.prefix)
     redis = connect(settings.redis_dsn, block_ms=settings.block_ms)
-    listener = EventListener(redis, keys.api_home(os.urandom(4).hex()))
+    home = keys.api_home(os.urandom(4).hex())
+    listener = ClusterListener(redis, home) if is_cluster(redis) else EventListener(redis, home)
     services = Services(
         settings=settings,
         keys=keys,

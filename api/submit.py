@@ -157,8 +157,11 @@ def _with_header_options(req: GenerationRequest) -> GenerationRequest:
 def _record(svc: Services, req: GenerationRequest) -> JobRecord:
     queued_at = now_ms()
     timeout_s = req.timeout_s or svc.settings.deadline_s
+    if req.webhook and not svc.settings.webhook_secret:
+        raise InvalidRequest("webhooks are not configured on this server (LLMQ_WEBHOOK_SECRET)", param="webhook")
     return JobRecord(id=uuid.uuid4().hex, model=req.model, request=req, queued_at=queued_at,
-                     owner=current_owner.get(), deadline=queued_at + timeout_s * 1000 if timeout_s else None)
+                     owner=current_owner.get(), deadline=queued_at + timeout_s * 1000 if timeout_s else None,
+                     webhook=req.webhook)
 
 
 def _scoped_key(record: JobRecord, idempotency_key: str | None) -> str | None:

@@ -17,6 +17,9 @@ __all__ = [
     "Settings",
     "load_settings",
     "apply_engine_environment",
+    "apply_device_environment",
+    "visible_gpus",
+    "cpu_engine",
     "DEFAULT_MODEL",
     "EMBEDDED_REDIS_URL",
     "SettingsError",
@@ -34,7 +37,12 @@ class SettingsError(ValueError):
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
     redis_url: str | None = None
-    """LLMQ_REDIS_URL: Redis or Redis Cluster URL. Unset: `make run` starts an embedded redis-server."""
+    """LLMQ_REDIS_URL: `redis://host:port/0` (`rediss://` for TLS), or a Redis Cluster as
+    `redis+cluster://host:port` (`rediss+cluster://`; any one node). Unset: `make run` starts an
+    embedded redis-server."""
+    arq_redis_url: str | None = None
+    """LLMQ_ARQ_REDIS_URL: the Redis of the housekeeping process's arq queue (webhook deliveries,
+    cron). Unset: LLMQ_REDIS_URL. arq needs a single Redis server, so set it when that is a Cluster."""
     model: str = DEFAULT_MODEL
     """LLMQ_MODEL: a model directory or hub name. Default: the tiny model, built on first use."""
     served_model_name: str = ""
@@ -67,6 +75,16 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     job goes to the dead-letter stream and fails with `dead_letter`. Drain hand-backs do not count."""
     kv_cache_gib: float | None = None
     """LLMQ_KV_CACHE_GIB: KV cache size per engine; unset: vLLM decides (0.25 for the tiny model)."""
+    device_lock_dir: str = "/tmp/llmq-devices"
+    """LLMQ_DEVICE_LOCK_DIR: host-wide directory of the per-device lock files through which workers
+    on one host claim distinct GPUs / CPU shares (workers/claim.py). Containers sharing a host's
+    GPUs must share this directory."""
+    devices: str = ""
+    """LLMQ_DEVICES: GPUs for this worker, as CUDA_VISIBLE_DEVICES names them ("2", "0,1"); unset:
+    claim the first free one (of CUDA_VISIBLE_DEVICES, if the operator set it)."""
+    cpu_shares: int = 0
+    """LLMQ_CPU_SHARES: CPU engines: split this process's CPUs into this many shares, one per
+    worker (more workers than shares share CPUs); 0: one share per NUMA node."""
 
     compact_json: bool | None = None
     """LLMQ_COMPACT_JSON: structured JSON output without optional whitespace (engine-wide in vLLM);
@@ -79,6 +97,22 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """LLMQ_RESULT_TTL_S: how long a finished job's record and event log stay readable."""
     idempotency_ttl_s: int = 86400
     """LLMQ_IDEMPOTENCY_TTL_S: how long an Idempotency-Key maps to its job."""
+
+    # webhooks (delivered by the housekeeping process, through arq)
+    webhook_secret: str = ""
+    """LLMQ_WEBHOOK_SECRET: the HMAC-SHA256 key webhook deliveries are signed with. Unset: a job
+    that asks for a webhook is refused (400), as an unsigned delivery could not be trusted."""
+    webhook_max_tries: int = 8
+    """LLMQ_WEBHOOK_MAX_TRIES: delivery attempts before a webhook is given up (backoff 1, 2, 4 ... s, at most 5 min)."""
+    webhook_timeout_s: float = 10.0
+    """LLMQ_WEBHOOK_TIMEOUT_S: how long one delivery may take (connect + answer)."""
+
+    # batch files (run by the housekeeping process)
+    batch_rate: int = 20
+    """LLMQ_BATCH_RATE: batch lines queued per second, over all batches."""
+    batch_max_in_flight: int = 64
+    """LLMQ_BATCH_MAX_IN_FLIGHT: the most batch lines queued or running at once, over all batches;
+    with the lowest priority level this keeps interactive requests ahead of batches."""
 
     # api
     lmi_output_formatter: str = "jsonlines"
@@ -107,6 +141,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def redis_dsn(self) -> str:
         return self.redis_url or EMBEDDED_REDIS_URL
+
+    @property
+    def arq_redis_dsn(self) -> str:
+        return self.arq_redis_url or self.redis_dsn
 
     @property
     def model_name(self) -> str:
@@ -211,3 +249,20 @@ def apply_engine_environment(settings: Settings, environ: MutableMapping[str, st
         defaults["HF_HUB_OFFLINE"] = "1"  # a local model directory needs no hub
     for name, value in defaults.items():
         env.setdefault(name, value)
+
+
+def cpu_engine() -> bool:
+    """Whether this host's engine is vLLM's CPU build (then workers claim CPU shares, not GPUs)."""
+    return _cpu_engine()
+
+
+def visible_gpus(environ: Mapping[str, str] | None = None) -> list[str] | None:
+    """The operator's CUDA_VISIBLE_DEVICES as a list (None: unset), the pool a worker claims from."""
+    value = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
+    return None if value is None else [d.strip() for d in value.split(",") if d.strip()]
+
+
+def apply_device_environment(cuda_visible_devices: str | None, environ: MutableMapping[str, str] | None = None) -> None:
+    """The worker's claimed GPUs (workers/claim.py), for the engine it is about to build."""
+    if cuda_visible_devices is not None:
+        (os.environ if environ is None else environ)["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices

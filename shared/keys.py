@@ -55,6 +55,11 @@ class Keys:
         """Stream: jobs that failed too many deliveries."""
         return f"{self._model(model)}:dead"
 
+    def webhooks(self, model: str) -> str:
+        """Stream: the outbox of finished jobs that carry a webhook, written in the same script
+        that ends the job; housekeeping moves each entry into an arq delivery job."""
+        return f"{self._model(model)}:webhooks"
+
     def workers(self, model: str) -> str:
         """Sorted set: ready worker id -> heartbeat expiry (ms); how the API knows it can serve."""
         return f"{self._model(model)}:workers"
@@ -83,6 +88,56 @@ class Keys:
         """arq's sorted set for the housekeeping process (background work, never the hot path)."""
         return f"{self.prefix}:arq:queue"
 
+    def webhook_delivery(self, job_id: str) -> str:
+        """arq job id of a job's webhook delivery: one per job, so a repeated enqueue is refused."""
+        return f"{self.prefix}:webhook:{job_id}"
+
     def worker_control(self, worker_id: str) -> str:
         """Pub/sub channel: job ids the worker must abort (cancellation travels through Redis)."""
         return f"{self.prefix}:worker:{worker_id}:control"
+
+    # --- batch files (OpenAI Batch API shape); each batch's keys share its own hash tag ---------
+
+    def file(self, file_id: str) -> str:
+        """Hash: an uploaded or produced file (``meta`` JSON, ``content`` bytes, ``owner``)."""
+        return f"{self.prefix}:file:{file_id}"
+
+    def files(self) -> str:
+        """Sorted set: file id -> created_at (s), for listing."""
+        return f"{self.prefix}:files"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash: one batch's fields (status, timestamps, file ids, request counts, next line)."""
+        return f"{self.prefix}:{{{batch_id}}}:batch"
+
+    def batch_lines(self, batch_id: str) -> str:
+        """List: the batch's input lines, validated and translated (or the line's error)."""
+        return f"{self.prefix}:{{{batch_id}}}:lines"
+
+    def batch_jobs(self, batch_id: str) -> str:
+        """Hash: line index -> the queued jobs of that line, until their results are gathered."""
+        return f"{self.prefix}:{{{batch_id}}}:jobs"
+
+    def batch_output(self, batch_id: str) -> str:
+        """Hash: line index -> its output-file line (a response with status 200)."""
+        return f"{self.prefix}:{{{batch_id}}}:out"
+
+    def batch_errors(self, batch_id: str) -> str:
+        """Hash: line index -> its error-file line (failed, cancelled, expired or invalid)."""
+        return f"{self.prefix}:{{{batch_id}}}:err"
+
+    def batches(self) -> str:
+        """Sorted set: batch id -> created_at (s), for listing."""
+        return f"{self.prefix}:batches"
+
+    def batches_active(self) -> str:
+        """Set: batches housekeeping still advances (in progress or cancelling)."""
+        return f"{self.prefix}:batches:active"
+
+    def batches_lock(self) -> str:
+        """String with a TTL: held by the housekeeping tick advancing batches, so ticks never overlap."""
+        return f"{self.prefix}:batches:lock"
+
+    def batch_idempotency(self, batch_id: str, line: int, part: int) -> str:
+        """The Idempotency-Key of a batch line's job: enqueueing it again finds the same job."""
+        return f"batch:{batch_id}:{line}:{part}"

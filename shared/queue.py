@@ -16,6 +16,7 @@ import structlog
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from shared.cluster import publish, sharded_pubsub
 from shared.codec import decode_event, decode_request, encode, job_from_hash, job_to_hash
 from shared.errors import DeadlineExceeded, Overloaded
 from shared.events import Done, Error, Event
@@ -41,6 +42,14 @@ def level_of(priority: int) -> int:
 
 def _script(name: str) -> str:
     return resources.files("shared").joinpath("lua", name).read_text()
+
+
+def _sharded(source: str) -> str:
+    """A script's text with its live-channel PUBLISH made SPUBLISH (sharded pub/sub, Redis >= 7
+    Cluster). Legal inside the script: the channel carries the model's hash tag, the script's slot."""
+    sharded = source.replace("redis.call('PUBLISH',", "redis.call('SPUBLISH',")
+    assert sharded != source, "the script no longer publishes with redis.call('PUBLISH', ...)"
+    return sharded
 
 
 @dataclass(slots=True)
@@ -103,9 +112,23 @@ class Queue:
         self._cancel = redis.register_script(_script("cancel.lua"))
         self._read = redis.register_script(_script("read.lua"))
         self._expire = redis.register_script(_script("expire.lua"))
+        self._ack = redis.register_script(_script("ack.lua"))
+        self.sharded: bool | None = None
+        """Whether live events go out with SPUBLISH; decided on first use (:meth:`_publishing`)."""
+        self._note = redis.register_script(_script("note.lua"))
         self._reclaim_from: dict[str, bytes | str] = {}  # per level queue: where the next scan resumes
 
     # --- both sides ---------------------------------------------------------------------------
+
+    async def _publishing(self) -> None:
+        """Decide once, before the first script that publishes, between plain and sharded pub/sub
+        (shared/cluster.py). A standalone Redis decides without a round trip: plain."""
+        if self.sharded is None:
+            sharded = await sharded_pubsub(self.redis)
+            if sharded:
+                self._flush = self.redis.register_script(_sharded(_script("flush.lua")))
+                self._expire = self.redis.register_script(_sharded(_script("expire.lua")))
+            self.sharded = sharded
 
     async def ensure_group(self, model: str) -> None:
         """Create every level's consumer group from the stream's start ('0'), so jobs queued
@@ -127,6 +150,11 @@ class Queue:
     async def get_job(self, model: str, job_id: str) -> JobRecord | None:
         raw = await self.redis.hgetall(self.keys.job(model, job_id))
         return job_from_hash(raw) if raw else None
+
+    async def note(self, model: str, job_id: str, fields: dict[str, str | int]) -> bool:
+        """Set ``fields`` on the job record if it still exists (never recreates an expired one)."""
+        args = [v for pair in fields.items() for v in pair]
+        return bool(await self._note(keys=[self.keys.job(model, job_id)], args=args))
 
     async def read_events(self, model: str, job_id: str, after_seq: int = 0) -> list[Event]:
         """The job's logged events with sequence number > ``after_seq``, in order."""
@@ -163,9 +191,11 @@ class Queue:
         head = b'{"type":"error","seq":0,'
         assert event.startswith(head)  # expire.lua writes the same bytes with the real seq
         error = encode(JobError(code=exc.code, message=exc.message, status=exc.status))
+        await self._publishing()
         ended = await self._expire(
-            keys=[self.keys.job(model, job_id), self.keys.events(model, job_id)],
-            args=[now_ms(), grace_ms, self.result_ttl_s, self.keys.live(model, job_id), event[len(head):], error],
+            keys=[self.keys.job(model, job_id), self.keys.events(model, job_id), self.keys.webhooks(model)],
+            args=[now_ms(), grace_ms, self.result_ttl_s, self.keys.live(model, job_id), event[len(head):], error,
+                  job_id],
         )
         return bool(ended)
 
@@ -176,7 +206,8 @@ class Queue:
             return None
         status, worker = (v.decode() for v in reply)
         if status == "running" and worker:
-            await self.redis.publish(self.keys.worker_control(worker), job_id)
+            # Plain pub/sub even on a Redis 7 Cluster: the worker listens on whichever node it chose.
+            await publish(self.redis, self.keys.worker_control(worker), job_id)
         return status
 
     # --- worker side --------------------------------------------------------------------------
@@ -284,11 +315,8 @@ class Queue:
 
     async def ack(self, model: str, entry_id: bytes, level: int = 0) -> None:
         """Ack and delete one delivered entry that needs no answer (its job is gone or finished)."""
-        queue = self.keys.queue(model, level)
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.xack(queue, GROUP, entry_id)
-        pipe.xdel(queue, entry_id)
-        await pipe.execute()
+        # One script rather than MULTI: as atomic, and redis-py's Cluster pipeline has no MULTI.
+        await self._ack(keys=[self.keys.queue(model, level)], args=[entry_id])
 
     async def renew(self, model: str, worker: str, held: list[Held], *, hand_back_idle_ms: int | None = None
                     ) -> list[str]:
@@ -313,7 +341,7 @@ class Queue:
 
         One script is atomic, and legal on Cluster: every key of one model shares its hash tag.
         """
-        keys = [self.keys.dead(model)]
+        keys = [self.keys.dead(model), self.keys.webhooks(model)]
         args: list[str | bytes | int | float] = [worker, self.result_ttl_s, now_ms()]
         for out in batch:
             keys += [self.keys.job(model, out.job_id), self.keys.events(model, out.job_id),
@@ -324,7 +352,9 @@ class Queue:
                 "" if out.first_token_at is None else out.first_token_at, status, field, payload,
                 out.entry_id or "", out.job_id if out.dead else "",
                 encode(out.prompt_ids) if out.prompt_ids is not None else "",
+                out.job_id if status else "",  # terminal events only: the webhook outbox's entry
             ]
+        await self._publishing()
         lost = await self._flush(keys=keys, args=args)
         return sorted({batch[int(i)].job_id for i in lost})
 

@@ -16,18 +16,24 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import structlog
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import AuthenticationError
+from redis.exceptions import AuthenticationError, ClusterDownError, ClusterError, RedisClusterException
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-__all__ = ["connect", "wait_for_redis", "redis_server_binary", "redis_cli_binary", "REDIS_DOWN"]
+__all__ = ["connect", "cluster_target", "wait_for_redis", "redis_server_binary", "redis_cli_binary", "REDIS_DOWN"]
 
-# What a Redis outage looks like to callers (mapped to 503 by the API).
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+# What a Redis outage looks like to callers (mapped to 503 by the API). On a Cluster redis-py
+# also raises RedisClusterException when no node answers ("Redis Cluster cannot be connected"),
+# ClusterDownError while slots are unserved (a failover) and ClusterError when redirects run out.
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError, RedisClusterException,
+              ClusterDownError, ClusterError)
+
+# URL schemes that ask for a Redis Cluster client, mapped to the plain scheme redis-py parses.
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
 T = TypeVar("T")
 
@@ -68,18 +74,42 @@ async def _handshake(conn: AbstractConnection) -> None:
     await conn.on_connect()
 
 
+def cluster_target(url: str) -> str | None:
+    """The plain ``redis://`` / ``rediss://`` URL of one seed node when ``url`` names a Redis
+    Cluster (scheme ``redis+cluster://`` or ``rediss+cluster://``), else None."""
+    scheme, sep, rest = url.partition("://")
+    plain = CLUSTER_SCHEMES.get(scheme.lower()) if sep else None
+    return f"{plain}://{rest}" if plain else None
+
+
 def connect(url: str, *, block_ms: int = 2000) -> Redis:
-    """A client for ``url``: ``redis://[[user]:password@]host:port/db`` or ``rediss://`` (TLS;
-    ``?ssl_ca_certs=<pem>&ssl_check_hostname=true``, redis-py's query options)."""
-    return Redis.from_url(
-        url,
+    """A client for ``url``:
+
+    - ``redis://[[user]:password@]host:port/db`` or ``rediss://`` (TLS;
+      ``?ssl_ca_certs=<pem>&ssl_check_hostname=true``, redis-py's query options): one server.
+    - ``redis+cluster://[[user]:password@]host:port`` or ``rediss+cluster://`` (TLS, same query
+      options): a Redis Cluster, discovered from that one seed node; db must be 0 (or absent).
+      The result is a :class:`redis.asyncio.RedisCluster`, which every caller uses like a Redis.
+
+    Both get the same timeouts, retry policy and connection handshake.
+    """
+    options = dict(
         socket_timeout=block_ms / 1000 + 10,
         socket_connect_timeout=5,
         health_check_interval=30,
         retry=_Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=3),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
-        redis_connect_func=_handshake,
     )
+    seed = cluster_target(url)
+    if seed is None:
+        return Redis.from_url(url, redis_connect_func=_handshake, **options)
+    cluster = RedisCluster.from_url(seed, **options)
+    # RedisCluster takes no redis_connect_func argument; its nodes (the seed now, the rest once
+    # discovered) build connections from these kwargs, so the handshake goes in there.
+    cluster.connection_kwargs["redis_connect_func"] = _handshake
+    for node in cluster.nodes_manager.startup_nodes.values():
+        node.connection_kwargs["redis_connect_func"] = _handshake
+    return cluster  # type: ignore[return-value]  # the same command API
 
 
 async def wait_for_redis(redis: Redis, *, what: str, max_delay_s: float = 5.0) -> None:

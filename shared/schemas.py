@@ -5,7 +5,7 @@ New fields always get defaults, so API and workers of different versions can sha
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -23,6 +23,7 @@ __all__ = [
     "Usage",
     "JobResult",
     "JobError",
+    "JobView",
     "JobStatus",
     "JobRecord",
     "TERMINAL_STATUSES",
@@ -145,6 +146,8 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     timeout_s: Annotated[float, Meta(gt=0.0)] | None = None
     """Seconds from enqueue until the job must have finished; None: the header or the default
     (``LLMQ_DEADLINE_S``). The API turns it into the record's absolute ``deadline``."""
+    webhook: Annotated[str, Meta(pattern=r"^https?://[^\s/?#]+[^\s]*$", max_length=2048)] | None = None
+    """An http(s) URL POSTed the finished job (signed; see shared/webhooks.py). /v1/jobs only."""
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages))
@@ -214,3 +217,35 @@ class JobRecord(msgspec.Struct, kw_only=True):
     deadline: float | None = None
     """Epoch ms by which the job must be finished: past it a queued job never starts and a running
     one is aborted, both ending with ``deadline_exceeded``."""
+    webhook: str | None = None
+    """The request's webhook URL, as a field of its own so the script ending the job sees it."""
+    webhook_status: Literal["delivered", "failed"] | None = None
+    """Set by the delivery: ``failed`` once every attempt was refused or given up."""
+    webhook_attempts: int = 0
+
+
+class JobView(msgspec.Struct, kw_only=True):
+    """A job as ``GET /v1/jobs/{id}`` shows it, and as its webhook delivers it."""
+
+    id: str
+    object: str = "job"
+    model: str
+    status: JobStatus
+    dialect: str
+    attempt: int
+    worker: str | None
+    queued_at: float
+    started_at: float | None
+    first_token_at: float | None
+    finished_at: float | None
+    deadline: float | None
+    result: Any
+    """The result in the submitting dialect's shape (a JobResult for /v1/jobs)."""
+    error: JobError | None
+
+    @classmethod
+    def of(cls, record: JobRecord, result: Any) -> JobView:
+        return cls(id=record.id, model=record.model, status=record.status, dialect=record.request.dialect,
+                   attempt=record.attempt, worker=record.worker or None, queued_at=record.queued_at,
+                   started_at=record.started_at, first_token_at=record.first_token_at,
+                   finished_at=record.finished_at, deadline=record.deadline, result=result, error=record.error)

@@ -46,6 +46,8 @@ class WorkerStatus(msgspec.Struct, kw_only=True):
     running: int
     host: str
     pid: int
+    device: str = ""
+    """The GPU(s) or CPU share it claimed on its host (``gpu:1``, ``cpu:0 cpus=0-7``)."""
     last_heartbeat_age_s: float
     metrics: list[Sample] = []
     """Its Prometheus counters and histograms (shared/metrics.py), as of its last heartbeat."""
@@ -109,7 +111,7 @@ async def _workers(redis: Redis, keys: Keys, now: float) -> list[WorkerStatus]:
         workers.append(WorkerStatus(
             id=worker_id, model=raw.get("model", "?"), status=raw.get("status", "?"),
             slots=int(raw.get("slots", 0)), running=int(raw.get("running", 0)), host=raw.get("host", "?"),
-            pid=int(raw.get("pid", 0)),
+            pid=int(raw.get("pid", 0)), device=raw.get("device", ""),
             last_heartbeat_age_s=round(max(0.0, now - float(raw.get("last_heartbeat", 0)) / 1000), 3),
             metrics=decode_samples(raw["metrics"]) if "metrics" in raw else [],
         ))
@@ -141,8 +143,9 @@ def render(status: Status) -> str:
                         [[lv.level, lv.stream, lv.waiting, lv.running, lv.oldest_age_s] for lv in m.levels])
     lines += ["", f"workers: {len(status.workers)}"]
     if status.workers:
-        lines += _table(["id", "model", "status", "slots", "running", "host", "pid", "last beat (s ago)"],
-                        [[w.id, w.model, w.status, w.slots, w.running, w.host, w.pid, w.last_heartbeat_age_s]
+        lines += _table(["id", "model", "status", "slots", "running", "host", "pid", "device", "last beat (s ago)"],
+                        [[w.id, w.model, w.status, w.slots, w.running, w.host, w.pid, w.device or None,
+                          w.last_heartbeat_age_s]
                          for w in status.workers])
     return "\n".join(lines)
 

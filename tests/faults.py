@@ -7,10 +7,11 @@ A scenario asserts its own figures (0 lost, 0 duplicated); the table is the repo
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-__all__ = ["Figures", "FIGURES", "write_table", "lost_and_duplicated"]
+__all__ = ["Figures", "FIGURES", "write_table", "lost_and_duplicated", "alive", "children"]
 
 
 @dataclass
@@ -46,3 +47,30 @@ def write_table(path: Path) -> str:
         lines.append(" | ".join(str(x) for x in (f.scenario, f.requests_sent, f.completed, f.ended_with_error,
                                                   f.tokens_lost, f.tokens_duplicated, f.jobs_lost, timings)))
     return "\n".join("| " + line + " |" for line in lines)
+
+
+def _stat(pid: int | str) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, ...)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def alive(pid: int) -> bool:
+    """Whether a process exists and is not a zombie."""
+    try:
+        return _stat(pid)[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def children(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (vLLM's engine core is a forked child of its worker)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if int(_stat(entry)[1]) == pid:
+                    found.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+    return found

@@ -13,15 +13,26 @@ from contextlib import AsyncExitStack
 import structlog
 import uvloop
 
-from shared.config import DEFAULT_MODEL, Settings, apply_engine_environment, load_settings
+from shared.config import DEFAULT_MODEL, Settings, apply_engine_environment, cpu_engine, load_settings
 from shared.keys import Keys
 from shared.logging import configure_logging
 from shared.queue import Queue
 from shared.redis import connect, wait_for_redis
+from workers.claim import NoFreeDevice, claim_device
+from workers.lifeline import bind_children
 
 
 async def serve(settings: Settings) -> None:
     log = structlog.get_logger()
+    # First: the claim sets CUDA_VISIBLE_DEVICES and the CPU affinity, which must precede any
+    # torch import (the tiny-model build) and the OMP thread count (apply_engine_environment).
+    try:
+        claim = claim_device(settings, on_cpu=cpu_engine())
+    except NoFreeDevice as exc:
+        log.error("no_free_device", detail=str(exc))
+        raise SystemExit(1) from None
+    claim.apply()
+    log.info("device_claimed", device=claim.label)
     model_path = settings.model_path
     if settings.model == DEFAULT_MODEL:
         from workers.tiny_model import ensure_tiny_model
@@ -30,6 +41,7 @@ async def serve(settings: Settings) -> None:
     apply_engine_environment(settings)
 
     async with AsyncExitStack() as stack:
+        stack.callback(claim.release)  # last out: the device stays claimed until the engine is gone
         redis = connect(settings.redis_dsn, block_ms=settings.block_ms)
         stack.push_async_callback(redis.aclose)
         await wait_for_redis(redis, what="worker")
@@ -37,12 +49,14 @@ async def serve(settings: Settings) -> None:
         from workers.engine import VllmEngine  # heavy import: only once Redis is known good
         from workers.runner import Worker
 
+        bind_children()  # a SIGKILLed worker takes its engine process with it
         log.info("engine_loading", model=model_path)
         engine = VllmEngine.build(settings, model_path)
         stack.callback(engine.shutdown)
 
         queue = Queue(redis, Keys(settings.prefix), result_ttl_s=settings.result_ttl_s)
         worker = Worker(settings, queue, engine)
+        worker.device = claim.label
         loop = asyncio.get_running_loop()
 
         def on_signal() -> None:
@@ -69,3 +83,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+

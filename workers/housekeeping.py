@@ -1,8 +1,9 @@
 """``python -m workers.housekeeping``: the arq process for cron and retryable background work.
 
-The hot path never goes through arq (it polls a sorted set); this process runs sweeps: it
-prunes expired worker registrations, deletes consumers of dead workers once they hold nothing,
-and logs each model's queue depth, lag, pending count, orphaned jobs and dead letters.
+The hot path never goes through arq (it polls a sorted set). This process delivers webhooks
+(workers/webhooks.py), runs batch files (workers/batches.py) and runs sweeps: it prunes
+expired worker registrations, deletes consumers of dead workers once they hold nothing, and
+logs each model's queue depth, lag, pending count, orphaned jobs and dead letters.
 
 It does not reclaim jobs itself. Taking over a job means running it, which needs an engine; an
 entry claimed here would only have to be claimed again by a worker, and "claimed but not yet
@@ -19,8 +20,9 @@ import dataclasses
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
 
+import httpx
 import structlog
-from arq import cron
+from arq import cron, func
 from arq.connections import RedisSettings
 from arq.worker import run_worker
 from redis.exceptions import ResponseError
@@ -28,8 +30,10 @@ from redis.exceptions import ResponseError
 from shared.config import Settings, load_settings
 from shared.keys import GROUP, Keys
 from shared.logging import configure_logging
-from shared.queue import now_ms
+from shared.queue import Queue, now_ms
 from shared.redis import connect, wait_for_redis
+from workers.batches import advance_batches
+from workers.webhooks import deliver_webhook, drain_outbox
 
 log = structlog.get_logger()
 
@@ -100,20 +104,31 @@ def arq_redis_settings(dsn: str) -> RedisSettings:
 
 async def startup(ctx: dict[str, Any]) -> None:
     settings: Settings = ctx["settings"]
-    ctx["keys"] = Keys(settings.prefix)
-    # arq's own client is for its queue; this one reads llmq's keys (bytes, our timeouts).
-    ctx["redis"] = connect(settings.redis_dsn)
+    ctx["keys"] = keys = Keys(settings.prefix)
+    # arq's own client (ctx["redis"] as arq hands it over) enqueues arq jobs; the one that
+    # replaces it reads llmq's keys (bytes, our timeouts).
+    ctx["arq"] = ctx["redis"]
+    ctx["redis"] = redis = connect(settings.redis_dsn)
+    ctx["queue"] = Queue(redis, keys, result_ttl_s=settings.result_ttl_s)
+    # Redirects are not followed: a webhook URL is where the signed result goes, nowhere else.
+    ctx["http"] = httpx.AsyncClient(timeout=settings.webhook_timeout_s, follow_redirects=False)
 
 
 async def shutdown(ctx: dict[str, Any]) -> None:
+    await ctx["http"].aclose()
     await ctx["redis"].aclose()
 
 
 class WorkerSettings:
-    functions: list = []
-    cron_jobs = [cron(sweep, second={0, 30}, run_at_startup=True)]
+    functions: list = []  # built from Settings in main()
+    cron_jobs = [
+        cron(sweep, second={0, 30}, run_at_startup=True),
+        cron(drain_outbox, second=set(range(60)), run_at_startup=True),
+        cron(advance_batches, second=set(range(60)), run_at_startup=True),
+    ]
     on_startup = startup
     on_shutdown = shutdown
+    max_jobs = 64  # webhook deliveries mostly wait on the network
 
 
 def main() -> None:
@@ -128,7 +143,8 @@ def main() -> None:
     asyncio.run(ready())
     run_worker(
         WorkerSettings,  # type: ignore[arg-type]
-        redis_settings=arq_redis_settings(settings.redis_dsn),
+        functions=[func(deliver_webhook, max_tries=settings.webhook_max_tries)],
+        redis_settings=arq_redis_settings(settings.arq_redis_dsn),
         queue_name=Keys(settings.prefix).arq_queue(),
         ctx={"settings": settings},
     )

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from shared.cluster import node_client
 from shared.errors import JobCancelled
 from shared.metrics import Recorder, encode_samples
 from shared.queue import now_ms
@@ -38,6 +39,8 @@ class Presence:
     started_at: float
     ready: bool
     metrics: Recorder
+    device = ""
+    """The GPU(s) or CPU share this process claimed (workers/claim.py), set by its entrypoint."""
     _running: dict
     _stopping: asyncio.Event
 
@@ -58,6 +61,7 @@ class Presence:
             "running": len(self._running),
             "host": socket.gethostname(),
             "pid": os.getpid(),
+            "device": self.device,
             "started": self.started_at,
             "status": "draining" if self._stopping.is_set() else ("ready" if self.ready else "warming"),
             "last_heartbeat": now_ms(),
@@ -93,8 +97,11 @@ class Presence:
         """Abort jobs on request (DELETE /v1/jobs/{id}); the notice names the job id."""
         channel = self.queue.keys.worker_control(self.worker_id)
         while True:
-            pubsub = self.queue.redis.pubsub(ignore_subscribe_messages=True)
+            client = pubsub = None
             try:
+                # On a Cluster: one node's client (PUBLISH reaches every node), a fresh pick per attempt.
+                client = await node_client(self.queue.redis)
+                pubsub = client.pubsub(ignore_subscribe_messages=True)
                 await pubsub.subscribe(channel)
                 while True:
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
@@ -107,4 +114,7 @@ class Presence:
                 log.warning("control_channel_lost", error=str(exc))
                 await asyncio.sleep(1.0)
             finally:
-                await pubsub.aclose()
+                if pubsub is not None:
+                    await pubsub.aclose()
+                if client is not None and client is not self.queue.redis:
+                    await client.aclose()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
-from typing import Any
 
 from litestar import Request, Response, delete, get, post
 from litestar.params import FromPath
@@ -17,32 +16,17 @@ from api.services import Svc
 from api.submit import follow_job, subscribe_job
 from shared.errors import InvalidRequest, JobNotFound
 from shared.queue import now_ms
-from shared.schemas import TERMINAL_STATUSES, GenerationRequest, JobRecord
+from shared.schemas import TERMINAL_STATUSES, GenerationRequest, JobRecord, JobView
 
 __all__ = ["create_job", "get_job", "job_events", "cancel_job"]
 
 
-def job_view(record: JobRecord) -> dict[str, Any]:
+def job_view(record: JobRecord) -> JobView:
     """A job as ``GET /v1/jobs/{id}`` shows it; the result in the submitting dialect's shape."""
     result = None
     if record.result is not None:
         result = render_result(record.request, record.result, record.id, int(record.queued_at // 1000))
-    return {
-        "id": record.id,
-        "object": "job",
-        "model": record.model,
-        "status": record.status,
-        "dialect": record.request.dialect,
-        "attempt": record.attempt,
-        "worker": record.worker or None,
-        "queued_at": record.queued_at,
-        "started_at": record.started_at,
-        "first_token_at": record.first_token_at,
-        "finished_at": record.finished_at,
-        "deadline": record.deadline,
-        "result": result,
-        "error": record.error,
-    }
+    return JobView.of(record, result)
 
 
 async def _record(svc: Svc, job_id: FromPath[str]) -> JobRecord:

@@ -1,10 +1,10 @@
 -- End a job whose deadline passed and that nobody ended: called by the API (a client waiting on
 -- it, or a poll). A queued job ends at its deadline; a running one only after a grace period, as
 -- its worker aborts it at the deadline itself and this is the backstop for a worker that cannot.
--- KEYS[1] job hash   KEYS[2] event log
+-- KEYS[1] job hash   KEYS[2] event log   KEYS[3] webhook outbox
 -- ARGV[1] now (epoch ms)   ARGV[2] grace (ms) for running jobs   ARGV[3] TTL (s) of finished jobs
 -- ARGV[4] live channel   ARGV[5] the error event's JSON after its seq: '"code":...}'
--- ARGV[6] the record's error JSON
+-- ARGV[6] the record's error JSON   ARGV[7] job id
 -- Bumping the attempt fences off the owner: its later writes are refused, so it aborts the job
 -- and writes nothing. The stream entry stays until a worker reads or reclaims it and finds the
 -- job finished (start.lua), which acks and deletes it.
@@ -25,4 +25,5 @@ redis.call('XADD', KEYS[2], seq .. '-0', 'e', event)
 redis.call('PUBLISH', ARGV[4], event)
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
+if redis.call('HEXISTS', KEYS[1], 'webhook') == 1 then redis.call('XADD', KEYS[3], '*', 'job', ARGV[7]) end
 return 1

@@ -1,17 +1,18 @@
 -- Write a batch of events, fenced by (worker, attempt): one round trip, all-or-nothing per event.
--- KEYS[1] dead-letter stream   then per event: job hash, event log, the queue stream it came from
+-- KEYS[1] dead-letter stream   KEYS[2] webhook outbox
+--   then per event: job hash, event log, the queue stream it came from
 -- ARGV[1] worker id   ARGV[2] TTL (s) of finished records and logs   ARGV[3] now (epoch ms)
--- then per event 11 values: attempt, seq, event bytes, live channel, first_token_at,
+-- then per event 12 values: attempt, seq, event bytes, live channel, first_token_at,
 --   terminal status ('' for token events), 'result' or 'error', its JSON, queue entry id,
---   the job id when it goes to the dead-letter stream (else ''), prompt token ids JSON.
+--   the job id when it goes to the dead-letter stream (else ''), prompt token ids JSON, job id.
 -- attempt 0 means unfenced (a delivery whose record is missing). An event whose job is now owned
 -- by someone else, or by a later attempt, is dropped and its job returned: the caller aborts it.
 -- An event already in the log (a retried script after a lost reply) is skipped, so retries are safe.
 local lost = {}
-local per = 11
+local per = 12
 for i = 0, (#ARGV - 3) / per - 1 do
   local a = 3 + i * per
-  local job, log, queue = KEYS[2 + 3 * i], KEYS[3 + 3 * i], KEYS[4 + 3 * i]
+  local job, log, queue = KEYS[3 + 3 * i], KEYS[4 + 3 * i], KEYS[5 + 3 * i]
   local attempt = ARGV[a + 1]
   local owned = true
   if attempt ~= '0' then
@@ -35,6 +36,10 @@ for i = 0, (#ARGV - 3) / per - 1 do
         redis.call('HSET', job, 'status', status, ARGV[a + 7], ARGV[a + 8], 'finished_at', ARGV[3])
         redis.call('EXPIRE', job, ARGV[2])
         redis.call('EXPIRE', log, ARGV[2])
+        -- In the same script as the end, so a finished job's webhook can never be forgotten.
+        if redis.call('HEXISTS', job, 'webhook') == 1 then
+          redis.call('XADD', KEYS[2], '*', 'job', ARGV[a + 12])
+        end
         local entry = ARGV[a + 9]
         if entry ~= '' then
           if ARGV[a + 10] ~= '' then

@@ -25,6 +25,7 @@ from shared.config import load_settings
 from shared.keys import GROUP, Keys
 from tests.conftest import free_port
 from tests.e2e.conftest import _spawn, _tail, stop_all, wait_ready
+from tests.faults import alive, children
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 
@@ -102,6 +103,7 @@ def test_sigkill_mid_stream_continues_on_a_peer_identical_to_an_uninterrupted_ru
             time.sleep(0.02)
         assert job_key, f"no running job found\n{small.tails()}"
         pid = int(redis.hget(keys.worker(worker), "pid"))
+        engine_pids = children(pid)  # vLLM's engine core, a forked child of the worker
         os.kill(pid, signal.SIGKILL)
         killed_at, streamed_before = time.monotonic(), len(lines)
         reader.join(180)
@@ -128,4 +130,7 @@ def test_sigkill_mid_stream_continues_on_a_peer_identical_to_an_uninterrupted_ru
     assert seqs == list(range(1, len(seqs) + 1))
     assert (redis.xpending(keys.queue(model), GROUP))["pending"] == 0
     assert recovery_s < LEASE_S + 15  # lease + one blocking read + a continuation prefill, generously
+    # The dead worker's engine went with it (workers/lifeline.py), not left running as an orphan.
+    assert engine_pids, "the worker's engine process was not found"
+    assert not [p for p in engine_pids if alive(p)], "the SIGKILLed worker left its engine running"
     redis.close()

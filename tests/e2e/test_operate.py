@@ -1,16 +1,22 @@
-"""Operating the real stack (vLLM workers): /metrics and the status CLI see the workers' jobs."""
+"""Operating the real stack (vLLM workers): /metrics and the status CLI see the workers' jobs; batch
+files and webhooks run through the housekeeping process."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import pytest
+from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from shared.webhooks import ID_HEADER, verify
+from tests.background import housekeeping
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.e2e
@@ -60,3 +66,65 @@ def test_status_cli_lists_the_ready_workers(stack):
     ready = [w for w in status["workers"] if w["model"] == stack.model and w["status"] == "ready"]
     assert model["ready_workers"] == len(ready) >= 1
     assert all(w["slots"] == 32 and w["last_heartbeat_age_s"] < 10 for w in ready)
+
+
+class _Hooks(http.server.BaseHTTPRequestHandler):
+    hits: list[tuple[dict[str, str], bytes]] = []
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+        body = self.rfile.read(int(self.headers["content-length"]))
+        _Hooks.hits.append(({k.lower(): v for k, v in self.headers.items()}, body))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_a_batch_file_and_a_webhook_run_on_real_vllm(stack, tmp_path):
+    """The OpenAI SDK's files and batches calls, run by the real housekeeping process on the real
+    workers: the batch's outputs equal direct greedy calls. A /v1/jobs webhook is delivered signed."""
+    secret = "e2e-secret"
+    url = stack.api(LLMQ_WEBHOOK_SECRET=secret)
+    client = OpenAI(base_url=f"{url}/v1", api_key="none")
+    receiver = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hooks)
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    prompts = ["Once upon a time", "The capital of", "In the beginning"]
+    lines = [{"custom_id": f"p{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": stack.model, "messages": [{"role": "user", "content": p}], "max_tokens": 8,
+                       "temperature": 0}} for i, p in enumerate(prompts)]
+    try:
+        with housekeeping(stack.redis_url, stack.prefix, tmp_path, webhook_secret=secret,
+                          served_model_name=stack.model):
+            upload = client.files.create(file=("in.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()),
+                                         purpose="batch")
+            batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                          completion_window="24h")
+            job = httpx.post(f"{url}/v1/jobs", json={"prompt": "Hello", "sampling": {"max_tokens": 6},
+                                                     "webhook": f"http://127.0.0.1:{receiver.server_port}/hook"},
+                             timeout=30).json()["id"]
+            deadline = time.monotonic() + 240
+            while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed"):
+                assert time.monotonic() < deadline, batch
+                time.sleep(0.5)
+            while not _Hooks.hits:
+                assert time.monotonic() < deadline, "no webhook delivery"
+                time.sleep(0.2)
+    finally:
+        receiver.shutdown()
+
+    assert batch.status == "completed" and batch.request_counts.completed == len(prompts)
+    output = {json.loads(x)["custom_id"]: json.loads(x) for x in client.files.content(batch.output_file_id).text
+              .splitlines()}
+    for i, prompt in enumerate(prompts):
+        direct = client.chat.completions.create(model=stack.model, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=8, temperature=0)
+        body = output[f"p{i}"]["response"]["body"]
+        assert output[f"p{i}"]["response"]["status_code"] == 200
+        assert body["choices"][0]["message"]["content"] == direct.choices[0].message.content
+        assert body["usage"]["completion_tokens"] == direct.usage.completion_tokens == 8
+
+    [(headers, body)] = _Hooks.hits
+    assert headers[ID_HEADER.lower()] == job and verify(secret, body, headers)
+    assert json.loads(body) == httpx.get(f"{url}/v1/jobs/{job}", timeout=30).json()
+    assert json.loads(body)["result"]["usage"]["completion_tokens"] == 6

@@ -1,0 +1,91 @@
+"""A batch's input file, validated and translated when the batch is created.
+
+Two kinds of problem, as OpenAI's Batch API has them:
+
+- the file itself is wrong (a line that is not JSON, lacks ``custom_id``/``method``/``url``/
+  ``body``, targets another endpoint, repeats a ``custom_id``; too many lines): the batch fails at
+  once, with every problem in ``errors`` and its line number;
+- a well-formed line whose request the endpoint would refuse (a bad parameter, an unknown
+  model): that line alone fails, in the error file, with the status and body the endpoint itself
+  would have answered. The rest of the batch runs.
+
+Each good line is translated here by the endpoint's own dialect module into the requests a
+worker runs, so housekeeping queues them as they are.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from api.dialects import openai_chat, openai_completions
+from api.services import Services
+from api.submit import admit
+from shared.batches import BatchError, InputLine, LineError, StoredLine
+from shared.errors import InvalidRequest, ServiceError
+
+__all__ = ["read_lines", "MAX_LINES"]
+
+MAX_LINES = 50_000  # OpenAI's limit per batch
+_line = msgspec.json.Decoder(InputLine)
+_chat = msgspec.json.Decoder(openai_chat.ChatRequest)
+_completion = msgspec.json.Decoder(openai_completions.CompletionRequest)
+
+
+async def read_lines(svc: Services, content: bytes, endpoint: str) -> tuple[list[StoredLine], list[BatchError]]:
+    raw_lines = [raw for raw in content.splitlines() if raw.strip()]
+    if not raw_lines:
+        return [], [BatchError(code="empty_file", message="The input file has no requests.")]
+    if len(raw_lines) > MAX_LINES:
+        return [], [BatchError(code="too_many_requests",
+                               message=f"A batch holds at most {MAX_LINES} requests; the file has {len(raw_lines)}.")]
+    lines: list[StoredLine] = []
+    errors: list[BatchError] = []
+    seen: set[str] = set()
+    for number, raw in enumerate(raw_lines, start=1):
+        try:
+            line = _line.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            errors.append(BatchError(code="invalid_request", line=number, message=f"Invalid request line: {exc}"))
+            continue
+        if line.method.upper() != "POST":
+            errors.append(BatchError(code="invalid_method", line=number, param="method",
+                                     message=f"Only POST is supported, not {line.method!r}."))
+        elif line.url != endpoint:
+            errors.append(BatchError(code="mismatched_endpoint", line=number, param="url",
+                                     message=f"The line's url {line.url!r} is not the batch's endpoint {endpoint!r}."))
+        elif line.custom_id in seen:
+            errors.append(BatchError(code="duplicate_custom_id", line=number, param="custom_id",
+                                     message=f"The custom_id {line.custom_id!r} is used more than once."))
+        else:
+            seen.add(line.custom_id)
+            lines.append(await _translate(svc, line, endpoint))
+    return lines, errors
+
+
+async def _translate(svc: Services, line: InputLine, endpoint: str) -> StoredLine:
+    try:
+        if endpoint == "/v1/chat/completions":
+            chat = _decode(_chat, line.body)
+            _refuse_stream(chat.stream)
+            reqs = [openai_chat.to_generation_request(chat, max_model_len=svc.settings.max_model_len)]
+        else:
+            completion = _decode(_completion, line.body)
+            _refuse_stream(completion.stream)
+            reqs = openai_completions.to_generation_requests(completion)
+        reqs = [await admit(svc, req) for req in reqs]
+    except ServiceError as exc:
+        status, body = openai_completions.error_body(exc)
+        return StoredLine(custom_id=line.custom_id, error=LineError(status=status, body=body))
+    return StoredLine(custom_id=line.custom_id, requests=reqs)
+
+
+def _decode(decoder: msgspec.json.Decoder, body: msgspec.Raw):
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"Invalid request body: {exc}") from None
+
+
+def _refuse_stream(stream: bool) -> None:
+    if stream:
+        raise InvalidRequest("stream is not supported in a batch: results go to the output file", param="stream")

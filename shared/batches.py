@@ -1,0 +1,220 @@
+"""Batch files in the OpenAI Batch API shape: the objects, and how they are kept in Redis.
+
+The API stores an uploaded file, validates a batch's input file into translated lines and
+answers the Files and Batches routes (api/routes/batches.py). The housekeeping process advances
+each batch (workers/batches.py): it queues the lines as ordinary jobs at a bounded rate and
+gathers their results into the output and error files. Both sides read and write through
+:class:`BatchStore`; everything is readable with redis-cli (``HGETALL llmq:{batch_...}:batch``).
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+from typing import Any, Literal
+
+import msgspec
+from redis.asyncio import Redis
+
+from shared.codec import encode
+from shared.keys import Keys
+from shared.schemas import GenerationRequest
+
+__all__ = ["FileObject", "BatchCreate", "BatchObject", "BatchError", "RequestCounts", "InputLine", "StoredLine",
+           "LineError", "BatchStore", "ENDPOINTS", "ACTIVE"]
+
+BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
+                      "cancelled"]
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ACTIVE = ("in_progress", "cancelling")
+"""The statuses housekeeping still advances."""
+
+
+class FileObject(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: str = "processed"
+    expires_at: int | None = None
+    status_details: str | None = None
+
+
+class BatchError(msgspec.Struct, kw_only=True):
+    code: str
+    message: str
+    line: int | None = None
+    param: str | None = None
+
+
+class BatchErrors(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[BatchError] = []
+
+
+class RequestCounts(msgspec.Struct, kw_only=True):
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+class BatchObject(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "batch"
+    endpoint: str
+    errors: BatchErrors | None = None
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts = msgspec.field(default_factory=RequestCounts)
+    metadata: dict[str, str] | None = None
+
+
+class BatchCreate(msgspec.Struct, kw_only=True):
+    """``POST /v1/batches``."""
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = None
+
+
+class InputLine(msgspec.Struct, kw_only=True):
+    """One line of a batch input file."""
+
+    custom_id: str
+    method: str
+    url: str
+    body: msgspec.Raw
+
+
+class LineError(msgspec.Struct, kw_only=True):
+    """A line refused before it ran: its status and body as the endpoint would have answered."""
+
+    status: int
+    body: dict[str, Any]
+
+
+class StoredLine(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A validated line: its translated requests (a completions line with a list of prompts has
+    several), or the error it gets without running."""
+
+    custom_id: str
+    requests: list[GenerationRequest] = []
+    error: LineError | None = None
+
+
+_JSON_FIELDS = {"errors": BatchErrors, "metadata": dict[str, str]}
+_COUNTS = ("total", "completed", "failed")
+
+
+@functools.cache
+def _script(name: str) -> str:
+    return resources.files("shared").joinpath("lua", name).read_text()
+
+
+class BatchStore:
+    """Files and batches in Redis. A batch's own keys share its hash tag; the listing indexes
+    (``files``, ``batches``, ``batches:active``) are separate keys, written after the batch."""
+
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis, self.keys = redis, keys
+        self._transition = redis.register_script(_script("batch_status.lua"))
+        self._create = redis.register_script(_script("batch_create.lua"))
+
+    # --- files ----------------------------------------------------------------------------------
+
+    async def put_file(self, meta: FileObject, content: bytes, owner: str = "") -> None:
+        await self.redis.hset(self.keys.file(meta.id), mapping={"meta": encode(meta), "content": content,
+                                                                "owner": owner})
+        await self.redis.zadd(self.keys.files(), {meta.id: meta.created_at})
+
+    async def get_file(self, file_id: str) -> tuple[FileObject, str] | None:
+        meta, owner = await self.redis.hmget(self.keys.file(file_id), "meta", "owner")
+        return (msgspec.json.decode(meta, type=FileObject), (owner or b"").decode()) if meta else None
+
+    async def file_content(self, file_id: str) -> bytes | None:
+        return await self.redis.hget(self.keys.file(file_id), "content")
+
+    async def delete_file(self, file_id: str) -> bool:
+        await self.redis.zrem(self.keys.files(), file_id)
+        return bool(await self.redis.delete(self.keys.file(file_id)))
+
+    async def list_files(self) -> list[tuple[FileObject, str]]:
+        found = []
+        for raw in await self.redis.zrevrange(self.keys.files(), 0, -1):
+            got = await self.get_file(raw.decode())
+            if got is not None:
+                found.append(got)
+        return found
+
+    # --- batches --------------------------------------------------------------------------------
+
+    async def create(self, batch: BatchObject, lines: list[StoredLine], owner: str = "") -> None:
+        fields = [v for pair in {**self._fields(batch), "owner": owner, "next": "0"}.items() for v in pair]
+        await self._create(keys=[self.keys.batch(batch.id), self.keys.batch_lines(batch.id)],
+                           args=[len(fields), *fields, *(encode(line) for line in lines)])
+        await self.redis.zadd(self.keys.batches(), {batch.id: batch.created_at})
+        if batch.status in ACTIVE:
+            await self.redis.sadd(self.keys.batches_active(), batch.id)
+
+    async def get(self, batch_id: str) -> tuple[BatchObject, str] | None:
+        raw = await self.redis.hgetall(self.keys.batch(batch_id))
+        if not raw:
+            return None
+        fields: dict[str, Any] = {}
+        for key, value in raw.items():
+            name = key.decode()
+            decoder = _JSON_FIELDS.get(name)
+            fields[name] = msgspec.json.decode(value, type=decoder) if decoder else value.decode()
+        fields["request_counts"] = {name: fields.pop(name, 0) for name in _COUNTS}
+        owner = fields.pop("owner", "")
+        fields.pop("next", None)
+        return msgspec.convert(fields, BatchObject, strict=False), owner
+
+    async def list(self, after: str | None, limit: int) -> tuple[list[tuple[BatchObject, str]], bool]:
+        """Newest first, starting after the batch id ``after``; and whether more remain."""
+        ids = [raw.decode() for raw in await self.redis.zrevrange(self.keys.batches(), 0, -1)]
+        if after in ids:
+            ids = ids[ids.index(after) + 1:]
+        found = []
+        for batch_id in ids[:limit]:
+            got = await self.get(batch_id)
+            if got is not None:
+                found.append(got)
+        return found, len(ids) > limit
+
+    async def transition(self, batch_id: str, allowed: tuple[str, ...], status: str, at: int,
+                         **fields: str | int) -> bool:
+        """Move the batch to ``status`` (stamping ``<status>_at``) only from one of ``allowed``,
+        atomically, so a cancel and housekeeping's own moves never overwrite each other."""
+        args: list[str | int] = [status, f"{status}_at", at, ",".join(allowed)]
+        for name, value in fields.items():
+            args += [name, value]
+        moved = await self._transition(keys=[self.keys.batch(batch_id)], args=args)
+        if moved and status not in ACTIVE:
+            await self.redis.srem(self.keys.batches_active(), batch_id)
+        return bool(moved)
+
+    @staticmethod
+    def _fields(batch: BatchObject) -> dict[str, bytes | str]:
+        fields: dict[str, bytes | str] = {name: str(getattr(batch.request_counts, name)) for name in _COUNTS}
+        for name in batch.__struct_fields__:
+            value = getattr(batch, name)
+            if value is None or name == "request_counts":
+                continue
+            fields[name] = encode(value) if name in _JSON_FIELDS else str(value)
+        return fields

@@ -1,0 +1,208 @@
+"""Batch files in the OpenAI Batch API shape, driven by the ``openai`` SDK's ``files`` and
+``batches`` calls: real Redis, the real API on a port, the worker loop with a scripted engine,
+and the real housekeeping process (arq) running the batches."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from shared.keys import Keys
+from tests.background import housekeeping
+from tests.scripted_engine import ScriptedEngine, expected_text
+from tests.scripted_stack import scripted_stack
+
+MODEL = "tiny"
+
+
+def _jsonl(lines: list[dict]) -> bytes:
+    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+
+def _chat_line(custom_id: str, content: str, max_tokens: int = 4, **extra) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+                     **extra}}
+
+
+async def _until(client: AsyncOpenAI, batch_id: str, statuses: tuple[str, ...], timeout_s: float = 60):
+    seen = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        batch = await client.batches.retrieve(batch_id)
+        seen.append(batch)
+        if batch.status in statuses:
+            return batch, seen
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"batch stayed {seen[-1].status}: {seen[-1]}")
+
+
+def _by_custom_id(text: str) -> dict[str, dict]:
+    lines = [json.loads(line) for line in text.splitlines()]
+    assert len({line["custom_id"] for line in lines}) == len(lines)
+    return {line["custom_id"]: line for line in lines}
+
+
+async def test_a_batch_runs_through_the_sdk_and_its_output_matches_direct_calls(redis_url, prefix, tmp_path):
+    async with scripted_stack(redis_url, prefix) as s:
+        client = AsyncOpenAI(base_url=f"{s.url}/v1", api_key="none")
+        with housekeeping(redis_url, prefix, tmp_path, batch_rate=2):
+            upload = await client.files.create(file=("in.jsonl", _jsonl([
+                _chat_line("a", "hello", 5),
+                _chat_line("b", "xyz", 7, temperature=0),
+                _chat_line("bad", "x", -1),  # the endpoint would refuse it: a 400 in the error file
+                _chat_line("c", "abc", 3),
+            ])), purpose="batch")
+            assert upload.purpose == "batch" and upload.bytes > 0
+            batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                                completion_window="24h", metadata={"run": "1"})
+            assert batch.status == "in_progress" and batch.request_counts.total == 4
+            done, seen = await _until(client, batch.id, ("completed", "failed"))
+
+            assert done.status == "completed", done
+            assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (4, 3, 1)
+            assert done.metadata == {"run": "1"} and done.completed_at >= done.created_at
+            progress = [b.request_counts.completed + b.request_counts.failed for b in seen]
+            assert progress == sorted(progress)  # progress only moves forward
+            assert any(0 < p < 4 for p in progress)  # at 2 lines per second it was seen mid-way
+
+            output = _by_custom_id((await client.files.content(done.output_file_id)).text)
+            assert sorted(output) == ["a", "b", "c"]
+            for custom_id, prompt, n in (("a", "hello", 5), ("b", "xyz", 7), ("c", "abc", 3)):
+                line = output[custom_id]
+                assert line["error"] is None and line["response"]["status_code"] == 200
+                body = line["response"]["body"]
+                assert body["object"] == "chat.completion" and body["model"] == MODEL
+                assert body["choices"][0]["message"]["content"] == expected_text(prompt, n)
+                direct = await client.chat.completions.create(model=MODEL, max_tokens=n,
+                                                              messages=[{"role": "user", "content": prompt}])
+                assert direct.choices[0].message.content == body["choices"][0]["message"]["content"]
+                assert direct.usage.completion_tokens == body["usage"]["completion_tokens"]
+
+            errors = _by_custom_id((await client.files.content(done.error_file_id)).text)
+            assert list(errors) == ["bad"]
+            assert errors["bad"]["response"]["status_code"] == 400
+            assert "max_tokens" in errors["bad"]["response"]["body"]["error"]["message"]
+
+            listed = await client.batches.list()
+            assert batch.id in [b.id for b in listed.data]
+            assert (await client.files.retrieve(done.output_file_id)).purpose == "batch_output"
+
+
+async def test_completions_batches_fan_a_list_of_prompts_into_jobs_and_join_them(redis_url, prefix, tmp_path):
+    async with scripted_stack(redis_url, prefix) as s:
+        client = AsyncOpenAI(base_url=f"{s.url}/v1", api_key="none")
+        with housekeeping(redis_url, prefix, tmp_path):
+            upload = await client.files.create(file=("c.jsonl", _jsonl([
+                {"custom_id": "one", "method": "POST", "url": "/v1/completions",
+                 "body": {"model": MODEL, "prompt": "abc", "max_tokens": 4}},
+                {"custom_id": "two", "method": "POST", "url": "/v1/completions",
+                 "body": {"model": MODEL, "prompt": ["xy", "pq"], "max_tokens": 3}},
+            ])), purpose="batch")
+            batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                                                completion_window="24h")
+            done, _ = await _until(client, batch.id, ("completed", "failed"))
+            assert done.status == "completed" and done.request_counts.completed == 2 and not done.error_file_id
+            output = _by_custom_id((await client.files.content(done.output_file_id)).text)
+            assert [c["text"] for c in output["one"]["response"]["body"]["choices"]] == [expected_text("abc", 4)]
+            two = output["two"]["response"]["body"]["choices"]
+            assert [(c["index"], c["text"]) for c in two] == [(0, expected_text("xy", 3)), (1, expected_text("pq", 3))]
+
+
+async def test_a_malformed_input_file_fails_the_batch_with_line_numbers(redis_url, prefix):
+    async with scripted_stack(redis_url, prefix) as s:
+        client = AsyncOpenAI(base_url=f"{s.url}/v1", api_key="none")
+        good = _chat_line("a", "hi")
+        wrong_url = {**_chat_line("b", "hi"), "url": "/v1/completions"}
+        upload = await client.files.create(file=("in.jsonl", _jsonl([good, wrong_url, good]) + b"not json\n"),
+                                           purpose="batch")
+        batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+        assert batch.status == "failed" and batch.failed_at
+        assert [(e.line, e.code) for e in batch.errors.data] == [
+            (2, "mismatched_endpoint"), (3, "duplicate_custom_id"), (4, "invalid_request")]
+        assert (await client.batches.retrieve(batch.id)).status == "failed"
+        assert await s.redis.scard(Keys(prefix).batches_active()) == 0  # nothing left to run
+
+
+async def test_bad_batch_requests_get_openai_errors(redis_url, prefix):
+    async with scripted_stack(redis_url, prefix) as s:
+        client = AsyncOpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.NotFoundError):
+            await client.batches.retrieve("batch_missing")
+        with pytest.raises(openai.NotFoundError):
+            await client.batches.create(input_file_id="file-missing", endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+        with pytest.raises(openai.BadRequestError):
+            await client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
+        upload = await client.files.create(file=("x.jsonl", _jsonl([_chat_line("a", "hi")])), purpose="batch")
+        with pytest.raises(openai.BadRequestError):
+            await client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings", completion_window="24h")
+        deleted = await client.files.delete(upload.id)
+        assert deleted.deleted
+        with pytest.raises(openai.NotFoundError):
+            await client.files.retrieve(upload.id)
+
+
+async def test_cancel_ends_a_batch_with_what_ran_and_the_rest_in_the_error_file(redis_url, prefix, tmp_path):
+    async with scripted_stack(redis_url, prefix, ScriptedEngine(delay_s=0.02), max_num_seqs=1) as s:
+        client = AsyncOpenAI(base_url=f"{s.url}/v1", api_key="none")
+        with housekeeping(redis_url, prefix, tmp_path, batch_rate=1, batch_max_in_flight=1):
+            lines = [_chat_line(f"r{i}", "abc", 3) for i in range(2)] + [_chat_line("long", "z", 1500)] + [
+                _chat_line(f"s{i}", "abc", 3) for i in range(5)]
+            upload = await client.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
+            batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                                completion_window="24h")
+            for _ in range(300):  # until the long line runs
+                if (await client.batches.retrieve(batch.id)).request_counts.completed == 2:
+                    break
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(1.5)
+            cancelling = await client.batches.cancel(batch.id)
+            assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
+            done, _ = await _until(client, batch.id, ("cancelled",), timeout_s=30)
+            assert done.cancelled_at and done.request_counts.total == 8
+            assert (done.request_counts.completed, done.request_counts.failed) == (2, 6)
+            assert sorted(_by_custom_id((await client.files.content(done.output_file_id)).text)) == ["r0", "r1"]
+            errors = _by_custom_id((await client.files.content(done.error_file_id)).text)
+            assert errors["long"]["error"]["code"] == "batch_cancelled"  # cancelled while it ran
+            assert all(errors[f"s{i}"]["error"]["code"] == "batch_cancelled" for i in range(5))  # never ran
+            assert len(s.worker.engine.aborted) >= 1  # the running line was aborted in the engine
+            with pytest.raises(openai.BadRequestError):
+                await client.batches.cancel((await client.batches.create(
+                    input_file_id=(await client.files.create(file=("b.jsonl", b"x\n"), purpose="batch")).id,
+                    endpoint="/v1/chat/completions", completion_window="24h")).id)  # a failed batch
+
+
+async def test_batch_lines_wait_behind_interactive_requests_within_the_in_flight_bound(redis_url, prefix, tmp_path):
+    engine = ScriptedEngine(delay_s=0.01)
+    async with scripted_stack(redis_url, prefix, engine, max_num_seqs=1) as s:
+        client = AsyncOpenAI(base_url=f"{s.url}/v1", api_key="none")
+        with housekeeping(redis_url, prefix, tmp_path, batch_rate=10, batch_max_in_flight=3):
+            upload = await client.files.create(file=("in.jsonl", _jsonl(
+                [_chat_line(f"l{i}", "abc", 60) for i in range(9)])), purpose="batch")
+            batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                                completion_window="24h")
+            keys = Keys(prefix)
+            peak = 0
+            interactive = None
+            while (await client.batches.retrieve(batch.id)).status != "completed":
+                peak = max(peak, await s.redis.hlen(keys.batch_jobs(batch.id)))
+                if interactive is None and await s.redis.xlen(keys.queue(MODEL, 2)) >= 2:
+                    # Batch lines are waiting: an interactive request goes ahead of all of them.
+                    waiting = await s.redis.xlen(keys.queue(MODEL, 2))
+                    started = len(engine.started)
+                    reply = await client.completions.create(model=MODEL, prompt="now", max_tokens=2)
+                    interactive = (reply.id.removeprefix("cmpl-"), started, waiting)
+                await asyncio.sleep(0.05)
+            assert interactive is not None, "the batch never had lines waiting"
+            job_id, started_before, waiting = interactive
+            # It started next (or after one more line, had the running one just ended as it was
+            # sent), ahead of the two or more batch lines already waiting.
+            assert waiting >= 2 and engine.started.index(job_id) in (started_before, started_before + 1)
+            assert peak <= 3  # never more batch lines queued or running than the bound

@@ -1,0 +1,185 @@
+"""Device claims (workers/claim.py): per-device flock files in a temp dir, fake device counts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared.config import apply_device_environment, load_settings, visible_gpus
+from shared.status import Status, WorkerStatus, render
+from tests.conftest import REPO
+from workers import claim as claims
+from workers.claim import NoFreeDevice, claim_cpu_share, claim_device, claim_gpus, split_cpus
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from workers.claim import claim_gpus
+c = claim_gpus(Path(sys.argv[1]), ["0", "1"])
+print(c.label, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def release():
+    held = []
+    yield held.append
+    for c in held:
+        c.release()
+
+
+def test_two_claims_take_different_gpus_and_a_third_fails_naming_the_holders(tmp_path, release):
+    first, second = claim_gpus(tmp_path, ["0", "1"]), claim_gpus(tmp_path, ["0", "1"])
+    release(first), release(second)
+    assert (first.label, first.cuda_visible_devices) == ("gpu:0", "0")
+    assert (second.label, second.cuda_visible_devices) == ("gpu:1", "1")
+    with pytest.raises(NoFreeDevice, match=rf"0 \(pid {os.getpid()}\), 1 \(pid {os.getpid()}\)"):
+        claim_gpus(tmp_path, ["0", "1"])
+    first.release()
+    again = claim_gpus(tmp_path, ["0", "1"])
+    release(again)
+    assert again.label == "gpu:0"
+
+
+def test_a_claim_held_by_a_sigkilled_process_is_free_again(tmp_path, release):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "gpu:0"
+        mine = claim_gpus(tmp_path, ["0", "1"])
+        release(mine)
+        assert mine.label == "gpu:1"
+        with pytest.raises(NoFreeDevice, match=rf"0 \(pid {holder.pid}\)"):
+            claim_gpus(tmp_path, ["0", "1"])
+    finally:
+        holder.kill()  # SIGKILL: no cleanup runs; the kernel drops the flock with the process
+        holder.wait(10)
+    freed = claim_gpus(tmp_path, ["0", "1"])
+    release(freed)
+    assert freed.label == "gpu:0"
+
+
+def test_a_tensor_parallel_claim_takes_that_many_free_gpus_or_none(tmp_path, release):
+    release(claim_gpus(tmp_path, ["0", "1", "2", "3"]))
+    pair = claim_gpus(tmp_path, ["0", "1", "2", "3"], count=2)
+    release(pair)
+    assert pair.cuda_visible_devices == "1,2"
+    with pytest.raises(NoFreeDevice):
+        claim_gpus(tmp_path, ["0", "1", "2", "3"], count=2)
+    last = claim_gpus(tmp_path, ["0", "1", "2", "3"])  # the failed pair gave GPU 3 back
+    release(last)
+    assert last.label == "gpu:3"
+
+
+def test_gpus_are_counted_on_the_host_without_cuda_visible_devices(tmp_path, monkeypatch, release):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(claims, "gpu_count", lambda: 2)
+    settings = load_settings({}, device_lock_dir=str(tmp_path))
+    got = [claim_device(settings, on_cpu=False) for _ in range(2)]
+    for c in got:
+        release(c)
+    assert [c.label for c in got] == ["gpu:0", "gpu:1"]
+    with pytest.raises(NoFreeDevice, match="no 1 free GPU"):
+        claim_device(settings, on_cpu=False)
+
+
+def test_an_operator_set_cuda_visible_devices_is_the_pool(tmp_path, monkeypatch, release):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
+    monkeypatch.setattr(claims, "gpu_count", lambda: pytest.fail("counted GPUs despite CUDA_VISIBLE_DEVICES"))
+    settings = load_settings({}, device_lock_dir=str(tmp_path))
+    got = [claim_device(settings, on_cpu=False) for _ in range(2)]
+    for c in got:
+        release(c)
+    assert [c.cuda_visible_devices for c in got] == ["2", "3"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == [] and visible_gpus({}) is None
+
+
+def test_llmq_devices_pins_exactly_those_gpus_even_when_claimed(tmp_path, monkeypatch, release):
+    monkeypatch.setattr(claims, "gpu_count", lambda: 4)
+    release(claim_gpus(tmp_path, ["0"]))
+    settings = load_settings({"LLMQ_DEVICES": "0,1", "LLMQ_DEVICE_LOCK_DIR": str(tmp_path)})
+    pinned = claim_device(settings, on_cpu=False)
+    release(pinned)
+    assert (pinned.label, pinned.cuda_visible_devices) == ("gpu:0,1", "0,1")
+    # GPU 1 is now locked by the pinned worker, so a claiming worker skips it.
+    auto = claim_device(load_settings({}, device_lock_dir=str(tmp_path)), on_cpu=False)
+    release(auto)
+    assert auto.label == "gpu:2"
+
+
+def test_a_host_with_no_visible_gpu_leaves_the_choice_to_vllm(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    c = claim_device(load_settings({}, device_lock_dir=str(tmp_path)), on_cpu=False)
+    assert (c.label, c.fds, c.cuda_visible_devices) == ("gpu:unclaimed", [], None)
+
+
+def test_the_claimed_gpus_reach_the_engine_environment():
+    env: dict[str, str] = {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    apply_device_environment("2", env)
+    assert env == {"CUDA_VISIBLE_DEVICES": "2"}
+    apply_device_environment(None, env)
+    assert env == {"CUDA_VISIBLE_DEVICES": "2"}
+
+
+def test_cpus_split_into_contiguous_shares():
+    assert split_cpus(list(range(8)), 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert split_cpus([0, 1, 2], 2) == [[0, 1], [2]]
+    assert split_cpus([0, 1], 5) == [[0], [1]]
+    nodes = split_cpus([0, 1], 0)  # one per NUMA node this process may use (one here, or none known)
+    assert sorted(c for share in nodes for c in share) == [0, 1]
+
+
+def test_one_cpu_share_never_pins_and_never_refuses_a_worker(tmp_path, release):
+    got = [claim_cpu_share(tmp_path, [[0, 1]]) for _ in range(3)]
+    for c in got:
+        release(c)
+    assert [c.label for c in got] == ["cpu:0 cpus=0-1", "cpu:1 cpus=0-1", "cpu:2 cpus=0-1"]
+    assert all(c.cpus is None and c.cuda_visible_devices is None for c in got)
+    affinity = os.sched_getaffinity(0)
+    got[0].apply()  # no pinning: a lone worker runs exactly as before claims existed
+    assert os.sched_getaffinity(0) == affinity
+
+
+def test_cpu_shares_go_to_workers_in_turn_and_wrap_when_oversubscribed(tmp_path, release):
+    shares = split_cpus(list(range(8)), 2)
+    got = [claim_cpu_share(tmp_path, shares) for _ in range(3)]
+    for c in got:
+        release(c)
+    assert [c.cpus for c in got] == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3]]
+    assert got[1].label == "cpu:1 cpus=4-7"
+    got[0].release()
+    reuse = claim_cpu_share(tmp_path, shares)  # the lowest free slot first
+    release(reuse)
+    assert reuse.label == "cpu:0 cpus=0-3"
+
+
+def test_status_shows_each_workers_device():
+    w = WorkerStatus(id="h:1:ab", model="m", status="ready", slots=2, running=0, host="h", pid=1,
+                     device="cpu:1 cpus=0-1", last_heartbeat_age_s=0.5)
+    text = render(Status(prefix="p", at=0.0, models=[], workers=[w]))
+    assert "device" in text and "cpu:1 cpus=0-1" in text
+
+
+def test_lock_files_name_their_holder(tmp_path, release):
+    c = claim_gpus(tmp_path, ["7"])
+    release(c)
+    assert Path(tmp_path / "gpu-7.lock").read_text() == f"{os.getpid()}\n"
+
+
+async def test_a_worker_with_no_free_gpu_exits_non_zero_before_loading_anything(tmp_path, monkeypatch):
+    import workers.__main__ as entry
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr(entry, "cpu_engine", lambda: False)
+    monkeypatch.setattr(entry, "apply_engine_environment", lambda s: pytest.fail("got past the claim"))
+    busy = claim_gpus(tmp_path, ["0"])
+    try:
+        with pytest.raises(SystemExit) as exited:
+            await entry.serve(load_settings({}, device_lock_dir=str(tmp_path)))
+    finally:
+        busy.release()
+    assert exited.value.code == 1

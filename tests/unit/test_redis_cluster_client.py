@@ -1,0 +1,133 @@
+"""Pointing llmq at a Redis Cluster: the URL spelling, the client it builds, and which pub/sub
+commands each mode issues. No server needed: building a client opens no connection."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from redis.asyncio import Redis, RedisCluster
+from redis.asyncio.connection import SSLConnection
+from redis.exceptions import RedisClusterException
+
+from api.listener import EventListener
+from shared.cluster import sharded_pubsub
+from shared.queue import _script, _sharded
+from shared.redis import _handshake, _Retry, cluster_target, connect
+
+
+@pytest.mark.parametrize("url,seed", [
+    ("redis+cluster://10.0.0.5:7000", "redis://10.0.0.5:7000"),
+    ("rediss+cluster://user:pw@h:7000?ssl_ca_certs=/ca.pem", "rediss://user:pw@h:7000?ssl_ca_certs=/ca.pem"),
+    ("REDIS+CLUSTER://h:7000/0", "redis://h:7000/0"),
+    ("redis://h:6379/0", None),
+    ("rediss://h:6379", None),
+    ("unix:///tmp/redis.sock", None),
+])
+def test_cluster_urls_name_one_seed_node(url, seed):
+    assert cluster_target(url) == seed
+
+
+def test_a_cluster_url_builds_a_cluster_client_with_the_same_timeouts_retry_and_handshake():
+    client = connect("redis+cluster://app:s3cret@127.0.0.1:7000", block_ms=3000)
+    assert isinstance(client, RedisCluster)
+    for kwargs in (client.connection_kwargs,
+                   *(node.connection_kwargs for node in client.nodes_manager.startup_nodes.values())):
+        assert (kwargs["socket_timeout"], kwargs["socket_connect_timeout"], kwargs["health_check_interval"]) == (
+            13.0, 5, 30)
+        assert (kwargs["username"], kwargs["password"]) == ("app", "s3cret")
+        assert isinstance(kwargs["retry"], _Retry)
+        assert kwargs["redis_connect_func"] is _handshake
+    assert list(client.nodes_manager.startup_nodes) == ["127.0.0.1:7000"]
+
+
+def test_a_tls_cluster_url_keeps_its_query_options():
+    client = connect("rediss+cluster://h:7000?ssl_ca_certs=/ca.pem&ssl_check_hostname=true")
+    assert isinstance(client, RedisCluster)
+    assert client.connection_kwargs["connection_class"] is SSLConnection
+    assert client.connection_kwargs["ssl_ca_certs"] == "/ca.pem"
+    assert client.connection_kwargs["ssl_check_hostname"] is True
+
+
+def test_a_cluster_has_no_databases():
+    with pytest.raises(RedisClusterException):
+        connect("redis+cluster://h:7000/2")
+
+
+def test_a_plain_url_still_builds_a_single_server_client():
+    client = connect("redis://h:6379/3")
+    assert isinstance(client, Redis) and not isinstance(client, RedisCluster)
+    kwargs = client.connection_pool.connection_kwargs
+    assert (kwargs["db"], kwargs["socket_timeout"], kwargs["redis_connect_func"]) == (3, 12.0, _handshake)
+
+
+async def test_a_single_server_always_uses_plain_pubsub_without_asking():
+    # Port 1 answers nothing: any command would fail, so False comes without a round trip.
+    assert await sharded_pubsub(Redis.from_url("redis://127.0.0.1:1/0")) is False
+
+
+@pytest.mark.parametrize("name", ["flush.lua", "expire.lua"])
+def test_sharded_scripts_publish_the_live_channel_with_spublish_and_change_nothing_else(name):
+    plain = _script(name)
+    sharded = _sharded(plain)
+    assert "redis.call('PUBLISH'" in plain and "redis.call('PUBLISH'" not in sharded
+    assert sharded.replace("redis.call('SPUBLISH'", "redis.call('PUBLISH'") == plain
+
+
+class FakeConnection:
+    """Records what a listener sends; never answers."""
+
+    is_connected = True
+
+    def __init__(self) -> None:
+        self.sent: list[tuple] = []
+
+    async def connect(self) -> None:
+        pass
+
+    async def send_command(self, *args, check_health: bool = True) -> None:
+        self.sent.append(args)
+
+    async def read_response(self, disconnect_on_error: bool = True):
+        await asyncio.Event().wait()
+
+    async def disconnect(self, nowait: bool = False) -> None:
+        pass
+
+
+@pytest.mark.parametrize("sharded,expected", [
+    (False, [("SUBSCRIBE", b"home", b"job:a"), ("SUBSCRIBE", b"job:b"), ("UNSUBSCRIBE", b"job:b")]),
+    (True, [("SUBSCRIBE", b"home"), ("SSUBSCRIBE", b"job:a"), ("SSUBSCRIBE", b"job:b"), ("SUNSUBSCRIBE", b"job:b")]),
+])
+async def test_the_listener_issues_plain_or_sharded_subscriptions(sharded, expected):
+    listener = EventListener(Redis.from_url("redis://127.0.0.1:1/0"), "home", sharded=sharded)
+    conn = FakeConnection()
+
+    async def new_connection() -> FakeConnection:
+        return conn
+
+    listener._new_connection = new_connection
+    listener._queues[b"job:a"] = set()  # followed before the connection: subscribed on connect
+    task = asyncio.create_task(listener.run())
+    try:
+        while not conn.sent:
+            await asyncio.sleep(0.01)
+        async with listener.subscribe("job:b", wait=False) as queue:
+            listener._dispatch([b"smessage" if sharded else b"message", b"job:b", b"event"])
+            assert queue.get_nowait() == b"event"
+    finally:
+        task.cancel()
+    assert conn.sent == expected
+
+
+async def test_a_shard_dropping_a_followed_channel_is_subscribed_again():
+    listener = EventListener(Redis.from_url("redis://127.0.0.1:1/0"), "home", sharded=True)
+    conn = FakeConnection()
+    listener._conn = conn
+    queue: asyncio.Queue[bytes] = asyncio.Queue()
+    listener._queues[b"job:a"] = {queue}
+    listener._dispatch([b"sunsubscribe", b"job:a", 0])  # the server's notice: the slot moved
+    await asyncio.sleep(0)
+    assert conn.sent == [("SSUBSCRIBE", b"job:a")]
+    listener._dispatch([b"ssubscribe", b"job:a", 1])  # confirmed again: the log fills any gap
+    assert queue.get_nowait() == b""

@@ -1,0 +1,177 @@
+"""Device claims: which GPUs, or which share of the CPUs, this worker process's engine may use.
+
+``honcho start -c worker=N`` starts N identical processes that know nothing of each other, so each
+claims its device by itself through a host-local lock: one file per device in
+``Settings.device_lock_dir``, held with a non-blocking exclusive ``flock`` for the life of the
+process. The kernel drops a flock when the last descriptor on it closes, so a worker that dies in
+any way (SIGKILL and the OOM killer included) frees its device with no cleanup; a stale file is
+harmless. The files hold the holder's pid, for an operator's ``cat``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from shared.config import Settings, apply_device_environment, visible_gpus
+
+__all__ = ["Claim", "NoFreeDevice", "claim_device", "claim_gpus", "claim_cpu_share", "split_cpus", "gpu_count"]
+
+log = structlog.get_logger()
+
+
+class NoFreeDevice(RuntimeError):
+    """Every GPU this worker may use is claimed by another process on this host."""
+
+
+@dataclass
+class Claim:
+    label: str
+    """What the heartbeat reports as ``device``: ``gpu:0``, ``gpu:2,3``, ``cpu:1 cpus=0-1``."""
+    fds: list[int] = field(default_factory=list)
+    cuda_visible_devices: str | None = None
+    cpus: list[int] | None = None
+    """The CPU share to pin this process to; None: every CPU it may use now (no pinning)."""
+
+    def apply(self) -> None:
+        """Before vLLM (and torch) are imported: CUDA reads CUDA_VISIBLE_DEVICES once, when it
+        initialises, and OpenMP threads inherit the affinity of the process that starts them."""
+        apply_device_environment(self.cuda_visible_devices)
+        if self.cpus is not None:
+            os.sched_setaffinity(0, self.cpus)
+
+    def release(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds.clear()
+
+
+def _lock(lock_dir: Path, name: str) -> int | None:
+    """The open descriptor holding ``name``'s lock, or None if another process holds it."""
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    # A forked child (vLLM's engine core) shares the lock, so the device stays claimed until the
+    # engine is gone too; close-on-exec (os.open's default) keeps exec'd programs out of it.
+    fd = os.open(lock_dir / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def _holder(lock_dir: Path, name: str) -> str:
+    try:
+        return (lock_dir / f"{name}.lock").read_text().strip() or "?"
+    except OSError:
+        return "?"
+
+
+def gpu_count() -> int:
+    """NVIDIA GPUs on this host, counted without initialising CUDA in this process: once CUDA
+    is initialised (``torch.cuda.device_count()`` may do it; importing torch also costs seconds)
+    a later CUDA_VISIBLE_DEVICES is ignored and the engine would see every GPU."""
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))  # one directory per GPU (PCI bus id)
+    except OSError:
+        pass
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
+def claim_gpus(lock_dir: Path, pool: list[str], count: int = 1) -> Claim:
+    """The first ``count`` free GPUs of ``pool`` (CUDA ids as CUDA_VISIBLE_DEVICES names them)."""
+    held: list[tuple[str, int]] = []
+    for gpu in pool:
+        fd = _lock(lock_dir, f"gpu-{gpu}")
+        if fd is not None:
+            held.append((gpu, fd))
+            if len(held) == count:
+                ids = ",".join(g for g, _ in held)
+                return Claim(f"gpu:{ids}", [fd for _, fd in held], cuda_visible_devices=ids)
+    for _, fd in held:
+        os.close(fd)
+    holders = ", ".join(f"{g} (pid {_holder(lock_dir, f'gpu-{g}')})" for g in pool) or "none visible"
+    raise NoFreeDevice(f"no {count} free GPU(s) among {holders}; locks in {lock_dir}: stop a worker, "
+                       "or set LLMQ_DEVICES to share a GPU on purpose")
+
+
+def pin_gpus(lock_dir: Path, devices: list[str]) -> Claim:
+    """LLMQ_DEVICES: exactly these GPUs, the operator's choice. Locked where free so that
+    claiming workers avoid them; already held means shared on purpose, which is allowed."""
+    fds = []
+    for gpu in devices:
+        fd = _lock(lock_dir, f"gpu-{gpu}")
+        if fd is None:
+            log.warning("device_shared", device=f"gpu:{gpu}", holder_pid=_holder(lock_dir, f"gpu-{gpu}"))
+        else:
+            fds.append(fd)
+    ids = ",".join(devices)
+    return Claim(f"gpu:{ids}", fds, cuda_visible_devices=ids)
+
+
+def split_cpus(usable: list[int], shares: int) -> list[list[int]]:
+    """``usable`` in ``shares`` contiguous parts (0: one per NUMA node, as vLLM's auto-binding)."""
+    if shares <= 0:
+        nodes = []
+        for cpulist in sorted(Path("/sys/devices/system/node").glob("node[0-9]*/cpulist")):
+            cpus = set(_parse_cpulist(cpulist.read_text()))
+            nodes.append([c for c in usable if c in cpus])
+        return [n for n in nodes if n] or [usable]
+    shares = min(shares, len(usable))
+    size, extra = divmod(len(usable), shares)
+    starts = [i * size + min(i, extra) for i in range(shares + 1)]
+    return [usable[a:b] for a, b in zip(starts, starts[1:], strict=False)]
+
+
+def _parse_cpulist(text: str) -> list[int]:
+    cpus: list[int] = []
+    for part in filter(None, text.strip().split(",")):
+        lo, _, hi = part.partition("-")
+        cpus += range(int(lo), int(hi or lo) + 1)
+    return cpus
+
+
+def _cpulist(cpus: list[int]) -> str:
+    contiguous = len(cpus) > 1 and cpus == list(range(cpus[0], cpus[-1] + 1))
+    return f"{cpus[0]}-{cpus[-1]}" if contiguous else ",".join(map(str, cpus))
+
+
+def claim_cpu_share(lock_dir: Path, shares: list[list[int]]) -> Claim:
+    """Slot k: the first free one, never refused. Slot k runs on share k mod len(shares), so with
+    more workers than shares some share CPUs (warned); one share means no pinning at all, which
+    keeps a lone worker exactly as it ran before claims existed."""
+    slot = 0
+    while (fd := _lock(lock_dir, f"cpu-{slot}")) is None:
+        slot += 1
+    share = shares[slot % len(shares)]
+    if slot >= len(shares):
+        log.warning("cpu_share_oversubscribed", slot=slot, shares=len(shares), cpus=_cpulist(share))
+    return Claim(f"cpu:{slot} cpus={_cpulist(share)}", [fd], cpus=share if len(shares) > 1 else None)
+
+
+def claim_device(settings: Settings, *, on_cpu: bool) -> Claim:
+    """This worker's claim, per the settings; raises :class:`NoFreeDevice` when none is free."""
+    lock_dir = Path(settings.device_lock_dir)
+    if on_cpu:
+        usable = sorted(os.sched_getaffinity(0))  # `taskset` by the operator narrows the pool
+        return claim_cpu_share(lock_dir, split_cpus(usable, settings.cpu_shares))
+    if settings.devices:
+        return pin_gpus(lock_dir, [d.strip() for d in settings.devices.split(",") if d.strip()])
+    pool = visible_gpus()  # an operator's CUDA_VISIBLE_DEVICES is the pool to choose from
+    if pool is None:
+        pool = [str(i) for i in range(gpu_count())]
+    if not pool:
+        log.warning("no_gpu_to_claim", detail="leaving device selection to vLLM")
+        return Claim("gpu:unclaimed")
+    return claim_gpus(lock_dir, pool, count=1)

@@ -1,0 +1,97 @@
+"""Webhook delivery, run by the housekeeping process through arq.
+
+The script that ends a job (``flush.lua``, ``expire.lua``) also appends its id to the model's
+webhook outbox when the job carries a webhook, so a finished job's webhook cannot be forgotten
+by a crash. Every second :func:`drain_outbox` turns outbox entries into arq jobs whose id is
+derived from the job id, then deletes the entries. If it dies in between, the next run enqueues
+the same ids again and arq refuses the duplicates, so each job gets one delivery job (idempotent
+by job id). :func:`deliver_webhook` POSTs the job, signed (shared/webhooks.py), and retries with
+exponential backoff through arq's ``Retry`` on connection errors, timeouts, 408, 425, 429 and
+5xx. Any other answer is final. The outcome is written to the job record (``webhook_status``,
+``webhook_attempts``), so ``GET /v1/jobs/{id}`` and redis-cli show it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import structlog
+from arq import Retry
+
+from shared.codec import encode
+from shared.config import Settings
+from shared.keys import Keys
+from shared.queue import Queue
+from shared.schemas import JobView
+from shared.webhooks import headers
+
+__all__ = ["drain_outbox", "deliver_webhook", "backoff_s"]
+
+log = structlog.get_logger()
+
+OUTBOX_BATCH = 500
+RETRYABLE = {408, 425, 429}
+MAX_BACKOFF_S = 300.0
+
+
+def backoff_s(job_try: int, retry_after: str | None = None) -> float:
+    """1, 2, 4 ... seconds, at most 5 min; a receiver's Retry-After (seconds) wins within that cap."""
+    if retry_after and retry_after.isdigit():
+        return min(float(retry_after), MAX_BACKOFF_S)
+    return min(2.0 ** (job_try - 1), MAX_BACKOFF_S)
+
+
+async def drain_outbox(ctx: dict[str, Any]) -> int:
+    """Move every model's outbox entries into arq delivery jobs; returns how many were moved."""
+    keys: Keys = ctx["keys"]
+    redis = ctx["redis"]
+    moved = 0
+    for raw in await redis.zrange(keys.models(), 0, -1):
+        model = raw.decode()
+        outbox = keys.webhooks(model)
+        entries = await redis.xrange(outbox, count=OUTBOX_BATCH)
+        for _, fields in entries:
+            job_id = fields[b"job"].decode()
+            # A repeat (this entry moved before, then a crash before the XDEL) is refused by arq.
+            await ctx["arq"].enqueue_job("deliver_webhook", model, job_id, _job_id=keys.webhook_delivery(job_id))
+        if entries:
+            await redis.xdel(outbox, *(entry_id for entry_id, _ in entries))
+            moved += len(entries)
+    return moved
+
+
+async def deliver_webhook(ctx: dict[str, Any], model: str, job_id: str) -> str:
+    settings: Settings = ctx["settings"]
+    queue: Queue = ctx["queue"]
+    job_try: int = ctx["job_try"]
+    bound = log.bind(job_id=job_id, model=model, attempt=job_try)
+    record = await queue.get_job(model, job_id)
+    if record is None or not record.webhook:
+        bound.warning("webhook_job_gone")  # its record expired before delivery: nothing to send
+        return "gone"
+    if record.webhook_status is not None:
+        return record.webhook_status  # a duplicate delivery job: the outcome is already final
+    body = encode(JobView.of(record, record.result))
+    retry_after = None
+    try:
+        answer = await ctx["http"].post(record.webhook, content=body,
+                                        headers=headers(settings.webhook_secret, job_id, body))
+    except httpx.HTTPError as exc:
+        outcome, retryable = f"{type(exc).__name__}: {exc}", True
+    else:
+        outcome = str(answer.status_code)
+        retryable = answer.status_code in RETRYABLE or answer.status_code >= 500
+        retry_after = answer.headers.get("retry-after")
+        if answer.is_success:
+            await queue.note(model, job_id, {"webhook_status": "delivered", "webhook_attempts": job_try})
+            bound.info("webhook_delivered", status=answer.status_code)
+            return "delivered"
+    if retryable and job_try < settings.webhook_max_tries:
+        await queue.note(model, job_id, {"webhook_attempts": job_try})
+        delay = backoff_s(job_try, retry_after)
+        bound.info("webhook_retry", outcome=outcome, retry_in_s=delay)
+        raise Retry(defer=delay)
+    await queue.note(model, job_id, {"webhook_status": "failed", "webhook_attempts": job_try})
+    bound.warning("webhook_failed", outcome=outcome, final=True)
+    return "failed"
