@@ -15,6 +15,8 @@ worker runs, so housekeeping queues them as they are.
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 
 from api.dialects import openai_chat, openai_completions
@@ -26,6 +28,7 @@ from shared.errors import InvalidRequest, ServiceError
 __all__ = ["read_lines", "MAX_LINES"]
 
 MAX_LINES = 50_000  # OpenAI's limit per batch
+YIELD_EVERY = 256
 _line = msgspec.json.Decoder(InputLine)
 _chat = msgspec.json.Decoder(openai_chat.ChatRequest)
 _completion = msgspec.json.Decoder(openai_completions.CompletionRequest)
@@ -42,6 +45,10 @@ async def read_lines(svc: Services, content: bytes, endpoint: str) -> tuple[list
     errors: list[BatchError] = []
     seen: set[str] = set()
     for number, raw in enumerate(raw_lines, start=1):
+        if number % YIELD_EVERY == 0:
+            # ~0.1 ms of CPU per line: a 50,000-line file would otherwise hold this process's
+            # event loop (every stream it relays) for seconds.
+            await asyncio.sleep(0)
         try:
             line = _line.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
