@@ -9,8 +9,6 @@ gathers their results into the output and error files. Both sides read and write
 
 from __future__ import annotations
 
-import functools
-from importlib import resources
 from typing import Any, Literal
 
 import msgspec
@@ -18,6 +16,7 @@ from redis.asyncio import Redis
 
 from shared.codec import encode
 from shared.keys import Keys
+from shared.queue import lua
 from shared.schemas import GenerationRequest
 
 __all__ = ["FileObject", "BatchCreate", "BatchObject", "BatchError", "RequestCounts", "InputLine", "StoredLine",
@@ -121,19 +120,14 @@ _JSON_FIELDS = {"errors": BatchErrors, "metadata": dict[str, str]}
 _COUNTS = ("total", "completed", "failed")
 
 
-@functools.cache
-def _script(name: str) -> str:
-    return resources.files("shared").joinpath("lua", name).read_text()
-
-
 class BatchStore:
     """Files and batches in Redis. A batch's own keys share its hash tag; the listing indexes
     (``files``, ``batches``, ``batches:active``) are separate keys, written after the batch."""
 
     def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis, self.keys = redis, keys
-        self._transition = redis.register_script(_script("batch_status.lua"))
-        self._create = redis.register_script(_script("batch_create.lua"))
+        self._transition = redis.register_script(lua("batch_status.lua"))
+        self._create = redis.register_script(lua("batch_create.lua"))
 
     # --- files ----------------------------------------------------------------------------------
 

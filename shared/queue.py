@@ -7,6 +7,7 @@ all-or-nothing is one Lua script or one MULTI; every command here names keys thr
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from importlib import resources
@@ -23,7 +24,7 @@ from shared.events import Done, Error, Event
 from shared.keys import GROUP, LEVELS, Keys
 from shared.schemas import GenerationRequest, JobError, JobRecord, JobResult
 
-__all__ = ["Queue", "Delivery", "Outbound", "Held", "now_ms", "level_of"]
+__all__ = ["lua", "Queue", "Delivery", "Outbound", "Held", "now_ms", "level_of"]
 
 log = structlog.get_logger()
 _ids = msgspec.json.Decoder(list[int])
@@ -40,7 +41,9 @@ def level_of(priority: int) -> int:
     return min(max(priority, 0), LEVELS - 1)
 
 
-def _script(name: str) -> str:
+@functools.cache
+def lua(name: str) -> str:
+    """The text of one of the scripts in shared/lua (read once per process)."""
     return resources.files("shared").joinpath("lua", name).read_text()
 
 
@@ -105,17 +108,17 @@ class Queue:
         self.keys = keys
         self.result_ttl_s = result_ttl_s
         self.idempotency_ttl_s = idempotency_ttl_s
-        self._enqueue = redis.register_script(_script("enqueue.lua"))
-        self._start = redis.register_script(_script("start.lua"))
-        self._flush = redis.register_script(_script("flush.lua"))
-        self._renew = redis.register_script(_script("renew.lua"))
-        self._cancel = redis.register_script(_script("cancel.lua"))
-        self._read = redis.register_script(_script("read.lua"))
-        self._expire = redis.register_script(_script("expire.lua"))
-        self._ack = redis.register_script(_script("ack.lua"))
+        self._enqueue = redis.register_script(lua("enqueue.lua"))
+        self._start = redis.register_script(lua("start.lua"))
+        self._flush = redis.register_script(lua("flush.lua"))
+        self._renew = redis.register_script(lua("renew.lua"))
+        self._cancel = redis.register_script(lua("cancel.lua"))
+        self._read = redis.register_script(lua("read.lua"))
+        self._expire = redis.register_script(lua("expire.lua"))
+        self._ack = redis.register_script(lua("ack.lua"))
         self.sharded: bool | None = None
         """Whether live events go out with SPUBLISH; decided on first use (:meth:`_publishing`)."""
-        self._note = redis.register_script(_script("note.lua"))
+        self._note = redis.register_script(lua("note.lua"))
         self._reclaim_from: dict[str, bytes | str] = {}  # per level queue: where the next scan resumes
 
     # --- both sides ---------------------------------------------------------------------------
@@ -126,8 +129,8 @@ class Queue:
         if self.sharded is None:
             sharded = await sharded_pubsub(self.redis)
             if sharded:
-                self._flush = self.redis.register_script(_sharded(_script("flush.lua")))
-                self._expire = self.redis.register_script(_sharded(_script("expire.lua")))
+                self._flush = self.redis.register_script(_sharded(lua("flush.lua")))
+                self._expire = self.redis.register_script(_sharded(lua("expire.lua")))
             self.sharded = sharded
 
     async def ensure_group(self, model: str) -> None:

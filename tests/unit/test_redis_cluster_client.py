@@ -12,7 +12,7 @@ from redis.exceptions import RedisClusterException
 
 from api.listener import EventListener
 from shared.cluster import sharded_pubsub
-from shared.queue import _script, _sharded
+from shared.queue import _sharded, lua
 from shared.redis import _handshake, _Retry, cluster_target, connect
 
 
@@ -68,7 +68,7 @@ async def test_a_single_server_always_uses_plain_pubsub_without_asking():
 
 @pytest.mark.parametrize("name", ["flush.lua", "expire.lua"])
 def test_sharded_scripts_publish_the_live_channel_with_spublish_and_change_nothing_else(name):
-    plain = _script(name)
+    plain = lua(name)
     sharded = _sharded(plain)
     assert "redis.call('PUBLISH'" in plain and "redis.call('PUBLISH'" not in sharded
     assert sharded.replace("redis.call('SPUBLISH'", "redis.call('PUBLISH'") == plain
