@@ -113,12 +113,17 @@ async def kill(r: Running) -> None:
     jobs = [running.task for running in r.worker._running.values()]
     for task in (*jobs, r.task):
         task.cancel()
-    # The job tasks (the only writers about jobs) must be gone at once. The worker's own task
-    # may take longer to unwind (closing its Redis connections), and once in CI never did: it
-    # writes nothing about jobs, so waiting for it is bounded rather than required.
     done, _ = await asyncio.wait(jobs, timeout=10) if jobs else (set(), set())
     assert len(done) == len(jobs) and not r.worker._running, "a job task outlived its worker"
-    await asyncio.wait([r.task], timeout=10)
+    # The worker's own task must be gone too, or its reader lives on and reclaims the very job
+    # this kill left behind (seen once in CI). One cancel is not always enough: redis-py sends
+    # every command through asyncio.wait_for, which on Python 3.11 can drop a cancel that arrives
+    # just as the send completes (fixed in 3.12). So cancel again until the task is done.
+    deadline = asyncio.get_running_loop().time() + 10
+    while not r.task.done() and asyncio.get_running_loop().time() < deadline:
+        r.task.cancel()
+        await asyncio.wait([r.task], timeout=0.1)
+    assert r.task.done(), "the killed worker's task would not stop"
 
 
 async def submit(queue: Queue, prompt: str, max_tokens: int, **sampling) -> str:
