@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.bench.procs import stop
 from tests.conftest import REPO
 
 __all__ = ["housekeeping"]
@@ -27,10 +28,5 @@ def housekeeping(redis_url: str, prefix: str, log_dir: Path, **settings: str) ->
     try:
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
         print(log.read_text()[-3000:])

@@ -120,7 +120,7 @@ class Tick:
                 break
             stored = _stored.decode(await self.redis.lindex(self.keys.batch_lines(batch.id), line))
             if stored.error is not None:
-                out = _line(batch, stored, f"{batch.id}_{line}", status=stored.error.status, body=stored.error.body)
+                out = _line(stored, f"{batch.id}_{line}", status=stored.error.status, body=stored.error.body)
                 await self.redis.hset(self.keys.batch_errors(batch.id), str(line), encode(out))
             else:
                 try:
@@ -148,7 +148,7 @@ class Tick:
             stored = _stored.decode(await self.redis.lindex(self.keys.batch_lines(batch.id), line))
             message = "The batch was cancelled before this request ran." if code == "batch_cancelled" else \
                 "The batch expired before this request ran."
-            out = _line(batch, stored, f"{batch.id}_{line}", error={"code": code, "message": message})
+            out = _line(stored, f"{batch.id}_{line}", error={"code": code, "message": message})
             await self.redis.hset(self.keys.batch_errors(batch.id), str(line), encode(out))
         await self.redis.hset(self.keys.batch(batch.id), "next", batch.request_counts.total)
         await self._count(batch)
@@ -180,7 +180,7 @@ class Tick:
         await self.redis.hset(self.keys.batch(batch.id), mapping={"completed": completed, "failed": failed})
 
 
-def _line(batch: BatchObject, stored: StoredLine, request_id: str, *, status: int | None = None,
+def _line(stored: StoredLine, request_id: str, *, status: int | None = None,
           body: dict | None = None, error: dict | None = None) -> dict[str, Any]:
     response = None if status is None else {"status_code": status, "request_id": request_id, "body": body}
     return {"id": f"batch_req_{request_id}", "custom_id": stored.custom_id, "response": response, "error": error}
@@ -192,24 +192,24 @@ def _result_line(batch: BatchObject, stored: StoredLine, job_ids: list[str],
     head = job_ids[0]
     for job_id, record in zip(job_ids, records, strict=True):
         if record is None:
-            return False, _line(batch, stored, job_id, error={"code": "job_lost",
+            return False, _line(stored, job_id, error={"code": "job_lost",
                                                               "message": "The request's job record expired."})
         if record.status == "cancelled":
-            return False, _line(batch, stored, job_id, error={"code": "batch_cancelled",
+            return False, _line(stored, job_id, error={"code": "batch_cancelled",
                                                               "message": "The batch was cancelled while this ran."})
         if record.status != "done" or record.result is None:
             err = record.error
             exc = error_from_code(err.code, err.message, err.status) if err else error_from_code(
                 "generation_failed", "the job ended without a result", 500)
             status, body = openai_completions.error_body(exc)
-            return False, _line(batch, stored, job_id, status=status, body=body)
+            return False, _line(stored, job_id, status=status, body=body)
     created = int(records[0].queued_at // 1000)  # type: ignore[union-attr]
     results = [r.result for r in records]  # type: ignore[union-attr]
     if batch.endpoint == "/v1/chat/completions":
         body = openai_chat.render_result(stored.requests[0], results[0], head, created)
     else:
         body = openai_completions.render_results(stored.requests, results, head, created)
-    return True, _line(batch, stored, head, status=200, body=body)
+    return True, _line(stored, head, status=200, body=body)
 
 
 async def advance_batches(ctx: dict[str, Any]) -> None:
