@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
 import msgspec
+
+from shared import egress
 
 __all__ = [
     "Settings",
@@ -23,12 +26,40 @@ __all__ = [
     "DEFAULT_MODEL",
     "EMBEDDED_REDIS_URL",
     "SettingsError",
+    "redact_url",
 ]
 
 # The sentinel model name: the tiny model the project builds for itself (no download needed).
 DEFAULT_MODEL = "tiny-llama"
 # Where the embedded development Redis listens when LLMQ_REDIS_URL is unset.
 EMBEDDED_REDIS_URL = "redis://127.0.0.1:6399/0"
+
+
+MASK = "***"
+# Fields whose values are credentials: shown as MASK (or as "" when unset) by Settings' repr.
+_SECRET_FIELDS = frozenset({"api_keys", "webhook_secret"})
+_URL_FIELDS = frozenset({"redis_url", "arq_redis_url"})
+_QUERY_PASSWORD = re.compile(r"([?&][^=&#]*password[^=&#]*=)[^&#]*", re.IGNORECASE)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (``scheme://user:password@host``, ``scheme://:password@host``,
+    any ``...password=`` query value) replaced by ``***``: the one form in which llmq shows a URL.
+
+    The last ``@`` before the path ends the user part, as redis-py reads it, so a password with
+    a raw ``@`` is masked whole, and so is anything else with an ``@`` that is no clean URL.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return MASK if "@" in url else url
+    host_end = min([i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0] or [len(rest)])
+    at = rest.rfind("@", 0, host_end)
+    if at < 0 and "@" in rest:  # a raw "/", "?" or "#" inside the password
+        return f"{scheme}://{MASK}"
+    if at >= 0:
+        user, colon, _ = rest[:at].partition(":")
+        rest = f"{user}{colon and ':' + MASK}{rest[at:]}"
+    return f"{scheme}://" + _QUERY_PASSWORD.sub(lambda m: m[1] + MASK, rest)
 
 
 class SettingsError(ValueError):
@@ -47,6 +78,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """LLMQ_MODEL: a model directory or hub name. Default: the tiny model, built on first use."""
     served_model_name: str = ""
     """LLMQ_SERVED_MODEL_NAME: the name clients send as `model`; default: the model's last path part."""
+    models: str = ""
+    """LLMQ_MODELS: comma-separated model names this deployment serves besides LLMQ_MODEL's. Requests
+    for them are queued even while no worker is warm (workers started later take them); any model a
+    worker has ever advertised is known as well. Other names get the dialect's 404."""
+    cold_wait_s: float = 300.0
+    """LLMQ_COLD_WAIT_S: how long a synchronous or streaming request waits while no warm worker serves
+    its model (a cold start, a rolling restart, scale from zero) before it ends with 504. Fire-and-poll
+    jobs and batch lines wait without limit unless they carry a deadline. 0: no limit."""
     host: str = "127.0.0.1"
     """LLMQ_HOST: the API's bind address."""
     port: int = 8080
@@ -70,6 +109,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     lease_s: float = 10.0
     """LLMQ_LEASE_S: a job's lease; a worker renews it every third of this (and every heartbeat).
     A job whose lease lapsed (worker dead or stalled) is taken over by a live worker."""
+    takeover_s: float = 0.5
+    """LLMQ_TAKEOVER_S: a peer takes over the jobs of a worker whose control subscription has been
+    gone this long (its process died: the kernel closed its sockets), without waiting for the lease.
+    Longer than a reconnect after a dropped connection; 0: only the lease moves a dead worker's jobs."""
     max_deliveries: int = 3
     """LLMQ_MAX_DELIVERIES: deliveries that may end without an answer (crash, stall) before the
     job goes to the dead-letter stream and fails with `dead_letter`. Drain hand-backs do not count."""
@@ -106,6 +149,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """LLMQ_WEBHOOK_MAX_TRIES: delivery attempts before a webhook is given up (backoff 1, 2, 4 ... s, at most 5 min)."""
     webhook_timeout_s: float = 10.0
     """LLMQ_WEBHOOK_TIMEOUT_S: how long one delivery may take (connect + answer)."""
+    webhook_allow: str = ""
+    """LLMQ_WEBHOOK_ALLOW: comma-separated destinations webhooks may be sent to, as host names or
+    CIDRs. Unset: any public address; loopback, link-local, private and cloud-metadata addresses are
+    refused (at submit, and again after DNS resolution at delivery)."""
 
     # batch files (run by the housekeeping process)
     batch_rate: int = 20
@@ -122,6 +169,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     SSE streams, details on, tokens as {id, text, logprob, special}."""
     sse_keepalive_s: float = 15.0
     """LLMQ_SSE_KEEPALIVE_S: SSE comment interval while a request waits."""
+    http_keepalive_s: float = 75.0
+    """LLMQ_HTTP_KEEPALIVE_S: how long the web process keeps an idle client connection open. Keep it
+    above the load balancer's idle timeout (AWS ALB: 60 s), so the balancer, not llmq, closes idle
+    connections: a balancer that reuses a connection llmq is just closing returns a spurious 502."""
     max_queued: int = 10000
     """LLMQ_MAX_QUEUED: per model, the most unfinished jobs (queued or running) before new work is
     refused with 429 + Retry-After."""
@@ -137,6 +188,19 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """LLMQ_LOG_JSON: force JSON (true) or console (false) logs; default JSON unless on a TTY."""
     log_level: str = "info"
     """LLMQ_LOG_LEVEL: debug, info, warning or error."""
+    log_requests: bool = False
+    """LLMQ_LOG_REQUESTS: log each job's request (prompt included) at debug level. Off by default:
+    prompts and bodies never reach the logs at info."""
+
+    def __repr__(self) -> str:
+        # Settings reach logs and tracebacks whole: no credential may be shown in them.
+        def shown(name: str) -> object:
+            value = getattr(self, name)
+            if name in _SECRET_FIELDS:
+                return MASK if value else value
+            return redact_url(value) if name in _URL_FIELDS and value else value
+
+        return f"Settings({', '.join(f'{name}={shown(name)!r}' for name in self.__struct_fields__)})"
 
     @property
     def redis_dsn(self) -> str:
@@ -145,6 +209,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def arq_redis_dsn(self) -> str:
         return self.arq_redis_url or self.redis_dsn
+
+    @property
+    def extra_models(self) -> tuple[str, ...]:
+        """LLMQ_MODELS as names (the default model's is :attr:`model_name`)."""
+        return tuple(m.strip() for m in self.models.split(",") if m.strip())
 
     @property
     def model_name(self) -> str:
@@ -207,6 +276,10 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: object)
         for field, choices in _CHOICES.items()
         if getattr(settings, field) not in choices
     ]
+    try:
+        egress.policy(settings.webhook_allow)
+    except ValueError as exc:  # at start-up, not at the first webhook
+        bad.append(str(exc))
     if bad:
         raise SettingsError("invalid llmq settings: " + "; ".join(bad))
     return settings
@@ -238,6 +311,14 @@ def apply_engine_environment(settings: Settings, environ: MutableMapping[str, st
     Values already in the environment win."""
     env = os.environ if environ is None else environ
     defaults = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    # vLLM's info lines (its whole engine config, load steps and timings, the KV cache size, each
+    # shutdown step: ~30 per start) are details under llmq's own engine_loading and worker_ready:
+    # shown at LLMQ_LOG_LEVEL=debug. At info its warnings and errors are shown, as llmq's are.
+    defaults["VLLM_LOGGING_LEVEL"] = {"debug": "INFO", "info": "WARNING"}.get(settings.log_level,
+                                                                             settings.log_level.upper())
+    # vLLM's own code touches a deprecated torch alias: four lines of FutureWarning from each
+    # engine process, nothing for an operator to act on. Only that module's FutureWarnings.
+    defaults["PYTHONWARNINGS"] = "ignore::FutureWarning:vllm.triton_utils.dispatcher"
     if settings.eager:
         # Measured on 2 cores: without it the first request asking for logprobs compiles a
         # kernel for ~17 s. (vLLM refuses it unless the engine runs eager: Settings.eager.)

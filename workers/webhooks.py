@@ -7,8 +7,14 @@ derived from the job id, then deletes the entries. If it dies in between, the ne
 the same ids again and arq refuses the duplicates, so each job gets one delivery job (idempotent
 by job id). :func:`deliver_webhook` POSTs the job, signed (shared/webhooks.py), and retries with
 exponential backoff through arq's ``Retry`` on connection errors, timeouts, 408, 425, 429 and
-5xx. Any other answer is final. The outcome is written to the job record (``webhook_status``,
-``webhook_attempts``), so ``GET /v1/jobs/{id}`` and redis-cli show it.
+5xx. Any other answer is final, a redirect included (it is not followed). The outcome is written
+to the job record (``webhook_status``, ``webhook_attempts``), so ``GET /v1/jobs/{id}`` and
+redis-cli show it.
+
+Each attempt first resolves the URL's host and checks every address against
+``LLMQ_WEBHOOK_ALLOW`` (shared/egress.py), then connects to the address it checked: the API
+checked at submit too, but a name can resolve elsewhere by now (DNS rebinding). A refused
+destination is final: ``webhook_status=failed`` at once, no retries.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from arq import Retry
 
 from shared.codec import encode
 from shared.config import Settings
+from shared.egress import Refused, pin, policy
 from shared.keys import Keys
 from shared.queue import Queue
 from shared.schemas import JobView
@@ -75,9 +82,17 @@ async def deliver_webhook(ctx: dict[str, Any], model: str, job_id: str) -> str:
     body = encode(JobView.of(record, record.result))
     retry_after = None
     try:
-        answer = await ctx["http"].post(record.webhook, content=body,
-                                        headers=headers(settings.webhook_secret, job_id, body))
-    except httpx.HTTPError as exc:
+        target = await pin(policy(settings.webhook_allow), record.webhook, timeout_s=settings.webhook_timeout_s)
+        answer = await ctx["http"].post(target.url, content=body, follow_redirects=False,
+                                        headers={**headers(settings.webhook_secret, job_id, body), **target.headers},
+                                        extensions=target.extensions)
+    except Refused as exc:
+        # Final: the destination will not become allowed by waiting. No URL in the log, as it
+        # may carry the receiver's credentials; the reason names the host.
+        await queue.note(model, job_id, {"webhook_status": "failed", "webhook_attempts": job_try})
+        bound.warning("webhook_refused", reason=exc.message, address=str(exc.address) if exc.address else None)
+        return "failed"
+    except (httpx.HTTPError, OSError, TimeoutError) as exc:  # OSError, TimeoutError: the lookup
         outcome, retryable = f"{type(exc).__name__}: {exc}", True
     else:
         outcome = str(answer.status_code)

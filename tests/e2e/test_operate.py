@@ -85,7 +85,8 @@ def test_a_batch_file_and_a_webhook_run_on_real_vllm(stack, tmp_path):
     """The OpenAI SDK's files and batches calls, run by the real housekeeping process on the real
     workers: the batch's outputs equal direct greedy calls. A /v1/jobs webhook is delivered signed."""
     secret = "e2e-secret"
-    url = stack.api(LLMQ_WEBHOOK_SECRET=secret)
+    allow = "127.0.0.1/32"  # the receiver is on loopback, which webhooks may not reach by default
+    url = stack.api(LLMQ_WEBHOOK_SECRET=secret, LLMQ_WEBHOOK_ALLOW=allow)
     client = OpenAI(base_url=f"{url}/v1", api_key="none")
     receiver = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hooks)
     threading.Thread(target=receiver.serve_forever, daemon=True).start()
@@ -94,7 +95,7 @@ def test_a_batch_file_and_a_webhook_run_on_real_vllm(stack, tmp_path):
               "body": {"model": stack.model, "messages": [{"role": "user", "content": p}], "max_tokens": 8,
                        "temperature": 0}} for i, p in enumerate(prompts)]
     try:
-        with housekeeping(stack.redis_url, stack.prefix, tmp_path, webhook_secret=secret,
+        with housekeeping(stack.redis_url, stack.prefix, tmp_path, webhook_secret=secret, webhook_allow=allow,
                           served_model_name=stack.model):
             upload = client.files.create(file=("in.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()),
                                          purpose="batch")

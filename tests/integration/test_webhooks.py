@@ -13,6 +13,7 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -28,13 +29,17 @@ from tests.scripted_engine import ScriptedEngine
 from tests.scripted_stack import scripted_stack
 
 SECRET = "test-secret"
+# The receivers listen on loopback, which the default policy refuses (tests/integration/test_webhook_egress.py).
+ALLOW = "127.0.0.1/32"
 
 
 class Receiver:
-    """Answers each hook's requests from its plan of statuses (200 once the plan runs out)."""
+    """Answers each hook's requests from its plan of statuses (200 once the plan runs out), or
+    redirects it to the URL in ``redirects``."""
 
     def __init__(self) -> None:
         self.plans: dict[str, list[int]] = {}
+        self.redirects: dict[str, str] = {}
         self.hits: dict[str, list[tuple[float, dict[str, str], bytes]]] = defaultdict(list)
         self.url = ""
 
@@ -46,21 +51,26 @@ class Receiver:
 
 
 @asynccontextmanager
-async def receiver() -> AsyncIterator[Receiver]:
+async def receiver(certfile: Path | None = None, name: str = "127.0.0.1") -> AsyncIterator[Receiver]:
+    """A receiver on loopback; with ``certfile`` (key and chain, PEM) it speaks https, and its
+    ``url`` names it ``name``."""
     rx = Receiver()
 
     @post("/hook/{name:str}", status_code=200)
     async def hook(request: Request, name: FromPath[str]) -> Response:
         rx.hits[name].append((time.monotonic(), dict(request.headers), await request.body()))
+        if name in rx.redirects:
+            return Response(b"", status_code=307, headers={"Location": rx.redirects[name]})
         plan = rx.plans.get(name) or []
         return Response(b"", status_code=plan.pop(0) if plan else 200)
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(Litestar([hook]), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(Litestar([hook]), host="127.0.0.1", port=port, log_level="warning",
+                                           ssl_certfile=certfile))
     task = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.02)
-    rx.url = f"http://127.0.0.1:{port}"
+    rx.url = f"{'https' if certfile else 'http'}://{name}:{port}"
     try:
         yield rx
     finally:
@@ -78,8 +88,8 @@ async def _finished(client, job_id: str) -> dict:
 
 
 async def test_a_webhook_is_signed_retried_with_backoff_and_delivered_once(redis_url, prefix, tmp_path):
-    async with receiver() as rx, scripted_stack(redis_url, prefix, webhook_secret=SECRET) as s:
-        with housekeeping(redis_url, prefix, tmp_path, webhook_secret=SECRET):
+    async with receiver() as rx, scripted_stack(redis_url, prefix, webhook_secret=SECRET, webhook_allow=ALLOW) as s:
+        with housekeeping(redis_url, prefix, tmp_path, webhook_secret=SECRET, webhook_allow=ALLOW):
             rx.plans["flaky"] = [500, 503]  # two retryable failures, then 200
             job_id = (await s.client.post("/v1/jobs", json={
                 "prompt": "hi", "sampling": {"max_tokens": 5}, "webhook": f"{rx.url}/hook/flaky"})).json()["id"]
@@ -115,8 +125,8 @@ async def test_a_webhook_is_signed_retried_with_backoff_and_delivered_once(redis
 
 
 async def test_a_refused_webhook_is_not_retried_and_is_marked_failed(redis_url, prefix, tmp_path):
-    async with receiver() as rx, scripted_stack(redis_url, prefix, webhook_secret=SECRET) as s:
-        with housekeeping(redis_url, prefix, tmp_path, webhook_secret=SECRET):
+    async with receiver() as rx, scripted_stack(redis_url, prefix, webhook_secret=SECRET, webhook_allow=ALLOW) as s:
+        with housekeeping(redis_url, prefix, tmp_path, webhook_secret=SECRET, webhook_allow=ALLOW):
             rx.plans["gone"] = [410]
             job_id = (await s.client.post("/v1/jobs", json={
                 "prompt": "hi", "sampling": {"max_tokens": 3}, "webhook": f"{rx.url}/hook/gone"})).json()["id"]
@@ -133,8 +143,8 @@ async def test_a_refused_webhook_is_not_retried_and_is_marked_failed(redis_url, 
 
 async def test_cancelled_and_failed_jobs_call_their_webhook_too(redis_url, prefix, tmp_path):
     async with receiver() as rx, scripted_stack(redis_url, prefix, ScriptedEngine(delay_s=0.05),
-                                                webhook_secret=SECRET, max_num_seqs=1) as s:
-        with housekeeping(redis_url, prefix, tmp_path, webhook_secret=SECRET):
+                                                webhook_secret=SECRET, webhook_allow=ALLOW, max_num_seqs=1) as s:
+        with housekeeping(redis_url, prefix, tmp_path, webhook_secret=SECRET, webhook_allow=ALLOW):
             running = (await s.client.post("/v1/jobs", json={
                 "prompt": "long", "sampling": {"max_tokens": 2000},
                 "webhook": f"{rx.url}/hook/cancelled"})).json()["id"]
