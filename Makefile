@@ -28,6 +28,8 @@ model: install
 # The whole stack: embedded Redis (unless LLMQ_REDIS_URL is set), web, worker, housekeeping.
 # The Procfile says `python`: the venv goes first on PATH so that is the venv's.
 run: export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+# Readable lines for a person at a terminal (honcho's pipes are no TTY, so JSON would be picked).
+run: export LLMQ_LOG_JSON ?= false
 run: model
 	@if [ -z "$$LLMQ_REDIS_URL" ]; then \
 		exec $(VENV)/bin/honcho -f Procfile.dev start; \

@@ -26,7 +26,7 @@ def _services(state: State) -> Services:
 def create_app(settings: Settings | None = None) -> Litestar:
     if settings is None:  # the entrypoint: load settings (and logging) exactly once, here
         settings = load_settings()
-        configure_logging(settings.log_level, settings.log_json)
+        configure_logging(settings.log_level, settings.log_json, log_requests=settings.log_requests)
     keys = parse_keys(settings.api_keys)
     guard = KeyGuard(keys) if keys else None
     return Litestar(
@@ -40,6 +40,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
             jobs.cancel_job,
             jobs.job_events,
             health.ping,
+            health.livez,
+            health.readyz,
             *tgi.ROUTES,
             *triton.ROUTES,
             *happy_vllm.ROUTES,

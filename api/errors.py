@@ -41,7 +41,7 @@ def _service_error(exc: Exception) -> ServiceError:
         err = ServiceError(str(exc.detail))
         err.status, err.code = exc.status_code, "http_error"
         return err
-    log.exception("unhandled_error", error_type=type(exc).__name__)
+    log.exception("unhandled_error", error_type=type(exc).__name__, may_quote_request=True)
     return ServiceError("internal server error")
 
 

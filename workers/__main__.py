@@ -75,7 +75,7 @@ async def serve(settings: Settings) -> None:
 
 def main() -> None:
     settings = load_settings()
-    configure_logging(settings.log_level, settings.log_json)
+    configure_logging(settings.log_level, settings.log_json, log_requests=settings.log_requests)
     # uvloop, as uvicorn runs the API and vLLM runs its own server: the worker's loop carries the
     # engine's output handler and every token's flush.
     uvloop.run(serve(settings))

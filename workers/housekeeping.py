@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
 
@@ -27,7 +28,7 @@ from arq.connections import RedisSettings
 from arq.worker import run_worker
 from redis.exceptions import ResponseError
 
-from shared.config import Settings, load_settings
+from shared.config import MASK, Settings, load_settings
 from shared.keys import GROUP, Keys
 from shared.logging import configure_logging
 from shared.queue import Queue, now_ms
@@ -58,7 +59,14 @@ async def sweep(ctx: dict[str, Any]) -> dict[str, int]:
         for name, value in (await _orphans_and_consumers(redis, keys, queue, settings)).items():
             stats[name] = max(stats.get(name, 0), value) if name == "oldest_orphan_s" else stats.get(name, 0) + value
     stats["dead_letters"] = await redis.xlen(keys.dead(model))
-    log.info("housekeeping_sweep", model=model, **stats)
+    # Every 30 s: at info only the first time and when something changed that an operator acts on
+    # (workers came or went, jobs wait orphaned, dead letters); the rest is in /metrics anyway.
+    # (arq gives each run a copy of ctx: the figures seen last live in the dict startup put there.)
+    last = ctx.setdefault("last_sweep", {})
+    notable = tuple(stats.get(k, 0) for k in ("ready_workers", "orphaned", "dead_letters"))
+    changed = notable != last.get(model) or stats["pruned_workers"] or stats.get("consumers_removed")
+    last[model] = notable
+    (log.info if changed else log.debug)("housekeeping_sweep", model=model, **stats)
     return stats
 
 
@@ -85,11 +93,20 @@ async def _orphans_and_consumers(redis, keys: Keys, queue: str, settings: Settin
     return {"orphaned": len(orphans), "oldest_orphan_s": round(oldest / 1000, 1), "consumers_removed": removed}
 
 
+class _RedisSettings(RedisSettings):
+    """arq's settings, with a repr that masks the password (arq's own shows it)."""
+
+    def __repr__(self) -> str:
+        shown = {**self.__dict__, "password": MASK if self.password else self.password}
+        return f"RedisSettings({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
+
+
 def arq_redis_settings(dsn: str) -> RedisSettings:
     """arq's connection settings for the same URL llmq's own clients use. arq's ``from_dsn``
     drops the query (a private CA's ``ssl_ca_certs``, ``ssl_check_hostname``, ...) and keeps a
     percent-encoded password encoded; redis-py reads both, so llmq does too."""
-    base = RedisSettings.from_dsn(dsn)
+    from_dsn = RedisSettings.from_dsn(dsn)
+    base = _RedisSettings(**{f.name: getattr(from_dsn, f.name) for f in dataclasses.fields(from_dsn)})
     url = urlparse(dsn)
     query = {k: v[-1] for k, v in parse_qs(url.query).items()}
     changes: dict[str, Any] = {"username": unquote(url.username) if url.username else None,
@@ -105,6 +122,7 @@ def arq_redis_settings(dsn: str) -> RedisSettings:
 async def startup(ctx: dict[str, Any]) -> None:
     settings: Settings = ctx["settings"]
     ctx["keys"] = keys = Keys(settings.prefix)
+    ctx["last_sweep"] = {}  # model -> the figures its last sweep logged
     # arq's own client (ctx["redis"] as arq hands it over) enqueues arq jobs; the one that
     # replaces it reads llmq's keys (bytes, our timeouts).
     ctx["arq"] = ctx["redis"]
@@ -131,9 +149,23 @@ class WorkerSettings:
     max_jobs = 64  # webhook deliveries mostly wait on the network
 
 
+# arq logs every job's start and finish at info: with the crons that run every second, an idle
+# housekeeper printed four lines a second. Here they are debug lines; arq's failures and llmq's
+# own lines (webhook_delivered, webhook_retry, batch_finished) stay at info.
+_ARQ_JOB_LINES = frozenset({"%6.2fs → %s(%s)%s", "%6.2fs ← %s ● %s", "%6.2fs ↻ %s retrying job in %0.2fs"})
+
+
+def _demote_arq_job_lines(record: logging.LogRecord) -> bool:
+    if record.msg in _ARQ_JOB_LINES:
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger().isEnabledFor(logging.DEBUG)
+    return True
+
+
 def main() -> None:
     settings = load_settings()
-    configure_logging(settings.log_level, settings.log_json)
+    configure_logging(settings.log_level, settings.log_json, log_requests=settings.log_requests)
+    logging.getLogger("arq.worker").addFilter(_demote_arq_job_lines)
 
     async def ready() -> None:
         redis = connect(settings.redis_dsn)

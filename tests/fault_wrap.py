@@ -1,0 +1,54 @@
+"""``python -m tests.fault_wrap <api|workers|housekeeping>``: a process's real ``main()``, with one
+internal function made to raise ``RuntimeError`` the first time it is called. The error's message
+quotes what that function was given (the request, the Settings), as an engine's or a library's
+error may, so a test can check what an unexpected error puts in the logs. Test code only: the
+production modules have no hooks for this.
+
+- api: ``api.submit.admit(svc, req)``, which every generation route calls with the decoded body
+  and the Services (holding the Settings) in its frames.
+- workers: ``workers.runner.plan_for(queue, model, delivery, req)``, the first call inside
+  ``Worker._run_job`` for a job, with the request in its frames.
+- housekeeping: ``workers.housekeeping._orphans_and_consumers(redis, keys, queue, settings)``,
+  which the ``sweep`` cron calls (at start-up, then every 30 s).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+TARGETS: dict[str, tuple[str, str, str, Callable[..., str]]] = {
+    # process: (module whose main() runs, module holding the function, function, message)
+    "api": ("api.__main__", "api.submit", "admit", lambda svc, req: f"forced fault admitting {req!r} "
+                                                                    f"with {svc.settings!r}"),
+    "workers": ("workers.__main__", "workers.runner", "plan_for",
+                lambda queue, model, d, req: f"forced fault running {req!r}"),
+    "housekeeping": ("workers.housekeeping", "workers.housekeeping", "_orphans_and_consumers",
+                     lambda redis, keys, queue, settings: f"forced fault sweeping with {settings!r}"),
+}
+
+
+def fail_once(module: Any, name: str, message: Callable[..., str]) -> None:
+    original: Callable[..., Awaitable[Any]] = getattr(module, name)
+    fired = False
+
+    async def faulty(*args: Any, **kwargs: Any) -> Any:
+        nonlocal fired
+        if not fired:
+            fired = True
+            raise RuntimeError(message(*args, **kwargs))
+        return await original(*args, **kwargs)
+
+    setattr(module, name, faulty)
+
+
+def main(process: str) -> None:
+    entry, holder, name, message = TARGETS[process]
+    fail_once(importlib.import_module(holder), name, message)
+    importlib.import_module(entry).main()
+
+
+if __name__ == "__main__":  # a guard: vLLM's engine process imports this module again (spawn)
+    main(sys.argv[1])
