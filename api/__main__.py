@@ -11,7 +11,7 @@ from shared.logging import configure_logging
 
 def main() -> None:
     settings = load_settings()
-    configure_logging(settings.log_level, settings.log_json)
+    configure_logging(settings.log_level, settings.log_json, log_requests=settings.log_requests)
     uvicorn.run(
         create_app(settings),
         host=settings.host,
@@ -19,6 +19,9 @@ def main() -> None:
         log_config=None,  # uvicorn's loggers go through our structlog set-up
         access_log=False,
         timeout_graceful_shutdown=10,
+        # Longer than the load balancer's idle timeout, so the balancer closes an idle connection
+        # first and never reuses one llmq is closing (a spurious 502). uvicorn's default is 5 s.
+        timeout_keep_alive=settings.http_keepalive_s,
     )
 
 

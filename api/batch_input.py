@@ -22,6 +22,7 @@ import msgspec
 from api.dialects import openai_chat, openai_completions
 from api.services import Services
 from api.submit import admit
+from shared import json_input
 from shared.batches import BatchError, InputLine, LineError, StoredLine
 from shared.errors import InvalidRequest, ServiceError
 
@@ -50,8 +51,8 @@ async def read_lines(svc: Services, content: bytes, endpoint: str) -> tuple[list
             # event loop (every stream it relays) for seconds.
             await asyncio.sleep(0)
         try:
-            line = _line.decode(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            line = json_input.decode(raw, _line)
+        except msgspec.DecodeError as exc:  # (ValidationError is one)
             errors.append(BatchError(code="invalid_request", line=number, message=f"Invalid request line: {exc}"))
             continue
         if line.method.upper() != "POST":
@@ -88,6 +89,8 @@ async def _translate(svc: Services, line: InputLine, endpoint: str) -> StoredLin
 
 def _decode(decoder: msgspec.json.Decoder, body: msgspec.Raw):
     try:
+        # The whole line passed json_input.decode, so its body is UTF-8 JSON nested no deeper
+        # than the line: only its fields remain to check.
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"Invalid request body: {exc}") from None

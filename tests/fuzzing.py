@@ -5,19 +5,30 @@ field is fuzzed without touching the tests) with values that are usually of the 
 and near the edges of the declared ranges, mixed with random keys and junk: huge and negative
 ints, extreme floats, the non-JSON literals ``NaN``/``Infinity``/``1e400`` (as raw bytes), and
 strings a lenient converter turns into numbers ("inf", "nan", "1e400").
+
+Below the JSON level, :func:`malformed_bodies` and :func:`odd_bodies` mutate the bytes of valid
+bodies the way broken clients and hostile ones do: truncated, a byte order mark, invalid UTF-8
+spliced into a string, ``NaN``/``Infinity``/``1e999``/``10**30`` for a number, a value wrapped in
+deep nesting, a duplicated key, an empty body. Every body from ``malformed_bodies`` must get a
+4xx; ``odd_bodies`` may be valid JSON (a huge number, a duplicate key, nesting within the limit).
 """
 
 from __future__ import annotations
 
+import codecs
 import math
+import re
 from typing import Any
 
 import msgspec
 import msgspec.inspect as mi
 from hypothesis import strategies as st
 
+from shared.json_input import MAX_DEPTH
+
 __all__ = ["junk", "texts", "typed", "struct_body", "dict_body", "encode_body", "raw_bodies", "single_field_bodies",
-           "SPECIAL_NUMBERS", "NUMBER_STRINGS", "FIELD_VALUES"]
+           "SPECIAL_NUMBERS", "NUMBER_STRINGS", "FIELD_VALUES", "malformed_bodies", "odd_bodies", "INVALID_UTF8",
+           "deep"]
 
 # Written as-is into the JSON text: a value msgspec cannot produce from a Python float.
 SPECIAL_NUMBERS = [msgspec.Raw(x) for x in (b"NaN", b"Infinity", b"-Infinity", b"1e400", b"-1e400", b"1e-400",
@@ -162,6 +173,8 @@ def raw_bodies(objects: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[
         junk.map(encode_body),
         st.binary(max_size=40),
         objects.map(encode_body).map(lambda b: b[: len(b) // 2]),  # truncated JSON
+        malformed_bodies(objects),
+        odd_bodies(objects),
     )
 
 
@@ -192,3 +205,87 @@ def single_field_bodies(base: dict[str, Any], paths: list[str]) -> list[tuple[st
             node[last] = value
             out.append((path, value, encode_body(body)))
     return out
+
+
+# --- raw bytes: mutations of valid bodies -----------------------------------------------------
+
+INVALID_UTF8 = [b"\xff", b"\xfe\xff", b"\x80", b"\xc0\xaf", b"\xc3\x28", b"\xe2\x82", b"\xed\xa0\x80",
+                b"\xf4\x90\x80\x80", b"\xf8\x88\x80\x80\x80"]
+"""A stray continuation byte, an overlong "/", a truncated sequence, an encoded surrogate, a code
+point past U+10FFFF, a five-byte form: each is invalid UTF-8 wherever it stands."""
+
+# A string (skipped) or a number outside any string (group 1): where a number may be replaced.
+_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|(-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)')
+_FIRST_KEY = re.compile(rb'^\{"((?:[^"\\]|\\.)*)"\s*:')
+_NOT_JSON_NUMBERS = [b"NaN", b"Infinity", b"-Infinity", b"+1", b"01", b"1.", b".5", b"0x10", b"1e", b"--1"]
+_ODD_NUMBERS = [b"1e999", b"-1e999", b"1e-999", b"10" + b"0" * 29, b"-" + b"9" * 30, b"18446744073709551616",
+                b"-9223372036854775809", b"-0", b"0.0000000000000000000000001", b"9" * 4000]
+
+
+def deep(inner: bytes, levels: int, *, objects: bool = False) -> bytes:
+    """``inner`` wrapped in ``levels`` arrays (or ``{"a": ...}`` objects)."""
+    if objects:
+        return b'{"a":' * levels + inner + b"}" * levels
+    return b"[" * levels + inner + b"]" * levels
+
+
+def _numbers(body: bytes) -> list[tuple[int, int]]:
+    return [m.span(1) for m in _TOKENS.finditer(body) if m.group(1) is not None]
+
+
+def _replace_number(body: bytes, which: int, new: bytes) -> bytes:
+    spans = _numbers(body)
+    if not spans:  # nothing to replace: append it as a new key's value instead
+        return body[:-1] + b', "n": ' + new + b"}" if body.endswith(b"}") and len(body) > 2 else b"[" + new + b"]"
+    a, b = spans[which % len(spans)]
+    return body[:a] + new + body[b:]
+
+
+def _splice_utf8(body: bytes, where: int, bad: bytes) -> bytes:
+    """Invalid bytes just inside a string's opening quote (anywhere, if there is no string)."""
+    quotes = [m.start() for m in re.finditer(rb'"', body)]
+    at = quotes[where % len(quotes)] + 1 if quotes else where % (len(body) + 1)
+    return body[:at] + bad + body[at:]
+
+
+def _duplicate_key(body: bytes, value: bytes, last: bool) -> bytes:
+    m = _FIRST_KEY.match(body)
+    if m is None:
+        return body
+    pair = b'"' + m.group(1) + b'": ' + value
+    return body[:-1] + b", " + pair + b"}" if last else b"{" + pair + b", " + body[1:]
+
+
+def malformed_bodies(objects: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[bytes]:
+    """Bodies no route may accept: every one must be answered with the route's 4xx."""
+    encoded = objects.map(encode_body)
+    return st.one_of(
+        st.sampled_from([b"", b" ", b"\r\n\t ", b"\x00", codecs.BOM_UTF8]),
+        # Truncated anywhere before the closing brace: an object is not complete until then.
+        encoded.flatmap(lambda b: st.integers(0, len(b) - 1).map(lambda i: b[:i])),
+        encoded.map(lambda b: codecs.BOM_UTF8 + b),
+        encoded.map(lambda b: codecs.BOM_UTF16_LE + b.decode().encode("utf-16-le")),
+        st.tuples(encoded, st.integers(0, 50), st.sampled_from(INVALID_UTF8)).map(lambda t: _splice_utf8(*t)),
+        st.tuples(encoded, st.integers(0, 50), st.sampled_from(_NOT_JSON_NUMBERS)).map(lambda t: _replace_number(*t)),
+        # Past the depth limit, around the whole body or one of its numbers, as arrays or objects.
+        st.tuples(encoded, st.sampled_from([MAX_DEPTH + 1, 1000, 100_000]), st.booleans())
+        .map(lambda t: deep(t[0], t[1], objects=t[2])),
+        st.tuples(encoded, st.integers(0, 50), st.sampled_from([MAX_DEPTH, 1000]), st.booleans())
+        .map(lambda t: _replace_number(t[0], t[1], deep(b"1", t[2], objects=t[3]))),
+        st.sampled_from([b"[" * 100_000, b'{"a":' * 100_000, b'{"a":[' * 50_000]),
+    )
+
+
+def odd_bodies(objects: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[bytes]:
+    """Bodies that may be valid JSON, at its edges: each must get an answer below 500."""
+    encoded = objects.map(encode_body)
+    return st.one_of(
+        st.binary(max_size=64),
+        st.tuples(encoded, st.integers(0, 50), st.sampled_from(_ODD_NUMBERS)).map(lambda t: _replace_number(*t)),
+        st.tuples(encoded, st.sampled_from([b"null", b"0", b'"x"', b"[]", b"{}", b"-1", b"1e999"]), st.booleans())
+        .map(lambda t: _duplicate_key(*t)),
+        # Within the depth limit (for a body that is one object, MAX_DEPTH - 1 wrappers reach it).
+        st.tuples(encoded, st.integers(0, 50), st.integers(1, MAX_DEPTH - 2), st.booleans())
+        .map(lambda t: _replace_number(t[0], t[1], deep(b"1", t[2], objects=t[3]))),
+        encoded.map(lambda b: b" \n" + b + b"\n "),
+    )

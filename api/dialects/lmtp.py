@@ -16,6 +16,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
+from shared import json_input
 from shared.errors import InvalidRequest, ServiceError
 from shared.events import Done, Event, TokenDelta
 from shared.schemas import GenerationRequest, JobResult, OutputOptions, PromptInfo, SamplingParams, TopLogprob
@@ -120,9 +121,11 @@ def parse_frame(text: str) -> Frame:
     if not payload.strip():
         raise FrameError(f"malformed LMTP message: expected '<VERB> <json>', got {text[:80]!r}")
     try:
-        head = _head_decoder.decode(payload)
-    except msgspec.ValidationError:  # (a subclass of DecodeError: first)
-        raise FrameError(f"the payload of {verb} must be a JSON object") from None
+        head = json_input.decode(payload, _head_decoder)
+    except msgspec.ValidationError as exc:  # (a subclass of DecodeError: first)
+        if str(exc).startswith("Expected `object`"):
+            raise FrameError(f"the payload of {verb} must be a JSON object") from None
+        raise FrameError(f"invalid {verb} payload: {exc}") from None  # a number out of range
     except msgspec.DecodeError as exc:
         raise FrameError(f"malformed JSON in {verb} message: {exc}") from None
     return Frame(verb=verb, stream_id=head.stream_id, payload=payload)
@@ -130,6 +133,7 @@ def parse_frame(text: str) -> Frame:
 
 def _decode(decoder: msgspec.json.Decoder, frame: Frame) -> Any:
     try:
+        # parse_frame checked the text already (UTF-8, depth): only the fields remain to check.
         return decoder.decode(frame.payload)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise InvalidRequest(f"invalid {frame.verb} payload: {exc}") from None

@@ -9,6 +9,7 @@ from typing import Any
 
 import msgspec
 
+from shared import json_input
 from shared.errors import InvalidRequest
 from shared.schemas import StructuredOutput
 
@@ -67,7 +68,7 @@ def structured_output(so: StructuredOutputs | None, rf: ResponseFormat | None) -
 
 def _schema_from_string(text: str) -> dict[str, Any]:
     try:
-        return msgspec.json.decode(text, type=dict[str, Any])
+        return json_input.decode(text, json_input.decoder_for(dict[str, Any]))
     except (msgspec.DecodeError, msgspec.ValidationError):
         raise InvalidRequest("structured_outputs.json must be a JSON object", param="structured_outputs") from None
 

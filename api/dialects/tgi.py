@@ -9,7 +9,6 @@ and ``details``. A stream always answers 200: every error, even a validation err
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal
@@ -18,6 +17,7 @@ import msgspec
 from msgspec import Meta
 
 from api.relay import sse
+from shared import json_input
 from shared.errors import InvalidRequest, ServiceError
 from shared.events import TokenDelta
 from shared.schemas import Choice, GenerationRequest, JobResult, OutputOptions, SamplingParams, StructuredOutput
@@ -132,7 +132,7 @@ def _schema(value: Any) -> dict:
     """A JSON grammar's schema: an object, or a string holding one; TGI needs ``properties``."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = json_input.loads(value)
         except ValueError as exc:
             raise InvalidRequest(f"grammar is not valid: {exc}") from None
     if not isinstance(value, dict):

@@ -4,6 +4,11 @@ The app runs on a real port with a scripted worker. Every response must have a s
 500 and must finish (streams are read to the end) within a per-request timeout; a body never
 carries an internal error in-band either. Bodies come from the same strategies as the unit
 fuzz tests (tests/fuzzing.py). The worker must still be alive at the end.
+
+Below JSON: raw bytes per route (``test_raw_bytes_...``), mutations of valid bodies under any
+content type. A malformed body (truncated, a BOM, invalid UTF-8, NaN, nesting past the limit,
+empty) must get a 4xx, anything else a status below 500. The exact statuses and error shapes
+of named bad bodies are pinned in test_malformed_input.py.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from typing import Any, TypeVar
 
 import aiohttp
 import msgspec
@@ -18,12 +24,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from api.dialects import lmi, lmtp, tgi
+from api.dialects import openai_chat as chat
+from api.dialects import openai_completions as oc
+from shared.batches import BatchCreate
 from shared.schemas import GenerationRequest
+from tests.fuzzing import malformed_bodies, odd_bodies, struct_body
 from tests.scripted_engine import ScriptedEngine, Step
 from tests.scripted_stack import scripted_stack
 from tests.unit import test_fuzz_dialects as fz
 
+T = TypeVar("T")
+
 EXAMPLES = 60
+RAW_EXAMPLES = 30  # per route and kind (malformed, odd)
 REQUEST_TIMEOUT_S = 10.0
 CONCURRENCY = 8
 
@@ -31,20 +45,21 @@ CONCURRENCY = 8
 class CappedEngine(ScriptedEngine):
     """At most a few tokens per job, whatever max_tokens says: fuzzed bodies ask for thousands."""
 
-    async def stream(self, job_id: str, req: GenerationRequest) -> AsyncIterator[Step]:
+    async def stream(self, job_id: str, req: GenerationRequest, parts: object = None) -> AsyncIterator[Step]:
+        # ``parts`` (a continued job's pieces) never occurs here: no worker dies in these tests.
         sampling = msgspec.structs.replace(req.sampling, max_tokens=min(req.sampling.max_tokens, 4))
-        async for step in super().stream(job_id, msgspec.structs.replace(req, sampling=sampling)):
+        async for step in super().stream(job_id, msgspec.structs.replace(req, sampling=sampling), parts):
             yield step
 
 
-def draw(strategy: st.SearchStrategy[bytes], n: int = EXAMPLES) -> list[bytes]:
+def draw(strategy: st.SearchStrategy[T], n: int = EXAMPLES) -> list[T]:
     """n examples of ``strategy``, drawn by hypothesis (outside any event loop concern: sync)."""
-    out: list[bytes] = []
+    out: list[T] = []
 
     @settings(max_examples=n, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(strategy)
-    def collect(body: bytes) -> None:
+    def collect(body: T) -> None:
         out.append(body)
 
     collect()
@@ -74,8 +89,8 @@ async def stack(redis_url):
         yield s
 
 
-async def post(stack, route: str, body: bytes) -> tuple[int, bytes]:
-    headers = {"content-type": "application/json"}
+async def post(stack, route: str, body: bytes, content_type: str = "application/json") -> tuple[int, bytes]:
+    headers = {"content-type": content_type} if content_type else {}
     async with stack.client.stream("POST", route, content=body, headers=headers) as resp:
         return resp.status_code, await resp.aread()
 
@@ -107,14 +122,90 @@ async def test_fuzzed_bodies_never_500_or_hang(stack, route, strategy):
     assert status == 200, content
 
 
+def _valid(*examples: dict[str, Any], cls: type | None = None) -> st.SearchStrategy[dict[str, Any]]:
+    """Bodies to mutate: valid examples of the route, and (for a Struct schema) generated ones."""
+    base = st.sampled_from(list(examples))
+    return st.one_of(base, struct_body(cls, wild=False)) if cls is not None else base
+
+
+_TGI = _valid({"inputs": "hi", "parameters": {"max_new_tokens": 2, "details": True}},
+              {"inputs": "hi", "parameters": {"grammar": {"type": "json", "value": {"properties": {}}}}},
+              cls=tgi.GenerateRequest)
+_TRITON = _valid({"text_input": "hi", "parameters": {"max_tokens": 2, "temperature": 0.5}},
+                 {"text_input": ["hi"], "sampling_parameters": '{"max_tokens": 2}', "return_finish_reason": True})
+_HAPPY = _valid({"prompt": "hi", "max_tokens": 2}, {"prompt": "hi", "json_format": {"a": "string"}, "top_k": 3})
+_COMPLETIONS = _valid({"prompt": "hi", "max_tokens": 2}, {"prompt": [1, 2], "n": 2, "logit_bias": {"5": 1.5}},
+                      cls=oc.CompletionRequest)
+_CHAT = _valid({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"a": [1]},
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+               cls=chat.ChatRequest)
+RAW_ROUTES = [
+    ("/v1/completions", _COMPLETIONS),
+    ("/v1/chat/completions", _CHAT),
+    ("/invocations", st.one_of(_valid({"inputs": "hi", "parameters": {"max_new_tokens": 2}}, cls=lmi.LmiRequest),
+                               _COMPLETIONS, _CHAT)),
+    ("/predictions/tiny", _valid({"inputs": ["a", "b"], "parameters": {"max_new_tokens": 2}}, cls=lmi.LmiRequest)),
+    ("/generate", _TGI),
+    ("/generate_stream", _TGI),
+    ("/", _TGI),
+    ("/tokenize", None),  # malformed only: a valid body would load the tokenizer (seconds)
+    ("/v2/models/tiny/generate", _TRITON),
+    ("/v2/models/tiny/generate_stream", _TRITON),
+    ("/v1/generate", _HAPPY),
+    ("/v1/generate_stream", _HAPPY),
+    ("/v1/jobs", _valid({"prompt": "hi", "sampling": {"max_tokens": 2}}, cls=GenerationRequest)),
+    ("/v1/batches", _valid({"input_file_id": "file-none", "endpoint": "/v1/completions", "completion_window": "24h"},
+                           cls=BatchCreate)),
+]
+CONTENT_TYPES = ["application/json", "application/json; charset=utf-8", "text/plain", "", "application/octet-stream",
+                 "application/x-www-form-urlencoded", "multipart/form-data; boundary=xx"]
+
+
+@pytest.mark.parametrize("route,objects", RAW_ROUTES, ids=[r[0] for r in RAW_ROUTES])
+async def test_raw_bytes_get_4xx_never_5xx(stack, route, objects):
+    """Malformed bytes get a 4xx, odd ones an answer below 500; the process serves on."""
+    content_types = st.sampled_from(CONTENT_TYPES)
+    malformed = draw(st.tuples(malformed_bodies(_TGI if objects is None else objects), content_types), RAW_EXAMPLES)
+    odd = [] if objects is None else draw(st.tuples(odd_bodies(objects), content_types), RAW_EXAMPLES)
+    limit = asyncio.Semaphore(CONCURRENCY)
+    failures: list[str] = []
+    statuses: dict[int, int] = {}
+
+    async def one(body: bytes, content_type: str, must_be_4xx: bool) -> None:
+        async with limit:
+            try:
+                status, content = await asyncio.wait_for(post(stack, route, body, content_type), REQUEST_TIMEOUT_S)
+            except TimeoutError:
+                failures.append(f"HANG ({REQUEST_TIMEOUT_S}s) body={body[:200]!r}")
+                return
+        statuses[status] = statuses.get(status, 0) + 1
+        bad = status >= 500 or (must_be_4xx and not 400 <= status < 500) or b"internal server error" in content
+        if bad:
+            failures.append(f"{status} ({content_type!r}) body={body[:200]!r} response={content[:300]!r}")
+
+    await asyncio.gather(*(one(b, ct, True) for b, ct in malformed), *(one(b, ct, False) for b, ct in odd))
+    print(f"\n[fuzz-raw] {route}: malformed={len(malformed)} odd={len(odd)} statuses={dict(sorted(statuses.items()))}")
+    assert not failures, f"{len(failures)} failed:\n" + "\n".join(failures[:10])
+    status, content = await asyncio.wait_for(
+        post(stack, "/v1/completions", b'{"prompt": "ok", "max_tokens": 2}'), REQUEST_TIMEOUT_S)
+    assert status == 200, content
+
+
 async def test_lmtp_fuzzed_frames_never_break_the_socket(stack):
-    """Fuzzed LMTP frames on one WebSocket: each gets an answer or nothing, the socket stays up,
-    and a valid GENERATE afterwards still streams to the end."""
+    """Fuzzed LMTP frames (text, and binary with any bytes) on one WebSocket: each gets an answer
+    or nothing, the socket stays up, and a valid GENERATE afterwards still streams to the end."""
     frames = draw(fz.lmtp_frames.map(str.encode))
+    # Binary frames too: raw bytes, and mutated payloads (invalid UTF-8, BOM, deep, NaN, ...).
+    binary = draw(st.one_of(st.binary(max_size=64), st.tuples(
+        st.sampled_from([b"GENERATE ", b"SCORE ", b"MODEL_INFO ", b""]),
+        st.one_of(malformed_bodies(struct_body(lmtp.Generate)), odd_bodies(struct_body(lmtp.Generate)))
+    ).map(b"".join)), RAW_EXAMPLES)
     url = stack.url.replace("http", "ws") + "/"
     async with aiohttp.ClientSession() as session, session.ws_connect(url) as ws:
         for frame in frames:
             await ws.send_str(frame.decode())
+        for raw in binary:
+            await ws.send_bytes(raw)
         await ws.send_str('GENERATE {"stream_id": 424242, "prompt": [97, 98], "max_tokens": 2}')
         ends = 0
         async with asyncio.timeout(30):

@@ -24,6 +24,7 @@ from api.dialects import openai_completions as oc
 from api.dialects import triton as tr
 from api.routes.lmi import _keys_decoder
 from api.submit import check_queueable
+from shared import json_input
 from shared.codec import decode_request, encode, job_from_hash, job_to_hash
 from shared.errors import InvalidRequest, ServiceError
 from shared.schemas import ChatOptions, GenerationRequest, JobRecord, OutputOptions, SamplingParams
@@ -46,7 +47,7 @@ FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 def decode(kind: type, body: bytes) -> Any:
     """``api.http.decode_body`` without a request."""
     try:
-        return msgspec.json.decode(body, type=kind)
+        return json_input.decode(body, json_input.decoder_for(kind))
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"Invalid request body: {exc}") from None
     except msgspec.DecodeError as exc:
@@ -117,8 +118,8 @@ lmi_bodies = raw_bodies(struct_body(lmi.LmiRequest))
 def lmi_path(body: bytes, tgi_compat: bool) -> list[GenerationRequest]:
     """``/invocations``: the key sniffing first, then the schema it picks."""
     try:
-        keys = _keys_decoder.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        keys = json_input.decode(body, _keys_decoder)
+    except msgspec.DecodeError as exc:
         raise InvalidRequest(f"Malformed JSON body: {exc}") from None
     if not keys.inputs and keys.prompt:
         return oc.to_generation_requests(decode(oc.CompletionRequest, body))
