@@ -9,12 +9,13 @@ suite runs the same paths on real vLLM.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from shared.errors import GenerationFailed, InvalidRequest
 from shared.events import TokenDelta
 from shared.schemas import GenerationRequest, PromptInfo
+from workers.continuation import Part
 
 
 @dataclass(slots=True)
@@ -37,7 +38,10 @@ class ScriptedEngine:
         self.active = 0
         self.peak_active = 0  # most jobs generating at once: what the engine's slots bound
 
-    async def stream(self, job_id: str, req: GenerationRequest) -> AsyncIterator[Step]:
+    async def stream(self, job_id: str, req: GenerationRequest, parts: Sequence[Part] | None = None,
+                     ) -> AsyncIterator[Step]:
+        if parts is not None:  # only a crash continuation of n > 1 or replayed jobs has parts
+            raise NotImplementedError("the scripted engine does not run continuation parts")
         self.started.append(job_id)
         self.active += 1
         self.peak_active = max(self.peak_active, self.active)

@@ -1,49 +1,127 @@
-"""Crash continuation: turn a reclaimed job's logged events into the request that continues it.
+"""Crash continuation: turn a reclaimed job's logged events into the requests that continue it.
 
-When a worker dies mid-generation its successor does not start over (the client already holds
-the first tokens): it asks the engine for the rest, with the prompt's token ids plus every token
-already published as the new prompt and what is left of the token budget. For greedy decoding
-the result equals an uninterrupted run; the successor's events continue the same sequence.
+When a worker dies mid-generation its successor does not start over: the client already holds
+the first tokens, and a fresh run would contradict them. The successor reads, per choice, what
+was published (token ids, text, whether the choice finished) and asks the engine only for the
+rest of each unfinished choice. Its events continue the same sequence, so the client's stream
+reads as one run. There are two ways to continue a choice that already has k tokens out:
 
-What cannot continue seamlessly, once tokens were published, fails with ``worker_lost``:
-several choices (``n`` > 1; each choice would need its own continuation), beam search (it
-publishes everything at the end, so it never has partial output and simply restarts), structured
-outputs (the grammar state of the emitted prefix cannot be handed to the engine) and jobs whose
-prompt token ids were never recorded.
+- **Prompt extension** (one prefill): the prompt's token ids plus the choice's k tokens become
+  the new prompt, with what is left of the token budget. The engine then sees those k tokens as
+  prompt, not as output, which is harmless only while nothing depends on which tokens were
+  *output*: greedy decoding then continues token for token as the uninterrupted run would, and
+  unseeded sampling draws from the same distribution (no such run is reproducible anyway). It
+  is wrong for structured output (the grammar would start over at the beginning of the
+  document), stop strings (vLLM holds back the last ``len(stop) - 1`` characters of text until
+  they cannot start a stop string, and looks for stops in output text only: the held text would
+  be lost and a stop across the seam missed), presence and frequency penalties (they count
+  output tokens only) and seeded sampling (the seeded generator would restart, not be k draws in).
+- **Forced replay** (k decode steps, for all of those): the original prompt with the original
+  parameters, and the first k output tokens forced to the published ones (``Part.replay``;
+  workers/forcing.py does it inside vLLM's sampler, after the grammar's mask). The grammar,
+  penalties, stop-string buffer, ``min_tokens`` and the seeded generator all advance through
+  the same k outputs as the dead worker's run did. :class:`Replay` then drops what the client
+  already holds: the k tokens, and as much text as was published (compared as cumulative text,
+  since incremental detokenisation can hold back part of a UTF-8 character or a would-be stop
+  string, so one token is not one piece of text). What the replay produces is checked against
+  what was published; a mismatch fails the job with ``worker_lost`` rather than corrupt a stream.
+
+A job with several choices (``n`` > 1) continues each unfinished choice as its own engine
+request (n = 1, seeded as vLLM seeds its children: seed + index), and :func:`run_parts` merges
+their outputs back under the original choice indices; a choice whose finish was published is not
+run again. A single-choice job that needs no replay (greedy, plain) keeps the one-prefill
+extension path (``Continuation.request``).
+Beam search publishes everything at its end, so it never has partial output and restarts from
+scratch. A job whose prompt token ids were never recorded cannot continue and fails with
+``worker_lost``.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 import msgspec
 import structlog
 
 from shared.errors import WorkerLost
-from shared.events import Event, Tokens
+from shared.events import Event, TokenDelta, Tokens
 from shared.queue import Delivery, Queue
 from shared.redis import REDIS_DOWN
 from shared.result import ResultBuilder
-from shared.schemas import GenerationRequest
+from shared.schemas import GenerationRequest, SamplingParams
 
-__all__ = ["Continuation", "plan_continuation", "plan_for"]
+__all__ = ["Continuation", "Part", "Published", "Replay", "needs_replay", "plan_continuation", "plan_for",
+           "published", "run_parts"]
 
 log = structlog.get_logger()
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One unfinished choice of a continued job, run as its own engine request (n = 1)."""
+
+    index: int
+    """The choice's index in the job's events."""
+    request: GenerationRequest
+    """With ``replay``: the original prompt's token ids and parameters. Without: the prompt
+    extended by the choice's published tokens, with the rest of its budget."""
+    replay: tuple[int, ...] = ()
+    """Output tokens the engine must force first: the choice's published tokens."""
+    replay_text: str = ""
+    """The text the client already holds for ``replay``."""
 
 
 @dataclass(slots=True)
 class Continuation:
     request: GenerationRequest
-    """What to give the engine: the original request, or its continuation."""
+    """What to give the engine when ``parts`` is None: the original request, or (greedy n = 1
+    plain jobs) its prompt extension."""
+    parts: list[Part] | None = None
+    """Otherwise one engine request per unfinished choice."""
     seq: int = 0
     """The last published sequence number; new events continue from here."""
     builder: ResultBuilder = field(default_factory=ResultBuilder)
     """Already holds the published events, so the final result covers the whole job."""
     emitted: int = 0
-    """Completion tokens published by earlier attempts."""
+    """Completion tokens published by earlier attempts, all choices together."""
     prompt_tokens: int = 0
-    """The original prompt's length (the continued prompt is longer)."""
+    """The original prompt's length (an extended prompt is longer)."""
+
+
+@dataclass(slots=True)
+class Published:
+    """What the client already holds of one choice."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+
+
+def published(prior: Sequence[Event]) -> dict[int, Published]:
+    """Per choice index, the tokens and text of the events ``prior``, and whether it finished."""
+    choices: dict[int, Published] = {}
+    texts: dict[int, list[str]] = {}
+    for event in prior:
+        if not isinstance(event, Tokens):
+            continue
+        for delta in event.deltas:
+            choice = choices.setdefault(delta.index, Published())
+            choice.token_ids.extend(delta.token_ids)
+            texts.setdefault(delta.index, []).append(delta.text)
+            choice.finished = choice.finished or delta.finish_reason is not None
+    for index, parts in texts.items():
+        choices[index].text = "".join(parts)
+    return choices
+
+
+def needs_replay(s: SamplingParams) -> bool:
+    """Whether continuing after published output needs the output replayed (see the module
+    docstring): prompt extension would change what comes next."""
+    return (s.structured is not None or bool(s.stop) or s.presence_penalty != 0 or s.frequency_penalty != 0
+            or (s.seed is not None and s.temperature > 0))
 
 
 def plan_continuation(req: GenerationRequest, prior: list[Event], prompt_ids: list[int] | None) -> Continuation:
@@ -54,31 +132,141 @@ def plan_continuation(req: GenerationRequest, prior: list[Event], prompt_ids: li
     plan = Continuation(request=req, seq=prior[-1].seq if prior else 0)
     for event in prior:
         plan.builder.add(event)
-    emitted_ids: list[int] = []
-    for event in prior:
-        if isinstance(event, Tokens):
-            for delta in event.deltas:
-                emitted_ids.extend(delta.token_ids)
-    if not emitted_ids:
+    choices = published(prior)
+    plan.emitted = sum(len(c.token_ids) for c in choices.values())
+    if not plan.emitted:
         return plan  # nothing but (maybe) the prompt was published: a fresh start is seamless
     s = req.sampling
-    if s.n > 1 or s.beam_width > 1 or s.structured is not None:
-        raise WorkerLost("the worker running this job stopped after streaming part of it, and jobs with "
-                         "several choices, beam search or structured output cannot be continued")
+    if s.beam_width > 1:  # never reached: beam search publishes nothing before its end
+        raise WorkerLost("the worker running this job stopped after streaming part of a beam search")
     if prompt_ids is None:
         raise WorkerLost("the worker running this job stopped and its prompt tokens were not recorded")
-    plan.emitted = len(emitted_ids)
     plan.prompt_tokens = len(prompt_ids)
-    remaining = s.max_tokens - plan.emitted
-    sampling = msgspec.structs.replace(
-        s, max_tokens=max(remaining, 1), min_tokens=max(s.min_tokens - plan.emitted, 0),
-        prompt_logprobs=None,  # already published with the first event
-    )
-    plan.request = msgspec.structs.replace(
-        req, prompt=None, messages=None, prompt_token_ids=prompt_ids + emitted_ids, sampling=sampling,
+    replay = needs_replay(s)
+    if s.n == 1 and not replay:
+        plan.request = _extended(req, prompt_ids, choices[0].token_ids)
+        return plan
+    plan.parts = []
+    for index in range(s.n):
+        choice = choices.get(index, Published())
+        if choice.finished:
+            continue
+        # Seeded like vLLM's own children of an n > 1 request, so each choice keeps its stream.
+        one = msgspec.structs.replace(req, sampling=msgspec.structs.replace(
+            s, n=1, seed=s.seed + index if s.seed is not None and s.n > 1 else s.seed))
+        if replay:
+            plan.parts.append(Part(index, _from_ids(one, prompt_ids, one.sampling), tuple(choice.token_ids),
+                                   choice.text))
+        else:
+            plan.parts.append(Part(index, _extended(one, prompt_ids, choice.token_ids)))
+    return plan
+
+
+def _from_ids(req: GenerationRequest, ids: list[int], sampling: SamplingParams) -> GenerationRequest:
+    return msgspec.structs.replace(
+        req, prompt=None, messages=None, prompt_token_ids=ids,
+        sampling=msgspec.structs.replace(sampling, prompt_logprobs=None),  # published with the first event
         output=msgspec.structs.replace(req.output, prompt_tokens=False),
     )
-    return plan
+
+
+def _extended(req: GenerationRequest, prompt_ids: list[int], emitted: list[int]) -> GenerationRequest:
+    """The prompt extension of one choice: its published tokens become prompt."""
+    s, k = req.sampling, len(emitted)
+    return _from_ids(req, prompt_ids + emitted, msgspec.structs.replace(
+        s, max_tokens=max(s.max_tokens - k, 1), min_tokens=max(s.min_tokens - k, 0)))
+
+
+class Replay:
+    """Drops from a forced replay's output what the client already holds (``tokens`` and
+    ``text``), checking that the replay reproduced it."""
+
+    def __init__(self, tokens: Sequence[int], text: str) -> None:
+        self.tokens, self.text = tokens, text
+        self.position = 0  # output tokens seen
+        self.chars = 0  # characters of ``text`` seen
+
+    def trim(self, delta: TokenDelta) -> TokenDelta | None:
+        """``delta`` without the replayed part (None: nothing new in it)."""
+        n = len(delta.token_ids)
+        skip = min(n, max(len(self.tokens) - self.position, 0))
+        if list(delta.token_ids[:skip]) != list(self.tokens[self.position:self.position + skip]):
+            raise WorkerLost("the continued job did not reproduce the tokens already sent")
+        self.position += n
+        if delta.finish_reason is not None and self.position <= len(self.tokens):
+            raise WorkerLost("the continued job ended before reproducing the tokens already sent")
+        text = delta.text
+        if self.chars < len(self.text):
+            cut = min(len(text), len(self.text) - self.chars)
+            if text[:cut] != self.text[self.chars:self.chars + cut]:
+                raise WorkerLost("the continued job did not reproduce the text already sent")
+            self.chars += cut
+            text = text[cut:]
+        if not skip and text == delta.text:
+            return delta
+        if not (n - skip or text or delta.finish_reason):
+            return None
+        delta.token_ids, delta.text = delta.token_ids[skip:], text
+        if delta.logprobs is not None:
+            delta.logprobs = delta.logprobs[skip:]
+        if delta.token_texts is not None:
+            delta.token_texts = delta.token_texts[skip:]
+        if delta.top_logprobs is not None:
+            delta.top_logprobs = delta.top_logprobs[skip:]
+        return delta
+
+
+class _Step(Protocol):
+    deltas: list[TokenDelta]
+    finished: bool
+
+
+S = TypeVar("S", bound=_Step)
+_END = object()
+
+
+async def run_parts(parts: Sequence[Part], run: Callable[[Part], AsyncIterator[S]]) -> AsyncIterator[S]:
+    """Run every part at once (``run`` streams one part's engine request, its deltas at index 0)
+    and yield their steps as they come: each delta under its choice's index, replayed output
+    dropped; only the step that ends the last part is ``finished``."""
+    queue: asyncio.Queue[object] = asyncio.Queue()
+
+    async def pump(part: Part) -> None:
+        replay = Replay(part.replay, part.replay_text) if part.replay else None
+        try:
+            async for step in run(part):
+                kept = []
+                for delta in step.deltas:
+                    delta.index = part.index
+                    if (delta := replay.trim(delta) if replay is not None else delta) is not None:
+                        kept.append(delta)
+                step.deltas = kept
+                queue.put_nowait(step)
+        except Exception as exc:  # re-raised by the reader, in the job's task
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(_END)
+
+    tasks = [asyncio.create_task(pump(part), name=f"part-{part.index}") for part in parts]
+    running = unfinished = len(tasks)
+    try:
+        while running:
+            item = await queue.get()
+            if item is _END:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                step: S = item  # type: ignore[assignment]
+                if step.finished:
+                    unfinished -= 1
+                    step.finished = unfinished == 0
+                if step.deltas or step.finished:
+                    yield step
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def plan_for(queue: Queue, model: str, d: Delivery, req: GenerationRequest) -> Continuation:
@@ -96,5 +284,6 @@ async def plan_for(queue: Queue, model: str, d: Delivery, req: GenerationRequest
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
     plan = plan_continuation(req, [e for e in prior if isinstance(e, Tokens)], d.prompt_ids)
-    log.info("job_continued", after_seq=plan.seq, emitted=plan.emitted)
+    log.info("job_continued", after_seq=plan.seq, emitted=plan.emitted,
+             parts=None if plan.parts is None else [(p.index, len(p.replay)) for p in plan.parts])
     return plan

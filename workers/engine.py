@@ -1,13 +1,16 @@
-"""The engine adapter: the only module in llmq that imports vLLM.
+"""The engine adapter: the one module in llmq that drives vLLM.
 
 It builds one ``AsyncLLM`` from Settings, maps the internal request to vLLM (one function:
-:func:`to_sampling_params`) and turns vLLM's DELTA outputs into llmq token deltas.
+:func:`to_sampling_params`) and turns vLLM's DELTA outputs into llmq token deltas. A continued
+job's parts (workers/continuation.py) run as one engine request each; the logits processor that
+forces a replayed prefix lives in workers/forcing.py, because vLLM imports it by its module path
+inside its engine core.
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -18,6 +21,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TextPrompt, TokensPrompt
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -25,7 +29,9 @@ from shared.config import Settings
 from shared.errors import EngineDead, InvalidRequest
 from shared.events import TokenDelta
 from shared.schemas import GenerationRequest, PromptInfo, StructuredOutput, TopLogprob
+from workers import forcing
 from workers.beam import beam_search
+from workers.continuation import Part, run_parts
 
 __all__ = ["VllmEngine", "Step", "to_sampling_params"]
 
@@ -44,8 +50,9 @@ class Step:
     another worker can continue it if this one dies (workers/continuation.py)."""
 
 
-def to_sampling_params(req: GenerationRequest) -> VllmSamplingParams:
-    """The one mapping from llmq's sampling parameters to vLLM's."""
+def to_sampling_params(req: GenerationRequest, forced: Sequence[int] = ()) -> VllmSamplingParams:
+    """The one mapping from llmq's sampling parameters to vLLM's; ``forced``: output tokens the
+    engine must produce first (a continued job's replay, workers/forcing.py)."""
     s = req.sampling
     return VllmSamplingParams(
         n=s.n,
@@ -70,6 +77,7 @@ def to_sampling_params(req: GenerationRequest) -> VllmSamplingParams:
         logit_bias=dict(s.logit_bias) or None,
         allowed_token_ids=list(s.allowed_token_ids) if s.allowed_token_ids is not None else None,
         structured_outputs=_structured(s.structured),
+        extra_args={forcing.FORCED: list(forced)} if forced else None,
         # DELTA: each output carries only what is new, so per-token work stays O(new tokens).
         output_kind=RequestOutputKind.DELTA,
     )
@@ -141,6 +149,7 @@ class VllmEngine:
         self.engine = engine
         self.max_model_len = max_model_len
         self.tokenizer = engine.get_tokenizer()
+        self._requests: dict[str, list[str]] = {}  # job id -> its engine requests, when not just the job id
 
     @classmethod
     def build(cls, settings: Settings, model_path: str) -> VllmEngine:
@@ -158,7 +167,12 @@ class VllmEngine:
             # Requests carry a priority (lower first); the default FCFS policy refuses any but 0.
             scheduling_policy="priority",
         )
-        return cls(AsyncLLM.from_engine_args(args), settings.max_model_len)
+        config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        # The forcing processor's interface depends on the model runner this config chose.
+        config.model_config.logits_processors = [forcing.processor_for(config.use_v2_model_runner)]
+        engine = AsyncLLM.from_vllm_config(config, enable_log_requests=args.enable_log_requests,
+                                           disable_log_stats=args.disable_log_stats)
+        return cls(engine, settings.max_model_len)
 
     def _prompt(self, req: GenerationRequest) -> TextPrompt | TokensPrompt:
         if req.prompt_token_ids is not None:
@@ -206,20 +220,40 @@ class VllmEngine:
             info.token_texts = [self.tokenizer.decode([tid]) for tid in ids]
         return info
 
-    async def stream(self, job_id: str, req: GenerationRequest) -> AsyncIterator[Step]:
+    async def stream(self, job_id: str, req: GenerationRequest, parts: Sequence[Part] | None = None,
+                     ) -> AsyncIterator[Step]:
+        """The job's steps: ``req`` as one engine request, or (a continued job) each of ``parts``
+        as its own, merged under the parts' choice indices."""
+        if parts is None:
+            async for step in self._generate(job_id, req):
+                yield step
+            return
+        if not parts:  # every choice had finished: only the final event is missing
+            yield Step(deltas=[], finished=True)
+            return
+        ids = {part.index: job_id if len(parts) == 1 else f"{job_id}-{part.index}" for part in parts}
+        self._requests[job_id] = list(ids.values())
+        try:
+            async for step in run_parts(parts, lambda part: self._generate(ids[part.index], part.request, part.replay)):
+                yield step
+        finally:
+            self._requests.pop(job_id, None)
+
+    async def _generate(self, request_id: str, req: GenerationRequest, forced: Sequence[int] = (),
+                        ) -> AsyncIterator[Step]:
         want_top = req.sampling.logprobs
         try:
-            params = to_sampling_params(req)
+            params = to_sampling_params(req, forced)
             prompt = self._prompt(req)
         except ValueError as exc:  # SamplingParams' own range checks
             raise InvalidRequest(str(exc)) from None
         try:
             if req.sampling.beam_width > 1:
-                yield await self._beam_search(job_id, req, prompt)
+                yield await self._beam_search(request_id, req, prompt)
                 return
             first = True
             primed = self._primed_text(req)
-            async for out in self.engine.generate(prompt, params, request_id=job_id, priority=req.priority):
+            async for out in self.engine.generate(prompt, params, request_id=request_id, priority=req.priority):
                 step = _step(out, want_top)
                 if primed:
                     primed = _strip_primed(step, primed)
@@ -282,7 +316,7 @@ class VllmEngine:
         return Step(deltas=deltas, finished=True, prompt_tokens=len(ids))
 
     async def abort(self, job_id: str) -> None:
-        await self.engine.abort(job_id)
+        await self.engine.abort(self._requests.get(job_id, job_id))
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -62,7 +62,8 @@ class BurstEngine:
     """``max_tokens`` tokens, no delay, token i is ``chr(97 + i % 26)``; the prompt ``burst-<k>``
     asks for k tokens per step (default 1)."""
 
-    async def stream(self, job_id: str, req) -> AsyncIterator[_Step]:
+    async def stream(self, job_id: str, req, parts: object = None) -> AsyncIterator[_Step]:
+        # ``parts`` (a continued job's pieces) never occurs here: no worker dies in the benchmark.
         from shared.events import TokenDelta
 
         n = req.sampling.max_tokens

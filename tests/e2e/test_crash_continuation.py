@@ -1,8 +1,17 @@
 """SIGKILL the worker that is streaming a job: a peer continues it, and the client's stream is
-one seamless greedy run (real processes, real vLLM on the tiny model).
+one uninterrupted run (real processes, real vLLM on the tiny model).
+
+Four kinds of job: greedy (continued by prompt extension), a JSON schema and a ``choice`` job
+(structured output: continued by replaying the published tokens under the same grammar) and an
+``n`` = 3 job (each choice continued from its own tokens). vLLM refuses ``n`` > 1 with greedy
+sampling, so that job samples with a seed: each choice is replayed with its own seed, as vLLM
+seeds its children, and must still equal the uninterrupted run token for token.
 
 This module starts its own small stack (two workers, one API) on a fresh prefix with a short
-lease, so a dead worker's job is taken over within seconds.
+lease, so a dead worker's job is taken over within seconds; each test starts a replacement for
+the worker it killed. Greedy output on CPU depends on the batch (tests/e2e/test_procfile_drain.py):
+each reference runs alone, as the continued job then runs alone on the surviving worker, and
+generations stay short.
 """
 
 from __future__ import annotations
@@ -14,10 +23,13 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 from redis import Redis
 
@@ -25,22 +37,56 @@ from shared.config import load_settings
 from shared.keys import GROUP, Keys
 from tests.conftest import free_port
 from tests.e2e.conftest import _spawn, _tail, stop_all, wait_ready
-from tests.faults import alive, children
+from tests.faults import Figures, alive, children, lost_and_duplicated
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 
 LEASE_S = 3
+KILL_AFTER_EVENTS = 20  # one engine step each: ~20 tokens a choice
 MAX_TOKENS = 200
 BODY = {"inputs": "Once upon a time", "parameters": {"do_sample": False, "max_new_tokens": MAX_TOKENS,
                                                      "ignore_eos_token": True, "details": True}}
+# An array of exactly 22 enum strings: ~160 tokens of JSON, whatever the random weights prefer.
+SCHEMA = {"type": "object", "properties": {"items": {
+    "type": "array", "items": {"enum": ["alpha", "beta", "gamma", "delta"]}, "minItems": 22, "maxItems": 22}},
+    "required": ["items"], "additionalProperties": False}
+# Three options of 150 characters (~100 tokens each), distinct from their first character.
+OPTIONS = ["".join(chr(97 + (i * 7 + j * 3) % 26) for j in range(150)) for i in range(3)]
 
 
 class Small:
-    def __init__(self, url: str, prefix: str, redis_url: str, procs: list, logs: Path) -> None:
-        self.url, self.prefix, self.redis_url, self.procs, self.logs = url, prefix, redis_url, procs, logs
+    def __init__(self, url: str, prefix: str, redis_url: str, procs: list, logs: Path, env: dict) -> None:
+        self.url, self.prefix, self.procs, self.logs, self.env = url, prefix, procs, logs, env
+        self.redis = Redis.from_url(redis_url)
+        self.keys = Keys(prefix)
+        self.model = load_settings({}).model_name
+        self.spawned = 2
 
     def tails(self) -> str:
         return "\n".join(f"--- {log.name}\n{_tail(log)}" for _, log in self.procs)
+
+    def ready_pids(self) -> set[int]:
+        found = set()
+        for key in self.redis.scan_iter(match=self.keys.worker("*")):
+            fields = self.redis.hgetall(key)
+            if fields.get(b"status") == b"ready":
+                found.add(int(fields[b"pid"]))
+        return found
+
+    def two_workers(self) -> None:
+        """Replace the worker an earlier test killed, and wait until both serve."""
+        self.procs[:] = [(p, log) for p, log in self.procs if p.poll() is None]
+        workers = [p for p, log in self.procs if log.name.startswith("worker")]
+        for _ in range(2 - len(workers)):
+            log = self.logs / f"worker{self.spawned}.log"
+            self.spawned += 1
+            proc = _spawn(["-m", "workers"], self.env, log)
+            self.procs.append((proc, log))
+            workers.append(proc)
+        deadline = time.monotonic() + 300
+        while not {p.pid for p in workers} <= self.ready_pids():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in workers), self.tails()
+            time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -57,80 +103,217 @@ def small(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     port = free_port()
     log = logs / "api.log"
     procs.append((_spawn(["-m", "api"], {**env, "LLMQ_PORT": str(port)}, log), log))
-    stack = Small(f"http://127.0.0.1:{port}", prefix, redis_url, procs, logs)
+    stack = Small(f"http://127.0.0.1:{port}", prefix, redis_url, procs, logs, env)
     try:
         wait_ready(stack.url, procs, 2)
         yield stack
     finally:
         stop_all(procs)
+        stack.redis.close()
 
+
+# --- streaming, killing, checking -----------------------------------------------------------
+
+Items = list[tuple[float, dict]]  # (arrival time, one JSON line or SSE event)
+
+
+def json_lines(client: httpx.Client, url: str, body: dict, items: Items) -> None:
+    with client.stream("POST", url, json=body) as resp:
+        assert resp.status_code == 200, resp.read()
+        for raw in resp.iter_lines():
+            if raw:
+                items.append((time.monotonic(), json.loads(raw)))
+
+
+def sse_events(client: httpx.Client, url: str, body: dict, items: Items) -> None:
+    with client.stream("POST", url, json=body) as resp:
+        assert resp.status_code == 200, resp.read()
+        for raw in resp.iter_lines():
+            if raw.startswith("data: ") and raw != "data: [DONE]":
+                items.append((time.monotonic(), json.loads(raw.removeprefix("data: "))))
+
+
+@dataclass
+class Killed:
+    items: Items
+    job_id: str
+    worker: str
+    logged: int  # events in the job's log when its worker was killed
+    before: int  # items the client had read by then (it may lag behind the log)
+    recovery_s: float  # from the kill to the successor's first item
+    engine_pids: list[int] = field(default_factory=list)
+
+
+def stream_and_kill(small: Small, read: Callable[[Items], None]) -> Killed:
+    """Run ``read`` in a thread; once the job (the only running one on this prefix) has logged
+    KILL_AFTER_EVENTS events, SIGKILL its worker; return when the stream has ended. The job's log,
+    not the client, says when: a client thread starved of CPU reads in bursts, and the job could
+    finish before the kill."""
+    items: Items = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            read(items)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+            failure.append(exc)
+
+    reader = threading.Thread(target=run)
+    reader.start()
+    deadline = time.monotonic() + 120
+    job_id = worker = None
+    logged = 0
+    while logged < KILL_AFTER_EVENTS and time.monotonic() < deadline:
+        if job_id is None:
+            for key in small.redis.scan_iter(match=small.keys.job(small.model, "*")):
+                fields = small.redis.hgetall(key)
+                if fields.get(b"status") == b"running":
+                    job_id, worker = key.decode().rsplit(":", 1)[-1], fields[b"worker"].decode()
+        if job_id is not None:
+            logged = small.redis.xlen(small.keys.events(small.model, job_id))
+        time.sleep(0.005)
+    assert job_id and logged >= KILL_AFTER_EVENTS, f"no running job found\n{small.tails()}"
+    pid = int(small.redis.hget(small.keys.worker(worker), "pid"))
+    engine_pids = children(pid)  # vLLM's engine core, a forked child of the worker
+    os.kill(pid, signal.SIGKILL)
+    killed_at, before = time.monotonic(), len(items)
+    reader.join(180)
+    assert not reader.is_alive() and not failure, f"{failure}\n{small.tails()}"
+    # The successor's first item ends the longest silence after the kill (what the dead worker
+    # published just before it died can still arrive first).
+    stamps = [killed_at, *(t for t, _ in items[before:])]
+    _, resumed = max(((b - a, b) for a, b in pairwise(stamps)), default=(0.0, float("nan")))
+    return Killed(items, job_id, worker, logged, before, resumed - killed_at, engine_pids)
+
+
+def check_taken_over(small: Small, killed: Killed) -> None:
+    """The job finished on the peer, its log is one run of seqs, nothing is left pending, and
+    the dead worker's engine went with it (workers/lifeline.py)."""
+    record = small.redis.hgetall(small.keys.job(small.model, killed.job_id))
+    assert record[b"status"] == b"done" and record[b"attempt"] == b"2", record
+    assert record[b"worker"].decode() != killed.worker
+    log = small.redis.xrange(small.keys.events(small.model, killed.job_id))
+    seqs = [int(entry_id.split(b"-")[0]) for entry_id, _ in log]
+    assert seqs == list(range(1, len(seqs) + 1))
+    assert killed.logged < len(seqs) - 1, "the kill must land mid-stream"
+    assert small.redis.xpending(small.keys.queue(small.model), GROUP)["pending"] == 0
+    assert killed.recovery_s < LEASE_S + 15  # lease + one blocking read + a prefill or a replay, generously
+    assert killed.engine_pids, "the worker's engine process was not found"
+    assert not [p for p in killed.engine_pids if alive(p)], "the SIGKILLed worker left its engine running"
+
+
+def result_ids(small: Small, job_id: str) -> list[list[int]]:
+    """Each choice's token ids, from the job's stored result."""
+    result = json.loads(small.redis.hget(small.keys.job(small.model, job_id), "result"))
+    return [c["token_ids"] for c in result["choices"]]
+
+
+@dataclass
+class Choices:
+    """An OpenAI completions stream, per choice index: text, tokens (``logprobs: 0``), finish."""
+
+    text: dict[int, str] = field(default_factory=dict)
+    tokens: dict[int, list[str]] = field(default_factory=dict)
+    finish: dict[int, list[str]] = field(default_factory=dict)
+    errors: int = 0
+    job_id: str = ""
+
+    @classmethod
+    def of(cls, items: Items) -> Choices:
+        out = cls()
+        for _, chunk in items:
+            if "error" in chunk:
+                out.errors += 1
+                continue
+            out.job_id = chunk["id"].removeprefix("cmpl-")
+            for c in chunk["choices"]:
+                i = c["index"]
+                out.text[i] = out.text.get(i, "") + c["text"]
+                out.tokens.setdefault(i, []).extend((c.get("logprobs") or {}).get("tokens") or [])
+                if c.get("finish_reason"):
+                    out.finish.setdefault(i, []).append(c["finish_reason"])
+        return out
+
+
+def completions_tokens(items: Items) -> int:
+    return sum(len((c.get("logprobs") or {}).get("tokens") or []) for _, chunk in items
+               for c in chunk.get("choices", []))
+
+
+def compare_completions(small: Small, body: dict, figures: Figures) -> tuple[Choices, Choices]:
+    """The same completions request alone, uninterrupted, then with its worker killed mid-stream:
+    both streams must be identical per choice (text, tokens, finish), with no error event."""
+    small.two_workers()
+    url = f"{small.url}/v1/completions"
+    body = {"model": small.model, "stream": True, "logprobs": 0, **body}
+    with httpx.Client(timeout=120) as client:
+        reference: Items = []
+        sse_events(client, url, body, reference)
+        killed = stream_and_kill(small, lambda items: sse_events(client, url, body, items))
+    want, got = Choices.of(reference), Choices.of(killed.items)
+    total = sum(len(t) for t in want.tokens.values())
+    lost = dup = 0
+    for i, tokens in want.tokens.items():
+        lo, du = lost_and_duplicated(tokens, got.tokens.get(i, []))
+        lost, dup = lost + lo, dup + du
+    identical = (got.text, got.tokens, got.finish) == (want.text, want.tokens, want.finish)
+    figures.requests_sent, figures.completed = 1, int(identical and not got.errors)
+    figures.ended_with_error, figures.tokens_lost, figures.tokens_duplicated = got.errors, lost, dup
+    figures.seconds["recovery_s"] = killed.recovery_s
+    streamed = completions_tokens(killed.items[:killed.before])
+    print(f"killed after {killed.logged} events ({streamed} of {total} tokens read); "
+          f"next token {killed.recovery_s:.2f} s later (lease {LEASE_S} s)")
+
+    assert not got.errors and not want.errors, "no error event: the job continued"
+    assert got.tokens == want.tokens, "every choice's tokens: nothing lost, repeated or changed"
+    assert got.text == want.text and got.finish == want.finish
+    assert all(len(f) == 1 for f in got.finish.values()), "each choice finishes exactly once"
+    assert result_ids(small, got.job_id) == result_ids(small, want.job_id), "the stored results agree by token id"
+    check_taken_over(small, killed)
+    return want, got
+
+
+# --- the scenarios --------------------------------------------------------------------------
 
 def test_sigkill_mid_stream_continues_on_a_peer_identical_to_an_uninterrupted_run(small, figures):
-    model = load_settings({}).model_name
-    keys = Keys(small.prefix)
-    redis = Redis.from_url(small.redis_url)
+    small.two_workers()
     with httpx.Client(timeout=120) as client:
         reference = client.post(f"{small.url}/invocations", json=BODY)
         assert reference.status_code == 200, reference.text
         want = [t["id"] for t in reference.json()["details"]["tokens"]]
         assert len(want) == MAX_TOKENS
+        killed = stream_and_kill(
+            small, lambda items: json_lines(client, f"{small.url}/invocations", {**BODY, "stream": True}, items))
 
-        lines: list[tuple[float, dict]] = []  # (arrival time, line)
-        failure: list[BaseException] = []
-
-        def stream() -> None:
-            try:
-                with client.stream("POST", f"{small.url}/invocations", json={**BODY, "stream": True}) as resp:
-                    assert resp.status_code == 200
-                    for raw in resp.iter_lines():
-                        if raw:
-                            lines.append((time.monotonic(), json.loads(raw)))
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
-                failure.append(exc)
-
-        reader = threading.Thread(target=stream)
-        reader.start()
-        # Find the job (the only running one on this prefix) once ~30 tokens are out, and its worker.
-        deadline = time.monotonic() + 120
-        job_key = worker = None
-        while time.monotonic() < deadline:
-            for key in redis.scan_iter(match=keys.job(model, "*")):
-                fields = redis.hgetall(key)
-                if fields.get(b"status") == b"running" and len(lines) >= 30:
-                    job_key, worker = key, fields[b"worker"].decode()
-            if job_key:
-                break
-            time.sleep(0.02)
-        assert job_key, f"no running job found\n{small.tails()}"
-        pid = int(redis.hget(keys.worker(worker), "pid"))
-        engine_pids = children(pid)  # vLLM's engine core, a forked child of the worker
-        os.kill(pid, signal.SIGKILL)
-        killed_at, streamed_before = time.monotonic(), len(lines)
-        reader.join(180)
-        assert not reader.is_alive() and not failure, f"{failure}\n{small.tails()}"
-
-    ids = [line["token"]["id"] for _, line in lines if "token" in line]
-    job_id = job_key.decode().rsplit(":", 1)[-1]
-    record = redis.hgetall(job_key)
-    events = redis.xrange(keys.events(model, job_id))
-    seqs = [int(entry_id.split(b"-")[0]) for entry_id, _ in events]
-    after = [t for t, _ in lines[streamed_before:]]
-    recovery_s = (after[0] - killed_at) if after else float("nan")
+    ids = [line["token"]["id"] for _, line in killed.items if "token" in line]
     figures.requests_sent, figures.completed = 1, int(ids == want)
-    figures.tokens_lost = max(0, len(want) - len(ids)) + sum(a != b for a, b in zip(ids, want, strict=False))
-    figures.tokens_duplicated = max(0, len(ids) - len(want))
-    figures.seconds["recovery_s"] = recovery_s
-    print(f"killed after {streamed_before} lines; next token {recovery_s:.2f} s later (lease {LEASE_S} s)")
+    figures.tokens_lost, figures.tokens_duplicated = lost_and_duplicated(want, ids)
+    figures.seconds["recovery_s"] = killed.recovery_s
+    print(f"killed after {killed.logged} events; next token {killed.recovery_s:.2f} s later (lease {LEASE_S} s)")
 
-    assert streamed_before < MAX_TOKENS, "the kill must land mid-stream"
     assert ids == want, "the continued stream equals an uninterrupted greedy run: nothing lost or repeated"
-    assert lines[-1][1]["generated_text"] == reference.json()["generated_text"]
-    assert record[b"status"] == b"done" and record[b"attempt"] == b"2"
-    assert record[b"worker"].decode() != worker
-    assert seqs == list(range(1, len(seqs) + 1))
-    assert (redis.xpending(keys.queue(model), GROUP))["pending"] == 0
-    assert recovery_s < LEASE_S + 15  # lease + one blocking read + a continuation prefill, generously
-    # The dead worker's engine went with it (workers/lifeline.py), not left running as an orphan.
-    assert engine_pids, "the worker's engine process was not found"
-    assert not [p for p in engine_pids if alive(p)], "the SIGKILLed worker left its engine running"
-    redis.close()
+    assert killed.items[-1][1]["generated_text"] == reference.json()["generated_text"]
+    check_taken_over(small, killed)
+
+
+def test_sigkill_mid_json_schema_stream_replays_the_grammar_on_a_peer(small, figures):
+    body = {"prompt": "The inventory as JSON:", "max_tokens": 400, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "inventory", "schema": SCHEMA}}}
+    _, got = compare_completions(small, body, figures)
+    document = json.loads(got.text[0])
+    jsonschema.validate(document, SCHEMA)
+    assert len(document["items"]) == 22 and got.finish == {0: ["stop"]}
+
+
+def test_sigkill_mid_choice_stream_replays_the_grammar_on_a_peer(small, figures):
+    body = {"prompt": "Pick one:", "max_tokens": 400, "temperature": 0, "structured_outputs": {"choice": OPTIONS}}
+    _, got = compare_completions(small, body, figures)
+    assert got.text[0] in OPTIONS and got.finish == {0: ["stop"]}
+
+
+def test_sigkill_mid_stream_of_three_choices_continues_each_on_a_peer(small, figures):
+    body = {"prompt": "Once upon a time", "n": 3, "max_tokens": 120, "temperature": 1.0, "seed": 1234,
+            "ignore_eos": True}
+    want, got = compare_completions(small, body, figures)
+    assert sorted(got.tokens) == [0, 1, 2] and all(len(t) == 120 for t in got.tokens.values())
+    assert len(set(want.text.values())) == 3, "three different samples, each continued from its own tokens"

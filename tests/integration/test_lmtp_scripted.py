@@ -66,7 +66,8 @@ class LmtpEngine:
     def __init__(self) -> None:
         self.aborted: list[str] = []
 
-    async def stream(self, job_id: str, req: GenerationRequest) -> AsyncIterator[Step]:
+    async def stream(self, job_id: str, req: GenerationRequest, parts: object = None) -> AsyncIterator[Step]:
+        # ``parts`` (a continued job's pieces) never occurs here: no worker dies in these tests.
         ids = list(req.prompt_token_ids or [ord(c) for c in req.prompt or "x"])
         if ids[0] == FAIL:
             raise InvalidRequest("scripted failure")

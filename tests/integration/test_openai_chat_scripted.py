@@ -30,7 +30,7 @@ class ChatEngine(ScriptedEngine):
     """The scripted engine, reading a chat's last message as its prompt. ``break`` fails after
     its first token; ``slow...`` waits before its first token."""
 
-    async def stream(self, job_id, req):
+    async def stream(self, job_id, req, parts=None):
         if req.messages is not None:
             req = msgspec.structs.replace(req, messages=None, prompt=req.messages[-1].content)
         if req.prompt == "break":
@@ -38,7 +38,7 @@ class ChatEngine(ScriptedEngine):
             raise GenerationFailed("scripted failure mid-stream")
         if req.prompt.startswith("slow"):
             await asyncio.sleep(SLOW_S)
-        async for step in super().stream(job_id, req):
+        async for step in super().stream(job_id, req, parts):
             yield step
 
 

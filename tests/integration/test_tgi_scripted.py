@@ -30,7 +30,8 @@ class TgiEngine(ScriptedEngine):
     """The scripted engine plus what TGI needs: n sequences, prompt tokens, top logprobs, EOS,
     and failures on cue (by prompt)."""
 
-    async def stream(self, job_id: str, req: GenerationRequest):
+    async def stream(self, job_id: str, req: GenerationRequest, parts: object = None):
+        # ``parts`` (a continued job's pieces) never occurs here: no worker dies in these tests.
         prompt = req.prompt or ""
         if prompt == "overload":
             raise Overloaded("Model is overloaded")
