@@ -20,13 +20,14 @@ from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
 from shared.errors import JobNotFound, Unauthorized
+from shared.schemas import GROUP_PREFIX
 
 __all__ = ["OPEN_PATHS", "current_owner", "owner_of", "presented_key", "parse_keys", "KeyGuard"]
 
 # Probes a load balancer or orchestrator calls without credentials. Metadata (/v1/models, /info,
 # /v2, /v2/models/{m}) is not here: vLLM's --api-key protects /v1/models too.
 OPEN_PATHS = frozenset({
-    "/ping", "/health", "/liveness", "/readiness", "/v2/health/live", "/v2/health/ready",
+    "/ping", "/health", "/liveness", "/readiness", "/v2/health/live", "/v2/health/ready", "/livez", "/readyz",
     "/v2/models/{model:str}/ready", "/v2/models/{model:str}/versions/{version:str}/ready",
     "/openapi.json",  # API documentation, open as vLLM's is; it names no model or key
     "/metrics",  # Prometheus scrapes, open as vLLM's are: queue figures, no prompt or key
@@ -61,6 +62,9 @@ class KeyGuard:
     def __init__(self, keys: tuple[str, ...]) -> None:
         self.keys = tuple(k.encode() for k in keys)
 
+    def __repr__(self) -> str:
+        return f"KeyGuard({len(self.keys)} keys)"  # never the keys themselves
+
     def valid(self, key: str | None) -> bool:
         if not key:
             return False
@@ -85,8 +89,12 @@ class KeyGuard:
 async def _check_job_owner(connection: ASGIConnection, job_id: str, owner: str) -> None:
     """A job queued under another key is reported exactly like a missing one."""
     svc = connection.app.state.services
-    for model in await svc.models.ever_served():
-        exists, stored = await svc.queue.redis.hmget(svc.keys.job(model, job_id), "model", "owner")
+    for model in await svc.models.known():
+        if job_id.startswith(GROUP_PREFIX):
+            group = await svc.queue.get_group(model, job_id)
+            exists, stored = (None, None) if group is None else (group.id, group.owner.encode())
+        else:
+            exists, stored = await svc.queue.redis.hmget(svc.keys.job(model, job_id), "model", "owner")
         if exists is not None:
             if not hmac.compare_digest(stored or b"", owner.encode()):
                 raise JobNotFound(f"job {job_id} not found")

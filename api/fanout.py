@@ -5,6 +5,10 @@ back into one stream whose choice indexes run across the jobs: job ``j``'s choic
 ``j * n + i``, as vLLM numbers them. The merged stream ends with one ``Done`` carrying the summed
 usage, or with the first ``Error``. A job's prompt info rides on its first event, whose deltas
 tell which job it belongs to.
+
+An ``Idempotency-Key`` covers the whole request: job ``j`` is queued under ``<key>#<j>``. With
+``Prefer: respond-async`` the jobs are queued as one group (:class:`shared.schemas.JobGroup`),
+polled and cancelled at ``/v1/jobs/<group id>`` like one job, its result in the request's shape.
 """
 
 from __future__ import annotations
@@ -14,25 +18,115 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
+from api.auth import current_owner
+from api.dialects import render_group_result
 from api.relay import Keepalive, collect
 from api.services import Services
-from api.submit import Submission, submit
+from api.submit import Submission, cancel_quietly, enqueue_detached, submit
+from shared.errors import JobNotFound
 from shared.events import Done, Error, Event, TokenDelta, Tokens
-from shared.schemas import GenerationRequest, JobResult, Usage
+from shared.queue import now_ms
+from shared.schemas import (
+    GROUP_PREFIX,
+    TERMINAL_STATUSES,
+    GenerationRequest,
+    JobError,
+    JobGroup,
+    JobRecord,
+    JobResult,
+    JobStatus,
+    Usage,
+)
 
-__all__ = ["submit_all", "merge", "collect_all"]
+__all__ = ["submit_all", "merge", "collect_all", "enqueue_all", "GroupView", "group_view", "part_key"]
 
 
-async def submit_all(svc: Services, reqs: list[GenerationRequest], *, keepalive: bool = False) -> list[Submission]:
+def part_key(idempotency_key: str | None, part: int, parts: int) -> str | None:
+    """The Idempotency-Key of one job of a request that queues ``parts`` jobs."""
+    if idempotency_key is None or parts == 1:
+        return idempotency_key
+    return f"{idempotency_key}#{part}"
+
+
+async def submit_all(svc: Services, reqs: list[GenerationRequest], *, keepalive: bool = False,
+                     idempotency_key: str | None = None) -> list[Submission]:
     subs: list[Submission] = []
     try:
-        for req in reqs:
-            subs.append(await submit(svc, req, keepalive=keepalive and not subs))
+        for j, req in enumerate(reqs):
+            subs.append(await submit(svc, req, idempotency_key=part_key(idempotency_key, j, len(reqs)),
+                                     keepalive=keepalive and not subs))
     except BaseException:
         for sub in subs:
             await sub.events.aclose()  # type: ignore[attr-defined]
         raise
     return subs
+
+
+async def enqueue_all(svc: Services, reqs: list[GenerationRequest], idempotency_key: str | None) -> str:
+    """Fire-and-poll: queue the request's jobs without following them. Returns the job's id, or
+    with several jobs the id of their group."""
+    if len(reqs) == 1:
+        return await enqueue_detached(svc, reqs[0], idempotency_key)
+    model = await svc.models.resolve(reqs[0].model)
+    ids: list[str] = []
+    try:
+        for j, req in enumerate(reqs):
+            ids.append(await enqueue_detached(svc, req, part_key(idempotency_key, j, len(reqs))))
+    except BaseException:
+        if idempotency_key is None:  # all or nothing: no orphan runs for a client who got an error
+            for job_id in ids:
+                svc.spawn(cancel_quietly(svc, model, job_id))
+        raise
+    group = JobGroup(id=GROUP_PREFIX + ids[0], model=model, jobs=ids, queued_at=now_ms(), owner=current_owner.get())
+    # It must outlive its jobs' records, which expire LLMQ_RESULT_TTL_S after they finish.
+    await svc.queue.save_group(group, svc.settings.idempotency_ttl_s + svc.settings.result_ttl_s)
+    return group.id
+
+
+class GroupView(msgspec.Struct, kw_only=True):
+    """A group as ``GET /v1/jobs/{id}`` shows it: one status over its jobs, one result."""
+
+    id: str
+    object: str = "job.group"
+    model: str
+    status: JobStatus
+    dialect: str
+    jobs: list[str]
+    queued_at: float
+    started_at: float | None
+    finished_at: float | None
+    result: object
+    """The request's answer in its dialect's shape, once every job is done."""
+    error: JobError | None
+
+
+def _status(records: list[JobRecord]) -> JobStatus:
+    statuses = {r.status for r in records}
+    if statuses == {"done"}:
+        return "done"
+    if statuses <= TERMINAL_STATUSES:
+        return "cancelled" if "cancelled" in statuses else "failed"
+    return "queued" if statuses == {"queued"} else "running"
+
+
+async def group_view(svc: Services, group: JobGroup) -> GroupView:
+    found = await svc.queue.get_jobs(group.model, group.jobs)
+    records = [r for r in found if r is not None]
+    if len(records) != len(found):
+        raise JobNotFound(f"job {group.id} not found")  # its jobs' records expired before it did
+    status = _status(records)
+    result = None
+    if status == "done":
+        reqs = [r.request for r in records]
+        result = render_group_result(reqs, [r.result or JobResult() for r in records], group.id,
+                                     int(group.queued_at // 1000))
+    started = [r.started_at for r in records if r.started_at is not None]
+    return GroupView(
+        id=group.id, model=group.model, status=status, dialect=records[0].request.dialect, jobs=group.jobs,
+        queued_at=group.queued_at, started_at=min(started) if started else None,
+        finished_at=max(r.finished_at or 0.0 for r in records) if status in TERMINAL_STATUSES else None,
+        result=result, error=next((r.error for r in records if r.error is not None), None),
+    )
 
 
 def _shift(deltas: list[TokenDelta], offset: int) -> list[TokenDelta]:

@@ -15,9 +15,11 @@ from litestar.response import Stream
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.auth import KeyGuard, presented_key
+from api.fanout import enqueue_all
 from api.relay import CoalescingSend
 from api.services import Services
-from api.submit import PRIORITY_HEADER, TIMEOUT_HEADER, end_watches, enqueue_detached, header_options, watching
+from api.submit import PRIORITY_HEADER, TIMEOUT_HEADER, end_watches, header_options, watching
+from shared import json_input
 from shared.codec import encode
 from shared.errors import InvalidRequest
 from shared.schemas import GenerationRequest
@@ -29,21 +31,17 @@ log = structlog.get_logger()
 
 T = TypeVar("T")
 
-_decoders: dict[type, msgspec.json.Decoder] = {}
-
 # Streams must reach the client as they are produced: no proxy buffering, no caching.
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def decode_body(request: Request, kind: type[T]) -> T:
     """Validate the body against the dialect's schema; failures become InvalidRequest, which each
-    dialect renders in its own error shape."""
-    decoder = _decoders.get(kind)
-    if decoder is None:
-        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
+    dialect renders in its own error shape. Any byte sequence is a 4xx here, never a 500
+    (``shared.json_input``: invalid UTF-8, a BOM, an empty body, nesting too deep, ...)."""
     body = await request.body()
     try:
-        return decoder.decode(body)
+        return json_input.decode(body, json_input.decoder_for(kind))
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"Invalid request body: {exc}") from None
     except msgspec.DecodeError as exc:
@@ -60,8 +58,10 @@ def wants_async(request: Request) -> bool:
     return any(token.strip().lower() == "respond-async" for token in prefer.split(","))
 
 
-async def accepted(svc: Services, request: Request, req: GenerationRequest) -> Response:
-    job_id = await enqueue_detached(svc, req, idempotency_key(request))
+async def accepted(svc: Services, request: Request, reqs: GenerationRequest | list[GenerationRequest]) -> Response:
+    """``Prefer: respond-async`` (and ``POST /v1/jobs``): 202 with the id to poll at ``Location``; a
+    request that queues several jobs (a list of prompts) gets one id for all of them."""
+    job_id = await enqueue_all(svc, reqs if isinstance(reqs, list) else [reqs], idempotency_key(request))
     location = f"/v1/jobs/{job_id}"
     return json_response({"id": job_id, "status": "queued", "url": location}, 202, headers={"Location": location})
 

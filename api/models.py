@@ -1,10 +1,14 @@
-"""Which models this deployment serves right now, read from the workers' heartbeats.
+"""Which models this deployment serves: the ones it knows, and the ones a warm worker serves now.
 
-Workers advertise their model in ``llmq:models`` (model -> heartbeat expiry) and themselves in
-the model's ``workers`` set. A request names a model (or gets the default); the model must be
-live or the configured default, else the dialect's 404. A known model with no warm worker is
-refused with 503 + Retry-After instead of queued: without a deadline a queued job could wait
-forever for a worker that never comes.
+A model is *known* when it is configured (``LLMQ_MODEL``, ``LLMQ_MODELS``) or when any worker has
+ever advertised it: workers add their model to ``llmq:models`` with each heartbeat and nothing
+removes it, so a model stays known while all its workers are down. A request for a known model is
+queued whether or not a worker is warm (cold starts, rolling restarts, scale from zero); the
+request's cold wait (:class:`api.relay.ColdWait`) bounds how long a waiting client is kept. An
+unknown model gets the dialect's 404.
+
+A model is *live* while a warm worker serves it (the model's ``workers`` set, scored by heartbeat
+expiry). The health probes that load balancers use report that, and the cold wait watches it.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import time
 
 from redis.asyncio import Redis
 
-from shared.errors import ModelNotFound, ModelUnavailable
+from shared.errors import ModelNotFound
 from shared.keys import Keys
 from shared.queue import now_ms
 
@@ -21,46 +25,58 @@ __all__ = ["ModelRegistry"]
 
 
 class ModelRegistry:
-    def __init__(self, redis: Redis, keys: Keys, default: str, *, cache_s: float = 1.0) -> None:
+    def __init__(self, redis: Redis, keys: Keys, default: str, configured: tuple[str, ...] = (), *,
+                 cache_s: float = 1.0) -> None:
         self.redis = redis
         self.keys = keys
         self.default = default
+        self.configured = (default, *(m for m in configured if m != default))
         self.cache_s = cache_s
         self._live: dict[str, int] = {}
-        self._read_at = float("-inf")
+        self._live_at = float("-inf")
+        self._known: tuple[str, ...] = self.configured
+        self._known_at = float("-inf")
 
     async def live(self, *, fresh: bool = False) -> dict[str, int]:
         """Live model name -> number of warm workers; cached for ``cache_s`` (one read per second
         per API process, whatever the request rate)."""
-        if not fresh and time.monotonic() - self._read_at < self.cache_s:
+        if not fresh and time.monotonic() - self._live_at < self.cache_s:
             return self._live
         now = now_ms()
-        names = [n.decode() if isinstance(n, bytes) else n
-                 for n in await self.redis.zrangebyscore(self.keys.models(), now, "+inf")]
-        if self.default not in names:
-            names.append(self.default)
+        names = set(await self._advertised(now))
+        names.update(self.configured)
         pipe = self.redis.pipeline(transaction=False)
-        for name in names:
+        ordered = sorted(names)
+        for name in ordered:
             pipe.zcount(self.keys.workers(name), now, "+inf")
         counts = await pipe.execute()
-        self._live = {name: count for name, count in zip(names, counts, strict=True) if count}
-        self._read_at = time.monotonic()
+        self._live = {name: count for name, count in zip(ordered, counts, strict=True) if count}
+        self._live_at = time.monotonic()
         return self._live
 
-    async def ever_served(self) -> list[str]:
-        """Every model a worker has advertised (live or not) and the default: where a job id may
-        be found, since results outlive the workers that made them."""
-        names = [n.decode() if isinstance(n, bytes) else n for n in await self.redis.zrange(self.keys.models(), 0, -1)]
-        return [self.default, *(n for n in names if n != self.default)]
+    async def warm(self, model: str) -> bool:
+        """Whether a warm worker serves ``model`` (cached like :meth:`live`)."""
+        return model in await self.live()
+
+    async def known(self, *, fresh: bool = False) -> tuple[str, ...]:
+        """Every model requests may name: the configured ones first, then every model a worker has
+        ever advertised (also where a job id may be found: results outlive their workers)."""
+        if fresh or time.monotonic() - self._known_at >= self.cache_s:
+            advertised = await self._advertised()
+            self._known = (*self.configured, *sorted(set(advertised) - set(self.configured)))
+            self._known_at = time.monotonic()
+        return self._known
+
+    async def _advertised(self, since_ms: float | None = None) -> list[str]:
+        key = self.keys.models()
+        raw = (await self.redis.zrange(key, 0, -1) if since_ms is None
+               else await self.redis.zrangebyscore(key, since_ms, "+inf"))
+        return [n.decode() if isinstance(n, bytes) else n for n in raw]
 
     async def resolve(self, name: str | None) -> str:
-        """The model a request goes to; raises ModelNotFound or ModelUnavailable."""
+        """The model a request goes to (the default when it names none); raises ModelNotFound for
+        a model this deployment does not know. Whether a worker is warm does not matter here."""
         model = name or self.default
-        live = await self.live()
-        if model not in live:
-            live = await self.live(fresh=True)  # a worker that just came up is never refused
-        if model not in live:
-            if model != self.default:
-                raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
-            raise ModelUnavailable(f"No worker is serving the model `{model}` right now; retry shortly.")
+        if model not in await self.known() and model not in await self.known(fresh=True):
+            raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
         return model

@@ -37,12 +37,13 @@ TEXT = "text/plain"
 
 # Errors each dialect can answer with, in its own shape (see api/dialects/*.error_body). 401 is
 # added to every non-open operation when API keys are on; 413 wherever a body is read; 503
-# everywhere (Redis unreachable, or no worker serves a model that was served before).
-_OPENAI = (400, 404, 429, 503)
-_TGI = (404, 422, 424, 429, 503)
-_LMI = (400, 404, 424, 429, 503)
-_TRITON = (400, 404, 503)  # Triton reports "overloaded" as 503
-_HAPPY = (404, 422, 429, 503)
+# everywhere (Redis unreachable); 504 where a request waits for its answer (its deadline, or its
+# cold wait with no warm worker, ran out).
+_OPENAI = (400, 404, 429, 503, 504)
+_TGI = (404, 422, 424, 429, 503, 504)
+_LMI = (400, 404, 424, 429, 503, 504)
+_TRITON = (400, 404, 503)  # Triton reports "overloaded" and an expired queue timeout as 503
+_HAPPY = (404, 422, 429, 503, 504)
 _JOBS = (400, 404, 429, 503)
 
 
@@ -72,7 +73,7 @@ _CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 _TGI_EXAMPLE = {"inputs": "Hello", "parameters": {"max_new_tokens": 4}}
 _HAPPY_EXAMPLE = {"prompt": "Hello", "max_tokens": 4}
 _TRITON_GEN: dict[str, Any] = {
-    "tag": "triton", "body": "triton", "ok": {200: (JSON, SSE)}, "errors": _TRITON, "headers": ("Idempotency-Key",),
+    "tag": "triton", "body": "triton", "ok": {200: (JSON, SSE), **_ASYNC}, "errors": _TRITON, "headers": _ASYNC_HEADERS,
     "examples": ({"text_input": "Hello", "parameters": {"max_tokens": 4}},
                  {"text_input": "Hi", "max_tokens": 2, "stream": True}),
 }
@@ -89,22 +90,26 @@ OPERATIONS: tuple[Operation, ...] = (
         ok={200: (JSON, SSE), **_ASYNC}, errors=_OPENAI, headers=_ASYNC_HEADERS),
     _op("post", "/v1/chat/completions", "OpenAI chat completions", "openai", body="chat", examples=(_CHAT,),
         ok={200: (JSON, SSE), **_ASYNC}, errors=_OPENAI, headers=_ASYNC_HEADERS),
-    _op("get", "/v1/models", "Models a warm worker serves", "openai"),
+    _op("get", "/v1/models", "Models requests may name (served now, or queued for the next worker)", "openai"),
     # LMI / SageMaker
     _op("post", "/invocations", "LMI: dispatches on `inputs` / `prompt` / `messages`", "lmi", body="invocations",
         examples=(_TGI_EXAMPLE, {"prompt": "Hi", "max_tokens": 2}, _CHAT),
         ok={200: (JSON, JSONLINES, SSE), **_ASYNC}, errors=_LMI, headers=_ASYNC_HEADERS),
     _op("post", "/predictions/{model}", "LMI: a named model", "lmi", body="lmi",
         examples=({"inputs": ["a", "b"], "parameters": {"max_new_tokens": 2}, "stream": True},),
-        ok={200: (JSON, JSONLINES, SSE)}, errors=_LMI),
+        ok={200: (JSON, JSONLINES, SSE), **_ASYNC}, errors=_LMI, headers=_ASYNC_HEADERS),
     _op("get", "/ping", "LMI health", "health", ok={200: (JSON,), 503: (JSON,)}),
+    _op("get", "/livez", "Web process liveness", "health", ok={200: (JSON,)}),
+    _op("get", "/readyz", "Web process readiness (Redis reachable)", "health", ok={200: (JSON,), 503: (JSON,)}),
     _op("get", "/metrics", "Prometheus metrics: queues, workers, latencies", "health", ok={200: (TEXT,)}),
     # TGI
-    _op("post", "/generate", "TGI generate", "tgi", body="tgi", examples=(_TGI_EXAMPLE,), errors=_TGI),
+    _op("post", "/generate", "TGI generate", "tgi", body="tgi", examples=(_TGI_EXAMPLE,), errors=_TGI,
+        ok={200: (JSON,), **_ASYNC}, headers=_ASYNC_HEADERS),
     _op("post", "/generate_stream", "TGI stream (errors in-band)", "tgi", body="tgi", examples=(_TGI_EXAMPLE,),
-        ok={200: (SSE,)}, errors=_TGI),
+        ok={200: (SSE,), **_ASYNC}, errors=_TGI, headers=_ASYNC_HEADERS),
     _op("post", "/", "TGI compat: a one-element array, or a stream", "tgi", body="tgi",
-        examples=(_TGI_EXAMPLE, {**_TGI_EXAMPLE, "stream": True}), ok={200: (JSON, SSE)}, errors=_TGI),
+        examples=(_TGI_EXAMPLE, {**_TGI_EXAMPLE, "stream": True}), ok={200: (JSON, SSE), **_ASYNC}, errors=_TGI,
+        headers=_ASYNC_HEADERS),
     _op("post", "/tokenize", "TGI tokenize", "tgi", body="tgi", examples=({"inputs": "Hello"},), errors=_TGI),
     _op("get", "/info", "TGI info", "tgi"),
     _op("get", "/health", "TGI health", "health", ok={200: (TEXT,), 503: (JSON,)}),
@@ -126,7 +131,7 @@ OPERATIONS: tuple[Operation, ...] = (
     _op("post", "/v1/generate", "happy_vllm generate", "happy_vllm", body="happy", examples=(_HAPPY_EXAMPLE,),
         ok={200: (JSON,), **_ASYNC}, errors=_HAPPY, headers=_ASYNC_HEADERS),
     _op("post", "/v1/generate_stream", "happy_vllm stream", "happy_vllm", body="happy", examples=(_HAPPY_EXAMPLE,),
-        ok={200: (NDJSON,)}, errors=_HAPPY, headers=("Idempotency-Key",)),
+        ok={200: (NDJSON,), **_ASYNC}, errors=_HAPPY, headers=_ASYNC_HEADERS),
     _op("get", "/liveness", "happy_vllm liveness", "health"),
     _op("get", "/readiness", "happy_vllm readiness", "health"),
     _op("get", "/v1/info", "happy_vllm info", "happy_vllm"),

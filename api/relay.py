@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from shared.codec import decode_event, encode
-from shared.errors import QueueUnavailable, error_from_code
+from shared.errors import DeadlineExceeded, QueueUnavailable, error_from_code
 from shared.events import Done, Error, Event, Tokens, is_terminal
 from shared.queue import Queue, now_ms
 from shared.redis import REDIS_DOWN
@@ -21,7 +22,7 @@ from shared.result import ResultBuilder
 from shared.schemas import JobResult
 
 __all__ = ["follow", "collect", "prefetch", "sse", "jsonline", "SSE_DONE", "KEEPALIVE", "Keepalive",
-           "CoalescingSend"]
+           "ColdWait", "CoalescingSend"]
 
 T = TypeVar("T")
 
@@ -38,6 +39,25 @@ class Keepalive:
 KEEPALIVE_TICK = Keepalive()
 
 
+@dataclass(frozen=True, slots=True)
+class ColdWait:
+    """How long a waiting client is kept while no warm worker serves its job's model.
+
+    Requests for a known model are queued even with no worker up (a cold start, a rolling restart,
+    scale from zero), so a synchronous or streaming client needs a bound: after ``wait_s`` without
+    a warm worker its job is ended with ``deadline_exceeded``. ``warm`` answers from the API's
+    cached view of the workers (at most one Redis read a second per process), and is asked only
+    while the job is quiet: tokens flowing mean a worker is running it.
+    """
+
+    warm: Callable[[], Awaitable[bool]]
+    wait_s: float
+
+    def error(self) -> DeadlineExceeded:
+        return DeadlineExceeded(f"no worker became ready to serve this request within {self.wait_s:g} s "
+                                "(LLMQ_COLD_WAIT_S)")
+
+
 async def follow(
     queue: Queue,
     live: asyncio.Queue[bytes],
@@ -49,6 +69,7 @@ async def follow(
     check_log_s: float = 5.0,
     keepalive_s: float | None = None,
     deadline: float | None = None,
+    cold: ColdWait | None = None,
 ) -> AsyncIterator[Event | Keepalive]:
     """Yield the job's events with seq > ``after_seq``, in order, ending with the terminal one.
 
@@ -56,7 +77,8 @@ async def follow(
     arrives the log is re-checked every ``check_log_s``, so a lost live message costs latency,
     never an event. Past the job's ``deadline`` (epoch ms) the job is ended here if nobody else
     ended it (queued: at once; running: after a grace for its worker), so a client never waits
-    beyond its deadline for a job no worker reads.
+    beyond its deadline for a job no worker reads. With ``cold``, the job is also ended once no
+    warm worker has served its model for ``cold.wait_s`` while it was quiet.
     """
     async def read_log(after: int) -> list[Event]:
         return await _relaying(queue.read_events(model, job_id, after))
@@ -65,6 +87,26 @@ async def follow(
         """End the job if it is overdue; returns when to check again (epoch ms)."""
         await _relaying(queue.expire(model, job_id, grace_ms=DEADLINE_GRACE_MS))
         return now_ms() + DEADLINE_GRACE_MS
+
+    # When the cold wait runs out (epoch ms), unless a warm worker is seen by then; None while one is.
+    cold_at = now_ms() + cold.wait_s * 1000 if cold is not None else None
+
+    async def watch_cold() -> None:
+        nonlocal cold, cold_at
+        assert cold is not None
+        try:
+            warm = await cold.warm()
+        except REDIS_DOWN:
+            return  # Redis is away: it says nothing about the workers; the relay recovers from the log
+        if warm:
+            cold_at = None
+            return
+        if cold_at is None:  # the warm workers went away: a fresh wait starts now
+            cold_at = now_ms() + cold.wait_s * 1000
+        if now_ms() >= cold_at:
+            # Still no worker: end the job (fenced, as a deadline does); its error event follows.
+            await _relaying(queue.expire(model, job_id, grace_ms=0, now=cold.error()))
+            cold = cold_at = None
 
     last = after_seq
     base_wait_s = min(check_log_s, keepalive_s) if keepalive_s else check_log_s
@@ -84,6 +126,8 @@ async def follow(
             if now_ms() >= check_at:
                 check_at = await expire()
             wait_s = min(wait_s, max(0.001, (check_at - now_ms()) / 1000))
+        if cold_at is not None:
+            wait_s = min(wait_s, max(0.001, (cold_at - now_ms()) / 1000))
         try:
             # Messages already queued are taken without waiting, so a burst of events flows through
             # the whole chain in one task step and the response's writes coalesce (CoalescingSend).
@@ -98,6 +142,8 @@ async def follow(
             if check_at is not None and now_ms() >= check_at:
                 pending = []
                 continue
+            if cold is not None:  # quiet: is a worker there to run it?
+                await watch_cold()
             idle_s += wait_s
             if keepalive_s:
                 yield KEEPALIVE_TICK

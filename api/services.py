@@ -65,7 +65,7 @@ async def lifespan(app: Litestar) -> AsyncIterator[None]:
         keys=keys,
         queue=Queue(redis, keys, result_ttl_s=settings.result_ttl_s, idempotency_ttl_s=settings.idempotency_ttl_s),
         listener=listener,
-        models=ModelRegistry(redis, keys, settings.model_name),
+        models=ModelRegistry(redis, keys, settings.model_name, settings.extra_models),
     )
     # The listener reconnects by itself, so the API starts (and answers 503) before Redis is up.
     task = asyncio.create_task(listener.run(), name="event-listener")

@@ -14,6 +14,7 @@ is the only trigger: a job that finished is never cancelled, whoever reads it la
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, contextmanager
@@ -24,7 +25,7 @@ import msgspec
 import structlog
 
 from api.auth import current_owner
-from api.relay import Keepalive, follow
+from api.relay import ColdWait, Keepalive, follow
 from api.services import Services
 from shared.codec import decode_request, encode
 from shared.errors import InvalidRequest
@@ -33,8 +34,9 @@ from shared.queue import now_ms
 from shared.redis import REDIS_DOWN
 from shared.schemas import GenerationRequest, JobRecord
 
-__all__ = ["Submission", "submit", "enqueue_detached", "admit", "subscribe_job", "follow_job", "JobWatch",
-           "watching", "end_watches", "header_options", "check_queueable", "TIMEOUT_HEADER", "PRIORITY_HEADER"]
+__all__ = ["Submission", "submit", "enqueue_detached", "cancel_quietly", "admit", "subscribe_job", "follow_job",
+           "JobWatch", "watching", "end_watches", "header_options", "check_queueable", "TIMEOUT_HEADER",
+           "PRIORITY_HEADER"]
 
 # Per-request options every dialect accepts as headers (most wire formats have no field for them).
 TIMEOUT_HEADER = "x-llmq-timeout"
@@ -64,10 +66,11 @@ class JobWatch:
         if self.finished:
             return None
         self.finished = True
-        return self.svc.spawn(_cancel(self.svc, self.model, self.job_id))
+        return self.svc.spawn(cancel_quietly(self.svc, self.model, self.job_id))
 
 
-async def _cancel(svc: Services, model: str, job_id: str) -> None:
+async def cancel_quietly(svc: Services, model: str, job_id: str) -> None:
+    """Cancel a job nobody will follow; a Redis outage is logged, not raised (runs in the background)."""
     try:
         status = await svc.queue.cancel(model, job_id)
     except REDIS_DOWN as exc:
@@ -129,9 +132,10 @@ def check_queueable(req: GenerationRequest, max_model_len: int) -> None:
 
 
 async def admit(svc: Services, req: GenerationRequest) -> GenerationRequest:
-    """Route the request to its model (the default when it names none), or refuse a model that is
-    not served or a generation that can never fit the context (the exact prompt-length check
-    happens in the engine)."""
+    """Route the request to its model (the default when it names none), or refuse a model this
+    deployment does not know or a generation that can never fit the context (the exact
+    prompt-length check happens in the engine). A known model is admitted whether or not a worker
+    is warm: the job waits in its queue."""
     req = _with_header_options(req)
     check_queueable(req, svc.settings.max_model_len)
     model = await svc.models.resolve(req.model)
@@ -159,9 +163,12 @@ def _record(svc: Services, req: GenerationRequest) -> JobRecord:
     timeout_s = req.timeout_s or svc.settings.deadline_s
     if req.webhook and not svc.settings.webhook_secret:
         raise InvalidRequest("webhooks are not configured on this server (LLMQ_WEBHOOK_SECRET)", param="webhook")
-    return JobRecord(id=uuid.uuid4().hex, model=req.model, request=req, queued_at=queued_at,
-                     owner=current_owner.get(), deadline=queued_at + timeout_s * 1000 if timeout_s else None,
-                     webhook=req.webhook)
+    record = JobRecord(id=uuid.uuid4().hex, model=req.model, request=req, queued_at=queued_at,
+                       owner=current_owner.get(), deadline=queued_at + timeout_s * 1000 if timeout_s else None,
+                       webhook=req.webhook)
+    if svc.settings.log_requests:  # LLMQ_LOG_REQUESTS: the only log line that holds a prompt, at debug
+        log.debug("job_request", job_id=record.id, model=record.model, request=req)
+    return record
 
 
 def _scoped_key(record: JobRecord, idempotency_key: str | None) -> str | None:
@@ -200,12 +207,18 @@ def follow_job(
     """The job's events; iterating to the end (or closing the iterator) closes ``stack``. With a
     ``watch``, leaving before the terminal event (closed, cancelled, failed) cancels the job."""
 
+    # Only the request that queued the job waits for a worker with a bound; other readers (a poll's
+    # event stream, a repeated Idempotency-Key) follow whatever happens to it.
+    cold = None
+    if watch is not None and svc.settings.cold_wait_s > 0:
+        cold = ColdWait(functools.partial(svc.models.warm, model), svc.settings.cold_wait_s)
+
     async def events() -> AsyncIterator[Event | Keepalive]:
         try:
             async with stack:
                 async for event in follow(
                     svc.queue, live, model, job_id, after_seq=after_seq, backfill=backfill,
-                    keepalive_s=svc.settings.sse_keepalive_s if keepalive else None, deadline=deadline,
+                    keepalive_s=svc.settings.sse_keepalive_s if keepalive else None, deadline=deadline, cold=cold,
                 ):
                     if watch is not None and not isinstance(event, Keepalive) and is_terminal(event):
                         watch.finished = True

@@ -10,11 +10,9 @@ __all__ = [
     "ModelNotFound",
     "JobNotFound",
     "QueueUnavailable",
-    "ModelUnavailable",
     "GenerationFailed",
     "EngineDead",
     "JobCancelled",
-    "WorkerShutdown",
     "DeadLetter",
     "WorkerLost",
     "LeaseLost",
@@ -60,14 +58,6 @@ class QueueUnavailable(ServiceError):
     code = "queue_unavailable"
 
 
-class ModelUnavailable(ServiceError):
-    """The model is known but no warm worker serves it right now: refused rather than queued,
-    so a request never waits for a worker that may not come (clients retry after Retry-After)."""
-
-    status = 503
-    code = "model_unavailable"
-
-
 class GenerationFailed(ServiceError):
     status = 500
     code = "generation_failed"
@@ -83,11 +73,6 @@ class EngineDead(ServiceError):
 class JobCancelled(ServiceError):
     status = 499
     code = "cancelled"
-
-
-class WorkerShutdown(ServiceError):
-    status = 503
-    code = "worker_shutdown"
 
 
 class DeadLetter(ServiceError):
@@ -148,6 +133,6 @@ def error_from_code(code: str, message: str, status: int) -> ServiceError:
     return exc
 
 
-_ALL = (InvalidRequest, ModelNotFound, JobNotFound, QueueUnavailable, ModelUnavailable, GenerationFailed,
-        EngineDead, JobCancelled, WorkerShutdown, DeadLetter, WorkerLost, Unauthorized, Overloaded, PayloadTooLarge,
+_ALL = (InvalidRequest, ModelNotFound, JobNotFound, QueueUnavailable, GenerationFailed,
+        EngineDead, JobCancelled, DeadLetter, WorkerLost, Unauthorized, Overloaded, PayloadTooLarge,
         DeadlineExceeded)

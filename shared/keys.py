@@ -47,6 +47,11 @@ class Keys:
         """Pub/sub channel: the same events as the log, live."""
         return f"{self._model(model)}:live:{job_id}"
 
+    def group(self, model: str, group_id: str) -> str:
+        """String (JSON, with a TTL): the jobs of one request queued as one fire-and-poll job (a
+        list of prompts, LMI's dynamic batch); polled and cancelled at ``/v1/jobs/<group id>``."""
+        return f"{self._model(model)}:group:{group_id}"
+
     def idempotency(self, model: str, key: str) -> str:
         """String: Idempotency-Key -> job id."""
         return f"{self._model(model)}:idem:{key}"

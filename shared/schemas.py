@@ -26,10 +26,16 @@ __all__ = [
     "JobView",
     "JobStatus",
     "JobRecord",
+    "JobGroup",
+    "GROUP_PREFIX",
     "TERMINAL_STATUSES",
 ]
 
 JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
+
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+"""What vLLM can carry: its engine requests travel as msgpack and seeds become torch int64s, so
+a larger int fails inside the worker (vLLM's own server bounds ``seed`` the same way)."""
 TERMINAL_STATUSES = frozenset({"done", "failed", "cancelled"})
 
 
@@ -64,12 +70,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     n: Annotated[int, Meta(ge=1, le=128)] = 1
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Meta(ge=-1)] = 0  # 0 and -1 both disable top-k
+    top_k: Annotated[int, Meta(ge=-1, le=2**63 - 1)] = 0  # 0 and -1 both disable top-k
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
-    seed: int | None = None
+    seed: Int64 | None = None
     max_tokens: Annotated[int, Meta(ge=1)] = 16
     min_tokens: Annotated[int, Meta(ge=0)] = 0
     stop: list[Annotated[str, Meta(min_length=1)]] = []
@@ -140,7 +146,7 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     output: OutputOptions = msgspec.field(default_factory=OutputOptions)
     dialect: str = "jobs"
     """Which dialect renders the result: ``jobs``, ``lmi``, ``openai_completions``, ..."""
-    priority: int = 0
+    priority: Int64 = 0
     """Lower runs earlier (vLLM's convention). Queued on the level stream ``clamp(priority, 0, 2)``;
     the engine gets the value itself (its priority scheduler orders and preempts by it)."""
     timeout_s: Annotated[float, Meta(gt=0.0)] | None = None
@@ -222,6 +228,25 @@ class JobRecord(msgspec.Struct, kw_only=True):
     webhook_status: Literal["delivered", "failed"] | None = None
     """Set by the delivery: ``failed`` once every attempt was refused or given up."""
     webhook_attempts: int = 0
+
+
+GROUP_PREFIX = "grp-"
+"""How a group's id begins (a job's id is 32 hex digits), so a route knows which record to read."""
+
+
+class JobGroup(msgspec.Struct, kw_only=True):
+    """One request's several jobs, queued as one fire-and-poll job: a list of prompts (OpenAI) or
+    LMI's dynamic batch with ``Prefer: respond-async``. Each job is an ordinary job; the group only
+    lets a client poll and cancel them as one, with the result in the request's own shape. Its id is
+    ``grp-`` + its first job's id, so a repeated Idempotency-Key (which finds the same jobs) finds
+    the same group."""
+
+    id: str
+    model: str
+    jobs: list[str]
+    queued_at: float
+    owner: str = ""
+    """As on a job record: the API key hash that queued it (only that key may read or cancel it)."""
 
 
 class JobView(msgspec.Struct, kw_only=True):

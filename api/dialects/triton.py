@@ -30,6 +30,7 @@ import msgspec
 
 from api.dialects.happy_vllm import sampling_from_dict, to_sampling_params
 from api.relay import Keepalive, sse
+from shared import json_input
 from shared.errors import InvalidRequest, ServiceError
 from shared.events import Done, Error, Event, TokenDelta
 from shared.schemas import Choice, GenerationRequest, JobResult, OutputOptions, PromptInfo, StructuredOutput, TopLogprob
@@ -142,9 +143,9 @@ def _split(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def _structured(value: Any) -> StructuredOutput:
     try:
-        raw = json.loads(value) if isinstance(value, str) else value
+        raw = json_input.loads(value) if isinstance(value, str) else value
         so = msgspec.convert(raw, _Structured)
-        schema = json.loads(so.json) if isinstance(so.json, str) else so.json
+        schema = json_input.loads(so.json) if isinstance(so.json, str) else so.json
         if schema is not None and not isinstance(schema, dict):
             raise ValueError("`json` must be a JSON Schema object")
         return StructuredOutput(
@@ -162,7 +163,7 @@ def _sampling_dict(inputs: _Inputs, params: dict[str, Any]) -> dict[str, Any]:
     if inputs.sampling_parameters is None:
         return dict(params)
     try:
-        parsed = json.loads(_one("sampling_parameters", inputs.sampling_parameters))
+        parsed = json_input.loads(_one("sampling_parameters", inputs.sampling_parameters))
     except ValueError as exc:
         raise InvalidRequest(
             f"input 'sampling_parameters' is not valid JSON: {exc}", param="sampling_parameters"
@@ -345,8 +346,9 @@ def _step(
 
 
 # Triton's statuses: INVALID_ARG/UNKNOWN/CANCELLED -> 400, NOT_FOUND -> 404, INTERNAL -> 500,
-# UNSUPPORTED -> 501, UNAVAILABLE -> 503 (Triton has no 429: an overload is UNAVAILABLE).
-_STATUSES = {401: 401, 404: 404, 405: 405, 413: 413, 429: 503, 501: 501, 503: 503}
+# UNSUPPORTED -> 501, UNAVAILABLE -> 503 (Triton has no 429: an overload is UNAVAILABLE; nor 504: a
+# request whose queue timeout expires is UNAVAILABLE "Request timeout expired").
+_STATUSES = {401: 401, 404: 404, 405: 405, 413: 413, 429: 503, 501: 501, 503: 503, 504: 503}
 
 
 def error_body(exc: ServiceError) -> tuple[int, dict[str, Any]]:

@@ -37,8 +37,10 @@ async def generate(request: Request, svc: Svc) -> Response:
 
 
 @post("/v1/generate_stream", opt=_OPT, status_code=200)
-async def generate_stream(request: Request, svc: Svc) -> Stream:
+async def generate_stream(request: Request, svc: Svc) -> Response | Stream:
     req = hv.to_generation_request(await _body(request), stream=True)
+    if wants_async(request):
+        return await accepted(svc, request, req)
     sub = await submit(svc, req, idempotency_key=idempotency_key(request))
     events = await prefetch(sub.events, svc.settings.sse_keepalive_s)
     return stream_response(hv.render_stream(sub.request, events), NDJSON)

@@ -1,4 +1,7 @@
-"""Fire-and-poll: ``/v1/jobs`` submit, status, event stream (with resume) and cancel."""
+"""Fire-and-poll: ``/v1/jobs`` submit, status, event stream (with resume) and cancel.
+
+An id that starts with ``grp-`` is a group: the jobs of one request that fanned out (a list of
+prompts, LMI's dynamic batch) queued with ``Prefer: respond-async``, read and cancelled as one."""
 
 from __future__ import annotations
 
@@ -10,13 +13,15 @@ from litestar.params import FromPath
 from litestar.response import Stream
 
 from api.dialects import render_result
+from api.fanout import group_view
 from api.http import accepted, decode_body, json_response, stream_response
 from api.relay import DEADLINE_GRACE_MS, KEEPALIVE, Keepalive, sse
 from api.services import Svc
 from api.submit import follow_job, subscribe_job
+from shared.egress import Refused, check_url, policy
 from shared.errors import InvalidRequest, JobNotFound
 from shared.queue import now_ms
-from shared.schemas import TERMINAL_STATUSES, GenerationRequest, JobRecord, JobView
+from shared.schemas import GROUP_PREFIX, TERMINAL_STATUSES, GenerationRequest, JobGroup, JobRecord, JobView
 
 __all__ = ["create_job", "get_job", "job_events", "cancel_job"]
 
@@ -31,21 +36,40 @@ def job_view(record: JobRecord) -> JobView:
 
 async def _record(svc: Svc, job_id: FromPath[str]) -> JobRecord:
     """Find the job under whichever model it was queued for (keys are per model)."""
-    for model in await svc.models.ever_served():
+    for model in await svc.models.known():
         record = await svc.queue.get_job(model, job_id)
         if record is not None:
             return record
     raise JobNotFound(f"job {job_id} not found")
 
 
+async def _group(svc: Svc, group_id: str) -> JobGroup:
+    for model in await svc.models.known():
+        group = await svc.queue.get_group(model, group_id)
+        if group is not None:
+            return group
+    raise JobNotFound(f"job {group_id} not found")
+
+
 @post("/v1/jobs", opt={"dialect": "jobs"})
 async def create_job(request: Request, svc: Svc) -> Response:
-    """Queue a job in llmq's internal request shape; always answers 202 with the job id."""
-    return await accepted(svc, request, await decode_body(request, GenerationRequest))
+    """Queue a job in llmq's internal request shape; always answers 202 with the job id. A webhook
+    whose destination ``LLMQ_WEBHOOK_ALLOW`` refuses is a 400 before anything is queued (the
+    delivery checks again, after its own lookup)."""
+    req = await decode_body(request, GenerationRequest)
+    # Without a secret every webhook is refused further on, so no lookup is made on a client's behalf.
+    if req.webhook and svc.settings.webhook_secret:
+        try:
+            await check_url(policy(svc.settings.webhook_allow), req.webhook)
+        except Refused as exc:
+            raise InvalidRequest(f"webhook destination refused: {exc.message}", param="webhook") from None
+    return await accepted(svc, request, req)
 
 
 @get("/v1/jobs/{job_id:str}", opt={"dialect": "jobs"})
 async def get_job(svc: Svc, job_id: FromPath[str]) -> Response:
+    if job_id.startswith(GROUP_PREFIX):
+        return json_response(await group_view(svc, await _group(svc, job_id)))
     record = await _record(svc, job_id)
     if record.status not in TERMINAL_STATUSES and record.deadline is not None and now_ms() >= record.deadline:
         # Nobody may be waiting on a fire-and-poll job: the poll that finds it overdue ends it.
@@ -57,6 +81,11 @@ async def get_job(svc: Svc, job_id: FromPath[str]) -> Response:
 @delete("/v1/jobs/{job_id:str}", opt={"dialect": "jobs"}, status_code=200)
 async def cancel_job(svc: Svc, job_id: FromPath[str]) -> Response:
     """Cancel wherever the job is: flagged if queued, aborted on its worker if running."""
+    if job_id.startswith(GROUP_PREFIX):
+        group = await _group(svc, job_id)
+        for member in group.jobs:
+            await svc.queue.cancel(group.model, member)
+        return json_response(await group_view(svc, group))
     record = await _record(svc, job_id)
     if await svc.queue.cancel(record.model, job_id) is None:
         raise JobNotFound(f"job {job_id} not found")
@@ -70,8 +99,14 @@ async def job_events(request: Request, svc: Svc, job_id: FromPath[str]) -> Strea
     last_event_id = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
     try:
         after = int(last_event_id)
+        if not 0 <= after < 2**63:  # a stream entry id's range: Redis would refuse it mid-stream
+            raise ValueError
     except ValueError:
         raise InvalidRequest("Last-Event-ID must be an event sequence number", param="Last-Event-ID") from None
+    if job_id.startswith(GROUP_PREFIX):
+        group = await _group(svc, job_id)
+        raise InvalidRequest(f"job {job_id} is a group of {len(group.jobs)} jobs: read each one's events at "
+                             f"/v1/jobs/<id>/events, for ids in {group.jobs}", param="job_id")
     record = await _record(svc, job_id)  # 404 before any byte is sent
     model = record.model
     stack = AsyncExitStack()

@@ -11,11 +11,12 @@ from litestar.response import Stream
 from api.dialects import lmi
 from api.dialects.lmi_render import render_batch_result, render_batch_stream
 from api.fanout import collect_all, merge, submit_all
-from api.http import decode_body, json_response, stream_response
+from api.http import accepted, decode_body, idempotency_key, json_response, stream_response, wants_async
 from api.relay import collect, prefetch
 from api.routes.openai import completions_response
 from api.routes.openai_chat import chat_response
 from api.services import Svc
+from shared import json_input
 from shared.errors import InvalidRequest
 
 __all__ = ["invocations", "predictions"]
@@ -42,7 +43,9 @@ async def _lmi_response(request: Request, svc: Svc, model: str = "") -> Response
     if isinstance(body.inputs, list):
         request.state.dialect = lmi.DYNAMIC_BATCH.NAME  # errors in the dynamic-batch shape from here on
     reqs = lmi.to_generation_requests(body, model=model, tgi_compat=tgi_compat)
-    subs = await submit_all(svc, reqs, keepalive=body.stream)
+    if wants_async(request):
+        return await accepted(svc, request, reqs)
+    subs = await submit_all(svc, reqs, keepalive=body.stream, idempotency_key=idempotency_key(request))
     if isinstance(body.inputs, list):
         if not body.stream:
             return json_response(render_batch_result(await collect_all(subs)))
@@ -61,8 +64,8 @@ async def _lmi_response(request: Request, svc: Svc, model: str = "") -> Response
 @post("/invocations", opt={"dialect": "lmi"}, status_code=200)
 async def invocations(request: Request, svc: Svc) -> Response | Stream:
     try:
-        keys = _keys_decoder.decode(await request.body())
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        keys = json_input.decode(await request.body(), _keys_decoder)
+    except msgspec.DecodeError as exc:  # (ValidationError is one)
         raise InvalidRequest(f"Malformed JSON body: {exc}") from None
     if not keys.inputs and keys.prompt:
         request.state.dialect = "openai_completions"  # errors in the OpenAI shape from here on

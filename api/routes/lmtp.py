@@ -87,7 +87,7 @@ class Session:
         except Exception:
             if self.closed:  # a send to the socket that just closed: nobody to tell
                 raise
-            log.exception("lmtp_stream_failed", stream_id=frame.stream_id)
+            log.exception("lmtp_stream_failed", stream_id=frame.stream_id, may_quote_request=True)
             await self.send("TOKEN", lmtp.error_payload(frame.stream_id, "internal server error"))
 
     async def follow(self, sub: Submission, feed: Feed) -> None:
@@ -120,14 +120,12 @@ class Session:
             cmd = lmtp.decode_model_info(frame)
             name = cmd.model or str(cmd.data.get("model") or "") or self.svc.model
             live = await self.svc.models.live()
+            await self.svc.models.resolve(name)  # a known model answers, warm worker or not
         except ServiceError as exc:
             await self.send("MSG", lmtp.error_payload(frame.stream_id, exc.message))
             return
         except REDIS_DOWN:
             await self.send("MSG", lmtp.error_payload(frame.stream_id, "the queue is unavailable; try again shortly"))
-            return
-        if name not in live and name != self.svc.model:
-            await self.send("MSG", lmtp.error_payload(frame.stream_id, f"The model `{name}` does not exist."))
             return
         info = lmtp.model_info_payload(frame.stream_id, name, live.get(name, 0), self.svc.settings.max_model_len)
         await self.send("MSG", info)
@@ -160,7 +158,14 @@ async def lmtp_socket(socket: WebSocket, svc: Svc) -> None:
                 break
             text = message.get("text")
             if text is None:  # a binary frame: LMTP is text, but be lenient about the frame type
-                text = (message.get("bytes") or b"").decode("utf-8", errors="replace")
+                try:
+                    text = (message.get("bytes") or b"").decode()
+                except UnicodeDecodeError as exc:
+                    # Not replaced with U+FFFD: a mangled model name or prompt is worse than an error.
+                    await session.send("MSG", lmtp.error_payload(
+                        None, f"malformed LMTP message: a binary frame that is not UTF-8 text ({exc.reason} "
+                              f"at offset {exc.start})"))
+                    continue
             await session.handle(text)
     except Exception as exc:  # a send to a closed socket: the client is gone
         log.debug("lmtp_socket_closed", error_type=type(exc).__name__, error=str(exc))

@@ -10,8 +10,6 @@ from api.fanout import collect_all, merge, submit_all
 from api.http import accepted, decode_body, idempotency_key, json_response, stream_response, wants_async
 from api.relay import prefetch
 from api.services import Svc
-from api.submit import submit
-from shared.errors import InvalidRequest
 
 __all__ = ["completions", "models", "completions_response"]
 
@@ -19,15 +17,9 @@ __all__ = ["completions", "models", "completions_response"]
 async def completions_response(request: Request, svc: Svc) -> Response | Stream:
     body = await decode_body(request, oc.CompletionRequest)
     reqs = oc.to_generation_requests(body)
-    if len(reqs) == 1:
-        if wants_async(request):
-            return await accepted(svc, request, reqs[0])
-        subs = [await submit(svc, reqs[0], idempotency_key=idempotency_key(request), keepalive=body.stream)]
-    elif wants_async(request) or idempotency_key(request):
-        raise InvalidRequest("a list of prompts cannot be run as one fire-and-poll job; send one per prompt",
-                             param="prompt")
-    else:
-        subs = await submit_all(svc, reqs, keepalive=body.stream)
+    if wants_async(request):
+        return await accepted(svc, request, reqs)
+    subs = await submit_all(svc, reqs, keepalive=body.stream, idempotency_key=idempotency_key(request))
     reqs = [sub.request for sub in subs]
     head = subs[0]
     if not body.stream:
@@ -44,11 +36,11 @@ async def completions(request: Request, svc: Svc) -> Response | Stream:
 
 @get("/v1/models", opt={"dialect": "openai_completions"})
 async def models(svc: Svc) -> Response:
-    """The models a warm worker serves right now."""
+    """The models requests may name: served now, or queued for the next worker that serves them."""
     cards = [
         {"id": name, "object": "model", "created": 0, "owned_by": "llmq",
          "root": svc.settings.model if name == svc.model else name, "parent": None,
          "max_model_len": svc.settings.max_model_len}
-        for name in await svc.models.live()
+        for name in await svc.models.known()
     ]
     return json_response({"object": "list", "data": cards})

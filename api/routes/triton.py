@@ -2,8 +2,8 @@
 
 Triton's route regex takes numeric versions only (``/versions/([0-9]+)``), so any other version
 is its plain 404 ``{"error": "Not Found"}``. llmq serves every model as version "1". A model
-exists while a warm worker serves it (and the configured default always does); it is *ready*
-while a warm worker serves it.
+exists when the deployment knows it (configured, or ever served: its requests queue); it is
+*ready* while a warm worker serves it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from litestar.params import FromPath
 from litestar.response import Stream
 
 from api.dialects import triton as tr
-from api.http import decode_body, idempotency_key, json_response, stream_response
+from api.http import accepted, decode_body, idempotency_key, json_response, stream_response, wants_async
 from api.relay import collect, prefetch, sse
 from api.services import Services, Svc
 from api.submit import submit
@@ -43,7 +43,7 @@ def _version_number(version: str | None) -> int | None:
 async def _check_model(svc: Services, model: str, version: str | None) -> None:
     """Triton looks the model (and version) up before reading the body: 404 in its words."""
     number = _version_number(version)
-    if model != svc.model and model not in await svc.models.live() and model not in await svc.models.live(fresh=True):
+    if model not in await svc.models.known() and model not in await svc.models.known(fresh=True):
         raise ModelNotFound(f"Request for unknown model: '{model}' is not found")
     if number is not None and str(number) != tr.MODEL_VERSION:
         raise ModelNotFound(f"Request for unknown model: '{model}' version {number} is not found")
@@ -58,6 +58,8 @@ async def _generate(
 ) -> Response | Stream:
     await _check_model(svc, model, version)
     req, opts = tr.to_generation_request(await decode_body(request, dict[str, Any]), model)
+    if wants_async(request):
+        return await accepted(svc, request, req)
     sub = await submit(svc, req, idempotency_key=idempotency_key(request))
     if streaming and opts.stream:
         events = await prefetch(sub.events, svc.settings.sse_keepalive_s)

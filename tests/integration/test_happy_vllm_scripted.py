@@ -118,10 +118,11 @@ async def test_technical_routes(client):
 
 
 async def test_readiness_is_ko_with_200_when_no_worker_serves_the_model(redis_url):
-    ghost = scripted_settings(redis_url, "scripted-happy-ghost", served_model_name="ghost")
+    ghost = scripted_settings(redis_url, "scripted-happy-ghost", served_model_name="ghost", cold_wait_s=1.0)
     async with serve_api(ghost) as url:
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             resp = await http.get("/readiness")
             assert (resp.status_code, resp.json()) == (200, {"ready": "ko"})
+            # Queued, not refused; with no worker coming its cold wait runs out: 504.
             resp = await http.post("/v1/generate", json={"prompt": "x"})
-            assert resp.status_code == 503 and "ghost" in resp.json()["detail"]
+            assert resp.status_code == 504 and "LLMQ_COLD_WAIT_S" in resp.json()["detail"]

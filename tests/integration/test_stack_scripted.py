@@ -95,6 +95,9 @@ async def test_job_events_resume_after_last_event_id(stack):
     assert full[-1][1]["type"] == "done"
     resumed = await events({"Last-Event-ID": "3"})
     assert resumed == full[3:]
+    for bad in ("x", "-1", str(2**63), "9" * 30):  # never a stream that breaks after its 200
+        resp = await client.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": bad})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "Last-Event-ID", (bad, resp.text)
 
     job = (await client.get(f"/v1/jobs/{job_id}")).json()
     assert job["status"] == "done"

@@ -153,7 +153,9 @@ def test_the_scaling_formula_uses_every_trigger_and_targets_the_engine_slots() -
     assert used == names
     assert int(modifiers["target"]) == int(_worker_env()["LLMQ_MAX_NUM_SEQS"])
     # a worker reports ready only after its model loaded: keep replicas long enough to be worth it
-    assert spec["minReplicaCount"] >= 1  # the API refuses work for a model no worker serves
+    # To zero: requests queue while no worker is warm, and a queued job (depth > 0) activates it.
+    assert spec["minReplicaCount"] == 0
+    assert modifiers["activationTarget"] == "0" and {"depth0", "depth1", "depth2"} <= used
     assert spec["maxReplicaCount"] > spec["minReplicaCount"]
     assert spec["cooldownPeriod"] >= 300
     behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
@@ -190,6 +192,8 @@ def test_web_and_worker_have_probes_resources_and_disruption_budgets() -> None:
     for probe in ("readinessProbe", "livenessProbe"):
         path = web[probe]["httpGet"]["path"]
         assert any(f'@get("{path}"' in p.read_text() for p in (ROOT / "api").rglob("*.py")), path
+    # The web stays in the Service while the workers are at zero: its probes are its own.
+    assert (web["readinessProbe"]["httpGet"]["path"], web["livenessProbe"]["httpGet"]["path"]) == ("/readyz", "/livez")
     assert "readinessProbe" in worker
     for _, dep in _deployments().items():
         for c in _containers(dep):

@@ -8,7 +8,7 @@ import pytest
 
 from api.dialects import happy_vllm as hv
 from api.relay import Keepalive
-from shared.errors import InvalidRequest, ModelUnavailable
+from shared.errors import InvalidRequest, QueueUnavailable
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.schemas import Choice, JobResult, PromptInfo, StructuredOutput, Usage
 
@@ -209,5 +209,5 @@ async def test_stream_error_after_the_first_line_ends_with_a_detail_line():
 
 
 def test_error_body_keeps_service_statuses():
-    assert hv.error_body(ModelUnavailable("no worker")) == (503, {"detail": "no worker"})
+    assert hv.error_body(QueueUnavailable("no worker")) == (503, {"detail": "no worker"})
     assert hv.error_body(InvalidRequest("bad")) == (422, {"detail": "bad"})

@@ -8,6 +8,7 @@ module exists to prevent.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,15 +30,21 @@ if __name__ == "__main__":
     child = multiprocessing.get_context(sys.argv[2]).Process(
         target=exec, args=("import time; print('running', flush=True); time.sleep(60)",))
     child.start()
-    print(child.pid, flush=True)
+    print(f"pid={child.pid};", flush=True)
     time.sleep(60)
 """
 
 
 def _orphan_after_sigkill(mode: str, start: str) -> tuple[int, bool]:
     parent = subprocess.Popen([sys.executable, "-c", PARENT, mode, start], cwd=REPO, stdout=subprocess.PIPE, text=True)
-    child = int(parent.stdout.readline())
-    assert parent.stdout.readline().strip() == "running"  # the child is past its start-up
+    # Parent and child share the pipe, and their writes can interleave ("8872running\n" was seen
+    # under load): read until both the pid and the child's "running" (past its start-up) are in.
+    seen = ""
+    while "running" not in seen or not re.search(r"pid=\d+;", seen):
+        line = parent.stdout.readline()
+        assert line, f"the parent ended early: {seen!r}"
+        seen += line
+    child = int(re.search(r"pid=(\d+);", seen).group(1))
     parent.send_signal(signal.SIGKILL)
     parent.wait()
     deadline = time.monotonic() + 5

@@ -90,7 +90,7 @@ def test_api_keys_mark_exactly_the_non_open_operations():
     doc = document(keys_on=True)
     assert set(doc["components"]["securitySchemes"]) == {"bearer", "apiKey"}
     open_ops = {("get", p) for p in ("/ping", "/health", "/liveness", "/readiness", "/v2/health/live",
-                                      "/v2/health/ready", "/v2/models/{model}/ready",
+                                      "/v2/health/ready", "/v2/models/{model}/ready", "/livez", "/readyz",
                                       "/v2/models/{model}/versions/{version}/ready", "/openapi.json", "/metrics")}
     for path, item in doc["paths"].items():
         for method, op in item.items():

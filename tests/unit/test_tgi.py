@@ -10,7 +10,7 @@ import pytest
 from api.dialects import tgi
 from api.relay import KEEPALIVE, Keepalive
 from api.routes.tgi import render_stream
-from shared.errors import GenerationFailed, InvalidRequest, ModelUnavailable, ServiceError, error_from_code
+from shared.errors import GenerationFailed, InvalidRequest, QueueUnavailable, ServiceError, error_from_code
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.schemas import Choice, JobResult, PromptInfo, TopLogprob, Usage
 
@@ -288,7 +288,7 @@ def test_error_bodies_and_statuses():
         500,
         {"error": "engine crashed", "error_type": "incomplete_generation"},
     )
-    assert tgi.error_body(ModelUnavailable("no worker"))[0] == 503
+    assert tgi.error_body(QueueUnavailable("no worker"))[0] == 503
     assert (
         tgi.error_frame(InvalidRequest("x"))
         == b'data:{"error":"Input validation error: x","error_type":"validation"}\n\n'

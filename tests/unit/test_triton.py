@@ -8,7 +8,7 @@ import pytest
 
 from api.dialects import triton as tr
 from api.relay import Keepalive
-from shared.errors import InvalidRequest, JobCancelled, ModelNotFound, ModelUnavailable, ServiceError
+from shared.errors import InvalidRequest, JobCancelled, ModelNotFound, QueueUnavailable, ServiceError
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.schemas import Choice, JobResult, PromptInfo, StructuredOutput, TopLogprob, Usage
 
@@ -279,7 +279,7 @@ def test_error_statuses_follow_tritons_codes():
     teapot.status = 418
     assert tr.error_body(InvalidRequest("bad")) == (400, {"error": "bad"})
     assert tr.error_body(ModelNotFound("gone")) == (404, {"error": "gone"})
-    assert tr.error_body(ModelUnavailable("later")) == (503, {"error": "later"})
+    assert tr.error_body(QueueUnavailable("later")) == (503, {"error": "later"})
     assert tr.error_body(cancelled) == (400, {"error": "Request was cancelled"})
     assert tr.error_body(ServiceError("boom")) == (500, {"error": "boom"})
     assert tr.error_body(teapot)[0] == 400
