@@ -11,6 +11,10 @@ the ``{model}`` hash tag, so redis-py routes them to the slot's node. Pub/sub is
   channel's slot instead of broadcasting it to every node. llmq uses it for the per-job live
   channels when every master runs Redis >= 7 (:func:`sharded_pubsub`); the live channel carries
   the model's hash tag, so a script may SPUBLISH it from the model's slot.
+- A worker's control channel doubles as its sign of life (workers/runner.py, the watcher): PUBSUB
+  NUMSUB counts the subscribers of the node it is sent to, so a worker subscribes on one node
+  everyone can name, the master owning its model's slot (:func:`node_client` with a key), and
+  peers count there first (:func:`subscribers`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.connection import AbstractConnection, ConnectionPool
 
-__all__ = ["is_cluster", "sharded_pubsub", "publish", "pubsub_connection", "node_client", "SHARDED_FROM"]
+__all__ = ["is_cluster", "sharded_pubsub", "publish", "pubsub_connection", "node_client", "subscribers",
+           "SHARDED_FROM"]
 
 # The first Redis version with sharded pub/sub.
 SHARDED_FROM = (7, 0, 0)
@@ -73,12 +78,36 @@ async def pubsub_connection(redis: Redis, node: ClusterNode | None = None) -> Ab
     return pool.connection_class(**{**pool.connection_kwargs, **overrides})
 
 
-async def node_client(redis: Redis) -> Redis:
+async def node_client(redis: Redis, key: str | None = None) -> Redis:
     """A client whose ``pubsub()`` works: ``redis`` itself, or on a Cluster a standalone client of
-    one random master (the caller closes it: ``aclose()``)."""
+    the master serving ``key``'s slot (of a random master without ``key``); the caller closes it
+    (``aclose()``)."""
     if not isinstance(redis, RedisCluster):
         return redis
     await redis.initialize()
-    target = _cluster_node(redis, None)
+    target = redis.get_node_from_key(key) if key is not None else _cluster_node(redis, None)
     pool = ConnectionPool(connection_class=target.connection_class, **target.connection_kwargs)
     return Redis.from_pool(pool)  # closing the client closes its pool
+
+
+async def subscribers(redis: Redis, channels: list[str], key: str) -> list[int]:
+    """Each channel's number of (plain) subscribers, in order.
+
+    On a Cluster PUBSUB NUMSUB counts one node's subscribers only. It is asked of the master
+    serving ``key``'s slot, where :func:`node_client` with the same key subscribes; a channel with
+    none there is asked of every other master too (rare: a suspect), so a subscriber that sits
+    elsewhere (a worker from before this rule, or one that subscribed before a slot moved) still
+    counts."""
+    if not isinstance(redis, RedisCluster):
+        return [n for _, n in await redis.pubsub_numsub(*channels)]
+    await redis.initialize()
+    home = redis.get_node_from_key(key)
+    # (RedisCluster has no pubsub_numsub(); its reply callback turns every node's reply into
+    # (channel, count) pairs, summed per channel over the nodes asked.)
+    counts = [n for _, n in await redis.execute_command("PUBSUB NUMSUB", *channels, target_nodes=home)]
+    missing = [c for c, n in zip(channels, counts, strict=True) if n == 0]
+    others = [node for node in redis.get_primaries() if node.name != home.name]
+    if missing and others:
+        elsewhere = dict(await redis.execute_command("PUBSUB NUMSUB", *missing, target_nodes=others))
+        counts = [n or elsewhere.get(c.encode(), 0) for c, n in zip(channels, counts, strict=True)]
+    return counts

@@ -7,27 +7,32 @@ all-or-nothing is one Lua script or one MULTI; every command here names keys thr
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib import resources
+from typing import TypeVar
 
 import msgspec
 import structlog
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from shared.cluster import publish, sharded_pubsub
+from shared.cluster import publish, sharded_pubsub, subscribers
 from shared.codec import decode_event, decode_request, encode, job_from_hash, job_to_hash
 from shared.errors import DeadlineExceeded, Overloaded
 from shared.events import Done, Error, Event
 from shared.keys import GROUP, LEVELS, Keys
-from shared.schemas import GenerationRequest, JobError, JobRecord, JobResult
+from shared.schemas import GenerationRequest, JobError, JobGroup, JobRecord, JobResult
 
 __all__ = ["lua", "Queue", "Delivery", "Outbound", "Held", "now_ms", "level_of"]
 
 log = structlog.get_logger()
+T = TypeVar("T")
 _ids = msgspec.json.Decoder(list[int])
+_groups = msgspec.json.Decoder(JobGroup)
 # XAUTOCLAIM calls per level per reclaim (a worker reclaims at most once a second).
 RECLAIM_CALLS_PER_LEVEL = 3
 
@@ -39,6 +44,25 @@ def now_ms() -> float:
 def level_of(priority: int) -> int:
     """The queue level of a request priority: 0 (the default and anything more urgent) to 2."""
     return min(max(priority, 0), LEVELS - 1)
+
+
+async def _unless(stop: asyncio.Event, call: Awaitable[T]) -> T | None:
+    """``call``'s result, or None once ``stop`` is set first (then ``call`` is cancelled; redis-py
+    drops a connection whose command was cancelled, so none is left half-read)."""
+    if stop.is_set():
+        return None
+    work, stopped = asyncio.ensure_future(call), asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    await asyncio.wait({work})
+    if not work.cancelled():
+        work.exception()  # it ended on its own meanwhile (say, Redis went away): nothing to report
+    return None
 
 
 @functools.cache
@@ -119,6 +143,7 @@ class Queue:
         self.sharded: bool | None = None
         """Whether live events go out with SPUBLISH; decided on first use (:meth:`_publishing`)."""
         self._note = redis.register_script(lua("note.lua"))
+        self._takeover = redis.register_script(lua("takeover.lua"))
         self._reclaim_from: dict[str, bytes | str] = {}  # per level queue: where the next scan resumes
 
     # --- both sides ---------------------------------------------------------------------------
@@ -154,6 +179,20 @@ class Queue:
         raw = await self.redis.hgetall(self.keys.job(model, job_id))
         return job_from_hash(raw) if raw else None
 
+    async def get_jobs(self, model: str, job_ids: list[str]) -> list[JobRecord | None]:
+        """Several records of one model in one round trip, in order (None: missing or expired)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hgetall(self.keys.job(model, job_id))
+        return [job_from_hash(raw) if raw else None for raw in await pipe.execute()]
+
+    async def save_group(self, group: JobGroup, ttl_s: int) -> None:
+        await self.redis.set(self.keys.group(group.model, group.id), encode(group), ex=ttl_s)
+
+    async def get_group(self, model: str, group_id: str) -> JobGroup | None:
+        raw = await self.redis.get(self.keys.group(model, group_id))
+        return _groups.decode(raw) if raw else None
+
     async def note(self, model: str, job_id: str, fields: dict[str, str | int]) -> bool:
         """Set ``fields`` on the job record if it still exists (never recreates an expired one)."""
         args = [v for pair in fields.items() for v in pair]
@@ -186,10 +225,11 @@ class Queue:
                              "retry later")
         return owner.decode()
 
-    async def expire(self, model: str, job_id: str, *, grace_ms: int) -> bool:
+    async def expire(self, model: str, job_id: str, *, grace_ms: int, now: DeadlineExceeded | None = None) -> bool:
         """End the job with ``deadline_exceeded`` if its deadline passed (plus ``grace_ms`` when it
-        is running: its worker ends it first) and it is still unfinished. True when this ended it."""
-        exc = DeadlineExceeded("the request's deadline passed before it finished")
+        is running: its worker ends it first) and it is still unfinished. With ``now`` (the error to
+        end it with) it ends at once if unfinished, deadline or not. True when this ended it."""
+        exc = now or DeadlineExceeded("the request's deadline passed before it finished")
         event = encode(Error(seq=0, code=exc.code, message=exc.message, status=exc.status))
         head = b'{"type":"error","seq":0,'
         assert event.startswith(head)  # expire.lua writes the same bytes with the real seq
@@ -198,7 +238,7 @@ class Queue:
         ended = await self._expire(
             keys=[self.keys.job(model, job_id), self.keys.events(model, job_id), self.keys.webhooks(model)],
             args=[now_ms(), grace_ms, self.result_ttl_s, self.keys.live(model, job_id), event[len(head):], error,
-                  job_id],
+                  job_id, "1" if now is not None else "0"],
         )
         return bool(ended)
 
@@ -216,30 +256,40 @@ class Queue:
     # --- worker side --------------------------------------------------------------------------
 
     async def read_new(self, model: str, consumer: str, count: int, block_ms: int,
-                       max_deliveries: int = 3, *, hand_back_idle_ms: int = 60_000) -> list[Delivery]:
+                       max_deliveries: int = 3, *, hand_back_idle_ms: int = 60_000,
+                       admit: Callable[[int], int] | None = None, stop: asyncio.Event | None = None,
+                       ) -> list[Delivery]:
         """Take up to ``count`` new entries (never more than the engine has free slots), the most
         urgent level first, and claim them.
 
         read.lua takes what is there in level order without blocking; only when every level is
         empty does one XREADGROUP block on all of them. That read may return up to ``count``
         entries per level (if several arrive at once): the excess is handed straight back (idle
-        set past the lease) for the next reclaim, by a peer or by us."""
+        set past the lease) for the next reclaim, by a peer or by us. ``admit``, given how many
+        entries arrived (at most ``count``), says how many the caller still has room for: its
+        slots may have filled while the read blocked (a takeover); the rest is handed back too.
+        ``stop`` set ends a blocked read at once, with nothing (a worker told to drain must not
+        wait out LLMQ_BLOCK_MS first): whatever Redis delivered in that instant stays in this
+        consumer's pending list, unclaimed, for a peer to take once this worker is gone."""
         queues = self.keys.queues(model)
         rows = await self._read(keys=queues, args=[consumer, count])
         entries = [(int(level), entry_id, job.decode()) for level, entry_id, job in rows]
         if not entries:
-            reply = await self.redis.xreadgroup(GROUP, consumer, dict.fromkeys(queues, ">"), count=count,
-                                                block=block_ms)
+            read = self.redis.xreadgroup(GROUP, consumer, dict.fromkeys(queues, ">"), count=count, block=block_ms)
+            reply = await read if stop is None else await _unless(stop, read)
             for stream, items in reply or []:
                 level = queues.index(stream.decode())
                 entries += [(level, entry_id, fields[b"job"].decode()) for entry_id, fields in items]
             entries.sort(key=lambda e: e[0])
-            if len(entries) > count:
-                extra, entries = entries[count:], entries[:count]
-                pipe = self.redis.pipeline(transaction=False)
-                for level, entry_id, _ in extra:
-                    pipe.xclaim(queues[level], GROUP, consumer, 0, [entry_id], idle=hand_back_idle_ms, justid=True)
-                await pipe.execute()
+        keep = min(count, len(entries))
+        if admit is not None and entries:
+            keep = admit(keep)
+        if len(entries) > keep:
+            extra, entries = entries[keep:], entries[:keep]
+            pipe = self.redis.pipeline(transaction=False)
+            for level, entry_id, _ in extra:
+                pipe.xclaim(queues[level], GROUP, consumer, 0, [entry_id], idle=hand_back_idle_ms, justid=True)
+            await pipe.execute()
         return await self._claim(model, consumer, entries, max_deliveries, reclaimed=False)
 
     async def reclaim(self, model: str, consumer: str, count: int, lease_ms: int, *,
@@ -278,6 +328,34 @@ class Queue:
             log.warning("lease_lapsed_own_jobs", jobs=mine)
         fresh = [t for t in taken if t[2] not in exclude]
         return await self._claim(model, consumer, fresh, max_deliveries, reclaimed=True)
+
+    async def holders(self, model: str, consumer: str) -> set[str]:
+        """The consumers other than ``consumer`` that hold entries (delivered, unanswered) at any
+        level: one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for queue in self.keys.queues(model):
+            pipe.xinfo_consumers(queue, GROUP)
+        return {c["name"].decode() for level in await pipe.execute() for c in level
+                if c["pending"] and c["name"].decode() != consumer}
+
+    async def subscribed(self, model: str, workers: list[str]) -> list[int]:
+        """How many subscribers each worker's control channel has, in order (0: its process is
+        gone, or its connection is). On a Cluster counted on the node the workers subscribe on
+        (shared/cluster.py)."""
+        channels = [self.keys.worker_control(w) for w in workers]
+        return await subscribers(self.redis, channels, self.keys.queue(model))
+
+    async def take_over(self, model: str, dead: str, consumer: str, count: int, *,
+                        max_deliveries: int = 3) -> list[Delivery]:
+        """Move up to ``count`` entries that consumer ``dead`` holds to ``consumer``, the most
+        urgent level first, and claim them (takeover.lua: atomic per level, so two takers never
+        share an entry; the claim bumps each job's attempt, the fence). A level where ``dead`` is
+        left holding nothing loses the consumer too."""
+        taken: list[tuple[int, bytes, str]] = []
+        for level, queue in enumerate(self.keys.queues(model)):
+            rows = await self._takeover(keys=[queue], args=[dead, consumer, count - len(taken)])
+            taken += [(level, entry_id, job.decode()) for entry_id, job in rows]
+        return await self._claim(model, consumer, taken, max_deliveries, reclaimed=True)
 
     async def _claim(self, model: str, consumer: str, entries: list[tuple[int, bytes, str]], max_deliveries: int,
                      *, reclaimed: bool) -> list[Delivery]:

@@ -1,5 +1,13 @@
 """A worker's presence in Redis: its heartbeat key, its place in the ready set, its control
 channel. A mixin of :class:`workers.runner.Worker`, kept apart so each module stays small.
+
+The control channel is also the worker's sign of life. Its subscription lives exactly as long as
+its process (the kernel closes a dead process's sockets, and Redis drops their subscriptions at
+once), so a peer that finds a worker holding jobs with nobody subscribed to its channel for
+``LLMQ_TAKEOVER_S`` takes those jobs over without waiting for their leases (workers/runner.py,
+the watcher). Hence: no job is read before the subscription is confirmed, a dropped connection is
+re-subscribed at once, and :attr:`Presence._watch_from` keeps the watcher from judging peers
+until they all had time to re-subscribe after an outage that dropped everyone's connection.
 """
 
 from __future__ import annotations
@@ -22,9 +30,14 @@ if TYPE_CHECKING:
     from shared.errors import ServiceError
     from shared.queue import Queue
 
-__all__ = ["Presence"]
+__all__ = ["Presence", "RECONNECT_MAX_S"]
 
 log = structlog.get_logger()
+
+# The longest pause between a lost control connection's attempts to re-subscribe (the first
+# comes at once). After an outage of Redis every worker is back within about this long, which
+# is what the watcher waits (twice over) before it counts anyone's absence.
+RECONNECT_MAX_S = 0.5
 
 
 class Presence:
@@ -43,16 +56,14 @@ class Presence:
     """The GPU(s) or CPU share this process claimed (workers/claim.py), set by its entrypoint."""
     _running: dict
     _stopping: asyncio.Event
+    _control_up: asyncio.Event
+    """Set while the control subscription is confirmed: the reader reads only then."""
+    _watch_from: float
+    """Loop time before which the watcher counts no peer's absence (our own subscription came up
+    only recently: after an outage, peers may still be re-subscribing)."""
 
     def cancel_job(self, job_id: str, reason: ServiceError) -> bool:
         raise NotImplementedError
-
-    async def _peer_ready(self) -> bool:
-        try:
-            ready = await self.queue.redis.zrangebyscore(self.queue.keys.workers(self.model), now_ms(), "+inf")
-        except REDIS_DOWN:
-            return False
-        return any(w.decode() != self.worker_id for w in ready)
 
     def _heartbeat_fields(self) -> dict[str, str | int | float | bytes]:
         return {
@@ -93,26 +104,43 @@ class Presence:
         except REDIS_DOWN:
             pass
 
+    def _control_confirmed(self) -> None:
+        self._control_up.set()
+        self._watch_from = asyncio.get_running_loop().time() + 2 * RECONNECT_MAX_S
+
     async def _control(self) -> None:
-        """Abort jobs on request (DELETE /v1/jobs/{id}); the notice names the job id."""
+        """Abort jobs on request (DELETE /v1/jobs/{id}); the notice names the job id. The
+        subscription itself says this process is alive (see the module docstring)."""
         channel = self.queue.keys.worker_control(self.worker_id)
+        delay = 0.0
         while True:
             client = pubsub = None
             try:
-                # On a Cluster: one node's client (PUBLISH reaches every node), a fresh pick per attempt.
-                client = await node_client(self.queue.redis)
-                pubsub = client.pubsub(ignore_subscribe_messages=True)
+                # On a Cluster: the master of the model's slot, where peers count its subscribers
+                # (PUBLISH reaches every node). Looked up per attempt: after a failover it moves.
+                client = await node_client(self.queue.redis, self.queue.keys.queue(self.model))
+                pubsub = client.pubsub()
                 await pubsub.subscribe(channel)
                 while True:
-                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    message = await pubsub.get_message(timeout=1.0)
                     if message is None:
                         continue
-                    job_id = message["data"].decode()
-                    if self.cancel_job(job_id, JobCancelled("job was cancelled")):
-                        log.info("job_cancel_requested", job_id=job_id)
+                    if message["type"] == "subscribe":
+                        # Confirmed: the first time, or after redis-py reconnected and re-subscribed
+                        # by itself (a dropped connection, a restarted Redis).
+                        self._control_confirmed()
+                        delay = 0.0
+                    elif message["type"] == "message":
+                        job_id = message["data"].decode()
+                        if self.cancel_job(job_id, JobCancelled("job was cancelled")):
+                            log.info("job_cancel_requested", job_id=job_id)
             except REDIS_DOWN as exc:
-                log.warning("control_channel_lost", error=str(exc))
-                await asyncio.sleep(1.0)
+                self._control_up.clear()
+                log.warning("control_channel_lost", error=str(exc), retry_in_s=delay)
+                # At once the first time: peers take a worker without a subscription for dead
+                # after LLMQ_TAKEOVER_S. Then backing off, while Redis itself is away.
+                await asyncio.sleep(delay)
+                delay = min(max(delay * 2, 0.05), RECONNECT_MAX_S)
             finally:
                 if pubsub is not None:
                     await pubsub.aclose()

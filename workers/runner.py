@@ -6,6 +6,9 @@ Tasks (all owned by :meth:`Worker.run`):
   stalled; they continue from their published tokens, workers/continuation.py), then new jobs,
   the most urgent priority level first (``Queue.read_new``); never holds more jobs than the
   engine can start, so nothing waits unseen inside this process.
+- watcher: takes over at once the jobs of a peer whose process died, told by its control
+  subscription being gone (workers/presence.py); the lease stays the backstop for a peer that is
+  alive but stalled, hung or cut off.
 - one task per job: iterates the engine's DELTA outputs and appends events to the outbox; a
   timer aborts it at the job's deadline.
 - flusher: writes the outbox in one round trip per batch (events of one engine step together).
@@ -16,13 +19,15 @@ Tasks (all owned by :meth:`Worker.run`):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
+from redis.exceptions import ResponseError
 
 from shared.config import Settings
 from shared.errors import (
@@ -33,7 +38,6 @@ from shared.errors import (
     JobCancelled,
     LeaseLost,
     ServiceError,
-    WorkerShutdown,
 )
 from shared.events import Done, Error, Event, Timings, TokenDelta, Tokens, is_terminal
 from shared.metrics import Recorder
@@ -41,8 +45,8 @@ from shared.queue import Delivery, Held, Outbound, Queue, now_ms
 from shared.redis import REDIS_DOWN
 from shared.result import ResultBuilder
 from shared.schemas import GenerationRequest, JobResult, PromptInfo, Usage
-from workers.continuation import plan_for
-from workers.presence import Presence
+from workers.continuation import Part, plan_for
+from workers.presence import RECONNECT_MAX_S, Presence
 
 __all__ = ["Worker", "Engine"]
 
@@ -59,7 +63,11 @@ class _Step(Protocol):
 class Engine(Protocol):
     """What the loop needs from an engine (``workers.engine.VllmEngine`` is the real one)."""
 
-    def stream(self, job_id: str, req: GenerationRequest) -> AsyncIterator[_Step]: ...
+    def stream(self, job_id: str, req: GenerationRequest, parts: Sequence[Part] | None = None,
+               ) -> AsyncIterator[_Step]:
+        """``req``'s steps; with ``parts`` (a continued job, workers/continuation.py), those of each
+        part, merged under their choice indices, the last one ``finished``."""
+
     async def abort(self, job_id: str) -> None: ...
 
 
@@ -97,6 +105,9 @@ class Worker(Presence):
         self._flush_lock = asyncio.Lock()  # one flush at a time: a job's events reach Redis in order
         self._lease_ms = int(settings.lease_s * 1000)
         self._next_reclaim = 0.0
+        self._incoming = 0  # slots promised to jobs being claimed, not yet in _running
+        self._control_up = asyncio.Event()
+        self._watch_from = float("inf")  # until the control subscription is first confirmed
         self.metrics = Recorder(self.model)  # pushed with each heartbeat (shared/metrics.py)
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -123,14 +134,15 @@ class Worker(Presence):
         await self.queue.ensure_group(self.model)
         async with asyncio.TaskGroup() as tg:
             heartbeat = tg.create_task(self._heartbeat())
+            control = tg.create_task(self._control())
             await self.warm_up()
             await self._beat()
             log.info("worker_ready", worker=self.worker_id, slots=self.slots)
             flusher = tg.create_task(self._flusher())
-            control = tg.create_task(self._control())
+            watcher = tg.create_task(self._watch())
             await self._reader()
             await self._drain()
-            for task in (heartbeat, control):
+            for task in (heartbeat, control, watcher):
                 task.cancel()
             # Let the flusher write what is left; cancelling it could drop a batch mid-write.
             self._closing = True
@@ -140,25 +152,65 @@ class Worker(Presence):
 
     # --- reading ------------------------------------------------------------------------------
 
+    def _room(self) -> int:
+        """Free engine slots, less those promised to jobs on their way in."""
+        return self.slots - len(self._running) - self._incoming
+
+    @contextlib.contextmanager
+    def _claiming(self, n: int) -> Iterator[None]:
+        """Hold ``n`` slots for jobs being claimed, until they run: the reader and the watcher
+        claim concurrently, and neither may fill a slot the other counted as free."""
+        self._incoming += n
+        try:
+            yield
+        finally:
+            self._incoming -= n
+            self._slot_freed.set()  # what was held and not filled is free again: a waiting reader reads
+
     async def _reader(self) -> None:
         delay = 0.1
         while not self._stopping.is_set():
-            free = self.slots - len(self._running)
+            free = self._room()
             if free <= 0:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
+            if not self._control_up.is_set():
+                # Without our control subscription peers would take our jobs for a dead worker's:
+                # read nothing until it is (back) up. Checked again for a stop every half second.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.5):
+                        await self._control_up.wait()
+                continue
             try:
-                free -= await self._reclaim(free)
+                with self._claiming(free):
+                    free -= await self._reclaim(free)
                 if free > 0:
-                    for delivery in await self.queue.read_new(self.model, self.worker_id, free,
-                                                              self.settings.block_ms, self.settings.max_deliveries):
-                        await self._accept(delivery)
+                    await self._read_new(free)
                 delay = 0.1
             except REDIS_DOWN as exc:
                 log.warning("redis_read_failed", retry_in_s=delay, error=str(exc))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+
+    async def _read_new(self, count: int) -> None:
+        # The read may block for LLMQ_BLOCK_MS with ``count`` slots free, and the watcher must not
+        # wait that long to take a dead peer's jobs: so the slots are held only once entries
+        # arrive, and what no longer fits (the watcher filled slots meanwhile) is handed back.
+        admitted = 0
+
+        def admit(arrived: int) -> int:
+            nonlocal admitted
+            admitted = max(0, min(arrived, self._room()))
+            self._incoming += admitted
+            return admitted
+
+        try:
+            for delivery in await self.queue.read_new(self.model, self.worker_id, count, self.settings.block_ms,
+                                                      self.settings.max_deliveries, admit=admit, stop=self._stopping):
+                await self._accept(delivery)
+        finally:
+            self._incoming -= admitted
 
     async def _reclaim(self, free: int) -> int:
         """Take over jobs whose lease lapsed, before any new work (they have waited longest).
@@ -170,12 +222,80 @@ class Worker(Presence):
         deliveries = await self.queue.reclaim(self.model, self.worker_id, free, self._lease_ms,
                                               max_deliveries=self.settings.max_deliveries,
                                               exclude=frozenset(self._running))
-        self.metrics.inc("llmq_worker_jobs_reclaimed_total", len(deliveries))
         for delivery in deliveries:
             log.info("job_reclaimed", job_id=delivery.job_id, attempt=delivery.attempt, state=delivery.state,
                      after_seq=delivery.last_seq)
-            await self._accept(delivery)
+        await self._adopt(deliveries)
         return len(deliveries)
+
+    async def _adopt(self, deliveries: list[Delivery]) -> None:
+        """Run jobs taken from another consumer (a lapsed lease, a dead peer): like new ones, but
+        continued from their published tokens (plan_for) and counted as reclaimed."""
+        self.metrics.inc("llmq_worker_jobs_reclaimed_total", len(deliveries))
+        for delivery in deliveries:
+            await self._accept(delivery)
+
+    # --- taking over from dead peers ----------------------------------------------------------
+
+    async def _watch(self) -> None:
+        """Take over the jobs of peers whose control subscription is gone (their process died),
+        within LLMQ_TAKEOVER_S plus one poll rather than a whole lease.
+
+        Every fifth of LLMQ_TAKEOVER_S: one round trip for the consumers holding entries; only if
+        another one does, one PUBSUB NUMSUB for their control channels and ours. A peer seen with
+        no subscriber at every poll for LLMQ_TAKEOVER_S counts as dead. Longer than a reconnect,
+        so a dropped connection (re-subscribed at once) hands nothing away; a stalled process
+        keeps its sockets, so a stall never does. Polled while this worker is full too, so a
+        slot that frees finds the judgement made."""
+        if self.settings.takeover_s <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        absent: dict[str, float] = {}  # peer -> when it was first seen without a subscriber
+        while True:
+            await asyncio.sleep(self.settings.takeover_s / 5)
+            if self._stopping.is_set() or not self._control_up.is_set():
+                absent.clear()  # no use for more jobs, or no right to judge: afresh once there is
+                continue
+            try:
+                for dead in await self._dead_peers(absent, loop.time):
+                    await self._take_over(dead)  # as many as there is room for; the rest next poll
+            except (*REDIS_DOWN, ResponseError) as exc:  # Redis away, or its group gone (a restart)
+                log.debug("watch_failed", error=str(exc))
+                absent.clear()
+
+    async def _dead_peers(self, absent: dict[str, float], now: Callable[[], float]) -> list[str]:
+        holders = sorted(await self.queue.holders(self.model, self.worker_id))
+        for gone in absent.keys() - set(holders):
+            del absent[gone]
+        if not holders:
+            return []
+        ours, *theirs = await self.queue.subscribed(self.model, [self.worker_id, *holders])
+        if not ours:
+            # Our own subscription is down too: so may everyone's be (Redis restarted). Judge no
+            # one until we are back and they had time to be back as well.
+            self._watch_from = max(self._watch_from, now() + 2 * RECONNECT_MAX_S)
+            absent.clear()
+            return []
+        t = now()
+        for peer, count in zip(holders, theirs, strict=True):
+            if count:
+                absent.pop(peer, None)
+            else:
+                absent.setdefault(peer, t)
+        return [peer for peer, since in absent.items()
+                if t - max(since, self._watch_from) >= self.settings.takeover_s]
+
+    async def _take_over(self, dead: str) -> None:
+        free = self._room()
+        if free <= 0:
+            return
+        with self._claiming(free):
+            deliveries = await self.queue.take_over(self.model, dead, self.worker_id, free,
+                                                    max_deliveries=self.settings.max_deliveries)
+            if deliveries:
+                log.info("worker_jobs_taken_over", dead_worker=dead, jobs=[d.job_id for d in deliveries],
+                         attempts=[d.attempt for d in deliveries])
+            await self._adopt(deliveries)
 
     async def _accept(self, d: Delivery) -> None:
         if d.state == "missing":
@@ -225,7 +345,7 @@ class Worker(Presence):
                 usage.prompt_tokens, usage.completion_tokens = plan.prompt_tokens, plan.emitted
                 # The first token time of a continued job was recorded by its first attempt.
                 prompt_ids = None if plan.emitted else []  # [] = not yet known; None = do not store
-                async for step in self.engine.stream(d.job_id, plan.request):
+                async for step in self.engine.stream(d.job_id, plan.request, plan.parts):
                     if not plan.emitted:
                         usage.prompt_tokens = step.prompt_tokens or usage.prompt_tokens
                     if prompt_ids == []:
@@ -278,7 +398,7 @@ class Worker(Presence):
             except ServiceError as exc:
                 self._fail(d, state, exc)
             except Exception as exc:  # an engine failure ends this job, not the worker
-                log.exception("job_failed")
+                log.exception("job_failed", may_quote_request=True)  # an engine error may quote the prompt
                 self._fail(d, state, ServiceError(f"generation failed: {type(exc).__name__}: {exc}"))
             finally:
                 running = self._running.pop(d.job_id, None)
@@ -299,7 +419,9 @@ class Worker(Presence):
         state.seq += 1
 
     def _end(self, d: Delivery, last_seq: int, exc: ServiceError) -> None:
-        log.info("job_ended", job_id=d.job_id, code=exc.code, message=exc.message)
+        # The code, not the message: that can quote the request (an engine's or a template's
+        # error); the client and the job record get it.
+        log.info("job_ended", job_id=d.job_id, code=exc.code)
         self._emit(d, Error(seq=last_seq + 1, code=exc.code, message=exc.message, status=exc.status),
                    entry_id=d.entry_id)
 
@@ -366,25 +488,21 @@ class Worker(Presence):
         _, pending = await asyncio.wait(tasks, timeout=self.settings.drain_timeout_s)
         if not pending:
             return
-        # With a live peer the rest is handed back and continues there from its published tokens;
-        # with none (the whole model is shutting down) it ends with a clear error, never a hang.
-        hand_back = await self._peer_ready()
+        # The rest is handed back to the queue and continues from its published tokens on a peer,
+        # at once, or on the next worker to start (a rolling restart, or scale to zero and back).
+        # Its waiting client is bounded by its cold wait (LLMQ_COLD_WAIT_S), never left hanging.
         held = [r.held for r in self._running.values()]
-        reason = LeaseLost("handed back on shutdown") if hand_back else WorkerShutdown(
-            "worker shut down before the job finished")
         for job_id in list(self._running):
-            self.cancel_job(job_id, reason)
+            self.cancel_job(job_id, LeaseLost("handed back on shutdown"))
         await asyncio.wait(pending)
-        if hand_back:
-            # Every event produced so far must be in the log before a peer continues after it.
-            while self._outbox:
-                await self._flush_once()
-            try:
-                lost = await self.queue.renew(self.model, self.worker_id, held,
-                                              hand_back_idle_ms=self._lease_ms + 60_000)
-                log.info("jobs_handed_back", jobs=[h.job_id for h in held if h.job_id not in lost])
-            except REDIS_DOWN as exc:  # the leases lapse instead: peers still take the jobs, later
-                log.warning("hand_back_failed", error=str(exc))
+        # Every event produced so far must be in the log before a peer continues after it.
+        while self._outbox:
+            await self._flush_once()
+        try:
+            lost = await self.queue.renew(self.model, self.worker_id, held, hand_back_idle_ms=self._lease_ms + 60_000)
+            log.info("jobs_handed_back", jobs=[h.job_id for h in held if h.job_id not in lost])
+        except REDIS_DOWN as exc:  # the leases lapse instead: peers still take the jobs, later
+            log.warning("hand_back_failed", error=str(exc))
 
     async def _heartbeat(self) -> None:
         # Leases are renewed at least three times per lease, so one late beat never loses a job.

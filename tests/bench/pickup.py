@@ -12,7 +12,9 @@ order rotated), each after a random gap so a polling queue is sampled at a rando
 - ``llmq, 10k held``: the same on a model that already holds 10,000 unfinished jobs, delivered to
   other consumers of the group with live leases (its PEL holds 10,000 entries, its depth is
   10,000). A backlog *ahead* of the job would measure the service time of the backlog, not the
-  queue; these are the jobs a busy deployment holds while a new one arrives.
+  queue; these are the jobs a busy deployment holds while a new one arrives. Those consumers
+  look alive as live workers do: their control channels have a subscriber (else the worker's
+  watcher would take their jobs over as a dead worker's; workers/runner.py).
 - ``arq``: ``ArqRedis.enqueue_job`` of a function that records ``time.time()`` when it starts;
   pickup = that - the time taken right before the enqueue. At arq's default ``poll_delay`` (0.5 s)
   and at 0.01 s. An arq worker is paused (SIGSTOP) outside its own rounds, so its polling never
@@ -105,6 +107,20 @@ def serve_arq_worker(redis_url: str, queue_name: str, poll_delay: float | None) 
 
 # --- the enqueuer side ----------------------------------------------------------------------
 
+async def subscribe_holders(redis, queue, model: str):
+    """Subscribe the control channel of every consumer that holds entries of ``model``, as each
+    live worker does its own, and return the subscription once Redis confirmed every channel."""
+    names = await queue.holders(model, "")
+    pubsub = redis.pubsub()
+    await pubsub.subscribe(*(queue.keys.worker_control(name) for name in names))
+    confirmed = 0
+    async with asyncio.timeout(10):
+        while confirmed < len(names):
+            message = await pubsub.get_message(timeout=1.0)
+            confirmed += message is not None and message["type"] == "subscribe"
+    return pubsub
+
+
 class Target:
     """One measured configuration: how to run one pickup, and its samples (ms)."""
 
@@ -149,12 +165,15 @@ class LlmqTarget(Target):
         self.prefix = prefix
         self.proc: subprocess.Popen | None = None
         self.attempts: list[int] = []
+        self.peers = None  # the held jobs' consumers' control subscriptions
 
     async def start(self) -> None:
-        """Fill the held jobs first (else our worker would take them), then start the worker."""
+        """Fill the held jobs first (else our worker would take them), make their consumers look
+        alive, then start the worker."""
         await self.queue.ensure_group(self.model)
         if self.held:
             await fill_held(self.redis, self.keys, self.model, self.held)
+            self.peers = await subscribe_holders(self.redis, self.queue, self.model)
         self.proc = spawn(["-m", "tests.bench.pickup", "--serve-llmq", self.prefix, self.model,
                            "--redis-url", self.url])
         deadline = time.monotonic() + 60
@@ -187,6 +206,17 @@ class LlmqTarget(Target):
             return float("nan")
         self.attempts.append(int(attempt))
         return float(started) - float(queued)
+
+    async def close(self) -> None:
+        if self.peers is not None:
+            await self.peers.aclose()
+
+    async def held_kept(self) -> int:
+        """How many held jobs are still pending on the consumers they were delivered to."""
+        from shared.keys import GROUP
+
+        summary = await self.redis.xpending(self.keys.queue(self.model), GROUP)
+        return sum(int(c["pending"]) for c in summary["consumers"] if c["name"] != f"bench-{self.model}".encode())
 
     async def reclaim_cost(self, calls: int = 20) -> float:
         """ms per ``Queue.reclaim`` call, as a worker with 64 free slots runs it (at most once a
@@ -291,6 +321,9 @@ async def run(args: argparse.Namespace) -> dict:
                 per_round = total // args.rounds + (1 if r < total % args.rounds else 0)
                 await target.run_round(per_round)
         loads.append(load_average())
+        if args.held:
+            # Their consumers look alive (subscribed): the worker's watcher must have left them alone.
+            assert await held.held_kept() == args.held, "a held job was taken from its live consumer"
         for target in (llmq, held) if args.held else (llmq,):
             reclaim_ms[target.name] = await target.reclaim_cost()
     finally:
@@ -298,7 +331,7 @@ async def run(args: argparse.Namespace) -> dict:
             proc = getattr(target, "proc", None)
             if proc is not None:
                 stop(proc)
-            if isinstance(target, ArqTarget):
+            if isinstance(target, (ArqTarget, LlmqTarget)):
                 await target.close()
         await redis.aclose()
         if redis_proc is not None:

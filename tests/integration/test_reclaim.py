@@ -56,7 +56,9 @@ class ContextEngine:
         self.aborted: list[str] = []
         self.requests: list[GenerationRequest] = []
 
-    async def stream(self, job_id: str, req: GenerationRequest) -> AsyncIterator[Step]:
+    async def stream(self, job_id: str, req: GenerationRequest, parts: object = None) -> AsyncIterator[Step]:
+        # ``parts`` never occurs here: these jobs are n = 1 plain sampling, continued by prompt
+        # extension (tests/integration/test_continuation.py runs jobs that continue in parts).
         self.requests.append(req)
         ids = list(req.prompt_token_ids) if req.prompt_token_ids is not None else [ord(c) for c in req.prompt or ""]
         prompt_len, n = len(ids), req.sampling.max_tokens
@@ -85,11 +87,11 @@ class Running:
 async def make_worker(redis, prefix):
     started: list[Running] = []
 
-    async def start(delay_s: float = 0.01, die_after: int | None = None, **overrides) -> Running:
+    async def start(delay_s: float = 0.01, die_after: int | None = None, engine=None, **overrides) -> Running:
         settings = load_settings({}, prefix=prefix, served_model_name=MODEL, block_ms=100, heartbeat_s=0.2,
                                  **{"lease_s": 1.0, **overrides})
         queue = Queue(redis, Keys(prefix))
-        worker = Worker(settings, queue, ContextEngine(delay_s, die_after))
+        worker = Worker(settings, queue, engine or ContextEngine(delay_s, die_after))
         task = asyncio.create_task(worker.run())
         started.append(Running(worker, queue, task))
         while not worker.ready:
@@ -314,6 +316,33 @@ async def test_drain_hands_unfinished_jobs_to_a_peer_at_once(make_worker, redis,
     figures.seconds["handed_over_and_finished_s"] = handed_over_s
 
 
+@pytest.mark.faults
+async def test_the_last_worker_hands_its_jobs_back_and_the_next_worker_continues_them(make_worker, redis, keys,
+                                                                                      figures):
+    """A rolling restart or scale to zero: the model's last worker stops with a job mid-stream. The
+    job goes back to the queue (not failed: queues absorb a gap with no worker) and the next
+    worker to start continues it from its published tokens; the client sees one seamless run."""
+    a = await make_worker(delay_s=0.02, lease_s=30.0, drain_timeout_s=0.2)
+    client = Client(redis, a.queue)
+    job_id = await client.start("last one out", 120)
+    await running_on(a.queue, job_id, a.worker, min_tokens=5)
+    a.worker.stop()
+    await asyncio.wait_for(a.task, 10)
+    job = await a.queue.get_job(MODEL, job_id)
+    assert job.status == "queued" and job.worker == "" and job.error is None
+    published = len(client.events)
+    await asyncio.sleep(0.5)  # no worker at all for a while: the job waits, the client keeps waiting
+    assert len(client.events) == published and not client.task.done()
+    started = time.monotonic()
+    await make_worker(delay_s=0.002, lease_s=30.0)
+    events = await client.finish()
+    assert_seamless(events, "last one out", 120)
+    assert not any(isinstance(e, Error) for e in events)
+    assert await redis.hget(keys.job(MODEL, job_id), "handoffs") == b"1"
+    figures.requests_sent, figures.completed = 1, 1
+    figures.seconds["next_worker_finished_s"] = time.monotonic() - started
+
+
 async def test_heartbeat_keeps_a_long_job_on_its_worker(make_worker, redis, keys):
     """A job that runs for several leases is never reclaimed while its worker is alive."""
     # A lease of 1.2 s, not shorter: a busy shared CI box once stalled this process for 0.6 s, and
@@ -344,14 +373,14 @@ def test_continuation_plan_uses_prompt_and_published_tokens():
     assert plan_continuation(req, [], None).request is req
 
 
-@pytest.mark.parametrize("sampling", [
-    {"n": 2}, {"structured": StructuredOutput(regex="[a-z]+")},
+@pytest.mark.parametrize(("sampling", "prompt_ids"), [
+    ({"beam_width": 2}, [1, 2, 3]), ({}, None), ({"n": 2, "structured": StructuredOutput(regex="[a-z]+")}, None),
 ])
-def test_jobs_that_cannot_continue_seamlessly_fail_clearly(sampling):
+def test_jobs_that_cannot_continue_seamlessly_fail_clearly(sampling, prompt_ids):
     req = GenerationRequest(prompt="abc", sampling=SamplingParams(max_tokens=10, **sampling))
     prior = [Tokens(seq=1, deltas=[TokenDelta(token_ids=[5], text="x")])]
     with pytest.raises(WorkerLost):
-        plan_continuation(req, prior, [1, 2, 3])
+        plan_continuation(req, prior, prompt_ids)
 
 
 async def test_housekeeping_reports_orphans_and_removes_only_empty_dead_consumers(redis, keys, prefix, monkeypatch):
