@@ -133,5 +133,12 @@ def configure_logging(level: str = "info", json: bool | None = None, *, log_requ
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(numeric)
+    # Loggers set up before us (uvicorn's own config when it is started as `uvicorn --factory`,
+    # or a library's) would print through handlers of their own, past the traceback rules above:
+    # every record goes through the root handler instead.
+    for logger in list(logging.root.manager.loggerDict.values()):
+        if isinstance(logger, logging.Logger):
+            logger.handlers[:] = [h for h in logger.handlers if isinstance(h, logging.NullHandler)]
+            logger.propagate = True
     # httpx logs every request's full URL at info: a webhook receiver's URL may carry its token.
     logging.getLogger("httpx").setLevel(max(numeric, logging.WARNING))

@@ -71,6 +71,17 @@ class Engine(Protocol):
     async def abort(self, job_id: str) -> None: ...
 
 
+async def _cancel(*tasks: asyncio.Task[None]) -> None:
+    """Cancel ``tasks`` and return once they are done. Cancelled again until they are: on Python
+    3.11, redis-py sends every command through ``asyncio.wait_for``, which drops a cancel that
+    arrives just as the send completes, and the task's loop would then run on (seen in CI: a
+    worker that never finished stopping)."""
+    while pending := [t for t in tasks if not t.done()]:
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=0.1)
+
+
 @dataclass(slots=True)
 class _Running:
     task: asyncio.Task[None]
@@ -142,8 +153,7 @@ class Worker(Presence):
             watcher = tg.create_task(self._watch())
             await self._reader()
             await self._drain()
-            for task in (heartbeat, control, watcher):
-                task.cancel()
+            await _cancel(heartbeat, control, watcher)
             # Let the flusher write what is left; cancelling it could drop a batch mid-write.
             self._closing = True
             self._outbox_ready.set()

@@ -27,6 +27,14 @@ from tests.e2e.conftest import _spawn, _tail, stop_all, wait_ready
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
+
+async def _ready(client: httpx.AsyncClient) -> bool:
+    """The web process serves and reaches Redis (workers or none)."""
+    try:
+        return (await client.get("/readyz")).status_code == 200
+    except httpx.TransportError:
+        return False
+
 TINY_DIR = str(load_settings({}).cache_path / "models" / "tiny-llama")
 WORKER_AFTER_S = 15
 KEEPALIVE_S = 2
@@ -49,7 +57,7 @@ def cold(redis_url: str, tmp_path: Path):
         try:
             if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
                 break
-        except httpx.HTTPError:
+        except httpx.TransportError:
             pass
         assert time.monotonic() < deadline, _tail(log)
         time.sleep(0.2)
@@ -58,14 +66,21 @@ def cold(redis_url: str, tmp_path: Path):
         wlog = tmp_path / "worker.log"
         procs.append((_spawn(["-m", "workers"], env, wlog), wlog))
 
+    def impatient_api() -> str:
+        """A second web process on the same queue whose clients wait for a worker only 2 s."""
+        port = free_port()
+        log = tmp_path / "api-impatient.log"
+        procs.append((_spawn(["-m", "api"], {**env, "LLMQ_PORT": str(port), "LLMQ_COLD_WAIT_S": "2"}, log), log))
+        return f"http://127.0.0.1:{port}"
+
     try:
-        yield url, start_worker, procs
+        yield url, start_worker, procs, impatient_api
     finally:
         stop_all(procs)
 
 
 async def test_requests_sent_with_no_worker_complete_once_one_starts(cold):
-    url, start_worker, procs = cold
+    url, start_worker, procs, impatient_api = cold
     model = load_settings({}).model_name
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
         ping = await http.get("/ping")
@@ -119,14 +134,31 @@ async def test_requests_sent_with_no_worker_complete_once_one_starts(cold):
                                     model=lmql.model(model, endpoint=endpoint, tokenizer=TINY_DIR))
             return result.variables["ANSWER"]
 
+        async def out_of_patience(impatient: str) -> list[tuple[int, dict]]:
+            """While no worker is up: a client whose cold wait (2 s) runs out gets its dialect's 504."""
+            async with httpx.AsyncClient(base_url=impatient, timeout=60) as other:
+                deadline = time.monotonic() + 30
+                while not await _ready(other):
+                    assert time.monotonic() < deadline, "the second web process did not start"
+                    await asyncio.sleep(0.2)
+                answers = [await other.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}),
+                           await other.post("/invocations", json={"inputs": "x"})]
+                return [(r.status_code, r.json()) for r in answers]
+
         sent_at = time.monotonic()
         work = asyncio.gather(raw_stream(), sdk_stream(), lmi_sync(), fire_and_poll(), lmql_query())
-        await asyncio.sleep(WORKER_AFTER_S)
+        timed_out = await out_of_patience(impatient_api())
+        await asyncio.sleep(max(0.0, WORKER_AFTER_S - (time.monotonic() - sent_at)))
         start_worker()
         (lines, keepalives), sdk_text, lmi, job, answer = await work
         waited_s = time.monotonic() - sent_at
 
     wait_ready(url, procs, 1)
+    message = "no worker became ready to serve this request within 2 s (LLMQ_COLD_WAIT_S)"
+    assert timed_out == [
+        (504, {"error": {"message": message, "type": "InternalServerError", "param": None, "code": 504}}),
+        (504, {"code": 504, "type": "deadline_exceeded", "message": message}),
+    ]
     tokens = [line for line in lines if line.startswith(b"data: {")]
     assert len(tokens) == TOKENS and lines[-1] == b"data: [DONE]", lines[-3:]
     # Every KEEPALIVE_S while it waited: 15 s before the worker was even started, then its load.
