@@ -46,12 +46,12 @@ def level_of(priority: int) -> int:
     return min(max(priority, 0), LEVELS - 1)
 
 
-async def _unless(stop: asyncio.Event, call: Awaitable[T]) -> T | None:
-    """``call``'s result, or None once ``stop`` is set first (then ``call`` is cancelled; redis-py
+async def _unless(stop: asyncio.Event, call: Callable[[], Awaitable[T]]) -> T | None:
+    """``call()``'s result, or None once ``stop`` is set first (then it is cancelled; redis-py
     drops a connection whose command was cancelled, so none is left half-read)."""
     if stop.is_set():
         return None
-    work, stopped = asyncio.ensure_future(call), asyncio.ensure_future(stop.wait())
+    work, stopped = asyncio.ensure_future(call()), asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -275,8 +275,10 @@ class Queue:
         rows = await self._read(keys=queues, args=[consumer, count])
         entries = [(int(level), entry_id, job.decode()) for level, entry_id, job in rows]
         if not entries:
-            read = self.redis.xreadgroup(GROUP, consumer, dict.fromkeys(queues, ">"), count=count, block=block_ms)
-            reply = await read if stop is None else await _unless(stop, read)
+            def read() -> Awaitable[list]:
+                return self.redis.xreadgroup(GROUP, consumer, dict.fromkeys(queues, ">"), count=count, block=block_ms)
+
+            reply = await read() if stop is None else await _unless(stop, read)
             for stream, items in reply or []:
                 level = queues.index(stream.decode())
                 entries += [(level, entry_id, fields[b"job"].decode()) for entry_id, fields in items]
