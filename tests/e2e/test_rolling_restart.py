@@ -1,11 +1,12 @@
 """A rolling restart of every worker while clients keep sending: nothing refused, lost or doubled.
 
 Real processes: one API and two workers (vLLM on the tiny model). Two clients stream greedy
-completions back to back the whole time. Both workers get SIGTERM, one after the other (each
-drains for 0.05 s, less than a request takes, and hands back what is still running); for a
-while no worker exists at all, then two fresh ones start. Every request must complete with exactly the tokens of an
-uninterrupted run of its prompt: requests sent during the gap wait in the queue, and jobs handed
-back mid-stream continue on the fresh workers from their published tokens.
+completions back to back the whole time. Both workers get SIGTERM, one after the other, each
+while a job runs, with a drain of 0 s, so each hands back at once what it is running; for a
+while no worker exists at all, then two fresh ones start. Every request must complete with
+exactly the tokens of an uninterrupted run of its prompt: requests sent during the gap wait in
+the queue, and jobs handed back mid-stream continue on the fresh workers from their published
+tokens.
 """
 
 from __future__ import annotations
@@ -75,6 +76,14 @@ def _stream(client: httpx.Client, url: str, prompt: str) -> Outcome:
     return out
 
 
+def _until_a_job_runs(redis: Redis, prefix: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    pattern = Keys(prefix).job("*", "*")
+    while not any(redis.hget(k, "status") == b"running" for k in redis.scan_iter(match=pattern, count=1000)):
+        assert time.monotonic() < deadline, "no job ever ran"
+        time.sleep(0.005)
+
+
 def test_a_rolling_restart_of_every_worker_refuses_loses_and_doubles_nothing(redis_url, tmp_path: Path, figures):
     figures.scenario = "rolling restart: SIGTERM both workers in turn, a gap with none, two fresh ones"
     prefix = f"roll-{uuid.uuid4().hex[:6]}"
@@ -82,7 +91,7 @@ def test_a_rolling_restart_of_every_worker_refuses_loses_and_doubles_nothing(red
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "LLMQ_REDIS_URL": redis_url, "LLMQ_PREFIX": prefix, "LLMQ_PORT": str(port),
            "LLMQ_LOG_JSON": "true", "LLMQ_MAX_NUM_SEQS": "4", "LLMQ_MAX_MODEL_LEN": "1024",
-           "LLMQ_HEARTBEAT_S": "1", "LLMQ_DRAIN_TIMEOUT_S": "0.05", "LLMQ_SSE_KEEPALIVE_S": "2"}
+           "LLMQ_HEARTBEAT_S": "1", "LLMQ_DRAIN_TIMEOUT_S": "0", "LLMQ_SSE_KEEPALIVE_S": "2"}
     procs: list[tuple[subprocess.Popen, Path]] = []
 
     def worker(name: str) -> subprocess.Popen:
@@ -93,6 +102,7 @@ def test_a_rolling_restart_of_every_worker_refuses_loses_and_doubles_nothing(red
     log = tmp_path / "api.log"
     procs.append((_spawn(["-m", "api"], env, log), log))
     first = [worker("worker-a"), worker("worker-b")]
+    redis = Redis.from_url(redis_url)
     try:
         wait_ready(url, procs, 2)
         with httpx.Client(timeout=httpx.Timeout(30, read=600)) as client:
@@ -114,6 +124,9 @@ def test_a_rolling_restart_of_every_worker_refuses_loses_and_doubles_nothing(red
             time.sleep(3)
             stopped = []
             for p in first:  # one after the other: the second stops while the first's jobs moved to it
+                # Mid-stream: a job is running (on the one worker left, the second time), so the
+                # drain has something to hand back. Jobs run a fraction of a second: poll fast.
+                _until_a_job_runs(redis, prefix)
                 p.send_signal(signal.SIGTERM)
                 assert p.wait(60) == 0, "a drained worker exits 0"
                 stopped.append(time.monotonic())
@@ -134,11 +147,10 @@ def test_a_rolling_restart_of_every_worker_refuses_loses_and_doubles_nothing(red
             for t in clients + late:
                 t.join(120)
             assert not any(t.is_alive() for t in clients + late), "a client never got its answer"
-        redis = Redis.from_url(redis_url)
         handed_back = sum(bool(redis.hget(k, "handoffs")) for k in redis.scan_iter(match=Keys(prefix).job("*", "*")))
-        redis.close()
     finally:
         stop_all(procs)
+        redis.close()
 
     refused = [o for o in outcomes if o.status != 200]
     failed = [o for o in outcomes if o.errors or not o.done]
