@@ -5,8 +5,9 @@ prompts, LMI's dynamic batch) queued with ``Prefer: respond-async``, read and ca
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
+from typing import TypeVar
 
 from litestar import Request, Response, delete, get, post
 from litestar.params import FromPath
@@ -25,6 +26,8 @@ from shared.schemas import GROUP_PREFIX, TERMINAL_STATUSES, GenerationRequest, J
 
 __all__ = ["create_job", "get_job", "job_events", "cancel_job"]
 
+T = TypeVar("T")
+
 
 def job_view(record: JobRecord) -> JobView:
     """A job as ``GET /v1/jobs/{id}`` shows it; the result in the submitting dialect's shape."""
@@ -34,21 +37,21 @@ def job_view(record: JobRecord) -> JobView:
     return JobView.of(record, result)
 
 
-async def _record(svc: Svc, job_id: FromPath[str]) -> JobRecord:
-    """Find the job under whichever model it was queued for (keys are per model)."""
+async def _find(svc: Svc, job_id: str, read: Callable[[str, str], Awaitable[T | None]]) -> T:
+    """A job's (or group's) record under whichever model it was queued for (keys are per model)."""
     for model in await svc.models.known():
-        record = await svc.queue.get_job(model, job_id)
-        if record is not None:
-            return record
+        found = await read(model, job_id)
+        if found is not None:
+            return found
     raise JobNotFound(f"job {job_id} not found")
 
 
+async def _record(svc: Svc, job_id: str) -> JobRecord:
+    return await _find(svc, job_id, svc.queue.get_job)
+
+
 async def _group(svc: Svc, group_id: str) -> JobGroup:
-    for model in await svc.models.known():
-        group = await svc.queue.get_group(model, group_id)
-        if group is not None:
-            return group
-    raise JobNotFound(f"job {group_id} not found")
+    return await _find(svc, group_id, svc.queue.get_group)
 
 
 @post("/v1/jobs", opt={"dialect": "jobs"})
