@@ -56,5 +56,12 @@ bench: model
 bench-smoke: model
 	$(PY) -m tests.bench --smoke
 
+# docs/settings.md is generated from the Settings docstrings (shared/config.py); a unit test
+# fails when it is out of date. Written to a temporary file first, so a failed render leaves it whole.
+.PHONY: docs
+docs: install
+	$(PY) -m shared.settings_doc > docs/settings.md.tmp || { rm -f docs/settings.md.tmp; exit 1; }
+	mv docs/settings.md.tmp docs/settings.md
+
 clean:
 	rm -rf $(VENV) .pytest_cache

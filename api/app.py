@@ -7,6 +7,7 @@ from litestar.datastructures import State
 from litestar.di import Provide
 
 from api.auth import KeyGuard, parse_keys
+from api.context import job_ref, request_context
 from api.errors import exception_handlers
 from api.http import RequestLifecycle
 from api.metrics import metrics
@@ -51,7 +52,11 @@ def create_app(settings: Settings | None = None) -> Litestar:
             openapi_json,
             metrics,
         ],
-        dependencies={"svc": Provide(_services, sync_to_thread=False)},
+        dependencies={
+            "svc": Provide(_services, sync_to_thread=False),
+            "ctx": Provide(request_context, sync_to_thread=False),
+            "job": Provide(job_ref),
+        },
         lifespan=[lifespan],
         exception_handlers=exception_handlers,
         # Guards run after routing, so a 401 renders in the route's dialect.

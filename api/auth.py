@@ -6,23 +6,21 @@ and only that key may read, follow or cancel it; another key gets the same 404 a
 does not exist, so job ids cannot be probed. Without keys nothing is checked and owner is "".
 
 The check is a Litestar guard: it runs after routing, so a 401 renders in the route's dialect.
-The key's owner hash travels to :func:`api.submit.submit` in a context variable (set by the
-guard, in the request's own task), so no route has to thread it through.
+The key's owner hash is part of the request's context (:mod:`api.context`), which also checks the
+owner of a job named in the URL.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from contextvars import ContextVar
 
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
-from shared.errors import JobNotFound, Unauthorized
-from shared.schemas import GROUP_PREFIX
+from shared.errors import Unauthorized
 
-__all__ = ["OPEN_PATHS", "current_owner", "owner_of", "presented_key", "parse_keys", "KeyGuard"]
+__all__ = ["OPEN_PATHS", "owner_of", "presented_key", "parse_keys", "KeyGuard"]
 
 # Probes a load balancer or orchestrator calls without credentials. Metadata (/v1/models, /info,
 # /v2, /v2/models/{m}) is not here: vLLM's --api-key protects /v1/models too.
@@ -32,10 +30,6 @@ OPEN_PATHS = frozenset({
     "/openapi.json",  # API documentation, open as vLLM's is; it names no model or key
     "/metrics",  # Prometheus scrapes, open as vLLM's are: queue figures, no prompt or key
 })
-
-current_owner: ContextVar[str] = ContextVar("llmq_owner", default="")
-"""The owner hash of the request being served ("" with keys off)."""
-
 
 def owner_of(key: str) -> str:
     """What a job record stores: never the key itself, so a Redis dump leaks no credentials."""
@@ -75,28 +69,5 @@ class KeyGuard:
     async def __call__(self, connection: ASGIConnection, handler: BaseRouteHandler) -> None:
         if handler.paths & OPEN_PATHS or "OPTIONS" in (getattr(handler, "http_methods", None) or ()):
             return
-        key = presented_key(connection.headers)
-        if not self.valid(key):
+        if not self.valid(presented_key(connection.headers)):
             raise Unauthorized("Missing or invalid API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`")
-        assert key is not None
-        owner = owner_of(key)
-        current_owner.set(owner)
-        job_id = connection.path_params.get("job_id")
-        if job_id is not None:
-            await _check_job_owner(connection, job_id, owner)
-
-
-async def _check_job_owner(connection: ASGIConnection, job_id: str, owner: str) -> None:
-    """A job queued under another key is reported exactly like a missing one."""
-    svc = connection.app.state.services
-    for model in await svc.models.known():
-        if job_id.startswith(GROUP_PREFIX):
-            group = await svc.queue.get_group(model, job_id)
-            exists, stored = (None, None) if group is None else (group.id, group.owner.encode())
-        else:
-            exists, stored = await svc.queue.redis.hmget(svc.keys.job(model, job_id), "model", "owner")
-        if exists is not None:
-            if not hmac.compare_digest(stored or b"", owner.encode()):
-                raise JobNotFound(f"job {job_id} not found")
-            return
-    # Not found anywhere: the route answers its own 404.

@@ -19,6 +19,7 @@ import asyncio
 
 import msgspec
 
+from api.context import RequestContext
 from api.dialects import openai_chat, openai_completions
 from api.services import Services
 from api.submit import admit
@@ -35,7 +36,8 @@ _chat = msgspec.json.Decoder(openai_chat.ChatRequest)
 _completion = msgspec.json.Decoder(openai_completions.CompletionRequest)
 
 
-async def read_lines(svc: Services, content: bytes, endpoint: str) -> tuple[list[StoredLine], list[BatchError]]:
+async def read_lines(svc: Services, ctx: RequestContext, content: bytes, endpoint: str
+                     ) -> tuple[list[StoredLine], list[BatchError]]:
     raw_lines = [raw for raw in content.splitlines() if raw.strip()]
     if not raw_lines:
         return [], [BatchError(code="empty_file", message="The input file has no requests.")]
@@ -66,11 +68,11 @@ async def read_lines(svc: Services, content: bytes, endpoint: str) -> tuple[list
                                      message=f"The custom_id {line.custom_id!r} is used more than once."))
         else:
             seen.add(line.custom_id)
-            lines.append(await _translate(svc, line, endpoint))
+            lines.append(await _translate(svc, ctx, line, endpoint))
     return lines, errors
 
 
-async def _translate(svc: Services, line: InputLine, endpoint: str) -> StoredLine:
+async def _translate(svc: Services, ctx: RequestContext, line: InputLine, endpoint: str) -> StoredLine:
     try:
         if endpoint == "/v1/chat/completions":
             chat = _decode(_chat, line.body)
@@ -80,7 +82,7 @@ async def _translate(svc: Services, line: InputLine, endpoint: str) -> StoredLin
             completion = _decode(_completion, line.body)
             _refuse_stream(completion.stream)
             reqs = openai_completions.to_generation_requests(completion)
-        reqs = [await admit(svc, req) for req in reqs]
+        reqs = [await admit(svc, ctx, req) for req in reqs]
     except ServiceError as exc:
         status, body = openai_completions.error_body(exc)
         return StoredLine(custom_id=line.custom_id, error=LineError(status=status, body=body))

@@ -1,10 +1,14 @@
 """Errors mapped to HTTP once, in the shape of the dialect the route speaks.
 
 Typed ServiceErrors keep their status; a Redis outage is 503; anything unexpected is a logged
-500, never a 400.
+500, never a 400. A route that answers in another dialect than its own (LMI's ``/invocations``
+with an OpenAI body) says so explicitly with :func:`answered_in`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import TypeVar
 
 import structlog
 from litestar import Request, Response
@@ -16,15 +20,30 @@ from shared.codec import encode
 from shared.errors import PayloadTooLarge, QueueUnavailable, ServiceError
 from shared.redis import REDIS_DOWN
 
-__all__ = ["exception_handlers"]
+__all__ = ["exception_handlers", "answered_in", "InDialect"]
 
 log = structlog.get_logger()
 
+T = TypeVar("T")
+
+
+class InDialect(Exception):
+    """An error to answer in ``dialect``'s shape rather than the route's."""
+
+    def __init__(self, dialect: str, error: Exception) -> None:
+        super().__init__(dialect)
+        self.dialect, self.error = dialect, error
+
+
+async def answered_in(dialect: str, call: Awaitable[T]) -> T:
+    """Await ``call``; whatever it raises is answered in ``dialect``'s error shape."""
+    try:
+        return await call
+    except Exception as exc:
+        raise InDialect(dialect, exc) from None
+
 
 def _dialect(request: Request) -> str:
-    override = getattr(request.state, "dialect", None)
-    if override:
-        return override
     handler = request.scope.get("route_handler")
     return handler.opt.get("dialect", "jobs") if handler is not None else "jobs"
 
@@ -46,8 +65,11 @@ def _service_error(exc: Exception) -> ServiceError:
 
 
 def handle(request: Request, exc: Exception) -> Response:
+    dialect = _dialect(request)
+    if isinstance(exc, InDialect):
+        dialect, exc = exc.dialect, exc.error
     err = _service_error(exc)
-    status, body = dialects.error_body(_dialect(request), err)
+    status, body = dialects.error_body(dialect, err)
     services = getattr(request.app.state, "services", None)  # None before the lifespan ran
     if services is not None:
         services.errors[(status, err.code)] = services.errors.get((status, err.code), 0) + 1

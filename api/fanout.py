@@ -18,11 +18,12 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from api.auth import current_owner
+from api.context import RequestContext
 from api.dialects import render_group_result
 from api.relay import Keepalive, collect
 from api.services import Services
-from api.submit import Submission, cancel_quietly, enqueue_detached, submit
+from api.submit import Submission, enqueue_detached, submit
+from api.watches import cancel_quietly
 from shared.errors import JobNotFound
 from shared.events import Done, Error, Event, TokenDelta, Tokens
 from shared.queue import now_ms
@@ -38,23 +39,15 @@ from shared.schemas import (
     Usage,
 )
 
-__all__ = ["submit_all", "merge", "collect_all", "enqueue_all", "GroupView", "group_view", "part_key"]
+__all__ = ["submit_all", "merge", "collect_all", "enqueue_all", "GroupView", "group_view"]
 
 
-def part_key(idempotency_key: str | None, part: int, parts: int) -> str | None:
-    """The Idempotency-Key of one job of a request that queues ``parts`` jobs."""
-    if idempotency_key is None or parts == 1:
-        return idempotency_key
-    return f"{idempotency_key}#{part}"
-
-
-async def submit_all(svc: Services, reqs: list[GenerationRequest], *, keepalive: bool = False,
-                     idempotency_key: str | None = None) -> list[Submission]:
+async def submit_all(svc: Services, ctx: RequestContext, reqs: list[GenerationRequest], *,
+                     keepalive: bool = False) -> list[Submission]:
     subs: list[Submission] = []
     try:
         for j, req in enumerate(reqs):
-            subs.append(await submit(svc, req, idempotency_key=part_key(idempotency_key, j, len(reqs)),
-                                     keepalive=keepalive and not subs))
+            subs.append(await submit(svc, ctx, req, keepalive=keepalive and not subs, part=j, parts=len(reqs)))
     except BaseException:
         for sub in subs:
             await sub.events.aclose()  # type: ignore[attr-defined]
@@ -62,22 +55,22 @@ async def submit_all(svc: Services, reqs: list[GenerationRequest], *, keepalive:
     return subs
 
 
-async def enqueue_all(svc: Services, reqs: list[GenerationRequest], idempotency_key: str | None) -> str:
+async def enqueue_all(svc: Services, ctx: RequestContext, reqs: list[GenerationRequest]) -> str:
     """Fire-and-poll: queue the request's jobs without following them. Returns the job's id, or
     with several jobs the id of their group."""
     if len(reqs) == 1:
-        return await enqueue_detached(svc, reqs[0], idempotency_key)
+        return await enqueue_detached(svc, ctx, reqs[0])
     model = await svc.models.resolve(reqs[0].model)
     ids: list[str] = []
     try:
         for j, req in enumerate(reqs):
-            ids.append(await enqueue_detached(svc, req, part_key(idempotency_key, j, len(reqs))))
+            ids.append(await enqueue_detached(svc, ctx, req, part=j, parts=len(reqs)))
     except BaseException:
-        if idempotency_key is None:  # all or nothing: no orphan runs for a client who got an error
+        if ctx.idempotency_key is None:  # all or nothing: no orphan runs for a client who got an error
             for job_id in ids:
                 svc.spawn(cancel_quietly(svc, model, job_id))
         raise
-    group = JobGroup(id=GROUP_PREFIX + ids[0], model=model, jobs=ids, queued_at=now_ms(), owner=current_owner.get())
+    group = JobGroup(id=GROUP_PREFIX + ids[0], model=model, jobs=ids, queued_at=now_ms(), owner=ctx.owner)
     # It must outlive its jobs' records, which expire LLMQ_RESULT_TTL_S after they finish.
     await svc.queue.save_group(group, svc.settings.idempotency_ttl_s + svc.settings.result_ttl_s)
     return group.id

@@ -15,17 +15,17 @@ from litestar.response import Stream
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.auth import KeyGuard, presented_key
+from api.context import WATCHES, RequestContext
 from api.fanout import enqueue_all
 from api.relay import CoalescingSend
 from api.services import Services
-from api.submit import PRIORITY_HEADER, TIMEOUT_HEADER, end_watches, header_options, watching
+from api.watches import JobWatch, end_watches
 from shared import json_input
 from shared.codec import encode
 from shared.errors import InvalidRequest
 from shared.schemas import GenerationRequest
 
-__all__ = ["decode_body", "wants_async", "accepted", "stream_response", "json_response", "idempotency_key",
-           "RequestLifecycle"]
+__all__ = ["decode_body", "accepted", "stream_response", "json_response", "RequestLifecycle"]
 
 log = structlog.get_logger()
 
@@ -48,20 +48,10 @@ async def decode_body(request: Request, kind: type[T]) -> T:
         raise InvalidRequest(f"Malformed JSON body: {exc}") from None
 
 
-def idempotency_key(request: Request) -> str | None:
-    return request.headers.get("idempotency-key") or None
-
-
-def wants_async(request: Request) -> bool:
-    """RFC 7240 ``Prefer: respond-async``: answer 202 with a job id instead of waiting."""
-    prefer = request.headers.get("prefer", "")
-    return any(token.strip().lower() == "respond-async" for token in prefer.split(","))
-
-
-async def accepted(svc: Services, request: Request, reqs: GenerationRequest | list[GenerationRequest]) -> Response:
+async def accepted(svc: Services, ctx: RequestContext, reqs: GenerationRequest | list[GenerationRequest]) -> Response:
     """``Prefer: respond-async`` (and ``POST /v1/jobs``): 202 with the id to poll at ``Location``; a
     request that queues several jobs (a list of prompts) gets one id for all of them."""
-    job_id = await enqueue_all(svc, reqs if isinstance(reqs, list) else [reqs], idempotency_key(request))
+    job_id = await enqueue_all(svc, ctx, reqs if isinstance(reqs, list) else [reqs])
     location = f"/v1/jobs/{job_id}"
     return json_response({"id": job_id, "status": "queued", "url": location}, 202, headers={"Location": location})
 
@@ -84,7 +74,8 @@ class RequestLifecycle:
       and Litestar never cancel a handler by themselves; a streaming response is stopped by
       Litestar, which hears the same disconnect through this middleware's ``receive``). Only
       ``http.disconnect`` counts: an idle timeout never looks like a client that left.
-    - The per-request option headers (deadline, priority) are kept for :func:`api.submit.admit`.
+    - The watch set is handed to the request's context (:func:`api.context.request_context`)
+      through the ASGI scope, the one channel from a middleware to its app.
     - With API keys on, a WebSocket upgrade without a valid key is refused with HTTP 401 (or a
       policy-violation close where the server cannot send a denial response).
     """
@@ -102,16 +93,15 @@ class RequestLifecycle:
         if kind not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        headers = Headers.from_scope(scope)
-        header_options.set((headers.get(TIMEOUT_HEADER), headers.get(PRIORITY_HEADER)))
-        with watching() as watches:
-            try:
-                if kind == "http":
-                    await _until_disconnect(self.app, scope, receive, send)
-                else:
-                    await self.app(scope, receive, send)
-            finally:
-                await end_watches(watches)
+        watches: set[JobWatch] = set()
+        scope[WATCHES] = watches  # type: ignore[literal-required]
+        try:
+            if kind == "http":
+                await _until_disconnect(self.app, scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
+        finally:
+            await end_watches(watches)
 
 
 async def _until_disconnect(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 from litestar import Litestar
 from litestar.di import NamedDependency
 
+from api.auth import parse_keys
 from api.listener import EventListener, Listener
 from api.models import ModelRegistry
 from api.shards import ClusterListener
@@ -31,6 +32,8 @@ class Services:
     queue: Queue
     listener: Listener
     models: ModelRegistry
+    keys_on: bool = False
+    """API keys are configured (``LLMQ_API_KEYS``): jobs record their owner's key hash."""
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     errors: dict[tuple[int, str], int] = field(default_factory=dict)
     """Error answers of this process by (status, code): ``llmq_api_errors_total`` (api/errors.py counts)."""
@@ -66,6 +69,7 @@ async def lifespan(app: Litestar) -> AsyncIterator[None]:
         queue=Queue(redis, keys, result_ttl_s=settings.result_ttl_s, idempotency_ttl_s=settings.idempotency_ttl_s),
         listener=listener,
         models=ModelRegistry(redis, keys, settings.model_name, settings.extra_models),
+        keys_on=bool(parse_keys(settings.api_keys)),
     )
     # The listener reconnects by itself, so the API starts (and answers 503) before Redis is up.
     task = asyncio.create_task(listener.run(), name="event-listener")

@@ -4,104 +4,35 @@ Order matters: send the SUBSCRIBE for the job's live channel, enqueue (record + 
 one script) while it takes effect, wait for its confirmation, then read the job's log before the
 live events: whatever was published before the subscription took effect is in the log.
 
-Cancel on disconnect: every job a request submits (not fire-and-poll ones) is watched by that
-request (:class:`JobWatch`, registered before the enqueue awaits). When the request ends (the
-response is done, the client disconnected, the LMTP socket closed) any watched job whose
-terminal event was not relayed is cancelled; the worker aborts it in the engine. Ending early
-is the only trigger: a job that finished is never cancelled, whoever reads it later.
+Every job a request submits and follows is watched by that request (:mod:`api.watches`): leaving
+before its terminal event cancels it. Everything about the request (owner, option headers,
+Idempotency-Key, its watches) arrives in its :class:`api.context.RequestContext`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import AsyncExitStack, contextmanager
-from contextvars import ContextVar
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
 import msgspec
 import structlog
 
-from api.auth import current_owner
+from api.context import RequestContext
 from api.relay import ColdWait, Keepalive, follow
 from api.services import Services
+from api.watches import JobWatch
 from shared.codec import decode_request, encode
 from shared.errors import InvalidRequest
 from shared.events import Event, is_terminal
-from shared.queue import now_ms
-from shared.redis import REDIS_DOWN
 from shared.schemas import GenerationRequest, JobRecord
 
-__all__ = ["Submission", "submit", "enqueue_detached", "cancel_quietly", "admit", "subscribe_job", "follow_job",
-           "JobWatch", "watching", "end_watches", "header_options", "check_queueable", "TIMEOUT_HEADER",
-           "PRIORITY_HEADER"]
-
-# Per-request options every dialect accepts as headers (most wire formats have no field for them).
-TIMEOUT_HEADER = "x-llmq-timeout"
-"""Seconds from enqueue until the request must have finished (its deadline)."""
-PRIORITY_HEADER = "x-llmq-priority"
-"""An integer, lower runs earlier; a body field (OpenAI's ``priority``) wins over it."""
-
-header_options: ContextVar[tuple[str | None, str | None]] = ContextVar("llmq_header_options", default=(None, None))
-"""The raw (timeout, priority) headers of the request being served (set by api.http's middleware)."""
+__all__ = ["Submission", "Live", "submit", "enqueue_detached", "admit", "subscribe_job", "follow_job",
+           "check_queueable", "part_key"]
 
 log = structlog.get_logger()
-
-
-@dataclass(eq=False, slots=True)
-class JobWatch:
-    """A job that lives only as long as the request that submitted it."""
-
-    svc: Services
-    model: str
-    job_id: str
-    stack: AsyncExitStack
-    finished: bool = False  # its terminal event was relayed (or it was already cancelled)
-    scope: set[JobWatch] | None = None  # the request's watches, left once the relay is closed
-
-    def cancel(self) -> asyncio.Task[None] | None:
-        """Cancel the job (in the background: this may run inside a cancelled scope)."""
-        if self.finished:
-            return None
-        self.finished = True
-        return self.svc.spawn(cancel_quietly(self.svc, self.model, self.job_id))
-
-
-async def cancel_quietly(svc: Services, model: str, job_id: str) -> None:
-    """Cancel a job nobody will follow; a Redis outage is logged, not raised (runs in the background)."""
-    try:
-        status = await svc.queue.cancel(model, job_id)
-    except REDIS_DOWN as exc:
-        log.warning("cancel_on_disconnect_failed", job_id=job_id, error=str(exc))
-        return
-    if status in ("queued", "running"):
-        log.info("job_cancelled_on_disconnect", job_id=job_id, model=model, was=status)
-
-
-_watches: ContextVar[set[JobWatch] | None] = ContextVar("llmq_watches", default=None)
-
-
-@contextmanager
-def watching() -> Iterator[set[JobWatch]]:
-    """Scope one request (or socket): jobs submitted inside are collected in the yielded set."""
-    watches: set[JobWatch] = set()
-    token = _watches.set(watches)
-    try:
-        yield watches
-    finally:
-        _watches.reset(token)
-
-
-async def end_watches(watches: set[JobWatch]) -> None:
-    """The request is over: cancel its unfinished jobs, release subscriptions nobody closed."""
-    pending = list(watches)
-    tasks = [t for t in (w.cancel() for w in pending) if t is not None]
-    for w in pending:
-        await w.stack.aclose()
-    if tasks:
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @dataclass(slots=True)
@@ -131,72 +62,76 @@ def check_queueable(req: GenerationRequest, max_model_len: int) -> None:
         raise InvalidRequest("Invalid request: numbers must be finite")
 
 
-async def admit(svc: Services, req: GenerationRequest) -> GenerationRequest:
-    """Route the request to its model (the default when it names none), or refuse a model this
-    deployment does not know or a generation that can never fit the context (the exact
-    prompt-length check happens in the engine). A known model is admitted whether or not a worker
-    is warm: the job waits in its queue."""
-    req = _with_header_options(req)
+async def admit(svc: Services, ctx: RequestContext, req: GenerationRequest) -> GenerationRequest:
+    """Route the request to its model (the default when it names none) and fill in what the body
+    left unset from the request's option headers; or refuse a model this deployment does not know
+    or a generation that can never fit the context (the exact prompt-length check happens in the
+    engine). A known model is admitted whether or not a worker is warm: the job waits in its queue."""
+    if ctx.bad_option is not None:
+        raise ctx.bad_option
+    changes: dict[str, object] = {}
+    if req.priority is None:  # an explicit body priority (0 too) wins over the header
+        changes["priority"] = ctx.priority if ctx.priority is not None else 0
+    if req.timeout_s is None and ctx.timeout_s is not None:
+        changes["timeout_s"] = ctx.timeout_s
+    if changes:
+        req = msgspec.structs.replace(req, **changes)
     check_queueable(req, svc.settings.max_model_len)
     model = await svc.models.resolve(req.model)
     return req if req.model == model else msgspec.structs.replace(req, model=model)
 
 
-def _with_header_options(req: GenerationRequest) -> GenerationRequest:
-    timeout, priority = header_options.get()
-    changes: dict[str, object] = {}
-    if timeout is not None and req.timeout_s is None:
-        try:
-            changes["timeout_s"] = float(timeout)
-        except ValueError:
-            raise InvalidRequest("X-LLMQ-Timeout must be a number of seconds", param="X-LLMQ-Timeout") from None
-    if priority is not None and req.priority == 0:
-        try:
-            changes["priority"] = int(priority)
-        except ValueError:
-            raise InvalidRequest("X-LLMQ-Priority must be an integer", param="X-LLMQ-Priority") from None
-    return msgspec.structs.replace(req, **changes) if changes else req
-
-
-def _record(svc: Services, req: GenerationRequest) -> JobRecord:
-    queued_at = now_ms()
-    timeout_s = req.timeout_s or svc.settings.deadline_s
+def _record(svc: Services, ctx: RequestContext, req: GenerationRequest) -> JobRecord:
     if req.webhook and not svc.settings.webhook_secret:
         raise InvalidRequest("webhooks are not configured on this server (LLMQ_WEBHOOK_SECRET)", param="webhook")
-    record = JobRecord(id=uuid.uuid4().hex, model=req.model, request=req, queued_at=queued_at,
-                       owner=current_owner.get(), deadline=queued_at + timeout_s * 1000 if timeout_s else None,
-                       webhook=req.webhook)
+    record = JobRecord.new(req, owner=ctx.owner, default_timeout_s=svc.settings.deadline_s)
     if svc.settings.log_requests:  # LLMQ_LOG_REQUESTS: the only log line that holds a prompt, at debug
         log.debug("job_request", job_id=record.id, model=record.model, request=req)
     return record
 
 
-def _scoped_key(record: JobRecord, idempotency_key: str | None) -> str | None:
+def part_key(idempotency_key: str | None, part: int, parts: int) -> str | None:
+    """The Idempotency-Key of job ``part`` of a request that queues ``parts`` jobs (a list of
+    prompts): one key covers the whole request."""
+    if idempotency_key is None or parts == 1:
+        return idempotency_key
+    return f"{idempotency_key}#{part}"
+
+
+def _scoped_key(ctx: RequestContext, part: int, parts: int) -> str | None:
     """An Idempotency-Key is per API key: another key reusing it must not reach this job."""
-    if idempotency_key and record.owner:
-        return f"{record.owner}:{idempotency_key}"
-    return idempotency_key
+    key = part_key(ctx.idempotency_key, part, parts)
+    return f"{ctx.owner}:{key}" if key and ctx.owner else key
 
 
-async def enqueue_detached(svc: Services, req: GenerationRequest, idempotency_key: str | None) -> str:
+async def enqueue_detached(svc: Services, ctx: RequestContext, req: GenerationRequest, *, part: int = 0,
+                           parts: int = 1) -> str:
     """Fire-and-poll: queue the job without following it; returns the owning job id. Not watched:
     the job outlives the request that queued it."""
-    record = _record(svc, await admit(svc, req))
-    return await svc.queue.enqueue(record, _scoped_key(record, idempotency_key), max_queued=svc.settings.max_queued)
+    record = _record(svc, ctx, await admit(svc, ctx, req))
+    return await svc.queue.enqueue(record, _scoped_key(ctx, part, parts), max_queued=svc.settings.max_queued)
+
+
+@dataclass(frozen=True, slots=True)
+class Live:
+    """A subscription to one job's live channel; it lasts as long as ``stack``."""
+
+    model: str
+    job_id: str
+    stack: AsyncExitStack
+    messages: asyncio.Queue[bytes]
 
 
 async def subscribe_job(svc: Services, model: str, job_id: str, stack: AsyncExitStack, *, wait: bool = True
-                        ) -> asyncio.Queue[bytes]:
+                        ) -> Live:
     """Subscribe to a job's live channel; the subscription lives as long as ``stack``."""
-    return await stack.enter_async_context(svc.listener.subscribe(svc.keys.live(model, job_id), wait=wait))
+    messages = await stack.enter_async_context(svc.listener.subscribe(svc.keys.live(model, job_id), wait=wait))
+    return Live(model, job_id, stack, messages)
 
 
 def follow_job(
     svc: Services,
-    stack: AsyncExitStack,
-    live: asyncio.Queue[bytes],
-    model: str,
-    job_id: str,
+    live: Live,
     *,
     after_seq: int = 0,
     backfill: bool = False,
@@ -204,20 +139,20 @@ def follow_job(
     watch: JobWatch | None = None,
     deadline: float | None = None,
 ) -> AsyncIterator[Event | Keepalive]:
-    """The job's events; iterating to the end (or closing the iterator) closes ``stack``. With a
-    ``watch``, leaving before the terminal event (closed, cancelled, failed) cancels the job."""
+    """The job's events; iterating to the end (or closing the iterator) closes the subscription.
+    With a ``watch``, leaving before the terminal event (closed, cancelled, failed) cancels the job."""
 
     # Only the request that queued the job waits for a worker with a bound; other readers (a poll's
     # event stream, a repeated Idempotency-Key) follow whatever happens to it.
     cold = None
     if watch is not None and svc.settings.cold_wait_s > 0:
-        cold = ColdWait(functools.partial(svc.models.warm, model), svc.settings.cold_wait_s)
+        cold = ColdWait(functools.partial(svc.models.warm, live.model), svc.settings.cold_wait_s)
 
     async def events() -> AsyncIterator[Event | Keepalive]:
         try:
-            async with stack:
+            async with live.stack:
                 async for event in follow(
-                    svc.queue, live, model, job_id, after_seq=after_seq, backfill=backfill,
+                    svc.queue, live.messages, live.model, live.job_id, after_seq=after_seq, backfill=backfill,
                     keepalive_s=svc.settings.sse_keepalive_s if keepalive else None, deadline=deadline, cold=cold,
                 ):
                     if watch is not None and not isinstance(event, Keepalive) and is_terminal(event):
@@ -232,38 +167,41 @@ def follow_job(
     return events()
 
 
-async def submit(
-    svc: Services, req: GenerationRequest, *, idempotency_key: str | None = None, keepalive: bool = False
-) -> Submission:
+async def submit(svc: Services, ctx: RequestContext, req: GenerationRequest, *, keepalive: bool = False,
+                 part: int = 0, parts: int = 1) -> Submission:
     """Queue the job and return its events. The caller must iterate ``events`` (or close it):
-    the subscription is released when that iterator finishes."""
-    record = _record(svc, await admit(svc, req))
+    the subscription is released when that iterator finishes. ``part`` of ``parts``: this job's
+    place among the jobs of one request (its Idempotency-Key is derived from the request's)."""
+    record = _record(svc, ctx, await admit(svc, ctx, req))
     model = record.model
+    if parts == 1:  # the API's log lines for this request name its job (one request, one job)
+        structlog.contextvars.bind_contextvars(job_id=record.id, model=model)
     stack = AsyncExitStack()
     # Watched from before the first await that could queue it: a request cancelled while the
     # enqueue is in flight (an LMTP socket closing) still cancels the job it may have queued.
-    watch = JobWatch(svc, model, record.id, stack, scope=_watches.get())
+    watch = JobWatch(svc, model, record.id, stack, scope=ctx.watches)
     if watch.scope is not None:
         watch.scope.add(watch)
     try:
         # Subscribed while the job is queued (a round trip less before it starts); the events
         # published before the subscription took effect are read from the log (backfill below).
         live = await subscribe_job(svc, model, record.id, stack, wait=False)
-        job_id = await svc.queue.enqueue(record, _scoped_key(record, idempotency_key),
-                                         max_queued=svc.settings.max_queued)
+        job_id = await svc.queue.enqueue(record, _scoped_key(ctx, part, parts), max_queued=svc.settings.max_queued)
         await svc.listener.confirmed(svc.keys.live(model, record.id))
         if job_id != record.id:
             # A repeated Idempotency-Key: follow the earlier job from its first event. That job
-            # belongs to whoever queued it first, so leaving early must not cancel it.
+            # belongs to whoever queued it first, so leaving early must not cancel it. Its answer
+            # is the earlier one, byte for byte: its own request and creation time.
             watch.finished = True
             live = await subscribe_job(svc, model, job_id, stack)
+            record = await svc.queue.get_job(model, job_id) or record
     except BaseException:
         # Cancelled or failed after the enqueue may have run: nobody will follow the job. (A
         # failure before it finds no record, and the cancel is a no-op.)
         watch.cancel()
         await stack.aclose()
         raise
-    ours = job_id == record.id
-    events = follow_job(svc, stack, live, model, job_id, backfill=True, keepalive=keepalive,
-                        watch=watch if ours else None, deadline=record.deadline if ours else None)
+    ours = watch.job_id == job_id
+    events = follow_job(svc, live, backfill=True, keepalive=keepalive, watch=watch if ours else None,
+                        deadline=record.deadline if ours else None)
     return Submission(job_id=job_id, created=int(record.queued_at // 1000), request=record.request, events=events)

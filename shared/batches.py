@@ -3,8 +3,11 @@
 The API stores an uploaded file, validates a batch's input file into translated lines and
 answers the Files and Batches routes (api/routes/batches.py). The housekeeping process advances
 each batch (workers/batches.py): it queues the lines as ordinary jobs at a bounded rate and
-gathers their results into the output and error files. Both sides read and write through
-:class:`BatchStore`; everything is readable with redis-cli (``HGETALL llmq:{batch_...}:batch``).
+gathers each line's outcome (:data:`LineOutcome`: its results, or why it has none) into the
+output and error files. Only the API speaks the endpoints' wire shapes, so those files hold
+outcomes until the API first reads them; it renders them then (api/batch_output.py) and keeps
+the rendered bytes. Both sides read and write through :class:`BatchStore`; everything is
+readable with redis-cli (``HGETALL llmq:{batch_...}:batch``).
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ from redis.asyncio import Redis
 from shared.codec import encode
 from shared.keys import Keys
 from shared.queue import lua
-from shared.schemas import GenerationRequest
+from shared.schemas import GenerationRequest, JobError, JobResult
 
 __all__ = ["FileObject", "BatchCreate", "BatchObject", "BatchError", "RequestCounts", "InputLine", "StoredLine",
-           "LineError", "BatchStore", "ENDPOINTS", "ACTIVE"]
+           "LineError", "Answered", "Failed", "Refused", "NotRun", "LineOutcome", "BatchStore", "ENDPOINTS",
+           "ACTIVE"]
 
 BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
                       "cancelled"]
@@ -116,6 +120,55 @@ class StoredLine(msgspec.Struct, kw_only=True, omit_defaults=True):
     error: LineError | None = None
 
 
+# --- a line's outcome, as housekeeping gathers it and the API renders it ---------------------------
+# Every outcome carries the line's custom_id and the request id its rendered line shows
+# (``batch_req_<id>``, ``response.request_id``): a job id, or ``<batch id>_<line>`` for a line
+# that never ran.
+
+
+class Answered(msgspec.Struct, kw_only=True, tag="answered"):
+    """Every job of the line is done: an output-file line, the endpoint's own 200 body."""
+
+    custom_id: str
+    request_id: str
+    """The line's first job: the response's id."""
+    created: int
+    """Epoch seconds the first job was queued: the response's ``created``."""
+    requests: list[GenerationRequest]
+    """As queued (their dialect says which endpoint renders them)."""
+    results: list[JobResult]
+
+
+class Failed(msgspec.Struct, kw_only=True, tag="failed"):
+    """A job of the line ended with an error: the endpoint's error status and body."""
+
+    custom_id: str
+    request_id: str
+    """The job that failed."""
+    error: JobError
+
+
+class Refused(msgspec.Struct, kw_only=True, tag="refused"):
+    """Refused when the batch was created, with the status and body the endpoint answered."""
+
+    custom_id: str
+    request_id: str
+    error: LineError
+
+
+class NotRun(msgspec.Struct, kw_only=True, tag="not_run"):
+    """The batch's own error, no response: cancelled or expired before or while it ran, or its
+    job's record expired before it was gathered."""
+
+    custom_id: str
+    request_id: str
+    code: str
+    message: str
+
+
+LineOutcome = Answered | Failed | Refused | NotRun
+
+
 _JSON_FIELDS = {"errors": BatchErrors, "metadata": dict[str, str]}
 _COUNTS = ("total", "completed", "failed")
 
@@ -128,6 +181,7 @@ class BatchStore:
         self.redis, self.keys = redis, keys
         self._transition = redis.register_script(lua("batch_status.lua"))
         self._create = redis.register_script(lua("batch_create.lua"))
+        self._rendered = redis.register_script(lua("file_rendered.lua"))
 
     # --- files ----------------------------------------------------------------------------------
 
@@ -142,6 +196,22 @@ class BatchStore:
 
     async def file_content(self, file_id: str) -> bytes | None:
         return await self.redis.hget(self.keys.file(file_id), "content")
+
+    async def put_outcomes(self, meta: FileObject, outcomes: bytes, owner: str = "") -> None:
+        """A batch's output or error file as housekeeping leaves it: its lines' outcomes, one
+        JSON document a line, in line order. Its size (``meta.bytes``) is known once rendered."""
+        await self.redis.hset(self.keys.file(meta.id), mapping={"meta": encode(meta), "outcomes": outcomes,
+                                                                "owner": owner})
+        await self.redis.zadd(self.keys.files(), {meta.id: meta.created_at})
+
+    async def outcomes(self, file_id: str) -> bytes | None:
+        """The outcomes of a file not rendered yet; None once it is (or for an uploaded file)."""
+        return await self.redis.hget(self.keys.file(file_id), "outcomes")
+
+    async def put_rendered(self, meta: FileObject, content: bytes) -> bool:
+        """Replace the file's outcomes with its rendered content and size; False when it was
+        rendered already or deleted meanwhile (then nothing is written)."""
+        return bool(await self._rendered(keys=[self.keys.file(meta.id)], args=[encode(meta), content]))
 
     async def delete_file(self, file_id: str) -> bool:
         await self.redis.zrem(self.keys.files(), file_id)

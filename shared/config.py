@@ -68,16 +68,17 @@ class SettingsError(ValueError):
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
     redis_url: str | None = None
-    """LLMQ_REDIS_URL: `redis://host:port/0` (`rediss://` for TLS), or a Redis Cluster as
-    `redis+cluster://host:port` (`rediss+cluster://`; any one node). Unset: `make run` starts an
-    embedded redis-server."""
+    """LLMQ_REDIS_URL: Redis 6.2 or newer, as `redis://host:port/0` (`rediss://` for TLS), or a Redis Cluster as
+    `redis+cluster://host:port` (`rediss+cluster://`; any one node). Unset:
+    `redis://127.0.0.1:6399/0`, the embedded redis-server `make run` starts."""
     arq_redis_url: str | None = None
     """LLMQ_ARQ_REDIS_URL: the Redis of the housekeeping process's arq queue (webhook deliveries,
     cron). Unset: LLMQ_REDIS_URL. arq needs a single Redis server, so set it when that is a Cluster."""
     model: str = DEFAULT_MODEL
     """LLMQ_MODEL: a model directory or hub name. Default: the tiny model, built on first use."""
     served_model_name: str = ""
-    """LLMQ_SERVED_MODEL_NAME: the name clients send as `model`; default: the model's last path part."""
+    """LLMQ_SERVED_MODEL_NAME: the name clients send as `model`, also in Redis key names; default: the
+    model's last path part."""
     models: str = ""
     """LLMQ_MODELS: comma-separated model names this deployment serves besides LLMQ_MODEL's. Requests
     for them are queued even while no worker is warm (workers started later take them); any model a
@@ -87,13 +88,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     its model (a cold start, a rolling restart, scale from zero) before it ends with 504. Fire-and-poll
     jobs and batch lines wait without limit unless they carry a deadline. 0: no limit."""
     host: str = "127.0.0.1"
-    """LLMQ_HOST: the API's bind address."""
+    """LLMQ_HOST: the API's bind address (the container images set `0.0.0.0`)."""
     port: int = 8080
     """LLMQ_PORT: the API's port (8080 is what LMI and LMQL clients expect)."""
     prefix: str = "llmq"
     """LLMQ_PREFIX: the Redis key prefix; tests use a fresh one per run."""
     cache_dir: str = ""
-    """LLMQ_CACHE_DIR: where the tiny model is built; default ~/.cache/llmq."""
+    """LLMQ_CACHE_DIR: where the tiny model is built and the embedded Redis keeps its files; default ~/.cache/llmq."""
 
     # worker
     max_num_seqs: int = 64
@@ -103,7 +104,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     block_ms: int = 2000
     """LLMQ_BLOCK_MS: how long one XREADGROUP blocks waiting for work."""
     drain_timeout_s: float = 30.0
-    """LLMQ_DRAIN_TIMEOUT_S: on SIGTERM, how long in-flight jobs may run before they are ended."""
+    """LLMQ_DRAIN_TIMEOUT_S: on SIGTERM, how long in-flight jobs may run before the rest are handed back
+    to the queue, where a peer (or the next worker to start) continues them from their sent tokens."""
     heartbeat_s: float = 5.0
     """LLMQ_HEARTBEAT_S: how often a worker refreshes its heartbeat key (TTL is 3x this)."""
     lease_s: float = 10.0
@@ -124,7 +126,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     GPUs must share this directory."""
     devices: str = ""
     """LLMQ_DEVICES: GPUs for this worker, as CUDA_VISIBLE_DEVICES names them ("2", "0,1"); unset:
-    claim the first free one (of CUDA_VISIBLE_DEVICES, if the operator set it)."""
+    claim the first free one (of CUDA_VISIBLE_DEVICES, if the operator set it). Set, no free GPU is
+    needed: one another worker holds is shared, on purpose."""
     cpu_shares: int = 0
     """LLMQ_CPU_SHARES: CPU engines: split this process's CPUs into this many shares, one per
     worker (more workers than shares share CPUs); 0: one share per NUMA node."""
@@ -174,18 +177,18 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     above the load balancer's idle timeout (AWS ALB: 60 s), so the balancer, not llmq, closes idle
     connections: a balancer that reuses a connection llmq is just closing returns a spurious 502."""
     max_queued: int = 10000
-    """LLMQ_MAX_QUEUED: per model, the most unfinished jobs (queued or running) before new work is
-    refused with 429 + Retry-After."""
+    """LLMQ_MAX_QUEUED: per model, the most unfinished jobs (queued or running, every priority level)
+    before new work is refused with 429 + Retry-After."""
     api_keys: str = ""
-    """LLMQ_API_KEYS: comma-separated API keys. Set: generation and job routes need
-    `Authorization: Bearer <key>` or `x-api-key: <key>`; health probes stay open."""
+    """LLMQ_API_KEYS: comma-separated API keys. Set: every route needs `Authorization: Bearer <key>` or
+    `x-api-key: <key>` (LMTP: at the upgrade), except the health probes, /metrics and /openapi.json."""
     deadline_s: float = 0.0
     """LLMQ_DEADLINE_S: default seconds a request may take from enqueue to its last token (0: no
     deadline). Per request: the `X-LLMQ-Timeout` header (seconds) or `timeout_s` in /v1/jobs."""
     max_body_bytes: int = 10_000_000
     """LLMQ_MAX_BODY_BYTES: the largest request body accepted (413 past it)."""
     log_json: bool | None = None
-    """LLMQ_LOG_JSON: force JSON (true) or console (false) logs; default JSON unless on a TTY."""
+    """LLMQ_LOG_JSON: force JSON (true) or console (false) logs; default JSON unless on a TTY (`make run`: false)."""
     log_level: str = "info"
     """LLMQ_LOG_LEVEL: debug, info, warning or error."""
     log_requests: bool = False

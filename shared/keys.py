@@ -6,13 +6,31 @@ and transactions that touch one job (record + queue + event log) stay in one slo
 
 from __future__ import annotations
 
-__all__ = ["Keys", "GROUP", "LEVELS"]
+import hashlib
+import os
+
+__all__ = ["Keys", "GROUP", "LEVELS", "new_job_id", "model_tag", "TAG_CHARS"]
 
 # The consumer group every worker of a model reads the queue through.
 GROUP = "workers"
 # Priority levels: one queue stream per level, read in order (0 first). A constant, not a setting,
 # so an API and a worker can never disagree about which streams exist.
 LEVELS = 3
+
+# A job id is 32 hex digits whose first TAG_CHARS are its model's tag: every key of a job is under
+# its model (the Cluster hash tag), so a bare id from a client (a poll, a cancel) must say which
+# model holds it. The tag narrows the known models to (almost always) one without a lookup key,
+# which could not live in the job's slot. The other 112 bits are random.
+TAG_CHARS = 4
+
+
+def model_tag(model: str) -> str:
+    """The first hex digits of every job id queued for ``model``."""
+    return hashlib.sha256(model.encode()).hexdigest()[:TAG_CHARS]
+
+
+def new_job_id(model: str) -> str:
+    return model_tag(model) + os.urandom(16).hex()[TAG_CHARS:]
 
 
 class Keys:
@@ -104,7 +122,8 @@ class Keys:
     # --- batch files (OpenAI Batch API shape); each batch's keys share its own hash tag ---------
 
     def file(self, file_id: str) -> str:
-        """Hash: an uploaded or produced file (``meta`` JSON, ``content`` bytes, ``owner``)."""
+        """Hash: an uploaded or produced file (``meta`` JSON, ``owner``, and ``content`` bytes; a
+        produced file holds its lines' ``outcomes`` instead until the API first renders it)."""
         return f"{self.prefix}:file:{file_id}"
 
     def files(self) -> str:
@@ -124,11 +143,12 @@ class Keys:
         return f"{self.prefix}:{{{batch_id}}}:jobs"
 
     def batch_output(self, batch_id: str) -> str:
-        """Hash: line index -> its output-file line (a response with status 200)."""
+        """Hash: line index -> the outcome of a line that was answered (its output-file line)."""
         return f"{self.prefix}:{{{batch_id}}}:out"
 
     def batch_errors(self, batch_id: str) -> str:
-        """Hash: line index -> its error-file line (failed, cancelled, expired or invalid)."""
+        """Hash: line index -> the outcome of a line that failed, was cancelled, expired or was
+        invalid (its error-file line)."""
         return f"{self.prefix}:{{{batch_id}}}:err"
 
     def batches(self) -> str:

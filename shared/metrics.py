@@ -3,7 +3,8 @@
 Where each figure comes from:
 
 - queue gauges (depth, the group's lag and pending entries, the oldest job's age, dead letters,
-  ready workers) are read from Redis when ``/metrics`` is scraped (``shared.status``);
+  ready workers) are read from Redis when ``/metrics`` is scraped: one pipeline per model
+  (``shared.inspection.read_queue``, through ``shared.status.snapshot``);
 - each worker counts its jobs, tokens, reclaims and outcomes and keeps the latency histograms,
   and pushes them through Redis: one JSON field of its heartbeat hash, rewritten every beat. The
   API serves them with a ``worker`` label. No port per worker: a worker on any host is scraped

@@ -8,9 +8,10 @@ all-or-nothing is one Lua script or one MULTI; every command here names keys thr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from typing import TypeVar
@@ -18,9 +19,10 @@ from typing import TypeVar
 import msgspec
 import structlog
 from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
 from redis.exceptions import ResponseError
 
-from shared.cluster import publish, sharded_pubsub, subscribers
+from shared.cluster import node_client, publish, sharded_pubsub, subscribers
 from shared.codec import decode_event, decode_request, encode, job_from_hash, job_to_hash
 from shared.errors import DeadlineExceeded, Overloaded
 from shared.events import Done, Error, Event
@@ -41,9 +43,10 @@ def now_ms() -> float:
     return round(time.time() * 1000, 3)
 
 
-def level_of(priority: int) -> int:
-    """The queue level of a request priority: 0 (the default and anything more urgent) to 2."""
-    return min(max(priority, 0), LEVELS - 1)
+def level_of(priority: int | None) -> int:
+    """The queue level of a request priority: 0 (the default and anything more urgent) to 2.
+    None (a request that never passed the API's admission, which sets it) is the default."""
+    return min(max(priority or 0, 0), LEVELS - 1)
 
 
 async def _unless(stop: asyncio.Event, call: Callable[[], Awaitable[T]]) -> T | None:
@@ -170,10 +173,9 @@ class Queue:
 
     async def depth(self, model: str) -> int:
         """Unfinished jobs (queued or running) over every level: finished entries are deleted."""
-        pipe = self.redis.pipeline(transaction=False)
-        for queue in self.keys.queues(model):
-            pipe.xlen(queue)
-        return sum(await pipe.execute())
+        from shared.inspection import read_queue
+
+        return (await read_queue(self.redis, self.keys, model, now_ms=now_ms())).depth
 
     async def get_job(self, model: str, job_id: str) -> JobRecord | None:
         raw = await self.redis.hgetall(self.keys.job(model, job_id))
@@ -346,6 +348,49 @@ class Queue:
         (shared/cluster.py)."""
         channels = [self.keys.worker_control(w) for w in workers]
         return await subscribers(self.redis, channels, self.keys.queue(model))
+
+    # --- a worker's presence (workers/presence.py) --------------------------------------------
+
+    async def beat(self, model: str, worker: str, fields: Mapping[str, str | int | float | bytes], ttl_s: float, *,
+                   advertise: bool) -> None:
+        """One heartbeat in one round trip: ``worker``'s hash set to ``fields``, expiring after
+        ``ttl_s`` (+1 s); with ``advertise`` the worker in the model's ready set and the model in
+        the set of models, each scored by that expiry, else the worker out of the ready set; then
+        the ready set's expired members dropped."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(self.keys.worker(worker), mapping=dict(fields))
+        pipe.expire(self.keys.worker(worker), int(ttl_s) + 1)
+        if advertise:
+            expiry = now_ms() + ttl_s * 1000
+            pipe.zadd(self.keys.workers(model), {worker: expiry})
+            pipe.zadd(self.keys.models(), {model: expiry}, gt=True)  # how APIs discover models
+        else:
+            pipe.zrem(self.keys.workers(model), worker)
+        pipe.zremrangebyscore(self.keys.workers(model), 0, now_ms())
+        await pipe.execute()
+
+    async def deregister(self, model: str, worker: str) -> None:
+        """Remove ``worker``'s hash and its place in the model's ready set."""
+        await self.redis.delete(self.keys.worker(worker))
+        await self.redis.zrem(self.keys.workers(model), worker)
+
+    @contextlib.asynccontextmanager
+    async def control_subscription(self, model: str, worker: str) -> AsyncIterator[PubSub]:
+        """A subscription to ``worker``'s control channel (cancel notices name a job id), closed on
+        exit. On a Cluster it is made on the master of the model's slot, where peers count its
+        subscribers (:meth:`subscribed`; PUBLISH reaches every node), looked up per call: after a
+        failover it moves."""
+        client = pubsub = None
+        try:
+            client = await node_client(self.redis, self.keys.queue(model))
+            pubsub = client.pubsub()
+            await pubsub.subscribe(self.keys.worker_control(worker))
+            yield pubsub
+        finally:
+            if pubsub is not None:
+                await pubsub.aclose()
+            if client is not None and client is not self.redis:
+                await client.aclose()
 
     async def take_over(self, model: str, dead: str, consumer: str, count: int, *,
                         max_deliveries: int = 3) -> list[Delivery]:

@@ -5,10 +5,13 @@ New fields always get defaults, so API and workers of different versions can sha
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
+
+from shared.keys import new_job_id
 
 __all__ = [
     "StructuredOutput",
@@ -146,9 +149,11 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     output: OutputOptions = msgspec.field(default_factory=OutputOptions)
     dialect: str = "jobs"
     """Which dialect renders the result: ``jobs``, ``lmi``, ``openai_completions``, ..."""
-    priority: Int64 = 0
+    priority: Int64 | None = None
     """Lower runs earlier (vLLM's convention). Queued on the level stream ``clamp(priority, 0, 2)``;
-    the engine gets the value itself (its priority scheduler orders and preempts by it)."""
+    the engine gets the value itself (its priority scheduler orders and preempts by it). None: the
+    ``X-LLMQ-Priority`` header, or 0; the API resolves it before queueing, so a queued request
+    always has a number (an explicit 0 is a choice, not "unset")."""
     timeout_s: Annotated[float, Meta(gt=0.0)] | None = None
     """Seconds from enqueue until the job must have finished; None: the header or the default
     (``LLMQ_DEADLINE_S``). The API turns it into the record's absolute ``deadline``."""
@@ -228,6 +233,17 @@ class JobRecord(msgspec.Struct, kw_only=True):
     webhook_status: Literal["delivered", "failed"] | None = None
     """Set by the delivery: ``failed`` once every attempt was refused or given up."""
     webhook_attempts: int = 0
+
+    @classmethod
+    def new(cls, req: GenerationRequest, *, owner: str, default_timeout_s: float | None,
+            now_ms: float | None = None) -> JobRecord:
+        """The record of a job about to be queued, the one way every job is made (the API's
+        routes, batch lines): a fresh id tagged with its model, queued ``now_ms`` (default: now),
+        due ``req.timeout_s`` seconds later, else ``default_timeout_s`` (None or 0: no deadline)."""
+        queued_at = round(time.time() * 1000, 3) if now_ms is None else now_ms
+        timeout_s = req.timeout_s or default_timeout_s
+        return cls(id=new_job_id(req.model), model=req.model, request=req, queued_at=queued_at, owner=owner,
+                   deadline=queued_at + timeout_s * 1000 if timeout_s else None, webhook=req.webhook)
 
 
 GROUP_PREFIX = "grp-"

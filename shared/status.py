@@ -1,11 +1,12 @@
 """``llmq-status`` (``python -m shared.status``): what the queue holds right now, read from Redis.
 
-The friendly face of the README's redis-cli recipes. Per model and priority level: jobs waiting
+The friendly face of the redis-cli recipes in docs/redis.md. Per model and priority level: jobs waiting
 (queued, not yet delivered), running (delivered and unfinished: the consumer group's pending
 entries) and the oldest unfinished job's age; the dead-letter count; and every worker's heartbeat
 (model, status, slots, running, last beat). ``--json`` prints the same as one JSON document.
 
-Everything is read, nothing written, so it is safe against a live deployment.
+Everything is read, nothing written, so it is safe against a live deployment. The queue's figures
+come from ``shared.inspection.read_queue`` (one pipeline per model), as /metrics' and the sweep's do.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import msgspec
 from redis.asyncio import Redis
 
 from shared.config import load_settings
-from shared.keys import GROUP, Keys
+from shared.inspection import read_queue
+from shared.keys import Keys
 from shared.metrics import Sample, decode_samples
 from shared.redis import connect
 
@@ -70,30 +72,18 @@ class Status(msgspec.Struct, kw_only=True):
     workers: list[WorkerStatus]
 
 
-def _age_s(entry_id: bytes, now: float) -> float:
-    return round(max(0.0, now - int(entry_id.split(b"-")[0]) / 1000), 3)
-
-
-async def _level(redis: Redis, stream: str, level: int, now: float) -> LevelStatus:
-    pipe = redis.pipeline(transaction=False)
-    pipe.xlen(stream)
-    pipe.xrange(stream, count=1)
-    pipe.xpending(stream, GROUP)
-    length, first, pending = await pipe.execute()
-    running = pending["pending"]
-    return LevelStatus(level=level, stream=stream, waiting=max(0, length - running), running=running,
-                       oldest_age_s=_age_s(first[0][0], now) if first else None)
+def _age_s(at_ms: int, now: float) -> float:
+    return round(max(0.0, now - at_ms / 1000), 3)
 
 
 async def _model(redis: Redis, keys: Keys, name: str, now: float) -> ModelStatus:
-    levels = []
-    for level, stream in enumerate(keys.queues(name)):
-        if await redis.exists(stream):
-            levels.append(await _level(redis, stream, level, now))
-    ready = await redis.zcount(keys.workers(name), now * 1000, "+inf")
+    reading = await read_queue(redis, keys, name, now_ms=now * 1000)
+    levels = [LevelStatus(level=lv.level, stream=lv.stream, waiting=lv.waiting, running=lv.pending,
+                          oldest_age_s=None if lv.oldest_ms is None else _age_s(lv.oldest_ms, now))
+              for lv in reading.levels if lv.exists]
     return ModelStatus(
         name=name, waiting=sum(lv.waiting for lv in levels), running=sum(lv.running for lv in levels),
-        dead_letters=await redis.xlen(keys.dead(name)), ready_workers=ready, levels=levels,
+        dead_letters=reading.dead_letters, ready_workers=reading.ready_workers, levels=levels,
     )
 
 

@@ -8,8 +8,8 @@ production modules have no hooks for this.
   and the Services (holding the Settings) in its frames.
 - workers: ``workers.runner.plan_for(queue, model, delivery, req)``, the first call inside
   ``Worker._run_job`` for a job, with the request in its frames.
-- housekeeping: ``workers.housekeeping._orphans_and_consumers(redis, keys, queue, settings)``,
-  which the ``sweep`` cron calls (at start-up, then every 30 s).
+- housekeeping: ``workers.housekeeping._remove_dead_consumers(hk, reading)``, which the ``sweep``
+  cron calls (at start-up, then every 30 s) with the Housekeeper (holding the Settings).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ TARGETS: dict[str, tuple[str, str, str, Callable[..., str]]] = {
                                                                     f"with {svc.settings!r}"),
     "workers": ("workers.__main__", "workers.runner", "plan_for",
                 lambda queue, model, d, req: f"forced fault running {req!r}"),
-    "housekeeping": ("workers.housekeeping", "workers.housekeeping", "_orphans_and_consumers",
-                     lambda redis, keys, queue, settings: f"forced fault sweeping with {settings!r}"),
+    "housekeeping": ("workers.housekeeping", "workers.housekeeping", "_remove_dead_consumers",
+                     lambda hk, reading: f"forced fault sweeping with {hk.settings!r}"),
 }
 
 

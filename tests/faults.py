@@ -1,5 +1,5 @@
 """The fault suite's figures: each fault scenario records what it sent and what arrived, and the
-session prints one table (and writes ``faults.json``) so the README's numbers come from a run.
+session prints one table (and writes ``faults.json``) so the figures in docs/guarantees.md come from a run.
 
 A scenario asserts its own figures (0 lost, 0 duplicated); the table is the report.
 """

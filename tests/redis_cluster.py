@@ -23,7 +23,7 @@ from shared.redis import redis_cli_binary, redis_server_binary
 __all__ = ["LocalCluster", "start_cluster", "redis7_binaries", "server_version"]
 
 # Where a Redis 7 .deb unpacked with `apt-get download redis-tools libjemalloc2 liblzf1` and
-# `dpkg -x <deb> /tmp/redis7/root` leaves its binaries (the README's recipe; optional).
+# `dpkg -x <deb> /tmp/redis7/root` leaves its binaries (the recipe in docs/operations.md; optional).
 REDIS7_ROOT = Path("/tmp/redis7/root")
 
 

@@ -1,29 +1,31 @@
-"""A scripted engine for queue-layer tests: deterministic tokens, no model.
+"""Scripted engines for queue-layer tests: deterministic tokens, no model. Every fake engine in
+the tests is a :class:`ScriptedEngine`.
 
-It produces ``max_tokens`` tokens whose text is the prompt's characters cycled, so a test
-knows exactly what every stream must contain. The prompt ``fail`` is refused before any token;
-``break`` fails after its first token. Never the only test of a user path: the e2e
-suite runs the same paths on real vLLM.
+:class:`ScriptedEngine` keeps the books (which jobs and requests reached it, how many ran at
+once, what was aborted) and runs a continued job's parts through the real
+:func:`workers.continuation.run_parts`, as ``workers.engine.VllmEngine`` does; a subclass scripts
+one engine request's tokens by overriding :meth:`ScriptedEngine.steps`. Its own script produces
+``max_tokens`` tokens whose text is the prompt's characters cycled, so a test knows exactly what
+every stream must contain. The prompt ``fail`` is refused before any token; ``break`` fails after
+its first token. Never the only test of a user path: the e2e suite runs the same paths on real
+vLLM.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 
-from shared.errors import GenerationFailed, InvalidRequest
+import msgspec
+
+from shared.errors import EngineDead, GenerationFailed, InvalidRequest
 from shared.events import TokenDelta
 from shared.schemas import GenerationRequest, PromptInfo
-from workers.continuation import Part
+from workers.continuation import Part, run_parts
+from workers.protocol import Step
 
-
-@dataclass(slots=True)
-class Step:
-    deltas: list[TokenDelta]
-    finished: bool = False
-    prompt_tokens: int = 0
-    prompt: PromptInfo | None = None
+__all__ = ["ScriptedEngine", "CappedEngine", "ContextEngine", "expected_text", "expected_ids", "next_token"]
 
 
 def expected_text(prompt: str, max_tokens: int) -> str:
@@ -31,27 +33,42 @@ def expected_text(prompt: str, max_tokens: int) -> str:
 
 
 class ScriptedEngine:
+    forces_replay = False
+    """Whether :meth:`steps` forces ``replay`` (a continued job's published tokens); an engine
+    that cannot refuses such a job rather than ignore its replay."""
+
     def __init__(self, delay_s: float = 0.0) -> None:
         self.delay_s = delay_s
         self.aborted: list[str] = []
         self.started: list[str] = []  # job ids in the order they reached the engine
+        self.requests: list[GenerationRequest] = []  # their requests, the warm-up's first
+        self.parts: list[list[Part]] = []  # the parts of each continued job that came in parts
         self.active = 0
         self.peak_active = 0  # most jobs generating at once: what the engine's slots bound
 
     async def stream(self, job_id: str, req: GenerationRequest, parts: Sequence[Part] | None = None,
                      ) -> AsyncIterator[Step]:
-        if parts is not None:  # only a crash continuation of n > 1 or replayed jobs has parts
-            raise NotImplementedError("the scripted engine does not run continuation parts")
         self.started.append(job_id)
+        self.requests.append(req)
         self.active += 1
         self.peak_active = max(self.peak_active, self.active)
         try:
-            async for step in self._steps(req):
-                yield step
+            if parts is None:
+                steps = self.steps(job_id, req)
+            else:
+                if not self.forces_replay and any(part.replay for part in parts):
+                    raise NotImplementedError(f"{type(self).__name__} cannot force a replay")
+                self.parts.append(list(parts))
+                steps = run_parts(parts, lambda part: self.steps(job_id, part.request, part.replay))
+            async with contextlib.aclosing(steps):
+                async for step in steps:
+                    yield step
         finally:
             self.active -= 1
 
-    async def _steps(self, req: GenerationRequest) -> AsyncIterator[Step]:
+    async def steps(self, job_id: str, req: GenerationRequest, replay: Sequence[int] = ()) -> AsyncIterator[Step]:
+        """One engine request's steps: the hook a subclass overrides. ``replay``: output tokens to
+        force first (only when :attr:`forces_replay`)."""
         prompt = req.prompt or "".join(chr(97 + t % 26) for t in req.prompt_token_ids or [0])
         if req.messages:
             prompt = req.messages[-1].content or "a"
@@ -74,3 +91,48 @@ class ScriptedEngine:
 
     async def abort(self, job_id: str) -> None:
         self.aborted.append(job_id)
+
+
+class CappedEngine(ScriptedEngine):
+    """At most a few tokens per job, whatever max_tokens says: fuzzed bodies ask for thousands."""
+
+    async def steps(self, job_id: str, req: GenerationRequest, replay: Sequence[int] = ()) -> AsyncIterator[Step]:
+        sampling = msgspec.structs.replace(req.sampling, max_tokens=min(req.sampling.max_tokens, 4))
+        async for step in super().steps(job_id, msgspec.structs.replace(req, sampling=sampling), replay):
+            yield step
+
+
+def next_token(context: list[int]) -> int:
+    return 97 + (sum(context[-3:]) * 7 + len(context)) % 26
+
+
+def expected_ids(prompt: str, n: int) -> list[int]:
+    """What :class:`ContextEngine` generates for ``prompt``, ``n`` tokens, in one run."""
+    ids = [ord(c) for c in prompt]
+    for _ in range(n):
+        ids.append(next_token(ids))
+    return ids[len(prompt):]
+
+
+class ContextEngine(ScriptedEngine):
+    """Deterministic in its whole context: each next token is a function of every token before
+    it (like greedy decoding), so a job continued from "prompt + published tokens" must produce
+    exactly what an uninterrupted run produces. Reports the prompt's token ids on the first step,
+    as the real engine does, so a peer can continue the job."""
+
+    def __init__(self, delay_s: float, die_after: int | None = None) -> None:
+        super().__init__(delay_s)
+        self.die_after = die_after  # tokens of a job after which the engine dies (EngineDead)
+
+    async def steps(self, job_id: str, req: GenerationRequest, replay: Sequence[int] = ()) -> AsyncIterator[Step]:
+        ids = list(req.prompt_token_ids) if req.prompt_token_ids is not None else [ord(c) for c in req.prompt or ""]
+        prompt_len, n = len(ids), req.sampling.max_tokens
+        for i in range(n):
+            await asyncio.sleep(self.delay_s)
+            if self.die_after is not None and i == self.die_after and not job_id.startswith("warmup-"):
+                raise EngineDead("scripted engine death")
+            ids.append(next_token(ids))
+            last = i == n - 1
+            delta = TokenDelta(token_ids=[ids[-1]], text=chr(ids[-1]), finish_reason="length" if last else None)
+            yield Step(deltas=[delta], finished=last, prompt_tokens=prompt_len,
+                       prompt_token_ids=ids[:prompt_len] if i == 0 else None)

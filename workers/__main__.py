@@ -55,8 +55,7 @@ async def serve(settings: Settings) -> None:
         stack.callback(engine.shutdown)
 
         queue = Queue(redis, Keys(settings.prefix), result_ttl_s=settings.result_ttl_s)
-        worker = Worker(settings, queue, engine)
-        worker.device = claim.label
+        worker = Worker(settings, queue, engine, device=claim.label)
         loop = asyncio.get_running_loop()
 
         def on_signal() -> None:

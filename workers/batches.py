@@ -2,12 +2,17 @@
 
 One tick, per batch, oldest first:
 
-1. gather: lines whose jobs all ended become output-file lines (status 200, the endpoint's own
-   response body) or error-file lines (the endpoint's error status and body); a cancelling
-   batch cancels the jobs still running;
+1. gather: lines whose jobs all ended become output-file lines (their results) or error-file
+   lines (the error a job ended with, or why the line never ran): each kept as the line's
+   outcome (shared/batches.py), which the API renders in the endpoint's own response shape when
+   the file is first read (api/batch_output.py), so nothing here speaks a wire dialect. A
+   cancelling batch cancels the jobs still running;
 2. fan out: queue the next lines as ordinary jobs, at most ``LLMQ_BATCH_RATE`` lines per tick
    and ``LLMQ_BATCH_MAX_IN_FLIGHT`` unfinished lines over all batches, on the lowest priority
-   level, so interactive requests are always read first and a large batch never floods a queue;
+   level, so interactive requests are always read first and a large batch never floods a queue.
+   A line's jobs are due when the batch expires (unless the line set its own timeout): waiting
+   on the lowest level, they may wait long, and the batch's completion window is the client's
+   deadline, not the server's default for interactive requests (``LLMQ_DEADLINE_S``);
 3. finish: once every line is gathered, write the output and error files and move the batch to
    ``completed`` (or ``cancelled``/``expired``, with the lines never run in the error file).
 
@@ -21,19 +26,30 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
 
-from api.dialects import openai_chat, openai_completions  # the endpoints' own response shapes
-from shared.batches import BatchObject, BatchStore, FileObject, StoredLine
+from shared.batches import (
+    Answered,
+    BatchObject,
+    BatchStore,
+    Failed,
+    FileObject,
+    LineOutcome,
+    NotRun,
+    Refused,
+    StoredLine,
+)
 from shared.codec import encode
-from shared.config import Settings
-from shared.errors import Overloaded, error_from_code
-from shared.keys import LEVELS, Keys
-from shared.queue import Queue, now_ms
-from shared.schemas import TERMINAL_STATUSES, JobRecord
+from shared.errors import Overloaded
+from shared.keys import LEVELS
+from shared.queue import now_ms
+from shared.schemas import TERMINAL_STATUSES, GenerationRequest, JobError, JobRecord
+
+if TYPE_CHECKING:  # the process module, which imports this one to schedule it
+    from workers.housekeeping import Housekeeper
 
 __all__ = ["advance_batches"]
 
@@ -47,11 +63,8 @@ _jobs = msgspec.json.Decoder(tuple[str, list[str]])
 class Tick:
     """One pass over the active batches, sharing this tick's budgets."""
 
-    def __init__(self, ctx: dict[str, Any]) -> None:
-        self.settings: Settings = ctx["settings"]
-        self.keys: Keys = ctx["keys"]
-        self.redis = ctx["redis"]
-        self.queue: Queue = ctx["queue"]
+    def __init__(self, hk: Housekeeper) -> None:
+        self.settings, self.keys, self.redis, self.queue = hk.settings, hk.keys, hk.redis, hk.queue
         self.store = BatchStore(self.redis, self.keys)
         self.rate = self.settings.batch_rate
         self.window = self.settings.batch_max_in_flight
@@ -103,8 +116,8 @@ class Tick:
                         await self.queue.cancel(model, record.id)
                 continue
             stored = _stored.decode(await self.redis.lindex(self.keys.batch_lines(batch.id), int(line)))
-            ok, out = _result_line(batch, stored, job_ids, records)
-            target = self.keys.batch_output(batch.id) if ok else self.keys.batch_errors(batch.id)
+            out = _outcome(stored, job_ids, records)
+            target = self.keys.batch_output(batch.id) if isinstance(out, Answered) else self.keys.batch_errors(batch.id)
             await self.redis.hset(target, line, encode(out))
             await self.redis.hdel(self.keys.batch_jobs(batch.id), line)
         await self._count(batch)
@@ -120,7 +133,7 @@ class Tick:
                 break
             stored = _stored.decode(await self.redis.lindex(self.keys.batch_lines(batch.id), line))
             if stored.error is not None:
-                out = _line(stored, f"{batch.id}_{line}", status=stored.error.status, body=stored.error.body)
+                out = Refused(custom_id=stored.custom_id, request_id=f"{batch.id}_{line}", error=stored.error)
                 await self.redis.hset(self.keys.batch_errors(batch.id), str(line), encode(out))
             else:
                 try:
@@ -135,9 +148,12 @@ class Tick:
         await self._count(batch)
         return queued
 
-    async def _enqueue(self, batch: BatchObject, owner: str, line: int, part: int, req) -> str:
-        req = msgspec.structs.replace(req, priority=max(req.priority, BATCH_PRIORITY))
-        record = JobRecord(id=uuid.uuid4().hex, model=req.model, request=req, queued_at=now_ms(), owner=owner)
+    async def _enqueue(self, batch: BatchObject, owner: str, line: int, part: int, req: GenerationRequest) -> str:
+        req = msgspec.structs.replace(req, priority=max(req.priority or 0, BATCH_PRIORITY))
+        now = now_ms()
+        # Due when the batch expires (always set: POST /v1/batches gives every batch its window).
+        window_s = max((batch.expires_at or 0) - now / 1000, 0.001)  # > 0: 0 would mean "no deadline"
+        record = JobRecord.new(req, owner=owner, default_timeout_s=window_s, now_ms=now)
         return await self.queue.enqueue(record, self.keys.batch_idempotency(batch.id, line, part),
                                         max_queued=self.settings.max_queued)
 
@@ -148,7 +164,7 @@ class Tick:
             stored = _stored.decode(await self.redis.lindex(self.keys.batch_lines(batch.id), line))
             message = "The batch was cancelled before this request ran." if code == "batch_cancelled" else \
                 "The batch expired before this request ran."
-            out = _line(stored, f"{batch.id}_{line}", error={"code": code, "message": message})
+            out = NotRun(custom_id=stored.custom_id, request_id=f"{batch.id}_{line}", code=code, message=message)
             await self.redis.hset(self.keys.batch_errors(batch.id), str(line), encode(out))
         await self.redis.hset(self.keys.batch(batch.id), "next", batch.request_counts.total)
         await self._count(batch)
@@ -164,9 +180,10 @@ class Tick:
             lines = await self.redis.hgetall(key)
             if lines:
                 content = b"".join(lines[k] + b"\n" for k in sorted(lines, key=int))
-                meta = FileObject(id=f"file-{uuid.uuid4().hex}", bytes=len(content), created_at=now,
+                # bytes: set when the API renders the outcomes, on the file's first read.
+                meta = FileObject(id=f"file-{uuid.uuid4().hex}", bytes=0, created_at=now,
                                   filename=f"{batch.id}_{name}.jsonl", purpose="batch_output")
-                await self.store.put_file(meta, content, owner)
+                await self.store.put_outcomes(meta, content, owner)
                 files[field] = meta.id
         if await self.store.transition(batch.id, (current,), final, now, **files):
             for key in (self.keys.batch_lines(batch.id), self.keys.batch_jobs(batch.id),
@@ -180,47 +197,31 @@ class Tick:
         await self.redis.hset(self.keys.batch(batch.id), mapping={"completed": completed, "failed": failed})
 
 
-def _line(stored: StoredLine, request_id: str, *, status: int | None = None,
-          body: dict | None = None, error: dict | None = None) -> dict[str, Any]:
-    response = None if status is None else {"status_code": status, "request_id": request_id, "body": body}
-    return {"id": f"batch_req_{request_id}", "custom_id": stored.custom_id, "response": response, "error": error}
-
-
-def _result_line(batch: BatchObject, stored: StoredLine, job_ids: list[str],
-                 records: list[JobRecord | None]) -> tuple[bool, dict[str, Any]]:
-    """(succeeded, the output- or error-file line) for a line whose jobs all ended."""
-    head = job_ids[0]
+def _outcome(stored: StoredLine, job_ids: list[str], records: list[JobRecord | None]) -> LineOutcome:
+    """The outcome of a line whose jobs all ended: its results, or the first reason it has none."""
     for job_id, record in zip(job_ids, records, strict=True):
         if record is None:
-            return False, _line(stored, job_id, error={"code": "job_lost",
-                                                              "message": "The request's job record expired."})
+            return NotRun(custom_id=stored.custom_id, request_id=job_id, code="job_lost",
+                          message="The request's job record expired.")
         if record.status == "cancelled":
-            return False, _line(stored, job_id, error={"code": "batch_cancelled",
-                                                              "message": "The batch was cancelled while this ran."})
+            return NotRun(custom_id=stored.custom_id, request_id=job_id, code="batch_cancelled",
+                          message="The batch was cancelled while this ran.")
         if record.status != "done" or record.result is None:
-            err = record.error
-            exc = error_from_code(err.code, err.message, err.status) if err else error_from_code(
-                "generation_failed", "the job ended without a result", 500)
-            status, body = openai_completions.error_body(exc)
-            return False, _line(stored, job_id, status=status, body=body)
-    created = int(records[0].queued_at // 1000)  # type: ignore[union-attr]
-    results = [r.result for r in records]  # type: ignore[union-attr]
-    if batch.endpoint == "/v1/chat/completions":
-        body = openai_chat.render_result(stored.requests[0], results[0], head, created)
-    else:
-        body = openai_completions.render_results(stored.requests, results, head, created)
-    return True, _line(stored, head, status=200, body=body)
+            error = record.error or JobError(code="generation_failed", message="the job ended without a result")
+            return Failed(custom_id=stored.custom_id, request_id=job_id, error=error)
+    done = [(r.queued_at, r.result) for r in records if r is not None and r.result is not None]
+    # The requests as the line translated them (its jobs' only differ in the batch's priority).
+    return Answered(custom_id=stored.custom_id, request_id=job_ids[0], created=int(done[0][0] // 1000),
+                    requests=stored.requests, results=[result for _, result in done])
 
 
-async def advance_batches(ctx: dict[str, Any]) -> None:
-    """The cron entry point: one tick, unless another tick still holds the lock."""
-    keys: Keys = ctx["keys"]
-    redis = ctx["redis"]
+async def advance_batches(hk: Housekeeper) -> None:
+    """One tick, unless another tick (say, another housekeeping replica's) still holds the lock."""
     token = uuid.uuid4().hex
-    if not await redis.set(keys.batches_lock(), token, nx=True, px=LOCK_MS):
+    if not await hk.redis.set(hk.keys.batches_lock(), token, nx=True, px=LOCK_MS):
         return
     try:
-        await Tick(ctx).run()
+        await Tick(hk).run()
     finally:
-        if await redis.get(keys.batches_lock()) == token.encode():
-            await redis.delete(keys.batches_lock())
+        if await hk.redis.get(hk.keys.batches_lock()) == token.encode():
+            await hk.redis.delete(hk.keys.batches_lock())

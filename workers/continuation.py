@@ -41,7 +41,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
 
 import msgspec
 import structlog
@@ -52,6 +51,7 @@ from shared.queue import Delivery, Queue
 from shared.redis import REDIS_DOWN
 from shared.result import ResultBuilder
 from shared.schemas import GenerationRequest, SamplingParams
+from workers.protocol import Step
 
 __all__ = ["Continuation", "Part", "Published", "Replay", "needs_replay", "plan_continuation", "plan_for",
            "published", "run_parts"]
@@ -216,16 +216,10 @@ class Replay:
         return delta
 
 
-class _Step(Protocol):
-    deltas: list[TokenDelta]
-    finished: bool
-
-
-S = TypeVar("S", bound=_Step)
 _END = object()
 
 
-async def run_parts(parts: Sequence[Part], run: Callable[[Part], AsyncIterator[S]]) -> AsyncIterator[S]:
+async def run_parts(parts: Sequence[Part], run: Callable[[Part], AsyncIterator[Step]]) -> AsyncIterator[Step]:
     """Run every part at once (``run`` streams one part's engine request, its deltas at index 0)
     and yield their steps as they come: each delta under its choice's index, replayed output
     dropped; only the step that ends the last part is ``finished``."""
@@ -257,7 +251,7 @@ async def run_parts(parts: Sequence[Part], run: Callable[[Part], AsyncIterator[S
             elif isinstance(item, Exception):
                 raise item
             else:
-                step: S = item  # type: ignore[assignment]
+                step: Step = item  # type: ignore[assignment]
                 if step.finished:
                     unfinished -= 1
                     step.finished = unfinished == 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 
 import msgspec
 from vllm import SamplingParams as VllmSamplingParams
@@ -32,22 +31,9 @@ from shared.schemas import GenerationRequest, PromptInfo, StructuredOutput, TopL
 from workers import forcing
 from workers.beam import beam_search
 from workers.continuation import Part, run_parts
+from workers.protocol import Step
 
-__all__ = ["VllmEngine", "Step", "to_sampling_params"]
-
-
-@dataclass(slots=True)
-class Step:
-    """What one engine step produced for one job."""
-
-    deltas: list[TokenDelta]
-    finished: bool = False
-    prompt_tokens: int = 0
-    prompt: PromptInfo | None = None
-    """The prompt's tokens, on the first step, when the request asked for them."""
-    prompt_token_ids: list[int] | None = None
-    """The prompt's token ids as the engine saw them, on the first step: kept with the job so
-    another worker can continue it if this one dies (workers/continuation.py)."""
+__all__ = ["VllmEngine", "to_sampling_params"]
 
 
 def to_sampling_params(req: GenerationRequest, forced: Sequence[int] = ()) -> VllmSamplingParams:
@@ -81,6 +67,12 @@ def to_sampling_params(req: GenerationRequest, forced: Sequence[int] = ()) -> Vl
         # DELTA: each output carries only what is new, so per-token work stays O(new tokens).
         output_kind=RequestOutputKind.DELTA,
     )
+
+
+def _priority(req: GenerationRequest) -> int:
+    """The engine's priority: None (a request queued without one, such as the warm-up) is 0; vLLM
+    refuses anything but an int."""
+    return req.priority if req.priority is not None else 0
 
 
 def _structured(so: StructuredOutput | None) -> StructuredOutputsParams | None:
@@ -253,7 +245,7 @@ class VllmEngine:
                 return
             first = True
             primed = self._primed_text(req)
-            async for out in self.engine.generate(prompt, params, request_id=request_id, priority=req.priority):
+            async for out in self.engine.generate(prompt, params, request_id=request_id, priority=_priority(req)):
                 step = _step(out, want_top)
                 if primed:
                     primed = _strip_primed(step, primed)
@@ -295,7 +287,7 @@ class VllmEngine:
             params = VllmSamplingParams(max_tokens=1, temperature=0.0, logprobs=k)
             final = None
             async for out in self.engine.generate(TokensPrompt(prompt_token_ids=tokens), params,
-                                                  request_id=f"{job_id}-beam-{calls}", priority=req.priority):
+                                                  request_id=f"{job_id}-beam-{calls}", priority=_priority(req)):
                 final = out
             assert final is not None
             (position,) = final.outputs[0].logprobs or [{}]

@@ -5,6 +5,9 @@ The hot path never goes through arq (it polls a sorted set). This process delive
 expired worker registrations, deletes consumers of dead workers once they hold nothing, and
 logs each model's queue depth, lag, pending count, orphaned jobs and dead letters.
 
+Every task takes one typed :class:`Housekeeper` (settings, clients, the queue), built once at
+start-up and kept in arq's ``ctx`` under one key; only the arq entry points here touch ``ctx``.
+
 It does not reclaim jobs itself. Taking over a job means running it, which needs an engine; an
 entry claimed here would only have to be claimed again by a worker, and "claimed but not yet
 running" is exactly the state a crash must not leave behind. So live workers reclaim (before
@@ -23,49 +26,72 @@ from urllib.parse import parse_qs, unquote, urlparse
 
 import httpx
 import structlog
-from arq import cron, func
+from arq import ArqRedis, cron, func
 from arq.connections import RedisSettings
 from arq.worker import run_worker
-from redis.exceptions import ResponseError
+from redis.asyncio import Redis
 
 from shared.config import MASK, Settings, load_settings
+from shared.inspection import QueueReading, read_queue
 from shared.keys import GROUP, Keys
 from shared.logging import configure_logging
 from shared.queue import Queue, now_ms
 from shared.redis import connect, wait_for_redis
 from workers.batches import advance_batches
-from workers.webhooks import deliver_webhook, drain_outbox
+from workers.webhooks import DELIVER, deliver_webhook, drain_outbox
 
 log = structlog.get_logger()
 
 
-async def sweep(ctx: dict[str, Any]) -> dict[str, int]:
-    settings: Settings = ctx["settings"]
-    keys: Keys = ctx["keys"]
-    redis = ctx["redis"]
-    model = settings.model_name
-    pruned = await redis.zremrangebyscore(keys.workers(model), 0, now_ms())
-    stats: dict[str, int | float] = {"ready_workers": await redis.zcard(keys.workers(model)),
-                                     "pruned_workers": pruned, "pending": 0, "lag": 0, "queued": 0}
-    for queue in keys.queues(model):  # every priority level, summed
-        try:
-            for group in await redis.xinfo_groups(queue):
-                if group["name"].decode() == GROUP:
-                    stats["pending"] += group["pending"]
-                    stats["lag"] += group.get("lag") or 0
-        except ResponseError:  # no queue yet
-            pass
-        stats["queued"] += await redis.xlen(queue)
-        for name, value in (await _orphans_and_consumers(redis, keys, queue, settings)).items():
-            stats[name] = max(stats.get(name, 0), value) if name == "oldest_orphan_s" else stats.get(name, 0) + value
-    stats["dead_letters"] = await redis.xlen(keys.dead(model))
+@dataclasses.dataclass(slots=True)
+class Housekeeper:
+    """What every housekeeping task works with: built once at start-up (:meth:`open`)."""
+
+    settings: Settings
+    keys: Keys
+    redis: Redis
+    """llmq's own client: reads and writes llmq's keys (bytes, llmq's timeouts)."""
+    queue: Queue
+    arq: ArqRedis
+    """arq's client, the one arq connected: enqueues arq jobs (webhook deliveries)."""
+    http: httpx.AsyncClient
+    """Webhook deliveries. Redirects are not followed: a webhook URL is where the signed result
+    goes, nowhere else."""
+    last_sweep: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    """Model -> the figures its last sweep logged at info (arq hands each run a copy of ``ctx``:
+    this object, not ``ctx``, is what the runs share)."""
+
+    @classmethod
+    def open(cls, settings: Settings, arq: ArqRedis) -> Housekeeper:
+        keys, redis = Keys(settings.prefix), connect(settings.redis_dsn)
+        return cls(settings=settings, keys=keys, redis=redis, arq=arq,
+                   queue=Queue(redis, keys, result_ttl_s=settings.result_ttl_s),
+                   http=httpx.AsyncClient(timeout=settings.webhook_timeout_s, follow_redirects=False))
+
+    async def close(self) -> None:
+        await self.http.aclose()
+        await self.redis.aclose()
+
+
+async def sweep(hk: Housekeeper) -> dict[str, int | float]:
+    """Prune lapsed worker registrations, remove dead workers' empty consumers, log the figures.
+    ``lag`` is the jobs not yet delivered (stream length minus pending, as /metrics has it)."""
+    model = hk.settings.model_name
+    pruned = await hk.redis.zremrangebyscore(hk.keys.workers(model), 0, now_ms())
+    reading = await read_queue(hk.redis, hk.keys, model, now_ms=now_ms(), lease_ms=int(hk.settings.lease_s * 1000))
+    levels = reading.levels  # every priority level, summed
+    stats: dict[str, int | float] = {
+        "ready_workers": reading.ready_workers, "pruned_workers": pruned,
+        "pending": sum(lv.pending for lv in levels), "lag": sum(lv.waiting for lv in levels),
+        "queued": reading.depth, "orphaned": sum(lv.orphaned for lv in levels),
+        "oldest_orphan_s": round(max(lv.oldest_orphan_ms for lv in levels) / 1000, 1),
+        "consumers_removed": await _remove_dead_consumers(hk, reading), "dead_letters": reading.dead_letters,
+    }
     # Every 30 s: at info only the first time and when something changed that an operator acts on
     # (workers came or went, jobs wait orphaned, dead letters); the rest is in /metrics anyway.
-    # (arq gives each run a copy of ctx: the figures seen last live in the dict startup put there.)
-    last = ctx.setdefault("last_sweep", {})
-    notable = tuple(stats.get(k, 0) for k in ("ready_workers", "orphaned", "dead_letters"))
-    changed = notable != last.get(model) or stats["pruned_workers"] or stats.get("consumers_removed")
-    last[model] = notable
+    notable = (stats["ready_workers"], stats["orphaned"], stats["dead_letters"])
+    changed = notable != hk.last_sweep.get(model) or stats["pruned_workers"] or stats["consumers_removed"]
+    hk.last_sweep[model] = notable
     (log.info if changed else log.debug)("housekeeping_sweep", model=model, **stats)
     return stats
 
@@ -75,22 +101,16 @@ async def sweep(ctx: dict[str, Any]) -> dict[str, int]:
 STALE_CONSUMER_MS = 10 * 60 * 1000
 
 
-async def _orphans_and_consumers(redis, keys: Keys, queue: str, settings: Settings) -> dict[str, int | float]:
-    lease_ms = int(settings.lease_s * 1000)
-    try:
-        orphans = await redis.xpending_range(queue, GROUP, min="-", max="+", count=1000, idle=lease_ms)
-        consumers = await redis.xinfo_consumers(queue, GROUP)
-    except ResponseError:  # no queue or group yet
-        return {}
+async def _remove_dead_consumers(hk: Housekeeper, reading: QueueReading) -> int:
     removed = 0
-    for consumer in consumers:
-        name = consumer["name"]
-        # DELCONSUMER discards the consumer's pending entries: only ever for one that holds none.
-        if consumer["pending"] == 0 and consumer["idle"] > STALE_CONSUMER_MS:
-            if not await redis.exists(keys.worker(name.decode())):
-                removed += await redis.xgroup_delconsumer(queue, GROUP, name) == 0
-    oldest = max((o["time_since_delivered"] for o in orphans), default=0)
-    return {"orphaned": len(orphans), "oldest_orphan_s": round(oldest / 1000, 1), "consumers_removed": removed}
+    for level in reading.levels:
+        for consumer in level.consumers:
+            # DELCONSUMER discards the consumer's pending entries: only ever for one that holds
+            # none (XDELCONSUMER answers how many it discarded: counted only when that was 0).
+            if consumer.pending == 0 and consumer.idle_ms > STALE_CONSUMER_MS:
+                if not await hk.redis.exists(hk.keys.worker(consumer.name)):
+                    removed += await hk.redis.xgroup_delconsumer(level.stream, GROUP, consumer.name) == 0
+    return removed
 
 
 class _RedisSettings(RedisSettings):
@@ -119,30 +139,43 @@ def arq_redis_settings(dsn: str) -> RedisSettings:
     return dataclasses.replace(base, **changes)
 
 
+# --- arq's entry points: each takes the Housekeeper out of ctx once ---------------------------------
+
+HOUSEKEEPER = "housekeeper"
+
+
 async def startup(ctx: dict[str, Any]) -> None:
-    settings: Settings = ctx["settings"]
-    ctx["keys"] = keys = Keys(settings.prefix)
-    ctx["last_sweep"] = {}  # model -> the figures its last sweep logged
-    # arq's own client (ctx["redis"] as arq hands it over) enqueues arq jobs; the one that
-    # replaces it reads llmq's keys (bytes, our timeouts).
-    ctx["arq"] = ctx["redis"]
-    ctx["redis"] = redis = connect(settings.redis_dsn)
-    ctx["queue"] = Queue(redis, keys, result_ttl_s=settings.result_ttl_s)
-    # Redirects are not followed: a webhook URL is where the signed result goes, nowhere else.
-    ctx["http"] = httpx.AsyncClient(timeout=settings.webhook_timeout_s, follow_redirects=False)
+    # ctx["redis"] is arq's own client as arq hands it over; ctx["settings"] is what main() passed.
+    ctx[HOUSEKEEPER] = Housekeeper.open(ctx["settings"], ctx["redis"])
 
 
 async def shutdown(ctx: dict[str, Any]) -> None:
-    await ctx["http"].aclose()
-    await ctx["redis"].aclose()
+    await ctx[HOUSEKEEPER].close()
+
+
+async def _sweep(ctx: dict[str, Any]) -> dict[str, int | float]:
+    return await sweep(ctx[HOUSEKEEPER])
+
+
+async def _drain_outbox(ctx: dict[str, Any]) -> int:
+    return await drain_outbox(ctx[HOUSEKEEPER])
+
+
+async def _advance_batches(ctx: dict[str, Any]) -> None:
+    await advance_batches(ctx[HOUSEKEEPER])
+
+
+async def _deliver_webhook(ctx: dict[str, Any], model: str, job_id: str) -> str:
+    return await deliver_webhook(ctx[HOUSEKEEPER], model, job_id, job_try=ctx["job_try"])
 
 
 class WorkerSettings:
     functions: list = []  # built from Settings in main()
+    # Named as the tasks are (arq names a job after its function): the log lines say cron:sweep.
     cron_jobs = [
-        cron(sweep, second={0, 30}, run_at_startup=True),
-        cron(drain_outbox, second=set(range(60)), run_at_startup=True),
-        cron(advance_batches, second=set(range(60)), run_at_startup=True),
+        cron(_sweep, name="cron:sweep", second={0, 30}, run_at_startup=True),
+        cron(_drain_outbox, name="cron:drain_outbox", second=set(range(60)), run_at_startup=True),
+        cron(_advance_batches, name="cron:advance_batches", second=set(range(60)), run_at_startup=True),
     ]
     on_startup = startup
     on_shutdown = shutdown
@@ -175,7 +208,7 @@ def main() -> None:
     asyncio.run(ready())
     run_worker(
         WorkerSettings,  # type: ignore[arg-type]
-        functions=[func(deliver_webhook, max_tries=settings.webhook_max_tries)],
+        functions=[func(_deliver_webhook, name=DELIVER, max_tries=settings.webhook_max_tries)],
         redis_settings=arq_redis_settings(settings.arq_redis_dsn),
         queue_name=Keys(settings.prefix).arq_queue(),
         ctx={"settings": settings},

@@ -1,13 +1,16 @@
 """A worker's presence in Redis: its heartbeat key, its place in the ready set, its control
-channel. A mixin of :class:`workers.runner.Worker`, kept apart so each module stays small.
+channel, and the judgement of peers by theirs. One :class:`Presence` per worker, owned by
+:class:`workers.runner.Worker`; every Redis command it sends is a :class:`shared.queue.Queue`
+method.
 
 The control channel is also the worker's sign of life. Its subscription lives exactly as long as
 its process (the kernel closes a dead process's sockets, and Redis drops their subscriptions at
 once), so a peer that finds a worker holding jobs with nobody subscribed to its channel for
 ``LLMQ_TAKEOVER_S`` takes those jobs over without waiting for their leases (workers/runner.py,
-the watcher). Hence: no job is read before the subscription is confirmed, a dropped connection is
-re-subscribed at once, and :attr:`Presence._watch_from` keeps the watcher from judging peers
-until they all had time to re-subscribe after an outage that dropped everyone's connection.
+the watcher). Hence: no job is read before the subscription is confirmed
+(:attr:`Presence.control_up`), a dropped connection is re-subscribed at once, and
+:attr:`Presence.watch_from` keeps :meth:`Presence.dead_peers` from judging peers until they all
+had time to re-subscribe after an outage that dropped everyone's connection.
 """
 
 from __future__ import annotations
@@ -15,22 +18,21 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
 
 import structlog
 
-from shared.cluster import node_client
-from shared.errors import JobCancelled
-from shared.metrics import Recorder, encode_samples
+from shared.metrics import encode_samples
 from shared.queue import now_ms
 from shared.redis import REDIS_DOWN
 
 if TYPE_CHECKING:
     from shared.config import Settings
-    from shared.errors import ServiceError
+    from shared.metrics import Recorder
     from shared.queue import Queue
 
-__all__ = ["Presence", "RECONNECT_MAX_S"]
+__all__ = ["Presence", "RECONNECT_MAX_S", "Status"]
 
 log = structlog.get_logger()
 
@@ -39,110 +41,117 @@ log = structlog.get_logger()
 # is what the watcher waits (twice over) before it counts anyone's absence.
 RECONNECT_MAX_S = 0.5
 
+Status = Literal["warming", "ready", "draining"]
+"""What the heartbeat says of the worker; only a ``ready`` one is in the model's ready set."""
+
 
 class Presence:
-    """Needs from its host: settings, queue, model, worker_id, slots, started_at, ready,
-    ``_running``, ``_stopping`` and :meth:`cancel_job`."""
+    """The presence of worker ``worker_id`` of ``settings.model_name``. Its host says what to
+    advertise at each :meth:`beat` and what a cancel notice does (:meth:`control`)."""
 
-    settings: Settings
-    queue: Queue
-    model: str
-    worker_id: str
-    slots: int
-    started_at: float
-    ready: bool
-    metrics: Recorder
-    device = ""
-    """The GPU(s) or CPU share this process claimed (workers/claim.py), set by its entrypoint."""
-    _running: dict
-    _stopping: asyncio.Event
-    _control_up: asyncio.Event
-    """Set while the control subscription is confirmed: the reader reads only then."""
-    _watch_from: float
-    """Loop time before which the watcher counts no peer's absence (our own subscription came up
-    only recently: after an outage, peers may still be re-subscribing)."""
+    def __init__(self, settings: Settings, queue: Queue, worker_id: str, metrics: Recorder, *,
+                 device: str = "") -> None:
+        self.settings = settings
+        self.queue = queue
+        self.model = settings.model_name
+        self.worker_id = worker_id
+        self.metrics = metrics
+        """The host's counters and histograms, pushed with each heartbeat (shared/metrics.py)."""
+        self.device = device
+        """The GPU(s) or CPU share this process claimed (workers/claim.py)."""
+        self.started_at = now_ms()
+        self.control_up = asyncio.Event()
+        """Set while the control subscription is confirmed: the worker reads jobs only then."""
+        self.watch_from = float("inf")  # until the control subscription is first confirmed
+        """Loop time before which :meth:`dead_peers` counts no peer's absence (our own
+        subscription came up only recently: after an outage, peers may still be re-subscribing)."""
 
-    def cancel_job(self, job_id: str, reason: ServiceError) -> bool:
-        raise NotImplementedError
+    # --- our own presence ---------------------------------------------------------------------
 
-    def _heartbeat_fields(self) -> dict[str, str | int | float | bytes]:
+    def _heartbeat_fields(self, status: Status, running: int) -> dict[str, str | int | float | bytes]:
         return {
             "model": self.model,
-            "slots": self.slots,
-            "running": len(self._running),
+            "slots": self.settings.max_num_seqs,
+            "running": running,
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "device": self.device,
             "started": self.started_at,
-            "status": "draining" if self._stopping.is_set() else ("ready" if self.ready else "warming"),
+            "status": status,
             "last_heartbeat": now_ms(),
             # Its Prometheus counters and histograms, served by the API's /metrics.
             "metrics": encode_samples(self.metrics.samples()),
         }
 
-    async def _beat(self) -> None:
-        keys = self.queue.keys
-        ttl_s = self.settings.heartbeat_s * 3
-        pipe = self.queue.redis.pipeline(transaction=False)
-        pipe.hset(keys.worker(self.worker_id), mapping=self._heartbeat_fields())
-        pipe.expire(keys.worker(self.worker_id), int(ttl_s) + 1)
-        if self.ready and not self._stopping.is_set():
-            # The API answers health checks from this set: only warm workers are in it.
-            expiry = now_ms() + ttl_s * 1000
-            pipe.zadd(keys.workers(self.model), {self.worker_id: expiry})
-            pipe.zadd(keys.models(), {self.model: expiry}, gt=True)  # how APIs discover models
-        else:
-            pipe.zrem(keys.workers(self.model), self.worker_id)
-        pipe.zremrangebyscore(keys.workers(self.model), 0, now_ms())
-        await pipe.execute()
+    async def beat(self, status: Status, running: int) -> None:
+        """Renew the worker's key (TTL: three heartbeats) and, while ``ready``, its place in the
+        ready set, from which the API answers health checks: only warm workers are in it."""
+        await self.queue.beat(self.model, self.worker_id, self._heartbeat_fields(status, running),
+                              self.settings.heartbeat_s * 3, advertise=status == "ready")
 
-    async def _unregister(self) -> None:
-        keys = self.queue.keys
+    async def unregister(self) -> None:
+        """Leave nothing behind (a clean stop); with Redis away the key's TTL does it instead."""
         try:
-            await self.queue.redis.delete(keys.worker(self.worker_id))
-            await self.queue.redis.zrem(keys.workers(self.model), self.worker_id)
+            await self.queue.deregister(self.model, self.worker_id)
         except REDIS_DOWN:
             pass
 
     def _control_confirmed(self) -> None:
-        self._control_up.set()
-        self._watch_from = asyncio.get_running_loop().time() + 2 * RECONNECT_MAX_S
+        self.control_up.set()
+        self.watch_from = asyncio.get_running_loop().time() + 2 * RECONNECT_MAX_S
 
-    async def _control(self) -> None:
-        """Abort jobs on request (DELETE /v1/jobs/{id}); the notice names the job id. The
-        subscription itself says this process is alive (see the module docstring)."""
-        channel = self.queue.keys.worker_control(self.worker_id)
+    async def control(self, cancel: Callable[[str], bool]) -> None:
+        """Abort jobs on request (DELETE /v1/jobs/{id}): ``cancel`` gets the notice's job id and
+        says whether the job ran here. The subscription itself says this process is alive (see
+        the module docstring). Runs until cancelled."""
         delay = 0.0
         while True:
-            client = pubsub = None
             try:
-                # On a Cluster: the master of the model's slot, where peers count its subscribers
-                # (PUBLISH reaches every node). Looked up per attempt: after a failover it moves.
-                client = await node_client(self.queue.redis, self.queue.keys.queue(self.model))
-                pubsub = client.pubsub()
-                await pubsub.subscribe(channel)
-                while True:
-                    message = await pubsub.get_message(timeout=1.0)
-                    if message is None:
-                        continue
-                    if message["type"] == "subscribe":
-                        # Confirmed: the first time, or after redis-py reconnected and re-subscribed
-                        # by itself (a dropped connection, a restarted Redis).
-                        self._control_confirmed()
-                        delay = 0.0
-                    elif message["type"] == "message":
-                        job_id = message["data"].decode()
-                        if self.cancel_job(job_id, JobCancelled("job was cancelled")):
-                            log.info("job_cancel_requested", job_id=job_id)
+                async with self.queue.control_subscription(self.model, self.worker_id) as pubsub:
+                    while True:
+                        message = await pubsub.get_message(timeout=1.0)
+                        if message is None:
+                            continue
+                        if message["type"] == "subscribe":
+                            # Confirmed: the first time, or after redis-py reconnected and
+                            # re-subscribed by itself (a dropped connection, a restarted Redis).
+                            self._control_confirmed()
+                            delay = 0.0
+                        elif message["type"] == "message":
+                            job_id = message["data"].decode()
+                            if cancel(job_id):
+                                log.info("job_cancel_requested", job_id=job_id)
             except REDIS_DOWN as exc:
-                self._control_up.clear()
+                self.control_up.clear()
                 log.warning("control_channel_lost", error=str(exc), retry_in_s=delay)
                 # At once the first time: peers take a worker without a subscription for dead
                 # after LLMQ_TAKEOVER_S. Then backing off, while Redis itself is away.
                 await asyncio.sleep(delay)
                 delay = min(max(delay * 2, 0.05), RECONNECT_MAX_S)
-            finally:
-                if pubsub is not None:
-                    await pubsub.aclose()
-                if client is not None and client is not self.queue.redis:
-                    await client.aclose()
+
+    # --- peers' presence ----------------------------------------------------------------------
+
+    async def dead_peers(self, absent: dict[str, float], now: Callable[[], float]) -> list[str]:
+        """The peers holding jobs whose control channel has had no subscriber at every poll for
+        ``LLMQ_TAKEOVER_S``: their process died. ``absent`` (peer -> when first seen without a
+        subscriber) is the caller's memory between polls, updated here."""
+        holders = sorted(await self.queue.holders(self.model, self.worker_id))
+        for gone in absent.keys() - set(holders):
+            del absent[gone]
+        if not holders:
+            return []
+        ours, *theirs = await self.queue.subscribed(self.model, [self.worker_id, *holders])
+        if not ours:
+            # Our own subscription is down too: so may everyone's be (Redis restarted). Judge no
+            # one until we are back and they had time to be back as well.
+            self.watch_from = max(self.watch_from, now() + 2 * RECONNECT_MAX_S)
+            absent.clear()
+            return []
+        t = now()
+        for peer, count in zip(holders, theirs, strict=True):
+            if count:
+                absent.pop(peer, None)
+            else:
+                absent.setdefault(peer, t)
+        return [peer for peer, since in absent.items()
+                if t - max(since, self.watch_from) >= self.settings.takeover_s]

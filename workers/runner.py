@@ -7,13 +7,14 @@ Tasks (all owned by :meth:`Worker.run`):
   the most urgent priority level first (``Queue.read_new``); never holds more jobs than the
   engine can start, so nothing waits unseen inside this process.
 - watcher: takes over at once the jobs of a peer whose process died, told by its control
-  subscription being gone (workers/presence.py); the lease stays the backstop for a peer that is
-  alive but stalled, hung or cut off.
+  subscription being gone (:meth:`Presence.dead_peers`, workers/presence.py); the lease stays
+  the backstop for a peer that is alive but stalled, hung or cut off.
 - one task per job: iterates the engine's DELTA outputs and appends events to the outbox; a
   timer aborts it at the job's deadline.
 - flusher: writes the outbox in one round trip per batch (events of one engine step together).
-- heartbeat and control: the worker's key with a TTL, the leases of its jobs (renewed, fenced by
-  owner and attempt: a job reclaimed by a peer is aborted here and written nowhere), and aborts.
+- heartbeat and control: the worker's key with a TTL (:class:`Presence`, which the worker owns),
+  the leases of its jobs (renewed, fenced by owner and attempt: a job reclaimed by a peer is
+  aborted here and written nowhere), and aborts.
 """
 
 from __future__ import annotations
@@ -22,9 +23,8 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import structlog
 from redis.exceptions import ResponseError
@@ -39,36 +39,19 @@ from shared.errors import (
     LeaseLost,
     ServiceError,
 )
-from shared.events import Done, Error, Event, Timings, TokenDelta, Tokens, is_terminal
+from shared.events import Done, Error, Event, Timings, Tokens, is_terminal
 from shared.metrics import Recorder
 from shared.queue import Delivery, Held, Outbound, Queue, now_ms
 from shared.redis import REDIS_DOWN
 from shared.result import ResultBuilder
-from shared.schemas import GenerationRequest, JobResult, PromptInfo, Usage
-from workers.continuation import Part, plan_for
-from workers.presence import RECONNECT_MAX_S, Presence
+from shared.schemas import GenerationRequest, JobResult, Usage
+from workers.continuation import plan_for
+from workers.presence import Presence, Status
+from workers.protocol import Engine
 
-__all__ = ["Worker", "Engine"]
+__all__ = ["Worker"]
 
 log = structlog.get_logger()
-
-
-class _Step(Protocol):
-    deltas: list[TokenDelta]
-    finished: bool
-    prompt_tokens: int
-    prompt: PromptInfo | None
-
-
-class Engine(Protocol):
-    """What the loop needs from an engine (``workers.engine.VllmEngine`` is the real one)."""
-
-    def stream(self, job_id: str, req: GenerationRequest, parts: Sequence[Part] | None = None,
-               ) -> AsyncIterator[_Step]:
-        """``req``'s steps; with ``parts`` (a continued job, workers/continuation.py), those of each
-        part, merged under their choice indices, the last one ``finished``."""
-
-    async def abort(self, job_id: str) -> None: ...
 
 
 async def _cancel(*tasks: asyncio.Task[None]) -> None:
@@ -96,15 +79,15 @@ class _JobState:
     builder: ResultBuilder = field(default_factory=ResultBuilder)
 
 
-class Worker(Presence):
-    def __init__(self, settings: Settings, queue: Queue, engine: Engine, *, worker_id: str | None = None):
+class Worker:
+    def __init__(self, settings: Settings, queue: Queue, engine: Engine, *, worker_id: str | None = None,
+                 device: str = ""):
         self.settings = settings
         self.queue = queue
         self.engine = engine
         self.model = settings.model_name
         self.slots = settings.max_num_seqs
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
-        self.started_at = now_ms()
         self.ready = False
         self.failed = False  # the engine died: the process should exit non-zero
         self._running: dict[str, _Running] = {}
@@ -117,9 +100,8 @@ class Worker(Presence):
         self._lease_ms = int(settings.lease_s * 1000)
         self._next_reclaim = 0.0
         self._incoming = 0  # slots promised to jobs being claimed, not yet in _running
-        self._control_up = asyncio.Event()
-        self._watch_from = float("inf")  # until the control subscription is first confirmed
         self.metrics = Recorder(self.model)  # pushed with each heartbeat (shared/metrics.py)
+        self.presence = Presence(settings, queue, self.worker_id, self.metrics, device=device)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -145,7 +127,7 @@ class Worker(Presence):
         await self.queue.ensure_group(self.model)
         async with asyncio.TaskGroup() as tg:
             heartbeat = tg.create_task(self._heartbeat())
-            control = tg.create_task(self._control())
+            control = tg.create_task(self.presence.control(self._cancel_requested))
             await self.warm_up()
             await self._beat()
             log.info("worker_ready", worker=self.worker_id, slots=self.slots)
@@ -158,7 +140,7 @@ class Worker(Presence):
             self._closing = True
             self._outbox_ready.set()
             await flusher
-        await self._unregister()
+        await self.presence.unregister()
 
     # --- reading ------------------------------------------------------------------------------
 
@@ -185,12 +167,12 @@ class Worker(Presence):
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            if not self._control_up.is_set():
+            if not self.presence.control_up.is_set():
                 # Without our control subscription peers would take our jobs for a dead worker's:
                 # read nothing until it is (back) up. Checked again for a stop every half second.
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(0.5):
-                        await self._control_up.wait()
+                        await self.presence.control_up.wait()
                 continue
             try:
                 with self._claiming(free):
@@ -263,37 +245,15 @@ class Worker(Presence):
         absent: dict[str, float] = {}  # peer -> when it was first seen without a subscriber
         while True:
             await asyncio.sleep(self.settings.takeover_s / 5)
-            if self._stopping.is_set() or not self._control_up.is_set():
+            if self._stopping.is_set() or not self.presence.control_up.is_set():
                 absent.clear()  # no use for more jobs, or no right to judge: afresh once there is
                 continue
             try:
-                for dead in await self._dead_peers(absent, loop.time):
+                for dead in await self.presence.dead_peers(absent, loop.time):
                     await self._take_over(dead)  # as many as there is room for; the rest next poll
             except (*REDIS_DOWN, ResponseError) as exc:  # Redis away, or its group gone (a restart)
                 log.debug("watch_failed", error=str(exc))
                 absent.clear()
-
-    async def _dead_peers(self, absent: dict[str, float], now: Callable[[], float]) -> list[str]:
-        holders = sorted(await self.queue.holders(self.model, self.worker_id))
-        for gone in absent.keys() - set(holders):
-            del absent[gone]
-        if not holders:
-            return []
-        ours, *theirs = await self.queue.subscribed(self.model, [self.worker_id, *holders])
-        if not ours:
-            # Our own subscription is down too: so may everyone's be (Redis restarted). Judge no
-            # one until we are back and they had time to be back as well.
-            self._watch_from = max(self._watch_from, now() + 2 * RECONNECT_MAX_S)
-            absent.clear()
-            return []
-        t = now()
-        for peer, count in zip(holders, theirs, strict=True):
-            if count:
-                absent.pop(peer, None)
-            else:
-                absent.setdefault(peer, t)
-        return [peer for peer, since in absent.items()
-                if t - max(since, self._watch_from) >= self.settings.takeover_s]
 
     async def _take_over(self, dead: str) -> None:
         free = self._room()
@@ -359,7 +319,7 @@ class Worker(Presence):
                     if not plan.emitted:
                         usage.prompt_tokens = step.prompt_tokens or usage.prompt_tokens
                     if prompt_ids == []:
-                        prompt_ids = getattr(step, "prompt_token_ids", None) or (
+                        prompt_ids = step.prompt_token_ids or (
                             step.prompt.token_ids if step.prompt is not None else None)
                     deltas = [x for x in step.deltas if x.token_ids or x.text or x.finish_reason]
                     tokens = sum(len(x.token_ids) for x in deltas)
@@ -434,6 +394,10 @@ class Worker(Presence):
         log.info("job_ended", job_id=d.job_id, code=exc.code)
         self._emit(d, Error(seq=last_seq + 1, code=exc.code, message=exc.message, status=exc.status),
                    entry_id=d.entry_id)
+
+    def _cancel_requested(self, job_id: str) -> bool:
+        """A cancel notice on the control channel (DELETE /v1/jobs/{id})."""
+        return self.cancel_job(job_id, JobCancelled("job was cancelled"))
 
     def cancel_job(self, job_id: str, reason: ServiceError) -> bool:
         running = self._running.get(job_id)
@@ -513,6 +477,14 @@ class Worker(Presence):
             log.info("jobs_handed_back", jobs=[h.job_id for h in held if h.job_id not in lost])
         except REDIS_DOWN as exc:  # the leases lapse instead: peers still take the jobs, later
             log.warning("hand_back_failed", error=str(exc))
+
+    def _status(self) -> Status:
+        if self._stopping.is_set():
+            return "draining"
+        return "ready" if self.ready else "warming"
+
+    async def _beat(self) -> None:
+        await self.presence.beat(self._status(), len(self._running))
 
     async def _heartbeat(self) -> None:
         # Leases are renewed at least three times per lease, so one late beat never loses a job.

@@ -19,27 +19,29 @@ destination is final: ``webhook_status=failed`` at once, no retries.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import httpx
 import structlog
 from arq import Retry
 
 from shared.codec import encode
-from shared.config import Settings
 from shared.egress import Refused, pin, policy
-from shared.keys import Keys
-from shared.queue import Queue
 from shared.schemas import JobView
 from shared.webhooks import headers
 
-__all__ = ["drain_outbox", "deliver_webhook", "backoff_s"]
+if TYPE_CHECKING:  # the process module, which imports this one to schedule it
+    from workers.housekeeping import Housekeeper
+
+__all__ = ["drain_outbox", "deliver_webhook", "backoff_s", "DELIVER"]
 
 log = structlog.get_logger()
 
 OUTBOX_BATCH = 500
 RETRYABLE = {408, 425, 429}
 MAX_BACKOFF_S = 300.0
+DELIVER = "deliver_webhook"
+"""The arq function name of a delivery (workers/housekeeping.py registers it)."""
 
 
 def backoff_s(job_try: int, retry_after: str | None = None) -> float:
@@ -49,10 +51,9 @@ def backoff_s(job_try: int, retry_after: str | None = None) -> float:
     return min(2.0 ** (job_try - 1), MAX_BACKOFF_S)
 
 
-async def drain_outbox(ctx: dict[str, Any]) -> int:
+async def drain_outbox(hk: Housekeeper) -> int:
     """Move every model's outbox entries into arq delivery jobs; returns how many were moved."""
-    keys: Keys = ctx["keys"]
-    redis = ctx["redis"]
+    keys, redis = hk.keys, hk.redis
     moved = 0
     for raw in await redis.zrange(keys.models(), 0, -1):
         model = raw.decode()
@@ -61,17 +62,16 @@ async def drain_outbox(ctx: dict[str, Any]) -> int:
         for _, fields in entries:
             job_id = fields[b"job"].decode()
             # A repeat (this entry moved before, then a crash before the XDEL) is refused by arq.
-            await ctx["arq"].enqueue_job("deliver_webhook", model, job_id, _job_id=keys.webhook_delivery(job_id))
+            await hk.arq.enqueue_job(DELIVER, model, job_id, _job_id=keys.webhook_delivery(job_id))
         if entries:
             await redis.xdel(outbox, *(entry_id for entry_id, _ in entries))
             moved += len(entries)
     return moved
 
 
-async def deliver_webhook(ctx: dict[str, Any], model: str, job_id: str) -> str:
-    settings: Settings = ctx["settings"]
-    queue: Queue = ctx["queue"]
-    job_try: int = ctx["job_try"]
+async def deliver_webhook(hk: Housekeeper, model: str, job_id: str, *, job_try: int) -> str:
+    """One delivery attempt (``job_try``, from 1): the outcome, or :class:`arq.Retry` to try again."""
+    settings, queue = hk.settings, hk.queue
     bound = log.bind(job_id=job_id, model=model, attempt=job_try)
     record = await queue.get_job(model, job_id)
     if record is None or not record.webhook:
@@ -83,7 +83,7 @@ async def deliver_webhook(ctx: dict[str, Any], model: str, job_id: str) -> str:
     retry_after = None
     try:
         target = await pin(policy(settings.webhook_allow), record.webhook, timeout_s=settings.webhook_timeout_s)
-        answer = await ctx["http"].post(target.url, content=body, follow_redirects=False,
+        answer = await hk.http.post(target.url, content=body, follow_redirects=False,
                                         headers={**headers(settings.webhook_secret, job_id, body), **target.headers},
                                         extensions=target.extensions)
     except Refused as exc:

@@ -100,7 +100,7 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    priority: int = 0
+    priority: int | None = None  # None: the X-LLMQ-Priority header, or 0
     # vLLM fields llmq does not implement: refused when used (_UNSUPPORTED), never silently ignored
     echo: bool = False
     chat_template: str | None = None

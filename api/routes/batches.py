@@ -2,8 +2,9 @@
 
 ``POST /v1/files`` (multipart, ``purpose=batch``) stores a JSONL file in Redis; ``POST
 /v1/batches`` validates it into translated requests (api/batch_input.py) and records the batch;
-the housekeeping process runs it (workers/batches.py). Files and batches belong to the API key
-that created them, as jobs do: another key gets 404.
+the housekeeping process runs it (workers/batches.py) and leaves the output and error files as
+outcomes, which this process renders on their first read (api/batch_output.py). Files and
+batches belong to the API key that created them, as jobs do: another key gets 404.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from litestar import Request, Response, delete, get, post
 from litestar.datastructures import UploadFile
 from litestar.params import FromPath
 
-from api.auth import current_owner
 from api.batch_input import read_lines
+from api.batch_output import rendered
+from api.context import Ctx, RequestContext
 from api.http import decode_body, json_response
 from api.services import Services, Svc
 from shared.batches import ENDPOINTS, BatchCreate, BatchErrors, BatchObject, BatchStore, FileObject, RequestCounts
@@ -33,26 +35,26 @@ def _store(svc: Services) -> BatchStore:
     return BatchStore(svc.queue.redis, svc.keys)
 
 
-def _mine(owner: str) -> bool:
-    return owner == current_owner.get()
+def _mine(ctx: RequestContext, owner: str) -> bool:
+    return owner == ctx.owner
 
 
-async def _file(svc: Services, file_id: str) -> FileObject:
+async def _file(svc: Services, ctx: RequestContext, file_id: str) -> FileObject:
     found = await _store(svc).get_file(file_id)
-    if found is None or not _mine(found[1]):
+    if found is None or not _mine(ctx, found[1]):
         raise JobNotFound(f"No such File object: {file_id}")
     return found[0]
 
 
-async def _batch(svc: Services, batch_id: str) -> BatchObject:
+async def _batch(svc: Services, ctx: RequestContext, batch_id: str) -> BatchObject:
     found = await _store(svc).get(batch_id)
-    if found is None or not _mine(found[1]):
+    if found is None or not _mine(ctx, found[1]):
         raise JobNotFound(f"No such Batch object: {batch_id}")
     return found[0]
 
 
 @post("/v1/files", opt=OPENAI, status_code=200)
-async def upload_file(request: Request, svc: Svc) -> Response:
+async def upload_file(request: Request, svc: Svc, ctx: Ctx) -> Response:
     form = await request.form()
     purpose, upload = form.get("purpose"), form.get("file")
     if purpose != "batch":
@@ -62,47 +64,48 @@ async def upload_file(request: Request, svc: Svc) -> Response:
     content = await upload.read()
     meta = FileObject(id=f"file-{uuid.uuid4().hex}", bytes=len(content), created_at=int(time.time()),
                       filename=upload.filename or "upload.jsonl", purpose="batch")
-    await _store(svc).put_file(meta, content, current_owner.get())
+    await _store(svc).put_file(meta, content, ctx.owner)
     return json_response(meta)
 
 
 @get("/v1/files", opt=OPENAI)
-async def list_files(svc: Svc) -> Response:
-    files = [meta for meta, owner in await _store(svc).list_files() if _mine(owner)]
+async def list_files(svc: Svc, ctx: Ctx) -> Response:
+    store = _store(svc)
+    files = [await rendered(store, meta) for meta, owner in await store.list_files() if _mine(ctx, owner)]
     return json_response({"object": "list", "data": files, "has_more": False})
 
 
 @get("/v1/files/{file_id:str}", opt=OPENAI)
-async def get_file(svc: Svc, file_id: FromPath[str]) -> Response:
-    return json_response(await _file(svc, file_id))
+async def get_file(svc: Svc, ctx: Ctx, file_id: FromPath[str]) -> Response:
+    return json_response(await rendered(_store(svc), await _file(svc, ctx, file_id)))
 
 
 @get("/v1/files/{file_id:str}/content", opt=OPENAI)
-async def file_content(svc: Svc, file_id: FromPath[str]) -> Response:
-    await _file(svc, file_id)
+async def file_content(svc: Svc, ctx: Ctx, file_id: FromPath[str]) -> Response:
+    await rendered(_store(svc), await _file(svc, ctx, file_id))
     content = await _store(svc).file_content(file_id)
     return Response(content or b"", media_type="application/octet-stream")
 
 
 @delete("/v1/files/{file_id:str}", opt=OPENAI, status_code=200)
-async def delete_file(svc: Svc, file_id: FromPath[str]) -> Response:
-    await _file(svc, file_id)
+async def delete_file(svc: Svc, ctx: Ctx, file_id: FromPath[str]) -> Response:
+    await _file(svc, ctx, file_id)
     await _store(svc).delete_file(file_id)
     return json_response({"id": file_id, "object": "file", "deleted": True})
 
 
 @post("/v1/batches", opt=OPENAI, status_code=200)
-async def create_batch(request: Request, svc: Svc) -> Response:
+async def create_batch(request: Request, svc: Svc, ctx: Ctx) -> Response:
     body = await decode_body(request, BatchCreate)
     if body.endpoint not in ENDPOINTS:
         raise InvalidRequest(f"endpoint must be one of {', '.join(ENDPOINTS)}", param="endpoint")
     if body.completion_window != "24h":
         raise InvalidRequest("completion_window must be '24h'", param="completion_window")
-    meta = await _file(svc, body.input_file_id)
+    meta = await _file(svc, ctx, body.input_file_id)
     if meta.purpose != "batch":
         raise InvalidRequest(f"file {meta.id} was not uploaded with purpose 'batch'", param="input_file_id")
     content = await _store(svc).file_content(meta.id) or b""
-    lines, errors = await read_lines(svc, content, body.endpoint)
+    lines, errors = await read_lines(svc, ctx, content, body.endpoint)
     now = int(time.time())
     batch = BatchObject(id=f"batch_{uuid.uuid4().hex}", endpoint=body.endpoint, input_file_id=meta.id,
                         completion_window=body.completion_window, created_at=now, expires_at=now + WINDOW_S,
@@ -112,34 +115,34 @@ async def create_batch(request: Request, svc: Svc) -> Response:
         batch = msgspec.structs.replace(batch, status="failed", in_progress_at=None, failed_at=now,
                                         errors=BatchErrors(data=errors), request_counts=RequestCounts())
         lines = []
-    await _store(svc).create(batch, lines, current_owner.get())
+    await _store(svc).create(batch, lines, ctx.owner)
     return json_response(batch)
 
 
 @get("/v1/batches/{batch_id:str}", opt=OPENAI)
-async def get_batch(svc: Svc, batch_id: FromPath[str]) -> Response:
-    return json_response(await _batch(svc, batch_id))
+async def get_batch(svc: Svc, ctx: Ctx, batch_id: FromPath[str]) -> Response:
+    return json_response(await _batch(svc, ctx, batch_id))
 
 
 @post("/v1/batches/{batch_id:str}/cancel", opt=OPENAI, status_code=200)
-async def cancel_batch(svc: Svc, batch_id: FromPath[str]) -> Response:
+async def cancel_batch(svc: Svc, ctx: Ctx, batch_id: FromPath[str]) -> Response:
     """In-flight requests are cancelled and the rest never start; the batch ends ``cancelled``
     with what completed in its output file (housekeeping does that within a second or two)."""
-    batch = await _batch(svc, batch_id)
+    batch = await _batch(svc, ctx, batch_id)
     if not await _store(svc).transition(batch_id, ("validating", "in_progress"), "cancelling", int(time.time())):
         if batch.status not in ("cancelling", "cancelled"):
             raise InvalidRequest(f"Cannot cancel a batch with status {batch.status!r}.")
-    return json_response(await _batch(svc, batch_id))
+    return json_response(await _batch(svc, ctx, batch_id))
 
 
 @get("/v1/batches", opt=OPENAI)
-async def list_batches(request: Request, svc: Svc) -> Response:
+async def list_batches(request: Request, svc: Svc, ctx: Ctx) -> Response:
     try:
         limit = min(max(int(request.query_params.get("limit", 20)), 1), 100)
     except ValueError:
         raise InvalidRequest("limit must be an integer", param="limit") from None
     found, more = await _store(svc).list(request.query_params.get("after"), limit)
-    data = [batch for batch, owner in found if _mine(owner)]
+    data = [batch for batch, owner in found if _mine(ctx, owner)]
     return json_response({"object": "list", "data": data, "first_id": data[0].id if data else None,
                           "last_id": data[-1].id if data else None, "has_more": more})
 

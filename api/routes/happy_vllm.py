@@ -9,8 +9,9 @@ from typing import Any
 from litestar import Request, Response, get, post
 from litestar.response import Stream
 
+from api.context import Ctx
 from api.dialects import happy_vllm as hv
-from api.http import accepted, decode_body, idempotency_key, json_response, stream_response, wants_async
+from api.http import accepted, decode_body, json_response, stream_response
 from api.relay import collect, prefetch
 from api.services import Svc
 from api.submit import submit
@@ -27,21 +28,21 @@ async def _body(request: Request) -> dict[str, Any]:
 
 
 @post("/v1/generate", opt=_OPT, status_code=200)
-async def generate(request: Request, svc: Svc) -> Response:
+async def generate(request: Request, svc: Svc, ctx: Ctx) -> Response:
     req = hv.to_generation_request(await _body(request), stream=False)
-    if wants_async(request):
-        return await accepted(svc, request, req)
-    sub = await submit(svc, req, idempotency_key=idempotency_key(request))
+    if ctx.respond_async:
+        return await accepted(svc, ctx, req)
+    sub = await submit(svc, ctx, req)
     result = await collect(sub.events)
     return json_response(hv.render_result(sub.request, result))
 
 
 @post("/v1/generate_stream", opt=_OPT, status_code=200)
-async def generate_stream(request: Request, svc: Svc) -> Response | Stream:
+async def generate_stream(request: Request, svc: Svc, ctx: Ctx) -> Response | Stream:
     req = hv.to_generation_request(await _body(request), stream=True)
-    if wants_async(request):
-        return await accepted(svc, request, req)
-    sub = await submit(svc, req, idempotency_key=idempotency_key(request))
+    if ctx.respond_async:
+        return await accepted(svc, ctx, req)
+    sub = await submit(svc, ctx, req)
     events = await prefetch(sub.events, svc.settings.sse_keepalive_s)
     return stream_response(hv.render_stream(sub.request, events), NDJSON)
 

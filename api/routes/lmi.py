@@ -8,10 +8,14 @@ from litestar import Request, Response, post
 from litestar.params import FromPath
 from litestar.response import Stream
 
+from api.context import Ctx, RequestContext
 from api.dialects import lmi
+from api.dialects import openai_chat as chat
+from api.dialects import openai_completions as oc
 from api.dialects.lmi_render import render_batch_result, render_batch_stream
+from api.errors import answered_in
 from api.fanout import collect_all, merge, submit_all
-from api.http import accepted, decode_body, idempotency_key, json_response, stream_response, wants_async
+from api.http import accepted, decode_body, json_response, stream_response
 from api.relay import collect, prefetch
 from api.routes.openai import completions_response
 from api.routes.openai_chat import chat_response
@@ -37,15 +41,19 @@ class _BodyKeys(msgspec.Struct):
 _keys_decoder = msgspec.json.Decoder(_BodyKeys)
 
 
-async def _lmi_response(request: Request, svc: Svc, model: str = "") -> Response | Stream:
+async def _lmi_response(request: Request, svc: Svc, ctx: RequestContext, model: str = "") -> Response | Stream:
     body = await decode_body(request, lmi.LmiRequest)
+    if isinstance(body.inputs, list):  # errors in the dynamic-batch shape from here on
+        return await answered_in(lmi.DYNAMIC_BATCH.NAME, _lmi_jobs(svc, ctx, body, model))
+    return await _lmi_jobs(svc, ctx, body, model)
+
+
+async def _lmi_jobs(svc: Svc, ctx: RequestContext, body: lmi.LmiRequest, model: str) -> Response | Stream:
     tgi_compat = svc.settings.lmi_tgi_compat
-    if isinstance(body.inputs, list):
-        request.state.dialect = lmi.DYNAMIC_BATCH.NAME  # errors in the dynamic-batch shape from here on
     reqs = lmi.to_generation_requests(body, model=model, tgi_compat=tgi_compat)
-    if wants_async(request):
-        return await accepted(svc, request, reqs)
-    subs = await submit_all(svc, reqs, keepalive=body.stream, idempotency_key=idempotency_key(request))
+    if ctx.respond_async:
+        return await accepted(svc, ctx, reqs)
+    subs = await submit_all(svc, ctx, reqs, keepalive=body.stream)
     if isinstance(body.inputs, list):
         if not body.stream:
             return json_response(render_batch_result(await collect_all(subs)))
@@ -62,19 +70,19 @@ async def _lmi_response(request: Request, svc: Svc, model: str = "") -> Response
 
 
 @post("/invocations", opt={"dialect": "lmi"}, status_code=200)
-async def invocations(request: Request, svc: Svc) -> Response | Stream:
+async def invocations(request: Request, svc: Svc, ctx: Ctx) -> Response | Stream:
     try:
         keys = json_input.decode(await request.body(), _keys_decoder)
     except msgspec.DecodeError as exc:  # (ValidationError is one)
         raise InvalidRequest(f"Malformed JSON body: {exc}") from None
+    # An OpenAI body (LMI's chat schema is OpenAI's) is answered, errors too, in OpenAI's shapes.
     if not keys.inputs and keys.prompt:
-        request.state.dialect = "openai_completions"  # errors in the OpenAI shape from here on
-        return await completions_response(request, svc)
+        return await answered_in(oc.NAME, completions_response(request, svc, ctx.as_dialect(oc.NAME)))
     if not keys.inputs and keys.messages:
-        return await chat_response(request, svc, lmi=True)  # LMI's chat schema
-    return await _lmi_response(request, svc)
+        return await answered_in(chat.NAME, chat_response(request, svc, ctx.as_dialect(chat.NAME), lmi=True))
+    return await _lmi_response(request, svc, ctx)
 
 
 @post("/predictions/{model:str}", opt={"dialect": "lmi"}, status_code=200)
-async def predictions(request: Request, svc: Svc, model: FromPath[str]) -> Response | Stream:
-    return await _lmi_response(request, svc, model=model)
+async def predictions(request: Request, svc: Svc, ctx: Ctx, model: FromPath[str]) -> Response | Stream:
+    return await _lmi_response(request, svc, ctx, model=model)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from typing import Any
 
 import structlog
 from litestar import WebSocket, websocket
 
+from api.context import Ctx, RequestContext
 from api.dialects import lmtp
 from api.relay import Keepalive
 from api.services import Services, Svc
@@ -31,9 +33,12 @@ Feed = Callable[[Event], list[dict[str, Any]]]
 class Session:
     """One client socket: dispatches commands, runs a task per stream, owns the send lock."""
 
-    def __init__(self, socket: WebSocket, svc: Services) -> None:
+    def __init__(self, socket: WebSocket, svc: Services, ctx: RequestContext) -> None:
         self.socket = socket
         self.svc = svc
+        # The socket's headers (key, deadline, priority) apply to every stream; each stream is its
+        # own job, so an Idempotency-Key on the upgrade request must not merge them into one.
+        self.ctx = replace(ctx, idempotency_key=None)
         self.lock = asyncio.Lock()
         self.tasks: set[asyncio.Task[None]] = set()
         self.closed = False
@@ -65,11 +70,11 @@ class Session:
 
     async def start_generate(self, frame: lmtp.Frame) -> tuple[Submission, Feed]:
         cmd = lmtp.decode_generate(frame)
-        return await submit(self.svc, lmtp.to_generation_request(cmd)), lmtp.TokenStream(cmd).feed
+        return await submit(self.svc, self.ctx, lmtp.to_generation_request(cmd)), lmtp.TokenStream(cmd).feed
 
     async def start_score(self, frame: lmtp.Frame) -> tuple[Submission, Feed]:
         cmd = lmtp.decode_score(frame)
-        return await submit(self.svc, lmtp.to_score_request(cmd)), lmtp.ScoreStream(cmd).feed
+        return await submit(self.svc, self.ctx, lmtp.to_score_request(cmd)), lmtp.ScoreStream(cmd).feed
 
     async def stream(self, frame: lmtp.Frame, start: Callable[[lmtp.Frame], Any]) -> None:
         """One GENERATE/SCORE stream. Its errors are TOKEN error frames: LMQL's client only
@@ -148,9 +153,9 @@ async def _logged(work: Coroutine[Any, Any, None]) -> None:
 
 
 @websocket("/", opt={"dialect": lmtp.NAME})
-async def lmtp_socket(socket: WebSocket, svc: Svc) -> None:
+async def lmtp_socket(socket: WebSocket, svc: Svc, ctx: Ctx) -> None:
     await socket.accept()
-    session = Session(socket, svc)
+    session = Session(socket, svc, ctx)
     try:
         while True:
             message = await socket.receive()

@@ -5,21 +5,22 @@ from __future__ import annotations
 from litestar import Request, Response, get, post
 from litestar.response import Stream
 
+from api.context import Ctx, RequestContext
 from api.dialects import openai_completions as oc
 from api.fanout import collect_all, merge, submit_all
-from api.http import accepted, decode_body, idempotency_key, json_response, stream_response, wants_async
+from api.http import accepted, decode_body, json_response, stream_response
 from api.relay import prefetch
 from api.services import Svc
 
 __all__ = ["completions", "models", "completions_response"]
 
 
-async def completions_response(request: Request, svc: Svc) -> Response | Stream:
+async def completions_response(request: Request, svc: Svc, ctx: RequestContext) -> Response | Stream:
     body = await decode_body(request, oc.CompletionRequest)
     reqs = oc.to_generation_requests(body)
-    if wants_async(request):
-        return await accepted(svc, request, reqs)
-    subs = await submit_all(svc, reqs, keepalive=body.stream, idempotency_key=idempotency_key(request))
+    if ctx.respond_async:
+        return await accepted(svc, ctx, reqs)
+    subs = await submit_all(svc, ctx, reqs, keepalive=body.stream)
     reqs = [sub.request for sub in subs]
     head = subs[0]
     if not body.stream:
@@ -30,8 +31,8 @@ async def completions_response(request: Request, svc: Svc) -> Response | Stream:
 
 
 @post("/v1/completions", opt={"dialect": "openai_completions"}, status_code=200)
-async def completions(request: Request, svc: Svc) -> Response | Stream:
-    return await completions_response(request, svc)
+async def completions(request: Request, svc: Svc, ctx: Ctx) -> Response | Stream:
+    return await completions_response(request, svc, ctx)
 
 
 @get("/v1/models", opt={"dialect": "openai_completions"})

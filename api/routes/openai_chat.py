@@ -5,8 +5,9 @@ from __future__ import annotations
 from litestar import Request, Response, post
 from litestar.response import Stream
 
+from api.context import Ctx, RequestContext
 from api.dialects import openai_chat as chat
-from api.http import accepted, decode_body, idempotency_key, json_response, stream_response, wants_async
+from api.http import accepted, decode_body, json_response, stream_response
 from api.relay import collect, prefetch
 from api.services import Svc
 from api.submit import submit
@@ -17,18 +18,17 @@ SSE = "text/event-stream"
 JSONLINES = "application/jsonlines"
 
 
-async def chat_response(request: Request, svc: Svc, *, lmi: bool) -> Response | Stream:
+async def chat_response(request: Request, svc: Svc, ctx: RequestContext, *, lmi: bool) -> Response | Stream:
     """A chat request, answered in OpenAI's shapes. ``lmi=True`` is LMI's chat on ``/invocations``:
     its stream is JSON lines of chunks unless LMI's output formatter is ``sse``."""
-    request.state.dialect = chat.NAME  # errors in the OpenAI shape, whichever route called
     body = await decode_body(request, chat.ChatRequest)
     req = chat.to_generation_request(body, max_model_len=svc.settings.max_model_len)
-    if wants_async(request):
-        return await accepted(svc, request, req)
+    if ctx.respond_async:
+        return await accepted(svc, ctx, req)
     sse_format = not lmi or svc.settings.lmi_output_formatter == "sse"
     stream = bool(body.stream)
     # Keep-alive comments only where the framing has comments: SSE, not JSON lines.
-    sub = await submit(svc, req, idempotency_key=idempotency_key(request), keepalive=stream and sse_format)
+    sub = await submit(svc, ctx, req, keepalive=stream and sse_format)
     req = sub.request
     if not stream:
         result = await collect(sub.events)
@@ -39,8 +39,8 @@ async def chat_response(request: Request, svc: Svc, *, lmi: bool) -> Response | 
 
 
 @post("/v1/chat/completions", opt={"dialect": chat.NAME}, status_code=200)
-async def chat_completions(request: Request, svc: Svc) -> Response | Stream:
-    return await chat_response(request, svc, lmi=False)
+async def chat_completions(request: Request, svc: Svc, ctx: Ctx) -> Response | Stream:
+    return await chat_response(request, svc, ctx, lmi=False)
 
 
 ROUTES = [chat_completions]

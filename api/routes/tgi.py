@@ -18,8 +18,9 @@ from litestar import Request, Response, get, post
 from litestar.response import Stream
 
 from api import tokenizer
+from api.context import Ctx, RequestContext
 from api.dialects import tgi
-from api.http import accepted, decode_body, idempotency_key, json_response, stream_response, wants_async
+from api.http import accepted, decode_body, json_response, stream_response
 from api.relay import KEEPALIVE, Keepalive, collect, sse
 from api.services import Services, Svc
 from api.submit import submit
@@ -75,12 +76,12 @@ async def _collect(
     return result, tokens
 
 
-async def _generate(request: Request, svc: Services, body: tgi.GenerateRequest, *, compat: bool) -> Response:
+async def _generate(svc: Services, ctx: RequestContext, body: tgi.GenerateRequest, *, compat: bool) -> Response:
     req = await _translate(svc, body, stream=False, compat=compat)
-    if wants_async(request):
-        return await accepted(svc, request, req)
+    if ctx.respond_async:
+        return await accepted(svc, ctx, req)
     special = await tokenizer.special_ids(svc.settings)
-    sub = await submit(svc, req, idempotency_key=idempotency_key(request))
+    sub = await submit(svc, ctx, req)
     result, tokens = await _collect(sub.events, special)
     out = tgi.render_result(sub.request, result, inputs=body.inputs, tokens=tokens, special=special)
     headers = {
@@ -157,16 +158,16 @@ async def render_stream(
         yield tgi.error_frame(exc)
 
 
-async def _stream(request: Request, svc: Services, body: tgi.GenerateRequest, *, compat: bool) -> Response | Stream:
-    if wants_async(request):  # queued and answered 202 (errors as statuses: no stream has started)
-        return await accepted(svc, request, await _translate(svc, body, stream=True, compat=compat))
-    key = idempotency_key(request)
+async def _stream(svc: Services, ctx: RequestContext, body: tgi.GenerateRequest, *, compat: bool
+                  ) -> Response | Stream:
+    if ctx.respond_async:  # queued and answered 202 (errors as statuses: no stream has started)
+        return await accepted(svc, ctx, await _translate(svc, body, stream=True, compat=compat))
 
     async def frames() -> AsyncIterator[bytes]:
         try:
             req = await _translate(svc, body, stream=True, compat=compat)
             special = await tokenizer.special_ids(svc.settings)
-            sub = await submit(svc, req, idempotency_key=key, keepalive=True)
+            sub = await submit(svc, ctx, req, keepalive=True)
         except ServiceError as exc:
             yield tgi.error_frame(exc)
             return
@@ -186,22 +187,22 @@ async def _stream(request: Request, svc: Services, body: tgi.GenerateRequest, *,
 
 
 @post("/generate", opt=_OPT, status_code=200)
-async def generate(request: Request, svc: Svc) -> Response:
-    return await _generate(request, svc, await decode_body(request, tgi.GenerateRequest), compat=False)
+async def generate(request: Request, svc: Svc, ctx: Ctx) -> Response:
+    return await _generate(svc, ctx, await decode_body(request, tgi.GenerateRequest), compat=False)
 
 
 @post("/generate_stream", opt=_OPT, status_code=200)
-async def generate_stream(request: Request, svc: Svc) -> Response | Stream:
-    return await _stream(request, svc, await decode_body(request, tgi.GenerateRequest), compat=False)
+async def generate_stream(request: Request, svc: Svc, ctx: Ctx) -> Response | Stream:
+    return await _stream(svc, ctx, await decode_body(request, tgi.GenerateRequest), compat=False)
 
 
 @post("/", opt=_OPT, status_code=200)
-async def compat_generate(request: Request, svc: Svc) -> Response | Stream:
+async def compat_generate(request: Request, svc: Svc, ctx: Ctx) -> Response | Stream:
     """``stream: false`` answers a one-element array (as api-inference does); ``true`` streams."""
     body = await decode_body(request, tgi.GenerateRequest)
     if body.stream:
-        return await _stream(request, svc, body, compat=True)
-    return await _generate(request, svc, body, compat=True)
+        return await _stream(svc, ctx, body, compat=True)
+    return await _generate(svc, ctx, body, compat=True)
 
 
 @post("/tokenize", opt=_OPT, status_code=200)

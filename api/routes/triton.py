@@ -16,8 +16,9 @@ from litestar import Request, Response, get, post
 from litestar.params import FromPath
 from litestar.response import Stream
 
+from api.context import Ctx, RequestContext
 from api.dialects import triton as tr
-from api.http import accepted, decode_body, idempotency_key, json_response, stream_response, wants_async
+from api.http import accepted, decode_body, json_response, stream_response
 from api.relay import collect, prefetch, sse
 from api.services import Services, Svc
 from api.submit import submit
@@ -54,13 +55,13 @@ async def _one_event(payload: dict[str, Any]) -> AsyncIterator[bytes]:
 
 
 async def _generate(
-    request: Request, svc: Services, model: str, version: str | None, *, streaming: bool
+    request: Request, svc: Services, ctx: RequestContext, model: str, version: str | None, *, streaming: bool
 ) -> Response | Stream:
     await _check_model(svc, model, version)
     req, opts = tr.to_generation_request(await decode_body(request, dict[str, Any]), model)
-    if wants_async(request):
-        return await accepted(svc, request, req)
-    sub = await submit(svc, req, idempotency_key=idempotency_key(request))
+    if ctx.respond_async:
+        return await accepted(svc, ctx, req)
+    sub = await submit(svc, ctx, req)
     if streaming and opts.stream:
         events = await prefetch(sub.events, svc.settings.sse_keepalive_s)
         return stream_response(tr.render_stream(sub.request, events, opts), SSE)
@@ -71,27 +72,27 @@ async def _generate(
 
 
 @post(f"{_MODEL}/generate", opt=_OPT, status_code=200)
-async def generate(request: Request, svc: Svc, model: FromPath[str]) -> Response | Stream:
-    return await _generate(request, svc, model, None, streaming=False)
+async def generate(request: Request, svc: Svc, ctx: Ctx, model: FromPath[str]) -> Response | Stream:
+    return await _generate(request, svc, ctx, model, None, streaming=False)
 
 
 @post(f"{_VERSIONED}/generate", opt=_OPT, status_code=200)
 async def generate_versioned(
-    request: Request, svc: Svc, model: FromPath[str], version: FromPath[str]
+    request: Request, svc: Svc, ctx: Ctx, model: FromPath[str], version: FromPath[str]
 ) -> Response | Stream:
-    return await _generate(request, svc, model, version, streaming=False)
+    return await _generate(request, svc, ctx, model, version, streaming=False)
 
 
 @post(f"{_MODEL}/generate_stream", opt=_OPT, status_code=200)
-async def generate_stream(request: Request, svc: Svc, model: FromPath[str]) -> Response | Stream:
-    return await _generate(request, svc, model, None, streaming=True)
+async def generate_stream(request: Request, svc: Svc, ctx: Ctx, model: FromPath[str]) -> Response | Stream:
+    return await _generate(request, svc, ctx, model, None, streaming=True)
 
 
 @post(f"{_VERSIONED}/generate_stream", opt=_OPT, status_code=200)
 async def generate_stream_versioned(
-    request: Request, svc: Svc, model: FromPath[str], version: FromPath[str]
+    request: Request, svc: Svc, ctx: Ctx, model: FromPath[str], version: FromPath[str]
 ) -> Response | Stream:
-    return await _generate(request, svc, model, version, streaming=True)
+    return await _generate(request, svc, ctx, model, version, streaming=True)
 
 
 # --- health and metadata --------------------------------------------------------------------

@@ -30,13 +30,16 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 import uvloop
 
+from shared.events import TokenDelta
+from shared.schemas import GenerationRequest
 from tests.bench.procs import REPO, free_port, load_average, markdown_table, report_head, save, start_redis, stop
+from tests.scripted_engine import ScriptedEngine
+from workers.protocol import Step
 
 __all__ = ["BurstEngine", "expected_text", "check_stream"]
 
@@ -50,22 +53,11 @@ def expected_text(tokens: int) -> str:
 
 # --- the emitter (a real worker with a scripted engine) -------------------------------------
 
-@dataclass(slots=True)
-class _Step:
-    deltas: list
-    finished: bool = False
-    prompt_tokens: int = 1
-    prompt: None = None
-
-
-class BurstEngine:
+class BurstEngine(ScriptedEngine):
     """``max_tokens`` tokens, no delay, token i is ``chr(97 + i % 26)``; the prompt ``burst-<k>``
     asks for k tokens per step (default 1)."""
 
-    async def stream(self, job_id: str, req, parts: object = None) -> AsyncIterator[_Step]:
-        # ``parts`` (a continued job's pieces) never occurs here: no worker dies in the benchmark.
-        from shared.events import TokenDelta
-
+    async def steps(self, job_id: str, req: GenerationRequest, replay: Sequence[int] = ()) -> AsyncIterator[Step]:
         n = req.sampling.max_tokens
         per_event = int(req.prompt.rpartition("-")[2]) if req.prompt and req.prompt.startswith("burst-") else 1
         for start in range(0, n, per_event):
@@ -73,10 +65,7 @@ class BurstEngine:
             last = start + per_event >= n
             delta = TokenDelta(token_ids=ids, text="".join(map(chr, ids)), finish_reason="length" if last else None)
             await asyncio.sleep(0)  # every job takes its step before the flusher writes the batch
-            yield _Step(deltas=[delta], finished=last)
-
-    async def abort(self, job_id: str) -> None:
-        pass
+            yield Step(deltas=[delta], finished=last, prompt_tokens=1)
 
 
 async def serve_emitter(redis_url: str, prefix: str, slots: int) -> None:

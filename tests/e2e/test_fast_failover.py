@@ -38,7 +38,7 @@ from shared.config import load_settings
 from shared.keys import GROUP, Keys
 from tests.conftest import free_port
 from tests.e2e.conftest import _tail, stop_all, wait_ready
-from tests.e2e.test_procfile_drain import BIN, MAX_TOKENS, Stream, _body, _honcho, _kill_leftovers, _log_events
+from tests.e2e.procfile import BIN, Stream, completion_body, kill_leftovers, log_events, start_honcho
 from tests.faults import Figures, alive, lost_and_duplicated
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(900)]
@@ -52,6 +52,8 @@ STOP_S = 2.0
 # the peer's first step can wait a scheduler slice or two behind them.
 STALL_LIMIT_S = 1.5
 PROMPT = "Once upon a time"
+# Greedy on CPU, short of the float drift first seen at token 112 (tests/e2e/test_procfile_drain.py).
+MAX_TOKENS = 96
 KILL_AFTER_TOKENS = 10
 
 
@@ -73,8 +75,8 @@ class Stack:
     def worker_pid(self, worker: str) -> int:
         return int(self.redis.hget(self.keys.worker(worker), "pid"))
 
-    def worker_log_events(self, event: str) -> list[dict]:
-        return [e for _, log in self.procs for e in _log_events(log.read_text(errors="replace"), event)]
+    def workerlog_events(self, event: str) -> list[dict]:
+        return [e for _, log in self.procs for e in log_events(log.read_text(errors="replace"), event)]
 
 
 def _deltas(raw: bytes) -> list[dict]:
@@ -93,7 +95,7 @@ def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     procs = []
     for name, args in (("web", ["web"]), ("worker-a", ["worker"]), ("worker-b", ["worker"])):
         log = logs / f"honcho-{name}.log"
-        procs.append((_honcho(args, env, log), log))
+        procs.append((start_honcho(args, env, log), log))
     redis = Redis.from_url(redis_url)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -101,7 +103,7 @@ def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         yield Stack(url, redis, Keys(prefix), load_settings({}).model_name, procs)
     finally:
         stop_all(procs)
-        _kill_leftovers([log for _, log in procs])
+        kill_leftovers([log for _, log in procs])
         redis.close()
 
 
@@ -118,10 +120,10 @@ def mid_stream(stack: Stack) -> Mid:
     """The reference run, then the stream, returned once its job logged KILL_AFTER_TOKENS (the
     job's log says when, not the client, whose thread may read in bursts)."""
     with httpx.Client(timeout=300) as client:
-        resp = client.post(f"{stack.url}/v1/completions", json=_body(PROMPT, False))
+        resp = client.post(f"{stack.url}/v1/completions", json=completion_body(PROMPT, MAX_TOKENS, False))
     assert resp.status_code == 200, resp.text
     want = resp.json()["choices"][0]
-    stream = Stream(stack.url, PROMPT)
+    stream = Stream(stack.url, PROMPT, MAX_TOKENS)
     stream.thread.start()
     deadline = time.monotonic() + 120
     job_id = None
@@ -180,7 +182,7 @@ def test_a_sigstopped_procfile_worker_keeps_its_stream(stack, figures):
 
     assert owner == mid.worker, "nobody took the job while its worker was stopped"
     assert record["worker"] == mid.worker and record["attempt"] == "1", record
-    assert not stack.worker_log_events("worker_jobs_taken_over"), "no takeover was logged"
+    assert not stack.workerlog_events("worker_jobs_taken_over"), "no takeover was logged"
     assert stall >= STOP_S - 0.5, "the stop did stall the stream"
 
 
@@ -196,7 +198,7 @@ def test_a_sigkilled_procfile_worker_is_taken_over_within_a_second(stack, figure
     next_token_s = mid.stream.arrivals[published] - killed_at
     figures.seconds["next_token_after_kill_s"] = next_token_s
     stall = figures.seconds["longest_stall_s"]
-    [takeover] = stack.worker_log_events("worker_jobs_taken_over")
+    [takeover] = stack.workerlog_events("worker_jobs_taken_over")
     print(f"killed after {published} tokens; the peer's first token {next_token_s:.2f} s after the kill; "
           f"longest gap {stall:.2f} s (lease {LEASE_S} s)")
 

@@ -29,7 +29,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -41,8 +40,9 @@ from redis import Redis
 
 from shared.config import load_settings
 from shared.keys import GROUP, Keys
-from tests.conftest import REPO, free_port
+from tests.conftest import free_port
 from tests.e2e.conftest import _tail, stop_all, wait_ready
+from tests.e2e.procfile import BIN, Stream, completion_body, kill_leftovers, log_events, start_honcho
 from tests.faults import lost_and_duplicated
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(1500)]
@@ -61,88 +61,6 @@ ROUNDS = 10
 PROMPTS = ["Once upon a time", "The quick brown fox", "In the beginning", "Hello, my name is",
            "It was a dark and stormy night", "The capital of France", "def fibonacci(n):",
            "Call me Ishmael."]
-BIN = Path(sys.executable).parent  # the venv's bin: the Procfile says `python`, honcho lives here
-
-
-def _body(prompt: str, stream: bool) -> dict:
-    return {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "logprobs": 0, "stream": stream, "stream_options": {"include_usage": True} if stream else None}
-
-
-class Stream:
-    """One client's streamed completion, read on its own thread."""
-
-    def __init__(self, url: str, prompt: str) -> None:
-        self.url, self.prompt = url, prompt
-        self.job_id = ""
-        self.tokens: list[str] = []
-        self.text = ""
-        self.finish_reasons: list[str] = []
-        self.usage: dict | None = None
-        self.errors: list[object] = []
-        self.arrivals: list[float] = []
-        self.done = False
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        try:
-            with httpx.Client(timeout=httpx.Timeout(30, read=300)) as client, client.stream(
-                    "POST", f"{self.url}/v1/completions", json=_body(self.prompt, True)) as resp:
-                if resp.status_code != 200:
-                    self.errors.append((resp.status_code, resp.read().decode()))
-                    return
-                for line in resp.iter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    if line == "data: [DONE]":
-                        self.done = True
-                        break
-                    self._chunk(json.loads(line.removeprefix("data: ")))
-        except Exception as exc:  # noqa: BLE001 - reported by the test's assertions
-            self.errors.append(repr(exc))
-
-    def _chunk(self, chunk: dict) -> None:
-        if "error" in chunk:
-            self.errors.append(chunk["error"])
-            return
-        self.job_id = chunk["id"].removeprefix("cmpl-")
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-        for choice in chunk["choices"]:
-            self.text += choice["text"]
-            if choice["logprobs"]:
-                self.tokens += choice["logprobs"]["tokens"]
-                self.arrivals += [time.monotonic()] * len(choice["logprobs"]["tokens"])
-            if choice["finish_reason"]:
-                self.finish_reasons.append(choice["finish_reason"])
-
-
-def _honcho(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    # Its own session, so nothing here signals the test's process group; honcho puts each of its
-    # children in a session of their own too (cleaned up in _kill_leftovers).
-    return subprocess.Popen([str(BIN / "honcho"), "-f", "Procfile", "--no-colour", "start", *args], cwd=REPO,
-                            env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _kill_leftovers(logs: list[Path]) -> None:
-    """Honcho SIGKILLs its children 5 s after it is stopped; if honcho itself died first, kill the
-    shells it started (each leads a session holding its python) by their pids from its log."""
-    for log in logs:
-        for pid in map(int, re.findall(rb"started \(pid=(\d+)\)", log.read_bytes() if log.exists() else b"")):
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"-m workers" in cmdline or b"-m api" in cmdline:  # not a recycled pid
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-
-
-def _log_events(log: str, event: str) -> list[dict]:
-    """The JSON log records named ``event`` in a honcho log (lines ``time name | {json}``)."""
-    return [json.loads(line.split("| ", 1)[1]) for line in log.splitlines() if f'"event":"{event}"' in line]
 
 
 def _parent(pid: int) -> int:
@@ -172,8 +90,8 @@ def test_sigterm_one_procfile_worker_hands_its_jobs_to_the_other(redis_url, tmp_
            "LLMQ_DRAIN_TIMEOUT_S": str(DRAIN_S), "LLMQ_MAX_NUM_SEQS": str(SLOTS), "LLMQ_MAX_MODEL_LEN": "1024",
            "LLMQ_HEARTBEAT_S": "1", "LLMQ_LOG_JSON": "true"}
     main_log, extra_log = tmp_path / "honcho-web-worker.log", tmp_path / "honcho-worker.log"
-    formation = _honcho(["web", "worker"], env, main_log)
-    extra = _honcho(["worker"], env, extra_log)
+    formation = start_honcho(["web", "worker"], env, main_log)
+    extra = start_honcho(["worker"], env, extra_log)
     procs = [(formation, main_log), (extra, extra_log)]
     redis = Redis.from_url(redis_url)
     try:
@@ -181,7 +99,7 @@ def test_sigterm_one_procfile_worker_hands_its_jobs_to_the_other(redis_url, tmp_
         _scenario(url, redis, keys, model, formation, extra, procs, figures)
     finally:
         stop_all(procs)
-        _kill_leftovers([main_log, extra_log])
+        kill_leftovers([main_log, extra_log])
         redis.close()
 
 
@@ -230,7 +148,7 @@ def _scenario(url, redis, keys, model, formation, extra, procs, figures) -> None
     # 0.3 s on a CI machine, where one round of eight streams ended before the poll saw it. So a
     # round that ends unseen is followed by another (its streams must still be whole).
     for _ in range(ROUNDS):
-        streams = [Stream(url, p) for p in PROMPTS]
+        streams = [Stream(url, p, MAX_TOKENS) for p in PROMPTS]
         for s in streams:
             s.thread.start()
         holders = _wait_for_window(redis, keys, model, streams, victim, survivor)
@@ -263,7 +181,7 @@ def _scenario(url, redis, keys, model, formation, extra, procs, figures) -> None
 
     def reference(p: str) -> None:
         with httpx.Client(timeout=300) as client:
-            resp = client.post(f"{url}/v1/completions", json=_body(p, False))
+            resp = client.post(f"{url}/v1/completions", json=completion_body(p, MAX_TOKENS, False))
             references[p] = resp.json() if resp.status_code == 200 else {"error": resp.text}
 
     threads = [threading.Thread(target=reference, args=(p,)) for p in PROMPTS]
@@ -274,8 +192,8 @@ def _scenario(url, redis, keys, model, formation, extra, procs, figures) -> None
     assert all("choices" in references.get(p, {}) for p in PROMPTS), references
 
     extra_log = procs[1][1].read_text(errors="replace")
-    handed_back = _log_events(extra_log, "jobs_handed_back")
-    continued = {e["job_id"]: e["emitted"] for e in _log_events(procs[0][1].read_text(errors="replace"),
+    handed_back = log_events(extra_log, "jobs_handed_back")
+    continued = {e["job_id"]: e["emitted"] for e in log_events(procs[0][1].read_text(errors="replace"),
                                                                 "job_continued")}
     sent = len(streams)
     completed = lost = duplicated = 0

@@ -21,7 +21,7 @@ from shared.config import load_settings
 from shared.keys import Keys
 from tests.conftest import free_port
 from tests.e2e.conftest import _tail, stop_all, wait_ready
-from tests.e2e.test_procfile_drain import BIN, _honcho, _kill_leftovers
+from tests.e2e.procfile import BIN, kill_leftovers, start_honcho
 from workers.claim import claim_cpu_share
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -40,7 +40,7 @@ def test_honcho_scales_procfile_workers_that_claim_distinct_slots_and_share_the_
            "LLMQ_MAX_NUM_SEQS": str(SLOTS), "LLMQ_MAX_MODEL_LEN": "1024", "LLMQ_HEARTBEAT_S": "1",
            "LLMQ_LOG_JSON": "true", "LLMQ_DEVICE_LOCK_DIR": str(tmp_path / "locks")}
     log = tmp_path / "honcho.log"
-    honcho = _honcho(["-c", "worker=2"], env, log)
+    honcho = start_honcho(["-c", "worker=2"], env, log)
     procs = [(honcho, log)]
     redis = Redis.from_url(redis_url)
     try:
@@ -83,7 +83,7 @@ def test_honcho_scales_procfile_workers_that_claim_distinct_slots_and_share_the_
         assert sorted(p.name for p in (tmp_path / "locks").iterdir()) == ["cpu-0.lock", "cpu-1.lock"]
     finally:
         stop_all(procs)
-        _kill_leftovers([log])
+        kill_leftovers([log])
         redis.close()
     # The workers are gone, and so are their claims.
     again = claim_cpu_share(tmp_path / "locks", [[0]])

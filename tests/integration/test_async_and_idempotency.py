@@ -178,6 +178,20 @@ async def test_a_repeated_idempotency_key_runs_the_request_once(stack, route: Ro
     assert await _job_count(stack) == before + route.jobs, "the fire-and-poll repeat found the same jobs"
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "abc", "max_tokens": 4}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "abc"}], "max_tokens": 4}),
+])
+async def test_a_repeat_a_second_later_answers_with_the_first_jobs_creation_time(stack, path, body):
+    """The repeat's answer is the earlier job's: its ``created`` too, not the repeat's own clock
+    (seen in CI when the two requests fell on either side of a second)."""
+    key = {"Idempotency-Key": uuid.uuid4().hex}
+    first = (await _answer(stack.client, path, body, **key)).content
+    await asyncio.sleep(1.1)
+    again = (await _answer(stack.client, path, body, **key)).content
+    assert again == first
+
+
 async def test_a_group_is_cancelled_as_one_job_and_its_events_point_to_its_jobs(stack):
     client = stack.client
     body = {"prompt": ["abc", "xy"], "max_tokens": 2000}  # long enough to cancel mid-way (scripted: 1 ms/token)

@@ -8,11 +8,17 @@ import asyncio
 import json
 import time
 
+import msgspec
 import openai
 import pytest
 from openai import AsyncOpenAI
 
+from api.batch_output import rendered
+from shared.batches import Answered, BatchStore, Failed, FileObject, LineError, NotRun, Refused
+from shared.codec import encode
 from shared.keys import Keys
+from shared.queue import Queue
+from shared.schemas import ChatMessage, Choice, GenerationRequest, JobError, JobResult, SamplingParams, Usage
 from tests.background import housekeeping
 from tests.scripted_engine import ScriptedEngine, expected_text
 from tests.scripted_stack import scripted_stack
@@ -84,7 +90,12 @@ async def test_a_batch_runs_through_the_sdk_and_its_output_matches_direct_calls(
                 assert direct.choices[0].message.content == body["choices"][0]["message"]["content"]
                 assert direct.usage.completion_tokens == body["usage"]["completion_tokens"]
 
-            errors = _by_custom_id((await client.files.content(done.error_file_id)).text)
+            # Rendered on the first read, whichever it is: the object's size is the content's.
+            listed_files = {f.id: f for f in (await client.files.list()).data}
+            content = (await client.files.content(done.error_file_id)).content
+            assert listed_files[done.error_file_id].bytes == len(content)
+            assert (await client.files.retrieve(done.error_file_id)).bytes == len(content)
+            errors = _by_custom_id(content.decode())
             assert list(errors) == ["bad"]
             assert errors["bad"]["response"]["status_code"] == 400
             assert "max_tokens" in errors["bad"]["response"]["body"]["error"]["message"]
@@ -108,7 +119,10 @@ async def test_completions_batches_fan_a_list_of_prompts_into_jobs_and_join_them
                                                 completion_window="24h")
             done, _ = await _until(client, batch.id, ("completed", "failed"))
             assert done.status == "completed" and done.request_counts.completed == 2 and not done.error_file_id
-            output = _by_custom_id((await client.files.content(done.output_file_id)).text)
+            size = (await client.files.retrieve(done.output_file_id)).bytes
+            content = (await client.files.content(done.output_file_id)).content
+            assert size == len(content)
+            output = _by_custom_id(content.decode())
             assert [c["text"] for c in output["one"]["response"]["body"]["choices"]] == [expected_text("abc", 4)]
             two = output["two"]["response"]["body"]["choices"]
             assert [(c["index"], c["text"]) for c in two] == [(0, expected_text("xy", 3)), (1, expected_text("pq", 3))]
@@ -191,8 +205,12 @@ async def test_batch_lines_wait_behind_interactive_requests_within_the_in_flight
             keys = Keys(prefix)
             peak = 0
             interactive = None
+            line_job = None
             while (await client.batches.retrieve(batch.id)).status != "completed":
                 peak = max(peak, await s.redis.hlen(keys.batch_jobs(batch.id)))
+                if line_job is None and (running := await s.redis.hvals(keys.batch_jobs(batch.id))):
+                    model, [job_id] = json.loads(running[0])
+                    line_job = await Queue(s.redis, keys).get_job(model, job_id)
                 if interactive is None and await s.redis.xlen(keys.queue(MODEL, 2)) >= 2:
                     # Batch lines are waiting: an interactive request goes ahead of all of them.
                     waiting = await s.redis.xlen(keys.queue(MODEL, 2))
@@ -206,3 +224,66 @@ async def test_batch_lines_wait_behind_interactive_requests_within_the_in_flight
             # sent), ahead of the two or more batch lines already waiting.
             assert waiting >= 2 and engine.started.index(job_id) in (started_before, started_before + 1)
             assert peak <= 3  # never more batch lines queued or running than the bound
+            # A line's job is due when its batch expires (LLMQ_DEADLINE_S is for interactive requests).
+            assert line_job.request.priority == 2 and line_job.deadline == pytest.approx(batch.expires_at * 1000, abs=1)
+
+
+_CHAT = GenerationRequest(model="tiny", messages=[ChatMessage(role="user", content="hi")], dialect="openai_chat",
+                          sampling=SamplingParams(max_tokens=2))
+
+
+def _prompt(text: str) -> GenerationRequest:
+    return GenerationRequest(model="tiny", prompt=text, dialect="openai_completions",
+                             sampling=SamplingParams(max_tokens=1))
+
+
+def _result(text: str) -> JobResult:
+    return JobResult(choices=[Choice(text=text, token_ids=[1], finish_reason="length")],
+                     usage=Usage(prompt_tokens=2, completion_tokens=1))
+
+
+OUTCOMES = [
+    Answered(custom_id="a", request_id="j1", created=1700000000, requests=[_CHAT], results=[_result("hé")]),
+    Answered(custom_id="b", request_id="j2", created=1700000001, requests=[_prompt("ab"), _prompt("cd")],
+             results=[_result("x"), _result("y")]),
+    Failed(custom_id="c", request_id="j4", error=JobError(code="deadline_exceeded", message="too late", status=504)),
+    Refused(custom_id="d", request_id="batch_1_3", error=LineError(status=400, body={"error": {"message": "m"}})),
+    NotRun(custom_id="e", request_id="batch_1_4", code="batch_cancelled",
+           message="The batch was cancelled before this request ran."),
+]
+# What OpenAI's Batch API gives for each, the body as the endpoint itself answers (as before the
+# outcomes were rendered by the API rather than by housekeeping: byte for byte the same).
+RENDERED = (
+    '{"id":"batch_req_j1","custom_id":"a","response":{"status_code":200,"request_id":"j1","body":{"id":"chatcmpl-j1",'
+    '"object":"chat.completion","created":1700000000,"model":"tiny","choices":[{"index":0,"message":{"role":"assistant",'
+    '"content":"hé"},"logprobs":null,"finish_reason":"length","stop_reason":null}],"usage":{"prompt_tokens":2,'
+    '"completion_tokens":1,"total_tokens":3}}},"error":null}\n'
+    '{"id":"batch_req_j2","custom_id":"b","response":{"status_code":200,"request_id":"j2","body":{"id":"cmpl-j2",'
+    '"object":"text_completion","created":1700000001,"model":"tiny","choices":[{"index":0,"text":"x","logprobs":null,'
+    '"finish_reason":"length","stop_reason":null},{"index":1,"text":"y","logprobs":null,"finish_reason":"length",'
+    '"stop_reason":null}],"usage":{"prompt_tokens":4,"completion_tokens":2,"total_tokens":6}}},"error":null}\n'
+    '{"id":"batch_req_j4","custom_id":"c","response":{"status_code":504,"request_id":"j4","body":{"error":'
+    '{"message":"too late","type":"InternalServerError","param":null,"code":504}}},"error":null}\n'
+    '{"id":"batch_req_batch_1_3","custom_id":"d","response":{"status_code":400,"request_id":"batch_1_3","body":'
+    '{"error":{"message":"m"}}},"error":null}\n'
+    '{"id":"batch_req_batch_1_4","custom_id":"e","response":null,"error":{"code":"batch_cancelled",'
+    '"message":"The batch was cancelled before this request ran."}}\n'
+).encode()
+
+
+async def test_a_produced_file_is_rendered_once_on_its_first_read(redis, keys):
+    store = BatchStore(redis, keys)
+    meta = FileObject(id="file-out", bytes=0, created_at=1700000002, filename="batch_1_output.jsonl",
+                      purpose="batch_output")
+    await store.put_outcomes(meta, b"".join(encode(o) + b"\n" for o in OUTCOMES), "owner")
+    first = await rendered(store, meta)
+    assert first == msgspec.structs.replace(meta, bytes=len(RENDERED))
+    assert await store.file_content(meta.id) == RENDERED
+    assert await store.get_file(meta.id) == (first, "owner") and await store.outcomes(meta.id) is None
+    assert await rendered(store, first) == first  # later reads serve what is stored
+
+    # A file deleted while a reader was rendering it is not brought back by that reader.
+    gone = msgspec.structs.replace(meta, id="file-gone")
+    await store.put_outcomes(gone, encode(OUTCOMES[-1]) + b"\n", "owner")
+    await store.delete_file(gone.id)
+    assert not await store.put_rendered(gone, RENDERED) and not await redis.exists(keys.file(gone.id))

@@ -45,7 +45,9 @@ def test_relay_delivers_every_token_to_every_client_in_order(tmp_path):
         assert run["errors"] == [] and run["complete"]
         assert run["tokens"] == 2 * 50
         assert run["events"] == 2 * 50 // per_event  # one SSE data frame per worker event
-        assert run["events_per_s"] > 0 and run["cpu_pct"]["api"] >= 0
+        assert run["events_per_s"] > 0
+        # Who the bottleneck was: every process's CPU share over the run is reported.
+        assert set(run["cpu_pct"]) == {"redis", "api", "emitter", "clients"}
     assert all(s["complete"] for s in result["summary"].values())
 
 

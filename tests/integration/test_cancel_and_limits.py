@@ -16,18 +16,20 @@ from contextlib import AsyncExitStack
 import pytest
 from redis.asyncio import Redis
 
+from api.context import RequestContext
 from api.listener import EventListener
 from api.models import ModelRegistry
 from api.services import Services
-from api.submit import end_watches, submit, watching
+from api.submit import submit
+from api.watches import JobWatch, end_watches
 from shared.keys import Keys
 from shared.queue import Queue
 from shared.redis import connect
-from shared.schemas import GenerationRequest, JobRecord, SamplingParams
+from shared.schemas import GenerationRequest, SamplingParams
+from tests.job_records import MODEL, wait_status
 from tests.scripted_engine import ScriptedEngine, expected_text
 from tests.scripted_stack import scripted_stack
 
-MODEL = "tiny"
 SLOT_FREE_BOUND_S = 5.0  # generous; the target is 1 s and the measured figure is printed
 
 
@@ -60,19 +62,6 @@ async def close(writer: asyncio.StreamWriter) -> float:
     writer.close()
     await writer.wait_closed()
     return gone_at
-
-
-async def record(redis: Redis, prefix: str, job_id: str) -> JobRecord | None:
-    return await Queue(redis, Keys(prefix)).get_job(MODEL, job_id)
-
-
-async def wait_status(redis: Redis, prefix: str, job_id: str, statuses: set[str], timeout: float = 20) -> JobRecord:
-    async with asyncio.timeout(timeout):
-        while True:
-            rec = await record(redis, prefix, job_id)
-            if rec is not None and rec.status in statuses:
-                return rec
-            await asyncio.sleep(0.02)
 
 
 async def running_job(redis: Redis, prefix: str, timeout: float = 20) -> str:
@@ -165,8 +154,7 @@ async def test_detached_job_survives_its_poller_disconnecting(redis_url, prefix)
         await read_until(reader, b"data: {")
         await close(writer)
         rec = await wait_status(s.redis, prefix, job_id, {"cancelled", "done", "failed"})
-        assert rec.status == "done" and rec.result is not None
-        assert rec.result.choices[0].text == expected_text("keep", 60)
+        assert rec.status == "done" and rec.result.choices[0].text == expected_text("keep", 60)
         assert s.worker.engine.aborted == []
 
 
@@ -201,14 +189,15 @@ async def test_submit_cancelled_during_enqueue_still_cancels_its_job(redis_url, 
             await asyncio.sleep(3600)  # the reply "never arrives": the caller is cancelled here
 
         svc.queue.enqueue = enqueue_then_hang  # type: ignore[method-assign]
-        with watching() as watches:
-            task = asyncio.create_task(submit(svc, GenerationRequest(
-                prompt="lost", sampling=SamplingParams(max_tokens=500), dialect="jobs")))
-            await enqueued.wait()
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            await end_watches(watches)
+        watches: set[JobWatch] = set()
+        ctx = RequestContext(dialect="lmtp", watches=watches)
+        task = asyncio.create_task(submit(svc, ctx, GenerationRequest(
+            prompt="lost", sampling=SamplingParams(max_tokens=500), dialect="jobs")))
+        await enqueued.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await end_watches(watches)
         await asyncio.gather(*svc.background)
         rec = await wait_status(s.redis, prefix, queued[0], {"cancelled", "done", "failed"})
         assert rec.status == "cancelled"

@@ -13,18 +13,19 @@ each worker, so a replay's steps straddle the published tokens.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.keys import GROUP
 from shared.schemas import GenerationRequest
-from tests.integration import test_reclaim
-from tests.integration.test_reclaim import MODEL, Client, Step, kill, running_on
-from workers.continuation import Part, run_parts
+from tests import inprocess_workers
+from tests.inprocess_workers import MODEL, Client, kill, running_on
+from tests.scripted_engine import ScriptedEngine
+from workers.protocol import Step
 
-make_worker = test_reclaim.make_worker  # the reclaim suite's fixture: in-process workers on real Redis
+make_worker = inprocess_workers.make_worker  # in-process workers on real Redis
 
 
 def child_seed(seed: int | None, n: int, child: int) -> int | None:
@@ -47,23 +48,18 @@ def expected(prompt: str, n: int, max_tokens: int, seed: int | None) -> list[lis
     return choices
 
 
-class ChoiceEngine:
+class ChoiceEngine(ScriptedEngine):
+    """``per_step`` tokens of every choice per step; a part's replay is forced, as
+    workers/forcing.py forces it inside vLLM. The parts of each continued job it ran are in
+    ``parts`` (ScriptedEngine runs them through the real ``run_parts``)."""
+
+    forces_replay = True
+
     def __init__(self, per_step: int, delay_s: float) -> None:
-        self.per_step, self.delay_s = per_step, delay_s
-        self.parts: list[list[Part]] = []  # the parts of each continued job this engine ran
-        self.aborted: list[str] = []
+        super().__init__(delay_s)
+        self.per_step = per_step
 
-    async def stream(self, job_id: str, req: GenerationRequest, parts: list[Part] | None = None,
-                     ) -> AsyncIterator[Step]:
-        if parts is not None:
-            self.parts.append(list(parts))
-            async for step in run_parts(parts, lambda part: self._run(part.request, part.replay)):
-                yield step
-        else:
-            async for step in self._run(req):
-                yield step
-
-    async def _run(self, req: GenerationRequest, forced: tuple[int, ...] = ()) -> AsyncIterator[Step]:
+    async def steps(self, job_id: str, req: GenerationRequest, replay: Sequence[int] = ()) -> AsyncIterator[Step]:
         s = req.sampling
         prompt = list(req.prompt_token_ids) if req.prompt_token_ids is not None else [ord(c) for c in req.prompt or ""]
         contexts = [list(prompt) for _ in range(s.n)]
@@ -75,16 +71,13 @@ class ChoiceEngine:
             for child, context in enumerate(contexts):
                 ids = []
                 for position in range(start, end):
-                    ids.append(forced[position] if position < len(forced)
+                    ids.append(replay[position] if position < len(replay)
                                else choice_token(context, seeds[child], child, position))
                     context.append(ids[-1])
                 deltas.append(TokenDelta(index=child, token_ids=ids, text="".join(map(chr, ids)),
                                          finish_reason="length" if end == s.max_tokens else None))
             yield Step(deltas=deltas, finished=end == s.max_tokens, prompt_tokens=len(prompt),
                        prompt_token_ids=prompt if start == 0 else None)
-
-    async def abort(self, job_id: str) -> None:
-        self.aborted.append(job_id)
 
 
 @pytest.mark.parametrize("seed", [None, 5], ids=["unseeded-extension", "seeded-replay"])

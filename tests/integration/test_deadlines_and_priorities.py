@@ -17,7 +17,7 @@ from shared.codec import decode_event
 from shared.events import Error
 from shared.keys import GROUP, Keys
 from shared.queue import Queue, level_of
-from tests.integration.test_cancel_and_limits import MODEL, record, wait_status
+from tests.job_records import MODEL, record, wait_status
 from tests.scripted_engine import ScriptedEngine
 from tests.scripted_stack import scripted_stack
 
@@ -195,6 +195,24 @@ async def test_queued_jobs_start_most_urgent_level_first(redis_url, prefix):
     # Level 0 in arrival order, then level 1, then level 2: the level is what orders the queue.
     # (Within a level the engine, not the queue, orders by the priority value itself.)
     assert order == ["high-a", "urgent", "high-b", "mid", "mid-header", "low-a", "low-b"]
+
+
+@pytest.mark.parametrize("body_priority, header, stored", [
+    (0, "2", 0),  # an explicit 0 in the body is a choice: the header does not override it
+    (None, "2", 2),  # no body field: the header's
+    (1, None, 1),
+    (None, None, 0),
+])
+async def test_a_body_priority_wins_over_the_header_even_when_it_is_0(redis_url, prefix, body_priority, header, stored):
+    async with scripted_stack(redis_url, prefix) as s:
+        body: dict = {"prompt": "p", "max_tokens": 1}
+        if body_priority is not None:
+            body["priority"] = body_priority
+        headers = {"Prefer": "respond-async", **({"X-LLMQ-Priority": header} if header else {})}
+        resp = await s.client.post("/v1/completions", json=body, headers=headers)
+        assert resp.status_code == 202, resp.text
+        rec = await record(s.redis, s.settings.prefix, resp.json()["id"])
+        assert rec is not None and rec.request.priority == stored
 
 
 async def test_the_depth_limit_counts_every_level_and_holds_under_concurrency(redis_url, prefix):

@@ -29,17 +29,28 @@ from shared.events import Event, TokenDelta, Tokens
 from shared.keys import GROUP, Keys
 from shared.queue import Outbound, Queue
 from shared.redis import connect
+from tests import inprocess_workers
+from tests.aof_redis import AofRedis
 from tests.conftest import REPO
 from tests.faults import lost_and_duplicated
-from tests.integration import test_reclaim
-from tests.integration.test_reclaim import MODEL, Client, ContextEngine, assert_seamless, expected_ids, submit, wait_for
-from tests.scripted_engine import ScriptedEngine
+from tests.inprocess_workers import (
+    MODEL,
+    TAKEOVER_S,
+    Client,
+    assert_seamless,
+    judging,
+    seconds_until_taken,
+    submit,
+    subscribe_confirmed,
+    wait_for,
+)
+from tests.scripted_engine import ContextEngine, ScriptedEngine, expected_ids
+from workers.presence import RECONNECT_MAX_S
 from workers.runner import Worker
 
-make_worker = test_reclaim.make_worker  # the reclaim suite's fixture: in-process workers on real Redis
+make_worker = inprocess_workers.make_worker  # in-process workers with a ContextEngine, on real Redis
 
 LEASE_S = 30.0  # far beyond every takeover here: a job that moves within seconds moved by the watcher
-TAKEOVER_S = 0.5  # LLMQ_TAKEOVER_S's default
 
 
 class Stamped(list):
@@ -93,12 +104,6 @@ async def logged_on(queue: Queue, job_id: str, worker: str, events: int) -> None
         job = await queue.get_job(MODEL, job_id)
         return job is not None and job.worker == worker and len(await queue.read_events(MODEL, job_id)) >= events
     await wait_for(check)
-
-
-async def judging(worker: Worker) -> None:
-    """Until the worker's watcher judges peers (its own subscription up for long enough)."""
-    while asyncio.get_running_loop().time() < worker._watch_from:
-        await asyncio.sleep(0.05)
 
 
 def longest_gap(times: list[float]) -> float:
@@ -228,16 +233,6 @@ async def test_a_dropped_control_connection_reconnects_and_keeps_its_jobs(make_w
     assert not b.worker.engine.requests[1:] and not a.worker.engine.aborted
 
 
-async def subscribe_confirmed(redis, channel: str):
-    """A subscription to ``channel``, returned once Redis confirmed it."""
-    pubsub = redis.pubsub()
-    await pubsub.subscribe(channel)
-    async with asyncio.timeout(5):
-        while (await pubsub.get_message(timeout=1.0) or {}).get("type") != "subscribe":
-            pass
-    return pubsub
-
-
 async def held_by_ghost(redis, keys: Keys, prompt: str, max_tokens: int):
     """A job delivered to consumer "ghost", whose control channel has a subscriber as a live
     worker's has: (queue, job id, the delivery, the subscription)."""
@@ -247,13 +242,6 @@ async def held_by_ghost(redis, keys: Keys, prompt: str, max_tokens: int):
     pubsub = await subscribe_confirmed(redis, keys.worker_control("ghost"))
     [held] = await queue.read_new(MODEL, "ghost", 1, 50)
     return queue, job_id, held, pubsub
-
-
-async def seconds_until_taken(queue: Queue, job_id: str, worker: Worker, since: float) -> float:
-    async def taken() -> bool:
-        return (await queue.get_job(MODEL, job_id)).worker == worker.worker_id
-    await wait_for(taken, timeout=10, every=0.005)
-    return time.monotonic() - since
 
 
 async def test_a_subscription_gone_for_less_than_the_window_keeps_the_job_and_gone_longer_loses_it(
@@ -342,8 +330,6 @@ async def test_a_watcher_judges_nobody_until_its_own_subscription_has_been_back_
     another: a watcher whose own connection just came back must not take the others' absence
     for death. Here B's control connection is dropped at the moment a consumer's subscription
     goes for good: B takes the job only once its own has been back for 2 x RECONNECT_MAX_S."""
-    from workers.presence import RECONNECT_MAX_S
-
     queue, job_id, _, pubsub = await held_by_ghost(redis, keys, "ghost", 5)
     before = await _pubsub_ids(redis)
     b = await make_worker(delay_s=0.005, lease_s=LEASE_S)
@@ -361,8 +347,6 @@ async def test_a_watcher_judges_nobody_until_its_own_subscription_has_been_back_
 async def test_a_redis_restart_takes_no_job_from_a_live_worker(tmp_path, figures):
     """Every subscription drops together when Redis restarts (AOF on, so the pending entries
     survive); each worker re-subscribes when it is back. The job stays on its worker."""
-    from tests.integration.test_redis_restart import AofRedis
-
     server = AofRedis(tmp_path)
     server.start()
     redis = connect(server.url)
@@ -411,7 +395,7 @@ async def _own_worker(redis, keys: Keys, own: list[_Own], engine, **settings) ->
     queue = Queue(redis, keys)
     worker = Worker(full, queue, engine)
     own.append(_Own(worker, queue, asyncio.create_task(worker.run())))
-    while not worker.ready or not worker._control_up.is_set():
+    while not worker.ready or not worker.presence.control_up.is_set():
         await asyncio.sleep(0.01)
     return own[-1]
 
@@ -427,21 +411,21 @@ async def test_a_worker_reads_no_job_before_its_control_subscription_is_confirme
                                                                                  monkeypatch):
     """Peers would take a consumer holding jobs without a subscription for a dead worker's, so a
     worker starting up reads nothing until Redis confirmed its subscription (here delayed 1 s)."""
-    from workers import presence
+    from shared import queue as queue_module
 
-    real = presence.node_client
+    real = queue_module.node_client
 
     async def slow(*args, **kwargs):
         await asyncio.sleep(1.0)
         return await real(*args, **kwargs)
 
-    monkeypatch.setattr(presence, "node_client", slow)
+    monkeypatch.setattr(queue_module, "node_client", slow)  # what Queue.control_subscription connects with
     queue = Queue(redis, keys)
     await queue.ensure_group(MODEL)
     job_id = await submit(queue, "early", 5)
     started = time.monotonic()
     a = await make_worker(delay_s=0.005, lease_s=LEASE_S)  # ready (warmed up) before it subscribed
-    assert not a.worker._control_up.is_set() and time.monotonic() - started < 0.9
+    assert not a.worker.presence.control_up.is_set() and time.monotonic() - started < 0.9
     assert (await queue.get_job(MODEL, job_id)).status == "queued"
     assert (await redis.xpending(keys.queue(MODEL), GROUP))["pending"] == 0, "nothing read yet"
 

@@ -3,7 +3,7 @@
 The app runs on a real port with a scripted worker. Every response must have a status below
 500 and must finish (streams are read to the end) within a per-request timeout; a body never
 carries an internal error in-band either. Bodies come from the same strategies as the unit
-fuzz tests (tests/fuzzing.py). The worker must still be alive at the end.
+fuzz tests (tests/dialect_bodies.py, tests/fuzzing.py). The worker must still be alive at the end.
 
 Below JSON: raw bytes per route (``test_raw_bytes_...``), mutations of valid bodies under any
 content type. A malformed body (truncated, a BOM, invalid UTF-8, NaN, nesting past the limit,
@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 import aiohttp
-import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -29,10 +27,19 @@ from api.dialects import openai_chat as chat
 from api.dialects import openai_completions as oc
 from shared.batches import BatchCreate
 from shared.schemas import GenerationRequest
+from tests.dialect_bodies import (
+    chat_bodies,
+    completion_bodies,
+    happy_bodies,
+    job_bodies,
+    lmi_bodies,
+    lmtp_frames,
+    tgi_bodies,
+    triton_bodies,
+)
 from tests.fuzzing import malformed_bodies, odd_bodies, struct_body
-from tests.scripted_engine import ScriptedEngine, Step
+from tests.scripted_engine import CappedEngine
 from tests.scripted_stack import scripted_stack
-from tests.unit import test_fuzz_dialects as fz
 
 T = TypeVar("T")
 
@@ -40,16 +47,6 @@ EXAMPLES = 60
 RAW_EXAMPLES = 30  # per route and kind (malformed, odd)
 REQUEST_TIMEOUT_S = 10.0
 CONCURRENCY = 8
-
-
-class CappedEngine(ScriptedEngine):
-    """At most a few tokens per job, whatever max_tokens says: fuzzed bodies ask for thousands."""
-
-    async def stream(self, job_id: str, req: GenerationRequest, parts: object = None) -> AsyncIterator[Step]:
-        # ``parts`` (a continued job's pieces) never occurs here: no worker dies in these tests.
-        sampling = msgspec.structs.replace(req.sampling, max_tokens=min(req.sampling.max_tokens, 4))
-        async for step in super().stream(job_id, msgspec.structs.replace(req, sampling=sampling), parts):
-            yield step
 
 
 def draw(strategy: st.SearchStrategy[T], n: int = EXAMPLES) -> list[T]:
@@ -68,18 +65,18 @@ def draw(strategy: st.SearchStrategy[T], n: int = EXAMPLES) -> list[T]:
 
 # (route, strategy of bodies)
 ROUTES = [
-    ("/v1/completions", fz.completion_bodies),
-    ("/v1/chat/completions", fz.chat_bodies),
-    ("/invocations", st.one_of(fz.lmi_bodies, fz.completion_bodies, fz.chat_bodies)),
-    ("/predictions/tiny", fz.lmi_bodies),
-    ("/generate", fz.tgi_bodies),
-    ("/generate_stream", fz.tgi_bodies),
-    ("/", fz.tgi_bodies),
-    ("/v2/models/tiny/generate", fz.triton_bodies),
-    ("/v2/models/tiny/generate_stream", fz.triton_bodies),
-    ("/v1/generate", fz.happy_bodies),
-    ("/v1/generate_stream", fz.happy_bodies),
-    ("/v1/jobs", fz.job_bodies),
+    ("/v1/completions", completion_bodies),
+    ("/v1/chat/completions", chat_bodies),
+    ("/invocations", st.one_of(lmi_bodies, completion_bodies, chat_bodies)),
+    ("/predictions/tiny", lmi_bodies),
+    ("/generate", tgi_bodies),
+    ("/generate_stream", tgi_bodies),
+    ("/", tgi_bodies),
+    ("/v2/models/tiny/generate", triton_bodies),
+    ("/v2/models/tiny/generate_stream", triton_bodies),
+    ("/v1/generate", happy_bodies),
+    ("/v1/generate_stream", happy_bodies),
+    ("/v1/jobs", job_bodies),
 ]
 
 
@@ -194,7 +191,7 @@ async def test_raw_bytes_get_4xx_never_5xx(stack, route, objects):
 async def test_lmtp_fuzzed_frames_never_break_the_socket(stack):
     """Fuzzed LMTP frames (text, and binary with any bytes) on one WebSocket: each gets an answer
     or nothing, the socket stays up, and a valid GENERATE afterwards still streams to the end."""
-    frames = draw(fz.lmtp_frames.map(str.encode))
+    frames = draw(lmtp_frames.map(str.encode))
     # Binary frames too: raw bytes, and mutated payloads (invalid UTF-8, BOM, deep, NaN, ...).
     binary = draw(st.one_of(st.binary(max_size=64), st.tuples(
         st.sampled_from([b"GENERATE ", b"SCORE ", b"MODEL_INFO ", b""]),

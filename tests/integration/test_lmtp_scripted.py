@@ -1,16 +1,15 @@
 """LMTP over a real WebSocket (aiohttp, as LMQL connects), real Redis and a scripted engine:
 exact frames, stream multiplexing, error frames, SCORE, and cancel-on-close.
 
-The engine below is this file's own: it reports logprobs, top logprobs, prompt logprobs and
-several tokens per step, which LMTP needs and the shared scripted engine does not script.
+The engine below scripts its own tokens on top of the shared scripted engine: it reports
+logprobs, top logprobs, prompt logprobs and several tokens per step, which LMTP needs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
 import pytest
@@ -20,7 +19,9 @@ from shared.errors import InvalidRequest
 from shared.events import TokenDelta
 from shared.keys import Keys
 from shared.schemas import GenerationRequest, PromptInfo, TopLogprob
+from tests.scripted_engine import ScriptedEngine
 from tests.scripted_stack import scripted_stack
+from workers.protocol import Step
 
 PREFIX = "lmtp-scripted"
 MODEL = "tiny"
@@ -29,14 +30,6 @@ EOS = 2
 # Alternatives the engine ranks around the sampled token: token 5 always beats it.
 ALTERNATIVES = [(5, -0.25), (6, -1.5), (7, -2.0)]
 SAMPLED_LOGPROB = -0.5
-
-
-@dataclass(slots=True)
-class Step:
-    deltas: list[TokenDelta]
-    finished: bool = False
-    prompt_tokens: int = 0
-    prompt: PromptInfo | None = None
 
 
 def sampled(ids: list[int], i: int, bias: dict[int, float]) -> int:
@@ -59,15 +52,11 @@ def prompt_logprob(position: int) -> float:
     return -0.125 * position
 
 
-class LmtpEngine:
+class LmtpEngine(ScriptedEngine):
     """Two tokens per step; prompt markers: first id FAIL fails, SLOW sleeps per step, last id
     TAIL ends with a token-less final step, EOS_AFTER emits EOS as the third token."""
 
-    def __init__(self) -> None:
-        self.aborted: list[str] = []
-
-    async def stream(self, job_id: str, req: GenerationRequest, parts: object = None) -> AsyncIterator[Step]:
-        # ``parts`` (a continued job's pieces) never occurs here: no worker dies in these tests.
+    async def steps(self, job_id: str, req: GenerationRequest, replay: Sequence[int] = ()) -> AsyncIterator[Step]:
         ids = list(req.prompt_token_ids or [ord(c) for c in req.prompt or "x"])
         if ids[0] == FAIL:
             raise InvalidRequest("scripted failure")
@@ -100,9 +89,6 @@ class LmtpEngine:
             delta.logprobs, delta.token_texts = [SAMPLED_LOGPROB] * len(chunk), [""] * len(chunk)
             delta.top_logprobs = [top(t, k) for t in chunk] if k else None
         return delta
-
-    async def abort(self, job_id: str) -> None:
-        self.aborted.append(job_id)
 
 
 @pytest.fixture(scope="module")

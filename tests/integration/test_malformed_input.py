@@ -26,7 +26,7 @@ import pytest
 
 from shared.json_input import MAX_DEPTH
 from tests.fuzzing import deep
-from tests.integration.test_fuzz_http import CappedEngine
+from tests.scripted_engine import CappedEngine
 from tests.scripted_stack import scripted_stack
 
 MODEL = "tiny"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator, Sequence
 
 import httpx
 import msgspec
@@ -16,36 +17,36 @@ import pytest
 from litestar import Request, Response, post
 from litestar.response import Stream
 
+from api.context import Ctx
+from api.dialects import openai_chat as chat
+from api.errors import answered_in
 from api.routes.openai_chat import chat_response
 from api.services import Svc
-from shared.errors import GenerationFailed
-from shared.events import TokenDelta
-from tests.scripted_engine import ScriptedEngine, Step
+from shared.schemas import GenerationRequest
+from tests.scripted_engine import ScriptedEngine
 from tests.scripted_stack import scripted_stack
+from workers.protocol import Step
 
 SLOW_S = 1.6  # a "slow..." chat waits this long before its first token: several keep-alive intervals
 
 
 class ChatEngine(ScriptedEngine):
-    """The scripted engine, reading a chat's last message as its prompt. ``break`` fails after
-    its first token; ``slow...`` waits before its first token."""
+    """The scripted engine, reading a chat's last message as its prompt (``break`` fails after
+    its first token, as there); ``slow...`` waits before its first token."""
 
-    async def stream(self, job_id, req, parts=None):
+    async def steps(self, job_id: str, req: GenerationRequest, replay: Sequence[int] = ()) -> AsyncIterator[Step]:
         if req.messages is not None:
             req = msgspec.structs.replace(req, messages=None, prompt=req.messages[-1].content)
-        if req.prompt == "break":
-            yield Step(deltas=[TokenDelta(token_ids=[98], text="b")], prompt_tokens=5)
-            raise GenerationFailed("scripted failure mid-stream")
         if req.prompt.startswith("slow"):
             await asyncio.sleep(SLOW_S)
-        async for step in super().stream(job_id, req, parts):
+        async for step in super().steps(job_id, req, replay):
             yield step
 
 
 @post("/test/lmi-chat", opt={"dialect": "lmi"}, status_code=200)
-async def lmi_chat(request: Request, svc: Svc) -> Response | Stream:
-    """What ``/invocations`` does with a body that has ``messages``."""
-    return await chat_response(request, svc, lmi=True)
+async def lmi_chat(request: Request, svc: Svc, ctx: Ctx) -> Response | Stream:
+    """What ``/invocations`` does with a body that has ``messages`` (api/routes/lmi.py)."""
+    return await answered_in(chat.NAME, chat_response(request, svc, ctx.as_dialect(chat.NAME), lmi=True))
 
 
 @pytest.fixture(scope="module")

@@ -1,207 +1,31 @@
 """Leases, reclaim, fencing, dead letter and drain hand-back on real Redis with in-process workers.
 
-The engine here is deterministic in its whole context (each next token is a function of every
-token before it, like greedy decoding), so a job continued from "prompt + published tokens"
-must produce exactly what an uninterrupted run produces. The client side is the real relay
-(``api.relay.follow`` over a live pub/sub subscription), as an API process would run it.
+The engine here (``tests.scripted_engine.ContextEngine``) is deterministic in its whole context
+(each next token is a function of every token before it, like greedy decoding), so a job
+continued from "prompt + published tokens" must produce exactly what an uninterrupted run
+produces. The client side is the real relay (``api.relay.follow`` over a live pub/sub
+subscription, ``tests.inprocess_workers.Client``), as an API process would run it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import pytest
 
-from api.relay import follow
 from shared.config import load_settings
-from shared.errors import EngineDead, WorkerLost
-from shared.events import Done, Error, Event, TokenDelta, Tokens
-from shared.keys import GROUP, Keys
-from shared.queue import Outbound, Queue, now_ms
-from shared.schemas import GenerationRequest, JobRecord, SamplingParams, StructuredOutput
+from shared.errors import WorkerLost
+from shared.events import Error, TokenDelta, Tokens
+from shared.keys import GROUP
+from shared.queue import Outbound, Queue
+from shared.schemas import GenerationRequest, SamplingParams, StructuredOutput
+from tests import inprocess_workers
+from tests.inprocess_workers import MODEL, Client, assert_seamless, kill, running_on, submit, wait_for
+from tests.scripted_engine import expected_ids
 from workers.continuation import plan_continuation
-from workers.runner import Worker
 
-MODEL = "m"
-
-
-@dataclass(slots=True)
-class Step:
-    deltas: list[TokenDelta]
-    finished: bool = False
-    prompt_tokens: int = 0
-    prompt: None = None
-    prompt_token_ids: list[int] | None = None
-
-
-def next_token(context: list[int]) -> int:
-    return 97 + (sum(context[-3:]) * 7 + len(context)) % 26
-
-
-def expected_ids(prompt: str, n: int) -> list[int]:
-    ids = [ord(c) for c in prompt]
-    for _ in range(n):
-        ids.append(next_token(ids))
-    return ids[len(prompt):]
-
-
-class ContextEngine:
-    def __init__(self, delay_s: float, die_after: int | None = None) -> None:
-        self.delay_s = delay_s
-        self.die_after = die_after  # tokens of a job after which the engine dies (EngineDead)
-        self.aborted: list[str] = []
-        self.requests: list[GenerationRequest] = []
-
-    async def stream(self, job_id: str, req: GenerationRequest, parts: object = None) -> AsyncIterator[Step]:
-        # ``parts`` never occurs here: these jobs are n = 1 plain sampling, continued by prompt
-        # extension (tests/integration/test_continuation.py runs jobs that continue in parts).
-        self.requests.append(req)
-        ids = list(req.prompt_token_ids) if req.prompt_token_ids is not None else [ord(c) for c in req.prompt or ""]
-        prompt_len, n = len(ids), req.sampling.max_tokens
-        for i in range(n):
-            await asyncio.sleep(self.delay_s)
-            if self.die_after is not None and i == self.die_after and not job_id.startswith("warmup-"):
-                raise EngineDead("scripted engine death")
-            ids.append(next_token(ids))
-            last = i == n - 1
-            delta = TokenDelta(token_ids=[ids[-1]], text=chr(ids[-1]), finish_reason="length" if last else None)
-            yield Step(deltas=[delta], finished=last, prompt_tokens=prompt_len,
-                       prompt_token_ids=ids[:prompt_len] if i == 0 else None)
-
-    async def abort(self, job_id: str) -> None:
-        self.aborted.append(job_id)
-
-
-@dataclass
-class Running:
-    worker: Worker
-    queue: Queue
-    task: asyncio.Task
-
-
-@pytest.fixture
-async def make_worker(redis, prefix):
-    started: list[Running] = []
-
-    async def start(delay_s: float = 0.01, die_after: int | None = None, engine=None, **overrides) -> Running:
-        settings = load_settings({}, prefix=prefix, served_model_name=MODEL, block_ms=100, heartbeat_s=0.2,
-                                 **{"lease_s": 1.0, **overrides})
-        queue = Queue(redis, Keys(prefix))
-        worker = Worker(settings, queue, engine or ContextEngine(delay_s, die_after))
-        task = asyncio.create_task(worker.run())
-        started.append(Running(worker, queue, task))
-        while not worker.ready:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.3)  # one heartbeat: registered as ready, so peers see it
-        return started[-1]
-
-    yield start
-    for r in started:
-        if not r.task.done():
-            r.worker.stop()
-            # asyncio.wait, not wait_for: on Python 3.11 wait_for's timeout waits for the
-            # cancelled task to finish, so a task stuck in its clean-up would hang the session.
-            await asyncio.wait([r.task], timeout=20)
-
-
-async def kill(r: Running) -> None:
-    """What SIGKILL does to a worker, in process: every task stops, nothing is cleaned up (no final
-    flush, no unregister, no ack); its heartbeat key and leases simply lapse. Returns once every
-    task of the worker is gone, so no write of it can land after this (a real kill is instant)."""
-    jobs = [running.task for running in r.worker._running.values()]
-    for task in (*jobs, r.task):
-        task.cancel()
-    done, _ = await asyncio.wait(jobs, timeout=10) if jobs else (set(), set())
-    assert len(done) == len(jobs) and not r.worker._running, "a job task outlived its worker"
-    # The worker's own task must be gone too, or its reader lives on and reclaims the very job
-    # this kill left behind (seen once in CI). One cancel is not always enough: redis-py sends
-    # every command through asyncio.wait_for, which on Python 3.11 can drop a cancel that arrives
-    # just as the send completes (fixed in 3.12). So cancel again until the task is done.
-    deadline = asyncio.get_running_loop().time() + 10
-    while not r.task.done() and asyncio.get_running_loop().time() < deadline:
-        r.task.cancel()
-        await asyncio.wait([r.task], timeout=0.1)
-    assert r.task.done(), "the killed worker's task would not stop"
-
-
-async def submit(queue: Queue, prompt: str, max_tokens: int, **sampling) -> str:
-    rec = JobRecord(id=uuid.uuid4().hex, model=MODEL, queued_at=now_ms(), request=GenerationRequest(
-        prompt=prompt, sampling=SamplingParams(max_tokens=max_tokens, **sampling)))
-    return await queue.enqueue(rec)
-
-
-class Client:
-    """A streaming client as the API serves it: subscribed before the job is queued, then
-    relayed by ``follow`` (live messages first, gaps filled from the event log by seq)."""
-
-    def __init__(self, redis, queue: Queue) -> None:
-        self.redis, self.queue = redis, queue
-        self.events: list[Event] = []
-
-    async def start(self, prompt: str, max_tokens: int, **sampling) -> str:
-        self.job_id = uuid.uuid4().hex
-        live: asyncio.Queue[bytes] = asyncio.Queue()
-        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-        await pubsub.subscribe(self.queue.keys.live(MODEL, self.job_id))
-
-        async def pump() -> None:
-            async for message in pubsub.listen():
-                if message["type"] == "message":
-                    live.put_nowait(message["data"])
-
-        async def relay() -> None:
-            pumping = asyncio.create_task(pump())
-            try:
-                async for event in follow(self.queue, live, MODEL, self.job_id, check_log_s=0.5):
-                    self.events.append(event)
-            finally:
-                pumping.cancel()
-                await pubsub.aclose()
-
-        self.task = asyncio.create_task(relay())
-        rec = JobRecord(id=self.job_id, model=MODEL, queued_at=now_ms(), request=GenerationRequest(
-            prompt=prompt, sampling=SamplingParams(max_tokens=max_tokens, **sampling)))
-        await self.queue.enqueue(rec)
-        return self.job_id
-
-    async def finish(self, timeout: float = 20) -> list[Event]:
-        await asyncio.wait_for(self.task, timeout)
-        return self.events
-
-    def token_ids(self) -> list[int]:
-        return [t for e in self.events if isinstance(e, (Tokens, Done)) for d in e.deltas for t in d.token_ids]
-
-
-async def wait_for(check, timeout: float = 10, every: float = 0.01):
-    async with asyncio.timeout(timeout):
-        while True:
-            value = await check()
-            if value:
-                return value
-            await asyncio.sleep(every)
-
-
-async def running_on(queue: Queue, job_id: str, worker: Worker, min_tokens: int = 1) -> None:
-    async def check() -> bool:
-        job = await queue.get_job(MODEL, job_id)
-        logged = len(await queue.read_events(MODEL, job_id))
-        return job is not None and job.worker == worker.worker_id and logged >= min_tokens
-    await wait_for(check)
-
-
-def assert_seamless(events: list[Event], prompt: str, max_tokens: int) -> None:
-    assert [e.seq for e in events] == list(range(1, len(events) + 1)), "seqs contiguous, each once"
-    assert isinstance(events[-1], Done)
-    ids = [t for e in events if isinstance(e, (Tokens, Done)) for d in e.deltas for t in d.token_ids]
-    assert ids == expected_ids(prompt, max_tokens), "no token lost or repeated; identical to one run"
-    text = "".join(d.text for e in events if isinstance(e, (Tokens, Done)) for d in e.deltas)
-    assert text == "".join(map(chr, expected_ids(prompt, max_tokens)))
-    assert events[-1].usage.completion_tokens == max_tokens
-    assert events[-1].usage.prompt_tokens == len(prompt)
+make_worker = inprocess_workers.make_worker  # in-process workers with a ContextEngine, on real Redis
 
 
 @pytest.mark.faults
@@ -394,7 +218,9 @@ async def test_housekeeping_reports_orphans_and_removes_only_empty_dead_consumer
     await asyncio.sleep(0.3)
     monkeypatch.setattr(housekeeping, "STALE_CONSUMER_MS", 100)
     settings = load_settings({}, prefix=prefix, served_model_name=MODEL, lease_s=0.2)
-    stats = await housekeeping.sweep({"settings": settings, "keys": keys, "redis": redis})
+    # A sweep enqueues no arq job and sends no webhook: no arq or HTTP client.
+    hk = housekeeping.Housekeeper(settings=settings, keys=keys, redis=redis, queue=queue, arq=None, http=None)
+    stats = await housekeeping.sweep(hk)
     assert stats["orphaned"] == 1 and stats["oldest_orphan_s"] >= 0.2 and stats["consumers_removed"] == 1
     names = {c["name"] for c in await redis.xinfo_consumers(keys.queue(MODEL), GROUP)}
     assert names == {b"dead-with-job"}, "a consumer that still holds an entry is never deleted"

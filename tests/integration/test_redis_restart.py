@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-from pathlib import Path
 
 import pytest
 
-from shared.redis import redis_server_binary
-from tests.conftest import free_port, wait_for_ping
+from tests.aof_redis import AofRedis
 from tests.faults import lost_and_duplicated
 from tests.scripted_engine import ScriptedEngine, expected_text
 from tests.scripted_stack import scripted_stack
@@ -19,28 +16,6 @@ from tests.scripted_stack import scripted_stack
 TERMINAL = {"done", "failed", "cancelled"}
 
 pytestmark = pytest.mark.faults
-
-
-class AofRedis:
-    """A redis-server with appendfsync always, restartable on the same port and data directory."""
-
-    def __init__(self, data: Path) -> None:
-        self.data, self.port = data, free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [redis_server_binary(), "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.data),
-             "--save", "", "--appendonly", "yes", "--appendfsync", "always"],
-            stdout=subprocess.DEVNULL,
-        )
-        wait_for_ping(self.url)
-
-    def stop(self) -> None:
-        assert self.proc is not None
-        self.proc.terminate()  # SIGTERM: redis-server fsyncs the AOF and exits
-        self.proc.wait(10)
 
 
 @pytest.fixture

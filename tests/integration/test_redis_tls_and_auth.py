@@ -25,7 +25,7 @@ from shared.keys import Keys
 from shared.queue import Queue
 from shared.redis import connect, redis_server_binary, wait_for_redis
 from tests.conftest import REPO, free_port, wait_for_ping
-from tests.integration.test_cancel_and_limits import record, wait_status
+from tests.job_records import record, wait_status
 from tests.scripted_engine import ScriptedEngine
 from tests.scripted_stack import scripted_settings, scripted_stack, serve_api
 from tests.tls_proxy import TlsProxy, tls_proxy, write_ca

@@ -36,7 +36,7 @@ from schemathesis import checks as st_checks
 
 from api.openapi import document
 from shared.json_input import MAX_DEPTH
-from tests.integration.test_fuzz_http import CappedEngine
+from tests.scripted_engine import CappedEngine
 from tests.scripted_stack import scripted_stack
 
 MODEL = "tiny"

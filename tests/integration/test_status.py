@@ -8,7 +8,9 @@ import json
 import subprocess
 import sys
 
-from shared.keys import Keys
+from shared.inspection import Consumer, read_queue
+from shared.keys import GROUP, Keys
+from shared.queue import Queue
 from shared.status import render, snapshot
 from tests.conftest import REPO
 from tests.scripted_engine import ScriptedEngine
@@ -67,3 +69,28 @@ async def test_status_of_an_empty_prefix_says_so(redis_url, prefix):
         cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
     assert "no model has been served under this prefix" in out.stdout
     assert "workers: 0" in out.stdout
+
+
+async def test_one_reading_of_a_queue_gives_every_levels_figures_in_one_round_trip(redis, keys):
+    """shared.inspection.read_queue, which status, /metrics, the sweep and Queue.depth all read:
+    a level with entries and a group, one whose group no worker created yet, one never used."""
+    model = "m"
+    await redis.xgroup_create(keys.queue(model, 0), GROUP, id="0", mkstream=True)
+    await redis.xadd(keys.queue(model, 0), {"job": "a"}, id="2000-0")
+    await redis.xadd(keys.queue(model, 0), {"job": "b"}, id="3000-0")
+    await redis.xreadgroup(GROUP, "w1", {keys.queue(model, 0): ">"}, count=1)  # "a" runs on w1
+    await redis.xadd(keys.queue(model, 1), {"job": "c"}, id="1000-0")  # no group on this level yet
+    await redis.xadd(keys.dead(model), {"job": "gone"})
+    await redis.zadd(keys.workers(model), {"w1": 6000, "w0": 4000})  # w0's registration lapsed at 4000 ms
+
+    plain = await read_queue(redis, keys, model, now_ms=5000)
+    assert [(lv.level, lv.exists, lv.length, lv.pending, lv.waiting, lv.oldest_ms, lv.orphaned, lv.consumers)
+            for lv in plain.levels] == [(0, True, 2, 1, 1, 2000, 0, ()), (1, True, 1, 0, 1, 1000, 0, ()),
+                                        (2, False, 0, 0, 0, None, 0, ())]
+    assert (plain.depth, plain.dead_letters, plain.ready_workers) == (3, 1, 1)
+    assert await Queue(redis, keys).depth(model) == 3
+
+    swept = await read_queue(redis, keys, model, now_ms=5000, lease_ms=0)  # every delivered entry lapsed
+    assert [(lv.orphaned, [(c.name, c.pending) for c in lv.consumers]) for lv in swept.levels] == [
+        (1, [("w1", 1)]), (0, []), (0, [])]
+    assert isinstance(swept.levels[0].consumers[0], Consumer) and swept.levels[0].oldest_orphan_ms >= 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator, Sequence
 
 import httpx
 import pytest
@@ -15,8 +16,9 @@ from huggingface_hub.errors import GenerationError, OverloadedError, ValidationE
 from shared.errors import GenerationFailed, ServiceError
 from shared.events import TokenDelta
 from shared.schemas import GenerationRequest, PromptInfo, TopLogprob
-from tests.scripted_engine import ScriptedEngine, Step
+from tests.scripted_engine import ScriptedEngine
 from tests.scripted_stack import scripted_stack
+from workers.protocol import Step
 
 EOS = 2
 
@@ -30,8 +32,7 @@ class TgiEngine(ScriptedEngine):
     """The scripted engine plus what TGI needs: n sequences, prompt tokens, top logprobs, EOS,
     and failures on cue (by prompt)."""
 
-    async def stream(self, job_id: str, req: GenerationRequest, parts: object = None):
-        # ``parts`` (a continued job's pieces) never occurs here: no worker dies in these tests.
+    async def steps(self, job_id: str, req: GenerationRequest, replay: Sequence[int] = ()) -> AsyncIterator[Step]:
         prompt = req.prompt or ""
         if prompt == "overload":
             raise Overloaded("Model is overloaded")

@@ -9,82 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections import defaultdict
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from pathlib import Path
 
 import msgspec
 import pytest
-import uvicorn
-from litestar import Litestar, Request, Response, post
-from litestar.params import FromPath
 
 from shared.keys import Keys
 from shared.webhooks import ID_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, verify
 from tests.background import housekeeping
-from tests.conftest import free_port
 from tests.scripted_engine import ScriptedEngine
 from tests.scripted_stack import scripted_stack
+from tests.webhook_receiver import SECRET, finished, receiver
 
-SECRET = "test-secret"
 # The receivers listen on loopback, which the default policy refuses (tests/integration/test_webhook_egress.py).
 ALLOW = "127.0.0.1/32"
-
-
-class Receiver:
-    """Answers each hook's requests from its plan of statuses (200 once the plan runs out), or
-    redirects it to the URL in ``redirects``."""
-
-    def __init__(self) -> None:
-        self.plans: dict[str, list[int]] = {}
-        self.redirects: dict[str, str] = {}
-        self.hits: dict[str, list[tuple[float, dict[str, str], bytes]]] = defaultdict(list)
-        self.url = ""
-
-    async def hits_of(self, name: str, count: int, timeout_s: float = 30) -> list[tuple[float, dict[str, str], bytes]]:
-        deadline = time.monotonic() + timeout_s
-        while len(self.hits[name]) < count and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        return self.hits[name]
-
-
-@asynccontextmanager
-async def receiver(certfile: Path | None = None, name: str = "127.0.0.1") -> AsyncIterator[Receiver]:
-    """A receiver on loopback; with ``certfile`` (key and chain, PEM) it speaks https, and its
-    ``url`` names it ``name``."""
-    rx = Receiver()
-
-    @post("/hook/{name:str}", status_code=200)
-    async def hook(request: Request, name: FromPath[str]) -> Response:
-        rx.hits[name].append((time.monotonic(), dict(request.headers), await request.body()))
-        if name in rx.redirects:
-            return Response(b"", status_code=307, headers={"Location": rx.redirects[name]})
-        plan = rx.plans.get(name) or []
-        return Response(b"", status_code=plan.pop(0) if plan else 200)
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(Litestar([hook]), host="127.0.0.1", port=port, log_level="warning",
-                                           ssl_certfile=certfile))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.02)
-    rx.url = f"{'https' if certfile else 'http'}://{name}:{port}"
-    try:
-        yield rx
-    finally:
-        server.should_exit = True
-        await task
-
-
-async def _finished(client, job_id: str) -> dict:
-    for _ in range(400):
-        view = (await client.get(f"/v1/jobs/{job_id}")).json()
-        if view["status"] not in ("queued", "running"):
-            return view
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"job {job_id} never finished")
 
 
 async def test_a_webhook_is_signed_retried_with_backoff_and_delivered_once(redis_url, prefix, tmp_path):
@@ -93,7 +30,7 @@ async def test_a_webhook_is_signed_retried_with_backoff_and_delivered_once(redis
             rx.plans["flaky"] = [500, 503]  # two retryable failures, then 200
             job_id = (await s.client.post("/v1/jobs", json={
                 "prompt": "hi", "sampling": {"max_tokens": 5}, "webhook": f"{rx.url}/hook/flaky"})).json()["id"]
-            view = await _finished(s.client, job_id)
+            view = await finished(s.client, job_id)
             hits = await rx.hits_of("flaky", 3)
             assert len(hits) == 3, hits
 
@@ -130,7 +67,7 @@ async def test_a_refused_webhook_is_not_retried_and_is_marked_failed(redis_url, 
             rx.plans["gone"] = [410]
             job_id = (await s.client.post("/v1/jobs", json={
                 "prompt": "hi", "sampling": {"max_tokens": 3}, "webhook": f"{rx.url}/hook/gone"})).json()["id"]
-            await _finished(s.client, job_id)
+            await finished(s.client, job_id)
             await rx.hits_of("gone", 1)
             for _ in range(100):
                 if (await s.redis.hget(Keys(prefix).job("tiny", job_id), "webhook_status")) == b"failed":
@@ -157,7 +94,7 @@ async def test_cancelled_and_failed_jobs_call_their_webhook_too(redis_url, prefi
                 "prompt": "x", "sampling": {"max_tokens": 3}, "timeout_s": 0.2,
                 "webhook": f"{rx.url}/hook/expired"})).json()["id"]
             await asyncio.sleep(0.4)
-            assert (await _finished(s.client, expired))["status"] == "failed"
+            assert (await finished(s.client, expired))["status"] == "failed"
             await s.client.delete(f"/v1/jobs/{blocker['id']}")
 
             cancelled = json.loads((await rx.hits_of("cancelled", 1))[0][2])

@@ -57,7 +57,9 @@ async def _wait_status(queue: Queue, job_id: str, *statuses: str, timeout: float
 
 async def test_stop_drains_in_flight_jobs_then_unregisters(make_worker, redis, keys):
     worker, queue = await make_worker(delay_s=0.01)
-    assert await redis.zscore(keys.workers("m"), worker.worker_id) is not None
+    # Ready: in the model's ready set (the API's health checks), until three heartbeats (0.2 s) on.
+    expiry = await redis.zscore(keys.workers("m"), worker.worker_id)
+    assert expiry is not None and now_ms() < expiry <= now_ms() + 3 * 0.2 * 1000
     job_id = await _submit(queue, "drain", 50)  # ~0.5 s of tokens
     await _wait_status(queue, job_id, "running")
     worker.stop()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import msgspec
 import pytest
@@ -14,6 +13,7 @@ from shared.errors import WorkerLost
 from shared.events import TokenDelta, Tokens
 from shared.schemas import GenerationRequest, OutputOptions, SamplingParams, StructuredOutput
 from workers.continuation import Part, Replay, needs_replay, plan_continuation, published, run_parts
+from workers.protocol import Step
 
 PROMPT_IDS = [1, 2, 3]
 
@@ -166,17 +166,11 @@ def test_a_replay_that_diverges_from_what_was_sent_fails_instead_of_corrupting_t
 
 # --- merging parts ----------------------------------------------------------------------------
 
-@dataclass
-class FakeStep:
-    deltas: list[TokenDelta]
-    finished: bool = False
-
-
 def fake_run(outputs: dict[int, list[tuple[list[int], str]]], delays: dict[int, float], fail: int | None = None):
     """One engine request per part: its steps at index 0, the last one finished."""
     cancelled: list[int] = []
 
-    async def run(part: Part) -> AsyncIterator[FakeStep]:
+    async def run(part: Part) -> AsyncIterator[Step]:
         steps = outputs[part.index]
         try:
             for i, (ids, text) in enumerate(steps):
@@ -184,7 +178,7 @@ def fake_run(outputs: dict[int, list[tuple[list[int], str]]], delays: dict[int, 
                 if part.index == fail and i == 1:
                     raise WorkerLost("scripted")
                 last = i == len(steps) - 1
-                yield FakeStep([d(0, ids, text, finish="length" if last else None)], finished=last)
+                yield Step([d(0, ids, text, finish="length" if last else None)], finished=last)
         except asyncio.CancelledError:
             cancelled.append(part.index)
             raise

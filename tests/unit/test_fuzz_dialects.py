@@ -28,17 +28,17 @@ from shared import json_input
 from shared.codec import decode_request, encode, job_from_hash, job_to_hash
 from shared.errors import InvalidRequest, ServiceError
 from shared.schemas import ChatOptions, GenerationRequest, JobRecord, OutputOptions, SamplingParams
-from tests.fuzzing import (
-    NUMBER_STRINGS,
-    dict_body,
-    encode_body,
-    junk,
-    raw_bodies,
-    single_field_bodies,
-    struct_body,
-    texts,
-    typed,
+from tests.dialect_bodies import (
+    chat_bodies,
+    completion_bodies,
+    happy_bodies,
+    job_bodies,
+    lmi_bodies,
+    lmtp_frames,
+    tgi_bodies,
+    triton_bodies,
 )
+from tests.fuzzing import single_field_bodies
 
 MAX_MODEL_LEN = 2048
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -90,9 +90,6 @@ def check(translate) -> list[GenerationRequest]:
 
 # --- OpenAI completions (also /invocations with `prompt`) -------------------------------------
 
-completion_bodies = raw_bodies(struct_body(oc.CompletionRequest))
-
-
 @FUZZ
 @given(completion_bodies)
 def test_completions_path(body: bytes) -> None:
@@ -101,9 +98,6 @@ def test_completions_path(body: bytes) -> None:
 
 # --- OpenAI chat (also /invocations with `messages`) ------------------------------------------
 
-chat_bodies = raw_bodies(struct_body(chat.ChatRequest))
-
-
 @FUZZ
 @given(chat_bodies)
 def test_chat_path(body: bytes) -> None:
@@ -111,9 +105,6 @@ def test_chat_path(body: bytes) -> None:
 
 
 # --- LMI: /invocations dispatch, rolling batch, dynamic batch, TGI compat ---------------------
-
-lmi_bodies = raw_bodies(struct_body(lmi.LmiRequest))
-
 
 def lmi_path(body: bytes, tgi_compat: bool) -> list[GenerationRequest]:
     """``/invocations``: the key sniffing first, then the schema it picks."""
@@ -136,9 +127,6 @@ def test_lmi_path(body: bytes, tgi_compat: bool) -> None:
 
 # --- TGI: /generate, /generate_stream, / ------------------------------------------------------
 
-tgi_bodies = raw_bodies(struct_body(tgi.GenerateRequest))
-
-
 @FUZZ
 @given(tgi_bodies, st.booleans(), st.booleans())
 def test_tgi_path(body: bytes, stream: bool, compat: bool) -> None:
@@ -153,22 +141,6 @@ def test_tgi_path(body: bytes, stream: bool, compat: bool) -> None:
 
 # --- Triton: /v2/models/{model}/generate[_stream] ---------------------------------------------
 
-_sampling_fields = {f.encode_name: typed(f.type) for f in msgspec.inspect.type_info(hv.VllmSampling).fields}
-_triton_inputs = {f.encode_name: typed(f.type) for f in msgspec.inspect.type_info(tr._Inputs).fields}
-_structured_fields = {f.encode_name: typed(f.type) for f in msgspec.inspect.type_info(tr._Structured).fields}
-_structured = st.one_of(dict_body(_structured_fields), dict_body(_structured_fields).map(lambda d: encode(d).decode()))
-_triton_params = dict_body({**_sampling_fields, "structured_outputs": _structured, "lora_name": junk,
-                            "stream": st.booleans(), "exclude_input_in_output": st.booleans()})
-_sampling_json = dict_body(_sampling_fields).map(lambda d: encode(d).decode())
-triton_bodies = raw_bodies(dict_body({
-    **_triton_inputs, **_sampling_fields,
-    "sampling_parameters": st.one_of(_sampling_json, texts, st.lists(_sampling_json, max_size=2)),
-    "parameters": st.one_of(_triton_params, junk),
-    "id": st.one_of(texts, junk),
-    "structured_outputs": _structured,
-}, required={"text_input": st.one_of(texts, st.lists(texts, max_size=2))}))
-
-
 def triton_path(body: bytes) -> GenerationRequest:
     return tr.to_generation_request(decode(dict[str, Any], body), "tiny")[0]
 
@@ -181,16 +153,6 @@ def test_triton_path(body: bytes) -> None:
 
 # --- happy_vllm: /v1/generate, /v1/generate_stream --------------------------------------------
 
-_happy_fields = {f.encode_name: typed(f.type) for f in msgspec.inspect.type_info(hv.HappyOptions).fields}
-# pydantic-style lenient values: numbers as strings, which msgspec's strict=False converts.
-_lenient = {k: st.one_of(v, v.map(lambda x: x if isinstance(x, (dict, list)) else str(x)),
-                         st.sampled_from(NUMBER_STRINGS))
-            for k, v in _sampling_fields.items()}
-_happy_optional = {k: v for k, v in _happy_fields.items() if k != "prompt"}
-happy_bodies = raw_bodies(dict_body({**_happy_optional, **_lenient, "logits_processors": junk},
-                                    required={"prompt": _happy_fields["prompt"]}))
-
-
 @FUZZ
 @given(happy_bodies, st.booleans())
 def test_happy_vllm_path(body: bytes, stream: bool) -> None:
@@ -198,18 +160,6 @@ def test_happy_vllm_path(body: bytes, stream: bool) -> None:
 
 
 # --- LMTP: WebSocket text frames --------------------------------------------------------------
-
-def _frame(verb_and_body: tuple[str, bytes]) -> str:
-    return verb_and_body[0] + " " + verb_and_body[1].decode("utf-8", "replace")
-
-
-lmtp_frames = st.one_of(
-    *(st.tuples(st.just(verb), raw_bodies(struct_body(kind))).map(_frame)
-      for verb, kind in (("GENERATE", lmtp.Generate), ("SCORE", lmtp.Score), ("MODEL_INFO", lmtp.ModelInfo))),
-    st.tuples(st.sampled_from(["GENERATE", "SCORE", "FOO", ""]), junk.map(encode_body)).map(_frame),
-    st.text(max_size=60),
-)
-
 
 def lmtp_path(text: str) -> list[GenerationRequest]:
     """``api.routes.lmtp.Session``: parse, check the stream id, decode the verb's payload."""
@@ -236,9 +186,6 @@ def test_lmtp_frames(text: str) -> None:
 
 
 # --- llmq's own jobs: POST /v1/jobs -----------------------------------------------------------
-
-job_bodies = raw_bodies(struct_body(GenerationRequest))
-
 
 @FUZZ
 @given(job_bodies)

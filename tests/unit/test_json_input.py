@@ -42,9 +42,18 @@ def test_nesting_depth_is_the_depth_of_the_value(value):
     assert nesting_depth(msgspec.json.encode(value)) == _depth(value)
 
 
+def _nested(levels: int, objects: bool = False) -> Any:
+    """What ``deep(b"1", levels, objects=objects)`` decodes to."""
+    value: Any = 1
+    for _ in range(levels):
+        value = {"a": value} if objects else [value]
+    return value
+
+
 def test_the_limit_is_exact():
-    assert decode(deep(b"1", MAX_DEPTH), decoder_for(Any)) is not None
-    assert decode(deep(b"1", MAX_DEPTH, objects=True), decoder_for(Any)) is not None
+    # At the limit: decoded whole, to the innermost value.
+    assert decode(deep(b"1", MAX_DEPTH), decoder_for(Any)) == _nested(MAX_DEPTH)
+    assert decode(deep(b"1", MAX_DEPTH, objects=True), decoder_for(Any)) == _nested(MAX_DEPTH, objects=True)
     for body in (deep(b"1", MAX_DEPTH + 1), deep(b"1", MAX_DEPTH + 1, objects=True),
                  b'{"prompt": "x", "extra": ' + deep(b"{}", MAX_DEPTH) + b"}"):
         with pytest.raises(msgspec.DecodeError, match=f"nested deeper than {MAX_DEPTH} levels"):

@@ -142,6 +142,7 @@ def test_structlog_default_tracebacks_leak_what_ours_keep_out(capsys, planted):
 @pytest.mark.parametrize("log_requests", [False, True])
 def test_a_jobs_request_is_logged_at_debug_only_with_log_requests(capsys, monkeypatch, log_requests):
     from api import submit
+    from api.context import RequestContext
 
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
@@ -149,7 +150,8 @@ def test_a_jobs_request_is_logged_at_debug_only_with_log_requests(capsys, monkey
         configure_logging("debug", True)
         monkeypatch.setattr(submit, "log", structlog.get_logger())  # the module's may be cached
         svc = SimpleNamespace(settings=load_settings({}, log_requests=log_requests))
-        record = submit._record(svc, GenerationRequest(model="m", prompt=PROMPT))
+        ctx = RequestContext(dialect="jobs")
+        record = submit._record(svc, ctx, GenerationRequest(model="m", prompt=PROMPT))
     finally:
         structlog.reset_defaults()
         root.handlers[:], root.level = handlers, level

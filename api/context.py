@@ -1,0 +1,154 @@
+"""What one request carries through the API, built once and passed explicitly.
+
+- :class:`RequestContext`: who sent the request (the API key's owner hash), the dialect its errors
+  are rendered in, the per-request option headers (deadline, priority), its Idempotency-Key and
+  ``Prefer: respond-async``, and the set of jobs it watches (cancelled when the request ends early;
+  the set belongs to :class:`api.http.RequestLifecycle`, which ends them). Handlers that queue work
+  take ``ctx: Ctx`` and hand it to :func:`api.submit.submit`.
+- :class:`JobRef`: a job (or group) id from a URL, resolved to the model that holds it and checked
+  against the caller's key, once, by the ``job: Job`` dependency. A job queued under another key is
+  reported exactly like a missing one, so ids cannot be probed.
+
+No ContextVar carries any of this: structlog's log context is the only one in the API (the
+dependency binds ``dialect``, :func:`api.submit.submit` binds ``job_id`` and ``model``).
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass, replace
+
+import structlog
+from litestar.datastructures import Headers
+from litestar.di import NamedDependency
+from litestar.params import FromPath, SkipValidation
+from litestar.types import Scope
+
+from api.auth import owner_of, presented_key
+from api.services import Services, Svc
+from api.watches import JobWatch
+from shared.errors import InvalidRequest, JobNotFound
+from shared.keys import TAG_CHARS, model_tag
+from shared.schemas import GROUP_PREFIX, JobGroup, JobRecord
+
+__all__ = ["RequestContext", "Ctx", "JobRef", "Job", "request_context", "job_ref", "TIMEOUT_HEADER",
+           "PRIORITY_HEADER", "WATCHES", "owner_of_request"]
+
+# Per-request options every dialect accepts as headers (most wire formats have no field for them).
+TIMEOUT_HEADER = "x-llmq-timeout"
+"""Seconds from enqueue until the request must have finished (its deadline)."""
+PRIORITY_HEADER = "x-llmq-priority"
+"""An integer, lower runs earlier; a body field (OpenAI's ``priority``) wins over it."""
+WATCHES = "llmq.watches"
+"""The ASGI scope entry where :class:`api.http.RequestLifecycle` hands this request's watch set
+to :func:`request_context` (the one place that reads it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestContext:
+    dialect: str
+    """Which dialect's error shape the route answers in (its ``opt["dialect"]``)."""
+    owner: str = ""
+    """The API key's hash ("" with keys off): stored on every job it queues."""
+    timeout_s: float | None = None
+    """``X-LLMQ-Timeout``: the deadline when the body sets none."""
+    priority: int | None = None
+    """``X-LLMQ-Priority``: the priority when the body sets none."""
+    bad_option: InvalidRequest | None = None
+    """A malformed option header: raised when the request is admitted, where each dialect reports
+    its body's errors (TGI's stream in-band), not on routes that queue nothing."""
+    idempotency_key: str | None = None
+    respond_async: bool = False
+    """RFC 7240 ``Prefer: respond-async``: answer 202 with a job id instead of waiting."""
+    watches: set[JobWatch] | None = None
+    """The jobs this request (or LMTP socket) submitted and follows; None: nobody watches."""
+
+    def as_dialect(self, dialect: str) -> RequestContext:
+        """The same request answered in another dialect (LMI's ``/invocations`` with an OpenAI body)."""
+        return replace(self, dialect=dialect)
+
+
+def _dialect(scope: Scope) -> str:
+    handler = scope.get("route_handler")
+    return handler.opt.get("dialect", "jobs") if handler is not None else "jobs"
+
+
+def owner_of_request(svc: Services, headers: Headers) -> str:
+    """The caller's owner hash; the guard has already refused a missing or wrong key."""
+    if not svc.keys_on:
+        return ""
+    key = presented_key(headers)
+    return owner_of(key) if key else ""
+
+
+def _parse_options(headers: Headers) -> tuple[float | None, int | None, InvalidRequest | None]:
+    timeout = priority = None
+    if (raw := headers.get(TIMEOUT_HEADER)) is not None:
+        try:
+            timeout = float(raw)
+        except ValueError:
+            return None, None, InvalidRequest("X-LLMQ-Timeout must be a number of seconds", param="X-LLMQ-Timeout")
+    if (raw := headers.get(PRIORITY_HEADER)) is not None:
+        try:
+            priority = int(raw)
+        except ValueError:
+            return None, None, InvalidRequest("X-LLMQ-Priority must be an integer", param="X-LLMQ-Priority")
+    return timeout, priority, None
+
+
+def request_context(scope: Scope, svc: Svc) -> RequestContext:
+    """The ``ctx`` dependency: read the request's headers once."""
+    headers = Headers.from_scope(scope)
+    dialect = _dialect(scope)
+    structlog.contextvars.bind_contextvars(dialect=dialect)
+    timeout_s, priority, bad_option = _parse_options(headers)
+    prefer = headers.get("prefer", "")
+    return RequestContext(
+        dialect=dialect,
+        owner=owner_of_request(svc, headers),
+        timeout_s=timeout_s,
+        priority=priority,
+        bad_option=bad_option,
+        idempotency_key=headers.get("idempotency-key") or None,
+        respond_async=any(token.strip().lower() == "respond-async" for token in prefer.split(",")),
+        watches=scope.get(WATCHES),  # type: ignore[typeddict-item]
+    )
+
+
+# How handlers ask for it: ``ctx: Ctx`` (injected by name).
+Ctx = NamedDependency[RequestContext]
+
+
+@dataclass(frozen=True, slots=True)
+class JobRef:
+    """A job or group, found: the model whose keys hold it, its id, and what was read."""
+
+    model: str
+    id: str
+    found: JobRecord | JobGroup
+
+
+async def job_ref(job_id: FromPath[str], scope: Scope, svc: Svc) -> JobRef:
+    """The ``job`` dependency: find ``job_id``'s model by the tag its id begins with, read the
+    record (or group) once, and check it belongs to the caller's key."""
+    owner = owner_of_request(svc, Headers.from_scope(scope))
+    is_group = job_id.startswith(GROUP_PREFIX)
+    tag = job_id.removeprefix(GROUP_PREFIX)[:TAG_CHARS]
+    known = await svc.models.known()
+    tagged = [m for m in known if model_tag(m) == tag]
+    # Ids queued before ids carried their model's tag are found by trying the other models too;
+    # a tagged id is found on the first read.
+    for model in (*tagged, *(m for m in known if m not in tagged)):
+        found: JobRecord | JobGroup | None
+        found = await (svc.queue.get_group(model, job_id) if is_group else svc.queue.get_job(model, job_id))
+        if found is None:
+            continue
+        if not hmac.compare_digest(found.owner.encode(), owner.encode()):
+            break  # another key's job: the same 404 as a missing one
+        structlog.contextvars.bind_contextvars(job_id=job_id, model=model)
+        return JobRef(model=model, id=job_id, found=found)
+    raise JobNotFound(f"job {job_id} not found")
+
+
+# How handlers ask for the job of a ``{job_id}`` path: ``job: Job``.
+Job = NamedDependency[SkipValidation[JobRef]]  # a dataclass read from Redis: nothing to validate
