@@ -20,12 +20,13 @@ import msgspec
 
 from api.context import RequestContext
 from api.dialects import render_group_result
-from api.relay import Keepalive, collect
+from api.relay import collect
 from api.services import Services
 from api.submit import Submission, enqueue_detached, submit
 from api.watches import cancel_quietly
 from shared.errors import JobNotFound
 from shared.events import Done, Error, Event, TokenDelta, Tokens
+from shared.framing import Keepalive
 from shared.queue import now_ms
 from shared.schemas import (
     GROUP_PREFIX,

@@ -1,9 +1,9 @@
-"""From a job's events to the client: ordering, gap filling, and the three framings.
+"""From a job's events to the client: ordering and gap filling.
 
 :func:`follow` yields a job's events in sequence order, exactly once, ending with the terminal
 event. Live pub/sub messages are the fast path; the event log fills any gap (a message lost in a
-reconnect, or a resume from ``Last-Event-ID``). Every dialect builds on it, and on the framing
-helpers below, so no dialect has its own relay.
+reconnect, or a resume from ``Last-Event-ID``). Every dialect builds on it, so no dialect has its
+own relay; the bytes on the wire are ``shared.framing``'s.
 """
 
 from __future__ import annotations
@@ -11,32 +11,23 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from shared.codec import decode_event, encode
-from shared.errors import DeadlineExceeded, QueueUnavailable, error_from_code
+from shared.codec import decode_event
+from shared.errors import DeadlineExceeded, QueueUnavailable
 from shared.events import Done, Error, Event, Tokens, is_terminal
+from shared.framing import KEEPALIVE_TICK, Keepalive
 from shared.queue import Queue, now_ms
 from shared.redis import REDIS_DOWN
 from shared.result import ResultBuilder
 from shared.schemas import JobResult
 
-__all__ = ["follow", "collect", "prefetch", "sse", "jsonline", "SSE_DONE", "KEEPALIVE", "Keepalive",
-           "ColdWait", "CoalescingSend"]
+__all__ = ["follow", "collect", "prefetch", "ColdWait", "DEADLINE_GRACE_MS"]
 
 T = TypeVar("T")
 
-SSE_DONE = b"data: [DONE]\n\n"
-KEEPALIVE = b": keep-alive\n\n"
 # How long past its deadline a running job's own worker has to end it before the API does.
 DEADLINE_GRACE_MS = 2000
-
-
-class Keepalive:
-    """Yielded by :func:`follow` when nothing happened for ``keepalive_s`` (SSE sends a comment)."""
-
-
-KEEPALIVE_TICK = Keepalive()
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +121,7 @@ async def follow(
             wait_s = min(wait_s, max(0.001, (cold_at - now_ms()) / 1000))
         try:
             # Messages already queued are taken without waiting, so a burst of events flows through
-            # the whole chain in one task step and the response's writes coalesce (CoalescingSend).
+            # the whole chain in one task step and the response's writes coalesce (api.http.CoalescingSend).
             # A wait arms a timer, not wait_for's extra task per event (and keeps an item that
             # arrives as the timer fires: it stays queued).
             if live.empty():
@@ -193,7 +184,7 @@ async def prefetch(events: AsyncIterator[Event | Keepalive], wait_s: float) -> A
             break
         item = step.result()
         if isinstance(item, Error):
-            raise error_from_code(item.code, item.message, item.status)
+            raise item.exception()
         if isinstance(item, Keepalive):
             if loop.time() >= deadline:
                 break
@@ -226,73 +217,8 @@ async def collect(
         if isinstance(event, Keepalive):
             continue
         if isinstance(event, Error):
-            raise error_from_code(event.code, event.message, event.status)
+            raise event.exception()
         builder.add(event)
         if on_event is not None:
             on_event(event)
     return builder.result()
-
-
-def sse(payload: object, *, event_id: int | None = None, space: bool = True) -> bytes:
-    """One Server-Sent Event. ``space`` is the dialect's choice: ``data: {..}`` or ``data:{..}``."""
-    head = f"id: {event_id}\n".encode() if event_id is not None else b""
-    data = payload if isinstance(payload, bytes) else encode(payload)
-    return head + (b"data: " if space else b"data:") + data + b"\n\n"
-
-
-def jsonline(payload: object) -> bytes:
-    return encode(payload) + b"\n"
-
-
-class CoalescingSend:
-    """An ASGI ``send`` that merges the body chunks a streaming response produces in one event-loop
-    turn into one write.
-
-    Without it every SSE event is one ``send()`` syscall on the client's socket (and one wake-up of
-    the client): half of the API's CPU in the relay benchmark. Chunks are held at most until the
-    end of the current loop turn (a task flushes them), or until ``flush_bytes`` are buffered (then
-    the producer awaits the write, so transport back-pressure still applies). Anything that is not
-    a non-final body chunk flushes first and passes straight through, so order is kept.
-    """
-
-    __slots__ = ("_send", "_parts", "_size", "_pending", "_lock", "_error", "flush_bytes")
-
-    def __init__(self, send: Callable[[Any], Any], flush_bytes: int = 65536) -> None:
-        self._send = send
-        self._parts: list[bytes] = []
-        self._size = 0
-        self._pending: asyncio.Task[None] | None = None
-        self._lock = asyncio.Lock()
-        self._error: BaseException | None = None
-        self.flush_bytes = flush_bytes
-
-    async def __call__(self, message: Any) -> None:
-        if self._error is not None:
-            raise self._error
-        if message["type"] == "http.response.body" and message.get("more_body", False):
-            body = message.get("body", b"")
-            if body:
-                self._parts.append(body)
-                self._size += len(body)
-                if self._size >= self.flush_bytes:
-                    await self._flush()
-                elif self._pending is None:
-                    self._pending = asyncio.get_running_loop().create_task(self._flush_soon())
-            return
-        await self._flush()
-        await self._send(message)
-
-    async def _flush_soon(self) -> None:
-        self._pending = None  # chunks added while this one writes schedule the next flush
-        try:
-            await self._flush()
-        except Exception as exc:  # raised to the producer on its next send (it may be gone)
-            self._error = exc
-
-    async def _flush(self) -> None:
-        async with self._lock:  # one write at a time: a write that waits on back-pressure keeps order
-            if not self._parts:
-                return
-            body = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
-            self._parts, self._size = [], 0
-            await self._send({"type": "http.response.body", "body": body, "more_body": True})

@@ -21,12 +21,13 @@ import msgspec
 import structlog
 
 from api.context import RequestContext
-from api.relay import ColdWait, Keepalive, follow
+from api.relay import ColdWait, follow
 from api.services import Services
 from api.watches import JobWatch
 from shared.codec import decode_request, encode
 from shared.errors import InvalidRequest
 from shared.events import Event, is_terminal
+from shared.framing import Keepalive
 from shared.schemas import GenerationRequest, JobRecord
 
 __all__ = ["Submission", "Live", "submit", "enqueue_detached", "admit", "subscribe_job", "follow_job",

@@ -4,6 +4,11 @@ in each dialect's shape, and the worker turns them into terminal ``error`` event
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.events import Error
+
 __all__ = [
     "ServiceError",
     "InvalidRequest",
@@ -34,6 +39,12 @@ class ServiceError(Exception):
         super().__init__(message)
         self.message = message
         self.param = param
+
+    def event(self, seq: int) -> Error:
+        """The terminal ``error`` event that reports this error as event ``seq`` of a job."""
+        from shared.events import Error  # events imports this module: the union is built on it
+
+        return Error(seq=seq, code=self.code, message=self.message, status=self.status)
 
 
 class InvalidRequest(ServiceError):

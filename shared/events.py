@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
+from shared.errors import ServiceError, error_from_code
 from shared.schemas import PromptInfo, TopLogprob, Usage
 
 __all__ = ["TokenDelta", "Tokens", "Timings", "Done", "Error", "Event", "is_terminal"]
@@ -65,6 +66,10 @@ class Error(msgspec.Struct, tag="error", kw_only=True):
     message: str
     status: int = 500
     """The HTTP status a dialect should use if nothing has been sent yet."""
+
+    def exception(self) -> ServiceError:
+        """The typed error this event carries (it crossed a process boundary as code + message)."""
+        return error_from_code(self.code, self.message, self.status)
 
 
 Event = Tokens | Done | Error

@@ -232,7 +232,7 @@ class Queue:
         is running: its worker ends it first) and it is still unfinished. With ``now`` (the error to
         end it with) it ends at once if unfinished, deadline or not. True when this ended it."""
         exc = now or DeadlineExceeded("the request's deadline passed before it finished")
-        event = encode(Error(seq=0, code=exc.code, message=exc.message, status=exc.status))
+        event = encode(exc.event(seq=0))
         head = b'{"type":"error","seq":0,'
         assert event.startswith(head)  # expire.lua writes the same bytes with the real seq
         error = encode(JobError(code=exc.code, message=exc.message, status=exc.status))

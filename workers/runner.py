@@ -286,7 +286,7 @@ class Worker:
             log.warning("job_dead_lettered", job_id=d.job_id, attempt=d.attempt)
             exc = DeadLetter(f"the job was delivered {d.attempt - 1} times and no worker finished it "
                              "(workers died or stalled while running it)")
-            self._emit(d, Error(seq=d.last_seq + 1, code=exc.code, message=exc.message, status=exc.status),
+            self._emit(d, exc.event(d.last_seq + 1),
                        entry_id=d.entry_id, dead=True)
         else:
             assert d.request is not None
@@ -392,7 +392,7 @@ class Worker:
         # The code, not the message: that can quote the request (an engine's or a template's
         # error); the client and the job record get it.
         log.info("job_ended", job_id=d.job_id, code=exc.code)
-        self._emit(d, Error(seq=last_seq + 1, code=exc.code, message=exc.message, status=exc.status),
+        self._emit(d, exc.event(last_seq + 1),
                    entry_id=d.entry_id)
 
     def _cancel_requested(self, job_id: str) -> bool:

@@ -24,9 +24,9 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from api.relay import Keepalive
 from shared.errors import InvalidRequest, ServiceError
 from shared.events import Done, Error, Event
+from shared.framing import Keepalive
 from shared.schemas import GenerationRequest, JobResult, OutputOptions, SamplingParams, StructuredOutput
 
 __all__ = [

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from api.relay import Keepalive, jsonline, sse
 from shared.errors import ServiceError
 from shared.events import Done, Error, Event, TokenDelta, Tokens
+from shared.framing import Keepalive, jsonline, sse
 from shared.schemas import Choice, GenerationRequest, JobResult, PromptInfo, TopLogprob
 
 __all__ = ["render_result", "render_batch_result", "render_stream", "render_batch_stream"]

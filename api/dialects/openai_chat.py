@@ -18,9 +18,9 @@ from msgspec import Meta
 
 from api.dialects.openai_completions import error_body, usage_body
 from api.dialects.openai_structured import ResponseFormat, StructuredOutputs, structured_output
-from api.relay import KEEPALIVE, SSE_DONE, Keepalive, jsonline, sse
-from shared.errors import InvalidRequest, ServiceError, error_from_code
+from shared.errors import InvalidRequest, ServiceError
 from shared.events import Done, Error, Event, TokenDelta
+from shared.framing import KEEPALIVE, SSE_DONE, Keepalive, jsonline, sse
 from shared.schemas import (
     ChatMessage,
     ChatOptions,
@@ -311,7 +311,7 @@ async def render_stream(
                     yield KEEPALIVE
                 continue
             if isinstance(event, Error):
-                yield frame(error_body(error_from_code(event.code, event.message, event.status))[1])
+                yield frame(error_body(event.exception())[1])
                 break
             if not started:  # like vLLM: every choice opens with its role, before any content
                 started = True

@@ -14,9 +14,9 @@ import msgspec
 from msgspec import Meta
 
 from api.dialects.openai_structured import ResponseFormat, StructuredOutputs, structured_output
-from api.relay import KEEPALIVE, SSE_DONE, Keepalive, sse
-from shared.errors import InvalidRequest, ServiceError, error_from_code
+from shared.errors import InvalidRequest, ServiceError
 from shared.events import Done, Error, Event, TokenDelta
+from shared.framing import KEEPALIVE, SSE_DONE, Keepalive, sse
 from shared.schemas import (
     Choice,
     GenerationRequest,
@@ -285,7 +285,7 @@ async def render_stream(
                 yield KEEPALIVE
                 continue
             if isinstance(event, Error):
-                yield sse(error_body(error_from_code(event.code, event.message, event.status))[1])
+                yield sse(error_body(event.exception())[1])
                 break
             if event.prompt is not None:
                 prompts[event.deltas[0].index // n if event.deltas else 0] = event.prompt

@@ -16,10 +16,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from api.relay import sse
 from shared import json_input
 from shared.errors import InvalidRequest, ServiceError
 from shared.events import TokenDelta
+from shared.framing import sse
 from shared.schemas import Choice, GenerationRequest, JobResult, OutputOptions, SamplingParams, StructuredOutput
 
 __all__ = ["GenerateRequest", "to_generation_request", "render_result", "error_body", "error_frame", "TokenTexts"]

@@ -29,10 +29,10 @@ from typing import Any
 import msgspec
 
 from api.dialects.happy_vllm import sampling_from_dict, to_sampling_params
-from api.relay import Keepalive, sse
 from shared import json_input
 from shared.errors import InvalidRequest, ServiceError
 from shared.events import Done, Error, Event, TokenDelta
+from shared.framing import Keepalive, sse
 from shared.schemas import Choice, GenerationRequest, JobResult, OutputOptions, PromptInfo, StructuredOutput, TopLogprob
 
 __all__ = ["Outputs", "to_generation_request", "render_response", "render_stream", "render_result", "error_body"]

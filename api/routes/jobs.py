@@ -15,11 +15,12 @@ from api.context import Ctx, Job, JobRef
 from api.dialects import render_result
 from api.fanout import group_view
 from api.http import accepted, decode_body, json_response, stream_response
-from api.relay import DEADLINE_GRACE_MS, KEEPALIVE, Keepalive, sse
+from api.relay import DEADLINE_GRACE_MS
 from api.services import Svc
 from api.submit import follow_job, subscribe_job
 from shared.egress import Refused, check_url, policy
 from shared.errors import InvalidRequest, JobNotFound
+from shared.framing import KEEPALIVE, Keepalive, sse
 from shared.queue import now_ms
 from shared.schemas import TERMINAL_STATUSES, GenerationRequest, JobGroup, JobRecord, JobView
 

@@ -16,11 +16,11 @@ from litestar import WebSocket, websocket
 
 from api.context import Ctx, RequestContext
 from api.dialects import lmtp
-from api.relay import Keepalive
 from api.services import Services, Svc
 from api.submit import Submission, submit
-from shared.errors import ServiceError, error_from_code
+from shared.errors import ServiceError
 from shared.events import Error, Event, is_terminal
+from shared.framing import Keepalive
 from shared.redis import REDIS_DOWN
 
 __all__ = ["ROUTES", "lmtp_socket", "Session"]
@@ -104,7 +104,7 @@ class Session:
                     continue
                 finished = is_terminal(event)
                 if isinstance(event, Error):
-                    raise error_from_code(event.code, event.message, event.status)
+                    raise event.exception()
                 for payload in feed(event):
                     await self.send("TOKEN", payload)
         finally:

@@ -21,11 +21,12 @@ from api import tokenizer
 from api.context import Ctx, RequestContext
 from api.dialects import tgi
 from api.http import accepted, decode_body, json_response, stream_response
-from api.relay import KEEPALIVE, Keepalive, collect, sse
+from api.relay import collect
 from api.services import Services, Svc
 from api.submit import submit
-from shared.errors import QueueUnavailable, ServiceError, error_from_code
+from shared.errors import QueueUnavailable, ServiceError
 from shared.events import Done, Error, Event, TokenDelta, Tokens
+from shared.framing import KEEPALIVE, Keepalive, sse
 from shared.redis import REDIS_DOWN
 from shared.schemas import GenerationRequest, JobResult
 
@@ -132,7 +133,7 @@ async def render_stream(
                 yield KEEPALIVE
                 continue
             if isinstance(event, Error):
-                yield tgi.error_frame(error_from_code(event.code, event.message, event.status))
+                yield tgi.error_frame(event.exception())
                 return
             pending: list[tuple[dict, list | None]] = []
             for d in event.deltas:

@@ -19,10 +19,11 @@ from litestar.response import Stream
 from api.context import Ctx, RequestContext
 from api.dialects import triton as tr
 from api.http import accepted, decode_body, json_response, stream_response
-from api.relay import collect, prefetch, sse
+from api.relay import collect, prefetch
 from api.services import Services, Svc
 from api.submit import submit
 from shared.errors import InvalidRequest, ModelNotFound
+from shared.framing import sse
 from shared.redis import REDIS_DOWN
 
 __all__ = ["ROUTES"]

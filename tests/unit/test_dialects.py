@@ -8,9 +8,9 @@ import pytest
 from api.dialects import lmi
 from api.dialects import openai_completions as oc
 from api.dialects.lmi_render import finish_reason
-from api.relay import SSE_DONE, Keepalive, sse
 from shared.errors import InvalidRequest
 from shared.events import Done, Error, TokenDelta, Tokens
+from shared.framing import SSE_DONE, Keepalive, sse
 from shared.schemas import Choice, JobResult, PromptInfo, TopLogprob, Usage
 
 

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from api.dialects import happy_vllm as hv
-from api.relay import Keepalive
 from shared.errors import InvalidRequest, QueueUnavailable
 from shared.events import Done, Error, TokenDelta, Tokens
+from shared.framing import Keepalive
 from shared.schemas import Choice, JobResult, PromptInfo, StructuredOutput, Usage
 
 

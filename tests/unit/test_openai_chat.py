@@ -6,9 +6,9 @@ import msgspec
 import pytest
 
 from api.dialects import openai_chat as chat
-from api.relay import KEEPALIVE, SSE_DONE, Keepalive
 from shared.errors import InvalidRequest
 from shared.events import Done, Error, TokenDelta, Tokens
+from shared.framing import KEEPALIVE, SSE_DONE, Keepalive
 from shared.schemas import ChatMessage, Choice, JobResult, StructuredOutput, TopLogprob, Usage
 
 MAX_LEN = 1024

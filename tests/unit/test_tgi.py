@@ -8,10 +8,10 @@ import msgspec
 import pytest
 
 from api.dialects import tgi
-from api.relay import KEEPALIVE, Keepalive
 from api.routes.tgi import render_stream
 from shared.errors import GenerationFailed, InvalidRequest, QueueUnavailable, ServiceError, error_from_code
 from shared.events import Done, Error, TokenDelta, Tokens
+from shared.framing import KEEPALIVE, Keepalive
 from shared.schemas import Choice, JobResult, PromptInfo, TopLogprob, Usage
 
 LIMIT = 1024

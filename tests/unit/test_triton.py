@@ -7,9 +7,9 @@ import json
 import pytest
 
 from api.dialects import triton as tr
-from api.relay import Keepalive
 from shared.errors import InvalidRequest, JobCancelled, ModelNotFound, QueueUnavailable, ServiceError
 from shared.events import Done, Error, TokenDelta, Tokens
+from shared.framing import Keepalive
 from shared.schemas import Choice, JobResult, PromptInfo, StructuredOutput, TopLogprob, Usage
 
 
