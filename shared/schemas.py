@@ -28,6 +28,7 @@ __all__ = [
     "JobError",
     "JobView",
     "JobStatus",
+    "DialectName",
     "JobRecord",
     "JobGroup",
     "GROUP_PREFIX",
@@ -35,6 +36,11 @@ __all__ = [
 ]
 
 JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
+
+DialectName = Literal["jobs", "lmi", "lmi_tgi", "lmi_batch", "openai_completions", "openai_chat", "tgi", "triton",
+                      "happy_vllm", "lmtp"]
+"""Every shape a result or an error is rendered in (``api/dialects``: one module each; LMI has three
+shapes). A request naming another is refused when it is decoded, never rendered by a fallback."""
 
 Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 """What vLLM can carry: its engine requests travel as msgpack and seeds become torch int64s, so
@@ -147,8 +153,8 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     chat: ChatOptions = msgspec.field(default_factory=ChatOptions)
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     output: OutputOptions = msgspec.field(default_factory=OutputOptions)
-    dialect: str = "jobs"
-    """Which dialect renders the result: ``jobs``, ``lmi``, ``openai_completions``, ..."""
+    dialect: DialectName = "jobs"
+    """Which dialect renders the result (and, for a stored job, ``GET /v1/jobs/{id}``'s result)."""
     priority: Int64 | None = None
     """Lower runs earlier (vLLM's convention). Queued on the level stream ``clamp(priority, 0, 2)``;
     the engine gets the value itself (its priority scheduler orders and preempts by it). None: the

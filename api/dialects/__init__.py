@@ -1,27 +1,45 @@
 """One translator module per wire dialect: its Structs, its mapping to GenerationRequest, and its
-renderers for results, streams and errors. None of them touches Redis or Litestar."""
+renderers for results, streams and errors. None of them touches Redis or Litestar, and none
+imports anything from api/ outside this package.
+
+Each module (and LMI's two other shapes) is a :class:`Dialect`, found by its ``DialectName``; a
+name with no dialect is a KeyError, never a silent fallback (``GenerationRequest.dialect`` is that
+Literal, so no request can carry another).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from api.dialects import happy_vllm, jobs, lmi, lmtp, openai_chat, openai_completions, tgi, triton
 from api.dialects.lmi_render import render_batch_result
 from shared.errors import ServiceError
-from shared.schemas import GenerationRequest, JobResult
+from shared.schemas import DialectName, GenerationRequest, JobResult
 
-__all__ = ["render_result", "render_group_result", "error_body"]
+__all__ = ["Dialect", "render_result", "render_group_result", "error_body"]
 
-_MODULES = {
-    m.NAME: m
-    for m in (jobs, lmi, lmi.TGI_COMPAT, lmi.DYNAMIC_BATCH, openai_completions, openai_chat, tgi, triton, happy_vllm,
+
+class Dialect(Protocol):
+    """What the API needs from every dialect besides its routes: a stored job's result and any
+    error, in its shape."""
+
+    NAME: str
+
+    def render_result(self, req: GenerationRequest, result: JobResult, job_id: str, created: int) -> Any: ...
+
+    def error_body(self, exc: ServiceError) -> tuple[int, Any]: ...
+
+
+_DIALECTS: dict[str, Dialect] = {
+    d.NAME: d
+    for d in (jobs, lmi, lmi.TGI_COMPAT, lmi.DYNAMIC_BATCH, openai_completions, openai_chat, tgi, triton, happy_vllm,
               lmtp)
 }
 
 
 def render_result(req: GenerationRequest, result: JobResult, job_id: str, created: int) -> Any:
     """A finished job's result in the shape of the dialect that submitted it."""
-    return _MODULES.get(req.dialect, jobs).render_result(req, result, job_id, created)
+    return _DIALECTS[req.dialect].render_result(req, result, job_id, created)
 
 
 def render_group_result(reqs: list[GenerationRequest], results: list[JobResult], group_id: str, created: int) -> Any:
@@ -32,5 +50,5 @@ def render_group_result(reqs: list[GenerationRequest], results: list[JobResult],
     return openai_completions.render_results(reqs, results, group_id, created)
 
 
-def error_body(dialect: str, exc: ServiceError) -> tuple[int, Any]:
-    return _MODULES.get(dialect, jobs).error_body(exc)
+def error_body(dialect: DialectName, exc: ServiceError) -> tuple[int, Any]:
+    return _DIALECTS[dialect].error_body(exc)

@@ -11,7 +11,8 @@ per input). Rendering lives in :mod:`api.dialects.lmi_render`. Three shapes shar
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
@@ -20,7 +21,7 @@ from msgspec import Meta
 from api.dialects.lmi_render import render_result, render_stream
 from api.dialects.openai_structured import StructuredOutputs, structured_output
 from shared.errors import InvalidRequest, ServiceError
-from shared.schemas import GenerationRequest, OutputOptions, SamplingParams
+from shared.schemas import DialectName, GenerationRequest, OutputOptions, SamplingParams
 
 __all__ = [
     "LmiParameters",
@@ -169,5 +170,14 @@ def batch_error_body(exc: ServiceError) -> tuple[int, dict[str, Any]]:
 
 # The other two shapes, registered as dialects of their own so errors and stored results
 # (GET /v1/jobs/{id}) render the way they were asked for.
-TGI_COMPAT = SimpleNamespace(NAME="lmi_tgi", render_result=render_result, error_body=error_body)
-DYNAMIC_BATCH = SimpleNamespace(NAME="lmi_batch", render_result=render_result, error_body=batch_error_body)
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """One of LMI's other response shapes, a :class:`api.dialects.Dialect` of its own."""
+
+    NAME: DialectName
+    render_result: Callable[..., Any]
+    error_body: Callable[[ServiceError], tuple[int, Any]]
+
+
+TGI_COMPAT = Shape(NAME="lmi_tgi", render_result=render_result, error_body=error_body)
+DYNAMIC_BATCH = Shape(NAME="lmi_batch", render_result=render_result, error_body=batch_error_body)

@@ -220,3 +220,31 @@ def test_lmi_structured_outputs_reach_the_internal_request():
     assert so is not None and so.regex == "a+"
     with pytest.raises(InvalidRequest):
         lmi_req({"inputs": "x", "parameters": {"structured_outputs": {"regex": "a", "choice": ["b"]}}})
+
+
+def test_every_dialect_name_has_a_dialect_and_every_route_speaks_one():
+    """No fallback: a name without a dialect would fail at render time, so none may exist."""
+    import typing
+
+    from api import dialects
+    from api.app import create_app
+    from shared.config import load_settings
+    from shared.schemas import DialectName
+
+    names = set(typing.get_args(DialectName))
+    assert names == set(dialects._DIALECTS)
+    app = create_app(load_settings({}))
+    spoken = {h.opt.get("dialect", "jobs") for route in app.routes for h in getattr(route, "route_handlers", [])}
+    assert len(spoken) >= 8 and spoken <= names, spoken
+
+
+def test_a_request_naming_no_known_dialect_is_refused_when_decoded():
+    import msgspec
+
+    from shared.codec import decode_request
+    from shared.schemas import GenerationRequest
+
+    good = msgspec.json.encode(GenerationRequest(prompt="p", dialect="tgi"))
+    assert decode_request(good).dialect == "tgi"
+    with pytest.raises(msgspec.ValidationError, match="dialect"):
+        decode_request(good.replace(b'"tgi"', b'"nonesuch"'))
