@@ -25,6 +25,7 @@ from api.services import Services
 from api.submit import admit
 from shared import json_input
 from shared.batches import BatchError, InputLine, LineError, StoredLine
+from shared.codec import encode
 from shared.errors import InvalidRequest, ServiceError
 
 __all__ = ["read_lines", "MAX_LINES"]
@@ -85,7 +86,7 @@ async def _translate(svc: Services, ctx: RequestContext, line: InputLine, endpoi
         reqs = [await admit(svc, ctx, req) for req in reqs]
     except ServiceError as exc:
         status, body = openai_completions.error_body(exc)
-        return StoredLine(custom_id=line.custom_id, error=LineError(status=status, body=body))
+        return StoredLine(custom_id=line.custom_id, error=LineError(status=status, body=msgspec.Raw(encode(body))))
     return StoredLine(custom_id=line.custom_id, requests=reqs)
 
 

@@ -11,43 +11,67 @@ deterministic, so two API processes that render the same file at once store the 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import msgspec
 
 from api.dialects import openai_chat, openai_completions
+from api.dialects.openai_chat import ChatCompletion
+from api.dialects.openai_completions import Completion, ErrorResponse
 from shared.batches import Answered, BatchStore, Failed, FileObject, LineOutcome, NotRun, Refused
 from shared.codec import encode
 from shared.errors import error_from_code
 
-__all__ = ["rendered", "render_line"]
+__all__ = ["rendered", "render_line", "BatchRequestOutput"]
 
 YIELD_EVERY = 256  # lines rendered between yields to the event loop (a file has up to 50,000)
 _outcome = msgspec.json.Decoder(LineOutcome)
 
 
-def _line(custom_id: str, request_id: str, *, status: int | None = None, body: Any = None,
-          error: dict[str, str] | None = None) -> dict[str, Any]:
-    response = None if status is None else {"status_code": status, "request_id": request_id, "body": body}
-    return {"id": f"batch_req_{request_id}", "custom_id": custom_id, "response": response, "error": error}
+class BatchResponse(msgspec.Struct, kw_only=True):
+    status_code: int
+    request_id: str
+    body: Completion | ChatCompletion | ErrorResponse | msgspec.Raw
+    """The endpoint's own answer; Raw for a refusal, whose body was stored already as JSON."""
 
 
-def render_line(outcome: LineOutcome) -> dict[str, Any]:
+class BatchRequestError(msgspec.Struct, kw_only=True):
+    code: str
+    message: str
+
+
+class BatchRequestOutput(msgspec.Struct, kw_only=True):
+    """One line of an output or error file (OpenAI's "request output object"): the endpoint's
+    response, or, when the line never ran, the batch's own error."""
+
+    id: str
+    custom_id: str
+    response: BatchResponse | None = None
+    error: BatchRequestError | None = None
+
+
+def _answered(outcome: LineOutcome, status: int, body: Completion | ChatCompletion | ErrorResponse | msgspec.Raw
+              ) -> BatchRequestOutput:
+    response = BatchResponse(status_code=status, request_id=outcome.request_id, body=body)
+    return BatchRequestOutput(id=f"batch_req_{outcome.request_id}", custom_id=outcome.custom_id, response=response)
+
+
+def render_line(outcome: LineOutcome) -> BatchRequestOutput:
     """One output- or error-file line."""
     match outcome:
         case Answered(requests=[first, *_]) if first.dialect == openai_chat.NAME:
             body = openai_chat.render_result(first, outcome.results[0], outcome.request_id, outcome.created)
-            return _line(outcome.custom_id, outcome.request_id, status=200, body=body)
+            return _answered(outcome, 200, body)
         case Answered(requests=requests) if requests[0].dialect == openai_completions.NAME:
             body = openai_completions.render_results(requests, outcome.results, outcome.request_id, outcome.created)
-            return _line(outcome.custom_id, outcome.request_id, status=200, body=body)
+            return _answered(outcome, 200, body)
         case Failed(error=error):
             status, body = openai_completions.error_body(error_from_code(error.code, error.message, error.status))
-            return _line(outcome.custom_id, outcome.request_id, status=status, body=body)
+            return _answered(outcome, status, body)
         case Refused(error=error):
-            return _line(outcome.custom_id, outcome.request_id, status=error.status, body=error.body)
+            return _answered(outcome, error.status, error.body)
         case NotRun(code=code, message=message):
-            return _line(outcome.custom_id, outcome.request_id, error={"code": code, "message": message})
+            error = BatchRequestError(code=code, message=message)
+            return BatchRequestOutput(id=f"batch_req_{outcome.request_id}", custom_id=outcome.custom_id, error=error)
     # Only the two batch endpoints' lines are ever queued (api/batch_input.py).
     raise ValueError(f"no batch endpoint renders {outcome!r}")
 

@@ -123,10 +123,12 @@ async def group_view(svc: Services, group: JobGroup) -> GroupView:
     )
 
 
-def _shift(deltas: list[TokenDelta], offset: int) -> list[TokenDelta]:
-    if not offset:
-        return deltas
-    return [msgspec.structs.replace(d, index=d.index + offset) for d in deltas]
+def _job_deltas(event: Tokens | Done, offset: int) -> list[TokenDelta]:
+    """One job's deltas with its choice indexes shifted into the merged numbering."""
+    deltas = event.deltas if not offset else [msgspec.structs.replace(d, index=d.index + offset) for d in event.deltas]
+    if event.prompt is not None and not deltas:
+        deltas = [TokenDelta(index=offset)]  # so the reader can tell whose prompt this is
+    return deltas
 
 
 async def merge(subs: list[Submission], n: int) -> AsyncIterator[Event | Keepalive]:
@@ -146,25 +148,26 @@ async def merge(subs: list[Submission], n: int) -> AsyncIterator[Event | Keepali
     try:
         while open_jobs:
             j, item = await inbox.get()
-            if isinstance(item, Keepalive):
-                if j == 0:  # one keep-alive source is enough
+            match item:
+                case Keepalive():
+                    if j == 0:  # one keep-alive source is enough
+                        yield item
+                case Error():
                     yield item
-                continue
-            if isinstance(item, Error):
-                yield item
-                return
-            seq += 1
-            deltas = _shift(item.deltas, j * n)
-            if item.prompt is not None and not deltas:
-                deltas = [TokenDelta(index=j * n)]  # so the reader can tell whose prompt this is
-            if isinstance(item, Done):
-                open_jobs -= 1
-                usage.prompt_tokens += item.usage.prompt_tokens
-                usage.completion_tokens += item.usage.completion_tokens
-                if not open_jobs:
-                    yield Done(seq=seq, deltas=deltas, prompt=item.prompt, usage=usage, timings=item.timings)
                     return
-            yield Tokens(seq=seq, deltas=deltas, prompt=item.prompt)
+                case Tokens():
+                    seq += 1
+                    yield Tokens(seq=seq, deltas=_job_deltas(item, j * n), prompt=item.prompt)
+                case Done():
+                    seq += 1
+                    open_jobs -= 1
+                    usage.prompt_tokens += item.usage.prompt_tokens
+                    usage.completion_tokens += item.usage.completion_tokens
+                    deltas = _job_deltas(item, j * n)
+                    if not open_jobs:
+                        yield Done(seq=seq, deltas=deltas, prompt=item.prompt, usage=usage, timings=item.timings)
+                        return
+                    yield Tokens(seq=seq, deltas=deltas, prompt=item.prompt)
     finally:
         for task in tasks:
             task.cancel()

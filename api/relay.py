@@ -182,14 +182,14 @@ async def prefetch(events: AsyncIterator[Event | Keepalive], wait_s: float) -> A
         if not done:
             waiting = step
             break
-        item = step.result()
-        if isinstance(item, Error):
-            raise item.exception()
-        if isinstance(item, Keepalive):
-            if loop.time() >= deadline:
-                break
-            continue
-        head = item
+        match step.result():
+            case Error() as error:
+                raise error.exception()
+            case Keepalive():
+                if loop.time() >= deadline:
+                    break
+            case event:
+                head = event
 
     async def replay() -> AsyncIterator[Event | Keepalive]:
         try:
@@ -214,11 +214,13 @@ async def collect(
     ``on_event`` sees each token event too (a dialect that keeps per-event detail)."""
     builder = ResultBuilder()
     async for event in events:
-        if isinstance(event, Keepalive):
-            continue
-        if isinstance(event, Error):
-            raise event.exception()
-        builder.add(event)
-        if on_event is not None:
-            on_event(event)
+        match event:
+            case Keepalive():
+                continue
+            case Error():
+                raise event.exception()
+            case Tokens() | Done():
+                builder.add(event)
+                if on_event is not None:
+                    on_event(event)
     return builder.result()

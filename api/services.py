@@ -16,6 +16,7 @@ from api.auth import parse_keys
 from api.listener import EventListener, Listener
 from api.models import ModelRegistry
 from api.shards import ClusterListener
+from api.tokenizer import Tokenizer
 from shared.cluster import is_cluster
 from shared.config import Settings
 from shared.keys import Keys
@@ -32,6 +33,8 @@ class Services:
     queue: Queue
     listener: Listener
     models: ModelRegistry
+    tokenizer: Tokenizer
+    """The served model's tokenizer (TGI's /tokenize and truncate, special-token ids), loaded on first use."""
     keys_on: bool = False
     """API keys are configured (``LLMQ_API_KEYS``): jobs record their owner's key hash."""
     background: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -69,6 +72,7 @@ async def lifespan(app: Litestar) -> AsyncIterator[None]:
         queue=Queue(redis, keys, result_ttl_s=settings.result_ttl_s, idempotency_ttl_s=settings.idempotency_ttl_s),
         listener=listener,
         models=ModelRegistry(redis, keys, settings.model_name, settings.extra_models),
+        tokenizer=Tokenizer(settings.model_path),
         keys_on=bool(parse_keys(settings.api_keys)),
     )
     # The listener reconnects by itself, so the API starts (and answers 503) before Redis is up.

@@ -1,8 +1,9 @@
 """The model's tokenizer in the API process, for the few routes that need one (TGI ``/tokenize``,
 ``truncate``) and the special-token ids some dialects flag.
 
-Everything loads lazily, once per process, in a thread: the API starts without importing
-``transformers`` and requests that never need a tokenizer never pay for one.
+Everything loads lazily, once per :class:`Tokenizer` (one in the API's services), in a thread:
+the API starts without importing ``transformers`` and requests that never need a tokenizer never
+pay for one.
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ from typing import Any
 
 import msgspec
 
-from shared.config import Settings
 from shared.errors import ServiceError
 
-__all__ = ["Encoding", "TokenizerUnavailable", "encode", "special_ids"]
+__all__ = ["Encoding", "TokenizerUnavailable", "Tokenizer"]
 
 
 class TokenizerUnavailable(ServiceError):
@@ -30,11 +30,6 @@ class Encoding(msgspec.Struct, frozen=True):
     """Character offsets of each token in the text; ``(0, 0)`` for added special tokens."""
 
 
-_tokenizers: dict[str, Any] = {}
-_locks: dict[str, asyncio.Lock] = {}
-_special: dict[str, frozenset[int]] = {}
-
-
 def _load(path: str) -> Any:
     from transformers import AutoTokenizer  # heavy: imported on first use only
 
@@ -44,27 +39,40 @@ def _load(path: str) -> Any:
     return tok
 
 
-async def _tokenizer(settings: Settings) -> Any:
-    path = settings.model_path
-    tok = _tokenizers.get(path)
-    if tok is not None:
-        return tok
-    async with _locks.setdefault(path, asyncio.Lock()):  # one load, however many callers wait
-        if path not in _tokenizers:
-            try:
-                _tokenizers[path] = await asyncio.to_thread(_load, path)
-            except TokenizerUnavailable:
-                raise
-            except Exception as exc:  # no files, no network, an unknown tokenizer class, ...
-                raise TokenizerUnavailable(f"No fast tokenizer available: {type(exc).__name__}: {exc}") from None
-        return _tokenizers[path]
+class Tokenizer:
+    """The served model's tokenizer, owned by the API's services (one per process)."""
 
+    def __init__(self, model_path: str) -> None:
+        self.model_path = model_path
+        self._tok: Any = None
+        self._lock = asyncio.Lock()
+        self._special: frozenset[int] | None = None
 
-async def encode(settings: Settings, text: str) -> Encoding:
-    """Token ids (with the model's special tokens, as the engine adds them) and char offsets."""
-    tok = await _tokenizer(settings)
-    out = await asyncio.to_thread(tok, text, add_special_tokens=True, return_offsets_mapping=True)
-    return Encoding(ids=list(out["input_ids"]), offsets=[(int(a), int(b)) for a, b in out["offset_mapping"]])
+    async def _tokenizer(self) -> Any:
+        if self._tok is None:
+            async with self._lock:  # one load, however many callers wait
+                if self._tok is None:
+                    try:
+                        self._tok = await asyncio.to_thread(_load, self.model_path)
+                    except TokenizerUnavailable:
+                        raise
+                    except Exception as exc:  # no files, no network, an unknown tokenizer class, ...
+                        raise TokenizerUnavailable(
+                            f"No fast tokenizer available: {type(exc).__name__}: {exc}") from None
+        return self._tok
+
+    async def encode(self, text: str) -> Encoding:
+        """Token ids (with the model's special tokens, as the engine adds them) and char offsets."""
+        tok = await self._tokenizer()
+        out = await asyncio.to_thread(tok, text, add_special_tokens=True, return_offsets_mapping=True)
+        return Encoding(ids=list(out["input_ids"]), offsets=[(int(a), int(b)) for a, b in out["offset_mapping"]])
+
+    async def special_ids(self) -> frozenset[int]:
+        """The ids the tokenizer marks special (from ``tokenizer.json``); empty when the API cannot
+        see the model's files. Read once, without loading the tokenizer."""
+        if self._special is None:
+            self._special = await asyncio.to_thread(_read_special, self.model_path)
+        return self._special
 
 
 # --- special token ids, without loading the tokenizer --------------------------------------------
@@ -103,13 +111,3 @@ def _read_special(model_path: str) -> frozenset[int]:
     except (OSError, msgspec.DecodeError, msgspec.ValidationError):
         return frozenset()
     return frozenset(t.id for t in parsed.added_tokens if t.special)
-
-
-async def special_ids(settings: Settings) -> frozenset[int]:
-    """The ids the tokenizer marks special (from ``tokenizer.json``); empty when the API cannot
-    see the model's files. Read once per process."""
-    path = settings.model_path
-    found = _special.get(path)
-    if found is None:
-        found = _special[path] = await asyncio.to_thread(_read_special, path)
-    return found

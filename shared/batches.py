@@ -108,7 +108,8 @@ class LineError(msgspec.Struct, kw_only=True):
     """A line refused before it ran: its status and body as the endpoint would have answered."""
 
     status: int
-    body: dict[str, Any]
+    body: msgspec.Raw
+    """The endpoint's error body, as JSON (rendered by the API's dialect when it refused the line)."""
 
 
 class StoredLine(msgspec.Struct, kw_only=True, omit_defaults=True):

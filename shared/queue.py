@@ -25,7 +25,7 @@ from redis.exceptions import ResponseError
 from shared.cluster import node_client, publish, sharded_pubsub, subscribers
 from shared.codec import decode_event, decode_request, encode, job_from_hash, job_to_hash
 from shared.errors import DeadlineExceeded, Overloaded
-from shared.events import Done, Error, Event
+from shared.events import Done, Error, Event, Tokens
 from shared.keys import GROUP, LEVELS, Keys
 from shared.schemas import GenerationRequest, JobError, JobGroup, JobRecord, JobResult
 
@@ -488,10 +488,11 @@ class Queue:
 
     @staticmethod
     def _terminal(out: Outbound) -> tuple[str, str, bytes | str]:
-        event = out.event
-        if isinstance(event, Done):
-            return "done", "result", encode(out.result or JobResult())
-        if isinstance(event, Error):
-            status = "cancelled" if event.code == "cancelled" else "failed"
-            return status, "error", encode(JobError(code=event.code, message=event.message, status=event.status))
-        return "", "", ""
+        match out.event:
+            case Done():
+                return "done", "result", encode(out.result or JobResult())
+            case Error(code=code, message=message, status=status):
+                outcome = "cancelled" if code == "cancelled" else "failed"
+                return outcome, "error", encode(JobError(code=code, message=message, status=status))
+            case Tokens():
+                return "", "", ""

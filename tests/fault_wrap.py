@@ -4,8 +4,8 @@ quotes what that function was given (the request, the Settings), as an engine's 
 error may, so a test can check what an unexpected error puts in the logs. Test code only: the
 production modules have no hooks for this.
 
-- api: ``api.submit.admit(svc, req)``, which every generation route calls with the decoded body
-  and the Services (holding the Settings) in its frames.
+- api: ``api.submit.admit(svc, ctx, req)``, which every generation route calls with the decoded
+  body and the Services (holding the Settings) in its frames.
 - workers: ``workers.runner.plan_for(queue, model, delivery, req)``, the first call inside
   ``Worker._run_job`` for a job, with the request in its frames.
 - housekeeping: ``workers.housekeeping._remove_dead_consumers(hk, reading)``, which the ``sweep``
@@ -21,7 +21,7 @@ from typing import Any
 
 TARGETS: dict[str, tuple[str, str, str, Callable[..., str]]] = {
     # process: (module whose main() runs, module holding the function, function, message)
-    "api": ("api.__main__", "api.submit", "admit", lambda svc, req: f"forced fault admitting {req!r} "
+    "api": ("api.__main__", "api.submit", "admit", lambda svc, ctx, req: f"forced fault admitting {req!r} "
                                                                     f"with {svc.settings!r}"),
     "workers": ("workers.__main__", "workers.runner", "plan_for",
                 lambda queue, model, d, req: f"forced fault running {req!r}"),

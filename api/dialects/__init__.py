@@ -9,14 +9,19 @@ Literal, so no request can carry another).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
+
+import msgspec
 
 from api.dialects import happy_vllm, jobs, lmi, lmtp, openai_chat, openai_completions, tgi, triton
 from api.dialects.lmi_render import render_batch_result
 from shared.errors import ServiceError
 from shared.schemas import DialectName, GenerationRequest, JobResult
 
-__all__ = ["Dialect", "render_result", "render_group_result", "error_body"]
+Body = msgspec.Struct | list[msgspec.Struct]
+"""A response body: a wire object, or a list of them (TGI's ``POST /``, LMTP's tokens)."""
+
+__all__ = ["Dialect", "Body", "render_result", "render_group_result", "error_body"]
 
 
 class Dialect(Protocol):
@@ -25,9 +30,9 @@ class Dialect(Protocol):
 
     NAME: str
 
-    def render_result(self, req: GenerationRequest, result: JobResult, job_id: str, created: int) -> Any: ...
+    def render_result(self, req: GenerationRequest, result: JobResult, job_id: str, created: int) -> Body: ...
 
-    def error_body(self, exc: ServiceError) -> tuple[int, Any]: ...
+    def error_body(self, exc: ServiceError) -> tuple[int, msgspec.Struct]: ...
 
 
 _DIALECTS: dict[str, Dialect] = {
@@ -37,12 +42,13 @@ _DIALECTS: dict[str, Dialect] = {
 }
 
 
-def render_result(req: GenerationRequest, result: JobResult, job_id: str, created: int) -> Any:
+def render_result(req: GenerationRequest, result: JobResult, job_id: str, created: int) -> Body:
     """A finished job's result in the shape of the dialect that submitted it."""
     return _DIALECTS[req.dialect].render_result(req, result, job_id, created)
 
 
-def render_group_result(reqs: list[GenerationRequest], results: list[JobResult], group_id: str, created: int) -> Any:
+def render_group_result(reqs: list[GenerationRequest], results: list[JobResult], group_id: str, created: int
+                        ) -> msgspec.Struct:
     """The finished jobs of one request that fanned out (a list of prompts, LMI's dynamic batch),
     as that request would have been answered: only these two dialects queue several jobs."""
     if reqs[0].dialect == lmi.DYNAMIC_BATCH.NAME:
@@ -50,5 +56,5 @@ def render_group_result(reqs: list[GenerationRequest], results: list[JobResult],
     return openai_completions.render_results(reqs, results, group_id, created)
 
 
-def error_body(dialect: DialectName, exc: ServiceError) -> tuple[int, Any]:
+def error_body(dialect: DialectName, exc: ServiceError) -> tuple[int, msgspec.Struct]:
     return _DIALECTS[dialect].error_body(exc)

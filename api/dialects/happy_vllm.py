@@ -6,6 +6,10 @@ is ``{"responses", "finish_reasons", "usages", "prompt"?}`` with one entry per `
 reason is the *string* ``"None"``. The stream is NDJSON of that same object after every engine
 step, with cumulative text, written by Python's ``json.dumps`` (``", "`` / ``": "`` separators).
 
+A body is read in two steps: :func:`read_body` sorts the decoded object's keys into the typed
+:class:`RequestGenerate`, then :func:`to_generation_request` translates it. Every response is a
+Struct.
+
 Errors: happy_vllm answered incompatible keywords with a 500 (its middleware turned ValueError
 into ``{"error", "messages"}``) and malformed bodies with FastAPI's 422 ``{"detail": ...}``. llmq
 never answers bad input with a 500, so every invalid request is 422 ``{"detail": "<message>"}``.
@@ -18,14 +22,14 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Annotated, Any
 
 import msgspec
-from msgspec import Meta
+from msgspec import UNSET, Meta, UnsetType
 
 from shared.errors import InvalidRequest, ServiceError
-from shared.events import Done, Error, Event
+from shared.events import Done, Error, Event, Tokens
 from shared.framing import Keepalive
 from shared.schemas import GenerationRequest, JobResult, OutputOptions, SamplingParams, StructuredOutput
 
@@ -33,7 +37,12 @@ __all__ = [
     "VllmSampling",
     "sampling_from_dict",
     "HappyOptions",
+    "RawBody",
+    "RequestGenerate",
+    "read_body",
     "to_generation_request",
+    "ResponseGenerate",
+    "ResponseInformation",
     "render_result",
     "render_stream",
     "error_body",
@@ -71,7 +80,7 @@ class VllmSampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 ACCEPTED_SAMPLING_KEYS = tuple(VllmSampling.__struct_fields__)
 
 
-def sampling_from_dict(params: dict[str, Any], *, extra_keys: tuple[str, ...] = ()) -> VllmSampling:
+def sampling_from_dict(params: Mapping[str, object], *, extra_keys: tuple[str, ...] = ()) -> VllmSampling:
     """vLLM keywords -> :class:`VllmSampling`. Values are converted leniently (``"0.5"`` -> 0.5,
     ``"true"`` -> True), as pydantic (happy_vllm) and Triton's vLLM backend both do; a keyword
     llmq cannot honour is refused by name rather than silently dropped."""
@@ -144,6 +153,21 @@ class HappyOptions(msgspec.Struct, kw_only=True):
     json_format_is_json_schema: bool = False
 
 
+RawBody = dict[str, object]
+"""A body as decoded, before its keys are sorted: any JSON object (the keys happy_vllm does not
+know are vLLM keywords, refused by name when llmq does not know them either, so the body cannot
+be a closed Struct: msgspec would refuse an unknown key without naming them all)."""
+
+
+class RequestGenerate(msgspec.Struct, frozen=True, kw_only=True):
+    """A ``/v1/generate`` body, its keys sorted: happy_vllm's keywords and vLLM's sampling keywords."""
+
+    options: HappyOptions
+    sampling: VllmSampling
+    pool_and_format: bool = False
+    """Both ``response_pool`` and ``json_format`` were given, even null: happy_vllm refused the pair."""
+
+
 _HAPPY_KEYS = frozenset(HappyOptions.__struct_fields__)
 _SIMPLE_TYPES = ("string", "integer", "boolean", "number")
 
@@ -178,9 +202,9 @@ def simple_json_schema(json_format: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
-def _structured(body: dict[str, Any], opts: HappyOptions, min_tokens: int) -> StructuredOutput | None:
-    # happy_vllm refused the pair as soon as both keys were present, even empty.
-    if "response_pool" in body and "json_format" in body:
+def _structured(body: RequestGenerate) -> StructuredOutput | None:
+    opts, min_tokens = body.options, body.sampling.min_tokens
+    if body.pool_and_format:
         raise InvalidRequest("Two keywords are incompatible : response_pool and json_format")
     if opts.response_pool:  # an empty pool (or null) constrained nothing in happy_vllm
         if min_tokens > 0:
@@ -196,9 +220,9 @@ def _structured(body: dict[str, Any], opts: HappyOptions, min_tokens: int) -> St
     return None
 
 
-def to_generation_request(body: dict[str, Any], *, stream: bool) -> GenerationRequest:
-    """A decoded JSON object -> the internal request. ``stream`` asks the worker for the prompt's
-    tokens on the first event, because every streamed line carries ``usages.prompt_tokens``."""
+def read_body(body: RawBody) -> RequestGenerate:
+    """A decoded JSON object -> its keywords, checked in happy_vllm's order (so the first problem
+    found is the one reported)."""
     # null is "not given" (pydantic's Field(None)), except for the required prompt.
     happy = {k: v for k, v in body.items() if k in _HAPPY_KEYS and (v is not None or k == "prompt")}
     if "prompt" not in happy:
@@ -218,7 +242,16 @@ def to_generation_request(body: dict[str, Any], *, stream: bool) -> GenerationRe
         )
     # null means "vLLM's default" for the optional keywords, as pydantic's Field(None) did.
     params = sampling_from_dict({k: v for k, v in rest.items() if v is not None})
-    sampling = to_sampling_params(params, _structured(body, opts, params.min_tokens))
+    # happy_vllm refused the pair as soon as both keys were present, even empty.
+    both = "response_pool" in body and "json_format" in body
+    return RequestGenerate(options=opts, sampling=params, pool_and_format=both)
+
+
+def to_generation_request(body: RequestGenerate, *, stream: bool) -> GenerationRequest:
+    """The internal request. ``stream`` asks the worker for the prompt's tokens on the first
+    event, because every streamed line carries ``usages.prompt_tokens``."""
+    opts = body.options
+    sampling = to_sampling_params(body.sampling, _structured(body))
     return GenerationRequest(
         prompt=opts.prompt,
         sampling=sampling,
@@ -230,33 +263,72 @@ def to_generation_request(body: dict[str, Any], *, stream: bool) -> GenerationRe
 # --- rendering ------------------------------------------------------------------------------
 
 
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ResponseGenerate(msgspec.Struct, kw_only=True):
+    """The answer, and each streamed line: one entry per ``n``; ``prompt`` only when asked for."""
+
+    responses: list[str]
+    finish_reasons: list[str]
+    usages: list[Usage]
+    prompt: str | None | UnsetType = UNSET
+
+
+class ErrorDetail(msgspec.Struct):
+    """FastAPI's error body, which happy_vllm answered bad input with."""
+
+    detail: str
+
+
+class ResponseLiveness(msgspec.Struct):
+    alive: str = "ok"
+
+
+class ResponseReadiness(msgspec.Struct):
+    ready: str
+
+
+class ResponseInformation(msgspec.Struct, kw_only=True):
+    """``GET /v1/info``."""
+
+    application: str
+    version: str
+    vllm_version: str
+    model_name: str
+    truncation_side: str
+    max_length: int
+
+
 def _reason(reason: str | None) -> str:
     return "None" if reason is None else reason
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
 
 
-def render_result(req: GenerationRequest, result: JobResult, job_id: str = "", created: int = 0) -> dict[str, Any]:
+def render_result(req: GenerationRequest, result: JobResult, job_id: str = "", created: int = 0) -> ResponseGenerate:
     prompt_tokens = result.usage.prompt_tokens
-    body: dict[str, Any] = {
-        "responses": [c.text for c in result.choices],
-        "finish_reasons": [_reason(c.finish_reason) for c in result.choices],
-        "usages": [_usage(prompt_tokens, len(c.token_ids)) for c in result.choices],
-    }
-    if req.output.echo:
-        body["prompt"] = req.prompt
-    return body
+    return ResponseGenerate(
+        responses=[c.text for c in result.choices],
+        finish_reasons=[_reason(c.finish_reason) for c in result.choices],
+        usages=[_usage(prompt_tokens, len(c.token_ids)) for c in result.choices],
+        prompt=req.prompt if req.output.echo else UNSET,
+    )
 
 
-def ndjson(obj: object) -> bytes:
-    """One stream line exactly as happy_vllm wrote it: ``json.dumps(ret) + "\\n"``."""
-    return (json.dumps(obj) + "\n").encode()
+def ndjson(obj: msgspec.Struct) -> bytes:
+    """One stream line exactly as happy_vllm wrote it: ``json.dumps(ret) + "\\n"`` (spaces after
+    ``,`` and ``:``, non-ASCII escaped), which is why this one is not ``shared.codec.encode``."""
+    return (json.dumps(msgspec.to_builtins(obj)) + "\n").encode()
 
 
 async def render_stream(req: GenerationRequest, events: AsyncIterator[Event | Keepalive]) -> AsyncIterator[bytes]:
@@ -269,35 +341,37 @@ async def render_stream(req: GenerationRequest, events: AsyncIterator[Event | Ke
     prompt_tokens = 0
     try:
         async for event in events:
-            if isinstance(event, Keepalive):
-                continue  # NDJSON has no comment line
-            if isinstance(event, Error):
-                yield ndjson({"detail": event.message})
-                return
-            if event.prompt is not None:
-                prompt_tokens = len(event.prompt.token_ids)
-            if isinstance(event, Done):
-                prompt_tokens = event.usage.prompt_tokens or prompt_tokens
+            match event:
+                case Keepalive():
+                    continue  # NDJSON has no comment line
+                case Error() as e:
+                    yield ndjson(ErrorDetail(e.message))
+                    return
+                case Tokens(prompt=prompt) if prompt is not None:
+                    prompt_tokens = len(prompt.token_ids)
+                case Done(prompt=prompt):
+                    known = len(prompt.token_ids) if prompt is not None else prompt_tokens
+                    prompt_tokens = event.usage.prompt_tokens or known
             for d in event.deltas:
                 texts[d.index].append(d.text)
                 counts[d.index] += len(d.token_ids)
                 reasons[d.index] = d.finish_reason or reasons[d.index]
             if event.deltas:
-                line: dict[str, Any] = {
-                    "responses": ["".join(t) for t in texts],
-                    "finish_reasons": [_reason(r) for r in reasons],
-                    "usages": [_usage(prompt_tokens, c) for c in counts],
-                }
-                if req.output.echo:
-                    line["prompt"] = req.prompt
-                yield ndjson(line)
+                yield ndjson(
+                    ResponseGenerate(
+                        responses=["".join(t) for t in texts],
+                        finish_reasons=[_reason(r) for r in reasons],
+                        usages=[_usage(prompt_tokens, c) for c in counts],
+                        prompt=req.prompt if req.output.echo else UNSET,
+                    )
+                )
             if isinstance(event, Done):
                 return
     except ServiceError as exc:  # the relay itself failed (say, Redis went away mid-stream)
-        yield ndjson({"detail": exc.message})
+        yield ndjson(ErrorDetail(exc.message))
 
 
-def error_body(exc: ServiceError) -> tuple[int, dict[str, Any]]:
+def error_body(exc: ServiceError) -> tuple[int, ErrorDetail]:
     """Bad input is FastAPI's 422 ``{"detail": ...}``; anything else keeps llmq's status."""
     status = 422 if exc.status == 400 else exc.status
-    return status, {"detail": exc.message}
+    return status, ErrorDetail(exc.message)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+import msgspec
 
 from shared.errors import ServiceError
 from shared.schemas import GenerationRequest, JobResult
 
-__all__ = ["render_result", "error_body"]
+__all__ = ["ErrorDetail", "ErrorBody", "render_result", "error_body"]
 
 NAME = "jobs"
 
@@ -16,5 +16,17 @@ def render_result(req: GenerationRequest, result: JobResult, job_id: str = "", c
     return result
 
 
-def error_body(exc: ServiceError) -> tuple[int, dict[str, Any]]:
-    return exc.status, {"error": {"code": exc.code, "message": exc.message, "param": exc.param, "status": exc.status}}
+class ErrorDetail(msgspec.Struct, kw_only=True):
+    code: str
+    message: str
+    param: str | None
+    status: int
+
+
+class ErrorBody(msgspec.Struct):
+    error: ErrorDetail
+
+
+def error_body(exc: ServiceError) -> tuple[int, ErrorBody]:
+    detail = ErrorDetail(code=exc.code, message=exc.message, param=exc.param, status=exc.status)
+    return exc.status, ErrorBody(detail)

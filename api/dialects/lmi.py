@@ -13,15 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated
 
 import msgspec
 from msgspec import Meta
 
-from api.dialects.lmi_render import render_result, render_stream
+from api.dialects.lmi_render import BatchError, Details, batch_error, render_result, render_stream
 from api.dialects.openai_structured import StructuredOutputs, structured_output
 from shared.errors import InvalidRequest, ServiceError
-from shared.schemas import DialectName, GenerationRequest, OutputOptions, SamplingParams
+from shared.schemas import DialectName, GenerationRequest, JobResult, OutputOptions, SamplingParams
 
 __all__ = [
     "LmiParameters",
@@ -30,6 +30,10 @@ __all__ = [
     "render_result",
     "render_stream",
     "error_body",
+    "batch_error_body",
+    "LmiError",
+    "GenerationError",
+    "FrontendError",
     "TGI_COMPAT",
     "DYNAMIC_BATCH",
 ]
@@ -146,25 +150,43 @@ def to_generation_request(body: LmiRequest, *, model: str = "", tgi_compat: bool
 
 # --- errors ---------------------------------------------------------------------------------
 
-def error_body(exc: ServiceError) -> tuple[int, dict[str, Any]]:
+class LmiError(msgspec.Struct, kw_only=True):
+    """A request LMI's handler rejected (424)."""
+
+    error: str
+    code: int
+
+
+class GenerationError(msgspec.Struct, kw_only=True):
+    """A failure during generation: the documented error-shaped result."""
+
+    generated_text: str = ""
+    error: str
+    code: int
+    details: Details
+
+
+class FrontendError(msgspec.Struct, kw_only=True):
+    """DJL's frontend shape (unknown model, no capacity, queue down, ...)."""
+
+    code: int
+    type: str
+    message: str
+
+
+def error_body(exc: ServiceError) -> tuple[int, LmiError | GenerationError | FrontendError]:
     if isinstance(exc, InvalidRequest):
-        return 424, {"error": exc.message, "code": 424}
+        return 424, LmiError(error=exc.message, code=424)
     if exc.status >= 500 and exc.code in ("generation_failed", "internal_error"):
-        # A failure during generation: the documented error-shaped result, with the real status.
-        return exc.status, {
-            "generated_text": "",
-            "error": exc.message,
-            "code": exc.status,
-            "details": {"finish_reason": "error", "generated_tokens": None, "inputs": None, "tokens": None},
-        }
-    # DJL's frontend shape for everything else (404 model, 503 capacity or queue down, ...)
-    return exc.status, {"code": exc.status, "type": exc.code, "message": exc.message}
+        details: Details = Details(finish_reason="error", generated_tokens=None, inputs=None, tokens=None)
+        return exc.status, GenerationError(error=exc.message, code=exc.status, details=details)
+    return exc.status, FrontendError(code=exc.status, type=exc.code, message=exc.message)
 
 
-def batch_error_body(exc: ServiceError) -> tuple[int, dict[str, Any]]:
+def batch_error_body(exc: ServiceError) -> tuple[int, BatchError | LmiError | GenerationError | FrontendError]:
     """The dynamic-batch handler's failure: 424 ``invoke handler failure`` with the detail."""
     if isinstance(exc, InvalidRequest) or exc.status == 500:
-        return 424, {"code": 424, "message": "invoke handler failure", "error": exc.message}
+        return 424, batch_error(exc.message)
     return error_body(exc)
 
 
@@ -175,8 +197,8 @@ class Shape:
     """One of LMI's other response shapes, a :class:`api.dialects.Dialect` of its own."""
 
     NAME: DialectName
-    render_result: Callable[..., Any]
-    error_body: Callable[[ServiceError], tuple[int, Any]]
+    render_result: Callable[[GenerationRequest, JobResult, str, int], object]
+    error_body: Callable[[ServiceError], tuple[int, msgspec.Struct]]
 
 
 TGI_COMPAT = Shape(NAME="lmi_tgi", render_result=render_result, error_body=error_body)

@@ -4,22 +4,156 @@ Rolling-batch streams are JSON lines by default, SSE when configured; only the l
 carries ``generated_text`` (and ``details``). With several sequences (``n``, ``best_of``,
 ``num_beams``) ``generated_text`` is the most likely one and the others are in
 ``details.best_of_sequences``.
+
+Every shape is a Struct whose field order is the key order on the wire; a key LMI sends only
+sometimes is ``UNSET`` (omitted), a key it sends as ``null`` is ``None``. The token objects differ
+between LMI (``log_prob``, ``special_token`` only when true) and TGI compatibility (``logprob``,
+``special`` always), so the shapes that hold tokens are generic over the token type.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Generic, TypeVar
+
+import msgspec
+from msgspec import UNSET, UnsetType
 
 from shared.errors import ServiceError
 from shared.events import Done, Error, Event, TokenDelta, Tokens
 from shared.framing import Keepalive, jsonline, sse
 from shared.schemas import Choice, GenerationRequest, JobResult, PromptInfo, TopLogprob
 
-__all__ = ["render_result", "render_batch_result", "render_stream", "render_batch_stream"]
+__all__ = [
+    "LmiToken",
+    "TgiToken",
+    "Sequence",
+    "Details",
+    "LmiResult",
+    "BatchResult",
+    "StreamDetails",
+    "StreamLine",
+    "TgiStreamLine",
+    "ErrorLine",
+    "BatchOutputs",
+    "BatchError",
+    "render_result",
+    "render_batch_result",
+    "render_stream",
+    "render_batch_stream",
+    "batch_error",
+]
 
 TGI = "lmi_tgi"
 BATCH = "lmi_batch"
+
+
+class LmiToken(msgspec.Struct, kw_only=True):
+    id: int
+    text: str
+    log_prob: float | None
+    special_token: bool | UnsetType = UNSET
+    """Only the end-of-sequence token says so."""
+
+
+class TgiToken(msgspec.Struct, kw_only=True):
+    """TGI's field names (DJL's ``Token.as_tgi_dict``)."""
+
+    id: int
+    text: str
+    logprob: float | None
+    special: bool
+
+
+T = TypeVar("T", LmiToken, TgiToken)
+
+
+class Sequence(msgspec.Struct, Generic[T], kw_only=True):
+    """One of ``details.best_of_sequences``."""
+
+    generated_text: str
+    finish_reason: str
+    generated_tokens: int
+    tokens: list[T]
+    top_tokens: list[list[T]] | UnsetType = UNSET
+
+
+class Details(msgspec.Struct, Generic[T], kw_only=True):
+    finish_reason: str
+    generated_tokens: int | None
+    inputs: str | None
+    tokens: list[T] | None
+    seed: int | None | UnsetType = UNSET
+    """TGI compatibility only."""
+    prefill: list[T] | UnsetType = UNSET
+    top_tokens: list[list[T]] | UnsetType = UNSET
+    best_of_sequences: list[Sequence[T]] | UnsetType = UNSET
+
+
+class LmiResult(msgspec.Struct, Generic[T], kw_only=True):
+    generated_text: str
+    details: Details[T] | UnsetType = UNSET
+
+
+class BatchResult(msgspec.Struct, kw_only=True):
+    """Dynamic batch: one per input."""
+
+    generated_text: str
+
+
+class StreamDetails(msgspec.Struct, kw_only=True):
+    finish_reason: str
+    generated_tokens: int | None
+    inputs: str | None
+    input_length: int | UnsetType = UNSET
+    seed: int | None | UnsetType = UNSET
+    """``input_length`` and ``seed``: TGI compatibility only."""
+
+
+class StreamLine(msgspec.Struct, Generic[T], kw_only=True):
+    """A rolling-batch stream line; the last one adds ``generated_text`` (and ``details``)."""
+
+    token: T
+    top_tokens: list[T] | UnsetType = UNSET
+    generated_text: str | UnsetType = UNSET
+    details: StreamDetails | UnsetType = UNSET
+
+
+class TgiStreamLine(msgspec.Struct, kw_only=True):
+    """TGI's stream shape: ``generated_text`` and ``details`` are null until the last line."""
+
+    index: int = 0
+    token: TgiToken
+    generated_text: str | None = None
+    details: StreamDetails | None = None
+    top_tokens: list[TgiToken] | UnsetType = UNSET
+
+
+class ErrorLine(msgspec.Struct, kw_only=True):
+    """The documented last line of a stream that failed (LMI's token shape, even under TGI)."""
+
+    token: LmiToken
+    generated_text: str
+    details: StreamDetails
+    error: str
+
+
+class BatchOutputs(msgspec.Struct):
+    """A dynamic-batch stream line: each input's new text."""
+
+    outputs: list[str]
+
+
+class BatchError(msgspec.Struct, kw_only=True):
+    """The dynamic-batch handler's failure (also its stream's last line)."""
+
+    code: int
+    message: str
+    error: str
+
+
+def batch_error(message: str) -> BatchError:
+    return BatchError(code=424, message="invoke handler failure", error=message)
 
 
 def finish_reason(choice_reason: str | None, stop_reason: str | int | None) -> str:
@@ -31,13 +165,11 @@ def finish_reason(choice_reason: str | None, stop_reason: str | int | None) -> s
     return choice_reason or "error"
 
 
-def _token(req: GenerationRequest, tid: int, text: str, logprob: float | None, special: bool = False) -> dict:
-    if req.dialect == TGI:  # TGI's field names (Token.as_tgi_dict)
-        return {"id": tid, "text": text, "logprob": logprob, "special": special}
-    token: dict[str, Any] = {"id": tid, "text": text, "log_prob": logprob}
-    if special:
-        token["special_token"] = True
-    return token
+def _token(req: GenerationRequest, tid: int, text: str, logprob: float | None,
+           special: bool = False) -> LmiToken | TgiToken:
+    if req.dialect == TGI:
+        return TgiToken(id=tid, text=text, logprob=logprob, special=special)
+    return LmiToken(id=tid, text=text, log_prob=logprob, special_token=True if special else UNSET)
 
 
 def _eos_index(choice_reason: str | None, stop_reason: str | int | None, count: int) -> int:
@@ -46,17 +178,17 @@ def _eos_index(choice_reason: str | None, stop_reason: str | int | None, count: 
     return count - 1 if choice_reason == "stop" and stop_reason is None else -1
 
 
-def _tokens(req: GenerationRequest, c: Choice) -> list[dict]:
+def _tokens(req: GenerationRequest, c: Choice) -> list:
     eos = _eos_index(c.finish_reason, c.stop_reason, len(c.token_ids))
     texts, logprobs = c.token_texts or [""] * len(c.token_ids), c.logprobs or [None] * len(c.token_ids)
     return [_token(req, tid, texts[i], logprobs[i], i == eos) for i, tid in enumerate(c.token_ids)]
 
 
-def _top_tokens(req: GenerationRequest, tops: list[list[TopLogprob]] | None, k: int) -> list[list[dict]]:
+def _top_tokens(req: GenerationRequest, tops: list[list[TopLogprob]] | None, k: int) -> list[list]:
     return [[_token(req, t.id, t.text, t.logprob) for t in top[:k]] for top in tops or []]
 
 
-def _prefill(req: GenerationRequest, prompt: PromptInfo | None) -> list[dict]:
+def _prefill(req: GenerationRequest, prompt: PromptInfo | None) -> list:
     if prompt is None:
         return []
     logprobs = prompt.logprobs or [None] * len(prompt.token_ids)
@@ -74,59 +206,65 @@ def _ranked(req: GenerationRequest, choices: list[Choice]) -> list[Choice]:
     return sorted(choices, key=lambda c: sum(c.logprobs or ()), reverse=True)
 
 
-def _sequence(req: GenerationRequest, c: Choice, top_n: int) -> dict[str, Any]:
-    seq: dict[str, Any] = {
-        "generated_text": _generated_text(req, c.text),
-        "finish_reason": finish_reason(c.finish_reason, c.stop_reason),
-        "generated_tokens": len(c.token_ids),
-        "tokens": _tokens(req, c),
-    }
-    if top_n:
-        seq["top_tokens"] = _top_tokens(req, c.top_logprobs, top_n)
-    return seq
+def _sequence(req: GenerationRequest, c: Choice, top_n: int) -> Sequence:
+    return Sequence(
+        generated_text=_generated_text(req, c.text),
+        finish_reason=finish_reason(c.finish_reason, c.stop_reason),
+        generated_tokens=len(c.token_ids),
+        tokens=_tokens(req, c),
+        top_tokens=_top_tokens(req, c.top_logprobs, top_n) if top_n else UNSET,
+    )
 
 
-def render_result(req: GenerationRequest, result: JobResult, job_id: str = "", created: int = 0) -> Any:
+def _batch_result(result: JobResult) -> BatchResult:
+    return BatchResult(generated_text=result.choices[0].text if result.choices else "")
+
+
+def render_result(req: GenerationRequest, result: JobResult, job_id: str = "",
+                  created: int = 0) -> LmiResult | list[LmiResult] | BatchResult:
+    """Rolling batch: one object; TGI compatibility: a one-element array; one dynamic-batch job
+    (``GET /v1/jobs/{id}`` of one of its jobs): its ``{"generated_text"}``."""
     if req.dialect == BATCH:
-        return {"generated_text": result.choices[0].text if result.choices else ""}
+        return _batch_result(result)
     choices = _ranked(req, result.choices) or [Choice()]
     best = choices[0]
-    body: dict[str, Any] = {"generated_text": _generated_text(req, best.text)}
+    body = LmiResult(generated_text=_generated_text(req, best.text))
     top_n = req.sampling.logprobs if req.sampling.logprobs else 0
     if req.output.details or len(choices) > 1:
-        details: dict[str, Any] = {
-            "finish_reason": finish_reason(best.finish_reason, best.stop_reason),
-            "generated_tokens": len(best.token_ids),
-            "inputs": req.prompt,
-            "tokens": _tokens(req, best),
-        }
-        if req.dialect == TGI:
-            details["seed"] = req.sampling.seed
-        if req.output.prompt_tokens:
-            details["prefill"] = _prefill(req, result.prompt)
-        if top_n:
-            details["top_tokens"] = _top_tokens(req, best.top_logprobs, top_n)
-        if len(choices) > 1:
-            details["best_of_sequences"] = [_sequence(req, c, top_n) for c in choices[1:]]
-        body["details"] = details
+        body.details = Details(
+            finish_reason=finish_reason(best.finish_reason, best.stop_reason),
+            generated_tokens=len(best.token_ids),
+            inputs=req.prompt,
+            tokens=_tokens(req, best),
+            seed=req.sampling.seed if req.dialect == TGI else UNSET,
+            prefill=_prefill(req, result.prompt) if req.output.prompt_tokens else UNSET,
+            top_tokens=_top_tokens(req, best.top_logprobs, top_n) if top_n else UNSET,
+            best_of_sequences=[_sequence(req, c, top_n) for c in choices[1:]] if len(choices) > 1 else UNSET,
+        )
     return [body] if req.dialect == TGI else body
 
 
-def render_batch_result(results: list[JobResult]) -> list[dict[str, str]]:
+def render_batch_result(results: list[JobResult]) -> list[BatchResult]:
     """Dynamic batch: one ``{"generated_text"}`` per input, in input order."""
-    return [{"generated_text": r.choices[0].text if r.choices else ""} for r in results]
+    return [_batch_result(r) for r in results]
 
 
 # --- streams --------------------------------------------------------------------------------
 
-_ERROR_LINE = {
-    "token": {"id": -1, "text": "", "log_prob": -1, "special_token": True},
-    "generated_text": "",
-    "details": {"finish_reason": "error", "generated_tokens": None, "inputs": None},
-}
+def _error_line(message: str) -> ErrorLine:
+    # log_prob is the integer -1 on the wire, as DJL sends it.
+    return ErrorLine(
+        token=LmiToken(id=-1, text="", log_prob=-1, special_token=True),
+        generated_text="",
+        details=StreamDetails(finish_reason="error", generated_tokens=None, inputs=None),
+        error=message,
+    )
 
 
-def _delta_lines(req: GenerationRequest, delta: TokenDelta, top_n: int) -> list[dict[str, Any]]:
+Line = StreamLine | TgiStreamLine | ErrorLine
+
+
+def _delta_lines(req: GenerationRequest, delta: TokenDelta, top_n: int) -> list[StreamLine | TgiStreamLine]:
     """One line per token. The text is the incremental detokeniser's, not each token decoded
     alone, so the lines always add up to ``generated_text`` even when a character spans several
     byte-level tokens; when one delta holds several tokens its text rides on the last one."""
@@ -134,81 +272,90 @@ def _delta_lines(req: GenerationRequest, delta: TokenDelta, top_n: int) -> list[
     texts = [""] * (count - 1) + [delta.text]
     logprobs = delta.logprobs or [None] * count
     eos = _eos_index(delta.finish_reason, delta.stop_reason, count)
-    lines = []
+    lines: list[StreamLine | TgiStreamLine] = []
     for i, tid in enumerate(delta.token_ids):
-        line: dict[str, Any] = {"token": _token(req, tid, texts[i], logprobs[i], i == eos)}
-        if req.dialect == TGI:
-            line = {"index": 0, **line, "generated_text": None, "details": None}
-        if top_n and delta.top_logprobs:
-            line["top_tokens"] = _top_tokens(req, [delta.top_logprobs[i]], top_n)[0]
-        lines.append(line)
+        token = _token(req, tid, texts[i], logprobs[i], i == eos)
+        top = _top_tokens(req, [delta.top_logprobs[i]], top_n)[0] if top_n and delta.top_logprobs else UNSET
+        if isinstance(token, TgiToken):
+            lines.append(TgiStreamLine(token=token, top_tokens=top))
+        else:
+            lines.append(StreamLine(token=token, top_tokens=top))
     return lines
 
 
 async def render_stream(
     req: GenerationRequest, events: AsyncIterator[Event | Keepalive], *, sse_format: bool
 ) -> AsyncIterator[bytes]:
-    def frame(obj: object) -> bytes:
-        return sse(obj) if sse_format else jsonline(obj)
+    def frame(line: Line) -> bytes:
+        return sse(line) if sse_format else jsonline(line)
 
     try:
         async for line in _lines(req, events):
             yield frame(line)
     except ServiceError as exc:  # the relay itself failed (say, Redis went away mid-stream)
-        yield frame({**_ERROR_LINE, "error": exc.message})
+        yield frame(_error_line(exc.message))
 
 
-async def _lines(req: GenerationRequest, events: AsyncIterator[Event | Keepalive]) -> AsyncIterator[dict[str, Any]]:
+async def _lines(req: GenerationRequest, events: AsyncIterator[Event | Keepalive]) -> AsyncIterator[Line]:
     text_parts: list[str] = []
     generated = 0
     top_n = req.sampling.logprobs or 0
-    async for event in events:
-        if isinstance(event, Keepalive):
-            continue  # JSON lines has no comment syntax; SSE keep-alives are not LMI's either
-        if isinstance(event, Error):
-            yield {**_ERROR_LINE, "error": event.message}
-            return
-        assert isinstance(event, (Tokens, Done))
-        lines = [line for delta in event.deltas for line in _delta_lines(req, delta, top_n)]
+
+    def token_lines(event: Tokens | Done) -> list[StreamLine | TgiStreamLine]:
+        nonlocal generated
         for delta in event.deltas:
             text_parts.append(delta.text)
             generated += len(delta.token_ids)
-        if isinstance(event, Tokens):
-            for line in lines:
-                yield line
-            continue
-        # The last line carries the last token plus generated_text (and details when asked).
-        last = lines.pop() if lines else {"token": _token(req, -1, "", None, True)}
-        for line in lines:
-            yield line
-        last["generated_text"] = _generated_text(req, "".join(text_parts))
-        if req.output.details:
-            final = event.deltas[-1] if event.deltas else TokenDelta()
-            details: dict[str, Any] = {
-                "finish_reason": finish_reason(final.finish_reason, final.stop_reason),
-                "generated_tokens": generated,
-                "inputs": req.prompt,
-            }
-            if req.dialect == TGI:
-                details.update(input_length=event.usage.prompt_tokens, seed=req.sampling.seed)
-            last["details"] = details
-        yield last
-        return
+        return [line for delta in event.deltas for line in _delta_lines(req, delta, top_n)]
+
+    async for event in events:
+        match event:
+            case Keepalive():
+                continue  # JSON lines has no comment syntax; SSE keep-alives are not LMI's either
+            case Error() as error:
+                yield _error_line(error.message)
+                return
+            case Tokens():
+                for line in token_lines(event):
+                    yield line
+            case Done():
+                lines = token_lines(event)
+                # The last line carries the last token plus generated_text (and details when asked).
+                # With no token at all it is a bare line around an empty special token.
+                last = lines.pop() if lines else StreamLine(token=_token(req, -1, "", None, True))
+                for line in lines:
+                    yield line
+                last.generated_text = _generated_text(req, "".join(text_parts))
+                if req.output.details:
+                    final = event.deltas[-1] if event.deltas else TokenDelta()
+                    tgi = req.dialect == TGI
+                    last.details = StreamDetails(
+                        finish_reason=finish_reason(final.finish_reason, final.stop_reason),
+                        generated_tokens=generated,
+                        inputs=req.prompt,
+                        input_length=event.usage.prompt_tokens if tgi else UNSET,
+                        seed=req.sampling.seed if tgi else UNSET,
+                    )
+                yield last
+                return
 
 
 async def render_batch_stream(inputs: int, events: AsyncIterator[Event | Keepalive]) -> AsyncIterator[bytes]:
     """Dynamic-batch streaming: ``{"outputs": [...]}`` lines, one entry per input (its new text)."""
     try:
         async for event in events:
-            if isinstance(event, Keepalive):
-                continue
-            if isinstance(event, Error):
-                yield jsonline({"code": 424, "message": "invoke handler failure", "error": event.message})
-                return
-            outputs = [""] * inputs
-            for delta in event.deltas:
-                outputs[delta.index] += delta.text
-            if any(outputs):
-                yield jsonline({"outputs": outputs})
+            match event:
+                case Keepalive():
+                    continue
+                case Error() as error:
+                    yield jsonline(batch_error(error.message))
+                    return
+                case Tokens() | Done():
+                    outputs = [""] * inputs
+                    for delta in event.deltas:
+                        outputs[delta.index] += delta.text
+                    if any(outputs):
+                        yield jsonline(BatchOutputs(outputs))
     except ServiceError as exc:
-        yield jsonline({"code": 424, "message": "invoke handler failure", "error": exc.message})
+        yield jsonline(batch_error(exc.message))
+

@@ -14,11 +14,11 @@ import math
 from typing import Annotated, Any
 
 import msgspec
-from msgspec import Meta
+from msgspec import UNSET, Meta, UnsetType
 
 from shared import json_input
 from shared.errors import InvalidRequest, ServiceError
-from shared.events import Done, Event, TokenDelta
+from shared.events import Done, Error, Event, TokenDelta, Tokens
 from shared.schemas import GenerationRequest, JobResult, OutputOptions, PromptInfo, SamplingParams, TopLogprob
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "Generate",
     "Score",
     "ModelInfo",
+    "ModelInfoData",
     "Frame",
     "FrameError",
     "parse_frame",
@@ -37,6 +38,13 @@ __all__ = [
     "TokenStream",
     "ScoreStream",
     "score_payloads",
+    "TokenPayload",
+    "ErrorPayload",
+    "ModelInfoPayload",
+    "ModelDescription",
+    "Payload",
+    "JobToken",
+    "ErrorBody",
     "frame",
     "error_payload",
     "model_info_payload",
@@ -80,12 +88,22 @@ class Score(msgspec.Struct, kw_only=True):
     model: str = ""
 
 
+class ModelInfoData(msgspec.Struct, kw_only=True):
+    """``MODEL_INFO``'s ``data``: only its model is read (any JSON value, taken as text)."""
+
+    model: Any = None
+
+
 class ModelInfo(msgspec.Struct, kw_only=True):
     """``MODEL_INFO``: the model is named at the top level and again in ``data``."""
 
     stream_id: Any = None
     model: str = ""
-    data: dict[str, Any] = {}
+    data: ModelInfoData = msgspec.field(default_factory=ModelInfoData)
+
+    def model_name(self) -> str:
+        """The model asked for, or "" for the default."""
+        return self.model or str(self.data.model or "")
 
 
 class _Head(msgspec.Struct):
@@ -192,6 +210,55 @@ def to_score_request(cmd: Score) -> GenerationRequest:
     )
 
 
+# --- server payloads: field order is the key order on the wire ------------------------------
+
+class TokenPayload(msgspec.Struct, kw_only=True):
+    """A TOKEN frame's payload: one token of a stream. SCORE payloads have no ``top_logprobs``."""
+
+    token: int
+    stream_id: int
+    logprob: float
+    finish_reason: str | None = None
+    top_logprobs: dict[str, float] | UnsetType = UNSET
+    """Token id (as text) to logprob, the sampled token first."""
+
+
+class ErrorPayload(msgspec.Struct, kw_only=True):
+    """As a TOKEN frame this fails the client's stream (LMTPStreamError); as MSG, a request."""
+
+    stream_id: Any
+    """Whatever the client sent (None when it could not be read)."""
+    error: str
+
+
+class ModelDescription(msgspec.Struct, kw_only=True):
+    model: str
+    model_type: str
+    ready_workers: int
+    max_model_len: int
+
+
+class ModelInfoPayload(msgspec.Struct, kw_only=True):
+    stream_id: Any
+    model_info: ModelDescription
+
+
+Payload = TokenPayload | ErrorPayload | ModelInfoPayload
+
+
+class JobToken(msgspec.Struct, kw_only=True):
+    """One token of an LMTP job seen through ``GET /v1/jobs/{id}`` (no stream, no alternatives);
+    a scored token has no ``finish_reason``."""
+
+    token: int
+    logprob: float
+    finish_reason: str | None | UnsetType = UNSET
+
+
+class ErrorBody(msgspec.Struct):
+    error: str
+
+
 def _finish_reason(reason: str | None) -> str:
     """LMTP knows ``stop`` (EOS) and ``length``; vLLM's ``stop`` / ``abort`` end the stream too."""
     return "length" if reason == "length" else "stop"
@@ -209,13 +276,29 @@ class TokenStream:
         self.stream_id = cmd.stream_id
         self.k = cmd.top_logprobs
         self.bias = cmd.logit_bias or {}
-        self.held: dict[str, Any] | None = None
+        self.held: TokenPayload | None = None
         self.reason: str | None = None
 
-    def feed(self, event: Event) -> list[dict[str, Any]]:
+    def feed(self, event: Event) -> list[TokenPayload]:
         """Payloads ready to send after ``event`` (``Error`` events are the caller's)."""
-        out: list[dict[str, Any]] = []
-        for delta in getattr(event, "deltas", ()):
+        match event:
+            case Tokens():
+                return self._take(event.deltas)
+            case Done():
+                out = self._take(event.deltas)
+                if self.held is None:
+                    raise ServiceError("the engine finished without generating a token")
+                self.held.finish_reason = _finish_reason(self.reason)
+                out.append(self.held)
+                self.held = None
+                return out
+            case Error():
+                return []
+
+    def _take(self, deltas: list[TokenDelta]) -> list[TokenPayload]:
+        """The payloads these deltas release: every new token but the newest, which is held."""
+        out: list[TokenPayload] = []
+        for delta in deltas:
             if delta.index != 0:
                 continue
             self.reason = delta.finish_reason or self.reason
@@ -223,28 +306,15 @@ class TokenStream:
                 if self.held is not None:
                     out.append(self.held)
                 self.held = payload
-        if isinstance(event, Done):
-            if self.held is None:
-                raise ServiceError("the engine finished without generating a token")
-            self.held["finish_reason"] = _finish_reason(self.reason)
-            out.append(self.held)
-            self.held = None
         return out
 
-    def _tokens(self, delta: TokenDelta) -> list[dict[str, Any]]:
+    def _tokens(self, delta: TokenDelta) -> list[TokenPayload]:
         payloads = []
         for i, token in enumerate(delta.token_ids):
             logprob = _number(delta.logprobs[i]) if delta.logprobs and i < len(delta.logprobs) else 0.0
             tops = delta.top_logprobs[i] if delta.top_logprobs and i < len(delta.top_logprobs) else []
-            payloads.append(
-                {
-                    "token": token,
-                    "stream_id": self.stream_id,
-                    "logprob": logprob,
-                    "finish_reason": None,
-                    "top_logprobs": self._top(token, logprob, tops),
-                }
-            )
+            payloads.append(TokenPayload(token=token, stream_id=self.stream_id, logprob=logprob,
+                                         top_logprobs=self._top(token, logprob, tops)))
         return payloads
 
     def _top(self, token: int, logprob: float, tops: list[TopLogprob]) -> dict[str, float]:
@@ -268,14 +338,19 @@ class ScoreStream:
         self.scored = list(cmd.scored)
         self.prompt: PromptInfo | None = None
 
-    def feed(self, event: Event) -> list[dict[str, Any]]:
-        self.prompt = getattr(event, "prompt", None) or self.prompt
-        if not isinstance(event, Done):
-            return []
-        return score_payloads(self.stream_id, self.offset, self.scored, self.prompt)
+    def feed(self, event: Event) -> list[TokenPayload]:
+        match event:
+            case Tokens():
+                self.prompt = event.prompt or self.prompt
+                return []
+            case Done():
+                prompt = event.prompt or self.prompt
+                return score_payloads(self.stream_id, self.offset, self.scored, prompt)
+            case Error():
+                return []
 
 
-def score_payloads(stream_id: int, offset: int, scored: list[int], prompt: PromptInfo | None) -> list[dict[str, Any]]:
+def score_payloads(stream_id: int, offset: int, scored: list[int], prompt: PromptInfo | None) -> list[TokenPayload]:
     """The scored slice of the prompt's logprobs. The very first prompt token has no logprob:
     0.0, as LMQL's server reports it."""
     if prompt is None or prompt.logprobs is None or prompt.token_ids[offset:] != scored:
@@ -283,12 +358,8 @@ def score_payloads(stream_id: int, offset: int, scored: list[int], prompt: Promp
     logprobs = prompt.logprobs[offset:]
     last = len(scored) - 1
     return [
-        {
-            "token": token,
-            "stream_id": stream_id,
-            "logprob": _number(lp if lp is not None else 0.0),
-            "finish_reason": "stop" if i == last else None,
-        }
+        TokenPayload(token=token, stream_id=stream_id, logprob=_number(lp if lp is not None else 0.0),
+                     finish_reason="stop" if i == last else None)
         for i, (token, lp) in enumerate(zip(scored, logprobs, strict=True))
     ]
 
@@ -299,48 +370,42 @@ def _number(value: float) -> float:
     return value if math.isfinite(value) else (-1e30 if value < 0 else 1e30)
 
 
-def frame(verb: str, payload: dict[str, Any]) -> str:
-    """One server message, byte-compatible with LMQL's server (``json.dumps([payload])``)."""
-    return f"{verb} {json.dumps([payload])}"
+def frame(verb: str, payload: Payload) -> str:
+    """One server message, byte-compatible with LMQL's server: ``json.dumps([payload])``, whose
+    spacing (``", "``, ``": "``) and float text differ from msgspec's compact encoding."""
+    return f"{verb} {json.dumps([msgspec.to_builtins(payload)])}"
 
 
-def error_payload(stream_id: Any, message: str) -> dict[str, Any]:
-    """As a TOKEN frame this fails the client's stream (LMTPStreamError); as MSG, a request."""
-    return {"stream_id": stream_id, "error": message}
+def error_payload(stream_id: Any, message: str) -> ErrorPayload:
+    return ErrorPayload(stream_id=stream_id, error=message)
 
 
-def model_info_payload(stream_id: Any, model: str, ready_workers: int, max_model_len: int) -> dict[str, Any]:
-    return {
-        "stream_id": stream_id,
-        "model_info": {
-            "model": model,
-            "model_type": "llmq",
-            "ready_workers": ready_workers,
-            "max_model_len": max_model_len,
-        },
-    }
+def model_info_payload(stream_id: Any, model: str, ready_workers: int, max_model_len: int) -> ModelInfoPayload:
+    return ModelInfoPayload(
+        stream_id=stream_id,
+        model_info=ModelDescription(model=model, model_type="llmq", ready_workers=ready_workers,
+                                    max_model_len=max_model_len),
+    )
 
 
-def render_result(req: GenerationRequest, result: JobResult, job_id: str, created: int) -> Any:
+def render_result(req: GenerationRequest, result: JobResult, job_id: str, created: int) -> list[JobToken]:
     """An LMTP job seen through ``GET /v1/jobs/{id}``: its TOKEN payloads, without a stream id."""
     if req.output.prompt_tokens and result.prompt is not None and result.prompt.logprobs is not None:
         ids, lps = result.prompt.token_ids, result.prompt.logprobs
-        return [{"token": t, "logprob": _number(lp if lp is not None else 0.0)} for t, lp in zip(ids, lps, strict=True)]
+        return [JobToken(token=t, logprob=_number(lp if lp is not None else 0.0))
+                for t, lp in zip(ids, lps, strict=True)]
     choice = result.choices[0] if result.choices else None
     if choice is None:
         return []
     logprobs = choice.logprobs or [0.0] * len(choice.token_ids)
     last = len(choice.token_ids) - 1
     return [
-        {
-            "token": t,
-            "logprob": _number(lp),
-            "finish_reason": _finish_reason(choice.finish_reason) if i == last else None,
-        }
+        JobToken(token=t, logprob=_number(lp),
+                 finish_reason=_finish_reason(choice.finish_reason) if i == last else None)
         for i, (t, lp) in enumerate(zip(choice.token_ids, logprobs, strict=False))
     ]
 
 
-def error_body(exc: ServiceError) -> tuple[int, Any]:
+def error_body(exc: ServiceError) -> tuple[int, ErrorBody]:
     """Only reached over HTTP (the upgrade itself, or a job view): LMTP's own error object."""
-    return exc.status, {"error": exc.message}
+    return exc.status, ErrorBody(exc.message)

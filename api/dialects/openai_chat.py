@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import msgspec
-from msgspec import Meta
+from msgspec import UNSET, Meta, UnsetType
 
-from api.dialects.openai_completions import error_body, usage_body
+from api.dialects.openai_completions import CompletionUsage, error_body, usage_body
 from api.dialects.openai_structured import ResponseFormat, StructuredOutputs, structured_output
 from shared.errors import InvalidRequest, ServiceError
 from shared.events import Done, Error, Event, TokenDelta
@@ -31,7 +31,15 @@ from shared.schemas import (
     SamplingParams,
 )
 
-__all__ = ["ChatRequest", "to_generation_request", "render_result", "render_stream", "error_body"]
+__all__ = [
+    "ChatRequest",
+    "to_generation_request",
+    "render_result",
+    "render_stream",
+    "error_body",
+    "ChatCompletion",
+    "ChatCompletionChunk",
+]
 
 NAME = "openai_chat"
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
@@ -242,52 +250,120 @@ def response_role(req: GenerationRequest) -> str:
     return req.messages[-1].role
 
 
-def _token(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": list(text.encode("utf-8", "replace"))}
+# Response objects, named after OpenAI's API reference; field order is the order on the wire. A
+# field that is sometimes absent is UnsetType (omitted), never None (an explicit null).
 
 
-def _logprobs(src: Choice | TokenDelta) -> dict[str, Any]:
+class TopLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatCompletionTokenLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(msgspec.Struct, kw_only=True):
+    content: list[ChatCompletionTokenLogprob]
+
+
+class ChatCompletionMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str
+
+
+class ChatCompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: ChatCompletionMessage
+    logprobs: ChoiceLogprobs | None
+    finish_reason: str
+    stop_reason: str | int | None  # vLLM's extra: the stop string or token id that ended the choice
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: CompletionUsage
+
+
+class ChoiceDelta(msgspec.Struct, kw_only=True):
+    role: str | UnsetType = UNSET  # only in a choice's opening chunk
+    content: str
+
+
+class ChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: ChoiceDelta
+    logprobs: ChoiceLogprobs | None
+    finish_reason: str | None
+    stop_reason: str | int | None | UnsetType = UNSET  # vLLM sends it with finish_reason only
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    """One chunk of a stream; the usage-only chunk has empty ``choices``, and only it has ``usage``."""
+
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: CompletionUsage | UnsetType = UNSET
+
+
+def _utf8(text: str) -> list[int]:
+    return list(text.encode("utf-8", "replace"))
+
+
+def _logprobs(src: Choice | TokenDelta) -> ChoiceLogprobs:
     content, tops = [], src.top_logprobs or []
     for i, (text, logprob) in enumerate(zip(src.token_texts or [], src.logprobs or [], strict=False)):
         top = tops[i] if i < len(tops) else []
-        content.append({**_token(text, logprob), "top_logprobs": [_token(t.text, t.logprob) for t in top]})
-    return {"content": content}
+        content.append(ChatCompletionTokenLogprob(
+            token=text, logprob=max(logprob, LOGPROB_FLOOR), bytes=_utf8(text),
+            top_logprobs=[TopLogprob(token=t.text, logprob=max(t.logprob, LOGPROB_FLOOR), bytes=_utf8(t.text))
+                          for t in top],
+        ))
+    return ChoiceLogprobs(content=content)
 
 
-def _choice(c: Choice, role: str, want_logprobs: bool) -> dict[str, Any]:
-    return {
-        "index": c.index,
-        "message": {"role": role, "content": c.text},
-        "logprobs": _logprobs(c) if want_logprobs else None,
-        "finish_reason": c.finish_reason or "stop",
-        "stop_reason": c.stop_reason,
-    }
+def _choice(c: Choice, role: str, want_logprobs: bool) -> ChatCompletionChoice:
+    return ChatCompletionChoice(
+        index=c.index,
+        message=ChatCompletionMessage(role=role, content=c.text),
+        logprobs=_logprobs(c) if want_logprobs else None,
+        finish_reason=c.finish_reason or "stop",
+        stop_reason=c.stop_reason,
+    )
 
 
-def render_result(req: GenerationRequest, result: JobResult, job_id: str, created: int) -> dict[str, Any]:
+def render_result(req: GenerationRequest, result: JobResult, job_id: str, created: int) -> ChatCompletion:
     role, want_logprobs = response_role(req), req.sampling.logprobs is not None
-    return {
-        "id": f"chatcmpl-{job_id}",
-        "object": "chat.completion",
-        "created": created,
-        "model": req.model,
-        "choices": [_choice(c, role, want_logprobs) for c in result.choices],
-        "usage": usage_body(result.usage),
-    }
+    return ChatCompletion(
+        id=f"chatcmpl-{job_id}",
+        created=created,
+        model=req.model,
+        choices=[_choice(c, role, want_logprobs) for c in result.choices],
+        usage=usage_body(result.usage),
+    )
 
 
-def _delta_choice(d: TokenDelta, want_logprobs: bool) -> dict[str, Any] | None:
+def _delta_choice(d: TokenDelta, want_logprobs: bool) -> ChunkChoice | None:
     if not d.text and not d.token_ids and d.finish_reason is None:
         return None  # nothing new (vLLM skips these too)
-    choice = {
-        "index": d.index,
-        "delta": {"content": d.text},
-        "logprobs": _logprobs(d) if want_logprobs else None,
-        "finish_reason": d.finish_reason,
-    }
-    if d.finish_reason is not None:
-        choice["stop_reason"] = d.stop_reason
-    return choice
+    return ChunkChoice(
+        index=d.index,
+        delta=ChoiceDelta(content=d.text),
+        logprobs=_logprobs(d) if want_logprobs else None,
+        finish_reason=d.finish_reason,
+        stop_reason=UNSET if d.finish_reason is None else d.stop_reason,
+    )
 
 
 async def render_stream(
@@ -300,9 +376,14 @@ async def render_stream(
 ) -> AsyncIterator[bytes]:
     """SSE chunks ending with ``[DONE]``; with ``sse_format=False`` (LMI's default for chat) the
     same chunks as JSON lines, no keep-alives and no terminator."""
-    head = {"id": f"chatcmpl-{job_id}", "object": "chat.completion.chunk", "created": created, "model": req.model}
     frame = sse if sse_format else jsonline
     want_logprobs, role = req.sampling.logprobs is not None, response_role(req)
+
+    def chunk(choices: list[ChunkChoice], usage: CompletionUsage | UnsetType = UNSET) -> bytes:
+        return frame(ChatCompletionChunk(
+            id=f"chatcmpl-{job_id}", created=created, model=req.model, choices=choices, usage=usage
+        ))
+
     started = False
     try:
         async for event in events:
@@ -316,15 +397,15 @@ async def render_stream(
             if not started:  # like vLLM: every choice opens with its role, before any content
                 started = True
                 for index in range(req.sampling.n):
-                    opening = {"index": index, "delta": {"role": role, "content": ""}, "logprobs": None}
-                    yield frame({**head, "choices": [{**opening, "finish_reason": None}]})
+                    opening = ChoiceDelta(role=role, content="")
+                    yield chunk([ChunkChoice(index=index, delta=opening, logprobs=None, finish_reason=None)])
             for delta in event.deltas:
                 choice = _delta_choice(delta, want_logprobs)
                 if choice is not None:
-                    yield frame({**head, "choices": [choice]})
+                    yield chunk([choice])
             if isinstance(event, Done):
                 if req.output.include_usage:
-                    yield frame({**head, "choices": [], "usage": usage_body(event.usage)})
+                    yield chunk([], usage_body(event.usage))
                 break
     except ServiceError as exc:  # the relay itself failed (say, Redis went away mid-stream)
         yield frame(error_body(exc)[1])

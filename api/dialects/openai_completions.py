@@ -8,10 +8,10 @@ error. Errors are ``{"error": {"message", "type", "param", "code"}}`` with vLLM'
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated
 
 import msgspec
-from msgspec import Meta
+from msgspec import UNSET, Meta, UnsetType
 
 from api.dialects.openai_structured import ResponseFormat, StructuredOutputs, structured_output
 from shared.errors import InvalidRequest, ServiceError
@@ -36,6 +36,14 @@ __all__ = [
     "render_stream",
     "error_body",
     "usage_body",
+    "Completion",
+    "CompletionChoice",
+    "CompletionLogprobs",
+    "CompletionUsage",
+    "ErrorObject",
+    "ErrorResponse",
+    "Model",
+    "ModelList",
 ]
 
 NAME = "openai_completions"
@@ -161,6 +169,74 @@ def to_generation_requests(body: CompletionRequest) -> list[GenerationRequest]:
     ]
 
 
+# --- response objects -----------------------------------------------------------------------
+# Named after OpenAI's API reference; field order is the order on the wire. A field that is
+# sometimes absent is UnsetType (omitted), never None (which is an explicit null).
+
+
+class CompletionUsage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    """The legacy logprobs object: one entry per token, ``top_logprobs`` keyed by token text."""
+
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: str | int | None  # vLLM's extra: the stop string or token id that ended the choice
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    """A response, and also each chunk of a stream (as in OpenAI's API): a chunk has no ``usage``
+    but the last one when usage was asked for, whose ``choices`` is empty."""
+
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage | UnsetType = UNSET
+
+
+class ErrorObject(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None
+    code: int  # vLLM puts the HTTP status here, not OpenAI's string code
+
+
+class ErrorResponse(msgspec.Struct, kw_only=True):
+    error: ErrorObject
+
+
+class Model(msgspec.Struct, kw_only=True):
+    """A ``/v1/models`` card, with vLLM's extras (``root``, ``parent``, ``max_model_len``)."""
+
+    id: str
+    object: str = "model"
+    created: int = 0
+    owned_by: str = "llmq"
+    root: str
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[Model]
+
+
 # --- rendering ------------------------------------------------------------------------------
 
 def _logprobs(
@@ -168,7 +244,7 @@ def _logprobs(
     logprobs: list[float | None] | None,
     tops: list[list[TopLogprob]] | None,
     offset: int,
-) -> dict[str, Any] | None:
+) -> CompletionLogprobs | None:
     if logprobs is None or texts is None:
         return None
     offsets = []
@@ -179,15 +255,15 @@ def _logprobs(
         None if lp is None else ({t.text: t.logprob for t in tops[i]} if tops else {})
         for i, lp in enumerate(logprobs)
     ]
-    return {"text_offset": offsets, "token_logprobs": logprobs, "tokens": texts, "top_logprobs": top_dicts}
+    return CompletionLogprobs(text_offset=offsets, token_logprobs=logprobs, tokens=texts, top_logprobs=top_dicts)
 
 
-def usage_body(usage: Usage) -> dict[str, int]:
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-    }
+def usage_body(usage: Usage) -> CompletionUsage:
+    return CompletionUsage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.prompt_tokens + usage.completion_tokens,
+    )
 
 
 def _echo(req: GenerationRequest, prompt: PromptInfo | None, want_logprobs: bool):
@@ -209,22 +285,22 @@ def _with_echo(req, prompt, text, texts, logprobs, tops):
     return e_text + text, texts, logprobs, tops
 
 
-def _choice(c: Choice, req: GenerationRequest, prompt: PromptInfo | None, index: int) -> dict[str, Any]:
+def _choice(c: Choice, req: GenerationRequest, prompt: PromptInfo | None, index: int) -> CompletionChoice:
     text, texts, logprobs, tops = c.text, c.token_texts, c.logprobs, c.top_logprobs
     if req.output.echo:
         text, texts, logprobs, tops = _with_echo(req, prompt, text, texts, logprobs, tops)
-    return {
-        "index": index,
-        "text": text,
-        "logprobs": _logprobs(texts, logprobs, tops, 0),
-        "finish_reason": c.finish_reason,
-        "stop_reason": c.stop_reason,
-    }
+    return CompletionChoice(
+        index=index,
+        text=text,
+        logprobs=_logprobs(texts, logprobs, tops, 0),
+        finish_reason=c.finish_reason,
+        stop_reason=c.stop_reason,
+    )
 
 
 def render_results(
     reqs: list[GenerationRequest], results: list[JobResult], job_id: str, created: int
-) -> dict[str, Any]:
+) -> Completion:
     """A batch of prompts as one completion: choice indexes run across the prompts."""
     n = reqs[0].sampling.n
     choices = [
@@ -236,17 +312,12 @@ def render_results(
         prompt_tokens=sum(r.usage.prompt_tokens for r in results),
         completion_tokens=sum(r.usage.completion_tokens for r in results),
     )
-    return {
-        "id": f"cmpl-{job_id}",
-        "object": "text_completion",
-        "created": created,
-        "model": reqs[0].model,
-        "choices": choices,
-        "usage": usage_body(usage),
-    }
+    return Completion(
+        id=f"cmpl-{job_id}", created=created, model=reqs[0].model, choices=choices, usage=usage_body(usage)
+    )
 
 
-def render_result(req: GenerationRequest, result: JobResult, job_id: str, created: int) -> dict[str, Any]:
+def render_result(req: GenerationRequest, result: JobResult, job_id: str, created: int) -> Completion:
     return render_results([req], [result], job_id, created)
 
 
@@ -260,24 +331,26 @@ async def render_stream(
     reqs = reqs if isinstance(reqs, list) else [reqs]
     first = reqs[0]
     n = first.sampling.n
-    head = {"id": f"cmpl-{job_id}", "object": "text_completion", "created": created, "model": first.model}
     offsets: dict[int, int] = {}
     prompts: dict[int, PromptInfo] = {}
 
-    def chunk_choice(d: TokenDelta) -> dict[str, Any]:
+    def chunk(choices: list[CompletionChoice], usage: CompletionUsage | UnsetType = UNSET) -> bytes:
+        return sse(Completion(id=f"cmpl-{job_id}", created=created, model=first.model, choices=choices, usage=usage))
+
+    def chunk_choice(d: TokenDelta) -> CompletionChoice:
         text, texts, logprobs, tops = d.text, d.token_texts, d.logprobs, d.top_logprobs
         if first.output.echo and d.index not in offsets:  # a choice's first chunk carries its prompt
             job = d.index // n
             text, texts, logprobs, tops = _with_echo(reqs[job], prompts.get(job), text, texts, logprobs, tops)
         offset = offsets.get(d.index, 0)
         offsets[d.index] = offset + len(text)
-        return {
-            "index": d.index,
-            "text": text,
-            "logprobs": _logprobs(texts, logprobs, tops, offset),
-            "finish_reason": d.finish_reason,
-            "stop_reason": d.stop_reason,
-        }
+        return CompletionChoice(
+            index=d.index,
+            text=text,
+            logprobs=_logprobs(texts, logprobs, tops, offset),
+            finish_reason=d.finish_reason,
+            stop_reason=d.stop_reason,
+        )
 
     try:
         async for event in events:
@@ -291,10 +364,10 @@ async def render_stream(
                 prompts[event.deltas[0].index // n if event.deltas else 0] = event.prompt
             for delta in event.deltas:
                 if delta.token_ids or delta.text or delta.finish_reason or delta.index not in offsets:
-                    yield sse({**head, "choices": [chunk_choice(delta)]})
+                    yield chunk([chunk_choice(delta)])
             if isinstance(event, Done):
                 if first.output.include_usage:
-                    yield sse({**head, "choices": [], "usage": usage_body(event.usage)})
+                    yield chunk([], usage_body(event.usage))
                 break
     except ServiceError as exc:  # the relay itself failed (say, Redis went away mid-stream)
         yield sse(error_body(exc)[1])
@@ -306,12 +379,8 @@ _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundErro
           429: "RateLimitError", 503: "ServiceUnavailableError"}
 
 
-def error_body(exc: ServiceError) -> tuple[int, dict[str, Any]]:
-    return exc.status, {
-        "error": {
-            "message": exc.message,
-            "type": _TYPES.get(exc.status, "InternalServerError"),
-            "param": exc.param,
-            "code": exc.status,
-        }
-    }
+def error_body(exc: ServiceError) -> tuple[int, ErrorResponse]:
+    error = ErrorObject(
+        message=exc.message, type=_TYPES.get(exc.status, "InternalServerError"), param=exc.param, code=exc.status
+    )
+    return exc.status, ErrorResponse(error=error)

@@ -10,19 +10,41 @@ and ``details``. A stream always answers 200: every error, even a validation err
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Annotated, Any, Literal
 
 import msgspec
-from msgspec import Meta
+from msgspec import UNSET, Meta, UnsetType
 
 from shared import json_input
 from shared.errors import InvalidRequest, ServiceError
-from shared.events import TokenDelta
-from shared.framing import sse
-from shared.schemas import Choice, GenerationRequest, JobResult, OutputOptions, SamplingParams, StructuredOutput
+from shared.events import Done, Error, Event, TokenDelta, Tokens
+from shared.framing import KEEPALIVE, Keepalive, sse
+from shared.schemas import (
+    Choice,
+    GenerationRequest,
+    JobResult,
+    OutputOptions,
+    SamplingParams,
+    StructuredOutput,
+    TopLogprob,
+)
 
-__all__ = ["GenerateRequest", "to_generation_request", "render_result", "error_body", "error_frame", "TokenTexts"]
+__all__ = [
+    "GenerateRequest",
+    "to_generation_request",
+    "render_result",
+    "render_stream",
+    "error_body",
+    "error_frame",
+    "TokenTexts",
+    "Token",
+    "GenerateResponse",
+    "StreamResponse",
+    "ErrorResponse",
+    "Info",
+    "SimpleToken",
+]
 
 NAME = "tgi"
 MAX_BEST_OF = 2
@@ -79,6 +101,99 @@ class IncompleteGeneration(ServiceError):
 class IncompleteGenerationStream(ServiceError):
     status = 500
     code = "incomplete_generation_stream"
+
+
+# --- responses: TGI's own objects (router/src/lib.rs), in its key order --------------------------
+# UNSET marks keys TGI skips (``skip_serializing_if``); None is a key TGI sends as null.
+
+
+class Token(msgspec.Struct):
+    id: int
+    text: str
+    logprob: float | None
+    special: bool
+
+
+class PrefillToken(msgspec.Struct):
+    id: int
+    text: str
+    logprob: float | None
+
+
+class BestOfSequence(msgspec.Struct, kw_only=True):
+    generated_text: str
+    finish_reason: str
+    generated_tokens: int
+    seed: int | None
+    prefill: list[PrefillToken]
+    tokens: list[Token]
+    top_tokens: list[list[Token]] | UnsetType = UNSET
+    """Present whenever top_n_tokens was asked for, even empty."""
+
+
+class Details(msgspec.Struct, kw_only=True):
+    finish_reason: str
+    generated_tokens: int
+    seed: int | None
+    prefill: list[PrefillToken]
+    tokens: list[Token]
+    best_of_sequences: list[BestOfSequence] | UnsetType = UNSET
+    top_tokens: list[list[Token]] | UnsetType = UNSET
+    """Only when not empty."""
+
+
+class GenerateResponse(msgspec.Struct, kw_only=True):
+    generated_text: str
+    details: Details | UnsetType = UNSET
+
+
+class StreamDetails(msgspec.Struct, kw_only=True):
+    finish_reason: str
+    generated_tokens: int
+    seed: int | None
+    input_length: int
+
+
+class StreamResponse(msgspec.Struct, kw_only=True):
+    index: int
+    token: Token
+    top_tokens: list[Token] | UnsetType = UNSET
+    """Only when not empty (TGI skips an empty list)."""
+    generated_text: str | None = None
+    details: StreamDetails | None = None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: str
+    error_type: str
+
+
+class SimpleToken(msgspec.Struct):
+    """One token of ``POST /tokenize``, with its slice of the input (character offsets)."""
+
+    id: int
+    text: str
+    start: int
+    stop: int
+
+
+class Info(msgspec.Struct, kw_only=True):
+    """``GET /info``."""
+
+    model_id: str
+    model_sha: str | None = None
+    model_pipeline_tag: str = "text-generation"
+    max_concurrent_requests: int
+    max_best_of: int = MAX_BEST_OF
+    max_stop_sequences: int = MAX_STOP_SEQUENCES
+    max_input_tokens: int
+    max_total_tokens: int
+    validation_workers: int = 1
+    max_client_batch_size: int = MAX_CLIENT_BATCH_SIZE
+    router: str = "llmq"
+    version: str
+    sha: str | None = None
+    docker_label: str | None = None
 
 
 def _range_checks(p: GenerateParameters, do_sample: bool, best_of: int) -> None:
@@ -225,8 +340,8 @@ def finish_reason(reason: str | None, stop_reason: str | int | None) -> str:
     return "stop_sequence" if isinstance(stop_reason, str) else "eos_token"
 
 
-def token(tid: int, text: str, logprob: float | None, special: bool) -> dict[str, Any]:
-    return {"id": tid, "text": text, "logprob": logprob, "special": special}
+def token(tid: int, text: str, logprob: float | None, special: bool) -> Token:
+    return Token(tid, text, logprob, special)
 
 
 def _fit(values: list | None, n: int, fill: Any) -> list:
@@ -259,7 +374,7 @@ class TokenTexts:
         logprobs: list[float] | None,
         reason: str | None = None,
         stop_reason: str | int | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[Token]:
         flags = [tid in self.special for tid in ids]
         if flags and reason == "stop" and not isinstance(stop_reason, str):
             flags[-1] = True
@@ -282,14 +397,16 @@ class TokenTexts:
         if reason is not None and self.pending and plain:  # the end: nothing may be left over
             texts[plain[-1]], self.pending = texts[plain[-1]] + self.pending, ""
         lps = _fit(logprobs, len(ids), None)
-        return [token(tid, texts[i], lps[i], flags[i]) for i, tid in enumerate(ids)]
+        return [Token(tid, texts[i], lps[i], flags[i]) for i, tid in enumerate(ids)]
 
-    def delta(self, d: TokenDelta) -> list[dict[str, Any]]:
+    def delta(self, d: TokenDelta) -> list[Token]:
         return self.tokens(d.token_ids, d.token_texts, d.text, d.logprobs, d.finish_reason, d.stop_reason)
 
 
-def top_tokens_of(tops: Iterable[list] | None, special: frozenset[int] = frozenset()) -> list[list[dict[str, Any]]]:
-    return [[token(t.id, t.text, t.logprob, t.id in special) for t in top] for top in tops or ()]
+def top_tokens_of(
+    tops: Iterable[list[TopLogprob]] | None, special: frozenset[int] = frozenset()
+) -> list[list[Token]]:
+    return [[Token(t.id, t.text, t.logprob, t.id in special) for t in top] for top in tops or ()]
 
 
 def full_text_prefix(req: GenerationRequest, inputs: str | None) -> str:
@@ -302,38 +419,36 @@ def reported_seed(req: GenerationRequest) -> int | None:
     return req.sampling.seed if req.sampling.temperature > 0 else None
 
 
-def _prefill(result: JobResult) -> list[dict[str, Any]]:
+def _prefill(result: JobResult) -> list[PrefillToken]:
     p = result.prompt
     if p is None:
         return []
     texts, lps = _fit(p.token_texts, len(p.token_ids), ""), _fit(p.logprobs, len(p.token_ids), None)
-    return [{"id": tid, "text": texts[i], "logprob": lps[i]} for i, tid in enumerate(p.token_ids)]
+    return [PrefillToken(tid, texts[i], lps[i]) for i, tid in enumerate(p.token_ids)]
 
 
 def _sequence(
     req: GenerationRequest,
     choice: Choice,
-    tokens: list[dict[str, Any]] | None,
-    prefill: list,
+    tokens: list[Token] | None,
+    prefill: list[PrefillToken],
     prefix: str,
     special: frozenset[int],
-) -> dict[str, Any]:
+) -> BestOfSequence:
     if tokens is None:  # no per-event tokens (a stored result): the whole choice as one run
         c = choice
         tokens = TokenTexts(special).tokens(
             c.token_ids, c.token_texts, c.text, c.logprobs, c.finish_reason, c.stop_reason
         )
-    seq: dict[str, Any] = {
-        "generated_text": prefix + choice.text,
-        "finish_reason": finish_reason(choice.finish_reason, choice.stop_reason),
-        "generated_tokens": len(choice.token_ids),
-        "seed": reported_seed(req),
-        "prefill": prefill,
-        "tokens": tokens,
-    }
-    if req.sampling.logprobs:
-        seq["top_tokens"] = top_tokens_of(choice.top_logprobs, special)
-    return seq
+    return BestOfSequence(
+        generated_text=prefix + choice.text,
+        finish_reason=finish_reason(choice.finish_reason, choice.stop_reason),
+        generated_tokens=len(choice.token_ids),
+        seed=reported_seed(req),
+        prefill=prefill,
+        tokens=tokens,
+        top_tokens=top_tokens_of(choice.top_logprobs, special) if req.sampling.logprobs else UNSET,
+    )
 
 
 def _best(choices: list[Choice]) -> int:
@@ -348,9 +463,9 @@ def render_result(
     created: int = 0,
     *,
     inputs: str | None = None,
-    tokens: dict[int, list[dict[str, Any]]] | None = None,
+    tokens: dict[int, list[Token]] | None = None,
     special: frozenset[int] = frozenset(),
-) -> dict[str, Any]:
+) -> GenerateResponse:
     """GenerateResponse. ``tokens`` are the per-choice tokens built event by event (so they match
     the stream exactly); without them they are rebuilt from the folded result."""
     if not result.choices:
@@ -358,20 +473,87 @@ def render_result(
     prefix = full_text_prefix(req, inputs)
     best = _best(result.choices)
     choice = result.choices[best]
-    body: dict[str, Any] = {"generated_text": prefix + choice.text}
     if not req.output.details:
-        return body
+        return GenerateResponse(generated_text=prefix + choice.text)
     prefill = _prefill(result)
     seqs = [_sequence(req, c, (tokens or {}).get(c.index), prefill, prefix, special) for c in result.choices]
-    details = seqs[best]
-    del details["generated_text"]
-    top = details.pop("top_tokens", None)
-    if len(seqs) > 1:
-        details["best_of_sequences"] = [s for i, s in enumerate(seqs) if i != best]
-    if top:
-        details["top_tokens"] = top
-    body["details"] = details
-    return body
+    won = seqs[best]
+    details = Details(
+        finish_reason=won.finish_reason,
+        generated_tokens=won.generated_tokens,
+        seed=won.seed,
+        prefill=won.prefill,
+        tokens=won.tokens,
+        best_of_sequences=[s for i, s in enumerate(seqs) if i != best] if len(seqs) > 1 else UNSET,
+        top_tokens=won.top_tokens or UNSET,
+    )
+    return GenerateResponse(generated_text=prefix + choice.text, details=details)
+
+
+# --- streaming ------------------------------------------------------------------------------
+
+
+def _event(index: int, token: Token, top: list[Token] | None, text: str | None, details: StreamDetails | None
+           ) -> bytes:
+    """A StreamResponse: ``top_tokens`` only when asked for (TGI skips an empty list)."""
+    event = StreamResponse(index=index, token=token, top_tokens=top or UNSET, generated_text=text, details=details)
+    return sse(event, space=False)
+
+
+def _stream_details(req: GenerationRequest, done: Done, generated: int) -> StreamDetails | None:
+    if not req.output.details:
+        return None
+    final = done.deltas[-1] if done.deltas else TokenDelta()
+    return StreamDetails(
+        finish_reason=finish_reason(final.finish_reason, final.stop_reason),
+        generated_tokens=generated,
+        seed=reported_seed(req),
+        input_length=done.usage.prompt_tokens,
+    )
+
+
+async def render_stream(
+    req: GenerationRequest,
+    events: AsyncIterator[Event | Keepalive],
+    *,
+    inputs: str,
+    special: frozenset[int] = frozenset(),
+) -> AsyncIterator[bytes]:
+    """One event per token, counted from 1; the last token's event also carries
+    ``generated_text`` and ``details``."""
+    index, generated, parts, texts = 0, 0, [], TokenTexts(special)
+    try:
+        async for event in events:
+            match event:
+                case Keepalive():
+                    yield KEEPALIVE
+                    continue
+                case Error() as e:
+                    yield error_frame(e.exception())
+                    return
+            pending: list[tuple[Token, list[Token] | None]] = []
+            for d in event.deltas:
+                parts.append(d.text)
+                generated += len(d.token_ids)
+                tops = top_tokens_of(d.top_logprobs, special)
+                pending += [(t, tops[i] if i < len(tops) else None) for i, t in enumerate(texts.delta(d))]
+            match event:
+                case Tokens():
+                    for tok, top in pending:
+                        index += 1
+                        yield _event(index, tok, top, None, None)
+                case Done():
+                    # Done carries the last engine step's tokens: its last token is the final event.
+                    last = pending.pop() if pending else (Token(0, "", None, True), None)
+                    for tok, top in pending:
+                        index += 1
+                        yield _event(index, tok, top, None, None)
+                    text = full_text_prefix(req, inputs) + "".join(parts)
+                    yield _event(index + 1, *last, text, _stream_details(req, event, generated))
+                    return
+        yield error_frame(IncompleteGenerationStream("Incomplete generation stream"))
+    except ServiceError as exc:  # the relay itself failed (say, Redis went away mid-stream)
+        yield error_frame(exc)
 
 
 def error_frame(exc: ServiceError) -> bytes:
@@ -384,17 +566,17 @@ def error_frame(exc: ServiceError) -> bytes:
 _GENERATION = {"generation_failed", "engine_dead", "worker_shutdown", "cancelled", "job_missing"}
 
 
-def error_body(exc: ServiceError) -> tuple[int, dict[str, Any]]:
+def error_body(exc: ServiceError) -> tuple[int, ErrorResponse]:
     """TGI's ErrorResponse and statuses: 422 validation, 424 generation, 429 overloaded,
     500 incomplete_generation; other llmq errors keep their status and name their code."""
     if exc.status in (400, 422):
-        return 422, {"error": f"Input validation error: {exc.message}", "error_type": "validation"}
+        return 422, ErrorResponse(f"Input validation error: {exc.message}", "validation")
     if exc.status == 429:
-        return 429, {"error": exc.message, "error_type": "overloaded"}
+        return 429, ErrorResponse(exc.message, "overloaded")
     if exc.code in _GENERATION:
-        return 424, {"error": f"Request failed during generation: {exc.message}", "error_type": "generation"}
+        return 424, ErrorResponse(f"Request failed during generation: {exc.message}", "generation")
     if exc.code == IncompleteGenerationStream.code:
-        return 500, {"error": exc.message, "error_type": exc.code}
+        return 500, ErrorResponse(exc.message, exc.code)
     if exc.status == 500:
-        return 500, {"error": exc.message, "error_type": "incomplete_generation"}
-    return exc.status, {"error": exc.message, "error_type": exc.code}
+        return 500, ErrorResponse(exc.message, "incomplete_generation")
+    return exc.status, ErrorResponse(exc.message, exc.code)

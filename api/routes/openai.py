@@ -39,9 +39,8 @@ async def completions(request: Request, svc: Svc, ctx: Ctx) -> Response | Stream
 async def models(svc: Svc) -> Response:
     """The models requests may name: served now, or queued for the next worker that serves them."""
     cards = [
-        {"id": name, "object": "model", "created": 0, "owned_by": "llmq",
-         "root": svc.settings.model if name == svc.model else name, "parent": None,
-         "max_model_len": svc.settings.max_model_len}
+        oc.Model(id=name, root=svc.settings.model if name == svc.model else name,
+                 max_model_len=svc.settings.max_model_len)
         for name in await svc.models.known()
     ]
-    return json_response({"object": "list", "data": cards})
+    return json_response(oc.ModelList(data=cards))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.metadata
 from collections.abc import AsyncIterator
-from typing import Any
 
 from litestar import Request, Response, get, post
 from litestar.params import FromPath
@@ -51,7 +50,7 @@ async def _check_model(svc: Services, model: str, version: str | None) -> None:
         raise ModelNotFound(f"Request for unknown model: '{model}' version {number} is not found")
 
 
-async def _one_event(payload: dict[str, Any]) -> AsyncIterator[bytes]:
+async def _one_event(payload: tr.GenerateResponse) -> AsyncIterator[bytes]:
     yield sse(payload)
 
 
@@ -59,7 +58,8 @@ async def _generate(
     request: Request, svc: Services, ctx: RequestContext, model: str, version: str | None, *, streaming: bool
 ) -> Response | Stream:
     await _check_model(svc, model, version)
-    req, opts = tr.to_generation_request(await decode_body(request, dict[str, Any]), model)
+    body = tr.read_body(await decode_body(request, tr.RawBody))
+    req, opts = tr.to_generation_request(body, model)
     if ctx.respond_async:
         return await accepted(svc, ctx, req)
     sub = await submit(svc, ctx, req)
@@ -120,7 +120,9 @@ def _llmq_version() -> str:
 
 @get("/v2", opt=_OPT)
 async def server_metadata() -> Response:
-    return json_response({"name": "llmq", "version": _llmq_version(), "extensions": ["generate", "parameters"]})
+    return json_response(
+        tr.ServerMetadataResponse(name="llmq", version=_llmq_version(), extensions=["generate", "parameters"])
+    )
 
 
 @get("/v2/health/live", opt=_OPT)
@@ -136,13 +138,13 @@ async def health_ready(svc: Svc) -> Response:
 async def _metadata(svc: Services, model: str, version: str | None) -> Response:
     await _check_model(svc, model, version)
     return json_response(
-        {
-            "name": model,
-            "versions": [tr.MODEL_VERSION],
-            "platform": "vllm",
-            "inputs": tr.METADATA_INPUTS,
-            "outputs": tr.METADATA_OUTPUTS,
-        }
+        tr.ModelMetadataResponse(
+            name=model,
+            versions=[tr.MODEL_VERSION],
+            platform="vllm",
+            inputs=tr.METADATA_INPUTS,
+            outputs=tr.METADATA_OUTPUTS,
+        )
     )
 
 

@@ -247,7 +247,8 @@ OUTCOMES = [
     Answered(custom_id="b", request_id="j2", created=1700000001, requests=[_prompt("ab"), _prompt("cd")],
              results=[_result("x"), _result("y")]),
     Failed(custom_id="c", request_id="j4", error=JobError(code="deadline_exceeded", message="too late", status=504)),
-    Refused(custom_id="d", request_id="batch_1_3", error=LineError(status=400, body={"error": {"message": "m"}})),
+    Refused(custom_id="d", request_id="batch_1_3",
+            error=LineError(status=400, body=msgspec.Raw(b'{"error":{"message":"m"}}'))),
     NotRun(custom_id="e", request_id="batch_1_4", code="batch_cancelled",
            message="The batch was cancelled before this request ran."),
 ]

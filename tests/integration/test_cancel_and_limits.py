@@ -21,6 +21,7 @@ from api.listener import EventListener
 from api.models import ModelRegistry
 from api.services import Services
 from api.submit import submit
+from api.tokenizer import Tokenizer
 from api.watches import JobWatch, end_watches
 from shared.keys import Keys
 from shared.queue import Queue
@@ -178,7 +179,7 @@ async def test_submit_cancelled_during_enqueue_still_cancels_its_job(redis_url, 
         listen = asyncio.create_task(listener.run())
         stack.callback(listen.cancel)
         svc = Services(settings=s.settings, keys=keys, queue=Queue(redis, keys), listener=listener,
-                       models=ModelRegistry(redis, keys, MODEL))
+                       models=ModelRegistry(redis, keys, MODEL), tokenizer=Tokenizer(s.settings.model_path))
         queued: list[str] = []
         real_enqueue = svc.queue.enqueue
         enqueued = asyncio.Event()

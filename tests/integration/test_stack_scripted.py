@@ -63,6 +63,16 @@ async def test_openai_stream_is_sse_with_space_and_done_terminator(stack):
     assert len({c["id"] for c in chunks}) == 1 and chunks[0]["object"] == "text_completion"
 
 
+async def test_models_list_is_openais_shape_with_vllms_extras(stack):
+    client, _, settings = stack
+    resp = await client.get("/v1/models")
+    assert resp.status_code == 200
+    # The served name "tiny" is the configured model's alias: its root is the model itself.
+    card = (f'{{"id":"tiny","object":"model","created":0,"owned_by":"llmq","root":"{settings.model}",'
+            f'"parent":null,"max_model_len":{settings.max_model_len}}}')
+    assert resp.content == f'{{"object":"list","data":[{card}]}}'.encode()
+
+
 async def test_error_before_first_token_gets_real_status(stack):
     client, _, _ = stack
     resp = await client.post("/v1/completions", json={"prompt": "fail", "max_tokens": 3, "stream": True})

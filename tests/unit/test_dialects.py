@@ -8,7 +8,8 @@ import pytest
 from api.dialects import lmi
 from api.dialects import openai_completions as oc
 from api.dialects.lmi_render import finish_reason
-from shared.errors import InvalidRequest
+from shared.codec import encode
+from shared.errors import InvalidRequest, error_from_code
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.framing import SSE_DONE, Keepalive, sse
 from shared.schemas import Choice, JobResult, PromptInfo, TopLogprob, Usage
@@ -70,7 +71,7 @@ def test_lmi_several_sequences_put_the_most_likely_first_and_the_rest_in_best_of
     req = lmi_req({"inputs": "p", "parameters": {"best_of": 2, "temperature": 0.8}})
     unlikely = Choice(index=0, text="a", token_ids=[5], token_texts=["a"], logprobs=[-3.0], finish_reason="length")
     likely = Choice(index=1, text="b", token_ids=[2], token_texts=[""], logprobs=[-0.1], finish_reason="stop")
-    body = lmi.render_result(req, JobResult(choices=[unlikely, likely]))
+    body = msgspec.to_builtins(lmi.render_result(req, JobResult(choices=[unlikely, likely])))
     assert body["generated_text"] == "b" and body["details"]["finish_reason"] == "eos_token"
     assert body["details"]["tokens"] == [{"id": 2, "text": "", "log_prob": -0.1, "special_token": True}]
     (other,) = body["details"]["best_of_sequences"]
@@ -81,15 +82,17 @@ def test_lmi_several_sequences_put_the_most_likely_first_and_the_rest_in_best_of
 def test_lmi_tgi_compat_is_an_array_with_details_and_tgi_token_names():
     req = lmi.to_generation_request(msgspec.convert({"inputs": "p"}, lmi.LmiRequest), tgi_compat=True)
     choice = Choice(text="a", token_ids=[5], token_texts=["a"], logprobs=[-1.0], finish_reason="length")
-    (body,) = lmi.render_result(req, JobResult(choices=[choice]))
-    assert body["details"]["tokens"] == [{"id": 5, "text": "a", "logprob": -1.0, "special": False}]
+    assert encode(lmi.render_result(req, JobResult(choices=[choice]))) == (
+        b'[{"generated_text":"a","details":{"finish_reason":"length","generated_tokens":1,"inputs":"p",'
+        b'"tokens":[{"id":5,"text":"a","logprob":-1.0,"special":false}],"seed":null}}]'
+    )
 
 
 def test_lmi_decoder_input_details_gives_prefill():
     req = lmi_req({"inputs": "p", "parameters": {"decoder_input_details": True, "details": True}})
     prompt = PromptInfo(token_ids=[1, 9], token_texts=["<s>", "p"], logprobs=[None, -2.0])
     choice = Choice(text="a", token_ids=[5], token_texts=["a"], logprobs=[-1.0], finish_reason="length")
-    body = lmi.render_result(req, JobResult(choices=[choice], prompt=prompt))
+    body = msgspec.to_builtins(lmi.render_result(req, JobResult(choices=[choice], prompt=prompt)))
     assert body["details"]["prefill"] == [{"id": 1, "text": "<s>", "log_prob": None},
                                           {"id": 9, "text": "p", "log_prob": -2.0}]
 
@@ -123,6 +126,69 @@ def test_lmi_finish_reasons_use_lmi_vocabulary():
     assert finish_reason("length", None) == "length"
     assert finish_reason("stop", None) == "eos_token"
     assert finish_reason("stop", "\n") == "stop_sequence"
+
+
+async def test_lmi_tgi_compat_stream_lines_carry_nulls_until_the_last():
+    req = lmi.to_generation_request(msgspec.convert({"inputs": "p", "parameters": {"top_n_tokens": 1, "seed": 4}},
+                                                    lmi.LmiRequest), tgi_compat=True)
+    top = [[TopLogprob(7, "q", -0.25)]]
+    events = [Tokens(seq=1, deltas=[TokenDelta(token_ids=[1], text="a", logprobs=[-1.0], top_logprobs=top)]),
+              Done(seq=2, deltas=[TokenDelta(token_ids=[2], text="b", logprobs=[-0.5], top_logprobs=top,
+                                             finish_reason="length")], usage=Usage(prompt_tokens=3))]
+    frames = [f async for f in lmi.render_stream(req, _aiter(events), sse_format=True)]
+    assert frames == [
+        b'data: {"index":0,"token":{"id":1,"text":"a","logprob":-1.0,"special":false},"generated_text":null,'
+        b'"details":null,"top_tokens":[{"id":7,"text":"q","logprob":-0.25,"special":false}]}\n\n',
+        b'data: {"index":0,"token":{"id":2,"text":"b","logprob":-0.5,"special":false},"generated_text":"ab",'
+        b'"details":{"finish_reason":"length","generated_tokens":2,"inputs":"p","input_length":3,"seed":4},'
+        b'"top_tokens":[{"id":7,"text":"q","logprob":-0.25,"special":false}]}\n\n',
+    ]
+
+
+async def test_lmi_stream_error_line_is_byte_exact():
+    req = lmi_req({"inputs": "x", "parameters": {"top_n_tokens": 1}})
+    top = [[TopLogprob(7, "q", -0.25)]]
+    events = [Tokens(seq=1, deltas=[TokenDelta(token_ids=[1], text="a", logprobs=[-1.0], top_logprobs=top)]),
+              Error(seq=2, code="generation_failed", message="engine died", status=500)]
+    lines = [x async for x in lmi.render_stream(req, _aiter(events), sse_format=False)]
+    assert lines == [
+        b'{"token":{"id":1,"text":"a","log_prob":-1.0},"top_tokens":[{"id":7,"text":"q","log_prob":-0.25}]}\n',
+        b'{"token":{"id":-1,"text":"","log_prob":-1,"special_token":true},"generated_text":"",'
+        b'"details":{"finish_reason":"error","generated_tokens":null,"inputs":null},"error":"engine died"}\n',
+    ]
+
+
+async def test_lmi_dynamic_batch_stream_and_result():
+    from api.dialects.lmi_render import render_batch_result, render_batch_stream
+
+    events = [Tokens(seq=1, deltas=[TokenDelta(index=1, text="b"), TokenDelta(index=0, text="a")]), Keepalive(),
+              Tokens(seq=2, deltas=[TokenDelta(index=0)]),
+              Error(seq=3, code="generation_failed", message="died", status=500)]
+    assert [x async for x in render_batch_stream(2, _aiter(events))] == [
+        b'{"outputs":["a","b"]}\n', b'{"code":424,"message":"invoke handler failure","error":"died"}\n'
+    ]
+    results = [JobResult(choices=[Choice(text="x")]), JobResult()]
+    assert encode(render_batch_result(results)) == b'[{"generated_text":"x"},{"generated_text":""}]'
+
+
+@pytest.mark.parametrize(("dialect", "error", "status", "body"), [
+    ("lmi", InvalidRequest("bad"), 424, b'{"error":"bad","code":424}'),
+    ("lmi", error_from_code("generation_failed", "died", 500), 500,
+     b'{"generated_text":"","error":"died","code":500,'
+     b'"details":{"finish_reason":"error","generated_tokens":null,"inputs":null,"tokens":null}}'),
+    ("lmi_tgi", error_from_code("model_not_found", "nope", 404), 404,
+     b'{"code":404,"type":"model_not_found","message":"nope"}'),
+    ("lmi_batch", InvalidRequest("bad"), 424, b'{"code":424,"message":"invoke handler failure","error":"bad"}'),
+    ("lmi_batch", error_from_code("deadline_exceeded", "late", 504), 504,
+     b'{"code":504,"type":"deadline_exceeded","message":"late"}'),
+    ("jobs", InvalidRequest("bad", param="x"), 400,
+     b'{"error":{"code":"invalid_request","message":"bad","param":"x","status":400}}'),
+])
+def test_lmi_and_jobs_error_bodies_are_byte_exact(dialect, error, status, body):
+    from api.dialects import error_body
+
+    got_status, got = error_body(dialect, error)
+    assert (got_status, encode(got)) == (status, body)
 
 
 def oc_reqs(body: dict):
@@ -181,8 +247,8 @@ def test_openai_batch_result_numbers_choices_across_prompts_and_echoes():
         for j in range(2)
     ]
     body = oc.render_results(reqs, results, "x", 1)
-    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "ab00"), (1, "ab01"), (2, "cd10"), (3, "cd11")]
-    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+    assert [(c.index, c.text) for c in body.choices] == [(0, "ab00"), (1, "ab01"), (2, "cd10"), (3, "cd11")]
+    assert body.usage == oc.CompletionUsage(prompt_tokens=4, completion_tokens=4, total_tokens=8)
 
 
 def test_openai_echo_with_logprobs_prefixes_the_prompt_tokens():
@@ -193,10 +259,31 @@ def test_openai_echo_with_logprobs_prefixes_the_prompt_tokens():
     choice = Choice(text="y", token_ids=[7], token_texts=["y"], logprobs=[-0.5],
                     top_logprobs=[[TopLogprob(7, "y", -0.5)]], finish_reason="length")
     body = oc.render_result(req, JobResult(choices=[choice], prompt=prompt), "x", 1)
-    (c,) = body["choices"]
-    assert c["text"] == "<s>xy"
-    assert c["logprobs"] == {"text_offset": [0, 3, 4], "token_logprobs": [None, -1.5, -0.5],
-                             "tokens": ["<s>", "x", "y"], "top_logprobs": [None, {"x": -1.5}, {"y": -0.5}]}
+    (c,) = body.choices
+    assert c.text == "<s>xy"
+    # Exact bytes: the legacy logprobs object's key order, and null (not {}) for the first token.
+    assert encode(c.logprobs) == (b'{"text_offset":[0,3,4],"token_logprobs":[null,-1.5,-0.5],"tokens":["<s>","x","y"],'
+                                  b'"top_logprobs":[null,{"x":-1.5},{"y":-0.5}]}')
+
+
+async def test_openai_stream_chunks_have_usage_only_in_the_last_and_logprobs_offsets_run_on():
+    req = oc_req({"prompt": "x", "stream": True, "logprobs": 1, "stream_options": {"include_usage": True}})
+    events = [
+        Tokens(seq=1, deltas=[TokenDelta(token_ids=[1], text="ab", token_texts=["ab"], logprobs=[-0.5],
+                                         top_logprobs=[[TopLogprob(1, "ab", -0.5)]])]),
+        Done(seq=2, deltas=[TokenDelta(token_ids=[2], text="c", token_texts=["c"], logprobs=[-1.0], top_logprobs=[[]],
+                                       finish_reason="stop", stop_reason="\n")],
+             usage=Usage(prompt_tokens=1, completion_tokens=2)),
+    ]
+    head = b'data: {"id":"cmpl-s","object":"text_completion","created":9,"model":"",'
+    assert [f async for f in oc.render_stream(req, _aiter(events), "s", 9)] == [
+        head + b'"choices":[{"index":0,"text":"ab","logprobs":{"text_offset":[0],"token_logprobs":[-0.5],'
+        b'"tokens":["ab"],"top_logprobs":[{"ab":-0.5}]},"finish_reason":null,"stop_reason":null}]}\n\n',
+        head + b'"choices":[{"index":0,"text":"c","logprobs":{"text_offset":[2],"token_logprobs":[-1.0],'
+        b'"tokens":["c"],"top_logprobs":[{}]},"finish_reason":"stop","stop_reason":"\\n"}]}\n\n',
+        head + b'"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}}\n\n',
+        SSE_DONE,
+    ]
 
 
 def test_sse_framing_helper():

@@ -142,7 +142,7 @@ def test_tgi_path(body: bytes, stream: bool, compat: bool) -> None:
 # --- Triton: /v2/models/{model}/generate[_stream] ---------------------------------------------
 
 def triton_path(body: bytes) -> GenerationRequest:
-    return tr.to_generation_request(decode(dict[str, Any], body), "tiny")[0]
+    return tr.to_generation_request(tr.read_body(decode(tr.RawBody, body)), "tiny")[0]
 
 
 @FUZZ
@@ -156,7 +156,7 @@ def test_triton_path(body: bytes) -> None:
 @FUZZ
 @given(happy_bodies, st.booleans())
 def test_happy_vllm_path(body: bytes, stream: bool) -> None:
-    check(lambda: hv.to_generation_request(decode(dict[str, Any], body), stream=stream))
+    check(lambda: hv.to_generation_request(hv.read_body(decode(hv.RawBody, body)), stream=stream))
 
 
 # --- LMTP: WebSocket text frames --------------------------------------------------------------
@@ -234,7 +234,7 @@ SWEEPS: dict[str, tuple[dict[str, Any], list[str], Any]] = {
     "happy_vllm": (
         {"prompt": "ab", "max_tokens": 3},
         [*_fields(hv.HappyOptions), *_sp, "logits_processors"],
-        lambda b: hv.to_generation_request(decode(dict[str, Any], b), stream=False),
+        lambda b: hv.to_generation_request(hv.read_body(decode(hv.RawBody, b)), stream=False),
     ),
     "lmtp_generate": (
         {"stream_id": 1, "prompt": [1, 2], "max_tokens": 3},

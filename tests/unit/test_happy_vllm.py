@@ -7,6 +7,7 @@ import json
 import pytest
 
 from api.dialects import happy_vllm as hv
+from shared.codec import encode
 from shared.errors import InvalidRequest, QueueUnavailable
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.framing import Keepalive
@@ -14,15 +15,20 @@ from shared.schemas import Choice, JobResult, PromptInfo, StructuredOutput, Usag
 
 
 def req(body: dict, stream: bool = False):
-    return hv.to_generation_request(body, stream=stream)
+    return hv.to_generation_request(hv.read_body(body), stream=stream)
+
+
+def compact(expected: object) -> bytes:
+    """``expected`` written as ``shared.codec.encode`` writes JSON (key order kept)."""
+    return json.dumps(expected, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def invalid(body: dict) -> str:
     with pytest.raises(InvalidRequest) as info:
         req(body)
     status, payload = hv.error_body(info.value)
-    assert status == 422 and set(payload) == {"detail"}
-    return payload["detail"]
+    assert status == 422 and encode(payload) == encode({"detail": payload.detail})
+    return payload.detail
 
 
 def test_defaults_are_vllm_sampling_params_defaults():
@@ -140,7 +146,7 @@ def test_render_result_has_one_entry_per_choice_and_the_string_None():
         ],
         usage=Usage(prompt_tokens=4, completion_tokens=3),
     )
-    assert hv.render_result(r, result) == {
+    assert encode(hv.render_result(r, result)) == compact({
         "responses": ["ab", "c"],
         "finish_reasons": ["stop", "None"],
         "usages": [
@@ -148,8 +154,8 @@ def test_render_result_has_one_entry_per_choice_and_the_string_None():
             {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5},
         ],
         "prompt": "p",
-    }
-    assert "prompt" not in hv.render_result(req({"prompt": "p"}), result)
+    })
+    assert b'"prompt"' not in encode(hv.render_result(req({"prompt": "p"}), result))
 
 
 async def _aiter(items):
@@ -209,5 +215,7 @@ async def test_stream_error_after_the_first_line_ends_with_a_detail_line():
 
 
 def test_error_body_keeps_service_statuses():
-    assert hv.error_body(QueueUnavailable("no worker")) == (503, {"detail": "no worker"})
-    assert hv.error_body(InvalidRequest("bad")) == (422, {"detail": "bad"})
+    status, body = hv.error_body(QueueUnavailable("no worker"))
+    assert (status, encode(body)) == (503, b'{"detail":"no worker"}')
+    status, body = hv.error_body(InvalidRequest("bad"))
+    assert (status, encode(body)) == (422, b'{"detail":"bad"}')

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from api.dialects import lmtp
+from shared.codec import encode
 from shared.errors import InvalidRequest, ModelNotFound, ServiceError
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.schemas import Choice, GenerationRequest, JobResult, OutputOptions, PromptInfo, TopLogprob
@@ -116,20 +117,20 @@ def test_one_frame_per_token_and_finish_reason_only_on_the_last():
     first = stream.feed(Tokens(seq=1, deltas=[delta([10, 11], lps=[-1.0, -2.0])]))
     last = stream.feed(Done(seq=2, deltas=[delta([12], lps=[-3.0], reason="length")]))
     out = first + last
-    assert [p["token"] for p in first] == [10]  # 11 is held until we know whether it is the last
-    assert [(p["token"], p["logprob"], p["finish_reason"]) for p in out] == [
+    assert [p.token for p in first] == [10]  # 11 is held until we know whether it is the last
+    assert [(p.token, p.logprob, p.finish_reason) for p in out] == [
         (10, -1.0, None),
         (11, -2.0, None),
         (12, -3.0, "length"),
     ]
-    assert all(p["stream_id"] == 4 for p in out)
+    assert all(p.stream_id == 4 for p in out)
 
 
 def test_a_final_event_without_tokens_finishes_the_held_token():
     stream = lmtp.TokenStream(gen())
     out = stream.feed(Tokens(seq=1, deltas=[delta([10, 2], lps=[-1.0, -0.5])]))
     out += stream.feed(Done(seq=2, deltas=[delta([], reason="stop")]))
-    assert [(p["token"], p["finish_reason"]) for p in out] == [(10, None), (2, "stop")]
+    assert [(p.token, p.finish_reason) for p in out] == [(10, None), (2, "stop")]
 
 
 def test_a_final_event_with_no_token_at_all_is_an_error():
@@ -140,7 +141,7 @@ def test_a_final_event_with_no_token_at_all_is_an_error():
 @pytest.mark.parametrize(("vllm", "lmtp_reason"), [("stop", "stop"), ("length", "length"), ("abort", "stop")])
 def test_finish_reasons_map_to_lmtps_two(vllm, lmtp_reason):
     [p] = lmtp.TokenStream(gen()).feed(Done(seq=1, deltas=[delta([7], lps=[-1.0], reason=vllm)]))
-    assert p["finish_reason"] == lmtp_reason
+    assert p.finish_reason == lmtp_reason
 
 
 def tops(*pairs) -> list[TopLogprob]:
@@ -150,7 +151,7 @@ def tops(*pairs) -> list[TopLogprob]:
 def test_top_logprobs_put_the_sampled_token_first_then_the_best_k():
     stream = lmtp.TokenStream(gen(top_logprobs=2))
     [p] = stream.feed(Done(seq=1, deltas=[delta([12], lps=[-0.5], tops=[tops((5, -0.25), (12, -0.5), (6, -1.5))])]))
-    assert list(p["top_logprobs"].items()) == [("12", -0.5), ("5", -0.25)]
+    assert list(p.top_logprobs.items()) == [("12", -0.5), ("5", -0.25)]
 
 
 @pytest.mark.parametrize(
@@ -165,7 +166,7 @@ def test_masked_alternatives_are_dropped(bias, expected):
     stream = lmtp.TokenStream(gen(top_logprobs=2, logit_bias=bias))
     position = tops((5, -0.25), (12, -0.5), (6, -1.5), (7, -2.0))
     [p] = stream.feed(Done(seq=1, deltas=[delta([12], lps=[-0.5], tops=[position])]))
-    assert p["top_logprobs"] == expected
+    assert p.top_logprobs == expected
 
 
 def test_other_choices_are_ignored_and_infinite_logprobs_stay_finite():
@@ -179,7 +180,7 @@ def test_other_choices_are_ignored_and_infinite_logprobs_stay_finite():
             ],
         )
     )
-    assert p["token"] == 9 and p["logprob"] == -1e30 and p["top_logprobs"] == {"9": -1e30}
+    assert p.token == 9 and p.logprob == -1e30 and p.top_logprobs == {"9": -1e30}
 
 
 def score_cmd(prompt, scored) -> lmtp.Score:
@@ -192,14 +193,18 @@ def test_score_stream_waits_for_the_job_then_sends_every_scored_token():
     assert stream.feed(Tokens(seq=1, deltas=[delta([7])], prompt=info)) == []
     out = stream.feed(Done(seq=2, deltas=[delta([7], reason="length")]))
     assert out == [
-        {"token": 3, "stream_id": 8, "logprob": -2.0, "finish_reason": None},
-        {"token": 4, "stream_id": 8, "logprob": -3.0, "finish_reason": "stop"},
+        lmtp.TokenPayload(token=3, stream_id=8, logprob=-2.0, finish_reason=None),
+        lmtp.TokenPayload(token=4, stream_id=8, logprob=-3.0, finish_reason="stop"),
     ]
+    # A scored token has no alternatives: no top_logprobs key at all.
+    assert lmtp.frame("TOKEN", out[1]) == (
+        'TOKEN [{"token": 4, "stream_id": 8, "logprob": -3.0, "finish_reason": "stop"}]'
+    )
 
 
 def test_score_of_the_first_token_is_zero_as_lmql_reports_it():
     out = lmtp.score_payloads(8, 0, [1, 2], PromptInfo(token_ids=[1, 2], logprobs=[None, -0.5]))
-    assert [(p["token"], p["logprob"]) for p in out] == [(1, 0.0), (2, -0.5)]
+    assert [(p.token, p.logprob) for p in out] == [(1, 0.0), (2, -0.5)]
 
 
 @pytest.mark.parametrize(
@@ -211,10 +216,16 @@ def test_score_without_matching_prompt_logprobs_is_an_error(info):
 
 
 def test_frames_are_byte_compatible_with_lmqls_server():
-    payload = {"token": 12, "stream_id": 1, "logprob": -0.5, "finish_reason": None, "top_logprobs": {"12": -0.5}}
+    payload = lmtp.TokenPayload(token=12, stream_id=1, logprob=-0.5, top_logprobs={"12": -0.5, "7": -1e30})
     assert lmtp.frame("TOKEN", payload) == (
-        'TOKEN [{"token": 12, "stream_id": 1, "logprob": -0.5, "finish_reason": null, "top_logprobs": {"12": -0.5}}]'
+        'TOKEN [{"token": 12, "stream_id": 1, "logprob": -0.5, "finish_reason": null, '
+        '"top_logprobs": {"12": -0.5, "7": -1e+30}}]'
     )
+    # A stream id the client sent that is not an integer is echoed back as it came.
+    assert lmtp.frame("MSG", lmtp.error_payload({"a": [1, 2.5]}, "é")) == (
+        'MSG [{"stream_id": {"a": [1, 2.5]}, "error": "\\u00e9"}]'
+    )
+    assert lmtp.frame("MSG", lmtp.error_payload(None, "bad")) == 'MSG [{"stream_id": null, "error": "bad"}]'
     assert lmtp.frame("TOKEN", lmtp.error_payload(3, "boom")) == 'TOKEN [{"stream_id": 3, "error": "boom"}]'
     assert lmtp.frame("MSG", lmtp.model_info_payload(2, "tiny", 1, 1024)) == (
         'MSG [{"stream_id": 2, "model_info": {"model": "tiny", "model_type": "llmq", "ready_workers": 1, '
@@ -225,17 +236,19 @@ def test_frames_are_byte_compatible_with_lmqls_server():
 def test_render_result_for_the_job_view():
     req = GenerationRequest(prompt_token_ids=[1], dialect="lmtp")
     result = JobResult(choices=[Choice(token_ids=[5, 6], logprobs=[-1.0, -2.0], finish_reason="stop")])
-    assert lmtp.render_result(req, result, "j", 0) == [
-        {"token": 5, "logprob": -1.0, "finish_reason": None},
-        {"token": 6, "logprob": -2.0, "finish_reason": "stop"},
-    ]
+    assert encode(lmtp.render_result(req, result, "j", 0)) == (
+        b'[{"token":5,"logprob":-1.0,"finish_reason":null},{"token":6,"logprob":-2.0,"finish_reason":"stop"}]'
+    )
     scored = GenerationRequest(prompt_token_ids=[1, 2], output=OutputOptions(prompt_tokens=True), dialect="lmtp")
     result = JobResult(prompt=PromptInfo(token_ids=[1, 2], logprobs=[None, -0.5]))
-    assert lmtp.render_result(scored, result, "j", 0) == [{"token": 1, "logprob": 0.0}, {"token": 2, "logprob": -0.5}]
+    assert encode(lmtp.render_result(scored, result, "j", 0)) == (
+        b'[{"token":1,"logprob":0.0},{"token":2,"logprob":-0.5}]'
+    )
 
 
 def test_error_body_keeps_the_status():
-    assert lmtp.error_body(ModelNotFound("no such model")) == (404, {"error": "no such model"})
+    status, body = lmtp.error_body(ModelNotFound("no such model"))
+    assert (status, encode(body)) == (404, b'{"error":"no such model"}')
 
 
 def test_error_events_are_not_rendered_as_tokens():

@@ -8,13 +8,24 @@ import msgspec
 import pytest
 
 from api.dialects import tgi
-from api.routes.tgi import render_stream
+from api.dialects.tgi import render_stream
+from shared.codec import encode
 from shared.errors import GenerationFailed, InvalidRequest, QueueUnavailable, ServiceError, error_from_code
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.framing import KEEPALIVE, Keepalive
 from shared.schemas import Choice, JobResult, PromptInfo, TopLogprob, Usage
 
 LIMIT = 1024
+
+
+def wire(obj) -> object:
+    """What a client reads: the response Structs encoded, then parsed."""
+    return json.loads(encode(obj))
+
+
+def exact(obj, expected) -> None:
+    """The encoded bytes are ``expected`` written compactly, key order and nulls included."""
+    assert encode(obj) == json.dumps(expected, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def translate(body: dict, *, stream: bool = False, compat: bool = False):
@@ -27,8 +38,8 @@ def rejected(params: dict, *, stream: bool = False, inputs: str = "hi") -> str:
     with pytest.raises(InvalidRequest) as info:
         translate({"inputs": inputs, "parameters": params}, stream=stream)
     status, body = tgi.error_body(info.value)
-    assert status == 422 and body["error_type"] == "validation"
-    return body["error"]
+    assert status == 422 and body.error_type == "validation"
+    return body.error
 
 
 # --- validation -----------------------------------------------------------------------------
@@ -171,18 +182,18 @@ def test_finish_reasons():
 
 def test_tokens_mark_eos_and_special_ids_and_keep_texts_adding_up():
     toks = tgi.TokenTexts().tokens([5, 6, 2], ["He", "llo", "</s>"], "Hello", [-1.0, -0.5, -0.1], "stop", None)
-    assert toks == [
+    exact(toks, [
         {"id": 5, "text": "He", "logprob": -1.0, "special": False},
         {"id": 6, "text": "llo", "logprob": -0.5, "special": False},
         {"id": 2, "text": "</s>", "logprob": -0.1, "special": True},
-    ]
+    ])
     # A special id from the tokenizer, mid-sequence (the engine skips its text).
     mid = tgi.TokenTexts(frozenset({0})).tokens([5, 0, 6], ["a", "<unk>", "b"], "ab", None, "length")
-    assert [(t["text"], t["special"]) for t in mid] == [("a", False), ("<unk>", True), ("b", False)]
-    assert mid[0]["logprob"] is None
+    assert [(t.text, t.special) for t in mid] == [("a", False), ("<unk>", True), ("b", False)]
+    assert mid[0].logprob is None
     # A stop string ends inside the last token: it gets what the engine kept.
     cut = tgi.TokenTexts().tokens([7, 8], ["x", "\nyz"], "x\n", None, "stop", "\n")
-    assert [t["text"] for t in cut] == ["x", "\n"]
+    assert [t.text for t in cut] == ["x", "\n"]
 
 
 # (ids, each token decoded alone, the incremental text each token released when alone in a step)
@@ -212,7 +223,7 @@ def test_token_texts_do_not_depend_on_how_the_engine_grouped_the_steps(case, gro
             None,
             "length" if last else None,
         )
-    assert [t["text"] for t in got] == released
+    assert [t.text for t in got] == released
 
 
 def _req(params: dict, **kw):
@@ -231,7 +242,7 @@ def test_render_result_plain_and_details_with_prefill_and_top_tokens():
     )
     prompt = PromptInfo(token_ids=[1, 72], token_texts=["<s>", "Hi"], logprobs=[None, -3.0])
     body = tgi.render_result(req, JobResult(choices=[choice], prompt=prompt), special=frozenset({1}))
-    assert body == {
+    exact(body, {
         "generated_text": "Hiab",
         "details": {
             "finish_reason": "length",
@@ -247,8 +258,8 @@ def test_render_result_plain_and_details_with_prefill_and_top_tokens():
                 [{"id": 99, "text": "c", "logprob": -0.1, "special": False}],
             ],
         },
-    }
-    assert tgi.render_result(_req({}), JobResult(choices=[choice])) == {"generated_text": "ab"}
+    })
+    exact(tgi.render_result(_req({}), JobResult(choices=[choice])), {"generated_text": "ab"})
 
 
 def test_best_of_answers_the_highest_cumulative_logprob_and_lists_the_others():
@@ -257,10 +268,11 @@ def test_best_of_answers_the_highest_cumulative_logprob_and_lists_the_others():
     high = Choice(
         index=1, text="y", token_ids=[121, 2], token_texts=["y", ""], logprobs=[-0.5, -0.5], finish_reason="stop"
     )
-    body = tgi.render_result(req, JobResult(choices=[low, high]))
+    body = wire(tgi.render_result(req, JobResult(choices=[low, high])))
     assert body["generated_text"] == "y"
     d = body["details"]
     assert (d["finish_reason"], d["generated_tokens"], d["tokens"][-1]["special"]) == ("eos_token", 2, True)
+    assert list(d) == ["finish_reason", "generated_tokens", "seed", "prefill", "tokens", "best_of_sequences"]
     assert d["best_of_sequences"] == [
         {
             "generated_text": "x",
@@ -273,18 +285,23 @@ def test_best_of_answers_the_highest_cumulative_logprob_and_lists_the_others():
     ]
 
 
+def errors(exc: ServiceError) -> tuple[int, object]:
+    status, body = tgi.error_body(exc)
+    return status, wire(body)
+
+
 def test_error_bodies_and_statuses():
-    assert tgi.error_body(InvalidRequest("bad")) == (
+    assert errors(InvalidRequest("bad")) == (
         422,
         {"error": "Input validation error: bad", "error_type": "validation"},
     )
     overloaded = error_from_code("overloaded", "Model is overloaded", 429)  # any 429 is TGI's overloaded
-    assert tgi.error_body(overloaded) == (429, {"error": "Model is overloaded", "error_type": "overloaded"})
-    assert tgi.error_body(GenerationFailed("boom")) == (
+    assert errors(overloaded) == (429, {"error": "Model is overloaded", "error_type": "overloaded"})
+    assert errors(GenerationFailed("boom")) == (
         424,
         {"error": "Request failed during generation: boom", "error_type": "generation"},
     )
-    assert tgi.error_body(ServiceError("engine crashed")) == (
+    assert errors(ServiceError("engine crashed")) == (
         500,
         {"error": "engine crashed", "error_type": "incomplete_generation"},
     )
@@ -336,3 +353,24 @@ async def test_stream_error_event_ends_the_stream():
     assert (
         frames[-1] == b'data:{"error":"Incomplete generation stream","error_type":"incomplete_generation_stream"}\n\n'
     )
+
+
+def test_info_is_tgis_info_in_its_key_order():
+    info = tgi.Info(model_id="tiny", max_concurrent_requests=8, max_input_tokens=1023, max_total_tokens=1024,
+                    version="1.2")
+    exact(info, {
+        "model_id": "tiny",
+        "model_sha": None,
+        "model_pipeline_tag": "text-generation",
+        "max_concurrent_requests": 8,
+        "max_best_of": 2,
+        "max_stop_sequences": 4,
+        "max_input_tokens": 1023,
+        "max_total_tokens": 1024,
+        "validation_workers": 1,
+        "max_client_batch_size": 4,
+        "router": "llmq",
+        "version": "1.2",
+        "sha": None,
+        "docker_label": None,
+    })

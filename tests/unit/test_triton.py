@@ -7,6 +7,7 @@ import json
 import pytest
 
 from api.dialects import triton as tr
+from shared.codec import encode
 from shared.errors import InvalidRequest, JobCancelled, ModelNotFound, QueueUnavailable, ServiceError
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.framing import Keepalive
@@ -14,15 +15,20 @@ from shared.schemas import Choice, JobResult, PromptInfo, StructuredOutput, TopL
 
 
 def translate(body: dict):
-    return tr.to_generation_request(body, "tiny")
+    return tr.to_generation_request(tr.read_body(body), "tiny")
+
+
+def wire(obj) -> dict:
+    """What a client reads: the response Struct encoded, then parsed (key order kept)."""
+    return json.loads(encode(obj))
 
 
 def invalid(body: dict) -> str:
     with pytest.raises(InvalidRequest) as info:
         translate(body)
     status, payload = tr.error_body(info.value)
-    assert status == 400 and set(payload) == {"error"}
-    return payload["error"]
+    assert status == 400 and set(wire(payload)) == {"error"}
+    return payload.error
 
 
 def test_parameters_are_vllm_sampling_params_and_inputs_are_found_in_parameters_too():
@@ -162,7 +168,7 @@ def test_response_keys_are_sorted_and_the_prompt_is_prepended():
         ],
         usage=Usage(prompt_tokens=3, completion_tokens=2),
     )
-    body = tr.render_response(req, result, opts)
+    body = wire(tr.render_response(req, result, opts))
     assert list(body) == sorted(body)
     assert body == {
         "cumulative_logprob": -0.30000001192092896,  # float32, widened
@@ -175,7 +181,8 @@ def test_response_keys_are_sorted_and_the_prompt_is_prepended():
         "num_output_tokens": 2,
         "text_output": "Hi there",
     }
-    assert tr.render_result(req, result) == {"model_name": "tiny", "model_version": "1", "text_output": "Hi there"}
+    stored = encode(tr.render_result(req, result))
+    assert stored == b'{"model_name":"tiny","model_version":"1","text_output":"Hi there"}'
 
 
 def test_logprobs_output_is_a_json_string_sampled_token_first():
@@ -190,7 +197,7 @@ def test_logprobs_output_is_a_json_string_sampled_token_first():
         top_logprobs=[[TopLogprob(5, "a", -0.5)], [TopLogprob(7, "c", -0.25)]],
     )
     body = tr.render_response(req, JobResult(choices=[choice]), opts)
-    assert body["logprobs"] == (
+    assert body.logprobs == (
         '[{"5": {"logprob": -0.5, "rank": 1, "decoded_token": "a"}}, '
         '{"6": {"logprob": -1.0, "rank": null, "decoded_token": "b"}, '
         '"7": {"logprob": -0.25, "rank": 1, "decoded_token": "c"}}]'
@@ -205,7 +212,9 @@ def test_n_greater_than_one_gives_arrays():
         choices=[Choice(index=0, text="a", finish_reason="stop"), Choice(index=1, text="b", finish_reason="length")]
     )
     body = tr.render_response(req, result, opts)
-    assert body["text_output"] == ["a", "b"] and body["finish_reason"] == ["stop", "length"]
+    assert encode(body) == (
+        b'{"finish_reason":["stop","length"],"model_name":"tiny","model_version":"1","text_output":["a","b"]}'
+    )
 
 
 async def _aiter(items):
@@ -273,13 +282,35 @@ async def test_stream_n2_sends_every_choice_each_step():
     assert [f["num_output_tokens"] for f in frames] == [[0, 1], [2, 0]]
 
 
+def errors(exc: ServiceError) -> tuple[int, dict]:
+    status, body = tr.error_body(exc)
+    return status, wire(body)
+
+
+def test_response_fields_are_in_tritons_sorted_order():
+    fields = list(tr.GenerateResponse.__struct_fields__)
+    assert fields == sorted(fields)
+
+
 def test_error_statuses_follow_tritons_codes():
     cancelled = JobCancelled("Request was cancelled")
     teapot = ServiceError("odd")
     teapot.status = 418
-    assert tr.error_body(InvalidRequest("bad")) == (400, {"error": "bad"})
-    assert tr.error_body(ModelNotFound("gone")) == (404, {"error": "gone"})
-    assert tr.error_body(QueueUnavailable("later")) == (503, {"error": "later"})
-    assert tr.error_body(cancelled) == (400, {"error": "Request was cancelled"})
-    assert tr.error_body(ServiceError("boom")) == (500, {"error": "boom"})
+    assert errors(InvalidRequest("bad")) == (400, {"error": "bad"})
+    assert errors(ModelNotFound("gone")) == (404, {"error": "gone"})
+    assert errors(QueueUnavailable("later")) == (503, {"error": "later"})
+    assert errors(cancelled) == (400, {"error": "Request was cancelled"})
+    assert errors(ServiceError("boom")) == (500, {"error": "boom"})
     assert tr.error_body(teapot)[0] == 400
+
+
+def test_model_metadata_lists_the_backends_tensors():
+    meta = tr.ModelMetadataResponse(name="tiny", versions=["1"], platform="vllm", inputs=tr.METADATA_INPUTS[:1],
+                                    outputs=tr.METADATA_OUTPUTS[-1:])
+    assert encode(meta) == (
+        b'{"name":"tiny","versions":["1"],"platform":"vllm",'
+        b'"inputs":[{"name":"text_input","datatype":"BYTES","shape":[1]}],'
+        b'"outputs":[{"name":"num_output_tokens","datatype":"UINT32","shape":[-1]}]}'
+    )
+    assert [t.name for t in tr.METADATA_INPUTS] == ["text_input", "stream", "sampling_parameters",
+                                                    "exclude_input_in_output", *tr.RETURN_FLAGS]
