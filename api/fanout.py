@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 
@@ -89,7 +90,7 @@ class GroupView(msgspec.Struct, kw_only=True):
     queued_at: float
     started_at: float | None
     finished_at: float | None
-    result: object
+    result: Any
     """The request's answer in its dialect's shape, once every job is done."""
     error: JobError | None
 

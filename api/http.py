@@ -24,7 +24,8 @@ from shared.codec import encode
 from shared.errors import InvalidRequest
 from shared.schemas import GenerationRequest
 
-__all__ = ["decode_body", "accepted", "stream_response", "json_response", "RequestLifecycle", "CoalescingSend"]
+__all__ = ["decode_body", "accepted", "Accepted", "stream_response", "json_response", "RequestLifecycle",
+           "CoalescingSend"]
 
 log = structlog.get_logger()
 
@@ -47,12 +48,20 @@ async def decode_body(request: Request, kind: type[T]) -> T:
         raise InvalidRequest(f"Malformed JSON body: {exc}") from None
 
 
+class Accepted(msgspec.Struct, kw_only=True):
+    """The 202 of ``Prefer: respond-async`` and ``POST /v1/jobs``: where to poll."""
+
+    id: str
+    status: str = "queued"
+    url: str
+
+
 async def accepted(svc: Services, ctx: RequestContext, reqs: GenerationRequest | list[GenerationRequest]) -> Response:
     """``Prefer: respond-async`` (and ``POST /v1/jobs``): 202 with the id to poll at ``Location``; a
     request that queues several jobs (a list of prompts) gets one id for all of them."""
     job_id = await enqueue_all(svc, ctx, reqs if isinstance(reqs, list) else [reqs])
     location = f"/v1/jobs/{job_id}"
-    return json_response({"id": job_id, "status": "queued", "url": location}, 202, headers={"Location": location})
+    return json_response(Accepted(id=job_id, url=location), 202, headers={"Location": location})
 
 
 def json_response(body: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:

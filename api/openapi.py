@@ -2,9 +2,10 @@
 
 Routes read their own bodies (``api.http.decode_body``), so Litestar's generator would know no
 request bodies. The document is built here instead from one table, :data:`OPERATIONS`: each
-route's method and path, its request body (the dialect's own msgspec Struct rendered by
-``msgspec.json.schema_components``, so a new field shows up without touching this file) and the
-statuses and media types it answers with. A unit test checks the table against the routes the
+route's method and path, its request body and its JSON answers (the dialect's own msgspec Structs
+rendered by ``msgspec.json.schema_components``, so a new field shows up without touching this
+file), and the statuses and media types it answers with. Errors are described in the shape of
+the route's dialect. A unit test checks the table against the routes the
 app registers, so a new route cannot silently miss the document.
 
 Not described: the LMTP WebSocket at ``/`` (OpenAPI has no WebSocket operations), and the
@@ -15,16 +16,21 @@ from __future__ import annotations
 
 import functools
 import re
+import types
+import typing
 from typing import Any
 
 import msgspec
 from litestar import Request, Response, get
 
 from api.auth import OPEN_PATHS, parse_keys
-from api.dialects import happy_vllm, lmi, openai_chat, openai_completions, tgi, triton
-from shared.batches import BatchCreate
+from api.dialects import happy_vllm, jobs, lmi, openai_chat, openai_completions, tgi, triton
+from api.fanout import GroupView
+from api.http import Accepted
+from api.routes.health import Liveness, Ping, Readiness
+from shared.batches import BatchCreate, BatchList, BatchObject, FileDeleted, FileList, FileObject
 from shared.codec import encode
-from shared.schemas import GenerationRequest
+from shared.schemas import GenerationRequest, JobView
 
 __all__ = ["OPERATIONS", "Operation", "document", "openapi_json", "openapi_path"]
 
@@ -65,15 +71,23 @@ class Operation(msgspec.Struct, frozen=True, kw_only=True):
     """Request headers the route reads: ``Prefer``, ``Idempotency-Key``, ``Last-Event-ID``."""
     query: tuple[str, ...] = ()
     body_media: str = JSON
+    answer: Any = None
+    """The type of the 200 answer's JSON body (a Struct, a list or a union of them); None: not
+    described (LMI's answers depend on the body and the deployment's settings)."""
+    error: Any = None
+    """The type of an error's JSON body: the route's dialect's error shape."""
 
 
 _ASYNC = {202: (JSON,)}  # Prefer: respond-async, or /v1/jobs: the job id, poll /v1/jobs/{id}
 _ASYNC_HEADERS = ("Prefer", "Idempotency-Key")
+_OPENAI_ERR = openai_completions.ErrorResponse
+_LMI_ERR = lmi.LmiError | lmi.GenerationError | lmi.FrontendError
 _CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 _TGI_EXAMPLE = {"inputs": "Hello", "parameters": {"max_new_tokens": 4}}
 _HAPPY_EXAMPLE = {"prompt": "Hello", "max_tokens": 4}
 _TRITON_GEN: dict[str, Any] = {
     "tag": "triton", "body": "triton", "ok": {200: (JSON, SSE), **_ASYNC}, "errors": _TRITON, "headers": _ASYNC_HEADERS,
+    "answer": triton.GenerateResponse, "error": triton.ErrorResponse,
     "examples": ({"text_input": "Hello", "parameters": {"max_tokens": 4}},
                  {"text_input": "Hi", "max_tokens": 2, "stream": True}),
 }
@@ -87,77 +101,90 @@ OPERATIONS: tuple[Operation, ...] = (
     # OpenAI
     _op("post", "/v1/completions", "OpenAI completions", "openai", body="completions",
         examples=({"prompt": "Hello", "max_tokens": 4}, {"prompt": ["a", "b"], "max_tokens": 2, "stream": True}),
-        ok={200: (JSON, SSE), **_ASYNC}, errors=_OPENAI, headers=_ASYNC_HEADERS),
+        ok={200: (JSON, SSE), **_ASYNC}, errors=_OPENAI, headers=_ASYNC_HEADERS,
+        answer=openai_completions.Completion, error=_OPENAI_ERR),
     _op("post", "/v1/chat/completions", "OpenAI chat completions", "openai", body="chat", examples=(_CHAT,),
-        ok={200: (JSON, SSE), **_ASYNC}, errors=_OPENAI, headers=_ASYNC_HEADERS),
-    _op("get", "/v1/models", "Models requests may name (served now, or queued for the next worker)", "openai"),
+        ok={200: (JSON, SSE), **_ASYNC}, errors=_OPENAI, headers=_ASYNC_HEADERS,
+        answer=openai_chat.ChatCompletion, error=_OPENAI_ERR),
+    _op("get", "/v1/models", "Models requests may name (served now, or queued for the next worker)", "openai",
+        answer=openai_completions.ModelList, error=_OPENAI_ERR),
     # LMI / SageMaker
     _op("post", "/invocations", "LMI: dispatches on `inputs` / `prompt` / `messages`", "lmi", body="invocations",
         examples=(_TGI_EXAMPLE, {"prompt": "Hi", "max_tokens": 2}, _CHAT),
         ok={200: (JSON, JSONLINES, SSE), **_ASYNC}, errors=_LMI, headers=_ASYNC_HEADERS),
     _op("post", "/predictions/{model}", "LMI: a named model", "lmi", body="lmi",
         examples=({"inputs": ["a", "b"], "parameters": {"max_new_tokens": 2}, "stream": True},),
-        ok={200: (JSON, JSONLINES, SSE), **_ASYNC}, errors=_LMI, headers=_ASYNC_HEADERS),
-    _op("get", "/ping", "LMI health", "health", ok={200: (JSON,), 503: (JSON,)}),
-    _op("get", "/livez", "Web process liveness", "health", ok={200: (JSON,)}),
-    _op("get", "/readyz", "Web process readiness (Redis reachable)", "health", ok={200: (JSON,), 503: (JSON,)}),
+        ok={200: (JSON, JSONLINES, SSE), **_ASYNC}, errors=_LMI, headers=_ASYNC_HEADERS, error=_LMI_ERR),
+    _op("get", "/ping", "LMI health", "health", ok={200: (JSON,), 503: (JSON,)}, answer=Ping),
+    _op("get", "/livez", "Web process liveness", "health", ok={200: (JSON,)}, answer=Liveness),
+    _op("get", "/readyz", "Web process readiness (Redis reachable)", "health", ok={200: (JSON,), 503: (JSON,)},
+        answer=Readiness),
     _op("get", "/metrics", "Prometheus metrics: queues, workers, latencies", "health", ok={200: (TEXT,)}),
     # TGI
     _op("post", "/generate", "TGI generate", "tgi", body="tgi", examples=(_TGI_EXAMPLE,), errors=_TGI,
-        ok={200: (JSON,), **_ASYNC}, headers=_ASYNC_HEADERS),
+        ok={200: (JSON,), **_ASYNC}, headers=_ASYNC_HEADERS, answer=tgi.GenerateResponse, error=tgi.ErrorResponse),
     _op("post", "/generate_stream", "TGI stream (errors in-band)", "tgi", body="tgi", examples=(_TGI_EXAMPLE,),
-        ok={200: (SSE,), **_ASYNC}, errors=_TGI, headers=_ASYNC_HEADERS),
+        ok={200: (SSE,), **_ASYNC}, errors=_TGI, headers=_ASYNC_HEADERS, error=tgi.ErrorResponse),
     _op("post", "/", "TGI compat: a one-element array, or a stream", "tgi", body="tgi",
         examples=(_TGI_EXAMPLE, {**_TGI_EXAMPLE, "stream": True}), ok={200: (JSON, SSE), **_ASYNC}, errors=_TGI,
-        headers=_ASYNC_HEADERS),
-    _op("post", "/tokenize", "TGI tokenize", "tgi", body="tgi", examples=({"inputs": "Hello"},), errors=_TGI),
-    _op("get", "/info", "TGI info", "tgi"),
+        headers=_ASYNC_HEADERS, answer=list[tgi.GenerateResponse], error=tgi.ErrorResponse),
+    _op("post", "/tokenize", "TGI tokenize", "tgi", body="tgi", examples=({"inputs": "Hello"},), errors=_TGI,
+        answer=list[tgi.SimpleToken], error=tgi.ErrorResponse),
+    _op("get", "/info", "TGI info", "tgi", answer=tgi.Info),
     _op("get", "/health", "TGI health", "health", ok={200: (TEXT,), 503: (JSON,)}),
     # Triton (KServe v2)
     _op("post", "/v2/models/{model}/generate", "Triton generate", **_TRITON_GEN),
     _op("post", "/v2/models/{model}/versions/{version}/generate", "Triton generate", **_TRITON_GEN),
     _op("post", "/v2/models/{model}/generate_stream", "Triton generate_stream", **_TRITON_GEN),
     _op("post", "/v2/models/{model}/versions/{version}/generate_stream", "Triton generate_stream", **_TRITON_GEN),
-    _op("get", "/v2", "KServe server metadata", "triton"),
+    _op("get", "/v2", "KServe server metadata", "triton", answer=triton.ServerMetadataResponse),
     _op("get", "/v2/health/live", "KServe liveness", "health", ok={200: (TEXT,)}),
     _op("get", "/v2/health/ready", "KServe readiness", "health", ok={200: (TEXT,), 400: (TEXT,)}),
-    _op("get", "/v2/models/{model}", "KServe model metadata", "triton", errors=(404, 503)),
-    _op("get", "/v2/models/{model}/versions/{version}", "KServe model metadata", "triton", errors=(404, 503)),
+    _op("get", "/v2/models/{model}", "KServe model metadata", "triton", errors=(404, 503),
+        answer=triton.ModelMetadataResponse, error=triton.ErrorResponse),
+    _op("get", "/v2/models/{model}/versions/{version}", "KServe model metadata", "triton", errors=(404, 503),
+        answer=triton.ModelMetadataResponse, error=triton.ErrorResponse),
     _op("get", "/v2/models/{model}/ready", "KServe model readiness", "health", ok={200: (TEXT,)},
         errors=(400, 404)),
     _op("get", "/v2/models/{model}/versions/{version}/ready", "KServe model readiness", "health",
         ok={200: (TEXT,)}, errors=(400, 404)),
     # happy_vllm
     _op("post", "/v1/generate", "happy_vllm generate", "happy_vllm", body="happy", examples=(_HAPPY_EXAMPLE,),
-        ok={200: (JSON,), **_ASYNC}, errors=_HAPPY, headers=_ASYNC_HEADERS),
+        ok={200: (JSON,), **_ASYNC}, errors=_HAPPY, headers=_ASYNC_HEADERS,
+        answer=happy_vllm.ResponseGenerate, error=happy_vllm.ErrorDetail),
     _op("post", "/v1/generate_stream", "happy_vllm stream", "happy_vllm", body="happy", examples=(_HAPPY_EXAMPLE,),
-        ok={200: (NDJSON,), **_ASYNC}, errors=_HAPPY, headers=_ASYNC_HEADERS),
-    _op("get", "/liveness", "happy_vllm liveness", "health"),
-    _op("get", "/readiness", "happy_vllm readiness", "health"),
-    _op("get", "/v1/info", "happy_vllm info", "happy_vllm"),
+        ok={200: (NDJSON,), **_ASYNC}, errors=_HAPPY, headers=_ASYNC_HEADERS, error=happy_vllm.ErrorDetail),
+    _op("get", "/liveness", "happy_vllm liveness", "health", answer=happy_vllm.ResponseLiveness),
+    _op("get", "/readiness", "happy_vllm readiness", "health", answer=happy_vllm.ResponseReadiness),
+    _op("get", "/v1/info", "happy_vllm info", "happy_vllm", answer=happy_vllm.ResponseInformation),
     # Fire-and-poll jobs
     _op("post", "/v1/jobs", "Queue a job (llmq's internal request)", "jobs", body="job",
         examples=({"prompt": "Hello", "sampling": {"max_tokens": 4}},), ok=_ASYNC, errors=_JOBS,
-        headers=("Idempotency-Key",)),
-    _op("get", "/v1/jobs/{job_id}", "A job's status and result", "jobs", errors=(404, 503)),
-    _op("delete", "/v1/jobs/{job_id}", "Cancel a job", "jobs", errors=(404, 503)),
+        headers=("Idempotency-Key",), error=jobs.ErrorBody),
+    _op("get", "/v1/jobs/{job_id}", "A job's status and result", "jobs", errors=(404, 503),
+        answer=JobView | GroupView, error=jobs.ErrorBody),
+    _op("delete", "/v1/jobs/{job_id}", "Cancel a job", "jobs", errors=(404, 503),
+        answer=JobView | GroupView, error=jobs.ErrorBody),
     _op("get", "/v1/jobs/{job_id}/events", "A job's events as SSE, resumable", "jobs", ok={200: (SSE,)},
-        errors=(400, 404, 503), headers=("Last-Event-ID",), query=("after",)),
+        errors=(400, 404, 503), headers=("Last-Event-ID",), query=("after",), error=jobs.ErrorBody),
     # OpenAI Files and Batches: offline batch files, run by the housekeeping process
     _op("post", "/v1/files", "Upload a batch input file (JSONL; purpose=batch)", "batches", body="file_upload",
-        body_media="multipart/form-data", errors=(400, 503)),
-    _op("get", "/v1/files", "Files", "batches", errors=(503,)),
-    _op("get", "/v1/files/{file_id}", "A file", "batches", errors=(404, 503)),
-    _op("delete", "/v1/files/{file_id}", "Delete a file", "batches", errors=(404, 503)),
+        body_media="multipart/form-data", errors=(400, 503), answer=FileObject, error=_OPENAI_ERR),
+    _op("get", "/v1/files", "Files", "batches", errors=(503,), answer=FileList, error=_OPENAI_ERR),
+    _op("get", "/v1/files/{file_id}", "A file", "batches", errors=(404, 503), answer=FileObject, error=_OPENAI_ERR),
+    _op("delete", "/v1/files/{file_id}", "Delete a file", "batches", errors=(404, 503),
+        answer=FileDeleted, error=_OPENAI_ERR),
     _op("get", "/v1/files/{file_id}/content", "A file's content (input, output or error JSONL)", "batches",
-        ok={200: ("application/octet-stream",)}, errors=(404, 503)),
+        ok={200: ("application/octet-stream",)}, errors=(404, 503), error=_OPENAI_ERR),
     _op("post", "/v1/batches", "Create a batch from an uploaded file", "batches", body="batch",
         examples=({"input_file_id": "file-abc", "endpoint": "/v1/chat/completions", "completion_window": "24h"},),
-        errors=(400, 404, 503)),
-    _op("get", "/v1/batches", "Batches, newest first", "batches", errors=(400, 503), query=("limit", "batch_after")),
+        errors=(400, 404, 503), answer=BatchObject, error=_OPENAI_ERR),
+    _op("get", "/v1/batches", "Batches, newest first", "batches", errors=(400, 503), query=("limit", "batch_after"),
+        answer=BatchList, error=_OPENAI_ERR),
     _op("get", "/v1/batches/{batch_id}", "A batch: status, request_counts, output and error files", "batches",
-        errors=(404, 503)),
-    _op("post", "/v1/batches/{batch_id}/cancel", "Cancel a batch", "batches", errors=(400, 404, 503)),
+        errors=(404, 503), answer=BatchObject, error=_OPENAI_ERR),
+    _op("post", "/v1/batches/{batch_id}/cancel", "Cancel a batch", "batches", errors=(400, 404, 503),
+        answer=BatchObject, error=_OPENAI_ERR),
     # This document
     _op("get", "/openapi.json", "This OpenAPI document", "meta"),
 )
@@ -208,10 +235,6 @@ def _components(*types: type) -> dict[str, Any]:
     return msgspec.json.schema_components(types, ref_template=REF, schema_hook=_any_json)[1]
 
 
-def _ref(t: type) -> dict[str, str]:
-    return {"$ref": REF.format(name=t.__name__)}
-
-
 def _scalar(schema: dict[str, Any]) -> dict[str, Any] | None:
     """The scalar part of a property schema (Triton's request parameters are scalars only)."""
     branches = schema.get("anyOf", [schema])
@@ -241,39 +264,59 @@ def _triton_body() -> dict[str, Any]:
     return {"type": "object", "properties": props, "required": ["text_input"], "additionalProperties": False}
 
 
-def _invocations_body() -> dict[str, Any]:
+def _invocations_body(schema: dict[Any, dict[str, Any]]) -> dict[str, Any]:
     """LMI's ``/invocations`` dispatch, written as exclusive branches: ``inputs`` -> LMI's schema;
     else ``prompt`` -> OpenAI completions; else ``messages`` -> chat."""
     no_inputs = {"not": {"required": ["inputs"]}}
     return {"oneOf": [
-        _ref(lmi.LmiRequest),
-        {"allOf": [_ref(openai_completions.CompletionRequest), no_inputs]},
-        {"allOf": [_ref(openai_chat.ChatRequest), no_inputs, {"not": {"required": ["prompt"]}}]},
+        schema[lmi.LmiRequest],
+        {"allOf": [schema[openai_completions.CompletionRequest], no_inputs]},
+        {"allOf": [schema[openai_chat.ChatRequest], no_inputs, {"not": {"required": ["prompt"]}}]},
     ]}
 
 
-def _bodies() -> dict[str, dict[str, Any]]:
+_REQUESTS = (openai_completions.CompletionRequest, openai_chat.ChatRequest, lmi.LmiRequest, tgi.GenerateRequest,
+             GenerationRequest, BatchCreate)
+
+
+def _schemas() -> tuple[dict[Any, dict[str, Any]], dict[str, Any]]:
+    """Each described type's schema (a ``$ref``) and the components they need. One call, so
+    msgspec names every component: two Structs of one name (TGI's and Triton's GenerateResponse)
+    get their module paths."""
+    described = [*_REQUESTS, Accepted, *(t for op in OPERATIONS for t in (op.answer, op.error) if t is not None)]
+    # msgspec describes a union of untagged Structs only as its members: an ``anyOf`` of them.
+    members = {t: typing.get_args(t) for t in described if isinstance(t, types.UnionType)}
+    plain = list(dict.fromkeys(m for t in described for m in members.get(t, (t,))))
+    refs, components = msgspec.json.schema_components(plain, ref_template=REF, schema_hook=_any_json)
+    schema: dict[Any, dict[str, Any]] = dict(zip(plain, refs, strict=True))
+    for union, parts in members.items():
+        schema[union] = {"anyOf": [schema[p] for p in parts]}
+    return schema, components
+
+
+def _bodies(schema: dict[Any, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {
-        "completions": _ref(openai_completions.CompletionRequest),
-        "chat": _ref(openai_chat.ChatRequest),
-        "lmi": _ref(lmi.LmiRequest),
-        "invocations": _invocations_body(),
-        "tgi": _ref(tgi.GenerateRequest),
+        "completions": schema[openai_completions.CompletionRequest],
+        "chat": schema[openai_chat.ChatRequest],
+        "lmi": schema[lmi.LmiRequest],
+        "invocations": _invocations_body(schema),
+        "tgi": schema[tgi.GenerateRequest],
         "triton": _triton_body(),
         "happy": _happy_body(),
-        "job": _ref(GenerationRequest),
-        "batch": _ref(BatchCreate),
+        "job": schema[GenerationRequest],
+        "batch": schema[BatchCreate],
         "file_upload": {"type": "object", "required": ["file", "purpose"], "properties": {
             "file": {"type": "string", "contentMediaType": "application/octet-stream"},
             "purpose": {"type": "string", "enum": ["batch"]}}},
     }
 
 
-def _responses(op: Operation, keys_on: bool) -> dict[str, Any]:
+def _responses(op: Operation, keys_on: bool, schema: dict[Any, dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for status, media in op.ok.items():
+        body = schema[Accepted] if status == 202 else schema[op.answer] if status == 200 and op.answer else {}
         out[str(status)] = {"description": "OK" if status < 300 else "Not ready",
-                            "content": {m: {"schema": {}} for m in media}}
+                            "content": {m: {"schema": body if m == JSON else {}} for m in media}}
     errors = set(op.errors)
     if op.body is not None:
         errors.add(413)  # LLMQ_MAX_BODY_BYTES
@@ -281,7 +324,7 @@ def _responses(op: Operation, keys_on: bool) -> dict[str, Any]:
         errors.add(401)
     for status in sorted(errors - set(op.ok)):
         out[str(status)] = {"description": "An error, in the route's dialect's shape",
-                            "content": {JSON: {"schema": {}}}}
+                            "content": {JSON: {"schema": schema[op.error] if op.error is not None else {}}}}
     return out
 
 
@@ -299,14 +342,15 @@ def _options(op: Operation) -> tuple[str, ...]:
         else ()
 
 
-def _operation(op: Operation, bodies: dict[str, Any], keys_on: bool) -> dict[str, Any]:
+def _operation(op: Operation, bodies: dict[str, Any], schema: dict[Any, dict[str, Any]], keys_on: bool
+               ) -> dict[str, Any]:
     names = [seg[1:-1] for seg in op.path.split("/") if seg.startswith("{")]
     out: dict[str, Any] = {
         "summary": op.summary,
         "operationId": _operation_id(op),
         "tags": [op.tag],
         "parameters": [_PARAMS[n] for n in (*names, *op.headers, *_options(op), *op.query)],
-        "responses": _responses(op, keys_on),
+        "responses": _responses(op, keys_on, schema),
     }
     if op.body is not None:
         media: dict[str, Any] = {"schema": bodies[op.body]}
@@ -322,16 +366,15 @@ def _operation(op: Operation, bodies: dict[str, Any], keys_on: bool) -> dict[str
 def document(keys_on: bool = False) -> dict[str, Any]:
     """The whole document (cached: callers must not mutate it). ``keys_on``: API keys are
     configured, so non-open operations need one."""
-    bodies = _bodies()
-    components: dict[str, Any] = {"schemas": _components(
-        openai_completions.CompletionRequest, openai_chat.ChatRequest, lmi.LmiRequest, tgi.GenerateRequest,
-        GenerationRequest, BatchCreate)}
+    schema, schemas = _schemas()
+    bodies = _bodies(schema)
+    components: dict[str, Any] = {"schemas": schemas}
     if keys_on:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"},
                                          "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
     paths: dict[str, dict[str, Any]] = {}
     for op in OPERATIONS:
-        paths.setdefault(op.path, {})[op.method] = _operation(op, bodies, keys_on)
+        paths.setdefault(op.path, {})[op.method] = _operation(op, bodies, schema, keys_on)
     return {
         "openapi": "3.1.0",
         "info": {"title": "llmq", "version": "1",

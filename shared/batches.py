@@ -86,6 +86,26 @@ class BatchObject(msgspec.Struct, kw_only=True):
     metadata: dict[str, str] | None = None
 
 
+class FileList(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[FileObject]
+    has_more: bool = False
+
+
+class FileDeleted(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "file"
+    deleted: bool = True
+
+
+class BatchList(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[BatchObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class BatchCreate(msgspec.Struct, kw_only=True):
     """``POST /v1/batches``."""
 

@@ -18,7 +18,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from api.dialects.lmi_render import BatchError, Details, batch_error, render_result, render_stream
+from api.dialects.lmi_render import BatchError, Details, LmiToken, batch_error, render_result, render_stream
 from api.dialects.openai_structured import StructuredOutputs, structured_output
 from shared.errors import InvalidRequest, ServiceError
 from shared.schemas import DialectName, GenerationRequest, JobResult, OutputOptions, SamplingParams
@@ -163,7 +163,7 @@ class GenerationError(msgspec.Struct, kw_only=True):
     generated_text: str = ""
     error: str
     code: int
-    details: Details
+    details: Details[LmiToken]
 
 
 class FrontendError(msgspec.Struct, kw_only=True):

@@ -22,7 +22,18 @@ from api.batch_output import rendered
 from api.context import Ctx, RequestContext
 from api.http import decode_body, json_response
 from api.services import Services, Svc
-from shared.batches import ENDPOINTS, BatchCreate, BatchErrors, BatchObject, BatchStore, FileObject, RequestCounts
+from shared.batches import (
+    ENDPOINTS,
+    BatchCreate,
+    BatchErrors,
+    BatchList,
+    BatchObject,
+    BatchStore,
+    FileDeleted,
+    FileList,
+    FileObject,
+    RequestCounts,
+)
 from shared.errors import InvalidRequest, JobNotFound
 
 __all__ = ["ROUTES"]
@@ -72,7 +83,7 @@ async def upload_file(request: Request, svc: Svc, ctx: Ctx) -> Response:
 async def list_files(svc: Svc, ctx: Ctx) -> Response:
     store = _store(svc)
     files = [await rendered(store, meta) for meta, owner in await store.list_files() if _mine(ctx, owner)]
-    return json_response({"object": "list", "data": files, "has_more": False})
+    return json_response(FileList(data=files))
 
 
 @get("/v1/files/{file_id:str}", opt=OPENAI)
@@ -91,7 +102,7 @@ async def file_content(svc: Svc, ctx: Ctx, file_id: FromPath[str]) -> Response:
 async def delete_file(svc: Svc, ctx: Ctx, file_id: FromPath[str]) -> Response:
     await _file(svc, ctx, file_id)
     await _store(svc).delete_file(file_id)
-    return json_response({"id": file_id, "object": "file", "deleted": True})
+    return json_response(FileDeleted(id=file_id))
 
 
 @post("/v1/batches", opt=OPENAI, status_code=200)
@@ -143,8 +154,8 @@ async def list_batches(request: Request, svc: Svc, ctx: Ctx) -> Response:
         raise InvalidRequest("limit must be an integer", param="limit") from None
     found, more = await _store(svc).list(request.query_params.get("after"), limit)
     data = [batch for batch, owner in found if _mine(ctx, owner)]
-    return json_response({"object": "list", "data": data, "first_id": data[0].id if data else None,
-                          "last_id": data[-1].id if data else None, "has_more": more})
+    return json_response(BatchList(data=data, first_id=data[0].id if data else None,
+                                   last_id=data[-1].id if data else None, has_more=more))
 
 
 ROUTES = [upload_file, list_files, get_file, file_content, delete_file, create_batch, get_batch, cancel_batch,

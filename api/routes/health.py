@@ -12,25 +12,43 @@ Two kinds, for two audiences:
 
 from __future__ import annotations
 
+from typing import Literal
+
+import msgspec
 from litestar import Response, get
 
 from api.http import json_response
 from api.services import Svc
 from shared.redis import REDIS_DOWN
 
-__all__ = ["ping", "livez", "readyz"]
+__all__ = ["ping", "livez", "readyz", "Ping", "Liveness", "Readiness"]
+
+
+class Ping(msgspec.Struct, kw_only=True):
+    status: Literal["Healthy", "Unhealthy"]
+    model: str
+    ready_workers: int
+
+
+class Liveness(msgspec.Struct):
+    status: str = "alive"
+
+
+class Readiness(msgspec.Struct):
+    status: Literal["ready", "unready"]
+    redis: Literal["ok", "unreachable"]
 
 
 @get("/ping", opt={"dialect": "lmi"})
 async def ping(svc: Svc) -> Response:
     ready = (await svc.models.live(fresh=True)).get(svc.model, 0)
     status = "Healthy" if ready else "Unhealthy"
-    return json_response({"status": status, "model": svc.model, "ready_workers": ready}, 200 if ready else 503)
+    return json_response(Ping(status=status, model=svc.model, ready_workers=ready), 200 if ready else 503)
 
 
 @get("/livez", opt={"dialect": "jobs"})
 async def livez() -> Response:
-    return json_response({"status": "alive"})
+    return json_response(Liveness())
 
 
 @get("/readyz", opt={"dialect": "jobs"})
@@ -39,5 +57,5 @@ async def readyz(svc: Svc) -> Response:
     try:
         await svc.queue.redis.ping()
     except REDIS_DOWN:
-        return json_response({"status": "unready", "redis": "unreachable"}, 503)
-    return json_response({"status": "ready", "redis": "ok"})
+        return json_response(Readiness("unready", "unreachable"), 503)
+    return json_response(Readiness("ready", "ok"))

@@ -46,7 +46,10 @@ TOKENIZER_LOAD_S = 60.0
 STATUSES: dict[str, dict[int, int]] = {}  # per operation: status -> responses, printed at the end
 SLOWEST: dict[str, float] = {}
 KNOWN_JOBS: list[str] = []
-CHECKS = [st_checks.not_a_server_error, st_checks.status_code_conformance, st_checks.content_type_conformance]
+# response_schema_conformance: every JSON answer, success or error, matches the Struct the
+# document derives its schema from (api/openapi.py), so the document is what the wire carries.
+CHECKS = [st_checks.not_a_server_error, st_checks.status_code_conformance, st_checks.content_type_conformance,
+          st_checks.response_schema_conformance]
 # A valid JSON body made malformed: a BOM before it, cut short, invalid UTF-8 in it, nested too deep.
 BREAKERS = {
     "bom": lambda body: codecs.BOM_UTF8 + body,
