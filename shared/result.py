@@ -6,7 +6,7 @@ answer non-streaming requests from the events it relayed, so both always agree.
 
 from __future__ import annotations
 
-from shared.events import Done, Event, Tokens
+from shared.events import Done, Error, Event, Tokens
 from shared.schemas import Choice, JobResult, PromptInfo, Usage
 
 __all__ = ["ResultBuilder"]
@@ -37,21 +37,28 @@ class ResultBuilder:
         return choice
 
     def add(self, event: Event) -> None:
-        if isinstance(event, (Tokens, Done)):
-            if event.prompt is not None:
-                self.prompt = event.prompt
-            for delta in event.deltas:
-                choice = self._choice(delta.index)
-                self._text_parts[delta.index].append(delta.text)
-                choice.token_ids.extend(delta.token_ids)
-                choice.token_texts = _extend(choice.token_texts, delta.token_texts)
-                choice.logprobs = _extend(choice.logprobs, delta.logprobs)
-                choice.top_logprobs = _extend(choice.top_logprobs, delta.top_logprobs)
-                if delta.finish_reason is not None:
-                    choice.finish_reason = delta.finish_reason
-                    choice.stop_reason = delta.stop_reason
-        if isinstance(event, Done):
-            self.usage = event.usage
+        match event:
+            case Tokens():
+                self._deltas(event)
+            case Done():
+                self._deltas(event)
+                self.usage = event.usage
+            case Error():
+                pass  # a terminal error has no result: the caller raises it
+
+    def _deltas(self, event: Tokens | Done) -> None:
+        if event.prompt is not None:
+            self.prompt = event.prompt
+        for delta in event.deltas:
+            choice = self._choice(delta.index)
+            self._text_parts[delta.index].append(delta.text)
+            choice.token_ids.extend(delta.token_ids)
+            choice.token_texts = _extend(choice.token_texts, delta.token_texts)
+            choice.logprobs = _extend(choice.logprobs, delta.logprobs)
+            choice.top_logprobs = _extend(choice.top_logprobs, delta.top_logprobs)
+            if delta.finish_reason is not None:
+                choice.finish_reason = delta.finish_reason
+                choice.stop_reason = delta.stop_reason
 
     def result(self) -> JobResult:
         choices = []

@@ -387,13 +387,14 @@ async def render_stream(
     started = False
     try:
         async for event in events:
-            if isinstance(event, Keepalive):
-                if sse_format:
-                    yield KEEPALIVE
-                continue
-            if isinstance(event, Error):
-                yield frame(error_body(event.exception())[1])
-                break
+            match event:
+                case Keepalive():
+                    if sse_format:
+                        yield KEEPALIVE
+                    continue
+                case Error():
+                    yield frame(error_body(event.exception())[1])
+                    break
             if not started:  # like vLLM: every choice opens with its role, before any content
                 started = True
                 for index in range(req.sampling.n):
@@ -403,10 +404,11 @@ async def render_stream(
                 choice = _delta_choice(delta, want_logprobs)
                 if choice is not None:
                     yield chunk([choice])
-            if isinstance(event, Done):
-                if req.output.include_usage:
-                    yield chunk([], usage_body(event.usage))
-                break
+            match event:
+                case Done(usage=usage):
+                    if req.output.include_usage:
+                        yield chunk([], usage_body(usage))
+                    break
     except ServiceError as exc:  # the relay itself failed (say, Redis went away mid-stream)
         yield frame(error_body(exc)[1])
     if sse_format:  # the openai SDK waits for [DONE], also after an error
