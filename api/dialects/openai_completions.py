@@ -7,7 +7,7 @@ error. Errors are ``{"error": {"message", "type", "param", "code"}}`` with vLLM'
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Annotated
 
 import msgspec
@@ -15,7 +15,7 @@ from msgspec import UNSET, Meta, UnsetType
 
 from api.dialects.openai_structured import ResponseFormat, StructuredOutputs, structured_output
 from shared.errors import InvalidRequest, ServiceError
-from shared.events import Done, Error, Event, TokenDelta, Tokens
+from shared.events import Done, Error, Event, TokenDelta
 from shared.framing import KEEPALIVE, SSE_DONE, Keepalive, sse
 from shared.schemas import (
     Choice,
@@ -352,29 +352,25 @@ async def render_stream(
             stop_reason=d.stop_reason,
         )
 
-    def chunks(event: Tokens | Done) -> Iterator[bytes]:
-        if event.prompt is not None:
-            prompts[event.deltas[0].index // n if event.deltas else 0] = event.prompt
-        for delta in event.deltas:
-            if delta.token_ids or delta.text or delta.finish_reason or delta.index not in offsets:
-                yield chunk([chunk_choice(delta)])
-
     try:
         async for event in events:
             match event:
                 case Keepalive():
                     yield KEEPALIVE
-                case Tokens():
-                    for frame in chunks(event):
-                        yield frame
-                case Done():
-                    for frame in chunks(event):
-                        yield frame
-                    if first.output.include_usage:
-                        yield chunk([], usage_body(event.usage))
-                    break
+                    continue
                 case Error():
                     yield sse(error_body(event.exception())[1])
+                    break
+            # Tokens or Done: both carry deltas (Done the last step's).
+            if event.prompt is not None:
+                prompts[event.deltas[0].index // n if event.deltas else 0] = event.prompt
+            for delta in event.deltas:
+                if delta.token_ids or delta.text or delta.finish_reason or delta.index not in offsets:
+                    yield chunk([chunk_choice(delta)])
+            match event:
+                case Done(usage=usage):
+                    if first.output.include_usage:
+                        yield chunk([], usage_body(usage))
                     break
     except ServiceError as exc:  # the relay itself failed (say, Redis went away mid-stream)
         yield sse(error_body(exc)[1])
