@@ -6,6 +6,7 @@ and transactions that touch one job (record + queue + event log) stay in one slo
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 
@@ -24,6 +25,7 @@ LEVELS = 3
 TAG_CHARS = 4
 
 
+@functools.cache  # asked for every known model on each poll: a handful of names per deployment
 def model_tag(model: str) -> str:
     """The first hex digits of every job id queued for ``model``."""
     return hashlib.sha256(model.encode()).hexdigest()[:TAG_CHARS]
