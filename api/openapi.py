@@ -21,13 +21,14 @@ import typing
 from typing import Any
 
 import msgspec
-from litestar import Request, Response, get
+from litestar import Response, get
 
-from api.auth import OPEN_PATHS, parse_keys
+from api.auth import OPEN_PATHS
 from api.dialects import happy_vllm, jobs, lmi, openai_chat, openai_completions, tgi, triton
 from api.fanout import GroupView
 from api.http import Accepted
 from api.routes.health import Liveness, Ping, Readiness
+from api.services import Svc
 from shared.batches import BatchCreate, BatchList, BatchObject, FileDeleted, FileList, FileObject
 from shared.codec import encode
 from shared.schemas import GenerationRequest, JobView
@@ -391,6 +392,5 @@ def _encoded(keys_on: bool) -> bytes:
 
 
 @get("/openapi.json", opt={"dialect": "jobs"}, include_in_schema=False)
-async def openapi_json(request: Request) -> Response:
-    keys_on = bool(parse_keys(request.app.state.settings.api_keys))
-    return Response(_encoded(keys_on), media_type=JSON)
+async def openapi_json(svc: Svc) -> Response:
+    return Response(_encoded(svc.keys_on), media_type=JSON)
