@@ -132,12 +132,13 @@ def _job_deltas(event: Tokens | Done, offset: int) -> list[TokenDelta]:
     return deltas
 
 
-async def merge(subs: list[Submission], n: int) -> AsyncIterator[Event | Keepalive]:
-    """The jobs' events as one job's: interleaved as they arrive, indexes shifted, one terminal."""
-    if len(subs) == 1:
-        async for item in subs[0].events:
-            yield item
-        return
+def merge(subs: list[Submission], n: int) -> AsyncIterator[Event | Keepalive]:
+    """The jobs' events as one job's: interleaved as they arrive, indexes shifted, one terminal.
+    One job's events are returned as they are: no extra generator on the per-token path."""
+    return subs[0].events if len(subs) == 1 else _interleave(subs, n)
+
+
+async def _interleave(subs: list[Submission], n: int) -> AsyncIterator[Event | Keepalive]:
     inbox: asyncio.Queue[tuple[int, Event | Keepalive]] = asyncio.Queue()
 
     async def pump(j: int, events: AsyncIterator[Event | Keepalive]) -> None:

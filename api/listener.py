@@ -1,8 +1,12 @@
 """One pub/sub connection per API process, multiplexed across every in-flight request.
 
-A request subscribes to its job's live channel before it follows the job, and reads the job's
-log once Redis has confirmed the subscription, so no event falls between the two. Messages fan
-out to per-request asyncio queues. After a reconnect every subscriber gets ``RESYNC`` and
+A request follows its job through this process's relay channel for the job's model
+(``Keys.relay``): workers publish the events of every job this process follows in one message per
+flush, and :meth:`EventListener.follow` splits them out to per-request asyncio queues by job id.
+The channel is subscribed on first use and kept: the job's record names it, and the request reads
+the job's log only once Redis has confirmed the subscription, so no event falls between the two.
+Plain channels (:meth:`EventListener.subscribe`) carry one message per event, as a job's own live
+channel does when no follower is recorded for it. After a reconnect every subscriber gets ``RESYNC`` and
 backfills from the job's event log: pub/sub is treated as lossy, the log is the truth.
 
 On a Redis Cluster the connection goes to one master (plain PUBLISH reaches every node), or, with
@@ -47,7 +51,14 @@ class Listener:
                   ) -> AbstractAsyncContextManager[asyncio.Queue[bytes]]:
         raise NotImplementedError
 
+    def follow(self, channel: str, job_id: str, *, timeout_s: float = 2.0, wait: bool = True
+               ) -> AbstractAsyncContextManager[asyncio.Queue[bytes]]:
+        raise NotImplementedError
+
     async def confirmed(self, channel: str, *, timeout_s: float = 2.0) -> None:
+        raise NotImplementedError
+
+    def in_effect(self, channel: str) -> bool:
         raise NotImplementedError
 
 
@@ -64,6 +75,10 @@ class EventListener(Listener):
         # Always subscribed, so the connection stays in pub/sub mode with no requests in flight.
         self._home = home_channel.encode()
         self._queues: dict[bytes, set[asyncio.Queue[bytes]]] = {}
+        # Relay channels: per channel, job id -> its followers' queues. A channel stays subscribed
+        # for the process's life once used (one per model this process relays): a request then
+        # needs no SUBSCRIBE round trip, and a job's record never names a channel nobody reads.
+        self._relays: dict[bytes, dict[bytes, set[asyncio.Queue[bytes]]]] = {}
         self._confirmations: dict[bytes, asyncio.Future[None]] = {}
         self._conn: AbstractConnection | None = None
         self._reads = 0
@@ -71,7 +86,7 @@ class EventListener(Listener):
     @property
     def channels(self) -> int:
         """Jobs being followed through this listener right now."""
-        return len(self._queues)
+        return len(self._queues) + sum(len(jobs) for jobs in self._relays.values())
 
     async def run(self) -> None:
         """Read messages until cancelled, reconnecting with backoff."""
@@ -88,10 +103,11 @@ class EventListener(Listener):
                     # Every channel again after a reconnect: each confirmation then tells that
                     # channel's subscribers to read the log (_dispatch): messages published meanwhile are gone.
                     if not self._sharded:
-                        await conn.send_command("SUBSCRIBE", self._home, *self._queues, check_health=False)
+                        await conn.send_command("SUBSCRIBE", self._home, *self._queues, *self._relays,
+                                                check_health=False)
                     else:  # the home channel stays plain; one SSUBSCRIBE per channel (one slot each)
                         await conn.send_command("SUBSCRIBE", self._home, check_health=False)
-                        for channel in list(self._queues):
+                        for channel in [*self._queues, *self._relays]:
                             await conn.send_command("SSUBSCRIBE", channel, check_health=False)
                 if delay > 0.1:
                     log.info("listener_reconnected", channels=len(self._queues))
@@ -140,9 +156,18 @@ class EventListener(Listener):
     def _dispatch(self, reply: list) -> None:
         kind, channel = reply[0], reply[1]
         if kind in (b"message", b"smessage"):
-            for queue in self._queues.get(channel, ()):
-                queue.put_nowait(reply[2])
-        elif kind == b"sunsubscribe" and channel in self._queues:
+            jobs = self._relays.get(channel)
+            if jobs is None:
+                for queue in self._queues.get(channel, ()):
+                    queue.put_nowait(reply[2])
+                return
+            # One line per event, each "<job id> <event JSON>" (JSON holds no raw newline). A job
+            # nobody here follows any longer (its request ended) is skipped.
+            for line in reply[2].split(b"\n"):
+                job, _, event = line.partition(b" ")
+                for queue in jobs.get(job, ()):
+                    queue.put_nowait(event)
+        elif kind == b"sunsubscribe" and (channel in self._queues or channel in self._relays):
             # Dropped by the server (its slot moved), or our SUNSUBSCRIBE crossing a new subscriber's
             # SSUBSCRIBE: subscribe again; the confirmation then sends RESYNC (messages may be gone).
             task = asyncio.get_running_loop().create_task(self._send("SSUBSCRIBE", channel))
@@ -157,6 +182,9 @@ class EventListener(Listener):
                 # From this confirmation on, every event arrives live; every earlier one is in the log.
                 for queue in self._queues.get(channel, ()):
                     queue.put_nowait(RESYNC)
+                for queues in self._relays.get(channel, {}).values():
+                    for queue in queues:
+                        queue.put_nowait(RESYNC)
 
     @asynccontextmanager
     async def subscribe(self, channel: str, *, timeout_s: float = 2.0, wait: bool = True
@@ -185,6 +213,34 @@ class EventListener(Listener):
                     del self._queues[key]
                     await self._unsubscribe(key)
 
+    @asynccontextmanager
+    async def follow(self, channel: str, job_id: str, *, timeout_s: float = 2.0, wait: bool = True
+                     ) -> AsyncIterator[asyncio.Queue[bytes]]:
+        """Yield a queue of job ``job_id``'s events from relay ``channel`` (subscribing to it the
+        first time), once Redis has confirmed that subscription; ``wait=False`` as in :meth:`subscribe`.
+        The job's record must name ``channel`` (Queue.enqueue / Queue.relay_to) for events to come."""
+        key, job = channel.encode(), job_id.encode()
+        queue: asyncio.Queue[bytes] = asyncio.Queue()
+        jobs = self._relays.get(key)
+        first = jobs is None
+        if jobs is None:
+            # Registered before the SUBSCRIBE is sent: a reconnect meanwhile subscribes it too.
+            jobs = self._relays[key] = {}
+            self._confirmations.setdefault(key, asyncio.get_running_loop().create_future())
+        jobs.setdefault(job, set()).add(queue)
+        try:
+            if first:
+                await self._send(self._sub, key)
+            if wait:
+                await self.confirmed(channel, timeout_s=timeout_s)
+            yield queue
+        finally:
+            followers = jobs.get(job)
+            if followers is not None:
+                followers.discard(queue)
+                if not followers:
+                    del jobs[job]
+
     async def confirmed(self, channel: str, *, timeout_s: float = 2.0) -> None:
         """Return once the subscription to ``channel`` is in effect; QueueUnavailable after
         ``timeout_s`` (no pub/sub connection)."""
@@ -195,6 +251,13 @@ class EventListener(Listener):
             await asyncio.wait_for(asyncio.shield(future), timeout_s)
         except TimeoutError:
             raise QueueUnavailable("the queue's pub/sub connection is not available") from None
+
+    def in_effect(self, channel: str) -> bool:
+        """Whether the subscription to ``channel`` is confirmed on the current connection: a job
+        followed from now on misses no live event (or, should the connection drop, gets RESYNC)."""
+        key = channel.encode()
+        followed = key in self._relays or key in self._queues
+        return followed and self._conn is not None and key not in self._confirmations
 
     async def _unsubscribe(self, key: bytes) -> None:
         self._confirmations.pop(key, None)

@@ -9,6 +9,7 @@ own relay; the bytes on the wire are ``shared.framing``'s.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -61,6 +62,8 @@ async def follow(
     keepalive_s: float | None = None,
     deadline: float | None = None,
     cold: ColdWait | None = None,
+    on_terminal: Callable[[], None] | None = None,
+    on_exit: Callable[[], Awaitable[None]] | None = None,
 ) -> AsyncIterator[Event | Keepalive]:
     """Yield the job's events with seq > ``after_seq``, in order, ending with the terminal one.
 
@@ -69,7 +72,9 @@ async def follow(
     never an event. Past the job's ``deadline`` (epoch ms) the job is ended here if nobody else
     ended it (queued: at once; running: after a grace for its worker), so a client never waits
     beyond its deadline for a job no worker reads. With ``cold``, the job is also ended once no
-    warm worker has served its model for ``cold.wait_s`` while it was quiet.
+    warm worker has served its model for ``cold.wait_s`` while it was quiet. ``on_terminal`` is
+    called as the terminal event goes out, ``on_exit`` when the iterator ends or is closed (hooks
+    here rather than a wrapping generator: no extra layer per event).
     """
     async def read_log(after: int) -> list[Event]:
         return await _relaying(queue.read_events(model, job_id, after))
@@ -99,58 +104,65 @@ async def follow(
             await _relaying(queue.expire(model, job_id, grace_ms=0, now=cold.error()))
             cold = cold_at = None
 
-    last = after_seq
-    base_wait_s = min(check_log_s, keepalive_s) if keepalive_s else check_log_s
-    idle_s = 0.0
-    check_at = deadline
-    pending: list[Event] = await read_log(last) if backfill else []
-    while True:
-        for event in pending:
-            if event.seq <= last:
-                continue  # a duplicate: already delivered live or from the log
-            last = event.seq
-            yield event
-            if is_terminal(event):
-                return
-        wait_s = base_wait_s
-        if check_at is not None:
-            if now_ms() >= check_at:
-                check_at = await expire()
-            wait_s = min(wait_s, max(0.001, (check_at - now_ms()) / 1000))
-        if cold_at is not None:
-            wait_s = min(wait_s, max(0.001, (cold_at - now_ms()) / 1000))
-        try:
-            # Messages already queued are taken without waiting, so a burst of events flows through
-            # the whole chain in one task step and the response's writes coalesce (api.http.CoalescingSend).
-            # A wait arms a timer, not wait_for's extra task per event (and keeps an item that
-            # arrives as the timer fires: it stays queued).
-            if live.empty():
-                async with asyncio.timeout(wait_s):
-                    data = await live.get()
-            else:
-                data = live.get_nowait()
-        except TimeoutError:
-            if check_at is not None and now_ms() >= check_at:
-                pending = []
-                continue
-            if cold is not None:  # quiet: is a worker there to run it?
-                await watch_cold()
-            idle_s += wait_s
-            if keepalive_s:
-                yield KEEPALIVE_TICK
-            if idle_s >= check_log_s:
-                idle_s = 0.0
-                pending = await read_log(last)
-            else:
-                pending = []
-            continue
+    try:
+        last = after_seq
+        base_wait_s = min(check_log_s, keepalive_s) if keepalive_s else check_log_s
         idle_s = 0.0
-        event = decode_event(data) if data else None  # empty bytes = RESYNC from the listener
-        if event is not None and event.seq <= last + 1:
-            pending = [event]
-        else:  # a gap, or a reconnect: the log has everything after `last`
-            pending = await read_log(last)
+        check_at = deadline
+        pending: list[Event] = await read_log(last) if backfill else []
+        while True:
+            for event in pending:
+                if event.seq <= last:
+                    continue  # a duplicate: already delivered live or from the log
+                last = event.seq
+                if is_terminal(event):
+                    if on_terminal is not None:
+                        on_terminal()  # before the yield: the reader may stop right after it
+                    yield event
+                    return
+                yield event
+            wait_s = base_wait_s
+            if check_at is not None:
+                if time.time() * 1000 >= check_at:  # once per event: the bare clock, not now_ms's rounding
+                    check_at = await expire()
+                wait_s = min(wait_s, max(0.001, (check_at - time.time() * 1000) / 1000))
+            if cold_at is not None:
+                wait_s = min(wait_s, max(0.001, (cold_at - time.time() * 1000) / 1000))
+            try:
+                # Messages already queued are taken without waiting, so a burst of events flows through
+                # the whole chain in one task step and the response's writes coalesce (api.http.CoalescingSend).
+                # A wait arms a timer, not wait_for's extra task per event (and keeps an item that
+                # arrives as the timer fires: it stays queued).
+                if live.empty():
+                    async with asyncio.timeout(wait_s):
+                        data = await live.get()
+                else:
+                    data = live.get_nowait()
+            except TimeoutError:
+                if check_at is not None and now_ms() >= check_at:
+                    pending = []
+                    continue
+                if cold is not None:  # quiet: is a worker there to run it?
+                    await watch_cold()
+                idle_s += wait_s
+                if keepalive_s:
+                    yield KEEPALIVE_TICK
+                if idle_s >= check_log_s:
+                    idle_s = 0.0
+                    pending = await read_log(last)
+                else:
+                    pending = []
+                continue
+            idle_s = 0.0
+            event = decode_event(data) if data else None  # empty bytes = RESYNC from the listener
+            if event is not None and event.seq <= last + 1:
+                pending = [event]
+            else:  # a gap, or a reconnect: the log has everything after `last`
+                pending = await read_log(last)
 
+    finally:
+        if on_exit is not None:
+            await on_exit()
 
 async def _relaying(call: Awaitable[T]) -> T:
     """A queue call made while relaying: Redis going away is the client's 503, not a 500."""
@@ -191,20 +203,53 @@ async def prefetch(events: AsyncIterator[Event | Keepalive], wait_s: float) -> A
             case event:
                 head = event
 
-    async def replay() -> AsyncIterator[Event | Keepalive]:
-        try:
-            first = head if waiting is None else await waiting
-            if first is not None:
-                yield first
-                if not isinstance(first, Keepalive) and is_terminal(first):
-                    return
-            async for item in events:
-                yield item
-        finally:
-            if waiting is not None and not waiting.done():
-                waiting.cancel()
+    return _Replay(head, waiting, events)
 
-    return replay()
+
+class _Replay:
+    """What :func:`prefetch` read, then the rest of ``events`` handed straight through: each later
+    event costs one method call here, not a generator layer of its own."""
+
+    __slots__ = ("_first", "_events", "_ended")
+
+    def __init__(self, head: Event | None, waiting: asyncio.Future[Event | Keepalive] | None,
+                 events: AsyncIterator[Event | Keepalive]) -> None:
+        self._first = waiting if waiting is not None else head
+        self._events = events
+        self._ended = False
+
+    def __aiter__(self) -> _Replay:
+        return self
+
+    def __anext__(self) -> Awaitable[Event | Keepalive]:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return self._head(first)
+        if self._ended:
+            return self._stop()
+        return self._events.__anext__()
+
+    async def _head(self, first: Event | asyncio.Future[Event | Keepalive]) -> Event | Keepalive:
+        item = await first if isinstance(first, asyncio.Future) else first
+        if not isinstance(item, Keepalive) and is_terminal(item):
+            self._ended = True
+        return item
+
+    @staticmethod
+    async def _stop() -> Event | Keepalive:
+        raise StopAsyncIteration
+
+    def _let_go(self) -> None:
+        first, self._first = self._first, None
+        if isinstance(first, asyncio.Future) and not first.done():
+            first.cancel()  # the read still running from prefetch: nobody will take its event
+
+    async def aclose(self) -> None:
+        self._let_go()
+        await self._events.aclose()  # type: ignore[attr-defined]
+
+    def __del__(self) -> None:  # dropped unread (the response ended early): as aclose, minus the await
+        self._let_go()
 
 
 async def collect(

@@ -35,6 +35,8 @@ class Services:
     models: ModelRegistry
     tokenizer: Tokenizer
     """The served model's tokenizer (TGI's /tokenize and truncate, special-token ids), loaded on first use."""
+    instance: str = "0"
+    """This API process's id: its home channel and relay channels (Keys.relay) carry it."""
     keys_on: bool = False
     """API keys are configured (``LLMQ_API_KEYS``): jobs record their owner's key hash."""
     background: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -48,6 +50,10 @@ class Services:
         self.background.add(task)
         task.add_done_callback(self.background.discard)
         return task
+
+    def relay_channel(self, model: str) -> str:
+        """Where workers publish the events of ``model``'s jobs this process follows."""
+        return self.keys.relay(model, self.instance)
 
     @property
     def model(self) -> str:
@@ -64,7 +70,8 @@ async def lifespan(app: Litestar) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
     keys = Keys(settings.prefix)
     redis = connect(settings.redis_dsn, block_ms=settings.block_ms)
-    home = keys.api_home(os.urandom(4).hex())
+    instance = os.urandom(4).hex()
+    home = keys.api_home(instance)
     listener = ClusterListener(redis, home) if is_cluster(redis) else EventListener(redis, home)
     services = Services(
         settings=settings,
@@ -74,6 +81,7 @@ async def lifespan(app: Litestar) -> AsyncIterator[None]:
         models=ModelRegistry(redis, keys, settings.model_name, settings.extra_models),
         tokenizer=Tokenizer(settings.model_path),
         keys_on=bool(parse_keys(settings.api_keys)),
+        instance=instance,
     )
     # The listener reconnects by itself, so the API starts (and answers 503) before Redis is up.
     task = asyncio.create_task(listener.run(), name="event-listener")

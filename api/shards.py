@@ -101,5 +101,21 @@ class ClusterListener(Listener):
         async with listener.subscribe(channel, timeout_s=timeout_s, wait=wait) as queue:
             yield queue
 
+    @asynccontextmanager
+    async def follow(self, channel: str, job_id: str, *, timeout_s: float = 2.0, wait: bool = True
+                     ) -> AsyncIterator[asyncio.Queue[bytes]]:
+        """:meth:`EventListener.follow` on the listener that receives ``channel``."""
+        listener = await self._route(channel, timeout_s)
+        async with listener.follow(channel, job_id, timeout_s=timeout_s, wait=wait) as queue:
+            yield queue
+
+    def in_effect(self, channel: str) -> bool:
+        if not self._decided.is_set():
+            return False
+        if self._plain is not None:
+            return self._plain.in_effect(channel)
+        listener = self._shards.get(self._redis.get_node_from_key(channel).name)
+        return listener is not None and listener.in_effect(channel)
+
     async def confirmed(self, channel: str, *, timeout_s: float = 2.0) -> None:
         await (await self._route(channel, timeout_s)).confirmed(channel, timeout_s=timeout_s)

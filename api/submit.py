@@ -1,8 +1,11 @@
 """Submitting a job and following it: the path every dialect shares.
 
-Order matters: send the SUBSCRIBE for the job's live channel, enqueue (record + stream entry in
-one script) while it takes effect, wait for its confirmation, then read the job's log before the
-live events: whatever was published before the subscription took effect is in the log.
+Order matters: follow the job on this process's relay channel for its model (sending the SUBSCRIBE
+the first time), enqueue (record naming that channel + stream entry, in one script) while it takes
+effect, wait for its confirmation, then read the job's log before the live events: whatever was
+published before the subscription took effect is in the log. When the channel was subscribed
+before the job existed (a process keeps its relay channels), nothing can precede it and the log
+is not read at all; should the connection drop later, the listener's RESYNC sends the relay there.
 
 Every job a request submits and follows is watched by that request (:mod:`api.watches`): leaving
 before its terminal event cancels it. Everything about the request (owner, option headers,
@@ -26,7 +29,7 @@ from api.services import Services
 from api.watches import JobWatch
 from shared.codec import decode_request, encode
 from shared.errors import InvalidRequest
-from shared.events import Event, is_terminal
+from shared.events import Event
 from shared.framing import Keepalive
 from shared.schemas import GenerationRequest, JobRecord
 
@@ -115,7 +118,7 @@ async def enqueue_detached(svc: Services, ctx: RequestContext, req: GenerationRe
 
 @dataclass(frozen=True, slots=True)
 class Live:
-    """A subscription to one job's live channel; it lasts as long as ``stack``."""
+    """A subscription to one job's events (on its relay channel); it lasts as long as ``stack``."""
 
     model: str
     job_id: str
@@ -123,10 +126,13 @@ class Live:
     messages: asyncio.Queue[bytes]
 
 
-async def subscribe_job(svc: Services, model: str, job_id: str, stack: AsyncExitStack, *, wait: bool = True
-                        ) -> Live:
-    """Subscribe to a job's live channel; the subscription lives as long as ``stack``."""
-    messages = await stack.enter_async_context(svc.listener.subscribe(svc.keys.live(model, job_id), wait=wait))
+async def subscribe_job(svc: Services, model: str, job_id: str, stack: AsyncExitStack) -> Live:
+    """Follow an existing job's events; the subscription lives as long as ``stack``. Its record
+    names this process's relay channel once the subscription is in effect, so every later event
+    comes live and every earlier one is in the log."""
+    channel = svc.relay_channel(model)
+    messages = await stack.enter_async_context(svc.listener.follow(channel, job_id))
+    await svc.queue.relay_to(model, job_id, channel)
     return Live(model, job_id, stack, messages)
 
 
@@ -149,23 +155,22 @@ def follow_job(
     if watch is not None and svc.settings.cold_wait_s > 0:
         cold = ColdWait(functools.partial(svc.models.warm, live.model), svc.settings.cold_wait_s)
 
-    async def events() -> AsyncIterator[Event | Keepalive]:
+    def on_terminal() -> None:
+        if watch is not None:
+            watch.finished = True
+
+    async def on_exit() -> None:
         try:
-            async with live.stack:
-                async for event in follow(
-                    svc.queue, live.messages, live.model, live.job_id, after_seq=after_seq, backfill=backfill,
-                    keepalive_s=svc.settings.sse_keepalive_s if keepalive else None, deadline=deadline, cold=cold,
-                ):
-                    if watch is not None and not isinstance(event, Keepalive) and is_terminal(event):
-                        watch.finished = True
-                    yield event
+            await live.stack.aclose()  # the subscription
         finally:
             if watch is not None:
                 watch.cancel()  # a no-op once the terminal event went out
                 if watch.scope is not None:
                     watch.scope.discard(watch)  # a long LMTP socket keeps only live streams
 
-    return events()
+    return follow(svc.queue, live.messages, live.model, live.job_id, after_seq=after_seq, backfill=backfill,
+                  keepalive_s=svc.settings.sse_keepalive_s if keepalive else None, deadline=deadline, cold=cold,
+                  on_terminal=on_terminal, on_exit=on_exit)
 
 
 async def submit(svc: Services, ctx: RequestContext, req: GenerationRequest, *, keepalive: bool = False,
@@ -186,15 +191,22 @@ async def submit(svc: Services, ctx: RequestContext, req: GenerationRequest, *, 
     try:
         # Subscribed while the job is queued (a round trip less before it starts); the events
         # published before the subscription took effect are read from the log (backfill below).
-        live = await subscribe_job(svc, model, record.id, stack, wait=False)
-        job_id = await svc.queue.enqueue(record, _scoped_key(ctx, part, parts), max_queued=svc.settings.max_queued)
-        await svc.listener.confirmed(svc.keys.live(model, record.id))
+        channel = svc.relay_channel(model)
+        messages = await stack.enter_async_context(svc.listener.follow(channel, record.id, wait=False))
+        # Subscribed since before this job existed (the usual case: a process keeps its relay
+        # channels), so every event of it comes live: reading its log first would only repeat them.
+        backfill = not svc.listener.in_effect(channel)
+        live = Live(model, record.id, stack, messages)
+        job_id = await svc.queue.enqueue(record, _scoped_key(ctx, part, parts), max_queued=svc.settings.max_queued,
+                                         relay=channel)
+        await svc.listener.confirmed(channel)
         if job_id != record.id:
             # A repeated Idempotency-Key: follow the earlier job from its first event. That job
             # belongs to whoever queued it first, so leaving early must not cancel it. Its answer
             # is the earlier one, byte for byte: its own request and creation time.
             watch.finished = True
             live = await subscribe_job(svc, model, job_id, stack)
+            backfill = True
             record = await svc.queue.get_job(model, job_id) or record
     except BaseException:
         # Cancelled or failed after the enqueue may have run: nobody will follow the job. (A
@@ -203,6 +215,6 @@ async def submit(svc: Services, ctx: RequestContext, req: GenerationRequest, *, 
         await stack.aclose()
         raise
     ours = watch.job_id == job_id
-    events = follow_job(svc, live, backfill=True, keepalive=keepalive, watch=watch if ours else None,
+    events = follow_job(svc, live, backfill=backfill, keepalive=keepalive, watch=watch if ours else None,
                         deadline=record.deadline if ours else None)
     return Submission(job_id=job_id, created=int(record.queued_at // 1000), request=record.request, events=events)

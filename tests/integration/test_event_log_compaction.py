@@ -1,0 +1,201 @@
+"""A finished job's event log is compacted (shared/eventlog.py, flush.lua) and still read back
+exactly: real Redis, the real worker and API routes, a scripted engine.
+
+While a job runs, its log is a stream, one entry per event; the script that writes its end
+replaces the stream with one compact string, which costs a few hundred bytes where the stream
+cost ~150 bytes a token. A late reader (``Last-Event-ID``, ``/events`` after the end) must not
+be able to tell: same events, same bytes, same sequence numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from redis import Redis as SyncRedis
+
+from shared import eventlog
+from shared.codec import encode
+from shared.events import Done, Error, TokenDelta, Tokens
+from shared.framing import KEEPALIVE
+from shared.keys import Keys
+from shared.queue import Outbound, Queue
+from shared.result import ResultBuilder
+from shared.schemas import GenerationRequest, JobRecord, SamplingParams, Usage
+from tests import inprocess_workers
+from tests.event_log import logged_events
+from tests.inprocess_workers import MODEL, Client, assert_seamless, kill, running_on
+from tests.scripted_engine import ScriptedEngine
+from tests.scripted_stack import scripted_stack
+
+make_worker = inprocess_workers.make_worker  # in-process workers with a ContextEngine, on real Redis
+
+
+@pytest.fixture(scope="module")
+async def stack(redis_url):
+    async with scripted_stack(redis_url, "compaction", ScriptedEngine(delay_s=0.002)) as s:
+        yield s
+
+
+async def submit(stack, body: dict) -> str:
+    resp = await stack.client.post("/v1/completions", json=body, headers={"Prefer": "respond-async"})
+    assert resp.status_code == 202, resp.text
+    return resp.json()["id"]
+
+
+async def ended(stack, job_id: str) -> dict:
+    async with asyncio.timeout(30):
+        while (job := (await stack.client.get(f"/v1/jobs/{job_id}")).json())["status"] in ("queued", "running"):
+            await asyncio.sleep(0.02)
+    return job
+
+
+async def job_keys(stack, job_id: str) -> list[bytes]:
+    """Every key that names the job (its record, its log, anything else left behind)."""
+    return [key async for key in stack.redis.scan_iter(match=f"{stack.settings.prefix}:*{job_id}*")]
+
+
+@pytest.mark.parametrize("tokens", [64, 500])
+@pytest.mark.parametrize("logprobs", [None, 2])
+async def test_a_finished_job_costs_its_record_plus_well_under_1kb(stack, tokens, logprobs):
+    body = {"prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": tokens}
+    if logprobs is not None:
+        body["logprobs"] = logprobs
+    job_id = await submit(stack, body)
+    assert (await ended(stack, job_id))["status"] == "done"
+    keys = Keys(stack.settings.prefix)
+    record_key, log_key = keys.job(stack.settings.model_name, job_id), keys.events(stack.settings.model_name, job_id)
+    assert sorted(await job_keys(stack, job_id)) == sorted([record_key.encode(), log_key.encode()])
+    assert await stack.redis.type(log_key) == b"string"
+    result, request = await stack.redis.hmget(record_key, "result", "request")
+    # SAMPLES 0: every field counted (the default samples 5 of a hash's fields and extrapolates).
+    log_bytes = await stack.redis.memory_usage(log_key, samples=0)
+    record_bytes = await stack.redis.memory_usage(record_key, samples=0)
+    # The target: once ended, the job costs its record (which holds the result) plus at most
+    # 1 KB for its log. The stream it replaced took ~150 bytes per token.
+    assert log_bytes <= 1024, log_bytes
+    assert 0 < await stack.redis.ttl(log_key) <= stack.settings.result_ttl_s
+    print(f"{tokens} tokens, logprobs={logprobs}: log {log_bytes} B, record {record_bytes} B "
+          f"(result {len(result)} B, request {len(request)} B)")
+
+
+def frames(raw: bytes) -> list[bytes]:
+    """An SSE body's event frames, keep-alive comments dropped."""
+    return [f + b"\n\n" for f in raw.split(b"\n\n") if f and f + b"\n\n" != KEEPALIVE]
+
+
+async def read_sse(stack, job_id: str, after: int | None = None) -> bytes:
+    headers = {} if after is None else {"Last-Event-ID": str(after)}
+    async with stack.client.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers) as resp:
+        assert resp.status_code == 200
+        return await resp.aread()
+
+
+@pytest.mark.parametrize("tokens", [64, 500])
+async def test_a_resume_after_the_end_gets_the_live_streams_bytes_from_every_event(stack, tokens):
+    job_id = await submit(stack, {"prompt": "resume me", "max_tokens": tokens, "logprobs": 1})
+    live = frames(await read_sse(stack, job_id))  # followed while it runs: live messages
+    keys = Keys(stack.settings.prefix)
+    assert await stack.redis.type(keys.events(stack.settings.model_name, job_id)) == b"string"
+    sync = SyncRedis.from_url(stack.settings.redis_url)  # the e2e suites' reader (tests/event_log.py)
+    assert [seq for seq, _ in logged_events(sync, keys, stack.settings.model_name, job_id)] == list(
+        range(1, tokens + 1))
+    sync.close()
+    assert len(live) == tokens and live[0].startswith(b"id: 1\n") and b'"type":"done"' in live[-1]
+    # Every resume point that has an event after it. (One after the terminal event waits for
+    # events that never come, compacted or not: the relay has nothing to end it with.)
+    for after in range(0, tokens):
+        assert frames(await read_sse(stack, job_id, after)) == live[after:], after
+
+
+async def test_a_job_cancelled_mid_stream_is_compacted_and_reads_back_exactly(stack):
+    job_id = await submit(stack, {"prompt": "cancel me", "max_tokens": 2000})
+    keys = Keys(stack.settings.prefix)
+    log_key = keys.events(stack.settings.model_name, job_id)
+    async with asyncio.timeout(10):
+        while await stack.redis.type(log_key) != b"stream" or await stack.redis.xlen(log_key) < 20:
+            await asyncio.sleep(0.01)
+    entries = [fields[b"e"] for _, fields in await stack.redis.xrange(log_key)]  # what ran, so far
+    assert (await stack.client.delete(f"/v1/jobs/{job_id}")).status_code == 200
+    assert (await ended(stack, job_id))["status"] == "cancelled"
+    compact = await stack.redis.get(log_key)
+    assert compact[:1] == eventlog.SHAPE_WITH_BASE  # no result to refer to: it carries its own text
+    events = await Queue(stack.redis, keys).read_events(stack.settings.model_name, job_id)
+    assert [encode(e) for e in events[:len(entries)]] == entries
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert isinstance(events[-1], Error) and events[-1].code == "cancelled"
+    live = frames(await read_sse(stack, job_id))
+    assert frames(await read_sse(stack, job_id, len(events) - 1)) == live[-1:]
+
+
+async def test_a_retried_terminal_flush_leaves_the_compact_log_as_it_was(redis, keys):
+    """A flush retried after a lost reply finds the string where the stream was: its XADDs fail
+    and are skipped, as for any event already logged; nothing is written twice."""
+    queue = Queue(redis, keys)
+    rec = JobRecord(id="j1", model=MODEL, request=GenerationRequest(prompt="x", sampling=SamplingParams()))
+    await queue.enqueue(rec)
+    tokens = [Tokens(seq=i, deltas=[TokenDelta(token_ids=[i], text=f"t{i}")]) for i in (1, 2, 3)]
+    done = Done(seq=4, deltas=[TokenDelta(token_ids=[4], text="!", finish_reason="length")],
+                usage=Usage(prompt_tokens=1, completion_tokens=4))
+    builder = ResultBuilder()
+    for event in (*tokens, done):
+        builder.add(event)
+    result = builder.result()
+    compact = eventlog.compact(encode([*tokens, done]), encode(result))
+    batch = [*(Outbound(job_id="j1", event=e) for e in tokens),
+             Outbound(job_id="j1", event=done, result=result, log=compact)]
+    assert await queue.flush(MODEL, batch) == []
+    assert await redis.get(keys.events(MODEL, "j1")) == compact
+    assert await queue.flush(MODEL, batch) == []  # the retry
+    assert await redis.get(keys.events(MODEL, "j1")) == compact
+    assert await queue.read_events(MODEL, "j1") == [*tokens, done]
+    assert await queue.read_events(MODEL, "j1", after_seq=2) == [tokens[2], done]
+    assert await queue.read_events(MODEL, "j1", after_seq=4) == []
+
+
+async def test_a_compact_log_that_does_not_match_the_stream_is_not_stored(redis, keys):
+    """The worker compacts what it wrote; if the stream holds anything else (say, events of an
+    earlier attempt), flush.lua keeps the stream: its length must be the terminal event's seq."""
+    queue = Queue(redis, keys)
+    rec = JobRecord(id="j2", model=MODEL, request=GenerationRequest(prompt="x", sampling=SamplingParams()))
+    await queue.enqueue(rec)
+    await queue.flush(MODEL, [Outbound(job_id="j2", event=Tokens(seq=2, deltas=[TokenDelta(token_ids=[2])]))])
+    done = Done(seq=3, usage=Usage())
+    await queue.flush(MODEL, [Outbound(job_id="j2", event=done, result=ResultBuilder().result(),
+                                       log=eventlog.compact(encode([done])))])
+    assert await redis.type(keys.events(MODEL, "j2")) == b"stream"
+    assert [e.seq for e in await queue.read_events(MODEL, "j2")] == [2, 3]
+
+
+@pytest.mark.faults
+async def test_a_crash_continued_job_keeps_its_stream_and_resumes_exactly(make_worker, redis, keys):
+    """Attempt 2 wrote only the events after the crash, so it does not compact (the stream
+    stays, as before): every resume still reads exactly what the client saw live."""
+    a = await make_worker(delay_s=0.02)
+    client = Client(redis, a.queue)
+    job_id = await client.start("crash me", 60)
+    await running_on(a.queue, job_id, a.worker, min_tokens=10)
+    b = await make_worker(delay_s=0.002)
+    await kill(a)
+    events = await client.finish()
+    assert_seamless(events, "crash me", 60)
+    assert (await b.queue.get_job(MODEL, job_id)).attempt == 2
+    assert await redis.type(keys.events(MODEL, job_id)) == b"stream"
+    for after in range(len(events) + 1):
+        assert [encode(e) for e in await b.queue.read_events(MODEL, job_id, after)] == [encode(e) for e in
+                                                                                       events[after:]]
+    assert isinstance(events[-1], Done)
+
+
+async def test_a_job_cancelled_before_it_started_leaves_its_one_event_as_plain_json(make_worker, redis, keys):
+    queue = Queue(redis, keys)
+    await queue.ensure_group(MODEL)
+    job_id = await inprocess_workers.submit(queue, "never runs", 10)
+    assert await queue.cancel(MODEL, job_id) == "queued"
+    await make_worker()
+    async with asyncio.timeout(10):
+        while (await queue.get_job(MODEL, job_id)).status != "cancelled":
+            await asyncio.sleep(0.02)
+    [event] = await queue.read_events(MODEL, job_id)
+    assert isinstance(event, Error) and (event.seq, event.code) == (1, "cancelled")
+    assert await redis.get(keys.events(MODEL, job_id)) == eventlog.PLAIN + encode([event])
