@@ -176,6 +176,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """LLMQ_HTTP_KEEPALIVE_S: how long the web process keeps an idle client connection open. Keep it
     above the load balancer's idle timeout (AWS ALB: 60 s), so the balancer, not llmq, closes idle
     connections: a balancer that reuses a connection llmq is just closing returns a spurious 502."""
+    web_processes: int = 1
+    """LLMQ_WEB_PROCESSES: how many web processes `python -m api` runs on LLMQ_PORT (one socket each,
+    SO_REUSEPORT; a supervisor restarts any that dies, and passes SIGTERM on). Each is a whole web
+    process (its own Redis connections, listener and `/metrics` counters); one relays on one core.
+    Raise it, up to the cores the host can spare, when the web process runs near 100% of a core."""
     max_queued: int = 10000
     """LLMQ_MAX_QUEUED: per model, the most unfinished jobs (queued or running, every priority level)
     before new work is refused with 429 + Retry-After."""
