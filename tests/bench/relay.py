@@ -42,6 +42,7 @@ import uvloop
 
 from shared.events import TokenDelta
 from shared.schemas import GenerationRequest
+from tests.bench.cpu import children_map, cpu_seconds
 from tests.bench.procs import REPO, free_port, load_average, markdown_table, report_head, save, start_redis, stop
 from tests.scripted_engine import ScriptedEngine
 from workers.protocol import Step
@@ -167,22 +168,11 @@ def check_stream(raw: bytes, tokens: int) -> tuple[int, int, str]:
 # --- the run --------------------------------------------------------------------------------
 
 def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return cpu_seconds(pid) or 0.0
 
 
 def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
-    return sorted(out)
+    return sorted(children_map().get(pid, []))
 
 
 def _spawn(args: Sequence[str], **kw) -> subprocess.Popen:

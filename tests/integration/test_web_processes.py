@@ -29,6 +29,7 @@ from shared.keys import Keys
 from shared.queue import Queue
 from shared.redis import connect
 from shared.schemas import GenerationRequest
+from tests.bench.cpu import children_map
 from tests.conftest import REPO, free_port
 from tests.scripted_engine import ScriptedEngine, expected_text
 from workers.protocol import Step
@@ -42,16 +43,7 @@ GRACEFUL_S = 10  # api/__main__.py's: how long a stopping web process lets its s
 # --- which process holds a connection -----------------------------------------------------
 
 def child_pids(parent: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
-                out.append(int(entry))
-    return sorted(out)
+    return sorted(children_map().get(parent, []))
 
 
 def _server_socket_inode(api_port: int, client_port: int) -> str | None:

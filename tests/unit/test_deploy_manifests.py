@@ -23,6 +23,7 @@ import yaml
 
 from shared.config import Settings, load_settings
 from shared.keys import GROUP, Keys
+from shared.redis import SERVER_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -231,6 +232,7 @@ def test_compose_keeps_redis_durable_and_the_worker_scalable() -> None:
     redis = services["redis"]
     command = " ".join(redis["command"]) if isinstance(redis["command"], list) else redis["command"]
     assert re.search(r"--appendonly\s+yes", command)
+    assert " ".join(SERVER_OPTIONS) in command  # what llmq asks of Redis (docs/redis.md#memory)
     assert any(v.split(":")[1] == "/data" for v in redis["volumes"])
     worker = services["worker"]
     assert "container_name" not in worker and "ports" not in worker  # --scale worker=N

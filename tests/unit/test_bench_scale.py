@@ -1,0 +1,31 @@
+"""The capacity table: per-token CPU turned into cores, from the fast set's report shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.bench.scale import capacity, costs_from_report, table
+
+REPORT = {"medians": [
+    {"target": "llmq", "concurrency": 1, "cpu_us_per_token": {"api": 200.0, "worker": 500.0, "redis": 100.0}},
+    {"target": "llmq", "concurrency": 64, "cpu_us_per_token": {"api": 40.0, "worker": 80.0, "redis": 8.0}},
+    {"target": "vllm-serve", "concurrency": 64, "cpu_us_per_token": {"api-server": 70.0}},
+]}
+
+
+def test_the_highest_concurrency_is_read():
+    assert costs_from_report(REPORT) == (64, {"api": 40.0, "worker": 80.0, "redis": 8.0}, 70.0)
+
+
+def test_cores_are_rate_times_cpu_per_token():
+    _, costs, serve = costs_from_report(REPORT)
+    rows = capacity(costs, 12_500, (1, 8), api_busy=0.7, api_server_us=serve)
+    assert rows[1]["tokens_per_s"] == 100_000
+    assert rows[1]["redis_cores"] == pytest.approx(0.8)  # 100k tok/s x 8 µs
+    assert rows[1]["api_cores"] == pytest.approx(4.0)
+    assert rows[1]["web_processes"] == 6  # 4 cores at 0.7 each
+    assert rows[0]["web_processes"] == 1
+    assert rows[0]["worker_cores_per_gpu"] == pytest.approx(1.0)
+    assert rows[0]["vllm_serve_api_server_cores_per_gpu"] == pytest.approx(0.875)
+    text = table(rows)
+    assert text.splitlines()[2] == "| 1 | 12,500 | 0.10 | 0.50 | 1 | 1.00 | 0.88 |"
