@@ -47,6 +47,7 @@ def fail_once(module: Any, name: str, message: Callable[..., str]) -> None:
 def main(process: str) -> None:
     entry, holder, name, message = TARGETS[process]
     fail_once(importlib.import_module(holder), name, message)
+    sys.argv = sys.argv[:1]  # the process's own main() reads argv (python -m api's options): not ours
     importlib.import_module(entry).main()
 
 
