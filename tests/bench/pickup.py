@@ -52,6 +52,10 @@ from tests.bench.procs import (
 
 __all__ = ["main"]
 
+# How often the held jobs' fake peers renew their leases during a round: well inside the worker's
+# LLMQ_LEASE_S (10 s), as a real worker's heartbeat is (three renewals per lease).
+HELD_RENEW_S = 2.5
+
 
 
 # --- the processes under test ---------------------------------------------------------------
@@ -166,6 +170,7 @@ class LlmqTarget(Target):
         self.proc: subprocess.Popen | None = None
         self.attempts: list[int] = []
         self.peers = None  # the held jobs' consumers' control subscriptions
+        self.heartbeat: asyncio.Task[None] | None = None  # the held jobs' peers renewing their leases
 
     async def start(self) -> None:
         """Fill the held jobs first (else our worker would take them), make their consumers look
@@ -184,6 +189,13 @@ class LlmqTarget(Target):
 
     async def before_round(self) -> None:
         if self.held:  # what the peers' heartbeats do: keep their leases live (idle time ~0)
+            await renew_held(self.redis, self.keys, self.model)
+            if self.heartbeat is None:  # and through the round too: one may outlast a lease
+                self.heartbeat = asyncio.create_task(self._beat())
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(HELD_RENEW_S)
             await renew_held(self.redis, self.keys, self.model)
 
     async def once(self) -> float:
@@ -216,6 +228,9 @@ class LlmqTarget(Target):
         return float(started) - float(queued)
 
     async def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.cancel()
+            await asyncio.gather(self.heartbeat, return_exceptions=True)
         if self.peers is not None:
             await self.peers.aclose()
 
