@@ -60,7 +60,8 @@ class Keys:
         return f"{self._model(model)}:job:{job_id}"
 
     def events(self, model: str, job_id: str) -> str:
-        """Stream: the job's event log; entry ids are ``<seq>-0`` so XRANGE resumes by sequence."""
+        """The job's event log: a stream while it runs (entry ids ``<seq>-0``, so XRANGE resumes
+        by sequence), then a string, the compact log its end leaves (shared/eventlog.py)."""
         return f"{self._model(model)}:events:{job_id}"
 
     def live(self, model: str, job_id: str) -> str:
