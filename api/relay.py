@@ -164,6 +164,7 @@ async def follow(
         if on_exit is not None:
             await on_exit()
 
+
 async def _relaying(call: Awaitable[T]) -> T:
     """A queue call made while relaying: Redis going away is the client's 503, not a 500."""
     try:
