@@ -22,7 +22,7 @@ from pathlib import Path
 
 import msgspec
 
-__all__ = ["ENGINE", "ProcessCpu", "CpuMeter", "cpu_seconds", "children_map", "title", "by_role", "per_token_us"]
+__all__ = ["ENGINE", "ProcessCpu", "CpuMeter", "cpu_seconds", "children_map", "children", "title", "by_role", "per_token_us"]
 
 ENGINE = "engine"
 ENGINE_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
@@ -77,6 +77,11 @@ def children_map() -> dict[int, list[int]]:
         if f is not None:
             children.setdefault(int(f[1]), []).append(int(entry.name))
     return children
+
+
+def children(pid: int) -> list[int]:
+    """``pid``'s live children, in pid order."""
+    return sorted(children_map().get(pid, []))
 
 
 def _is_engine(text: str) -> bool:

@@ -42,7 +42,7 @@ import uvloop
 
 from shared.events import TokenDelta
 from shared.schemas import GenerationRequest
-from tests.bench.cpu import children_map, cpu_seconds
+from tests.bench.cpu import children, cpu_seconds
 from tests.bench.procs import REPO, free_port, load_average, markdown_table, report_head, save, start_redis, stop
 from tests.scripted_engine import ScriptedEngine
 from workers.protocol import Step
@@ -171,10 +171,6 @@ def _cpu_s(pid: int) -> float:
     return cpu_seconds(pid) or 0.0
 
 
-def _children(pid: int) -> list[int]:
-    return sorted(children_map().get(pid, []))
-
-
 def _spawn(args: Sequence[str], **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, *args], cwd=REPO, **kw)
 
@@ -254,7 +250,7 @@ class Stack:
         proc = self.apis[n][0]
         if n == 1:
             return {"api": proc.pid}
-        return {f"api.{i}": pid for i, pid in enumerate(_children(proc.pid))}
+        return {f"api.{i}": pid for i, pid in enumerate(children(proc.pid))}
 
     async def __aexit__(self, *exc: object) -> None:
         for proc, _ in self.apis.values():

@@ -29,7 +29,7 @@ from shared.keys import Keys
 from shared.queue import Queue
 from shared.redis import connect
 from shared.schemas import GenerationRequest
-from tests.bench.cpu import children_map
+from tests.bench.cpu import children as child_pids
 from tests.conftest import REPO, free_port
 from tests.scripted_engine import ScriptedEngine, expected_text
 from workers.protocol import Step
@@ -41,10 +41,6 @@ GRACEFUL_S = 10  # api/__main__.py's: how long a stopping web process lets its s
 
 
 # --- which process holds a connection -----------------------------------------------------
-
-def child_pids(parent: int) -> list[int]:
-    return sorted(children_map().get(parent, []))
-
 
 def _server_socket_inode(api_port: int, client_port: int) -> str | None:
     """The inode of the accepted socket whose local port is the API's and remote the client's."""
