@@ -1,0 +1,122 @@
+"""Where llmq's time to first token goes: one streaming request at a time, split at each hop.
+
+``python -m tests.bench.ttft [--requests 60]`` starts the fast set's targets (llmq and
+``vllm serve``, the same engine), sends the same sequential streaming requests to each, and for
+llmq reads every job's record to split its TTFT at the three times the record keeps:
+
+- ``send -> queued``: the client's send to the API's ``queued_at`` (HTTP, routing, validation,
+  translation; the enqueue script runs right after it);
+- ``queued -> started``: ``queued_at`` to the worker's ``started_at`` (the stream entry reaching
+  the worker, its claim script);
+- ``started -> first token``: the worker's ``started_at`` to its ``first_token_at`` (the engine:
+  tokenizing, prefill, the first step, output processing; the same work ``vllm serve`` does);
+- ``first token -> client``: ``first_token_at`` to the client's first token-bearing chunk (the
+  flush script, the relay channel, the listener, the response's start and first write).
+
+The API and the worker run on this host, so their clocks are the client's. ``vllm serve``'s TTFT
+beside it is the same engine with no queue: the difference is what the queue's hops add.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import httpx
+from redis.asyncio import Redis
+
+from shared.config import load_settings
+from tests.bench.procs import load_average, markdown_table, report_head, save, stats_ms
+from tests.bench.serving import TARGET_SETS, HttpTarget, start_targets
+from tests.bench.workload import prompts_for, request_body
+
+__all__ = ["main"]
+
+HOPS = ("send -> queued", "queued -> started", "started -> first token", "first token -> client")
+WARM_UP = 5
+
+
+def _redis_port(pid: int) -> int:
+    # redis-server retitles itself "redis-server 127.0.0.1:<port>"
+    title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+    return int(title.split()[1].rsplit(":", 1)[1])
+
+
+async def _first_chunks(target: HttpTarget, prompts: list[str]) -> list[tuple[float, float, str]]:
+    """Per request, in turn: (send, first token-bearing chunk) as epoch seconds, and its id."""
+    out = []
+    async with httpx.AsyncClient(timeout=60) as client:
+        for prompt in prompts:
+            body = request_body(target.model, prompt, 8)
+            sent = time.time()
+            first, chunk_id = 0.0, ""
+            async with client.stream("POST", target.url + "/v1/completions", json=body) as resp:
+                async for line in resp.aiter_lines():
+                    if not first and line.startswith("data: {") and '"choices":[{' in line:
+                        first, chunk_id = time.time(), line.split('"id":"', 1)[1].split('"', 1)[0]
+            out.append((sent, first, chunk_id))
+    return out[WARM_UP:]
+
+
+async def _hops(redis: Redis, rows: list[tuple[float, float, str]]) -> dict[str, list[float]]:
+    hops: dict[str, list[float]] = {h: [] for h in HOPS}
+    for sent, first, chunk_id in rows:
+        job_id = chunk_id.removeprefix("cmpl-")
+        [key] = [k async for k in redis.scan_iter(match=f"*:job:{job_id}", count=10_000)]
+        queued, started, first_token = (float(v) for v in await redis.hmget(key, "queued_at", "started_at",
+                                                                               "first_token_at"))
+        for hop, ms in zip(HOPS, (queued - sent * 1000, started - queued, first_token - started,
+                                   first * 1000 - first_token)):
+            hops[hop].append(ms)
+    return hops
+
+
+async def measure(requests: int, rounds: int) -> dict:
+    fast = TARGET_SETS["fast"]
+    settings = load_settings({**os.environ, **fast.overlay})
+    async with AsyncExitStack() as stack:
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llmq-ttft-")))
+        targets = await start_targets(stack, settings, logs, fast.targets, fast.overlay)
+        llmq = next(t for t in targets if t.name == "llmq")
+        assert isinstance(llmq, HttpTarget) and llmq.meter is not None
+        redis = Redis(port=_redis_port(llmq.meter.roots["redis"]))
+        stack.push_async_callback(redis.aclose)
+        ttft: dict[str, list[float]] = {t.name: [] for t in targets}
+        hops: dict[str, list[float]] = {h: [] for h in HOPS}
+        for r in range(rounds):  # interleaved, order alternated
+            for target in targets if r % 2 == 0 else targets[::-1]:
+                assert isinstance(target, HttpTarget)
+                rows = await _first_chunks(target, prompts_for(requests + WARM_UP, f"ttft{r}"))
+                ttft[target.name] += [(first - sent) * 1000 for sent, first, _ in rows]
+                if target is llmq:
+                    for hop, values in (await _hops(redis, rows)).items():
+                        hops[hop] += values
+    return {"ttft": {name: stats_ms(v) for name, v in ttft.items()},
+            "hops": {hop: stats_ms(v) for hop, v in hops.items()},
+            "added_p50_ms": round(statistics.median(ttft["llmq"]) - statistics.median(ttft["vllm-serve"]), 3)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m tests.bench.ttft", description=__doc__.split("\n")[0])
+    p.add_argument("--requests", type=int, default=60, help="sequential requests per target and round (default 60)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
+    p.add_argument("--out", default="bench-ttft.json")
+    a = p.parse_args(argv)
+    loads = [load_average()]
+    result = asyncio.run(measure(a.requests, a.rounds))
+    loads.append(load_average())
+    report = {**report_head("ttft", "time to first token at C=1, llmq's split at each hop", loads), **result}
+    rows = [[f"TTFT, {name}", s["p50_ms"], s["p90_ms"], s["p99_ms"]] for name, s in result["ttft"].items()]
+    rows += [[f"llmq: {hop}", s["p50_ms"], s["p90_ms"], s["p99_ms"]] for hop, s in result["hops"].items()]
+    table = markdown_table(["", "p50 ms", "p90 ms", "p99 ms"], rows)
+    save(report, a.out, f"{table}\n\nadded TTFT p50: {result['added_p50_ms']} ms")
+
+
+if __name__ == "__main__":
+    main()
