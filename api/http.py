@@ -11,21 +11,27 @@ import msgspec
 import structlog
 from litestar import Request, Response
 from litestar.datastructures import Headers
+from litestar.enums import MediaType
 from litestar.response import Stream
+from litestar.response.base import ASGIResponse
+from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.auth import KeyGuard, presented_key
 from api.context import WATCHES, RequestContext
 from api.fanout import enqueue_all
+from api.relay import prefetch
 from api.services import Services
 from api.watches import JobWatch, end_watches
 from shared import json_input
 from shared.codec import encode
 from shared.errors import InvalidRequest
+from shared.events import Event
+from shared.framing import Keepalive
 from shared.schemas import GenerationRequest
 
-__all__ = ["decode_body", "accepted", "Accepted", "stream_response", "json_response", "RequestLifecycle",
-           "CoalescingSend"]
+__all__ = ["decode_body", "accepted", "Accepted", "stream_response", "event_stream", "EventStream", "json_response",
+           "RequestLifecycle", "CoalescingSend"]
 
 log = structlog.get_logger()
 
@@ -70,6 +76,65 @@ def json_response(body: object, status: int = 200, headers: dict[str, str] | Non
 
 def stream_response(content: AsyncIterator[bytes], media_type: str, headers: dict[str, str] | None = None) -> Stream:
     return Stream(content, media_type=media_type, headers={**STREAM_HEADERS, **(headers or {})})
+
+
+Events = AsyncIterator[Event | Keepalive]
+
+
+def event_stream(events: Events, render: Callable[[Events], AsyncIterator[bytes]], media_type: str,
+                 start_within_s: float) -> EventStream:
+    """A job's events streamed in a dialect's framing (``render``), the response held until the
+    first event or ``start_within_s`` (:func:`api.relay.prefetch`): an error that comes first
+    is still answered with its own HTTP status, in the route's dialect."""
+    return EventStream(events, render, media_type, start_within_s)
+
+
+class EventStream(Stream):
+    """The streaming response of a job's events.
+
+    The handler returns it at once, so Litestar builds the response while the engine computes,
+    and the wait for the first event (:func:`api.relay.prefetch`) runs inside the response:
+    once it arrives only the headers and the first chunk are left to send. An error that comes
+    first is raised before anything is sent, to the same exception handlers as the route's own
+    errors. The client leaving is heard by :class:`RequestLifecycle`, which cancels the whole
+    request, so the response needs no listener task of its own (Litestar's stream runs one in a
+    task group per response).
+    """
+
+    __slots__ = ("events", "render", "start_within_s")
+
+    def __init__(self, events: Events, render: Callable[[Events], AsyncIterator[bytes]], media_type: str,
+                 start_within_s: float) -> None:
+        super().__init__((), media_type=media_type, headers=STREAM_HEADERS)
+        self.events, self.render, self.start_within_s = events, render, start_within_s
+
+    def to_asgi_response(self, app: Any, request: Request, *, headers: dict[str, str] | None = None,
+                         media_type: MediaType | str | None = None, status_code: int | None = None,
+                         **_: Any) -> ASGIResponse:
+        # As Stream.to_asgi_response, with this response's own ASGI class (it sets no cookies
+        # and runs no background task).
+        return _HeldStart(self, headers={**headers, **self.headers} if headers is not None else self.headers,
+                          media_type=self.media_type or media_type, status_code=self.status_code or status_code)
+
+
+class _HeldStart(ASGIStreamingResponse):
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: EventStream, **kwargs: Any) -> None:
+        super().__init__(iterator=(), **kwargs)
+        self._stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stream = self._stream
+        events = await prefetch(stream.events, stream.start_within_s)
+        await self.start_response(send)
+        chunks = stream.render(events)
+        try:
+            async for chunk in chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class RequestLifecycle:

@@ -10,8 +10,8 @@ from litestar.response import Stream
 
 from api.context import Ctx
 from api.dialects import happy_vllm as hv
-from api.http import accepted, decode_body, json_response, stream_response
-from api.relay import collect, prefetch
+from api.http import accepted, decode_body, event_stream, json_response
+from api.relay import collect
 from api.services import Svc
 from api.submit import submit
 from shared.redis import REDIS_DOWN
@@ -42,8 +42,8 @@ async def generate_stream(request: Request, svc: Svc, ctx: Ctx) -> Response | St
     if ctx.respond_async:
         return await accepted(svc, ctx, req)
     sub = await submit(svc, ctx, req)
-    events = await prefetch(sub.events, svc.settings.sse_keepalive_s)
-    return stream_response(hv.render_stream(sub.request, events), NDJSON)
+    return event_stream(sub.events, lambda events: hv.render_stream(sub.request, events), NDJSON,
+                        svc.settings.sse_keepalive_s)
 
 
 @get("/liveness", opt=_OPT)

@@ -15,8 +15,8 @@ from api.dialects import openai_completions as oc
 from api.dialects.lmi_render import render_batch_result, render_batch_stream
 from api.errors import answered_in
 from api.fanout import collect_all, merge, submit_all
-from api.http import accepted, decode_body, json_response, stream_response
-from api.relay import collect, prefetch
+from api.http import accepted, decode_body, event_stream, json_response
+from api.relay import collect
 from api.routes.openai import completions_response
 from api.routes.openai_chat import chat_response
 from api.services import Svc
@@ -57,16 +57,15 @@ async def _lmi_jobs(svc: Svc, ctx: RequestContext, body: lmi.LmiRequest, model: 
     if isinstance(body.inputs, list):
         if not body.stream:
             return json_response(render_batch_result(await collect_all(subs)))
-        events = await prefetch(merge(subs, 1), svc.settings.sse_keepalive_s)
-        return stream_response(render_batch_stream(len(reqs), events), JSONLINES)
+        return event_stream(merge(subs, 1), lambda events: render_batch_stream(len(reqs), events), JSONLINES,
+                            svc.settings.sse_keepalive_s)
     (sub,) = subs
     if not body.stream:
         return json_response(lmi.render_result(sub.request, await collect(sub.events)))
     # TGI compatibility streams SSE by default, as LMI does.
     sse_format = tgi_compat or svc.settings.lmi_output_formatter == "sse"
-    events = await prefetch(sub.events, svc.settings.sse_keepalive_s)
-    return stream_response(lmi.render_stream(sub.request, events, sse_format=sse_format),
-                           SSE if sse_format else JSONLINES)
+    return event_stream(sub.events, lambda events: lmi.render_stream(sub.request, events, sse_format=sse_format),
+                        SSE if sse_format else JSONLINES, svc.settings.sse_keepalive_s)
 
 
 @post("/invocations", opt={"dialect": "lmi"}, status_code=200)

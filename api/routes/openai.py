@@ -8,8 +8,7 @@ from litestar.response import Stream
 from api.context import Ctx, RequestContext
 from api.dialects import openai_completions as oc
 from api.fanout import collect_all, merge, submit_all
-from api.http import accepted, decode_body, json_response, stream_response
-from api.relay import prefetch
+from api.http import accepted, decode_body, event_stream, json_response
 from api.services import Svc
 
 __all__ = ["completions", "models", "completions_response"]
@@ -26,8 +25,8 @@ async def completions_response(request: Request, svc: Svc, ctx: RequestContext) 
     if not body.stream:
         results = await collect_all(subs)
         return json_response(oc.render_results(reqs, results, head.job_id, head.created))
-    events = await prefetch(merge(subs, body.n), svc.settings.sse_keepalive_s)
-    return stream_response(oc.render_stream(reqs, events, head.job_id, head.created), "text/event-stream")
+    return event_stream(merge(subs, body.n), lambda events: oc.render_stream(reqs, events, head.job_id, head.created),
+                        "text/event-stream", svc.settings.sse_keepalive_s)
 
 
 @post("/v1/completions", opt={"dialect": "openai_completions"}, status_code=200)

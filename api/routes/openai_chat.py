@@ -7,8 +7,8 @@ from litestar.response import Stream
 
 from api.context import Ctx, RequestContext
 from api.dialects import openai_chat as chat
-from api.http import accepted, decode_body, json_response, stream_response
-from api.relay import collect, prefetch
+from api.http import accepted, decode_body, event_stream, json_response
+from api.relay import collect
 from api.services import Svc
 from api.submit import submit
 
@@ -33,9 +33,9 @@ async def chat_response(request: Request, svc: Svc, ctx: RequestContext, *, lmi:
     if not stream:
         result = await collect(sub.events)
         return json_response(chat.render_result(req, result, sub.job_id, sub.created))
-    events = await prefetch(sub.events, svc.settings.sse_keepalive_s)
-    frames = chat.render_stream(req, events, sub.job_id, sub.created, sse_format=sse_format)
-    return stream_response(frames, SSE if sse_format else JSONLINES)
+    return event_stream(sub.events,
+                        lambda events: chat.render_stream(req, events, sub.job_id, sub.created, sse_format=sse_format),
+                        SSE if sse_format else JSONLINES, svc.settings.sse_keepalive_s)
 
 
 @post("/v1/chat/completions", opt={"dialect": chat.NAME}, status_code=200)

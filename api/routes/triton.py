@@ -17,8 +17,8 @@ from litestar.response import Stream
 
 from api.context import Ctx, RequestContext
 from api.dialects import triton as tr
-from api.http import accepted, decode_body, json_response, stream_response
-from api.relay import collect, prefetch
+from api.http import accepted, decode_body, event_stream, json_response, stream_response
+from api.relay import collect
 from api.services import Services, Svc
 from api.submit import submit
 from shared.errors import InvalidRequest, ModelNotFound
@@ -64,8 +64,8 @@ async def _generate(
         return await accepted(svc, ctx, req)
     sub = await submit(svc, ctx, req)
     if streaming and opts.stream:
-        events = await prefetch(sub.events, svc.settings.sse_keepalive_s)
-        return stream_response(tr.render_stream(sub.request, events, opts), SSE)
+        return event_stream(sub.events, lambda events: tr.render_stream(sub.request, events, opts), SSE,
+                            svc.settings.sse_keepalive_s)
     # /generate always answers with one object; /generate_stream without `stream: true` sends
     # the backend's single (whole) response as one event.
     body = tr.render_response(sub.request, await collect(sub.events), opts)
