@@ -10,7 +10,7 @@ from api.auth import KeyGuard, parse_keys
 from api.context import job_ref, request_context
 from api.errors import exception_handlers
 from api.http import RequestLifecycle
-from api.metrics import metrics
+from api.metrics import metrics, pushing
 from api.openapi import openapi_json
 from api.routes import batches, happy_vllm, health, jobs, lmi, lmtp, openai, openai_chat, tgi, triton
 from api.services import Services, lifespan
@@ -57,7 +57,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
             "ctx": Provide(request_context, sync_to_thread=False),
             "job": Provide(job_ref),
         },
-        lifespan=[lifespan],
+        lifespan=[lifespan, pushing],
         exception_handlers=exception_handlers,
         # Guards run after routing, so a 401 renders in the route's dialect.
         guards=[guard] if guard is not None else None,

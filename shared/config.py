@@ -107,7 +107,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """LLMQ_DRAIN_TIMEOUT_S: on SIGTERM, how long in-flight jobs may run before the rest are handed back
     to the queue, where a peer (or the next worker to start) continues them from their sent tokens."""
     heartbeat_s: float = 5.0
-    """LLMQ_HEARTBEAT_S: how often a worker refreshes its heartbeat key (TTL is 3x this)."""
+    """LLMQ_HEARTBEAT_S: how often a worker refreshes its heartbeat key, and an API process pushes
+    its own ``/metrics`` series (TTL is 3x this)."""
     lease_s: float = 10.0
     """LLMQ_LEASE_S: a job's lease; a worker renews it every third of this (and every heartbeat).
     A job whose lease lapsed (worker dead or stalled) is taken over by a live worker."""

@@ -117,6 +117,16 @@ class Keys:
         """Pub/sub channel each API process stays subscribed to (keeps its listener in pub/sub mode)."""
         return f"{self.prefix}:api:{instance}"
 
+    def api_metrics(self, instance: str) -> str:
+        """String with TTL: one API process's own metrics series (its error answers, the streams
+        it relays), as encoded samples, rewritten every heartbeat: any API process's ``/metrics``
+        shows every live one's (api/metrics.py)."""
+        return f"{self.prefix}:api:{instance}:metrics"
+
+    def apis(self) -> str:
+        """Sorted set: live API process id -> expiry (ms) of its :meth:`api_metrics` key."""
+        return f"{self.prefix}:apis"
+
     def arq_queue(self) -> str:
         """arq's sorted set for the housekeeping process (background work, never the hot path)."""
         return f"{self.prefix}:arq:queue"

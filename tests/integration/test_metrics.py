@@ -8,6 +8,7 @@ import asyncio
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from shared.keys import Keys
 from tests.scripted_engine import ScriptedEngine
 from tests.scripted_stack import scripted_stack
 
@@ -77,6 +78,8 @@ async def test_metrics_count_jobs_tokens_latencies_and_refusals(redis_url, prefi
             assert _get(values, gauge, **level0) == 0
         assert _get(values, "llmq_workers_ready", model=MODEL) == 1
         assert _get(values, "llmq_dead_letters", model=MODEL) == 0
-        assert _get(values, "llmq_api_errors_total", status="429", code="overloaded") == 1
-        assert _get(values, "llmq_api_errors_total", status="400", code="invalid_request") == 1
-        assert _get(values, "llmq_api_streams_in_flight") == 0
+        # The API's own series carry its process id: the one process in the live set.
+        [api] = [a.decode() for a in await s.redis.zrange(Keys(prefix).apis(), 0, -1)]
+        assert _get(values, "llmq_api_errors_total", api=api, status="429", code="overloaded") == 1
+        assert _get(values, "llmq_api_errors_total", api=api, status="400", code="invalid_request") == 1
+        assert _get(values, "llmq_api_streams_in_flight", api=api) == 0

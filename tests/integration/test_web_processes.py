@@ -92,11 +92,12 @@ class Web:
 
 
 @asynccontextmanager
-async def web_processes(redis_url: str, prefix: str, log: Path, engine: ScriptedEngine) -> AsyncIterator[Web]:
+async def web_processes(redis_url: str, prefix: str, log: Path, engine: ScriptedEngine,
+                        **env_extra: str) -> AsyncIterator[Web]:
     port = free_port()
     env = {**os.environ, "LLMQ_REDIS_URL": redis_url, "LLMQ_PREFIX": prefix, "LLMQ_HOST": "127.0.0.1",
            "LLMQ_PORT": str(port), "LLMQ_SERVED_MODEL_NAME": MODEL, "LLMQ_LOG_JSON": "true",
-           "LLMQ_WEB_PROCESSES": "2", "LLMQ_SSE_KEEPALIVE_S": "0.5"}
+           "LLMQ_WEB_PROCESSES": "2", "LLMQ_SSE_KEEPALIVE_S": "0.5", **env_extra}
     proc = subprocess.Popen([sys.executable, "-m", "api"], cwd=REPO, env=env, stdout=log.open("wb"),
                             stderr=subprocess.STDOUT, start_new_session=True)
     keys = Keys(prefix)
@@ -324,3 +325,38 @@ async def test_sigterm_drains_every_process_then_the_parent_exits_0(redis_url, p
         with socket.socket() as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind(("127.0.0.1", web.port))
+
+
+async def test_one_scrape_shows_every_web_process_series(redis_url, prefix, tmp_path):
+    """A scrape lands on one of the N processes; each process's own series (its error answers)
+    reach it through Redis, labelled with that process's id."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with web_processes(redis_url, prefix, tmp_path / "web.log", ScriptedEngine(delay_s=0.001),
+                             LLMQ_HEARTBEAT_S="0.2") as web:
+        refused: dict[int | None, int] = {}
+        for _ in range(200):  # a new connection each: the kernel spreads them over both processes
+            async with httpx.AsyncClient(base_url=web.url, timeout=10) as client:
+                resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": -1})
+                assert resp.status_code == 400
+                pid = web.served_by(resp)
+            refused[pid] = refused.get(pid, 0) + 1
+            if len(refused) == 2 and min(refused.values()) >= 3:
+                break
+        assert sorted(refused) == sorted(web.children), refused
+        redis = connect(redis_url)
+        try:
+            ids = {a.decode() for a in await redis.zrange(Keys(prefix).apis(), 0, -1)}
+        finally:
+            await redis.aclose()
+        assert len(ids) == 2
+        expected = sorted(refused.values())
+        for _ in range(50):  # until both processes pushed what they counted
+            async with httpx.AsyncClient(base_url=web.url, timeout=10) as client:
+                text = (await client.get("/metrics")).text
+            counts = {s.labels["api"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                      if s.name == "llmq_api_errors_total" and s.labels.get("status") == "400"}
+            if sorted(counts.values()) == expected:
+                break
+            await asyncio.sleep(0.1)
+        assert set(counts) == ids and sorted(counts.values()) == expected
