@@ -11,6 +11,7 @@ import os
 import re
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 
@@ -101,6 +102,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """LLMQ_MAX_NUM_SEQS: engine slots per worker; the consumer never holds more jobs than this."""
     max_model_len: int = 2048
     """LLMQ_MAX_MODEL_LEN: context length given to vLLM."""
+    stream_interval: Annotated[int, msgspec.Meta(ge=1)] = 1
+    """LLMQ_STREAM_INTERVAL: tokens the engine gathers per job before it hands them on (vLLM's
+    --stream-interval; the first token always goes at once). 1 streams each token as it comes. Every
+    hop after the engine (the worker's flush, Redis, the API's relay, the client) works per event,
+    so N divides llmq's CPU per token by about N, for streams that arrive N tokens at a time."""
     block_ms: int = 2000
     """LLMQ_BLOCK_MS: how long one XREADGROUP blocks waiting for work."""
     drain_timeout_s: float = 30.0

@@ -88,7 +88,7 @@ def parse(source: str, class_name: str = "Settings") -> list[Entry]:
         if match is None:
             raise ValueError(f"{class_name}.{field}'s docstring must open with '{name}: ', not {text[:40]!r}")
         doc = (f"Also read as{match['alias'][4:-1]}. " if match["alias"] else "") + match["doc"]
-        entries.append(Entry(field, ast.unparse(node.annotation), doc, section))
+        entries.append(Entry(field, _type(node.annotation), doc, section))
     return entries
 
 
@@ -105,6 +105,20 @@ def _default(value: object) -> str:
 def _cell(text: str) -> str:
     # A pipe ends a table cell, even inside a code span (GitHub's tables): escape it.
     return text.replace("|", "\\|")
+
+
+def _type(annotation: ast.expr) -> str:
+    """A field's type as written, a constrained one as its base type and bound (``int >= 1``)."""
+    if (isinstance(annotation, ast.Subscript) and ast.unparse(annotation.value) == "Annotated"
+            and isinstance(annotation.slice, ast.Tuple)):
+        base, *metas = annotation.slice.elts
+        bounds = [f"{_BOUNDS[k.arg]} {ast.unparse(k.value)}" for m in metas if isinstance(m, ast.Call)
+                  for k in m.keywords if k.arg in _BOUNDS]
+        return " ".join([ast.unparse(base), ", ".join(bounds)]).strip()
+    return ast.unparse(annotation)
+
+
+_BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 
 
 def _title(section: str) -> str:

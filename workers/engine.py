@@ -33,7 +33,7 @@ from workers.beam import beam_search
 from workers.continuation import Part, run_parts
 from workers.protocol import Step
 
-__all__ = ["VllmEngine", "to_sampling_params"]
+__all__ = ["VllmEngine", "to_sampling_params", "engine_args"]
 
 
 def to_sampling_params(req: GenerationRequest, forced: Sequence[int] = ()) -> VllmSamplingParams:
@@ -134,6 +134,27 @@ def _strip_primed(step: Step, primed: dict[int, str]) -> dict[int, str]:
     return primed
 
 
+def engine_args(settings: Settings, model_path: str) -> AsyncEngineArgs:
+    """The engine a worker builds from its settings (``vllm serve`` takes the same as flags:
+    tests/bench/serving.py's vllm_server_args)."""
+    return AsyncEngineArgs(
+        model=model_path,
+        served_model_name=[settings.model_name],
+        max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+        # None: the engine sizes its KV cache itself (GPU memory utilisation, CPU default).
+        kv_cache_memory_bytes=settings.kv_cache_bytes,
+        enforce_eager=settings.eager,
+        structured_outputs_config=_structured_config(settings.json_compact),
+        disable_log_stats=True,
+        enable_log_requests=False,
+        # Requests carry a priority (lower first); the default FCFS policy refuses any but 0.
+        scheduling_policy="priority",
+        # Tokens per output per request: every hop after the engine works per output.
+        stream_interval=settings.stream_interval,
+    )
+
+
 class VllmEngine:
     """One vLLM engine. ``stream`` yields a :class:`Step` per engine step for one job."""
 
@@ -145,20 +166,7 @@ class VllmEngine:
 
     @classmethod
     def build(cls, settings: Settings, model_path: str) -> VllmEngine:
-        args = AsyncEngineArgs(
-            model=model_path,
-            served_model_name=[settings.model_name],
-            max_model_len=settings.max_model_len,
-            max_num_seqs=settings.max_num_seqs,
-            # None: the engine sizes its KV cache itself (GPU memory utilisation, CPU default).
-            kv_cache_memory_bytes=settings.kv_cache_bytes,
-            enforce_eager=settings.eager,
-            structured_outputs_config=_structured_config(settings.json_compact),
-            disable_log_stats=True,
-            enable_log_requests=False,
-            # Requests carry a priority (lower first); the default FCFS policy refuses any but 0.
-            scheduling_policy="priority",
-        )
+        args = engine_args(settings, model_path)
         config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
         # The forcing processor's interface depends on the model runner this config chose.
         config.model_config.logits_processors = [forcing.processor_for(config.use_v2_model_runner)]

@@ -104,6 +104,7 @@ async def _main(a: argparse.Namespace) -> int:
             engine = {"model": settings.model_name, "model_path": settings.model_path,
                       "max_num_seqs": settings.max_num_seqs, "max_model_len": settings.max_model_len,
                       "kv_cache_bytes": settings.kv_cache_bytes, "enforce_eager": settings.eager,
+                      "stream_interval": settings.stream_interval,
                       "scheduling_policy": "priority",
                       "environment": {k: env.get(k) for k in ENGINE_VARIABLES}}
         runs = await measure(targets, rounds=a.rounds, concurrencies=concurrencies, requests=a.requests or None,

@@ -241,6 +241,8 @@ def vllm_server_args(settings: Settings, port: int) -> list[str]:
         args += ["--kv-cache-memory-bytes", str(settings.kv_cache_bytes)]
     if settings.eager:
         args.append("--enforce-eager")
+    if settings.stream_interval != 1:
+        args += ["--stream-interval", str(settings.stream_interval)]
     if settings.json_compact:
         args += ["--structured-outputs-config", '{"backend": "guidance", "disable_any_whitespace": true}']
     return args
