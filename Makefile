@@ -48,15 +48,16 @@ faults: install
 # (bench-fast.json), then llmq vs `vllm serve` vs the engine in-process on this host's worker
 # engine (bench-results.json), interleaved rounds at C=1,16,64 with CPU per token by process;
 # the fast set's CPU per token as a capacity table; where llmq's added time to first token goes,
-# hop by hop; then queue pickup vs arq, relay capacity with one and two web processes, and Redis
-# memory per finished job. bench-smoke: one
-# short round of the first two at C=1,4 on the real engines. BENCH_ARGS go to the first two,
+# hop by hop; its CPU per request and per further token; then queue pickup vs arq, relay capacity
+# with one and two web processes, and Redis memory per finished job. bench-smoke: one short round
+# of the first two at C=1,4 on the real engines. BENCH_ARGS go to the first two,
 # e.g. BENCH_ARGS="--rounds 5".
 bench: model
 	$(PY) -m tests.bench --config fast $(BENCH_ARGS)
 	$(PY) -m tests.bench $(BENCH_ARGS)
 	$(PY) -m tests.bench.scale
 	$(PY) -m tests.bench.ttft
+	$(PY) -m tests.bench.costs
 	$(PY) -m tests.bench.pickup
 	$(PY) -m tests.bench.relay --web-processes 1 2
 	$(PY) -m tests.bench.memory

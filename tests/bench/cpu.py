@@ -22,7 +22,8 @@ from pathlib import Path
 
 import msgspec
 
-__all__ = ["ENGINE", "ProcessCpu", "CpuMeter", "cpu_seconds", "children_map", "children", "title", "by_role", "per_token_us"]
+__all__ = ["ENGINE", "ProcessCpu", "CpuMeter", "cpu_seconds", "children_map", "children", "title", "by_role",
+           "per_token_us"]
 
 ENGINE = "engine"
 ENGINE_TITLES = ("VLLM::EngineCore", "VLLM::Worker")

@@ -72,7 +72,7 @@ async def _hops(redis: Redis, rows: list[tuple[float, float, str]]) -> dict[str,
         queued, started, first_token = (float(v) for v in await redis.hmget(key, "queued_at", "started_at",
                                                                                "first_token_at"))
         for hop, ms in zip(HOPS, (queued - sent * 1000, started - queued, first_token - started,
-                                   first * 1000 - first_token)):
+                                   first * 1000 - first_token), strict=True):
             hops[hop].append(ms)
     return hops
 
