@@ -12,7 +12,21 @@ from api.errors import exception_handlers
 from api.http import RequestLifecycle
 from api.metrics import metrics, pushing
 from api.openapi import openapi_json
-from api.routes import batches, happy_vllm, health, jobs, lmi, lmtp, openai, openai_chat, tgi, triton
+from api.routes import (
+    anthropic,
+    anthropic_batches,
+    batches,
+    happy_vllm,
+    health,
+    jobs,
+    lmi,
+    lmtp,
+    openai,
+    openai_chat,
+    openai_responses,
+    tgi,
+    triton,
+)
 from api.services import Services, lifespan
 from shared.config import Settings, load_settings
 from shared.logging import configure_logging
@@ -48,6 +62,9 @@ def create_app(settings: Settings | None = None) -> Litestar:
             *happy_vllm.ROUTES,
             *lmtp.ROUTES,
             *openai_chat.ROUTES,
+            *anthropic.ROUTES,
+            *anthropic_batches.ROUTES,
+            *openai_responses.ROUTES,
             *batches.ROUTES,
             openapi_json,
             metrics,

@@ -11,13 +11,14 @@ deterministic, so two API processes that render the same file at once store the 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import msgspec
 
-from api.dialects import openai_chat, openai_completions
+from api.dialects import anthropic_batches, openai_chat, openai_completions
 from api.dialects.openai_chat import ChatCompletion
 from api.dialects.openai_completions import Completion, ErrorResponse
-from shared.batches import Answered, BatchStore, Failed, FileObject, LineOutcome, NotRun, Refused
+from shared.batches import RESULTS, Answered, BatchStore, Failed, FileObject, LineOutcome, NotRun, Refused
 from shared.codec import encode
 from shared.errors import error_from_code
 
@@ -76,12 +77,12 @@ def render_line(outcome: LineOutcome) -> BatchRequestOutput:
     raise ValueError(f"no batch endpoint renders {outcome!r}")
 
 
-async def _render(outcomes: bytes) -> bytes:
+async def _render(outcomes: bytes, render: Callable[[LineOutcome], msgspec.Struct] = render_line) -> bytes:
     out = []
     for number, raw in enumerate(outcomes.splitlines(), start=1):
         if number % YIELD_EVERY == 0:
             await asyncio.sleep(0)  # this process relays streams meanwhile
-        out.append(encode(render_line(_outcome.decode(raw))) + b"\n")
+        out.append(encode(render(_outcome.decode(raw))) + b"\n")
     return b"".join(out)
 
 
@@ -91,7 +92,8 @@ async def rendered(store: BatchStore, meta: FileObject) -> FileObject:
     outcomes = await store.outcomes(meta.id)
     if outcomes is None:
         return meta
-    content = await _render(outcomes)
+    # A Message Batch's files hold Anthropic's result lines, which its results route serves.
+    content = await _render(outcomes, anthropic_batches.result_line if meta.purpose == RESULTS else render_line)
     meta = msgspec.structs.replace(meta, bytes=len(content))
     await store.put_rendered(meta, content)  # False: another reader stored the same bytes first, or it was deleted
     return meta

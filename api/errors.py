@@ -74,7 +74,7 @@ def handle(request: Request, exc: Exception) -> Response:
     if services is not None:
         services.errors[(status, err.code)] = services.errors.get((status, err.code), 0) + 1
     headers = None
-    if status in (429, 503):
+    if status in (429, 503, 529):  # 529: Anthropic's overloaded_error, its full queue
         headers = {"Retry-After": "1"}
     elif status == 401:
         headers = {"WWW-Authenticate": "Bearer"}

@@ -24,7 +24,10 @@ import msgspec
 from litestar import Response, get
 
 from api.auth import OPEN_PATHS
+from api.dialects import anthropic_batches as message_batches
+from api.dialects import anthropic_messages as anthropic
 from api.dialects import happy_vllm, jobs, lmi, openai_chat, openai_completions, tgi, triton
+from api.dialects import openai_responses as responses
 from api.fanout import GroupView
 from api.http import Accepted
 from api.routes.health import Liveness, Ping, Readiness
@@ -52,6 +55,7 @@ _LMI = (400, 404, 424, 429, 503, 504)
 _TRITON = (400, 404, 503)  # Triton reports "overloaded" and an expired queue timeout as 503
 _HAPPY = (404, 422, 429, 503, 504)
 _JOBS = (400, 404, 429, 503)
+_ANTHROPIC = (400, 404, 503, 504, 529)  # a full queue is Anthropic's 529 overloaded_error
 
 
 class Operation(msgspec.Struct, frozen=True, kw_only=True):
@@ -107,6 +111,48 @@ OPERATIONS: tuple[Operation, ...] = (
     _op("post", "/v1/chat/completions", "OpenAI chat completions", "openai", body="chat", examples=(_CHAT,),
         ok={200: (JSON, SSE), **_ASYNC}, errors=_OPENAI, headers=_ASYNC_HEADERS,
         answer=openai_chat.ChatCompletion, error=_OPENAI_ERR),
+    # OpenAI Responses: a response is a job, read back from its record and event log
+    _op("post", "/v1/responses", "OpenAI responses (background: queued at once)", "openai", body="responses",
+        examples=({"input": "Hello", "max_output_tokens": 4}, {"input": "Hi", "max_output_tokens": 2, "stream": True},
+                  {"input": "Hi", "max_output_tokens": 2, "background": True}),
+        ok={200: (JSON, SSE), **_ASYNC}, errors=_OPENAI, headers=_ASYNC_HEADERS,
+        answer=responses.Response, error=responses.ErrorResponse),
+    _op("get", "/v1/responses/{response_id}", "A response; with stream=true its events after starting_after",
+        "openai", ok={200: (JSON, SSE)}, errors=(400, 404, 503), query=("stream", "starting_after"),
+        answer=responses.Response, error=responses.ErrorResponse),
+    _op("post", "/v1/responses/{response_id}/cancel", "Cancel a response", "openai", errors=(404, 503),
+        answer=responses.Response, error=responses.ErrorResponse),
+    _op("delete", "/v1/responses/{response_id}", "Delete a response (cancels it if it runs)", "openai",
+        errors=(404, 503), answer=responses.Deleted, error=responses.ErrorResponse),
+    _op("get", "/v1/responses/{response_id}/input_items", "A response's input, as message items", "openai",
+        errors=(404, 503), answer=responses.ItemList, error=responses.ErrorResponse),
+    # Anthropic Messages
+    _op("post", "/v1/messages", "Anthropic messages", "anthropic", body="messages",
+        examples=({"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]},
+                  {"model": "tiny-llama", "max_tokens": 2, "stream": True, "system": "Be brief.",
+                   "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}),
+        ok={200: (JSON, SSE), **_ASYNC}, errors=_ANTHROPIC, headers=_ASYNC_HEADERS,
+        answer=anthropic.Message, error=anthropic.ErrorResponse),
+    _op("post", "/v1/messages/count_tokens", "Anthropic: the prompt's tokens, as a create would count them",
+        "anthropic", body="count_tokens",
+        examples=({"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}]},),
+        errors=(400, 404, 503), answer=anthropic.TokenCount, error=anthropic.ErrorResponse),
+    # Anthropic Message Batches: run by the housekeeping process, as OpenAI's batches are
+    _op("post", "/v1/messages/batches", "Create a Message Batch", "anthropic", body="message_batch",
+        examples=({"requests": [{"custom_id": "a", "params": {"model": "tiny-llama", "max_tokens": 2,
+                                                              "messages": [{"role": "user", "content": "Hi"}]}}]},),
+        errors=(400, 503), answer=message_batches.MessageBatch, error=anthropic.ErrorResponse),
+    _op("get", "/v1/messages/batches", "Message Batches, newest first", "anthropic", errors=(400, 503),
+        query=("message_batch_limit", "after_id", "before_id"), answer=message_batches.BatchPage,
+        error=anthropic.ErrorResponse),
+    _op("get", "/v1/messages/batches/{message_batch_id}", "A Message Batch", "anthropic", errors=(404, 503),
+        answer=message_batches.MessageBatch, error=anthropic.ErrorResponse),
+    _op("post", "/v1/messages/batches/{message_batch_id}/cancel", "Cancel a Message Batch", "anthropic",
+        errors=(400, 404, 503), answer=message_batches.MessageBatch, error=anthropic.ErrorResponse),
+    _op("delete", "/v1/messages/batches/{message_batch_id}", "Delete an ended Message Batch", "anthropic",
+        errors=(400, 404, 503), answer=message_batches.DeletedBatch, error=anthropic.ErrorResponse),
+    _op("get", "/v1/messages/batches/{message_batch_id}/results", "An ended Message Batch's results (JSONL)",
+        "anthropic", ok={200: ("application/x-jsonl",)}, errors=(400, 404, 503), error=anthropic.ErrorResponse),
     _op("get", "/v1/models", "Models requests may name (served now, or queued for the next worker)", "openai",
         answer=openai_completions.ModelList, error=_OPENAI_ERR),
     # LMI / SageMaker
@@ -196,6 +242,12 @@ _PARAMS: dict[str, dict[str, Any]] = {
     "version": {"name": "version", "in": "path", "required": True, "schema": {"type": "string"},
                 "description": 'Triton model version: llmq serves every model as "1".'},
     "job_id": {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}},
+    "response_id": {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}},
+    "stream": {"name": "stream", "in": "query", "required": False, "schema": {"type": "boolean"},
+               "description": "Replay the response's stream events (then follow them live)."},
+    "starting_after": {"name": "starting_after", "in": "query", "required": False,
+                       "schema": {"type": "integer", "minimum": -1},
+                       "description": "With stream=true: only the events numbered above this."},
     "Prefer": {"name": "Prefer", "in": "header", "required": False,
                "schema": {"type": "string", "enum": ["respond-async"]},
                "description": "RFC 7240: answer 202 with a job id instead of waiting."},
@@ -212,6 +264,14 @@ _PARAMS: dict[str, dict[str, Any]] = {
                         "description": "Lower runs earlier (default 0); a body `priority` field wins."},
     "file_id": {"name": "file_id", "in": "path", "required": True, "schema": {"type": "string"}},
     "batch_id": {"name": "batch_id", "in": "path", "required": True, "schema": {"type": "string"}},
+    "message_batch_id": {"name": "message_batch_id", "in": "path", "required": True, "schema": {"type": "string"}},
+    "message_batch_limit": {"name": "limit", "in": "query", "required": False,
+                            "schema": {"type": "integer", "minimum": 1, "maximum": 1000},
+                            "description": "At most this many (1-1000, default 20)."},
+    "after_id": {"name": "after_id", "in": "query", "required": False, "schema": {"type": "string"},
+                 "description": "List the Message Batches after (older than) this one."},
+    "before_id": {"name": "before_id", "in": "query", "required": False, "schema": {"type": "string"},
+                  "description": "Not supported: a 400 (page with after_id)."},
     "limit": {"name": "limit", "in": "query", "required": False, "schema": {"type": "integer"},
               "description": "At most this many (1-100, default 20)."},
     "batch_after": {"name": "after", "in": "query", "required": False, "schema": {"type": "string"},
@@ -277,7 +337,8 @@ def _invocations_body(schema: dict[Any, dict[str, Any]]) -> dict[str, Any]:
 
 
 _REQUESTS = (openai_completions.CompletionRequest, openai_chat.ChatRequest, lmi.LmiRequest, tgi.GenerateRequest,
-             GenerationRequest, BatchCreate)
+             GenerationRequest, BatchCreate, responses.ResponsesRequest, anthropic.MessagesRequest,
+             anthropic.CountTokensRequest, message_batches.CreateBatch)
 
 
 def _schemas() -> tuple[dict[Any, dict[str, Any]], dict[str, Any]]:
@@ -305,6 +366,10 @@ def _bodies(schema: dict[Any, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         "triton": _triton_body(),
         "happy": _happy_body(),
         "job": schema[GenerationRequest],
+        "responses": schema[responses.ResponsesRequest],
+        "messages": schema[anthropic.MessagesRequest],
+        "count_tokens": schema[anthropic.CountTokensRequest],
+        "message_batch": schema[message_batches.CreateBatch],
         "batch": schema[BatchCreate],
         "file_upload": {"type": "object", "required": ["file", "purpose"], "properties": {
             "file": {"type": "string", "contentMediaType": "application/octet-stream"},
@@ -337,9 +402,12 @@ def _operation_id(op: Operation) -> str:
     return "_".join([op.method, *words]) if words else f"{op.method}_root"
 
 
+_QUEUES_NOTHING = ("/tokenize", "/v1/files", "/v1/messages/count_tokens")
+
+
 def _options(op: Operation) -> tuple[str, ...]:
     """Every route that queues work reads the deadline and priority headers (api.submit.admit)."""
-    return ("X-LLMQ-Timeout", "X-LLMQ-Priority") if op.body is not None and op.path not in ("/tokenize", "/v1/files") \
+    return ("X-LLMQ-Timeout", "X-LLMQ-Priority") if op.body is not None and op.path not in _QUEUES_NOTHING \
         else ()
 
 

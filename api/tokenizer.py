@@ -1,5 +1,5 @@
 """The model's tokenizer in the API process, for the few routes that need one (TGI ``/tokenize``,
-``truncate``) and the special-token ids some dialects flag.
+``truncate``, Anthropic's ``count_tokens``) and the special-token ids some dialects flag.
 
 Everything loads lazily, once per :class:`Tokenizer` (one in the API's services), in a thread:
 the API starts without importing ``transformers`` and requests that never need a tokenizer never
@@ -14,7 +14,9 @@ from typing import Any
 
 import msgspec
 
+from shared.chat_template import chat_token_ids
 from shared.errors import ServiceError
+from shared.schemas import ChatMessage, ChatOptions
 
 __all__ = ["Encoding", "TokenizerUnavailable", "Tokenizer"]
 
@@ -66,6 +68,11 @@ class Tokenizer:
         tok = await self._tokenizer()
         out = await asyncio.to_thread(tok, text, add_special_tokens=True, return_offsets_mapping=True)
         return Encoding(ids=list(out["input_ids"]), offsets=[(int(a), int(b)) for a, b in out["offset_mapping"]])
+
+    async def chat_ids(self, messages: list[ChatMessage], options: ChatOptions) -> list[int]:
+        """A chat's prompt ids, rendered exactly as the worker renders it for the engine."""
+        tok = await self._tokenizer()
+        return await asyncio.to_thread(chat_token_ids, tok, messages, options)
 
     async def special_ids(self) -> frozenset[int]:
         """The ids the tokenizer marks special (from ``tokenizer.json``); empty when the API cannot

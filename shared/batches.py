@@ -24,11 +24,16 @@ from shared.schemas import GenerationRequest, JobError, JobResult
 
 __all__ = ["FileObject", "BatchCreate", "BatchObject", "BatchError", "RequestCounts", "InputLine", "StoredLine",
            "LineError", "Answered", "Failed", "Refused", "NotRun", "LineOutcome", "BatchStore", "ENDPOINTS",
-           "ACTIVE"]
+           "ACTIVE", "MESSAGES", "RESULTS"]
 
 BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
                       "cancelled"]
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+MESSAGES = "/v1/messages"
+"""The endpoint of Anthropic's Message Batches (api/routes/anthropic_batches.py): requests given
+inline, not a file; not one of OpenAI's :data:`ENDPOINTS`, so neither API lists the other's."""
+RESULTS = "message_batch_results"
+"""The purpose of a Message Batch's produced files: their lines render as Anthropic's results."""
 ACTIVE = ("in_progress", "cancelling")
 """The statuses housekeeping still advances."""
 
@@ -270,17 +275,31 @@ class BatchStore:
         fields.pop("next", None)
         return msgspec.convert(fields, BatchObject, strict=False), owner
 
-    async def list(self, after: str | None, limit: int) -> tuple[list[tuple[BatchObject, str]], bool]:
-        """Newest first, starting after the batch id ``after``; and whether more remain."""
+    async def list(self, after: str | None, limit: int, endpoints: tuple[str, ...] = ENDPOINTS
+                   ) -> tuple[list[tuple[BatchObject, str]], bool]:
+        """Newest first, starting after the batch id ``after``, of these endpoints (OpenAI's
+        batches, or Anthropic's Message Batches); and whether more batches remain."""
         ids = [raw.decode() for raw in await self.redis.zrevrange(self.keys.batches(), 0, -1)]
         if after in ids:
             ids = ids[ids.index(after) + 1:]
         found = []
-        for batch_id in ids[:limit]:
+        for batch_id in ids:
+            if len(found) == limit:
+                return found, True
             got = await self.get(batch_id)
-            if got is not None:
+            if got is not None and got[0].endpoint in endpoints:
                 found.append(got)
-        return found, len(ids) > limit
+        return found, False
+
+    async def delete(self, batch: BatchObject) -> None:
+        """Forget an ended batch: its record, its listing entry, its produced files."""
+        for file_id in (batch.output_file_id, batch.error_file_id):
+            if file_id:
+                await self.delete_file(file_id)
+        await self.redis.zrem(self.keys.batches(), batch.id)
+        await self.redis.delete(self.keys.batch(batch.id), self.keys.batch_lines(batch.id),
+                                self.keys.batch_jobs(batch.id), self.keys.batch_output(batch.id),
+                                self.keys.batch_errors(batch.id))
 
     async def transition(self, batch_id: str, allowed: tuple[str, ...], status: str, at: int,
                          **fields: str | int) -> bool:

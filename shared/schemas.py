@@ -38,7 +38,7 @@ __all__ = [
 JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
 
 DialectName = Literal["jobs", "lmi", "lmi_tgi", "lmi_batch", "openai_completions", "openai_chat", "tgi", "triton",
-                      "happy_vllm", "lmtp"]
+                      "happy_vllm", "lmtp", "anthropic_messages", "openai_responses"]
 """Every shape a result or an error is rendered in (``api/dialects``: one module each; LMI has three
 shapes). A request naming another is refused when it is decoded, never rendered by a fallback."""
 
@@ -115,6 +115,9 @@ class OutputOptions(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     prompt_tokens: bool = False
     """The worker reports the prompt's tokens (:class:`PromptInfo`) on the first event; with
     ``sampling.prompt_logprobs`` they carry logprobs too."""
+    service_tier: str | None = None
+    """The ``service_tier`` the request named (OpenAI's, Anthropic's), as the response reports it
+    back; None: it named none (the response then says nothing of a tier where it can)."""
 
 
 class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -7,17 +7,20 @@ from __future__ import annotations
 import msgspec
 from hypothesis import strategies as st
 
+from api.dialects import anthropic_messages as am
 from api.dialects import happy_vllm as hv
 from api.dialects import lmi, lmtp, tgi
 from api.dialects import openai_chat as chat
 from api.dialects import openai_completions as oc
+from api.dialects import openai_responses as resp
 from api.dialects import triton as tr
 from shared.codec import encode
 from shared.schemas import GenerationRequest
 from tests.fuzzing import NUMBER_STRINGS, dict_body, encode_body, junk, raw_bodies, struct_body, texts, typed
 
 __all__ = ["completion_bodies", "chat_bodies", "lmi_bodies", "tgi_bodies", "triton_bodies", "happy_bodies",
-           "lmtp_frames", "job_bodies"]
+           "lmtp_frames", "job_bodies", "anthropic_bodies", "responses_bodies",
+           "message_batch_bodies"]
 
 # OpenAI completions (also /invocations with `prompt`)
 completion_bodies = raw_bodies(struct_body(oc.CompletionRequest))
@@ -72,3 +75,14 @@ lmtp_frames = st.one_of(
 
 # llmq's own jobs: POST /v1/jobs
 job_bodies = raw_bodies(struct_body(GenerationRequest))
+
+# Anthropic Messages: /v1/messages (count_tokens takes the same body)
+anthropic_bodies = raw_bodies(struct_body(am.MessagesRequest))
+
+# Anthropic Message Batches: /v1/messages/batches (each request's params a Messages body)
+message_batch_bodies = raw_bodies(st.fixed_dictionaries({"requests": st.lists(st.fixed_dictionaries({
+    "custom_id": st.one_of(st.from_regex(r"[a-zA-Z0-9_-]{1,8}", fullmatch=True), texts),
+    "params": struct_body(am.MessagesRequest)}), max_size=3)}))
+
+# OpenAI Responses: /v1/responses
+responses_bodies = raw_bodies(struct_body(resp.ResponsesRequest))

@@ -32,6 +32,8 @@ import msgspec
 import structlog
 
 from shared.batches import (
+    MESSAGES,
+    RESULTS,
     Answered,
     BatchObject,
     BatchStore,
@@ -181,8 +183,10 @@ class Tick:
             if lines:
                 content = b"".join(lines[k] + b"\n" for k in sorted(lines, key=int))
                 # bytes: set when the API renders the outcomes, on the file's first read.
+                # A Message Batch's files render as Anthropic's result lines (api/batch_output.py).
+                purpose = RESULTS if batch.endpoint == MESSAGES else "batch_output"
                 meta = FileObject(id=f"file-{uuid.uuid4().hex}", bytes=0, created_at=now,
-                                  filename=f"{batch.id}_{name}.jsonl", purpose="batch_output")
+                                  filename=f"{batch.id}_{name}.jsonl", purpose=purpose)
                 await self.store.put_outcomes(meta, content, owner)
                 files[field] = meta.id
         if await self.store.transition(batch.id, (current,), final, now, **files):

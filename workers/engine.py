@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 from collections.abc import AsyncIterator, Sequence
 
-import msgspec
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.config.structured_outputs import StructuredOutputsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -24,6 +23,7 @@ from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
+from shared.chat_template import chat_token_ids
 from shared.config import Settings
 from shared.errors import EngineDead, InvalidRequest
 from shared.events import TokenDelta
@@ -178,25 +178,9 @@ class VllmEngine:
         if req.prompt_token_ids is not None:
             return TokensPrompt(prompt_token_ids=list(req.prompt_token_ids))
         if req.messages is not None:
-            return TokensPrompt(prompt_token_ids=self._render_chat(req))
+            return TokensPrompt(prompt_token_ids=chat_token_ids(self.tokenizer, req.messages, req.chat))
         assert req.prompt is not None
         return TextPrompt(prompt=req.prompt)
-
-    def _render_chat(self, req: GenerationRequest) -> list[int]:
-        """The model's own chat template, tokenised here so the template's BOS is not doubled."""
-        messages = [msgspec.structs.asdict(m) for m in req.messages or ()]
-        for m in messages:
-            if m.get("name") is None:
-                m.pop("name", None)
-        try:
-            encoded = self.tokenizer.apply_chat_template(
-                messages, tokenize=True, add_generation_prompt=req.chat.add_generation_prompt,
-                continue_final_message=req.chat.continue_final_message, **req.chat.template_kwargs,
-            )
-        except Exception as exc:  # jinja errors: a role the template refuses, a bad kwarg, ...
-            raise InvalidRequest(f"the chat template could not render these messages: {exc}") from None
-        ids = encoded["input_ids"] if not isinstance(encoded, list) else encoded
-        return list(ids)
 
     def _prompt_info(self, out: RequestOutput, req: GenerationRequest) -> PromptInfo:
         ids = list(out.prompt_token_ids or ())

@@ -13,7 +13,18 @@ from typing import Protocol
 
 import msgspec
 
-from api.dialects import happy_vllm, jobs, lmi, lmtp, openai_chat, openai_completions, tgi, triton
+from api.dialects import (
+    anthropic_messages,
+    happy_vllm,
+    jobs,
+    lmi,
+    lmtp,
+    openai_chat,
+    openai_completions,
+    openai_responses,
+    tgi,
+    triton,
+)
 from api.dialects.lmi_render import render_batch_result
 from shared.errors import ServiceError
 from shared.schemas import DialectName, GenerationRequest, JobResult
@@ -38,7 +49,7 @@ class Dialect(Protocol):
 _DIALECTS: dict[str, Dialect] = {
     d.NAME: d
     for d in (jobs, lmi, lmi.TGI_COMPAT, lmi.DYNAMIC_BATCH, openai_completions, openai_chat, tgi, triton, happy_vllm,
-              lmtp)
+              lmtp, anthropic_messages, openai_responses)
 }
 
 

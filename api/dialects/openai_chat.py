@@ -18,6 +18,7 @@ from msgspec import UNSET, Meta, UnsetType
 
 from api.dialects.openai_completions import CompletionUsage, error_body, usage_body
 from api.dialects.openai_structured import ResponseFormat, StructuredOutputs, structured_output
+from api.dialects.tiers import priority_of_tier, reported_tier
 from shared.errors import InvalidRequest, ServiceError
 from shared.events import Done, Error, Event, TokenDelta
 from shared.framing import KEEPALIVE, SSE_DONE, Keepalive, jsonline, sse
@@ -109,6 +110,7 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     priority: int | None = None  # None: the X-LLMQ-Priority header, or 0
+    service_tier: str | None = None  # a priority level (api/dialects/tiers.py); ``priority`` wins
     # vLLM fields llmq does not implement: refused when used (_UNSUPPORTED), never silently ignored
     echo: bool = False
     chat_template: str | None = None
@@ -234,9 +236,9 @@ def to_generation_request(body: ChatRequest, *, max_model_len: int) -> Generatio
         messages=_messages(body),
         chat=chat,
         sampling=sampling,
-        output=OutputOptions(include_usage=include_usage),
+        output=OutputOptions(include_usage=include_usage, service_tier=reported_tier(body.service_tier)),
         dialect=NAME,
-        priority=body.priority,
+        priority=body.priority if body.priority is not None else priority_of_tier(body.service_tier),
     )
 
 
@@ -291,6 +293,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatCompletionChoice]
     usage: CompletionUsage
+    service_tier: str | UnsetType = UNSET  # only when the request named one
 
 
 class ChoiceDelta(msgspec.Struct, kw_only=True):
@@ -313,6 +316,7 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     object: str = "chat.completion.chunk"
     created: int
     model: str
+    service_tier: str | UnsetType = UNSET  # only when the request named one
     choices: list[ChunkChoice]
     usage: CompletionUsage | UnsetType = UNSET
 
@@ -343,6 +347,10 @@ def _choice(c: Choice, role: str, want_logprobs: bool) -> ChatCompletionChoice:
     )
 
 
+def _tier(req: GenerationRequest) -> str | UnsetType:
+    return UNSET if req.output.service_tier is None else req.output.service_tier
+
+
 def render_result(req: GenerationRequest, result: JobResult, job_id: str, created: int) -> ChatCompletion:
     role, want_logprobs = response_role(req), req.sampling.logprobs is not None
     return ChatCompletion(
@@ -351,6 +359,7 @@ def render_result(req: GenerationRequest, result: JobResult, job_id: str, create
         model=req.model,
         choices=[_choice(c, role, want_logprobs) for c in result.choices],
         usage=usage_body(result.usage),
+        service_tier=_tier(req),
     )
 
 
@@ -377,11 +386,11 @@ async def render_stream(
     """SSE chunks ending with ``[DONE]``; with ``sse_format=False`` (LMI's default for chat) the
     same chunks as JSON lines, no keep-alives and no terminator."""
     frame = sse if sse_format else jsonline
-    want_logprobs, role = req.sampling.logprobs is not None, response_role(req)
+    want_logprobs, role, tier = req.sampling.logprobs is not None, response_role(req), _tier(req)
 
     def chunk(choices: list[ChunkChoice], usage: CompletionUsage | UnsetType = UNSET) -> bytes:
         return frame(ChatCompletionChunk(
-            id=f"chatcmpl-{job_id}", created=created, model=req.model, choices=choices, usage=usage
+            id=f"chatcmpl-{job_id}", created=created, model=req.model, service_tier=tier, choices=choices, usage=usage
         ))
 
     started = False

@@ -14,6 +14,7 @@ import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
 from api.dialects.openai_structured import ResponseFormat, StructuredOutputs, structured_output
+from api.dialects.tiers import priority_of_tier
 from shared.errors import InvalidRequest, ServiceError
 from shared.events import Done, Error, Event, TokenDelta
 from shared.framing import KEEPALIVE, SSE_DONE, Keepalive, sse
@@ -87,6 +88,9 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     priority: int | None = None  # None: the X-LLMQ-Priority header, or 0
+    # A priority level (api/dialects/tiers.py); ``priority`` wins. OpenAI's completion object has
+    # no field to report it in.
+    service_tier: str | None = None
     use_beam_search: bool = False
     prompt_logprobs: int | None = None
     response_format: ResponseFormat | None = None
@@ -163,7 +167,7 @@ def to_generation_requests(body: CompletionRequest) -> list[GenerationRequest]:
     return [
         GenerationRequest(
             model=body.model or "", prompt=text, prompt_token_ids=ids, sampling=sampling, output=output,
-            dialect=NAME, priority=body.priority,
+            dialect=NAME, priority=body.priority if body.priority is not None else priority_of_tier(body.service_tier),
         )
         for text, ids in prompts
     ]

@@ -24,6 +24,7 @@ from api.http import decode_body, json_response
 from api.services import Services, Svc
 from shared.batches import (
     ENDPOINTS,
+    RESULTS,
     BatchCreate,
     BatchErrors,
     BatchList,
@@ -52,14 +53,16 @@ def _mine(ctx: RequestContext, owner: str) -> bool:
 
 async def _file(svc: Services, ctx: RequestContext, file_id: str) -> FileObject:
     found = await _store(svc).get_file(file_id)
-    if found is None or not _mine(ctx, found[1]):
+    # A Message Batch's results are Anthropic's (api/routes/anthropic_batches.py), not a File here.
+    if found is None or not _mine(ctx, found[1]) or found[0].purpose == RESULTS:
         raise JobNotFound(f"No such File object: {file_id}")
     return found[0]
 
 
 async def _batch(svc: Services, ctx: RequestContext, batch_id: str) -> BatchObject:
     found = await _store(svc).get(batch_id)
-    if found is None or not _mine(ctx, found[1]):
+    # A Message Batch is Anthropic's (api/routes/anthropic_batches.py), not a Batch here.
+    if found is None or not _mine(ctx, found[1]) or found[0].endpoint not in ENDPOINTS:
         raise JobNotFound(f"No such Batch object: {batch_id}")
     return found[0]
 
@@ -82,7 +85,8 @@ async def upload_file(request: Request, svc: Svc, ctx: Ctx) -> Response:
 @get("/v1/files", opt=OPENAI)
 async def list_files(svc: Svc, ctx: Ctx) -> Response:
     store = _store(svc)
-    files = [await rendered(store, meta) for meta, owner in await store.list_files() if _mine(ctx, owner)]
+    files = [await rendered(store, meta) for meta, owner in await store.list_files()
+             if _mine(ctx, owner) and meta.purpose != RESULTS]
     return json_response(FileList(data=files))
 
 

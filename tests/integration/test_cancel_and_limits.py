@@ -223,6 +223,9 @@ OVERLOAD_CASES = [
     ("/v1/generate", {"prompt": "x", "max_tokens": 2}, 429, lambda b: "overloaded" in b["detail"]),
     ("/v1/jobs", {"prompt": "x", "sampling": {"max_tokens": 2}}, 429,
      lambda b: b["error"]["code"] == "overloaded" and b["error"]["status"] == 429),
+    # Anthropic's own status for an overloaded API: 529 overloaded_error (its SDK retries on it).
+    ("/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}, 529,
+     lambda b: b == {"type": "error", "error": {"type": "overloaded_error", "message": b["error"]["message"]}}),
 ]
 
 

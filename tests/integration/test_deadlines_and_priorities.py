@@ -229,3 +229,25 @@ async def test_the_depth_limit_counts_every_level_and_holds_under_concurrency(re
         # the check and the enqueue are one script, so concurrent submitters never overshoot.
         assert sorted(statuses) == [202] * 4 + [429] * 16
         assert sum([await s.redis.xlen(q) for q in Keys(prefix).queues(MODEL)]) == 5
+
+
+async def test_service_tier_through_the_openai_sdk_queues_on_its_level_and_is_reported(redis_url, prefix):
+    from openai import AsyncOpenAI
+
+    async with scripted_stack(redis_url, prefix) as s:
+        client = AsyncOpenAI(base_url=f"{s.url}/v1", api_key="none")
+        chat = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "p"}], max_tokens=2, service_tier="flex")
+        assert chat.service_tier == "flex"
+        rec = await record(s.redis, s.settings.prefix, chat.id.removeprefix("chatcmpl-"))
+        assert rec is not None and rec.request.priority == 2 and level_of(rec.request.priority) == 2
+        plain = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "p"}],
+                                                     max_tokens=2)
+        assert plain.service_tier is None  # none named: none reported, as before
+        auto = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "p"}],
+                                                    max_tokens=2, service_tier="auto")
+        assert auto.service_tier == "default"
+        done = await client.completions.create(model=MODEL, prompt="p", max_tokens=2,
+                                               extra_body={"service_tier": "flex"})
+        rec = await record(s.redis, s.settings.prefix, done.id.removeprefix("cmpl-"))
+        assert rec is not None and rec.request.priority == 2

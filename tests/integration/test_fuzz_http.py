@@ -22,18 +22,23 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from api.dialects import anthropic_messages as am
 from api.dialects import lmi, lmtp, tgi
 from api.dialects import openai_chat as chat
 from api.dialects import openai_completions as oc
+from api.dialects import openai_responses as resp
 from shared.batches import BatchCreate
 from shared.schemas import GenerationRequest
 from tests.dialect_bodies import (
+    anthropic_bodies,
     chat_bodies,
     completion_bodies,
     happy_bodies,
     job_bodies,
     lmi_bodies,
     lmtp_frames,
+    message_batch_bodies,
+    responses_bodies,
     tgi_bodies,
     triton_bodies,
 )
@@ -77,6 +82,9 @@ ROUTES = [
     ("/v1/generate", happy_bodies),
     ("/v1/generate_stream", happy_bodies),
     ("/v1/jobs", job_bodies),
+    ("/v1/messages", anthropic_bodies),
+    ("/v1/messages/batches", message_batch_bodies),
+    ("/v1/responses", responses_bodies),
 ]
 
 
@@ -153,6 +161,18 @@ RAW_ROUTES = [
     ("/v1/jobs", _valid({"prompt": "hi", "sampling": {"max_tokens": 2}}, cls=GenerationRequest)),
     ("/v1/batches", _valid({"input_file_id": "file-none", "endpoint": "/v1/completions", "completion_window": "24h"},
                            cls=BatchCreate)),
+    ("/v1/messages", _valid({"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+                            {"model": "tiny", "max_tokens": 2, "system": [{"type": "text", "text": "s"}],
+                             "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                             "stop_sequences": ["x"], "stream": True}, cls=am.MessagesRequest)),
+    ("/v1/messages/batches", _valid({"requests": [{"custom_id": "a", "params": {
+        "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}}]})),
+    ("/v1/messages/count_tokens", None),  # malformed only: a valid body would load the tokenizer (seconds)
+    ("/v1/responses", _valid({"model": "tiny", "input": "hi", "max_output_tokens": 2},
+                             {"model": "tiny", "input": [{"role": "user", "content": [{"type": "input_text",
+                                                                                       "text": "hi"}]}],
+                              "instructions": "s", "stream": True, "max_output_tokens": 2},
+                             cls=resp.ResponsesRequest)),
 ]
 CONTENT_TYPES = ["application/json", "application/json; charset=utf-8", "text/plain", "", "application/octet-stream",
                  "application/x-www-form-urlencoded", "multipart/form-data; boundary=xx"]

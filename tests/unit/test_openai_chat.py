@@ -334,3 +334,40 @@ def test_errors_use_the_openai_shape():
     status, body = chat.error_body(InvalidRequest("nope", param="n"))
     assert status == 400
     assert encode(body) == b'{"error":{"message":"nope","type":"BadRequestError","param":"n","code":400}}'
+
+
+# --- service tiers --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("tier", "reported"), [
+    ("flex", "flex"), ("priority", "priority"), ("default", "default"), ("auto", "default"),
+])
+def test_service_tier_sets_the_priority_level_and_is_reported_back(tier, reported):
+    r = req({"messages": HI, "service_tier": tier})
+    assert r.output.service_tier == reported
+    if tier == "flex":
+        assert r.priority == 2  # the lowest level
+    elif tier == "priority":
+        assert r.priority is not None and r.priority < 0  # ahead of the default (0) in the engine too
+    else:
+        assert r.priority is None  # unset: the X-LLMQ-Priority header or the default applies
+
+
+def test_an_explicit_priority_wins_over_the_tier_and_an_unknown_tier_is_refused():
+    assert req({"messages": HI, "service_tier": "flex", "priority": 0}).priority == 0
+    assert refused({"messages": HI, "service_tier": "scale"}).param == "service_tier"
+
+
+async def test_a_named_tier_is_in_the_response_and_in_every_chunk():
+    r = req({"messages": HI, "model": "tiny", "service_tier": "flex"})
+    result = JobResult(choices=[Choice(index=0, text="a", token_ids=[1], finish_reason="stop")],
+                       usage=Usage(prompt_tokens=3, completion_tokens=1))
+    body = encode(chat.render_result(r, result, "j1", 7))
+    assert body.endswith(b'"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4},'
+                         b'"service_tier":"flex"}')
+    chunks = await frames(r, [Done(seq=1, deltas=[TokenDelta(token_ids=[1], text="a", finish_reason="stop")])])
+    head = b'data: {"id":"chatcmpl-j1","object":"chat.completion.chunk","created":7,"model":"tiny",' \
+           b'"service_tier":"flex","choices":'
+    assert all(c.startswith(head) for c in chunks[:-1]) and chunks[-1] == SSE_DONE
+    # No tier named: no field, byte for byte as before.
+    assert b"service_tier" not in encode(chat.render_result(req({"messages": HI, "model": "tiny"}), result, "j1", 7))

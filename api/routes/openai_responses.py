@@ -1,0 +1,158 @@
+"""OpenAI Responses: ``POST /v1/responses`` and, for a response already made, ``GET`` (its object,
+or its stream replayed after ``starting_after``), ``/cancel``, ``DELETE`` and ``/input_items``.
+
+A response is one job (:mod:`api.dialects.openai_responses`): reading one back is reading the
+job's record and event log, on any API process, as ``/v1/jobs/{id}`` does. ``background: true``
+queues the job unwatched (it outlives the request); otherwise the job is the request's and ends
+with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+
+from litestar import Request, Response, delete, get, post
+from litestar.params import FromPath
+from litestar.response import Stream
+
+from api.context import Ctx, JobRef, RequestContext, job_ref
+from api.dialects import openai_responses as r
+from api.http import accepted, decode_body, event_stream, json_response, stream_response
+from api.relay import DEADLINE_GRACE_MS, collect
+from api.services import Svc
+from api.submit import enqueue_detached, follow_job, submit, subscribe_job
+from shared.errors import InvalidRequest, JobNotFound
+from shared.events import Event
+from shared.framing import Keepalive
+from shared.queue import now_ms
+from shared.schemas import TERMINAL_STATUSES, GenerationRequest, JobRecord
+
+__all__ = ["ROUTES"]
+
+SSE = "text/event-stream"
+DIALECT = {"dialect": r.NAME}
+
+
+@post("/v1/responses", opt=DIALECT, status_code=200)
+async def create_response(request: Request, svc: Svc, ctx: Ctx) -> Response | Stream:
+    body = await decode_body(request, r.ResponsesRequest)
+    req = r.to_generation_request(body, max_model_len=svc.settings.max_model_len)
+    if ctx.respond_async:
+        return await accepted(svc, ctx, req)
+    if body.background:
+        return await _background(svc, ctx, body, req)
+    stream = bool(body.stream)
+    sub = await submit(svc, ctx, req, keepalive=stream)
+    echo = r.echo_of_body(body, sub.request.model)
+    if not stream:
+        result = await collect(sub.events)
+        return json_response(r.render_finished(echo, result, sub.job_id, sub.created))
+    # An error before the first event (say, a prompt too long for the model) keeps its HTTP status.
+    return event_stream(sub.events, lambda events: r.render_stream(echo, events, sub.job_id, sub.created), SSE,
+                        svc.settings.sse_keepalive_s)
+
+
+async def _background(svc: Svc, ctx: RequestContext, body: r.ResponsesRequest, req: GenerationRequest
+                      ) -> Response | Stream:
+    """Queued and answered at once: ``queued``, or the stream of a job nobody's leaving cancels."""
+    job_id = await enqueue_detached(svc, ctx, req)
+    model = await svc.models.resolve(req.model)
+    record = await svc.queue.get_job(model, job_id)
+    if record is None:  # expired already (a repeated Idempotency-Key of a long-gone job)
+        raise JobNotFound(f"Response with id '{r.response_id(job_id)}' not found.")
+    created = int(record.queued_at // 1000)
+    echo = r.echo_of_body(body, model)
+    if not body.stream:
+        # Queued as it was accepted (a worker may have taken it since: the next poll says so); a
+        # repeated Idempotency-Key that found a finished job answers with how it ended.
+        if record.status in TERMINAL_STATUSES:
+            return json_response(r.render_record(record, echo=echo))
+        return json_response(r.render_response(echo, job_id, created, "queued"))
+    return stream_response(r.render_stream(echo, await _events(svc, model, record), job_id, created), SSE)
+
+
+async def _found(request: Request, svc: Svc, response_id: str) -> JobRef:
+    """The job behind a response id, checked to be a response (and the caller's, by ``job_ref``)."""
+    job_id = r.job_id_of(response_id)
+    try:
+        if job_id is None:
+            raise JobNotFound(response_id)
+        job = await job_ref(job_id, request.scope, svc)
+        if not isinstance(job.found, JobRecord) or job.found.request.dialect != r.NAME:
+            raise JobNotFound(response_id)
+    except JobNotFound:
+        raise JobNotFound(f"Response with id '{response_id}' not found.") from None
+    return job
+
+
+async def _iterate(events: list[Event]) -> AsyncIterator[Event | Keepalive]:
+    for event in events:
+        yield event
+
+
+async def _events(svc: Svc, model: str, record: JobRecord) -> AsyncIterator[Event | Keepalive]:
+    """All of a job's events from its first: the log of a finished job, else the log then live."""
+    if record.status in TERMINAL_STATUSES:
+        return _iterate(await svc.queue.read_events(model, record.id, 0))
+    live = await subscribe_job(svc, model, record.id, AsyncExitStack())
+    return follow_job(svc, live, backfill=True, keepalive=True, deadline=record.deadline)
+
+
+def _flag(request: Request, name: str) -> bool:
+    value = request.query_params.get(name, "false").lower()
+    if value not in ("true", "false", "1", "0"):
+        raise InvalidRequest(f"{name} must be true or false", param=name)
+    return value in ("true", "1")
+
+
+@get("/v1/responses/{response_id:str}", opt=DIALECT)
+async def get_response(request: Request, svc: Svc, response_id: FromPath[str]) -> Response | Stream:
+    """The response now; with ``stream=true`` its events numbered above ``starting_after``, from
+    the job's event log, then live until it ends."""
+    job = await _found(request, svc, response_id)
+    record = job.found
+    assert isinstance(record, JobRecord)
+    if not _flag(request, "stream"):
+        if record.status not in TERMINAL_STATUSES and record.deadline is not None and now_ms() >= record.deadline:
+            # As GET /v1/jobs/{id}: nobody may be waiting on a background job, so the poll ends it.
+            if await svc.queue.expire(job.model, job.id, grace_ms=DEADLINE_GRACE_MS):
+                record = await svc.queue.get_job(job.model, job.id) or record
+        return json_response(r.render_record(record))
+    try:
+        after = int(request.query_params.get("starting_after", "-1"))
+        if not -1 <= after < 2**63:
+            raise ValueError
+    except ValueError:
+        raise InvalidRequest("starting_after must be a sequence number", param="starting_after") from None
+    echo = r.echo_of_request(record.request, background=True)
+    created = int(record.queued_at // 1000)
+    frames = r.render_stream(echo, await _events(svc, job.model, record), job.id, created, starting_after=after)
+    return stream_response(frames, SSE)
+
+
+@post("/v1/responses/{response_id:str}/cancel", opt=DIALECT, status_code=200)
+async def cancel_response(request: Request, svc: Svc, response_id: FromPath[str]) -> Response:
+    job = await _found(request, svc, response_id)
+    if await svc.queue.cancel(job.model, job.id) is None:
+        raise JobNotFound(f"Response with id '{response_id}' not found.")
+    record = await svc.queue.get_job(job.model, job.id)
+    return json_response(r.render_record(record or job.found))  # type: ignore[arg-type]
+
+
+@delete("/v1/responses/{response_id:str}", opt=DIALECT, status_code=200)
+async def delete_response(request: Request, svc: Svc, response_id: FromPath[str]) -> Response:
+    """Cancels the job if it still runs; its record expires as every job's does (LLMQ_RESULT_TTL_S)."""
+    job = await _found(request, svc, response_id)
+    await svc.queue.cancel(job.model, job.id)
+    return json_response(r.Deleted(id=response_id))
+
+
+@get("/v1/responses/{response_id:str}/input_items", opt=DIALECT)
+async def input_items(request: Request, svc: Svc, response_id: FromPath[str]) -> Response:
+    job = await _found(request, svc, response_id)
+    assert isinstance(job.found, JobRecord)
+    return json_response(r.render_input_items(job.found.request, job.id))
+
+
+ROUTES = [create_response, get_response, cancel_response, delete_response, input_items]

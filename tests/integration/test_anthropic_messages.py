@@ -1,0 +1,327 @@
+"""Anthropic Messages through the real ``anthropic`` SDK, on a real port, real Redis and a
+scripted engine: what the SDK builds from our bytes (message, stream accumulator, errors).
+
+The engine answers a chat with its last message's characters cycled (``"abc"`` with
+``max_tokens: 4`` gives ``"abca"``); here it also honours stop strings (as vLLM does: the text
+ends before the match, which is the stop reason) and ends a prompt starting with ``eos`` after
+its fourth token as an EOS would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+
+import anthropic
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
+
+from api.dialects import anthropic_messages as am
+from shared.events import TokenDelta
+from shared.schemas import GenerationRequest
+from tests.dialect_bodies import anthropic_bodies
+from tests.fuzzing import malformed_bodies, struct_body
+from tests.scripted_engine import ScriptedEngine
+from tests.scripted_stack import scripted_stack
+from workers.protocol import Step
+
+SLOW_S = 1.6  # a "slow..." chat waits this long before its first token: several keep-alive intervals
+EOS_AFTER = 4
+MAX_TOKENS = 32
+FUZZ_EXAMPLES = 40
+
+
+class MessagesEngine(ScriptedEngine):
+    async def steps(self, job_id: str, req: GenerationRequest, replay: Sequence[int] = ()) -> AsyncIterator[Step]:
+        if req.messages is None:  # the worker's warm-up
+            async for step in super().steps(job_id, req, replay):
+                yield step
+            return
+        prompt = req.messages[-1].content or "a"
+        if prompt in ("fail", "break"):
+            async for step in super().steps(job_id, msgspec.structs.replace(req, messages=None, prompt=prompt)):
+                yield step
+            return
+        if prompt.startswith("slow"):
+            await asyncio.sleep(SLOW_S)
+        n = min(req.sampling.max_tokens, MAX_TOKENS)  # fuzzed bodies ask for thousands
+        text = "".join(prompt[i % len(prompt)] for i in range(n))
+        if prompt.startswith("eos"):
+            text = text[:EOS_AFTER]
+        # vLLM holds text back while it may still become a stop string: the match never streams.
+        match = min(((text.find(s), s) for s in req.sampling.stop if s in text), default=None)
+        out = text if match is None else text[:match[0]]
+        for i, char in enumerate(out):
+            await asyncio.sleep(self.delay_s)
+            last = match is None and i == len(out) - 1
+            finish = ("stop" if len(out) < n else "length") if last else None
+            yield Step(deltas=[TokenDelta(token_ids=[ord(char)], text=char, finish_reason=finish)], finished=last,
+                       prompt_tokens=len(prompt))
+        if match is not None:  # the token that completed the stop string: no text of its own
+            yield Step(deltas=[TokenDelta(token_ids=[0], text="", finish_reason="stop", stop_reason=match[1])],
+                       finished=True, prompt_tokens=len(prompt))
+
+
+@pytest.fixture(scope="module")
+async def stack(redis_url):
+    async with scripted_stack(redis_url, "scripted-anthropic", MessagesEngine(delay_s=0.001)) as s:
+        yield s
+
+
+def client_of(stack, **kwargs) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url=stack.url, api_key=kwargs.pop("api_key", "unused"), max_retries=0,
+                                    **kwargs)
+
+
+async def test_create_returns_a_message_the_sdk_parses(stack):
+    client = client_of(stack)
+    msg = await client.messages.create(model="tiny", max_tokens=5, system="be brief",
+                                       messages=[{"role": "user", "content": "abc"}])
+    assert msg.id.startswith("msg_") and msg.type == "message" and msg.role == "assistant"
+    assert [(b.type, b.text) for b in msg.content] == [("text", "abcab")]
+    assert msg.model == "tiny"
+    assert (msg.stop_reason, msg.stop_sequence) == ("max_tokens", None)
+    assert (msg.usage.input_tokens, msg.usage.output_tokens, msg.usage.service_tier) == (3, 5, "standard")
+
+
+async def test_stop_sequences_and_end_turn(stack):
+    client = client_of(stack)
+    msg = await client.messages.create(model="tiny", max_tokens=10, stop_sequences=["ca"],
+                                       messages=[{"role": "user", "content": "abc"}])
+    assert msg.content[0].text == "ab"
+    assert (msg.stop_reason, msg.stop_sequence) == ("stop_sequence", "ca")
+    msg = await client.messages.create(model="tiny", max_tokens=10, messages=[{"role": "user", "content": "eos"}])
+    assert (msg.content[0].text, msg.stop_reason, msg.stop_sequence) == ("eose", "end_turn", None)
+
+
+async def test_sampling_fields_arrive_through_extra_body_and_tiers_set_priority(stack):
+    client = client_of(stack)
+    msg = await client.messages.create(
+        model="tiny", max_tokens=3, messages=[{"role": "user", "content": [{"type": "text", "text": "xyz"}]}],
+        service_tier="auto", metadata={"user_id": "u-1"},
+        extra_body={"temperature": 0.5, "top_p": 0.9, "top_k": 7, "service_tier": "priority"},
+    )
+    assert msg.content[0].text == "xyz" and msg.usage.service_tier == "priority"
+    queued = stack.worker.engine.requests[-1]
+    assert (queued.sampling.temperature, queued.sampling.top_p, queued.sampling.top_k) == (0.5, 0.9, 7)
+    assert queued.priority == -1 and queued.dialect == "anthropic_messages"
+    await client.messages.create(model="tiny", max_tokens=1, messages=[{"role": "user", "content": "x"}],
+                                 extra_body={"service_tier": "flex"})
+    assert stack.worker.engine.requests[-1].priority == 2
+
+
+async def test_stream_accumulates_the_same_text_as_create(stack):
+    client = client_of(stack)
+    body = dict(model="tiny", max_tokens=7, messages=[{"role": "user", "content": "hello"}])
+    created = await client.messages.create(**body)
+    async with client.messages.stream(**body) as stream:
+        pieces = [text async for text in stream.text_stream]
+        final = await stream.get_final_message()
+    assert "".join(pieces) == final.content[0].text == created.content[0].text == "hellohe"
+    assert len(pieces) == 7  # one text_delta per token event
+    assert (final.stop_reason, final.stop_sequence) == (created.stop_reason, created.stop_sequence)
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (created.usage.input_tokens, 7)
+    assert final.id.startswith("msg_") and final.id != created.id
+
+
+async def test_stream_with_a_stop_sequence(stack):
+    client = client_of(stack)
+    async with client.messages.stream(model="tiny", max_tokens=10, stop_sequences=["ca"],
+                                      messages=[{"role": "user", "content": "abc"}]) as stream:
+        final = await stream.get_final_message()
+    assert (final.content[0].text, final.stop_reason, final.stop_sequence) == ("ab", "stop_sequence", "ca")
+
+
+async def test_stream_events_in_order_with_keepalive_comments(stack):
+    """The raw events, in Anthropic's order; a slow start sends SSE comments first, which the SDK
+    ignores (its stream of the same request still parses)."""
+    body = {"model": "tiny", "max_tokens": 2, "stream": True, "messages": [{"role": "user", "content": "slow"}]}
+    async with stack.client.stream("POST", "/v1/messages", json=body) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        raw = await resp.aread()
+    assert raw.startswith(b": keep-alive\n\n")
+    frames = [f for f in raw.split(b"\n\n") if f and not f.startswith(b":")]
+    names = [f.split(b"\n")[0].removeprefix(b"event: ").decode() for f in frames]
+    assert names == ["message_start", "content_block_start", "ping", "content_block_delta", "content_block_delta",
+                     "content_block_stop", "message_delta", "message_stop"]
+    datas = [json.loads(f.split(b"\n")[1].removeprefix(b"data: ")) for f in frames]
+    assert all(d["type"] == name for d, name in zip(datas, names, strict=True))
+    assert [d["delta"]["text"] for d in datas if d["type"] == "content_block_delta"] == ["s", "l"]
+    assert datas[-2]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    assert datas[-2]["usage"] == {"input_tokens": 4, "output_tokens": 2}
+    async with client_of(stack).messages.stream(**{k: v for k, v in body.items() if k != "stream"}) as stream:
+        assert (await stream.get_final_message()).content[0].text == "sl"
+
+
+async def test_error_after_the_stream_started_is_an_error_event(stack):
+    body = {"model": "tiny", "max_tokens": 5, "stream": True, "messages": [{"role": "user", "content": "break"}]}
+    async with stack.client.stream("POST", "/v1/messages", json=body) as resp:
+        raw = await resp.aread()
+    assert resp.status_code == 200
+    last = raw.rstrip(b"\n").split(b"\n\n")[-1]
+    assert last.startswith(b"event: error\ndata: ")
+    assert json.loads(last.split(b"\n")[1].removeprefix(b"data: ")) == {
+        "type": "error", "error": {"type": "api_error", "message": "scripted failure mid-stream"}}
+    with pytest.raises(anthropic.APIStatusError, match="scripted failure mid-stream"):
+        async with client_of(stack).messages.stream(model="tiny", max_tokens=5,
+                                                    messages=[{"role": "user", "content": "break"}]) as stream:
+            await stream.get_final_message()
+
+
+async def test_errors_before_the_stream_get_anthropic_statuses_and_sdk_classes(stack):
+    client = client_of(stack)
+    user = [{"role": "user", "content": "hi"}]
+    with pytest.raises(anthropic.NotFoundError) as nf:
+        await client.messages.create(model="no-such-model", max_tokens=2, messages=user)
+    assert nf.value.body["error"]["type"] == "not_found_error" and nf.value.body["type"] == "error"
+    refusals = [
+        dict(messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "x"}}]}]),
+        dict(messages=user, tools=[{"name": "t", "input_schema": {"type": "object"}}]),
+        dict(messages=user, thinking={"type": "enabled", "budget_tokens": 1024}),
+        dict(messages=[{"role": "system", "content": "x"}]),
+    ]
+    for extra in refusals:
+        with pytest.raises(anthropic.BadRequestError) as bad:
+            await client.messages.create(model="tiny", max_tokens=2, **extra)
+        assert bad.value.body["error"]["type"] == "invalid_request_error", extra
+    # A refusal of a streamed request is a real status too: nothing was streamed yet.
+    with pytest.raises(anthropic.BadRequestError):
+        async with client.messages.stream(model="tiny", max_tokens=2, messages=user, tools=[{"name": "t"}]) as s:
+            await s.get_final_message()
+    with pytest.raises(anthropic.BadRequestError):  # the engine refuses it before any token
+        await client.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "fail"}])
+
+
+async def test_count_tokens_renders_the_chat_template_as_the_worker_does(stack):
+    """The API's tokenizer and the model's own template: the count equals an independent render
+    of the same conversation (system first, text blocks joined with newlines)."""
+    client = client_of(stack)
+    counted = await client.messages.count_tokens(
+        model="tiny", system=[{"type": "text", "text": "be brief"}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]},
+                  {"role": "assistant", "content": "three"}, {"role": "user", "content": "four"}])
+    tok = AutoTokenizer.from_pretrained(stack.settings.model_path)
+    expected = tok.apply_chat_template([{"role": "system", "content": "be brief"},
+                                        {"role": "user", "content": "one\ntwo"},
+                                        {"role": "assistant", "content": "three"},
+                                        {"role": "user", "content": "four"}], tokenize=True,
+                                       add_generation_prompt=True)
+    expected = expected["input_ids"] if not isinstance(expected, list) else expected
+    assert counted.input_tokens == len(expected) > 10
+    with pytest.raises(anthropic.NotFoundError):
+        await client.messages.count_tokens(model="nope", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(anthropic.BadRequestError):
+        await client.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                           tools=[{"name": "t", "input_schema": {"type": "object"}}])
+
+
+async def test_respond_async_queues_a_job_to_poll(stack):
+    body = {"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "ab"}]}
+    resp = await stack.client.post("/v1/messages", headers={"Prefer": "respond-async"}, json=body)
+    assert resp.status_code == 202
+    job_id = resp.json()["id"]
+    for _ in range(100):
+        job = (await stack.client.get(f"/v1/jobs/{job_id}")).json()
+        if job["status"] == "done":
+            break
+        await asyncio.sleep(0.05)
+    # The stored job's result is rendered in the dialect that queued it: an Anthropic message.
+    assert job["result"]["type"] == "message" and job["result"]["content"] == [{"type": "text", "text": "aba"}]
+    assert job["result"]["id"] == f"msg_{job_id}"
+
+
+async def test_api_keys_arrive_as_x_api_key(redis_url, prefix):
+    async with scripted_stack(redis_url, prefix, MessagesEngine(delay_s=0.001), api_keys="key-one") as s:
+        user = [{"role": "user", "content": "ok"}]
+        with pytest.raises(anthropic.AuthenticationError) as denied:
+            await client_of(s, api_key="wrong").messages.create(model="tiny", max_tokens=1, messages=user)
+        assert denied.value.body == {"type": "error", "error": {
+            "type": "authentication_error",
+            "message": "Missing or invalid API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`"}}
+        msg = await client_of(s, api_key="key-one").messages.create(model="tiny", max_tokens=2, messages=user)
+        assert msg.content[0].text == "ok"
+
+
+async def test_full_queue_is_529_overloaded(redis_url, prefix):
+    async with scripted_stack(redis_url, prefix, ScriptedEngine(delay_s=0.1), max_num_seqs=1, max_queued=1) as s:
+        resp = await s.client.post("/v1/jobs", json={"prompt": "hold", "sampling": {"max_tokens": 200}})
+        assert resp.status_code == 202
+        with pytest.raises(anthropic.OverloadedError) as over:
+            await client_of(s).messages.create(model="tiny", max_tokens=1, messages=[{"role": "user", "content": "x"}])
+        assert over.value.status_code == 529 and over.value.body["error"]["type"] == "overloaded_error"
+        assert (await s.client.delete(f"/v1/jobs/{resp.json()['id']}")).status_code == 200
+
+
+async def test_full_queue_529_says_when_to_retry(redis_url, prefix):
+    async with scripted_stack(redis_url, prefix, ScriptedEngine(delay_s=0.1), max_num_seqs=1, max_queued=1) as s:
+        resp = await s.client.post("/v1/jobs", json={"prompt": "hold", "sampling": {"max_tokens": 200}})
+        try:
+            over = await s.client.post("/v1/messages", json={"model": "tiny", "max_tokens": 1,
+                                                              "messages": [{"role": "user", "content": "x"}]})
+            assert over.status_code == 529
+            assert over.headers.get("retry-after") == "1"
+        finally:
+            await s.client.delete(f"/v1/jobs/{resp.json()['id']}")
+
+
+async def test_malformed_bodies_get_invalid_request_errors(stack):
+    for raw in (b"", b"{", b"\xef\xbb\xbf{}", b'{"model": "tiny", "max_tokens": NaN, "messages": []}',
+                b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}]}',
+                b'{"model": "tiny", "max_tokens": 0, "messages": [{"role": "user", "content": "x"}]}',
+                b'{"model": "tiny", "max_tokens": 1e400, "messages": []}', b"[" * 200 + b"]" * 200):
+        resp = await stack.client.post("/v1/messages", content=raw, headers={"content-type": "application/json"})
+        assert resp.status_code == 400, (raw[:40], resp.text)
+        assert resp.json()["type"] == "error" and resp.json()["error"]["type"] == "invalid_request_error"
+
+
+def draw(strategy: st.SearchStrategy[bytes], n: int) -> list[bytes]:
+    out: list[bytes] = []
+
+    @settings(max_examples=n, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(strategy)
+    def collect(body: bytes) -> None:
+        out.append(body)
+
+    collect()
+    return out
+
+
+@pytest.mark.parametrize("route", ["/v1/messages", "/v1/messages/count_tokens"])
+async def test_fuzzed_bodies_never_get_a_5xx_or_hang(stack, route):
+    """Generated bodies (valid and not) get an answer below 500, streams run to their end; the
+    malformed ones (truncated, BOM, invalid UTF-8, NaN, too deep) get a 4xx in Anthropic's shape."""
+    cases = [(b, False) for b in draw(anthropic_bodies, FUZZ_EXAMPLES)]
+    cases += [(b, True) for b in draw(malformed_bodies(struct_body(am.MessagesRequest, wild=False)), FUZZ_EXAMPLES)]
+    limit, failures = asyncio.Semaphore(8), []
+
+    async def one(raw: bytes, malformed: bool) -> None:
+        async with limit:
+            try:
+                async with asyncio.timeout(15):
+                    async with stack.client.stream("POST", route, content=raw,
+                                                   headers={"content-type": "application/json"}) as resp:
+                        content = await resp.aread()
+            except TimeoutError:
+                failures.append(f"HANG {raw[:200]!r}")
+                return
+        bad = resp.status_code >= 500 or (malformed and not 400 <= resp.status_code < 500)
+        if resp.status_code >= 400 and not bad:
+            bad = json.loads(content)["type"] != "error"
+        if bad:
+            failures.append(f"{resp.status_code} {raw[:200]!r} -> {content[:300]!r}")
+
+    await asyncio.gather(*(one(raw, malformed) for raw, malformed in cases))
+    assert not failures, "\n".join(failures[:10])
+
+
+async def test_count_tokens_serves_the_model_whose_tokenizer_the_api_holds(redis_url, prefix):
+    """Another configured model is known (create queues for it) but its tokenizer is not here: a
+    clear 404 rather than a count from the wrong tokenizer."""
+    async with scripted_stack(redis_url, prefix, MessagesEngine(delay_s=0.001), models="tiny,other") as s:
+        with pytest.raises(anthropic.NotFoundError, match="No tokenizer for `other` here"):
+            await client_of(s).messages.count_tokens(model="other", messages=[{"role": "user", "content": "x"}])

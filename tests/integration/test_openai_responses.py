@@ -1,0 +1,313 @@
+"""OpenAI Responses through the real openai SDK, on a real port, real Redis and a scripted engine.
+
+The scripted engine answers with the last input message's characters cycled (``"abc"`` with
+``max_output_tokens: 4`` gives ``"abca"``) and stops on the length, so the status is
+``incomplete``; an input starting ``eos`` ends with a stop instead (``completed``), and one
+starting ``slow`` waits before its first token (time to cancel it, or to see it queued/running).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import msgspec
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from api.dialects import openai_responses as r
+from shared.schemas import GenerationRequest
+from tests.dialect_bodies import responses_bodies
+from tests.fuzzing import malformed_bodies, odd_bodies, struct_body
+from tests.scripted_engine import ScriptedEngine, expected_text
+from tests.scripted_stack import scripted_settings, scripted_stack, serve_api
+from workers.protocol import Step
+
+SLOW_S = 1.5
+
+
+class ResponsesEngine(ScriptedEngine):
+    async def steps(self, job_id: str, req: GenerationRequest, replay: Sequence[int] = ()) -> AsyncIterator[Step]:
+        prompt = req.messages[-1].content if req.messages else ""
+        # Fuzzed bodies ask for up to the whole context: a few dozen tokens tell the same story.
+        req = msgspec.structs.replace(req, sampling=msgspec.structs.replace(
+            req.sampling, max_tokens=min(req.sampling.max_tokens, 64)))
+        if prompt.startswith("slow"):
+            await asyncio.sleep(SLOW_S)
+        async for step in super().steps(job_id, req, replay):
+            if prompt.startswith("eos") and step.finished:
+                for delta in step.deltas:
+                    delta.finish_reason = "stop"
+            yield step
+
+
+@pytest.fixture(scope="module")
+async def stack(redis_url):
+    async with scripted_stack(redis_url, "scripted-responses", ResponsesEngine(delay_s=0.001)) as s:
+        yield s
+
+
+@pytest.fixture
+async def client(stack):
+    async with openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+async def until(client: openai.AsyncOpenAI, resp_id: str, statuses: set[str], timeout_s: float = 10.0):
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        resp = await client.responses.retrieve(resp_id)
+        if resp.status in statuses:
+            return resp
+        assert asyncio.get_running_loop().time() < deadline, resp.status
+        await asyncio.sleep(0.05)
+
+
+async def test_create_plain_output_text_usage_and_echo(client):
+    resp = await client.responses.create(model="tiny", input="abc", instructions="be brief", max_output_tokens=5,
+                                         metadata={"k": "v"}, temperature=0.5, service_tier="flex", user="u1")
+    assert resp.output_text == expected_text("abc", 5) == "abcab"
+    assert resp.id.startswith("resp_") and resp.object == "response"
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    assert resp.usage.output_tokens == 5 and resp.usage.total_tokens == resp.usage.input_tokens + 5
+    assert resp.output[0].id == "msg_" + resp.id.removeprefix("resp_") and resp.output[0].status == "incomplete"
+    assert (resp.metadata, resp.instructions, resp.temperature, resp.service_tier, resp.user) == (
+        {"k": "v"}, "be brief", 0.5, "flex", "u1")
+    assert resp.model == "tiny" and resp.tools == [] and resp.store is True and resp.background is False
+
+
+async def test_message_items_and_a_stop_complete(client):
+    items = [{"role": "user", "content": "first"},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "eosx"}]}]
+    resp = await client.responses.create(model="tiny", input=items, max_output_tokens=3)
+    assert resp.status == "completed" and resp.incomplete_details is None and resp.output_text == "eos"
+    assert resp.output[0].status == "completed"
+
+
+async def test_stream_deltas_join_to_the_plain_text_with_consecutive_numbers(client):
+    plain = await client.responses.create(model="tiny", input="eosxyz", max_output_tokens=8)
+    stream = await client.responses.create(model="tiny", input="eosxyz", max_output_tokens=8, stream=True)
+    events = [e async for e in stream]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    types = [e.type for e in events]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert set(types[4:-4]) == {"response.output_text.delta"}
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == plain.output_text == events[-1].response.output_text == events[-4].text == "eosxyzeo"
+    assert events[-1].response.usage.output_tokens == 8 and events[0].response.status == "in_progress"
+
+
+async def test_sdk_stream_helper_accumulates_the_same_text(client):
+    async with client.responses.stream(model="tiny", input="eosab", max_output_tokens=6) as stream:
+        async for _ in stream:
+            pass
+        final = await stream.get_final_response()
+    assert final.output_text == "eosabe" and final.status == "completed"
+
+
+async def test_json_schema_format_is_accepted_and_echoed(client, stack):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "name": "thing", "schema": schema, "strict": True}
+    resp = await client.responses.create(model="tiny", input="eosjs", max_output_tokens=4, text={"format": fmt})
+    assert resp.text.format.type == "json_schema" and resp.text.format.name == "thing"
+    assert stack.worker.engine.requests[-1].sampling.structured.json == schema  # the constraint reached the engine
+
+
+async def test_background_then_retrieve_until_completed_and_input_items(client):
+    resp = await client.responses.create(model="tiny", input="slow eos", instructions="sys", max_output_tokens=4,
+                                         background=True)
+    assert resp.status == "queued" and resp.background is True and resp.output == []
+    done = await until(client, resp.id, {"completed", "incomplete"})
+    assert done.output_text == "slow" and done.id == resp.id and done.created_at == resp.created_at
+    items = await client.responses.input_items.list(resp.id)
+    assert [(i.role, i.content[0].text) for i in items.data] == [("user", "slow eos"), ("system", "sys")]
+
+
+async def test_retrieve_stream_starting_after_gives_exactly_the_later_events(client):
+    resp = await client.responses.create(model="tiny", input="eosq", max_output_tokens=6, background=True)
+    await until(client, resp.id, {"completed"})
+    whole = [e async for e in await client.responses.retrieve(resp.id, stream=True)]
+    assert [e.sequence_number for e in whole] == list(range(len(whole))) and whole[-1].type == "response.completed"
+    for n in (0, 3, 5, len(whole) - 2):
+        later = [e async for e in await client.responses.retrieve(resp.id, stream=True, starting_after=n)]
+        assert [e.model_dump() for e in later] == [e.model_dump() for e in whole[n + 1:]]
+
+
+async def test_resume_a_running_background_stream_follows_it_live(client):
+    resp = await client.responses.create(model="tiny", input="slow live", max_output_tokens=5, background=True)
+    events = [e async for e in await client.responses.retrieve(resp.id, stream=True, starting_after=1)]
+    assert events[0].sequence_number == 2 and events[-1].type == "response.incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "slow "
+
+
+async def test_background_stream_outlives_its_request(client):
+    stream = await client.responses.create(model="tiny", input="slow gone", max_output_tokens=3, background=True,
+                                           stream=True)
+    first = await anext(aiter(stream))
+    assert first.type == "response.created" and first.response.status == "queued"
+    await stream.close()  # the client leaves: a background job keeps running
+    done = await until(client, first.response.id, {"incomplete"})
+    assert done.output_text == "slo"
+
+
+async def test_cancel_a_background_response(client, stack):
+    resp = await client.responses.create(model="tiny", input="slow cancel", max_output_tokens=50, background=True)
+    cancelled = await client.responses.cancel(resp.id)
+    assert cancelled.status == "cancelled" and cancelled.id == resp.id
+    assert (await until(client, resp.id, {"cancelled"})).status == "cancelled"
+
+
+async def test_delete_answers_the_deletion_object(stack, client):
+    resp = await client.responses.create(model="tiny", input="eosd", max_output_tokens=2)
+    raw = await stack.client.delete(f"/v1/responses/{resp.id}")
+    assert raw.status_code == 200 and raw.json() == {"id": resp.id, "object": "response", "deleted": True}
+
+
+async def test_error_classes(client, stack):
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.responses.create(model="tiny", input="x", tools=[{"type": "function", "name": "f",
+                                                                         "parameters": {}, "strict": True}])
+    assert info.value.body["param"] == "tools" and info.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError):
+        await client.responses.create(model="tiny", input="x", previous_response_id="resp_x")
+    with pytest.raises(openai.BadRequestError):
+        await client.responses.create(model="tiny", input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": "http://x/y.png"}]}])
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve("resp_0000deadbeef")
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.cancel("nope")
+    # A chat job's id is not a response: 404, not someone else's object in the wrong shape.
+    chat = await stack.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "ab"}],
+                                                                  "max_tokens": 2})
+    job_id = chat.json()["id"].removeprefix("chatcmpl-")
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve("resp_" + job_id)
+
+
+async def test_stream_frames_are_named_events_without_done(stack):
+    async with stack.client.stream("POST", "/v1/responses", json={"input": "eosf", "max_output_tokens": 2,
+                                                                   "stream": True}) as resp:
+        raw = await resp.aread()
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    frames = raw.split(b"\n\n")
+    assert frames[-1] == b"" and b"[DONE]" not in raw
+    for f in frames[:-1]:
+        event, data = f.split(b"\n")
+        assert event.startswith(b"event: response.") and data.startswith(b'data: {"type":"' + event[7:] + b'"')
+
+
+async def test_malformed_bodies_are_openai_400s(stack):
+    for body in (b"", b"\xff", b"{", b'{"input": 1}', b'{"input": "x", "temperature": 9}'):
+        resp = await stack.client.post("/v1/responses", content=body, headers={"content-type": "application/json"})
+        assert resp.status_code == 400, body
+        assert resp.json()["error"]["type"] == "invalid_request_error"
+
+
+def draw(strategy: st.SearchStrategy, n: int) -> list:
+    out: list = []
+
+    @settings(max_examples=n, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(strategy)
+    def collect(body) -> None:
+        out.append(body)
+
+    collect()
+    return out
+
+
+async def test_fuzzed_and_malformed_bodies_never_500_or_hang(stack):
+    valid = st.one_of(st.sampled_from([{"input": "hi", "max_output_tokens": 2},
+                                       {"input": [{"role": "user", "content": "x"}], "stream": True}]),
+                      struct_body(r.ResponsesRequest, wild=False))
+    bodies = [(b, False) for b in draw(responses_bodies, 60) + draw(odd_bodies(valid), 30)]
+    bodies += [(b, True) for b in draw(malformed_bodies(valid), 30)]  # these must be a 4xx
+    limit, failures = asyncio.Semaphore(8), []
+
+    async def one(body: bytes, malformed: bool) -> None:
+        async with limit:
+            try:
+                async with asyncio.timeout(10):
+                    async with stack.client.stream("POST", "/v1/responses", content=body,
+                                                   headers={"content-type": "application/json"}) as resp:
+                        content = await resp.aread()
+            except TimeoutError:
+                failures.append(f"HANG body={body[:200]!r}")
+                return
+        if resp.status_code >= 500 or (malformed and resp.status_code < 400) or b"internal" in content:
+            failures.append(f"{resp.status_code} body={body[:200]!r} response={content[:200]!r}")
+
+    await asyncio.gather(*(one(b, m) for b, m in bodies))
+    assert not failures, "\n".join(failures[:10])
+    ok = await stack.client.post("/v1/responses", json={"input": "ok", "max_output_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+async def test_respond_async_polls_at_v1_jobs_with_the_response_object(stack):
+    resp = await stack.client.post("/v1/responses", json={"input": "eosj", "max_output_tokens": 3},
+                                   headers={"Prefer": "respond-async"})
+    assert resp.status_code == 202
+    job_id = resp.json()["id"]
+    for _ in range(200):
+        view = (await stack.client.get(f"/v1/jobs/{job_id}")).json()
+        if view["status"] == "done":
+            break
+        await asyncio.sleep(0.05)
+    assert view["dialect"] == "openai_responses"
+    assert view["result"]["id"] == "resp_" + job_id and view["result"]["output"][0]["content"][0]["text"] == "eos"
+
+
+async def test_a_repeated_idempotency_key_answers_the_same_background_response(client):
+    first = await client.responses.create(model="tiny", input="eosk", max_output_tokens=2, background=True,
+                                          extra_headers={"Idempotency-Key": "resp-key-1"})
+    again = await client.responses.create(model="tiny", input="eosk", max_output_tokens=2, background=True,
+                                          extra_headers={"Idempotency-Key": "resp-key-1"})
+    assert again.id == first.id and again.created_at == first.created_at
+
+
+async def test_a_background_response_resumes_on_another_web_process_after_the_first_is_gone(stack, redis_url,
+                                                                                              client):
+    """Started on API process A, which then shuts down; B (the stack's own API) replays and follows
+    it from the job's event log: every event exactly once, the text whole."""
+    settings_a = scripted_settings(redis_url, "scripted-responses")
+    async with serve_api(settings_a) as url_a:
+        async with openai.AsyncOpenAI(base_url=f"{url_a}/v1", api_key="unused", max_retries=0) as on_a:
+            stream = await on_a.responses.create(model="tiny", input="slow resume", max_output_tokens=6,
+                                                 background=True, stream=True)
+            seen = [await anext(aiter(stream)), await anext(aiter(stream))]
+            await stream.close()
+    assert [e.sequence_number for e in seen] == [0, 1]
+    rest = [e async for e in await client.responses.retrieve(seen[0].response.id, stream=True, starting_after=1)]
+    events = seen + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "slow r"
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == "slow r"
+
+
+async def test_an_error_before_the_first_token_keeps_its_status_and_a_later_one_fails_in_band(client):
+    with pytest.raises(openai.BadRequestError) as info:  # the engine refuses "fail" before any token
+        await client.responses.create(model="tiny", input="fail", max_output_tokens=3, stream=True)
+    assert info.value.body["message"] == "scripted failure"
+    events = [e async for e in await client.responses.create(model="tiny", input="break", max_output_tokens=3,
+                                                             stream=True)]
+    assert [e.type for e in events][-2:] == ["response.output_text.delta", "response.failed"]
+    assert events[-1].sequence_number == len(events) - 1
+    assert events[-1].response.status == "failed" and events[-1].response.error.code == "server_error"
+    failed = await client.responses.retrieve(events[-1].response.id)
+    assert failed.status == "failed" and failed.error.message == "scripted failure mid-stream"
+
+
+async def test_a_repeated_key_of_a_finished_background_response_answers_how_it_ended(client):
+    first = await client.responses.create(model="tiny", input="eosr", max_output_tokens=2, background=True,
+                                          metadata={"m": "1"}, extra_headers={"Idempotency-Key": "resp-key-2"})
+    await until(client, first.id, {"completed"})
+    again = await client.responses.create(model="tiny", input="eosr", max_output_tokens=2, background=True,
+                                          metadata={"m": "1"}, extra_headers={"Idempotency-Key": "resp-key-2"})
+    assert (again.id, again.status, again.output_text, again.metadata) == (first.id, "completed", "eo", {"m": "1"})
