@@ -25,7 +25,7 @@ from redis.exceptions import ResponseError
 from shared import eventlog
 from shared.cluster import node_client, publish, sharded_pubsub, subscribers
 from shared.codec import decode_event, decode_request, encode, job_from_hash, job_to_hash
-from shared.errors import DeadlineExceeded, Overloaded
+from shared.errors import DeadlineExceeded, JobCancelled, Overloaded, ServiceError
 from shared.events import Done, Error, Event, Tokens
 from shared.keys import GROUP, LEVELS, Keys
 from shared.schemas import GenerationRequest, JobError, JobGroup, JobRecord, JobResult
@@ -251,7 +251,7 @@ class Queue:
         the job has no record."""
         return bool(await self._relay(keys=[self.keys.job(model, job_id)], args=[channel]))
 
-    async def expire(self, model: str, job_id: str, *, grace_ms: int, now: DeadlineExceeded | None = None) -> bool:
+    async def expire(self, model: str, job_id: str, *, grace_ms: int, now: ServiceError | None = None) -> bool:
         """End the job with ``deadline_exceeded`` if its deadline passed (plus ``grace_ms`` when it
         is running: its worker ends it first) and it is still unfinished. With ``now`` (the error to
         end it with) it ends at once if unfinished, deadline or not. True when this ended it."""
@@ -278,6 +278,20 @@ class Queue:
             # Plain pub/sub even on a Redis 7 Cluster: the worker listens on whichever node it chose.
             await publish(self.redis, self.keys.worker_control(worker), job_id)
         return status
+
+    async def delete(self, model: str, job_id: str) -> bool:
+        """Forget a job (the Responses API's DELETE). One still unfinished is ended first, fenced,
+        as ``cancelled`` (expire.lua: its followers get that event and end; its worker, told to
+        stop, can write nothing more); then its record and its log are deleted, so every later read
+        is a 404. A queue entry left behind is acked by the worker that reads it (start.lua:
+        missing). False when there was no record."""
+        status = await self.cancel(model, job_id)
+        if status is None:
+            return False
+        if status in ("queued", "running"):
+            await self.expire(model, job_id, grace_ms=0, now=JobCancelled("the response was deleted"))
+        await self.redis.delete(self.keys.job(model, job_id), self.keys.events(model, job_id))
+        return True
 
     # --- worker side --------------------------------------------------------------------------
 

@@ -142,9 +142,10 @@ async def cancel_response(request: Request, svc: Svc, response_id: FromPath[str]
 
 @delete("/v1/responses/{response_id:str}", opt=DIALECT, status_code=200)
 async def delete_response(request: Request, svc: Svc, response_id: FromPath[str]) -> Response:
-    """Cancels the job if it still runs; its record expires as every job's does (LLMQ_RESULT_TTL_S)."""
+    """Ends the job if it still runs and forgets it: a later GET, resume or cancel is a 404."""
     job = await _found(request, svc, response_id)
-    await svc.queue.cancel(job.model, job.id)
+    if not await svc.queue.delete(job.model, job.id):
+        raise JobNotFound(f"Response with id '{response_id}' not found.")
     return json_response(r.Deleted(id=response_id))
 
 

@@ -163,10 +163,34 @@ async def test_cancel_a_background_response(client, stack):
     assert (await until(client, resp.id, {"cancelled"})).status == "cancelled"
 
 
-async def test_delete_answers_the_deletion_object(stack, client):
+async def test_delete_answers_the_deletion_object_and_forgets_the_response(stack, client):
     resp = await client.responses.create(model="tiny", input="eosd", max_output_tokens=2)
     raw = await stack.client.delete(f"/v1/responses/{resp.id}")
     assert raw.status_code == 200 and raw.json() == {"id": resp.id, "object": "response", "deleted": True}
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(resp.id)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.delete(resp.id)
+    assert await stack.redis.keys(f"*{resp.id.removeprefix('resp_')}*") == []
+
+
+async def test_deleting_a_running_response_ends_its_live_stream(client):
+    resp = await client.responses.create(model="tiny", input="slow delete", max_output_tokens=200, background=True)
+    stream = await client.responses.retrieve(resp.id, stream=True)
+    events = []
+
+    async def read() -> None:
+        async for event in stream:
+            events.append(event)
+
+    reader = asyncio.create_task(read())
+    while not any(e.type == "response.output_text.delta" for e in events):
+        await asyncio.sleep(0.01)
+    await client.responses.delete(resp.id)
+    await asyncio.wait_for(reader, 10)  # the follower gets the end, never waits on a forgotten job
+    assert events[-1].type == "response.failed" and events[-1].response.status == "cancelled"
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(resp.id)
 
 
 async def test_error_classes(client, stack):
