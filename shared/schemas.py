@@ -19,6 +19,7 @@ __all__ = [
     "ChatMessage",
     "PromptInfo",
     "OutputOptions",
+    "Reported",
     "GenerationRequest",
     "ChatOptions",
     "Choice",
@@ -105,6 +106,20 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     """Beam search only: scores are divided by ``length ** length_penalty``."""
 
 
+class Reported(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Settings of a request that its answer repeats but no worker uses (OpenAI Responses'): kept
+    with the job, so a response read back later (a poll, a resumed stream) says what the first
+    answer said."""
+
+    instructions: str | None = None
+    metadata: dict[str, str] = {}
+    user: str | None = None
+    format_name: str | None = None
+    """``text.format.name`` of a ``json_schema`` format."""
+    background: bool = False
+    store: bool = True
+
+
 class OutputOptions(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """How the submitting dialect wants the result rendered (also for ``GET /v1/jobs/{id}``)."""
 
@@ -118,6 +133,7 @@ class OutputOptions(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     service_tier: str | None = None
     """The ``service_tier`` the request named (OpenAI's, Anthropic's), as the response reports it
     back; None: it named none (the response then says nothing of a tier where it can)."""
+    reported: Reported | None = None
 
 
 class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -31,7 +31,16 @@ from shared.codec import encode
 from shared.errors import InvalidRequest, ServiceError
 from shared.events import Done, Error, Event
 from shared.framing import KEEPALIVE, Keepalive
-from shared.schemas import ChatMessage, GenerationRequest, JobRecord, JobResult, OutputOptions, SamplingParams, Usage
+from shared.schemas import (
+    ChatMessage,
+    GenerationRequest,
+    JobRecord,
+    JobResult,
+    OutputOptions,
+    Reported,
+    SamplingParams,
+    Usage,
+)
 
 __all__ = [
     "NAME",
@@ -209,10 +218,15 @@ def to_generation_request(body: ResponsesRequest, *, max_model_len: int) -> Gene
         max_tokens=max_model_len - 1 if asked is None else asked,
         structured=_structured(body.text.format if body.text is not None else None),
     )
-    # The tier named is kept with the job, so a response read back later reports it too.
+    # The tier named and the settings the answer repeats are kept with the job, so a response read
+    # back later (a poll, a resumed stream) reports them too.
+    fmt = body.text.format if body.text is not None else None
+    reported = Reported(instructions=body.instructions, metadata=body.metadata or {}, user=body.user,
+                        format_name=fmt.name if fmt is not None and fmt.type == "json_schema" else None,
+                        background=bool(body.background), store=body.store is not False)
     return GenerationRequest(model=body.model or "", messages=_messages(body), sampling=sampling, dialect=NAME,
                              priority=priority_of_tier(body.service_tier),
-                             output=OutputOptions(service_tier=body.service_tier))
+                             output=OutputOptions(service_tier=body.service_tier, reported=reported))
 
 
 # --- what a response echoes -------------------------------------------------------------------
@@ -257,16 +271,20 @@ def echo_of_body(body: ResponsesRequest, model: str) -> Echo:
 
 
 def echo_of_request(req: GenerationRequest, *, background: bool = False) -> Echo:
-    """What a stored job tells of its request: sampling, format, tier. The rest is unknown."""
+    """What a stored job tells of its request: sampling, format, tier, and the settings kept for
+    its answers (:class:`Reported`; a job queued before they were kept has none)."""
+    kept = req.output.reported or Reported(background=background)
     s = req.sampling.structured
     fmt: dict[str, Any] = {"type": "text"}
     if s is not None and s.json_object:
         fmt = {"type": "json_object"}
     elif s is not None and s.json is not None:
-        fmt = {"type": "json_schema", "schema": s.json, "strict": True}
-    return Echo(model=req.model, background=background, max_output_tokens=req.sampling.max_tokens,
-                service_tier=_tier_name(req.output.service_tier), temperature=req.sampling.temperature,
-                top_p=req.sampling.top_p, text_format=fmt)
+        named = {"name": kept.format_name} if kept.format_name is not None else {}
+        fmt = {"type": "json_schema", **named, "schema": s.json, "strict": True}
+    return Echo(model=req.model, background=kept.background, instructions=kept.instructions,
+                max_output_tokens=req.sampling.max_tokens, metadata=dict(kept.metadata),
+                service_tier=_tier_name(req.output.service_tier), store=kept.store,
+                temperature=req.sampling.temperature, top_p=req.sampling.top_p, text_format=fmt, user=kept.user)
 
 
 # --- response objects -------------------------------------------------------------------------

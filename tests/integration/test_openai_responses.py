@@ -335,3 +335,16 @@ async def test_a_repeated_key_of_a_finished_background_response_answers_how_it_e
     again = await client.responses.create(model="tiny", input="eosr", max_output_tokens=2, background=True,
                                           metadata={"m": "1"}, extra_headers={"Idempotency-Key": "resp-key-2"})
     assert (again.id, again.status, again.output_text, again.metadata) == (first.id, "completed", "eo", {"m": "1"})
+
+
+async def test_a_response_read_back_later_says_what_its_first_answer_said(client):
+    fmt = {"type": "json_schema", "name": "ans", "schema": {"type": "object"}, "strict": True}
+    first = await client.responses.create(model="tiny", input="slow kept", instructions="be brief",
+                                          metadata={"team": "a"}, user="u1", max_output_tokens=3,
+                                          background=True, text={"format": fmt})
+    later = await until(client, first.id, {"completed", "incomplete"})
+    for field in ("instructions", "metadata", "user", "background", "store", "max_output_tokens", "service_tier"):
+        assert getattr(later, field) == getattr(first, field), field
+    assert later.text.format.name == first.text.format.name == "ans"
+    resumed = [e async for e in await client.responses.retrieve(first.id, stream=True)]
+    assert resumed[0].response.metadata == {"team": "a"} and resumed[0].response.instructions == "be brief"

@@ -30,6 +30,7 @@ from shared.schemas import (
     JobError,
     JobRecord,
     JobResult,
+    Reported,
     StructuredOutput,
     Usage,
 )
@@ -120,10 +121,22 @@ def test_service_tier_sets_the_priority_level():
         assert g.output.service_tier == tier and r.echo_of_request(g).service_tier == reported
 
 
-def test_accepted_fields_that_change_nothing_in_the_job():
+def test_accepted_fields_that_change_nothing_the_worker_runs():
     g = req(metadata={"a": "b"}, store=False, user="u", stream=True, background=False, tool_choice="none",
             parallel_tool_calls=True, reasoning={"effort": None}, truncation="disabled", include=[], tools=[])
-    assert g == req()
+    plain = req()
+    # Only what the answers repeat differs: kept with the job for a later read.
+    assert g.output.reported == Reported(metadata={"a": "b"}, user="u", store=False)
+    assert msgspec.structs.replace(g, output=plain.output) == plain
+
+
+def test_a_stored_job_reports_what_its_first_answer_did():
+    fmt = {"type": "json_schema", "name": "ans", "schema": {"type": "object"}, "strict": True}
+    fields = dict(model="m", instructions="be brief", metadata={"k": "v"}, user="u1", background=True,
+                  text={"format": fmt}, max_output_tokens=9, service_tier="flex")
+    g = req(**fields)
+    stored = decode_request(encode(g))  # as a worker and a later poll read it back
+    assert r.echo_of_request(stored) == r.echo_of_body(body(**fields), "m")
 
 
 @pytest.mark.parametrize(("fields", "param"), [
