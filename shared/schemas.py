@@ -118,6 +118,7 @@ class Reported(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """``text.format.name`` of a ``json_schema`` format."""
     background: bool = False
     store: bool = True
+    previous_response_id: str | None = None
 
 
 class OutputOptions(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

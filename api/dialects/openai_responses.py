@@ -19,7 +19,7 @@ Fields that the job record does not keep (``metadata``, ``instructions``, ``user
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -51,6 +51,7 @@ __all__ = [
     "to_generation_request",
     "echo_of_body",
     "echo_of_request",
+    "history_of",
     "render_response",
     "render_result",
     "render_finished",
@@ -149,8 +150,6 @@ def _refusals(b: ResponsesRequest) -> None:
             "reason with an effort setting", "reasoning.effort")
     summary = b.reasoning is not None and (b.reasoning.summary or b.reasoning.generate_summary)
     _refuse(bool(summary), "reasoning summaries are not supported by this model", "reasoning.summary")
-    _refuse(b.previous_response_id is not None, "previous_response_id is not supported yet by this server: send "
-            "the whole conversation in `input`", "previous_response_id")
     _refuse(b.conversation is not None, "conversation is not supported by this server", "conversation")
     _refuse(b.prompt is not None, "prompt templates (`prompt`) are not supported by this server", "prompt")
     _refuse(bool(b.top_logprobs), "top_logprobs is not supported by this server", "top_logprobs")
@@ -177,8 +176,11 @@ def _content(item: InputItem, i: int) -> str:
     return "\n".join(texts)
 
 
-def _messages(b: ResponsesRequest) -> list[ChatMessage]:
+def _messages(b: ResponsesRequest, history: Sequence[ChatMessage] = ()) -> list[ChatMessage]:
+    # This request's instructions first (a previous response's never carry over, as OpenAI's
+    # rule is), then the conversation so far, then this input.
     out = [ChatMessage(role="system", content=b.instructions)] if b.instructions is not None else []
+    out += history
     _refuse(b.input is None, "input is required", "input")
     if isinstance(b.input, str):
         return [*out, ChatMessage(role="user", content=b.input)]
@@ -206,8 +208,22 @@ def _structured(fmt: TextFormat | None):
     return structured_output(None, ResponseFormat(type="json_schema", json_schema=schema))
 
 
-def to_generation_request(body: ResponsesRequest, *, max_model_len: int) -> GenerationRequest:
-    """A null ``max_output_tokens`` means "up to the context", as chat's null ``max_tokens``."""
+def history_of(previous: GenerationRequest, result: JobResult) -> list[ChatMessage]:
+    """The conversation a response continues from (``previous_response_id``): the previous one's
+    input without its own instructions, then its output as the assistant's turn."""
+    messages = list(previous.messages or ())
+    kept = previous.output.reported
+    if kept is not None and kept.instructions is not None and messages and messages[0].role == "system" \
+            and messages[0].content == kept.instructions:
+        messages = messages[1:]
+    text = result.choices[0].text if result.choices else ""
+    return [*messages, ChatMessage(role="assistant", content=text)]
+
+
+def to_generation_request(body: ResponsesRequest, *, max_model_len: int,
+                          history: Sequence[ChatMessage] = ()) -> GenerationRequest:
+    """A null ``max_output_tokens`` means "up to the context", as chat's null ``max_tokens``.
+    ``history``: the conversation of ``previous_response_id`` (:func:`history_of`)."""
     _refusals(body)
     asked = body.max_output_tokens
     _refuse(asked is not None and asked >= max_model_len, f"max_output_tokens must be below this model's context "
@@ -223,8 +239,9 @@ def to_generation_request(body: ResponsesRequest, *, max_model_len: int) -> Gene
     fmt = body.text.format if body.text is not None else None
     reported = Reported(instructions=body.instructions, metadata=body.metadata or {}, user=body.user,
                         format_name=fmt.name if fmt is not None and fmt.type == "json_schema" else None,
-                        background=bool(body.background), store=body.store is not False)
-    return GenerationRequest(model=body.model or "", messages=_messages(body), sampling=sampling, dialect=NAME,
+                        background=bool(body.background), store=body.store is not False,
+                        previous_response_id=body.previous_response_id)
+    return GenerationRequest(model=body.model or "", messages=_messages(body, history), sampling=sampling, dialect=NAME,
                              priority=priority_of_tier(body.service_tier),
                              output=OutputOptions(service_tier=body.service_tier, reported=reported))
 
@@ -246,6 +263,7 @@ class Echo(msgspec.Struct, kw_only=True):
     top_p: float = 1.0
     text_format: dict[str, Any] = msgspec.field(default_factory=lambda: {"type": "text"})
     user: str | None = None
+    previous_response_id: str | None = None
 
 
 def _tier_name(tier: str | None) -> str:
@@ -267,6 +285,7 @@ def echo_of_body(body: ResponsesRequest, model: str) -> Echo:
         top_p=1.0 if body.top_p is None else body.top_p,
         text_format=msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"},
         user=body.user,
+        previous_response_id=body.previous_response_id,
     )
 
 
@@ -284,7 +303,8 @@ def echo_of_request(req: GenerationRequest, *, background: bool = False) -> Echo
     return Echo(model=req.model, background=kept.background, instructions=kept.instructions,
                 max_output_tokens=req.sampling.max_tokens, metadata=dict(kept.metadata),
                 service_tier=_tier_name(req.output.service_tier), store=kept.store,
-                temperature=req.sampling.temperature, top_p=req.sampling.top_p, text_format=fmt, user=kept.user)
+                temperature=req.sampling.temperature, top_p=req.sampling.top_p, text_format=fmt, user=kept.user,
+                previous_response_id=kept.previous_response_id)
 
 
 # --- response objects -------------------------------------------------------------------------
@@ -356,7 +376,7 @@ class Response(msgspec.Struct, kw_only=True):
     model: str
     output: list[OutputMessage]
     parallel_tool_calls: bool = False  # no tools here: never any tool call, parallel or not
-    previous_response_id: None = None
+    previous_response_id: str | None = None
     reasoning: Reasoning = msgspec.field(default_factory=Reasoning)
     service_tier: str
     store: bool
@@ -410,7 +430,7 @@ def render_response(echo: Echo, job_id: str, created: int, status: Status, *, te
         instructions=echo.instructions, max_output_tokens=echo.max_output_tokens, model=echo.model, output=output,
         service_tier=echo.service_tier, store=echo.store, temperature=echo.temperature,
         text=Text(format=echo.text_format), top_p=echo.top_p, usage=usage_of(usage) if usage is not None else None,
-        user=echo.user, metadata=echo.metadata,
+        user=echo.user, metadata=echo.metadata, previous_response_id=echo.previous_response_id,
     )
 
 

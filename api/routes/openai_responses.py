@@ -26,7 +26,7 @@ from shared.errors import InvalidRequest, JobNotFound
 from shared.events import Event
 from shared.framing import Keepalive
 from shared.queue import now_ms
-from shared.schemas import TERMINAL_STATUSES, GenerationRequest, JobRecord
+from shared.schemas import TERMINAL_STATUSES, ChatMessage, GenerationRequest, JobRecord
 
 __all__ = ["ROUTES"]
 
@@ -37,7 +37,8 @@ DIALECT = {"dialect": r.NAME}
 @post("/v1/responses", opt=DIALECT, status_code=200)
 async def create_response(request: Request, svc: Svc, ctx: Ctx) -> Response | Stream:
     body = await decode_body(request, r.ResponsesRequest)
-    req = r.to_generation_request(body, max_model_len=svc.settings.max_model_len)
+    history = await _history(request, svc, body.previous_response_id) if body.previous_response_id else []
+    req = r.to_generation_request(body, max_model_len=svc.settings.max_model_len, history=history)
     if ctx.respond_async:
         return await accepted(svc, ctx, req)
     if body.background:
@@ -84,6 +85,26 @@ async def _found(request: Request, svc: Svc, response_id: str) -> JobRef:
     except JobNotFound:
         raise JobNotFound(f"Response with id '{response_id}' not found.") from None
     return job
+
+
+async def _history(request: Request, svc: Svc, previous_id: str) -> list[ChatMessage]:
+    """The conversation ``previous_response_id`` continues: that response's stored input and
+    output, while its job is kept (LLMQ_RESULT_TTL_S) and it was stored (``store``)."""
+    try:
+        job = await _found(request, svc, previous_id)
+    except JobNotFound:
+        raise JobNotFound(f"Previous response with id '{previous_id}' not found (gone after LLMQ_RESULT_TTL_S, "
+                          "or never stored).", param="previous_response_id") from None
+    record = job.found
+    assert isinstance(record, JobRecord)
+    kept = record.request.output.reported
+    if kept is not None and not kept.store:  # as OpenAI: a response made with store: false is not kept
+        raise JobNotFound(f"Previous response with id '{previous_id}' not found: it was made with "
+                          "store: false.", param="previous_response_id")
+    if record.status != "done" or record.result is None:
+        raise InvalidRequest(f"Previous response with id '{previous_id}' has not completed (it is "
+                             f"{r.render_record(record).status}).", param="previous_response_id")
+    return r.history_of(record.request, record.result)
 
 
 async def _iterate(events: list[Event]) -> AsyncIterator[Event | Keepalive]:

@@ -62,3 +62,14 @@ def test_json_schema_output_validates(client, stack):
             jsonschema.validate(json.loads(resp.output_text), ANSWER)
             finished += 1
     assert finished >= 1, "no json_schema output finished within max_output_tokens"
+
+
+def test_previous_response_id_puts_the_first_turn_in_the_second_turns_prompt(client, stack):
+    first = client.responses.create(model=stack.model, input="Name a colour.", temperature=0, max_output_tokens=8)
+    second = client.responses.create(model=stack.model, input="And another?", temperature=0, max_output_tokens=8,
+                                     previous_response_id=first.id)
+    assert second.previous_response_id == first.id and second.status in ("completed", "incomplete")
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    items = client.responses.input_items.list(second.id)
+    assert [(i.role, i.content[0].text) for i in reversed(items.data)] == [
+        ("user", "Name a colour."), ("assistant", first.output_text), ("user", "And another?")]

@@ -198,8 +198,9 @@ async def test_error_classes(client, stack):
         await client.responses.create(model="tiny", input="x", tools=[{"type": "function", "name": "f",
                                                                          "parameters": {}, "strict": True}])
     assert info.value.body["param"] == "tools" and info.value.body["type"] == "invalid_request_error"
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.NotFoundError) as gone:
         await client.responses.create(model="tiny", input="x", previous_response_id="resp_x")
+    assert gone.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.BadRequestError):
         await client.responses.create(model="tiny", input=[{"role": "user", "content": [
             {"type": "input_image", "image_url": "http://x/y.png"}]}])
@@ -348,3 +349,32 @@ async def test_a_response_read_back_later_says_what_its_first_answer_said(client
     assert later.text.format.name == first.text.format.name == "ans"
     resumed = [e async for e in await client.responses.retrieve(first.id, stream=True)]
     assert resumed[0].response.metadata == {"team": "a"} and resumed[0].response.instructions == "be brief"
+
+
+async def test_previous_response_id_continues_the_conversation(client, stack):
+    first = await client.responses.create(model="tiny", input="abc", instructions="old rules", max_output_tokens=4)
+    second = await client.responses.create(model="tiny", input="next", previous_response_id=first.id,
+                                           max_output_tokens=3)
+    assert second.previous_response_id == first.id and second.output_text == expected_text("next", 3)
+    # The second turn's prompt holds the first turn's input and output, not its instructions.
+    items = await client.responses.input_items.list(second.id)
+    assert [(i.role, i.content[0].text) for i in reversed(items.data)] == [
+        ("user", "abc"), ("assistant", first.output_text), ("user", "next")]
+    third = await client.responses.create(model="tiny", input="more", previous_response_id=second.id,
+                                          max_output_tokens=2)
+    items = await client.responses.input_items.list(third.id)
+    assert [i.content[0].text for i in reversed(items.data)] == [
+        "abc", first.output_text, "next", second.output_text, "more"]
+    assert (await client.responses.retrieve(third.id)).previous_response_id == second.id
+
+
+async def test_a_chain_onto_an_unstored_or_unfinished_response_is_refused(client):
+    unstored = await client.responses.create(model="tiny", input="abc", store=False, max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError) as info:
+        await client.responses.create(model="tiny", input="x", previous_response_id=unstored.id)
+    assert "store: false" in info.value.message
+    running = await client.responses.create(model="tiny", input="slow chain", max_output_tokens=50, background=True)
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.responses.create(model="tiny", input="x", previous_response_id=running.id)
+    assert info.value.body["param"] == "previous_response_id"
+    await client.responses.cancel(running.id)

@@ -145,7 +145,6 @@ def test_a_stored_job_reports_what_its_first_answer_did():
     ({"tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
     ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"top_logprobs": 2}, "top_logprobs"),
@@ -175,8 +174,15 @@ def test_refusals_name_their_param(fields, param):
         "message": exc.message, "type": "invalid_request_error", "param": param, "code": "invalid_request"}}
 
 
-def test_previous_response_id_says_it_is_not_supported_yet():
-    assert "not supported yet" in refused(previous_response_id="resp_1").message
+def test_a_chained_request_has_the_previous_conversation_without_its_instructions():
+    first = req(instructions="old rules", input=[{"role": "user", "content": "abc"}])
+    history = r.history_of(first, JobResult(choices=[Choice(index=0, text="xyz")]))
+    assert history == [ChatMessage(role="user", content="abc"), ChatMessage(role="assistant", content="xyz")]
+    second = r.to_generation_request(body(input="next", instructions="new rules", previous_response_id="resp_1"),
+                                     max_model_len=MAX_LEN, history=history)
+    assert second.messages == [ChatMessage(role="system", content="new rules"), *history,
+                               ChatMessage(role="user", content="next")]
+    assert r.echo_of_request(second).previous_response_id == "resp_1"
 
 
 @pytest.mark.parametrize("raw", [{"temperature": 3}, {"top_p": 0}, {"max_output_tokens": 0}, {"input": 5},
