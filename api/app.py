@@ -26,6 +26,7 @@ from api.routes import (
     openai_responses,
     tgi,
     triton,
+    usage,
 )
 from api.services import Services, lifespan
 from shared.config import Settings, load_settings
@@ -54,6 +55,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
             jobs.get_job,
             jobs.cancel_job,
             jobs.job_events,
+            usage.usage,
             health.ping,
             health.livez,
             health.readyz,

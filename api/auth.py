@@ -12,13 +12,13 @@ owner of a job named in the URL.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
 from shared.errors import Unauthorized
+from shared.tenants import key_hash
 
 __all__ = ["OPEN_PATHS", "owner_of", "presented_key", "parse_keys", "KeyGuard"]
 
@@ -32,8 +32,9 @@ OPEN_PATHS = frozenset({
 })
 
 def owner_of(key: str) -> str:
-    """What a job record stores: never the key itself, so a Redis dump leaks no credentials."""
-    return hashlib.sha256(key.encode()).hexdigest()[:32]
+    """What a job record stores: never the key itself, so a Redis dump leaks no credentials. The
+    same hash names the key's tenant."""
+    return key_hash(key)
 
 
 def parse_keys(setting: str) -> tuple[str, ...]:

@@ -30,6 +30,7 @@ from api.watches import JobWatch
 from shared.errors import InvalidRequest, JobNotFound
 from shared.keys import TAG_CHARS, model_tag
 from shared.schemas import GROUP_PREFIX, JobGroup, JobRecord
+from shared.tenants import DEFAULT_TENANT, valid_tenant
 
 __all__ = ["RequestContext", "Ctx", "JobRef", "Job", "request_context", "job_ref", "TIMEOUT_HEADER",
            "PRIORITY_HEADER", "WATCHES", "owner_of_request"]
@@ -50,6 +51,9 @@ class RequestContext:
     """Which dialect's error shape the route answers in (its ``opt["dialect"]``)."""
     owner: str = ""
     """The API key's hash ("" with keys off): stored on every job it queues."""
+    tenant: str = DEFAULT_TENANT
+    """Whose fair share, quotas and usage its jobs count toward (shared/tenants.py): the
+    ``LLMQ_TENANT_HEADER`` header's value when that is set, else ``owner``, else ``default``."""
     timeout_s: float | None = None
     """``X-LLMQ-Timeout``: the deadline when the body sets none."""
     priority: int | None = None
@@ -81,6 +85,16 @@ def owner_of_request(svc: Services, headers: Headers) -> str:
     return owner_of(key) if key else ""
 
 
+def _tenant(svc: Services, headers: Headers, owner: str) -> tuple[str, InvalidRequest | None]:
+    header = svc.settings.tenant_header
+    if header and (named := headers.get(header)) is not None:
+        if not valid_tenant(named):
+            return owner or DEFAULT_TENANT, InvalidRequest(
+                f"{header} must be 1-64 characters of A-Z, a-z, 0-9, '.', '_', '@' or '-'", param=header)
+        return named, None
+    return owner or DEFAULT_TENANT, None
+
+
 def _parse_options(headers: Headers) -> tuple[float | None, int | None, InvalidRequest | None]:
     timeout = priority = None
     if (raw := headers.get(TIMEOUT_HEADER)) is not None:
@@ -102,13 +116,16 @@ def request_context(scope: Scope, svc: Svc) -> RequestContext:
     dialect = _dialect(scope)
     structlog.contextvars.bind_contextvars(dialect=dialect)
     timeout_s, priority, bad_option = _parse_options(headers)
+    owner = owner_of_request(svc, headers)
+    tenant, bad_tenant = _tenant(svc, headers, owner)
     prefer = headers.get("prefer", "")
     return RequestContext(
         dialect=dialect,
-        owner=owner_of_request(svc, headers),
+        owner=owner,
+        tenant=tenant,
         timeout_s=timeout_s,
         priority=priority,
-        bad_option=bad_option,
+        bad_option=bad_option or bad_tenant,
         idempotency_key=headers.get("idempotency-key") or None,
         respond_async=any(token.strip().lower() == "respond-async" for token in prefer.split(",")),
         watches=scope.get(WATCHES),  # type: ignore[typeddict-item]

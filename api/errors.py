@@ -17,7 +17,7 @@ from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 
 from api import dialects
 from shared.codec import encode
-from shared.errors import PayloadTooLarge, QueueUnavailable, ServiceError
+from shared.errors import PayloadTooLarge, QueueUnavailable, RateLimited, ServiceError
 from shared.redis import REDIS_DOWN
 
 __all__ = ["exception_handlers", "answered_in", "InDialect"]
@@ -75,7 +75,8 @@ def handle(request: Request, exc: Exception) -> Response:
         services.errors[(status, err.code)] = services.errors.get((status, err.code), 0) + 1
     headers = None
     if status in (429, 503, 529):  # 529: Anthropic's overloaded_error, its full queue
-        headers = {"Retry-After": "1"}
+        # A tenant's own limit says when it will have room again; anything else: soon.
+        headers = {"Retry-After": str(err.retry_after_s if isinstance(err, RateLimited) else 1)}
     elif status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
     return Response(encode(body), status_code=status, media_type="application/json", headers=headers)

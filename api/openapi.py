@@ -31,6 +31,7 @@ from api.dialects import openai_responses as responses
 from api.fanout import GroupView
 from api.http import Accepted
 from api.routes.health import Liveness, Ping, Readiness
+from api.routes.usage import UsagePage
 from api.services import Svc
 from shared.batches import BatchCreate, BatchList, BatchObject, FileDeleted, FileList, FileObject
 from shared.codec import encode
@@ -214,6 +215,8 @@ OPERATIONS: tuple[Operation, ...] = (
         answer=JobView | GroupView, error=jobs.ErrorBody),
     _op("get", "/v1/jobs/{job_id}/events", "A job's events as SSE, resumable", "jobs", ok={200: (SSE,)},
         errors=(400, 404, 503), headers=("Last-Event-ID",), query=("after",), error=jobs.ErrorBody),
+    _op("get", "/v1/usage", "The caller's own usage by UTC day and model", "jobs", errors=(400, 503),
+        query=("days",), answer=UsagePage, error=jobs.ErrorBody),
     # OpenAI Files and Batches: offline batch files, run by the housekeeping process
     _op("post", "/v1/files", "Upload a batch input file (JSONL; purpose=batch)", "batches", body="file_upload",
         body_media="multipart/form-data", errors=(400, 503), answer=FileObject, error=_OPENAI_ERR),

@@ -22,6 +22,7 @@ from shared.config import Settings
 from shared.keys import Keys
 from shared.queue import Queue
 from shared.redis import connect
+from shared.tenants import ConfigCache
 
 __all__ = ["Services", "Svc", "lifespan"]
 
@@ -35,6 +36,8 @@ class Services:
     models: ModelRegistry
     tokenizer: Tokenizer
     """The served model's tokenizer (TGI's /tokenize and truncate, special-token ids), loaded on first use."""
+    tenants: ConfigCache
+    """Tenants' weights and limits, as operators set them in Redis (shared/tenants.py)."""
     instance: str = "0"
     """This API process's id: its home channel and relay channels (Keys.relay) carry it."""
     keys_on: bool = False
@@ -76,10 +79,12 @@ async def lifespan(app: Litestar) -> AsyncIterator[None]:
     services = Services(
         settings=settings,
         keys=keys,
-        queue=Queue(redis, keys, result_ttl_s=settings.result_ttl_s, idempotency_ttl_s=settings.idempotency_ttl_s),
+        queue=Queue(redis, keys, result_ttl_s=settings.result_ttl_s, idempotency_ttl_s=settings.idempotency_ttl_s,
+                    usage_days=settings.usage_days),
         listener=listener,
         models=ModelRegistry(redis, keys, settings.model_name, settings.extra_models),
         tokenizer=Tokenizer(settings.model_path),
+        tenants=ConfigCache(redis, keys),
         keys_on=bool(parse_keys(settings.api_keys)),
         instance=instance,
     )

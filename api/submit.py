@@ -88,7 +88,7 @@ async def admit(svc: Services, ctx: RequestContext, req: GenerationRequest) -> G
 def _record(svc: Services, ctx: RequestContext, req: GenerationRequest) -> JobRecord:
     if req.webhook and not svc.settings.webhook_secret:
         raise InvalidRequest("webhooks are not configured on this server (LLMQ_WEBHOOK_SECRET)", param="webhook")
-    record = JobRecord.new(req, owner=ctx.owner, default_timeout_s=svc.settings.deadline_s)
+    record = JobRecord.new(req, owner=ctx.owner, default_timeout_s=svc.settings.deadline_s, tenant=ctx.tenant)
     if svc.settings.log_requests:  # LLMQ_LOG_REQUESTS: the only log line that holds a prompt, at debug
         log.debug("job_request", job_id=record.id, model=record.model, request=req)
     return record
@@ -113,7 +113,8 @@ async def enqueue_detached(svc: Services, ctx: RequestContext, req: GenerationRe
     """Fire-and-poll: queue the job without following it; returns the owning job id. Not watched:
     the job outlives the request that queued it."""
     record = _record(svc, ctx, await admit(svc, ctx, req))
-    return await svc.queue.enqueue(record, _scoped_key(ctx, part, parts), max_queued=svc.settings.max_queued)
+    return await svc.queue.enqueue(record, _scoped_key(ctx, part, parts), max_queued=svc.settings.max_queued,
+                                   tenant=await svc.tenants.get(ctx.tenant))
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +199,7 @@ async def submit(svc: Services, ctx: RequestContext, req: GenerationRequest, *, 
         backfill = not svc.listener.in_effect(channel)
         live = Live(model, record.id, stack, messages)
         job_id = await svc.queue.enqueue(record, _scoped_key(ctx, part, parts), max_queued=svc.settings.max_queued,
-                                         relay=channel)
+                                         relay=channel, tenant=await svc.tenants.get(ctx.tenant))
         await svc.listener.confirmed(channel)
         if job_id != record.id:
             # A repeated Idempotency-Key: follow the earlier job from its first event. That job

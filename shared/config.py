@@ -194,6 +194,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     api_keys: str = ""
     """LLMQ_API_KEYS: comma-separated API keys. Set: every route needs `Authorization: Bearer <key>` or
     `x-api-key: <key>` (LMTP: at the upgrade), except the health probes, /metrics and /openapi.json."""
+    tenant_header: str = ""
+    """LLMQ_TENANT_HEADER: a header naming the request's tenant (its fair share, quotas and usage), set
+    by a trusted gateway in front of llmq; unset: the header is ignored, and a request's tenant is its
+    API key (a hash of it), or ``default`` without one. Values: 1-64 of ``A-Za-z0-9._@-``."""
+    usage_days: int = 400
+    """LLMQ_USAGE_DAYS: how long each day's per-tenant usage stays in Redis (``GET /v1/usage``)."""
     deadline_s: float = 0.0
     """LLMQ_DEADLINE_S: default seconds a request may take from enqueue to its last token (0: no
     deadline). Per request: the `X-LLMQ-Timeout` header (seconds) or `timeout_s` in /v1/jobs."""

@@ -23,6 +23,7 @@ __all__ = [
     "LeaseLost",
     "Unauthorized",
     "Overloaded",
+    "RateLimited",
     "PayloadTooLarge",
     "DeadlineExceeded",
     "error_from_code",
@@ -122,6 +123,18 @@ class Overloaded(ServiceError):
     code = "overloaded"
 
 
+class RateLimited(ServiceError):
+    """The tenant is past one of its own limits (shared/tenants.py): refused with 429 and a
+    Retry-After from the tenant's own figures."""
+
+    status = 429
+    code = "rate_limited"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.retry_after_s = retry_after_s
+
+
 class PayloadTooLarge(ServiceError):
     status = 413
     code = "payload_too_large"
@@ -145,5 +158,5 @@ def error_from_code(code: str, message: str, status: int) -> ServiceError:
 
 
 _ALL = (InvalidRequest, ModelNotFound, JobNotFound, QueueUnavailable, GenerationFailed,
-        EngineDead, JobCancelled, DeadLetter, WorkerLost, Unauthorized, Overloaded, PayloadTooLarge,
+        EngineDead, JobCancelled, DeadLetter, WorkerLost, Unauthorized, Overloaded, RateLimited, PayloadTooLarge,
         DeadlineExceeded)

@@ -4,10 +4,10 @@
 sweep and :meth:`shared.queue.Queue.depth` all read the queue through :func:`read_queue`; each
 uses the figures it needs. It only reads, so it is safe against a live deployment.
 
-A stream's length is the number of unfinished jobs on its level: a finished job's entry is
-deleted (flush.lua, ack.lua). The consumer group's pending entries are the delivered ones, so
-the rest of the length waits for a worker. That difference is also what the group's ``lag``
-would say, but it is computed here rather than read from XINFO GROUPS: Redis 6.2 has no ``lag``.
+A level's jobs are in two streams: the waiting stream holds those waiting for their tenant's turn
+(the fair-share pick moves each to the queue stream), and the queue stream those picked, until
+they end (a finished job's entry is deleted: flush.lua, ack.lua). Together they are the level's
+unfinished jobs. The consumer group's pending entries are the delivered ones, so the rest waits.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class LevelReading(msgspec.Struct, frozen=True, kw_only=True):
     stream: str
     exists: bool
     length: int
-    """Entries in the stream: every unfinished job on the level."""
+    """Entries in both streams: every unfinished job on the level."""
     pending: int
     """Delivered and unfinished: the group's pending entries (0 without a group yet)."""
     oldest_ms: int | None
@@ -95,7 +95,9 @@ async def read_queue(redis: Redis, keys: Keys, model: str, *, now_ms: float,
     (and, with ``lease_ms``, its lapsed leases and consumers); the dead letters; the ready workers."""
     streams = keys.queues(model)
     pipe = redis.pipeline(transaction=False)
-    for stream in streams:
+    for stream, waiting in zip(streams, keys.waitings(model), strict=True):
+        pipe.xlen(waiting)
+        pipe.xrange(waiting, count=1)
         pipe.exists(stream)
         pipe.xlen(stream)
         pipe.xrange(stream, count=1)
@@ -108,14 +110,16 @@ async def read_queue(redis: Redis, keys: Keys, model: str, *, now_ms: float,
     replies = iter(await pipe.execute(raise_on_error=False))
     levels = []
     for level, stream in enumerate(streams):
+        held, first_held = _plain(next(replies)), _plain(next(replies))
         exists, length, first = _plain(next(replies)), _plain(next(replies)), _plain(next(replies))
+        oldest = min((_id_ms(f[0][0]) for f in (first, first_held) if f), default=None)
         pending = _of_group(next(replies), {"pending": 0})["pending"]
         orphans, consumers = [], []
         if lease_ms is not None:
             orphans, consumers = _of_group(next(replies), []), _of_group(next(replies), [])
         levels.append(LevelReading(
-            level=level, stream=stream, exists=bool(exists), length=length, pending=pending,
-            oldest_ms=_id_ms(first[0][0]) if first else None, orphaned=len(orphans),
+            level=level, stream=stream, exists=bool(exists or held), length=length + held, pending=pending,
+            oldest_ms=oldest, orphaned=len(orphans),
             oldest_orphan_ms=max((o["time_since_delivered"] for o in orphans), default=0),
             consumers=tuple(Consumer(name=c["name"].decode(), pending=c["pending"], idle_ms=c["idle"])
                             for c in consumers),

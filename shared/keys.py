@@ -55,6 +55,62 @@ class Keys:
         """Every level's queue, in reading order (most urgent first)."""
         return [self.queue(model, level) for level in range(LEVELS)]
 
+    def waiting(self, model: str, level: int = 0) -> str:
+        """Stream: one entry (``job``, ``tenant``) per job waiting its turn on a level, in arrival
+        order; read by no group. Which waiting job runs next is the fair-share pick's choice
+        (read.lua), which moves it to :meth:`queue`. XLEN is the level's backlog."""
+        return f"{self._model(model)}:waiting" + (f":{level}" if level else "")
+
+    def waitings(self, model: str) -> list[str]:
+        return [self.waiting(model, level) for level in range(LEVELS)]
+
+    def fair(self, model: str, level: int = 0) -> str:
+        """Sorted set: tenant -> its virtual token counter, for each tenant with jobs waiting on a
+        level and room to run one (under its ``max_running``); the pick takes the lowest."""
+        return f"{self._model(model)}:fair" + (f":{level}" if level else "")
+
+    def fairs(self, model: str) -> list[str]:
+        return [self.fair(model, level) for level in range(LEVELS)]
+
+    def fair_clock(self, model: str) -> str:
+        """Hash: level -> the counter of the tenant picked last there; a tenant that starts
+        waiting on an idle level is lifted to it, so idle time banks no credit."""
+        return f"{self._model(model)}:fair:clock"
+
+    def tenant(self, model: str, tenant: str) -> str:
+        """Hash: one tenant's fair-share state on one model: ``vtc`` (tokens served / weight, plus
+        the estimates of running jobs), ``weight`` and ``max_running`` (as its latest request was
+        admitted with). The scripts append the suffixes of the keys below to it: a tenant id is
+        only known inside them, from a waiting entry or a job record."""
+        return f"{self._model(model)}:tenant:{tenant}"
+
+    def tenant_waiting(self, model: str, tenant: str, level: int = 0) -> str:
+        """List: the tenant's waiting jobs on a level, oldest first, as ``<waiting entry id> <job id>``."""
+        return self.tenant(model, tenant) + ":waiting" + (f":{level}" if level else "")
+
+    def tenant_running(self, model: str, tenant: str) -> str:
+        """Set: the ids of the tenant's jobs picked and not yet ended (running, or about to)."""
+        return self.tenant(model, tenant) + ":running"
+
+    def tenant_tokens(self, model: str, tenant: str) -> str:
+        """Hash with TTL: epoch second -> tokens of the tenant's jobs that ended in it; the last
+        60 s are its tokens-per-minute window."""
+        return self.tenant(model, tenant) + ":tokens"
+
+    def tokens(self, model: str) -> str:
+        """Hash with TTL: epoch second -> tokens of every tenant's jobs that ended in it (the
+        denominator of a tenant's share of the last minute)."""
+        return f"{self._model(model)}:tokens"
+
+    def tenants(self, model: str) -> str:
+        """Sorted set: tenant -> when it first queued a job on the model (epoch ms)."""
+        return f"{self._model(model)}:tenants"
+
+    def usage(self, model: str, day: str | None = None) -> str:
+        """Hash: ``<tenant>:<requests|prompt_tokens|generated_tokens|engine_ms>`` -> count, for one
+        UTC day (``YYYY-MM-DD``, kept LLMQ_USAGE_DAYS) or, with no day, since the start."""
+        return f"{self._model(model)}:usage" + (f":{day}" if day else "")
+
     def job(self, model: str, job_id: str) -> str:
         """Hash: the job record (status, request, timestamps, worker, attempt, result, error)."""
         return f"{self._model(model)}:job:{job_id}"
@@ -138,6 +194,15 @@ class Keys:
     def worker_control(self, worker_id: str) -> str:
         """Pub/sub channel: job ids the worker must abort (cancellation travels through Redis)."""
         return f"{self.prefix}:worker:{worker_id}:control"
+
+    def tenant_config(self, tenant: str) -> str:
+        """Hash: an operator's settings for one tenant (``weight``, ``max_running``, ``max_queued``,
+        ``tokens_per_minute``), on every model; tenant ``*`` holds the defaults (shared/tenants.py)."""
+        return f"{self.prefix}:tenant:{tenant}"
+
+    def tenant_configs(self) -> str:
+        """SCAN pattern matching every tenant's settings."""
+        return f"{self.prefix}:tenant:*"
 
     # --- batch files (OpenAI Batch API shape); each batch's keys share its own hash tag ---------
 

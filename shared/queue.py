@@ -25,10 +25,11 @@ from redis.exceptions import ResponseError
 from shared import eventlog
 from shared.cluster import node_client, publish, sharded_pubsub, subscribers
 from shared.codec import decode_event, decode_request, encode, job_from_hash, job_to_hash
-from shared.errors import DeadlineExceeded, JobCancelled, Overloaded, ServiceError
+from shared.errors import DeadlineExceeded, JobCancelled, Overloaded, RateLimited, ServiceError
 from shared.events import Done, Error, Event, Tokens
 from shared.keys import GROUP, LEVELS, Keys
-from shared.schemas import GenerationRequest, JobError, JobGroup, JobRecord, JobResult
+from shared.schemas import GenerationRequest, JobError, JobGroup, JobRecord, JobResult, Usage, estimate_tokens
+from shared.tenants import DEFAULT_TENANT, TenantConfig, today
 
 __all__ = ["lua", "Queue", "Delivery", "Outbound", "Held", "now_ms", "level_of"]
 
@@ -72,8 +73,13 @@ async def _unless(stop: asyncio.Event, call: Callable[[], Awaitable[T]]) -> T | 
 
 @functools.cache
 def lua(name: str) -> str:
-    """The text of one of the scripts in shared/lua (read once per process)."""
-    return resources.files("shared").joinpath("lua", name).read_text()
+    """The text of one of the scripts in shared/lua (read once per process). The scripts that
+    queue, pick or end a job act on tenants' fair share too: they get tenants.lua's functions
+    first (Redis scripts cannot include one another)."""
+    text = resources.files("shared").joinpath("lua", name).read_text()
+    if name != "tenants.lua" and "Fair." in text:
+        text = lua("tenants.lua") + "\n" + text
+    return text
 
 
 def _sharded(source: str) -> str:
@@ -119,6 +125,9 @@ class Outbound:
     dead: bool = False  # terminal only: also record the job in the dead-letter stream
     prompt_ids: list[int] | None = None  # stored with the event so a successor can continue
     level: int = 0  # terminal only: the level stream that holds ``entry_id``
+    usage: Usage | None = None
+    """Terminal only: what the job used, when no ``result`` says so (it failed or never ran);
+    None: not known. Its tenant's fair share and usage are charged it."""
     log: bytes | None = None
     """Terminal only: the job's whole event log, this event included, in compact form
     (shared/eventlog.py), to replace the per-event stream once the job has ended; None keeps
@@ -136,11 +145,13 @@ class Held:
 
 
 class Queue:
-    def __init__(self, redis: Redis, keys: Keys, *, result_ttl_s: int = 3600, idempotency_ttl_s: int = 86400):
+    def __init__(self, redis: Redis, keys: Keys, *, result_ttl_s: int = 3600, idempotency_ttl_s: int = 86400,
+                 usage_days: int = 400):
         self.redis = redis
         self.keys = keys
         self.result_ttl_s = result_ttl_s
         self.idempotency_ttl_s = idempotency_ttl_s
+        self.usage_ttl_s = usage_days * 86400
         self._enqueue = redis.register_script(lua("enqueue.lua"))
         self._start = redis.register_script(lua("start.lua"))
         self._flush = redis.register_script(lua("flush.lua"))
@@ -224,26 +235,51 @@ class Queue:
     # --- API side -----------------------------------------------------------------------------
 
     async def enqueue(self, record: JobRecord, idempotency_key: str | None = None, *,
-                      max_queued: int = 2**62, relay: str | None = None) -> str:
-        """Write the record and queue the job on its priority level, atomically; returns the
-        owning job id (an earlier job's id when ``idempotency_key`` was seen before). Raises
-        :class:`Overloaded` when the model already has ``max_queued`` unfinished jobs. ``relay``:
-        the relay channel (Keys.relay) of the API process following the job, where its events go."""
-        model = record.model
-        keys = [self.keys.job(model, record.id), self.keys.queue(model, level_of(record.request.priority)),
-                *self.keys.queues(model)]
+                      max_queued: int = 2**62, relay: str | None = None, tenant: TenantConfig | None = None) -> str:
+        """Write the record and queue the job on its priority level, atomically, to wait for its
+        tenant's turn (read.lua picks); returns the owning job id (an earlier job's id when
+        ``idempotency_key`` was seen before). Raises :class:`Overloaded` when the model already has
+        ``max_queued`` unfinished jobs, :class:`RateLimited` when the job's tenant is past one of
+        the limits in ``tenant`` (its settings). ``relay``: the relay channel (Keys.relay) of the
+        API process following the job, where its events go."""
+        model, name = record.model, record.tenant or DEFAULT_TENANT
+        config = tenant or TenantConfig()
+        if not record.tenant or not record.estimate:  # a record not made by JobRecord.new
+            record = msgspec.structs.replace(record, tenant=name, estimate=estimate_tokens(record.request))
+        keys = [self.keys.job(model, record.id), self.keys.tenant(model, name), self.keys.tenants(model),
+                self.keys.fair_clock(model)]
+        for level in range(LEVELS):
+            keys += [self.keys.queue(model, level), self.keys.waiting(model, level), self.keys.fair(model, level)]
         if idempotency_key:
             keys.append(self.keys.idempotency(model, idempotency_key))
-        args: list[bytes | str | int] = [record.id, self.idempotency_ttl_s, max_queued, LEVELS]
+
+        def limit(value: int | None) -> int:
+            return -1 if value is None else value
+
+        args: list[bytes | str | int | float] = [
+            record.id, self.idempotency_ttl_s, max_queued, LEVELS, level_of(record.request.priority), name,
+            repr(config.weight), limit(config.max_running), limit(config.max_queued),
+            limit(config.tokens_per_minute), now_ms()]
         for field, value in job_to_hash(record).items():
             args += [field, value]
         if relay:
             args += ["relay", relay]
         owner = await self._enqueue(keys=keys, args=args)
-        if isinstance(owner, int):
-            log.info("queue_full", model=model, depth=owner, limit=max_queued)
-            raise Overloaded(f"Model {model} is overloaded: {owner} requests are queued (limit {max_queued}); "
-                             "retry later")
+        match owner:
+            case [b"full", depth]:
+                log.info("queue_full", model=model, depth=depth, limit=max_queued)
+                raise Overloaded(f"Model {model} is overloaded: {depth} requests are queued (limit {max_queued}); "
+                                 "retry later")
+            case [b"queued", running, waiting]:
+                log.info("tenant_queue_full", model=model, tenant=name, running=running, waiting=waiting)
+                raise RateLimited(f"Too many requests in flight for this tenant on model {model}: {running} running "
+                                  f"and {waiting} waiting (max_running {config.max_running}, max_queued "
+                                  f"{config.max_queued}); retry when one has finished")
+            case [b"tokens", used, retry]:
+                log.info("tenant_tokens_exceeded", model=model, tenant=name, used=used, retry_after_s=retry)
+                raise RateLimited(f"Rate limit reached for this tenant on model {model}: {used} tokens used in the "
+                                  f"last minute (limit {config.tokens_per_minute}); retry in {retry} s",
+                                  retry_after_s=int(retry))
         return owner.decode()
 
     async def relay_to(self, model: str, job_id: str, channel: str) -> bool:
@@ -262,11 +298,18 @@ class Queue:
         error = encode(JobError(code=exc.code, message=exc.message, status=exc.status))
         await self._publishing()
         ended = await self._expire(
-            keys=[self.keys.job(model, job_id), self.keys.events(model, job_id), self.keys.webhooks(model)],
+            keys=[self.keys.job(model, job_id), self.keys.events(model, job_id), self.keys.webhooks(model),
+                  *self._metering(model)],
             args=[now_ms(), grace_ms, self.result_ttl_s, self.keys.live(model, job_id), event[len(head):], error,
-                  job_id, "1" if now is not None else "0"],
+                  job_id, "1" if now is not None else "0", self.keys.tenant(model, ""), self.usage_ttl_s],
         )
         return bool(ended)
+
+    def _metering(self, model: str) -> list[str]:
+        """The keys a job's end updates for its tenant (Fair.ended in tenants.lua): the fair sets,
+        the fair clock, today's usage, the usage since the start, the model's token window."""
+        return [*self.keys.fairs(model), self.keys.fair_clock(model), self.keys.usage(model, today()),
+                self.keys.usage(model), self.keys.tokens(model)]
 
     async def cancel(self, model: str, job_id: str) -> str | None:
         """Flag the job cancelled and tell its worker. Returns the status it had, or None."""
@@ -302,27 +345,27 @@ class Queue:
         """Take up to ``count`` new entries (never more than the engine has free slots), the most
         urgent level first, and claim them.
 
-        read.lua takes what is there in level order without blocking; only when every level is
-        empty does one XREADGROUP block on all of them. That read may return up to ``count``
-        entries per level (if several arrive at once): the excess is handed straight back (idle
-        set past the lease) for the next reclaim, by a peer or by us. ``admit``, given how many
+        read.lua picks what waits in level order, by fair share between tenants within a level,
+        without blocking; only when nothing waits does the read block (on the waiting streams).
+        ``admit``, given how many
         entries arrived (at most ``count``), says how many the caller still has room for: its
         slots may have filled while the read blocked (a takeover); the rest is handed back too.
         ``stop`` set ends a blocked read at once, with nothing (a worker told to drain must not
         wait out LLMQ_BLOCK_MS first): whatever Redis delivered in that instant stays in this
         consumer's pending list, unclaimed, for a peer to take once this worker is gone."""
-        queues = self.keys.queues(model)
-        rows = await self._read(keys=queues, args=[consumer, count])
-        entries = [(int(level), entry_id, job.decode()) for level, entry_id, job in rows]
+        queues, waiting = self.keys.queues(model), self.keys.waitings(model)
+        entries, tops = await self._pick(model, consumer, count)
         if not entries:
+            # Nobody waits: sleep until a job is queued after the newest waiting entry read.lua saw
+            # (so one queued meanwhile wakes us at once), then pick once more. Every idle worker
+            # wakes; the pick gives the job to one.
             def read() -> Awaitable[list]:
-                return self.redis.xreadgroup(GROUP, consumer, dict.fromkeys(queues, ">"), count=count, block=block_ms)
+                return self.redis.xread(dict(zip(waiting, tops, strict=True)), count=1, block=block_ms)
 
             reply = await read() if stop is None else await _unless(stop, read)
-            for stream, items in reply or []:
-                level = queues.index(stream.decode())
-                entries += [(level, entry_id, fields[b"job"].decode()) for entry_id, fields in items]
-            entries.sort(key=lambda e: e[0])
+            if not reply:
+                return []
+            entries, _ = await self._pick(model, consumer, count)
         keep = min(count, len(entries))
         if admit is not None and entries:
             keep = admit(keep)
@@ -333,6 +376,19 @@ class Queue:
                 pipe.xclaim(queues[level], GROUP, consumer, 0, [entry_id], idle=hand_back_idle_ms, justid=True)
             await pipe.execute()
         return await self._claim(model, consumer, entries, max_deliveries, reclaimed=False)
+
+    async def _pick(self, model: str, consumer: str, count: int) -> tuple[list[tuple[int, bytes, str]], list[bytes]]:
+        """read.lua: up to ``count`` jobs picked by fair share and read, as (level, entry id, job
+        id), and per level the newest waiting entry it saw."""
+        keys: list[str] = []
+        for level in range(LEVELS):
+            keys += [self.keys.queue(model, level), self.keys.waiting(model, level), self.keys.fair(model, level)]
+        keys.append(self.keys.fair_clock(model))
+        while True:  # again at once while it stops early on waiting jobs that had already ended
+            rows, tops, more = await self._read(
+                keys=keys, args=[consumer, count, self.keys.tenant(model, ""), self.keys.job(model, "")])
+            if rows or not more:
+                return [(int(level), entry_id, job.decode()) for level, entry_id, job in rows], tops
 
     async def reclaim(self, model: str, consumer: str, count: int, lease_ms: int, *,
                       max_deliveries: int = 3, exclude: frozenset[str] = frozenset()) -> list[Delivery]:
@@ -509,9 +565,9 @@ class Queue:
 
         One script is atomic, and legal on Cluster: every key of one model shares its hash tag.
         """
-        keys = [self.keys.dead(model), self.keys.webhooks(model), *self.keys.queues(model)]
+        keys = [self.keys.dead(model), self.keys.webhooks(model), *self.keys.queues(model), *self._metering(model)]
         args: list[str | bytes | int | float] = [worker, self.result_ttl_s, now_ms(), self.keys.live(model, ""),
-                                                 LEVELS]
+                                                 LEVELS, self.keys.tenant(model, ""), self.usage_ttl_s]
         job_key, log_key = self.keys.job, self.keys.events
         for out in batch:
             keys += [job_key(model, out.job_id), log_key(model, out.job_id)]
@@ -528,9 +584,12 @@ class Queue:
     def _more(cls, out: Outbound) -> list[str | bytes | int | float]:
         """What an event writes beyond the log and the live path: flush.lua's count, then the values."""
         status, field, payload = cls._terminal(out)
-        return [9, "" if out.first_token_at is None else out.first_token_at,
+        # The tokens its tenant is charged: the result's usage, else what the worker counted (-1: unknown).
+        usage = out.result.usage if out.result is not None else out.usage
+        return [11, "" if out.first_token_at is None else out.first_token_at,
                 encode(out.prompt_ids) if out.prompt_ids is not None else "",
-                status, field, payload, out.entry_id or "", out.level, "1" if out.dead else "", out.log or ""]
+                status, field, payload, out.entry_id or "", out.level, "1" if out.dead else "", out.log or "",
+                usage.prompt_tokens if usage else -1, usage.completion_tokens if usage else -1]
 
     @staticmethod
     def _terminal(out: Outbound) -> tuple[str, str, bytes | str]:

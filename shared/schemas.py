@@ -34,6 +34,7 @@ __all__ = [
     "JobGroup",
     "GROUP_PREFIX",
     "TERMINAL_STATUSES",
+    "estimate_tokens",
 ]
 
 JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
@@ -251,6 +252,11 @@ class JobRecord(msgspec.Struct, kw_only=True):
     error: JobError | None = None
     owner: str = ""
     """With API keys on: a hash of the key that queued the job (only that key may read or cancel it)."""
+    tenant: str = ""
+    """Whose fair share, quotas and usage the job counts toward (shared/tenants.py)."""
+    estimate: int = 0
+    """The tokens its tenant is charged when it is picked (prompt estimate + what it may generate),
+    corrected to the real count when it ends."""
     deadline: float | None = None
     """Epoch ms by which the job must be finished: past it a queued job never starts and a running
     one is aborted, both ending with ``deadline_exceeded``."""
@@ -262,14 +268,28 @@ class JobRecord(msgspec.Struct, kw_only=True):
 
     @classmethod
     def new(cls, req: GenerationRequest, *, owner: str, default_timeout_s: float | None,
-            now_ms: float | None = None) -> JobRecord:
+            now_ms: float | None = None, tenant: str = "") -> JobRecord:
         """The record of a job about to be queued, the one way every job is made (the API's
         routes, batch lines): a fresh id tagged with its model, queued ``now_ms`` (default: now),
         due ``req.timeout_s`` seconds later, else ``default_timeout_s`` (None or 0: no deadline)."""
         queued_at = round(time.time() * 1000, 3) if now_ms is None else now_ms
         timeout_s = req.timeout_s or default_timeout_s
         return cls(id=new_job_id(req.model), model=req.model, request=req, queued_at=queued_at, owner=owner,
-                   deadline=queued_at + timeout_s * 1000 if timeout_s else None, webhook=req.webhook)
+                   deadline=queued_at + timeout_s * 1000 if timeout_s else None, webhook=req.webhook,
+                   tenant=tenant, estimate=estimate_tokens(req))
+
+
+def estimate_tokens(req: GenerationRequest) -> int:
+    """What a job will use, before it runs: its prompt (about 4 bytes of text per token) and
+    every token it may generate. The fair share charges this when the job starts and corrects it
+    to the real count when it ends."""
+    if req.prompt_token_ids is not None:
+        prompt = len(req.prompt_token_ids)
+    else:
+        text = req.prompt if req.prompt is not None else "".join(m.content for m in req.messages or ())
+        prompt = len(text.encode()) // 4 + 1
+    sampling = req.sampling
+    return prompt + sampling.max_tokens * max(sampling.n, sampling.beam_width)
 
 
 GROUP_PREFIX = "grp-"

@@ -54,7 +54,7 @@ async def serve(settings: Settings) -> None:
         engine = VllmEngine.build(settings, model_path)
         stack.callback(engine.shutdown)
 
-        queue = Queue(redis, Keys(settings.prefix), result_ttl_s=settings.result_ttl_s)
+        queue = Queue(redis, Keys(settings.prefix), result_ttl_s=settings.result_ttl_s, usage_days=settings.usage_days)
         worker = Worker(settings, queue, engine, device=claim.label)
         loop = asyncio.get_running_loop()
 

@@ -49,6 +49,7 @@ from shared.errors import Overloaded
 from shared.keys import LEVELS
 from shared.queue import now_ms
 from shared.schemas import TERMINAL_STATUSES, GenerationRequest, JobError, JobRecord
+from shared.tenants import DEFAULT_TENANT, TenantConfig, read_config
 
 if TYPE_CHECKING:  # the process module, which imports this one to schedule it
     from workers.housekeeping import Housekeeper
@@ -155,9 +156,12 @@ class Tick:
         now = now_ms()
         # Due when the batch expires (always set: POST /v1/batches gives every batch its window).
         window_s = max((batch.expires_at or 0) - now / 1000, 0.001)  # > 0: 0 would mean "no deadline"
-        record = JobRecord.new(req, owner=owner, default_timeout_s=window_s, now_ms=now)
+        tenant = owner or DEFAULT_TENANT
+        record = JobRecord.new(req, owner=owner, default_timeout_s=window_s, now_ms=now, tenant=tenant)
+        # Its tenant's weight, not its limits: a batch line waits for room rather than failing.
+        config = await read_config(self.redis, self.keys, tenant)
         return await self.queue.enqueue(record, self.keys.batch_idempotency(batch.id, line, part),
-                                        max_queued=self.settings.max_queued)
+                                        max_queued=self.settings.max_queued, tenant=TenantConfig(weight=config.weight))
 
     async def never_run(self, batch: BatchObject, code: str) -> None:
         """Error-file lines for the lines a cancelled or expired batch never queued."""

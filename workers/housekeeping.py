@@ -65,7 +65,7 @@ class Housekeeper:
     def open(cls, settings: Settings, arq: ArqRedis) -> Housekeeper:
         keys, redis = Keys(settings.prefix), connect(settings.redis_dsn)
         return cls(settings=settings, keys=keys, redis=redis, arq=arq,
-                   queue=Queue(redis, keys, result_ttl_s=settings.result_ttl_s),
+                   queue=Queue(redis, keys, result_ttl_s=settings.result_ttl_s, usage_days=settings.usage_days),
                    http=httpx.AsyncClient(timeout=settings.webhook_timeout_s, follow_redirects=False))
 
     async def close(self) -> None:

@@ -281,12 +281,13 @@ class Worker:
         elif d.state == "finished":  # the job already ended; only its entry was left behind
             await self.queue.ack(self.model, d.entry_id, d.level)
         elif d.state == "cancelled":
-            self._end(d, d.last_seq, JobCancelled("job was cancelled before it started"))
+            self._end(d, d.last_seq, JobCancelled("job was cancelled before it started"), usage=Usage())
         elif d.state == "expired":
             log.info("job_expired_in_queue", job_id=d.job_id, waited_ms=round(now_ms() - d.queued_at, 1))
-            self._end(d, d.last_seq, DeadlineExceeded("the request's deadline passed while it was queued"))
+            self._end(d, d.last_seq, DeadlineExceeded("the request's deadline passed while it was queued"),
+                      usage=Usage())
         elif d.state == "invalid":
-            self._end(d, d.last_seq, InvalidRequest("the queued request is not valid for this worker"))
+            self._end(d, d.last_seq, InvalidRequest("the queued request is not valid for this worker"), usage=Usage())
         elif d.state == "dead":
             log.warning("job_dead_lettered", job_id=d.job_id, attempt=d.attempt)
             exc = DeadLetter(f"the job was delivered {d.attempt - 1} times and no worker finished it "
@@ -364,7 +365,7 @@ class Worker:
                     # A peer owns the job now (or will, after a hand-back): write nothing about it.
                     log.info("job_released", reason=reason.message)
                     return
-                self._fail(d, state, reason)
+                self._fail(d, state, reason, usage)
             except EngineDead as exc:
                 # Fatal for the process, not for the job: write nothing, stop renewing its lease
                 # and exit to be restarted; a peer (or our successor) takes it over when the lease
@@ -374,10 +375,10 @@ class Worker:
                 self.failed = True
                 self.stop()
             except ServiceError as exc:
-                self._fail(d, state, exc)
+                self._fail(d, state, exc, usage)
             except Exception as exc:  # an engine failure ends this job, not the worker
                 log.exception("job_failed", may_quote_request=True)  # an engine error may quote the prompt
-                self._fail(d, state, ServiceError(f"generation failed: {type(exc).__name__}: {exc}"))
+                self._fail(d, state, ServiceError(f"generation failed: {type(exc).__name__}: {exc}"), usage)
             finally:
                 running = self._running.pop(d.job_id, None)
                 if running is not None and running.deadline is not None:
@@ -392,17 +393,19 @@ class Worker:
                  prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                  finish_reason=",".join(str(c.finish_reason) for c in result.choices))
 
-    def _fail(self, d: Delivery, state: _JobState, exc: ServiceError) -> None:
-        self._end(d, state.seq, exc, state.events)
+    def _fail(self, d: Delivery, state: _JobState, exc: ServiceError, usage: Usage) -> None:
+        self._end(d, state.seq, exc, state.events, usage=usage)
         state.seq += 1
 
-    def _end(self, d: Delivery, last_seq: int, exc: ServiceError, events: list[Event] | None = None) -> None:
-        """End the job with ``exc`` after ``events`` (this attempt's, all of seq <= ``last_seq``)."""
+    def _end(self, d: Delivery, last_seq: int, exc: ServiceError, events: list[Event] | None = None, *,
+             usage: Usage | None = None) -> None:
+        """End the job with ``exc`` after ``events`` (this attempt's, all of seq <= ``last_seq``).
+        ``usage``: what this attempt used (its tenant is charged that), when it is known."""
         # The code, not the message: that can quote the request (an engine's or a template's
         # error); the client and the job record get it.
         log.info("job_ended", job_id=d.job_id, code=exc.code)
         event = exc.event(last_seq + 1)
-        self._emit(d, event, entry_id=d.entry_id, log=self._compacted(d, [*(events or ()), event]))
+        self._emit(d, event, entry_id=d.entry_id, log=self._compacted(d, [*(events or ()), event]), usage=usage)
 
     @staticmethod
     def _compacted(d: Delivery, events: list[Event], result: JobResult | None = None) -> bytes | None:

@@ -1,13 +1,17 @@
 -- Write a batch of events, fenced by (worker, attempt): one round trip, all-or-nothing per event.
--- KEYS[1] dead-letter stream   KEYS[2] webhook outbox   KEYS[3 .. 2+ARGV[5]] the model's queue
---   streams, by level; then per event: job hash, event log
+-- KEYS[1] dead-letter stream   KEYS[2] webhook outbox   KEYS[3 .. 2+L] the model's queue streams,
+--   by level (L = ARGV[5]); KEYS[3+L .. 2+2L] its fair sets; then the fair clock, today's usage,
+--   the usage since the start, the model's token window (Fair.ended); then per event: job hash,
+--   event log
 -- ARGV[1] worker id   ARGV[2] TTL (s) of finished records and logs   ARGV[3] now (epoch ms)
 -- ARGV[4] the live channels' prefix (a job's own channel is it .. job id)   ARGV[5] levels
+-- ARGV[6] the tenants' key prefix   ARGV[7] TTL (s) of a day's usage
 -- then per event: attempt, seq, event bytes, job id, and how many values follow: 0 for an event
---   that only goes to the log and the live path (almost every one), else 9, for what else it
+--   that only goes to the log and the live path (almost every one), else 11, for what else it
 --   writes ('' = none): first_token_at, prompt token ids JSON, terminal status, 'result' or
---   'error', its JSON, queue entry id, its level, '1' when it goes to the dead-letter stream, and
---   the job's whole log in compact form (shared/eventlog.py) to replace the stream with.
+--   'error', its JSON, queue entry id, its level, '1' when it goes to the dead-letter stream,
+--   the job's whole log in compact form (shared/eventlog.py) to replace the stream with, and its
+--   prompt and generated tokens (-1: not known) for its tenant's share and usage.
 -- Few values per event on purpose: packing them was most of a worker's own cost per token.
 -- attempt 0 means unfenced (a delivery whose record is missing). An event whose job is now owned
 -- by someone else, or by a later attempt, is dropped and its job returned: the caller aborts it.
@@ -18,12 +22,17 @@
 local lost = {}
 local relayed, channels = {}, {}
 local levels = tonumber(ARGV[5])
-local a, i = 5, 0
+local fairs = {}
+for l = 1, levels do fairs[l] = KEYS[2 + levels + l] end
+local base = 6 + 2 * levels  -- the per-event keys follow
+local meter = {tprefix = ARGV[6], fairs = fairs, clock = KEYS[base - 3], usage_day = KEYS[base - 2],
+               usage_total = KEYS[base - 1], tokens = KEYS[base], now = tonumber(ARGV[3]), day_ttl = ARGV[7]}
+local a, i = 7, 0
 while a < #ARGV do
-  local job, log = KEYS[3 + levels + 2 * i], KEYS[4 + levels + 2 * i]
+  local job, log = KEYS[base + 1 + 2 * i], KEYS[base + 2 + 2 * i]
   local attempt, seq, event, id = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
   local more = ARGV[a + 5] ~= '0'
-  local m = a + 5  -- the 9 more values are ARGV[m + 1 .. m + 9]
+  local m = a + 5  -- the 11 more values are ARGV[m + 1 .. m + 11]
   local f = redis.call('HMGET', job, 'worker', 'attempt', 'relay')
   local owned = attempt == '0' or (f[1] == ARGV[1] and f[2] == attempt)
   if not owned then
@@ -54,6 +63,7 @@ while a < #ARGV do
         if prompt_ids ~= '' then redis.call('HSET', job, 'prompt_ids', prompt_ids) end
         if status ~= '' then
           redis.call('HSET', job, 'status', status, ARGV[m + 4], ARGV[m + 5], 'finished_at', ARGV[3])
+          Fair.ended(job, id, meter, tonumber(ARGV[m + 10]), tonumber(ARGV[m + 11]))
           -- The prompt's token ids only serve a continuation, and the relay channels only live
           -- events, and a finished job has neither: for a long prompt the ids would outweigh the
           -- result for LLMQ_RESULT_TTL_S.
@@ -91,7 +101,7 @@ while a < #ARGV do
       end
     end
   end
-  a, i = a + (more and 14 or 5), i + 1
+  a, i = a + (more and 16 or 5), i + 1
 end
 -- In first-seen order (a table's pairs() order is not defined).
 for _, channel in ipairs(channels) do

@@ -1,22 +1,75 @@
--- Read new entries for one consumer across the priority levels, most urgent first, up to COUNT
--- in total (a plain multi-stream XREADGROUP would take COUNT from every stream). Never blocks:
--- the caller blocks with XREADGROUP only when this finds nothing.
--- KEYS: every level's queue, in order   ARGV[1] consumer   ARGV[2] how many entries at most
--- Returns {level (0-based), entry id, job id} per entry, in reading order.
-local out = {}
+-- Pick and read new jobs for one consumer across the priority levels, most urgent first, up to
+-- COUNT in total. Never blocks: the caller blocks (on the waiting streams) only when this finds
+-- nothing.
+-- On each level the fair share picks: the tenant with the lowest counter in the level's fair set
+-- gives its oldest waiting job, which moves from the waiting stream to the level's queue stream
+-- (charged to the tenant: Fair), until COUNT jobs are picked or nobody waits. Then one
+-- XREADGROUP takes the queue stream's new entries: the picked ones, and any an older API queued
+-- there directly.
+-- KEYS: per level 3 keys: queue stream, waiting stream, fair set; then the fair clock
+-- ARGV[1] consumer   ARGV[2] how many entries at most   ARGV[3] the tenants' key prefix
+--   ARGV[4] the job records' key prefix
+-- Returns {rows, tops, more}: rows = {level (0-based), entry id, job id} per entry, in reading
+-- order; tops = each waiting stream's newest entry id ('0-0' when empty), where the caller's
+-- blocking read starts; more = 1 when it stopped early on ended jobs (read again at once).
+local levels = (#KEYS - 1) / 3
+local clock = KEYS[#KEYS]
+local fairs = {}
+for l = 0, levels - 1 do fairs[l + 1] = KEYS[3 + 3 * l] end
+local out, tops, more = {}, {}, 0
 local want = tonumber(ARGV[2])
-for level = 1, #KEYS do
-  if want <= 0 then break end
-  local reply = redis.call('XREADGROUP', 'GROUP', 'workers', ARGV[1], 'COUNT', want, 'STREAMS', KEYS[level], '>')
-  if reply then
-    for _, entry in ipairs(reply[1][2]) do
-      local fields, job = entry[2], ''
-      for j = 1, #fields, 2 do
-        if fields[j] == 'job' then job = fields[j + 1] end
+local skipped = 0
+for level = 0, levels - 1 do
+  local queue, waiting, fair = KEYS[1 + 3 * level], KEYS[2 + 3 * level], fairs[level + 1]
+  local picked = 0
+  while picked < want and skipped < 100 do
+    local top = redis.call('ZRANGE', fair, 0, 0, 'WITHSCORES')
+    if not top[1] then break end
+    local tenant = top[1]
+    local tkey = ARGV[3] .. tenant
+    local list = Fair.waiting_list(tkey, level)
+    local item = redis.call('LPOP', list)
+    if redis.call('LLEN', list) == 0 then redis.call('ZREM', fair, tenant) end
+    if item then
+      local space = string.find(item, ' ', 1, true)
+      local entry, id = string.sub(item, 1, space - 1), string.sub(item, space + 1)
+      redis.call('XDEL', waiting, entry)
+      local job = ARGV[4] .. id
+      local f = redis.call('HMGET', job, 'status', 'estimate')
+      if f[1] ~= 'queued' then
+        skipped = skipped + 1  -- it ended while it waited (deadline, deleted) or expired: drop it
+      else
+        redis.call('HSET', clock, tostring(level), top[2])
+        local cost = tonumber(f[2] or '0')
+        local t = redis.call('HMGET', tkey, 'weight')
+        local weight = tonumber(t[1] or '1')
+        if weight <= 0 then weight = 1 end
+        Fair.set_vtc(tkey, fairs, tenant, tonumber(top[2]) + cost / weight)
+        redis.call('HSET', job, 'charged', cost)
+        redis.call('SADD', tkey .. ':running', id)
+        if not Fair.has_room(tkey) then
+          for _, other in ipairs(fairs) do redis.call('ZREM', other, tenant) end
+        end
+        redis.call('XADD', queue, '*', 'job', id)
+        picked = picked + 1
       end
-      table.insert(out, {level - 1, entry[1], job})
-      want = want - 1
     end
   end
+  if skipped >= 100 then more = 1 end
+  if want > 0 then
+    local reply = redis.call('XREADGROUP', 'GROUP', 'workers', ARGV[1], 'COUNT', want, 'STREAMS', queue, '>')
+    if reply then
+      for _, entry in ipairs(reply[1][2]) do
+        local fields, job = entry[2], ''
+        for j = 1, #fields, 2 do
+          if fields[j] == 'job' then job = fields[j + 1] end
+        end
+        table.insert(out, {level, entry[1], job})
+        want = want - 1
+      end
+    end
+  end
+  local last = redis.call('XREVRANGE', waiting, '+', '-', 'COUNT', 1)
+  tops[level + 1] = last[1] and last[1][1] or '0-0'
 end
-return out
+return {out, tops, more}

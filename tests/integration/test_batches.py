@@ -211,9 +211,9 @@ async def test_batch_lines_wait_behind_interactive_requests_within_the_in_flight
                 if line_job is None and (running := await s.redis.hvals(keys.batch_jobs(batch.id))):
                     model, [job_id] = json.loads(running[0])
                     line_job = await Queue(s.redis, keys).get_job(model, job_id)
-                if interactive is None and await s.redis.xlen(keys.queue(MODEL, 2)) >= 2:
+                if interactive is None and await s.redis.xlen(keys.waiting(MODEL, 2)) >= 2:
                     # Batch lines are waiting: an interactive request goes ahead of all of them.
-                    waiting = await s.redis.xlen(keys.queue(MODEL, 2))
+                    waiting = await s.redis.xlen(keys.waiting(MODEL, 2))
                     started = len(engine.started)
                     reply = await client.completions.create(model=MODEL, prompt="now", max_tokens=2)
                     interactive = (reply.id.removeprefix("cmpl-"), started, waiting)

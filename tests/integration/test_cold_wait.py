@@ -82,8 +82,8 @@ async def test_the_job_of_a_client_whose_cold_wait_ran_out_ends_in_redis_too(api
     ended = [job_from_hash(await redis.hgetall(k)) async for k in redis.scan_iter(match=keys.job("tiny", "*"))]
     mine = [j for j in ended if j.queued_at >= before]
     assert len(mine) == 1 and mine[0].status == "failed" and mine[0].error.code == "deadline_exceeded"
-    # Its entry stays in the stream until a worker reads it and finds it ended (start.lua acks it).
-    assert await redis.xlen(keys.queue("tiny")) >= 1
+    # Its entry stays in the waiting stream until a worker's pick finds it ended (read.lua drops it).
+    assert await redis.xlen(keys.waiting("tiny")) >= 1
 
 
 async def test_fire_and_poll_jobs_wait_without_limit(api):

@@ -187,8 +187,10 @@ async def test_queued_jobs_start_most_urgent_level_first(redis_url, prefix):
                 body["priority"] = priority
             resp = await s.client.post("/v1/jobs", json=body, headers={"X-LLMQ-Priority": header} if header else {})
             submitted[resp.json()["id"]] = name
-        # While the slot is taken every job waits on its level's stream.
-        assert [await s.redis.xlen(q) for q in keys.queues(MODEL)] == [1 + 3, 2, 2]
+        # While the slot is taken every job waits on its level's waiting stream (the running one
+        # is in the level's queue stream).
+        assert [await s.redis.xlen(q) for q in keys.waitings(MODEL)] == [3, 2, 2]
+        assert [await s.redis.xlen(q) for q in keys.queues(MODEL)] == [1, 0, 0]
         for job_id in submitted:
             await wait_status(s.redis, prefix, job_id, {"done"})
     order = [submitted[j] for j in ran(engine) if j != busy]
@@ -228,7 +230,7 @@ async def test_the_depth_limit_counts_every_level_and_holds_under_concurrency(re
         # One running + four queued = the limit of five unfinished jobs, whatever their levels;
         # the check and the enqueue are one script, so concurrent submitters never overshoot.
         assert sorted(statuses) == [202] * 4 + [429] * 16
-        assert sum([await s.redis.xlen(q) for q in Keys(prefix).queues(MODEL)]) == 5
+        assert await Queue(s.redis, Keys(prefix)).depth(MODEL) == 5
 
 
 async def test_service_tier_through_the_openai_sdk_queues_on_its_level_and_is_reported(redis_url, prefix):

@@ -27,8 +27,13 @@ async def test_enqueue_writes_record_and_stream_entry_together(redis, keys):
 
     stored = await queue.get_job(MODEL, rec.id)
     assert stored is not None and stored.status == "queued" and stored.request.prompt == "hello"
-    entries = await redis.xrange(keys.queue(MODEL))
-    assert [fields[b"job"].decode() for _, fields in entries] == [rec.id]
+    # It waits its tenant's turn: in the waiting stream and its tenant's list, not yet picked.
+    entries = await redis.xrange(keys.waiting(MODEL))
+    assert [(f[b"job"].decode(), f[b"tenant"].decode()) for _, f in entries] == [(rec.id, "default")]
+    listed = await redis.lrange(keys.tenant_waiting(MODEL, "default"), 0, -1)
+    assert listed == [f"{entries[0][0].decode()} {rec.id}".encode()]
+    assert await redis.xlen(keys.queue(MODEL)) == 0
+    assert stored.tenant == "default" and stored.estimate == 1 + 1 + 16  # "hello": 5 bytes // 4 + 1; max_tokens 16
 
 
 async def test_enqueue_is_atomic_for_a_concurrent_reader(redis, keys):
@@ -56,7 +61,7 @@ async def test_repeated_idempotency_key_returns_the_first_job(redis, keys):
     assert await queue.enqueue(first, "key-1") == first.id
     assert await queue.enqueue(second, "key-1") == first.id
     assert await queue.get_job(MODEL, second.id) is None
-    assert await redis.xlen(keys.queue(MODEL)) == 1
+    assert await queue.depth(MODEL) == 1
     other = record("c")
     assert await queue.enqueue(other, "key-2") == other.id
 

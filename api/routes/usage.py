@@ -1,0 +1,43 @@
+"""``GET /v1/usage``: the caller's own metered usage, by UTC day and model.
+
+The caller is its tenant (shared/tenants.py): its API key, or the tenant header a trusted gateway
+sets. Usage is what its jobs used when they ended: requests, prompt and generated tokens, and
+engine time (start to end). Each day is kept LLMQ_USAGE_DAYS.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import msgspec
+from litestar import Request, Response, get
+
+from api.context import Ctx
+from api.http import json_response
+from api.services import Svc
+from shared.errors import InvalidRequest
+from shared.tenants import UsageRow, read_usage, today
+
+__all__ = ["usage", "UsagePage"]
+
+
+class UsagePage(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    tenant: str
+    start_date: str
+    end_date: str
+    data: list[UsageRow]
+    """One row per day and model with any usage, oldest day first."""
+
+
+@get("/v1/usage", opt={"dialect": "jobs"})
+async def usage(request: Request, svc: Svc, ctx: Ctx) -> Response:
+    """The last ``days`` UTC days (query; 7 unless given; today included), up to LLMQ_USAGE_DAYS."""
+    days = request.query_params.get("days", "7")
+    if not days.isdigit() or not 1 <= int(days) <= svc.settings.usage_days:
+        raise InvalidRequest(f"days must be a whole number from 1 to {svc.settings.usage_days}", param="days")
+    last = datetime.date.fromisoformat(today())
+    dates = [(last - datetime.timedelta(days=back)).isoformat() for back in range(int(days) - 1, -1, -1)]
+    models = sorted(await svc.models.known())
+    rows = await read_usage(svc.queue.redis, svc.keys, models, ctx.tenant, dates)
+    return json_response(UsagePage(tenant=ctx.tenant, start_date=dates[0], end_date=dates[-1], data=rows))

@@ -1,0 +1,104 @@
+-- Fair share between tenants (virtual token counters, VTC: Sheng et al., OSDI 2024), shared by
+-- the scripts that queue, pick and end jobs: shared/queue.py puts this text before theirs.
+-- A tenant's counter (field 'vtc' of its hash) grows by the tokens its jobs use divided by its
+-- weight: by an estimate when a job is picked, corrected to the real count when it ends. Each
+-- level's fair set holds, scored by that counter, the tenants with jobs waiting there and room to
+-- run one; the pick takes the lowest. A tenant's own keys are its hash's name plus a suffix
+-- (shared/keys.py names them the same way).
+local Fair = {}
+
+function Fair.waiting_list(tkey, level)
+  if tonumber(level) == 0 then return tkey .. ':waiting' end
+  return tkey .. ':waiting:' .. level
+end
+
+-- Store a tenant's counter and move it in every fair set it is in.
+function Fair.set_vtc(tkey, fairs, tenant, vtc)
+  redis.call('HSET', tkey, 'vtc', string.format('%.17g', vtc))
+  for _, fair in ipairs(fairs) do redis.call('ZADD', fair, 'XX', vtc, tenant) end
+end
+
+-- Put a tenant into the fair set of ``level`` (0-based) if it is not there. One that was idle
+-- starts at the lowest counter there (or the last picked one's when nobody waits), never below:
+-- the tokens it did not use while idle are not owed to it.
+function Fair.join(tkey, fairs, clock, level, tenant)
+  local fair = fairs[level + 1]
+  if redis.call('ZSCORE', fair, tenant) then return end
+  local vtc = tonumber(redis.call('HGET', tkey, 'vtc') or '0')
+  local low = redis.call('ZRANGE', fair, 0, 0, 'WITHSCORES')
+  local floor = tonumber(low[2] or redis.call('HGET', clock, tostring(level)) or '0')
+  if floor > vtc then
+    vtc = floor
+    Fair.set_vtc(tkey, fairs, tenant, vtc)
+  end
+  redis.call('ZADD', fair, vtc, tenant)
+end
+
+-- Whether a tenant may have one more job running.
+function Fair.has_room(tkey)
+  local cap = tonumber(redis.call('HGET', tkey, 'max_running') or '0')
+  return cap <= 0 or redis.call('SCARD', tkey .. ':running') < cap
+end
+
+-- A job ended (in the script that ends it, once): meter it, and if it was picked (running),
+-- correct its tenant's counter from the estimate to ``prompt + generated`` (when known, >= 0),
+-- free its running place, and let the tenant back into the fair sets it waits in.
+-- m: {tprefix, fairs, clock, usage_day, usage_total, tokens, now (ms), day TTL (s)}
+function Fair.ended(job, id, m, prompt, generated)
+  local f = redis.call('HMGET', job, 'tenant', 'charged', 'started_at')
+  local tenant = f[1]
+  if not tenant or tenant == '' then return end
+  local tkey = m.tprefix .. tenant
+  local known = prompt >= 0
+  local engine_ms = 0
+  if redis.call('SREM', tkey .. ':running', id) == 1 then
+    local t = redis.call('HMGET', tkey, 'vtc', 'weight')
+    local weight = tonumber(t[2] or '1')
+    if weight <= 0 then weight = 1 end
+    if known and f[2] then
+      Fair.set_vtc(tkey, m.fairs, tenant, tonumber(t[1] or '0') + (prompt + generated - tonumber(f[2])) / weight)
+    end
+    if f[3] then engine_ms = math.max(0, math.floor(m.now - tonumber(f[3]))) end
+    if Fair.has_room(tkey) then
+      for level = 0, #m.fairs - 1 do
+        if redis.call('LLEN', Fair.waiting_list(tkey, level)) > 0 then
+          Fair.join(tkey, m.fairs, m.clock, level, tenant)
+        end
+      end
+    end
+  end
+  for _, usage in ipairs({m.usage_day, m.usage_total}) do
+    redis.call('HINCRBY', usage, tenant .. ':requests', 1)
+    if known then
+      redis.call('HINCRBY', usage, tenant .. ':prompt_tokens', prompt)
+      redis.call('HINCRBY', usage, tenant .. ':generated_tokens', generated)
+    end
+    if engine_ms > 0 then redis.call('HINCRBY', usage, tenant .. ':engine_ms', engine_ms) end
+  end
+  redis.call('EXPIRE', m.usage_day, m.day_ttl)
+  if known and prompt + generated > 0 then
+    local second = math.floor(m.now / 1000)
+    for _, window in ipairs({tkey .. ':tokens', m.tokens}) do
+      redis.call('HINCRBY', window, second, prompt + generated)
+      redis.call('EXPIRE', window, 120)
+      if redis.call('HLEN', window) > 90 then Fair.window(window, second * 1000) end
+    end
+  end
+end
+
+-- A token window's seconds of the last minute as {second, tokens}, and their sum; older seconds
+-- are deleted on the way.
+function Fair.window(window, now)
+  local since, used, seconds = math.floor(now / 1000) - 59, 0, {}
+  local raw = redis.call('HGETALL', window)
+  for i = 1, #raw, 2 do
+    local second, tokens = tonumber(raw[i]), tonumber(raw[i + 1])
+    if second < since then
+      redis.call('HDEL', window, raw[i])
+    else
+      used = used + tokens
+      table.insert(seconds, {second, tokens})
+    end
+  end
+  return seconds, used
+end
