@@ -66,3 +66,57 @@ def test_a_flooding_tenant_cannot_push_another_tenants_ttft_past_one_batch_turno
         with httpx.Client(base_url=url, timeout=30) as http:
             for job_id in flood:  # the rest of the session's tests run on these workers
                 http.delete(f"/v1/jobs/{job_id}")
+
+
+def test_shares_converge_across_web_processes_and_workers(stack):
+    """Three tenants with weights 1:1:2 queue through two web processes onto the two vLLM workers;
+    B's jobs are three times longer. Between two readings of the usage counters, taken while all
+    three still have jobs waiting, their token shares come near 1/4, 1/4, 1/2: the pick lives in
+    Redis, so no process's view drifts."""
+    urls = [stack.api(LLMQ_TENANT_HEADER=HEADER),
+            stack.api(LLMQ_TENANT_HEADER=HEADER, LLMQ_SSE_KEEPALIVE_S="3")]  # a second web process
+    redis = redis_sync.Redis.from_url(stack.redis_url)
+    keys = Keys(stack.prefix)
+    weights, sizes = {"ta": 1, "tb": 1, "tc": 2}, {"ta": 24, "tb": 72, "tc": 24}
+    for tenant, weight in weights.items():
+        redis.hset(keys.tenant_config(tenant), "weight", weight)
+    groups = []
+
+    def served() -> dict[str, int]:
+        usage = redis.hgetall(keys.usage(stack.model))
+        return {t: sum(int(usage.get(f"{t}:{f}".encode(), 0)) for f in ("prompt_tokens", "generated_tokens"))
+                for t in weights}
+
+    try:
+        with httpx.Client(timeout=60) as http:
+            # A list of prompts with Prefer: respond-async queues one job per prompt in one request.
+            for round_ in range(6):
+                for tenant in weights:
+                    count = {"ta": 100, "tb": 40, "tc": 200}[tenant]  # each backlogged for the whole window
+                    body = {"model": stack.model, "prompt": ["Tell me a story"] * count, "temperature": 0,
+                            "max_tokens": sizes[tenant], "ignore_eos": True}
+                    resp = http.post(f"{urls[round_ % 2]}/v1/completions", json=body,
+                                     headers={HEADER: tenant, "Prefer": "respond-async"})
+                    assert resp.status_code == 202, resp.text
+                    groups.append((urls[round_ % 2], resp.json()["id"]))
+            before = served()
+            deadline = time.monotonic() + 120
+            while sum(served().values()) - sum(before.values()) < 25_000 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            after = served()
+            waiting = [redis.llen(keys.tenant_waiting(stack.model, t)) for t in weights]
+        tokens = {t: after[t] - before[t] for t in weights}
+        total = sum(tokens.values())
+        shares = {t: tokens[t] / total for t in weights}
+        normalised = [shares[t] / weights[t] for t in weights]
+        jain = sum(normalised) ** 2 / (len(normalised) * sum(x * x for x in normalised))
+        print(f"tokens {tokens}; shares {({t: round(s, 4) for t, s in shares.items()})}; Jain's index {jain:.4f}; "
+              f"still waiting {waiting}")
+        assert all(w > 0 for w in waiting), "every tenant stayed backlogged through the window"
+        for tenant, target in (("ta", 0.25), ("tb", 0.25), ("tc", 0.5)):
+            assert abs(shares[tenant] / target - 1) <= 0.10, (tenant, shares)
+        assert jain >= 0.95
+    finally:
+        with httpx.Client(timeout=60) as http:
+            for url, group in groups:  # the rest of the session's tests run on these workers
+                http.delete(f"{url}/v1/jobs/{group}")
