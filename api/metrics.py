@@ -1,11 +1,11 @@
 """``GET /metrics``: the whole deployment in Prometheus' text format, from any API process.
 
-Queue gauges are read from Redis at scrape time, the workers' counters and histograms come from
-their heartbeats (``shared/metrics.py`` says which figure comes from where), and so do the API
-processes' own series (error answers by status and code, the streams each relays), labelled
-``api=<process id>``: each process pushes them every LLMQ_HEARTBEAT_S (:func:`publish`), so a
-scrape that lands on any of N web processes behind one port sees all N. The answering process
-adds its own figures as they are now.
+Queue gauges and per-tenant series (:func:`tenant_series`) are read from Redis at scrape time, the
+workers' counters and histograms come from their heartbeats (``shared/metrics.py`` says which
+figure comes from where), and so do the API processes' own series (error answers by status and
+code, the streams each relays), labelled ``api=<process id>``: each process pushes them every
+LLMQ_HEARTBEAT_S (:func:`publish`), so a scrape that lands on any of N web processes behind one
+port sees all N. The answering process adds its own figures as they are now.
 """
 
 from __future__ import annotations
@@ -16,23 +16,79 @@ from collections.abc import AsyncIterator
 
 import structlog
 from litestar import Litestar, Response, get
+from redis.asyncio import Redis
 
 from api.services import Services, Svc
+from shared.keys import LEVELS, Keys
 from shared.metrics import Sample, decode_samples, encode_samples, exposition
 from shared.queue import now_ms
 from shared.redis import REDIS_DOWN
 from shared.status import snapshot
 
-__all__ = ["metrics", "collect", "pushing"]
+__all__ = ["metrics", "collect", "pushing", "tenant_series", "OTHER"]
 
 log = structlog.get_logger()
 
 # Prometheus' text format, version 0.0.4.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
+OTHER = "other"
+"""The ``tenant`` label every tenant past the first LLMQ_METRICS_TENANTS of a model is summed under."""
+
+# A usage hash's figure (field ``<tenant>:<figure>``, shared/tenants.py) -> (counter, divisor to its unit).
+_COUNTERS = {"requests": ("llmq_tenant_requests_total", 1), "prompt_tokens": ("llmq_tenant_prompt_tokens_total", 1),
+             "generated_tokens": ("llmq_tenant_generated_tokens_total", 1),
+             "engine_ms": ("llmq_tenant_engine_seconds_total", 1000)}
+
+
+async def tenant_series(redis: Redis, keys: Keys, model: str, cap: int) -> list[Sample]:
+    """The model's per-tenant counters (from its usage since the start) and, for the labelled
+    tenants only, their jobs waiting and running. Two pipelines (the second needs the first's
+    tenant names), of a size bounded by ``cap`` bar the usage hash, which is read whole: the
+    unlabelled tenants' sum needs every one of them."""
+    cap = max(0, cap)
+    pipe = redis.pipeline(transaction=False)
+    # The usage first, the tenants after: a tenant enters the first-seen set when it queues its
+    # first job, before any of its jobs can end, so every tenant whose usage this reads is in the
+    # set read after it (with no transaction, which Redis Cluster clients cannot pipeline).
+    pipe.hgetall(keys.usage(model))
+    pipe.zrange(keys.tenants(model), 0, cap)  # one more than the cap: see "other" below
+    pipe.zcard(keys.tenants(model))
+    usage, first, seen = await pipe.execute()
+    # Labels go to the first tenants to queue a job (first-seen order, which never changes: ZADD NX
+    # and nothing removes one), not to the busiest: a labelled tenant stays labelled and "other"
+    # only ever gains tenants, so every counter only grows. By volume, a tenant would move in and
+    # out of "other" and both series would drop, which Prometheus reads as counter resets. A tenant
+    # really named "other" is summed there too, so that no series stands for two things.
+    labelled = [t for t in (name.decode() for name in first) if t != OTHER][:cap]
+    totals = {t: dict.fromkeys(_COUNTERS, 0) for t in labelled}
+    if seen > len(labelled):  # some tenant has no label of its own: "other" exists from then on
+        totals[OTHER] = dict.fromkeys(_COUNTERS, 0)
+    for field, value in usage.items():
+        tenant, _, name = field.decode().rpartition(":")
+        row = totals.get(tenant, totals.get(OTHER))
+        if row is not None and name in row:
+            row[name] += int(value)
+    out = [Sample(counter, {"model": model, "tenant": tenant}, row[field] / divisor)
+           for tenant, row in totals.items() for field, (counter, divisor) in _COUNTERS.items()]
+    if not labelled:
+        return out
+    pipe = redis.pipeline(transaction=False)
+    for tenant in labelled:
+        for level in range(LEVELS):
+            pipe.llen(keys.tenant_waiting(model, tenant, level))
+        pipe.scard(keys.tenant_running(model, tenant))
+    replies = await pipe.execute()
+    for i, tenant in enumerate(labelled):
+        *waiting, running = replies[i * (LEVELS + 1):(i + 1) * (LEVELS + 1)]
+        labels = {"model": model, "tenant": tenant}
+        out += [Sample("llmq_tenant_waiting_jobs", labels, sum(waiting)),
+                Sample("llmq_tenant_running_jobs", labels, running)]
+    return out
+
 
 async def collect(svc: Services) -> list[Sample]:
-    status = await snapshot(svc.queue.redis, svc.keys)
+    status = await snapshot(svc.queue.redis, svc.keys, top=0)  # tenant_series reads every tenant's figures
     out: list[Sample] = []
     for m in status.models:
         for lv in m.levels:
@@ -43,6 +99,9 @@ async def collect(svc: Services) -> list[Sample]:
                 out.append(Sample("llmq_queue_oldest_age_seconds", labels, lv.oldest_age_s))
         out += [Sample("llmq_dead_letters", {"model": m.name}, m.dead_letters),
                 Sample("llmq_workers_ready", {"model": m.name}, m.ready_workers)]
+    per_model = await asyncio.gather(*(tenant_series(svc.queue.redis, svc.keys, m.name, svc.settings.metrics_tenants)
+                                       for m in status.models))
+    out += [sample for samples in per_model for sample in samples]
     for w in status.workers:
         out += [Sample(s.name, {**s.labels, "worker": w.id}, s.value) for s in w.metrics]
     out += _own(svc)

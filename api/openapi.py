@@ -251,6 +251,8 @@ _PARAMS: dict[str, dict[str, Any]] = {
     "starting_after": {"name": "starting_after", "in": "query", "required": False,
                        "schema": {"type": "integer", "minimum": -1},
                        "description": "With stream=true: only the events numbered above this."},
+    "days": {"name": "days", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 1},
+             "description": "How many UTC days back, today included (7; at most LLMQ_USAGE_DAYS)."},
     "Prefer": {"name": "Prefer", "in": "header", "required": False,
                "schema": {"type": "string", "enum": ["respond-async"]},
                "description": "RFC 7240: answer 202 with a job id instead of waiting."},

@@ -205,6 +205,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     deadline). Per request: the `X-LLMQ-Timeout` header (seconds) or `timeout_s` in /v1/jobs."""
     max_body_bytes: int = 10_000_000
     """LLMQ_MAX_BODY_BYTES: the largest request body accepted (413 past it)."""
+    metrics_tenants: int = 50
+    """LLMQ_METRICS_TENANTS: per model, how many tenants get their own `tenant` label in /metrics' per-tenant
+    series: the first ones to queue a job there; every later tenant's figures are summed under `tenant="other"`."""
     log_json: bool | None = None
     """LLMQ_LOG_JSON: force JSON (true) or console (false) logs; default JSON unless on a TTY (`make run`: false)."""
     log_level: str = "info"

@@ -5,14 +5,21 @@ Where each figure comes from:
 - queue gauges (depth, the group's lag and pending entries, the oldest job's age, dead letters,
   ready workers) are read from Redis when ``/metrics`` is scraped: one pipeline per model
   (``shared.inspection.read_queue``, through ``shared.status.snapshot``);
+- per-tenant counters (requests, prompt and generated tokens, engine time) are read at scrape time
+  from each model's usage-since-the-start hash, which the scripts that end jobs keep (tenants.lua),
+  and the per-tenant gauges (jobs waiting, running) from the scheduler's per-tenant lists and sets.
+  At most LLMQ_METRICS_TENANTS tenants per model get a ``tenant`` label, the first to queue a job
+  there; the rest are summed under ``tenant="other"`` (``api/metrics.py`` says why). Two
+  pipelines per model, whatever the number of tenants (the usage hash is read whole: its size
+  grows with them);
 - each worker counts its jobs, tokens, reclaims and outcomes and keeps the latency histograms,
   and pushes them through Redis: one JSON field of its heartbeat hash, rewritten every beat. The
   API serves them with a ``worker`` label. No port per worker: a worker on any host is scraped
   through the one API, and its figures vanish with its heartbeat key;
 - the API counts what only it sees (error answers such as 429s, streams in flight).
 
-Counters are per process, so they restart at 0 with the process; Prometheus' ``rate()`` reads a
-reset as one.
+The workers' and API processes' counters are per process, so they restart at 0 with the process;
+Prometheus' ``rate()`` reads a reset as one. The per-tenant counters live in Redis and only grow.
 """
 
 from __future__ import annotations
@@ -41,6 +48,13 @@ CATALOGUE: dict[str, Metric] = {
     "llmq_queue_oldest_age_seconds": Metric("gauge", "Age of the oldest unfinished job on the level."),
     "llmq_dead_letters": Metric("gauge", "Records in the model's dead-letter stream."),
     "llmq_workers_ready": Metric("gauge", "Warm workers serving the model."),
+    "llmq_tenant_requests_total": Metric("counter", "Jobs of the tenant that ended on the model, however they ended."),
+    "llmq_tenant_prompt_tokens_total": Metric("counter", "Prompt tokens of the tenant's jobs that ended on the model."),
+    "llmq_tenant_generated_tokens_total": Metric("counter",
+                                                 "Tokens generated for the tenant's jobs that ended on the model."),
+    "llmq_tenant_engine_seconds_total": Metric("counter", "Engine time of the tenant's jobs, from start to end."),
+    "llmq_tenant_waiting_jobs": Metric("gauge", "The tenant's jobs waiting for its turn (every level)."),
+    "llmq_tenant_running_jobs": Metric("gauge", "The tenant's jobs picked and not yet ended."),
     "llmq_api_streams_in_flight": Metric("gauge", "Jobs an API process (label api) is relaying to clients right now."),
     "llmq_api_errors_total": Metric("counter",
                                     "Requests an API process (label api) refused or failed, by status and code."),

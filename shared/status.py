@@ -3,7 +3,9 @@
 The friendly face of the redis-cli recipes in docs/redis.md. Per model and priority level: jobs waiting
 (queued, not yet delivered), running (delivered and unfinished: the consumer group's pending
 entries) and the oldest unfinished job's age; the dead-letter count; and every worker's heartbeat
-(model, status, slots, running, last beat). ``--json`` prints the same as one JSON document.
+(model, status, slots, running, last beat); per model, the top tenants of the day (UTC) by tokens,
+with their requests, prompt and generated tokens and engine time. ``--json`` prints the same as one
+JSON document.
 
 Everything is read, nothing written, so it is safe against a live deployment. The queue's figures
 come from ``shared.inspection.read_queue`` (one pipeline per model), as /metrics' and the sweep's do.
@@ -25,8 +27,12 @@ from shared.inspection import read_queue
 from shared.keys import Keys
 from shared.metrics import Sample, decode_samples
 from shared.redis import connect
+from shared.tenants import today, top_tenants
 
-__all__ = ["Status", "ModelStatus", "LevelStatus", "WorkerStatus", "snapshot", "heartbeats", "render", "main"]
+__all__ = ["Status", "ModelStatus", "LevelStatus", "TenantUsage", "WorkerStatus", "snapshot", "heartbeats", "render",
+           "main"]
+
+TOP_TENANTS = 5
 
 
 class LevelStatus(msgspec.Struct, kw_only=True):
@@ -55,6 +61,16 @@ class WorkerStatus(msgspec.Struct, kw_only=True):
     """Its Prometheus counters and histograms (shared/metrics.py), as of its last heartbeat."""
 
 
+class TenantUsage(msgspec.Struct, kw_only=True):
+    """One tenant's usage of one model on the status' day (UTC), from jobs that ended."""
+
+    tenant: str
+    requests: int
+    prompt_tokens: int
+    generated_tokens: int
+    engine_seconds: float
+
+
 class ModelStatus(msgspec.Struct, kw_only=True):
     name: str
     waiting: int
@@ -62,6 +78,8 @@ class ModelStatus(msgspec.Struct, kw_only=True):
     dead_letters: int
     ready_workers: int
     levels: list[LevelStatus]
+    top_tenants: list[TenantUsage] = []
+    """The tenants that used the most tokens (prompt + generated) on the day, most first."""
 
 
 class Status(msgspec.Struct, kw_only=True):
@@ -70,20 +88,26 @@ class Status(msgspec.Struct, kw_only=True):
     """Epoch seconds of the reading."""
     models: list[ModelStatus]
     workers: list[WorkerStatus]
+    day: str = ""
+    """The UTC day the models' top tenants are counted over (the reading's)."""
 
 
 def _age_s(at_ms: int, now: float) -> float:
     return round(max(0.0, now - at_ms / 1000), 3)
 
 
-async def _model(redis: Redis, keys: Keys, name: str, now: float) -> ModelStatus:
+async def _model(redis: Redis, keys: Keys, name: str, now: float, top: int) -> ModelStatus:
     reading = await read_queue(redis, keys, name, now_ms=now * 1000)
+    ranked = await top_tenants(redis, keys, name, today(now), top) if top > 0 else []
     levels = [LevelStatus(level=lv.level, stream=lv.stream, waiting=lv.waiting, running=lv.pending,
                           oldest_age_s=None if lv.oldest_ms is None else _age_s(lv.oldest_ms, now))
               for lv in reading.levels if lv.exists]
     return ModelStatus(
         name=name, waiting=sum(lv.waiting for lv in levels), running=sum(lv.running for lv in levels),
         dead_letters=reading.dead_letters, ready_workers=reading.ready_workers, levels=levels,
+        top_tenants=[TenantUsage(tenant=tenant, requests=u.get("requests", 0), prompt_tokens=u.get("prompt_tokens", 0),
+                                 generated_tokens=u.get("generated_tokens", 0),
+                                 engine_seconds=u.get("engine_ms", 0) / 1000) for tenant, u in ranked],
     )
 
 
@@ -108,11 +132,13 @@ async def _workers(redis: Redis, keys: Keys, now: float) -> list[WorkerStatus]:
     return sorted(workers, key=lambda w: (w.model, w.id))
 
 
-async def snapshot(redis: Redis, keys: Keys) -> Status:
-    """One reading of every model any worker ever advertised, and of every live worker."""
+async def snapshot(redis: Redis, keys: Keys, *, top: int = TOP_TENANTS) -> Status:
+    """One reading of every model any worker ever advertised, with its ``top`` tenants of the day
+    (0: none read), and of every live worker."""
     now = time.time()
     names = sorted(n.decode() for n in await redis.zrange(keys.models(), 0, -1))
-    return Status(prefix=keys.prefix, at=round(now, 3), models=[await _model(redis, keys, n, now) for n in names],
+    return Status(prefix=keys.prefix, at=round(now, 3), day=today(now),
+                  models=[await _model(redis, keys, n, now, top) for n in names],
                   workers=await _workers(redis, keys, now))
 
 
@@ -131,6 +157,11 @@ def render(status: Status) -> str:
                       f"{m.ready_workers} ready worker(s)"]
         lines += _table(["level", "stream", "waiting", "running", "oldest (s)"],
                         [[lv.level, lv.stream, lv.waiting, lv.running, lv.oldest_age_s] for lv in m.levels])
+        if m.top_tenants:
+            lines += ["", f"  top tenants of {status.day} (UTC), by tokens:"]
+            lines += _table(["tenant", "requests", "prompt tokens", "generated tokens", "engine (s)"],
+                            [[t.tenant, t.requests, t.prompt_tokens, t.generated_tokens, round(t.engine_seconds, 3)]
+                             for t in m.top_tenants])
     lines += ["", f"workers: {len(status.workers)}"]
     if status.workers:
         lines += _table(["id", "model", "status", "slots", "running", "host", "pid", "device", "last beat (s ago)"],

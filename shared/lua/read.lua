@@ -21,7 +21,7 @@ local want = tonumber(ARGV[2])
 local skipped = 0
 for level = 0, levels - 1 do
   local queue, waiting, fair = KEYS[1 + 3 * level], KEYS[2 + 3 * level], fairs[level + 1]
-  local picked = 0
+  local picked, last = 0, nil
   while picked < want and skipped < 100 do
     local top = redis.call('ZRANGE', fair, 0, 0, 'WITHSCORES')
     if not top[1] then break end
@@ -39,15 +39,16 @@ for level = 0, levels - 1 do
       if f[1] ~= 'queued' then
         skipped = skipped + 1  -- it ended while it waited (deadline, deleted) or expired: drop it
       else
-        redis.call('HSET', clock, tostring(level), top[2])
+        last = top[2]
         local cost = tonumber(f[2] or '0')
-        local t = redis.call('HMGET', tkey, 'weight')
-        local weight = tonumber(t[1] or '1')
+        local t = redis.call('HMGET', tkey, 'weight', 'max_running')
+        local weight, cap = tonumber(t[1] or '1'), tonumber(t[2] or '0')
         if weight <= 0 then weight = 1 end
         Fair.set_vtc(tkey, fairs, tenant, tonumber(top[2]) + cost / weight)
         redis.call('HSET', job, 'charged', cost)
-        redis.call('SADD', tkey .. ':running', id)
-        if not Fair.has_room(tkey) then
+        -- At its running limit it leaves every fair set; it is back when one of its jobs ends.
+        if redis.call('SADD', tkey .. ':running', id) == 1 and cap > 0
+            and redis.call('SCARD', tkey .. ':running') >= cap then
           for _, other in ipairs(fairs) do redis.call('ZREM', other, tenant) end
         end
         redis.call('XADD', queue, '*', 'job', id)
@@ -55,6 +56,7 @@ for level = 0, levels - 1 do
       end
     end
   end
+  if last then redis.call('HSET', clock, tostring(level), last) end
   if skipped >= 100 then more = 1 end
   if want > 0 then
     local reply = redis.call('XREADGROUP', 'GROUP', 'workers', ARGV[1], 'COUNT', want, 'STREAMS', queue, '>')
@@ -69,7 +71,11 @@ for level = 0, levels - 1 do
       end
     end
   end
-  local last = redis.call('XREVRANGE', waiting, '+', '-', 'COUNT', 1)
-  tops[level + 1] = last[1] and last[1][1] or '0-0'
+end
+if #out == 0 then  -- only a reader about to block needs them
+  for level = 0, levels - 1 do
+    local newest = redis.call('XREVRANGE', KEYS[2 + 3 * level], '+', '-', 'COUNT', 1)
+    tops[level + 1] = newest[1] and newest[1][1] or '0-0'
+  end
 end
 return {out, tops, more}
