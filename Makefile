@@ -61,6 +61,7 @@ bench: model
 	$(PY) -m tests.bench.pickup
 	$(PY) -m tests.bench.relay --web-processes 1 2
 	$(PY) -m tests.bench.memory
+	$(PY) -m tests.bench.fairness
 
 bench-smoke: model
 	$(PY) -m tests.bench --config fast --smoke

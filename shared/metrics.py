@@ -43,7 +43,7 @@ class Metric(NamedTuple):
 
 CATALOGUE: dict[str, Metric] = {
     "llmq_queue_depth": Metric("gauge", "Unfinished jobs on the level: lag + pending (finished entries are deleted)."),
-    "llmq_queue_lag": Metric("gauge", "Jobs queued and not yet delivered to any worker (the consumer group's lag)."),
+    "llmq_queue_lag": Metric("gauge", "Jobs queued and not yet delivered to any worker (waiting their tenant's turn)."),
     "llmq_queue_pending": Metric("gauge", "Jobs delivered to a worker and unfinished (the group's pending entries)."),
     "llmq_queue_oldest_age_seconds": Metric("gauge", "Age of the oldest unfinished job on the level."),
     "llmq_dead_letters": Metric("gauge", "Records in the model's dead-letter stream."),

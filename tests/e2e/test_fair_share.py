@@ -120,3 +120,43 @@ def test_shares_converge_across_web_processes_and_workers(stack):
         with httpx.Client(timeout=60) as http:
             for url, group in groups:  # the rest of the session's tests run on these workers
                 http.delete(f"{url}/v1/jobs/{group}")
+
+
+def test_quotas_refuse_with_each_sdks_rate_limit_error(stack):
+    """On the real processes, with the real clients: a tenant's tokens-per-minute quota is the
+    openai SDK's RateLimitError and the anthropic SDK's RateLimitError, with Retry-After from the
+    tenant's own window; its running + queued limit refuses the next concurrent request."""
+    import anthropic
+
+    url = stack.api(LLMQ_TENANT_HEADER=HEADER)
+    redis = redis_sync.Redis.from_url(stack.redis_url)
+    keys = Keys(stack.prefix)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+
+    redis.hset(keys.tenant_config("metered"), "tokens_per_minute", 40)
+    used = client.completions.create(model=stack.model, prompt="Hello there", max_tokens=40, temperature=0,
+                                     extra_body={"ignore_eos": True}, extra_headers={HEADER: "metered"})
+    assert used.usage.total_tokens >= 40
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.completions.create(model=stack.model, prompt="Hi", max_tokens=4, extra_headers={HEADER: "metered"})
+    assert 55 <= int(refused.value.response.headers["retry-after"]) <= 60
+    with pytest.raises(anthropic.RateLimitError) as refused_too:
+        claude.messages.create(model=stack.model, max_tokens=4, messages=[{"role": "user", "content": "Hi"}],
+                               extra_headers={HEADER: "metered"})
+    assert refused_too.value.body["error"]["type"] == "rate_limit_error"
+    assert 55 <= int(refused_too.value.response.headers["retry-after"]) <= 60
+
+    redis.hset(keys.tenant_config("capped"), mapping={"max_running": 1, "max_queued": 0})
+    with httpx.Client(base_url=url, timeout=60) as http:
+        long = {"model": stack.model, "prompt": "Long", "max_tokens": 900, "ignore_eos": True}
+        queued = http.post("/v1/completions", json=long, headers={HEADER: "capped", "Prefer": "respond-async"})
+        held = queued.json()["id"]
+        try:
+            with pytest.raises(openai.RateLimitError):
+                client.completions.create(model=stack.model, prompt="Hi", max_tokens=4,
+                                          extra_headers={HEADER: "capped"})
+            # Another tenant is served meanwhile.
+            assert client.completions.create(model=stack.model, prompt="Hi", max_tokens=4).usage.completion_tokens == 4
+        finally:
+            http.delete(f"/v1/jobs/{held}")
