@@ -73,13 +73,17 @@ async def _unless(stop: asyncio.Event, call: Callable[[], Awaitable[T]]) -> T | 
 
 @functools.cache
 def lua(name: str) -> str:
-    """The text of one of the scripts in shared/lua (read once per process). The scripts that
-    queue, pick or end a job act on tenants' fair share too: they get tenants.lua's functions
-    first (Redis scripts cannot include one another)."""
+    """The text of one of the scripts in shared/lua (read once per process), after the text of
+    each library (:data:`_LIBRARIES`) it calls: Redis scripts cannot include one another."""
     text = resources.files("shared").joinpath("lua", name).read_text()
-    if name != "tenants.lua" and "Fair." in text:
-        text = lua("tenants.lua") + "\n" + text
+    for library, namespace in _LIBRARIES.items():
+        if name != library and f"{namespace}." in text:
+            text = lua(library) + "\n" + text
     return text
+
+
+# Functions several scripts share, by the name of the table that holds them.
+_LIBRARIES = {"tenants.lua": "Fair", "claim.lua": "Claim"}
 
 
 def _sharded(source: str) -> str:
@@ -339,56 +343,54 @@ class Queue:
     # --- worker side --------------------------------------------------------------------------
 
     async def read_new(self, model: str, consumer: str, count: int, block_ms: int,
-                       max_deliveries: int = 3, *, hand_back_idle_ms: int = 60_000,
-                       admit: Callable[[int], int] | None = None, stop: asyncio.Event | None = None,
-                       ) -> list[Delivery]:
-        """Take up to ``count`` new entries (never more than the engine has free slots), the most
-        urgent level first, and claim them.
+                       max_deliveries: int = 3, *, admit: Callable[[int], int] | None = None,
+                       stop: asyncio.Event | None = None) -> list[Delivery]:
+        """Pick, read and claim up to ``count`` new jobs (never more than the engine has free
+        slots), the most urgent level first, by fair share between tenants within a level.
 
-        read.lua picks what waits in level order, by fair share between tenants within a level,
-        without blocking; only when nothing waits does the read block (on the waiting streams).
-        ``admit``, given how many
-        entries arrived (at most ``count``), says how many the caller still has room for: its
-        slots may have filled while the read blocked (a takeover); the rest is handed back too.
-        ``stop`` set ends a blocked read at once, with nothing (a worker told to drain must not
-        wait out LLMQ_BLOCK_MS first): whatever Redis delivered in that instant stays in this
-        consumer's pending list, unclaimed, for a peer to take once this worker is gone."""
-        queues, waiting = self.keys.queues(model), self.keys.waitings(model)
-        entries, tops = await self._pick(model, consumer, count)
-        if not entries:
+        read.lua does all three in one script, without blocking; only when nothing waits does the
+        read block, on the waiting streams, and then pick once more. ``admit``, called before each
+        pick with ``count``, says how many the caller has room for now and holds that many slots
+        (its slots may have filled meanwhile: a takeover while the read blocked), so nothing is
+        claimed that could not start; called with 0 before blocking, it holds none. ``stop`` set
+        ends a blocked read at once, with nothing (a worker told to drain must not wait out
+        LLMQ_BLOCK_MS first)."""
+        room = admit(count) if admit is not None else count
+        if room <= 0:
+            return []
+        rows, tops = await self._pick(model, consumer, room, max_deliveries)
+        if not rows:
             # Nobody waits: sleep until a job is queued after the newest waiting entry read.lua saw
             # (so one queued meanwhile wakes us at once), then pick once more. Every idle worker
             # wakes; the pick gives the job to one.
+            waiting = self.keys.waitings(model)
+            if admit is not None:
+                admit(0)  # hold no slot while blocked: a takeover meanwhile may need them all
+
             def read() -> Awaitable[list]:
                 return self.redis.xread(dict(zip(waiting, tops, strict=True)), count=1, block=block_ms)
 
             reply = await read() if stop is None else await _unless(stop, read)
-            if not reply:
+            room = admit(count) if admit is not None else count
+            if not reply or room <= 0:
                 return []
-            entries, _ = await self._pick(model, consumer, count)
-        keep = min(count, len(entries))
-        if admit is not None and entries:
-            keep = admit(keep)
-        if len(entries) > keep:
-            extra, entries = entries[keep:], entries[:keep]
-            pipe = self.redis.pipeline(transaction=False)
-            for level, entry_id, _ in extra:
-                pipe.xclaim(queues[level], GROUP, consumer, 0, [entry_id], idle=hand_back_idle_ms, justid=True)
-            await pipe.execute()
-        return await self._claim(model, consumer, entries, max_deliveries, reclaimed=False)
+            rows, _ = await self._pick(model, consumer, room, max_deliveries)
+        return self._deliveries([(int(level), entry_id, job.decode()) for level, entry_id, job, _ in rows],
+                                [state for *_, state in rows], reclaimed=False)
 
-    async def _pick(self, model: str, consumer: str, count: int) -> tuple[list[tuple[int, bytes, str]], list[bytes]]:
-        """read.lua: up to ``count`` jobs picked by fair share and read, as (level, entry id, job
-        id), and per level the newest waiting entry it saw."""
+    async def _pick(self, model: str, consumer: str, count: int, max_deliveries: int) -> tuple[list, list[bytes]]:
+        """read.lua: up to ``count`` jobs picked by fair share, read and claimed, as (level, entry
+        id, job id, start state) rows, and per level the newest waiting entry it saw."""
         keys: list[str] = []
         for level in range(LEVELS):
             keys += [self.keys.queue(model, level), self.keys.waiting(model, level), self.keys.fair(model, level)]
         keys.append(self.keys.fair_clock(model))
+        args = [consumer, count, self.keys.tenant(model, ""), self.keys.job(model, ""), self.keys.events(model, ""),
+                now_ms(), max_deliveries]
         while True:  # again at once while it stops early on waiting jobs that had already ended
-            rows, tops, more = await self._read(
-                keys=keys, args=[consumer, count, self.keys.tenant(model, ""), self.keys.job(model, "")])
+            rows, tops, more = await self._read(keys=keys, args=args)
             if rows or not more:
-                return [(int(level), entry_id, job.decode()) for level, entry_id, job in rows], tops
+                return rows, tops
 
     async def reclaim(self, model: str, consumer: str, count: int, lease_ms: int, *,
                       max_deliveries: int = 3, exclude: frozenset[str] = frozenset()) -> list[Delivery]:
@@ -506,6 +508,10 @@ class Queue:
         for _, _, job_id in entries:
             keys += [self.keys.job(model, job_id), self.keys.events(model, job_id)]
         states = await self._start(keys=keys, args=[consumer, now_ms(), max_deliveries])
+        return self._deliveries(entries, states, reclaimed=reclaimed)
+
+    def _deliveries(self, entries: list[tuple[int, bytes, str]], states: list, *, reclaimed: bool) -> list[Delivery]:
+        """Deliveries from entries (level, entry id, job id) and their claim rows (claim.lua)."""
         deliveries = []
         for (level, entry_id, job_id), (state, request, queued_at, attempt, last_seq, prompt_ids, deadline) in zip(
             entries, states, strict=True

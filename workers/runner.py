@@ -192,13 +192,14 @@ class Worker:
 
     async def _read_new(self, count: int) -> None:
         # The read may block for LLMQ_BLOCK_MS with ``count`` slots free, and the watcher must not
-        # wait that long to take a dead peer's jobs: so the slots are held only once entries
-        # arrive, and what no longer fits (the watcher filled slots meanwhile) is handed back.
+        # wait that long to take a dead peer's jobs: so the slots are held only for each pick (the
+        # pick claims what it takes), sized to the room left then.
         admitted = 0
 
-        def admit(arrived: int) -> int:
+        def admit(wanted: int) -> int:
             nonlocal admitted
-            admitted = max(0, min(arrived, self._room()))
+            self._incoming -= admitted  # the last pick's hold, if it found nothing
+            admitted = max(0, min(wanted, self._room()))
             self._incoming += admitted
             return admitted
 

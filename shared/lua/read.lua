@@ -1,17 +1,18 @@
--- Pick and read new jobs for one consumer across the priority levels, most urgent first, up to
--- COUNT in total. Never blocks: the caller blocks (on the waiting streams) only when this finds
--- nothing.
+-- Pick, read and claim new jobs for one consumer across the priority levels, most urgent first,
+-- up to COUNT in total: one round trip from a free slot to a started job. Never blocks: the caller
+-- blocks (on the waiting streams) only when this finds nothing.
 -- On each level the fair share picks: the tenant with the lowest counter in the level's fair set
 -- gives its oldest waiting job, which moves from the waiting stream to the level's queue stream
 -- (charged to the tenant: Fair), until COUNT jobs are picked or nobody waits. Then one
 -- XREADGROUP takes the queue stream's new entries: the picked ones, and any an older API queued
--- there directly.
+-- there directly; each is claimed as start.lua claims (Claim.start, claim.lua).
 -- KEYS: per level 3 keys: queue stream, waiting stream, fair set; then the fair clock
 -- ARGV[1] consumer   ARGV[2] how many entries at most   ARGV[3] the tenants' key prefix
---   ARGV[4] the job records' key prefix
--- Returns {rows, tops, more}: rows = {level (0-based), entry id, job id} per entry, in reading
--- order; tops = each waiting stream's newest entry id ('0-0' when empty), where the caller's
--- blocking read starts; more = 1 when it stopped early on ended jobs (read again at once).
+--   ARGV[4] the job records' key prefix   ARGV[5] the event logs' key prefix   ARGV[6] now (epoch ms)
+--   ARGV[7] max failed deliveries before dead letter
+-- Returns {rows, tops, more}: rows = {level (0-based), entry id, job id, Claim.start's row} per
+-- entry, in reading order; tops = each waiting stream's newest entry id ('0-0' when empty), where
+-- the caller's blocking read starts; more = 1 when it stopped early on ended jobs (read again).
 local levels = (#KEYS - 1) / 3
 local clock = KEYS[#KEYS]
 local fairs = {}
@@ -66,7 +67,7 @@ for level = 0, levels - 1 do
         for j = 1, #fields, 2 do
           if fields[j] == 'job' then job = fields[j + 1] end
         end
-        table.insert(out, {level, entry[1], job})
+        table.insert(out, {level, entry[1], job, Claim.start(ARGV[4] .. job, ARGV[5] .. job, ARGV[1], ARGV[6], ARGV[7])})
         want = want - 1
       end
     end
