@@ -76,6 +76,9 @@ function Fair.ended(job, id, m, prompt, generated)
     if engine_ms > 0 then redis.call('HINCRBY', usage, tenant .. ':engine_ms', engine_ms) end
   end
   redis.call('EXPIRE', m.usage_day, m.day_ttl)
+  -- Nothing reads them once the job has ended (its usage is counted): a finished record keeps
+  -- only what its readers need, for LLMQ_RESULT_TTL_S.
+  redis.call('HDEL', job, 'tenant', 'estimate', 'charged')
   if known and prompt + generated > 0 then
     local second = math.floor(m.now / 1000)
     for _, window in ipairs({tkey .. ':tokens', m.tokens}) do

@@ -129,6 +129,8 @@ async def test_priority_comes_before_fair_share(redis, prefix, make_worker):
     done = await wait_done(queue, [a_urgent, *b_low])
     order = [r.id for r in sorted(done, key=lambda r: r.started_at)]
     assert order[0] == a_urgent
+    # Once metered, a finished record drops its tenant's bookkeeping (it stays for LLMQ_RESULT_TTL_S).
+    assert {b"tenant", b"estimate", b"charged"} & set(await redis.hkeys(Keys(prefix).job(MODEL, a_urgent))) == set()
 
 
 async def test_running_limit_holds_a_tenant_back_without_idling_the_engine(redis, prefix, make_worker):
