@@ -27,6 +27,10 @@ def drained(redis: redis_sync.Redis, keys: Keys, model: str) -> None:
     deadline = time.monotonic() + 120
     while sum(redis.xlen(k) for k in (*keys.waitings(model), *keys.queues(model))) and time.monotonic() < deadline:
         time.sleep(0.2)
+    left = {k: redis.xrange(k) for k in (*keys.waitings(model), *keys.queues(model)) if redis.xlen(k)}
+    detail = {k: [(e, f, redis.hmget(keys.job(model, f[b"job"].decode()), "status", "cancel", "attempt", "worker"))
+                  for e, f in entries] for k, entries in left.items()}
+    assert not left, detail
 
 
 def ttft_s(client: openai.OpenAI, model: str, tenant: str) -> float:
