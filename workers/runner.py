@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import os
 import socket
@@ -301,12 +302,28 @@ class Worker:
             if not d.reclaimed:
                 self.metrics.observe("llmq_queue_wait_seconds", (now_ms() - d.queued_at) / 1000)
             task = asyncio.create_task(self._run_job(d, d.request), name=f"job-{d.job_id}")
+            task.add_done_callback(functools.partial(self._cancelled_unstarted, d))
             running = _Running(task=task, held=Held(d.job_id, d.entry_id, d.attempt, d.level))
             if d.deadline is not None:
                 running.deadline = asyncio.get_running_loop().call_later(
                     max(0.0, (d.deadline - now_ms()) / 1000), self.cancel_job, d.job_id,
                     DeadlineExceeded("the request's deadline passed while it was running"))
             self._running[d.job_id] = running
+
+    def _cancelled_unstarted(self, d: Delivery, task: asyncio.Task[None]) -> None:
+        """A job task cancelled before its first step never runs :meth:`_run_job` at all, so none
+        of its handlers end the job or free its slot: a cancel notice that arrives between the
+        claim and the task's start (a client's DELETE just as its job is picked). End it here."""
+        running = self._running.get(d.job_id)
+        if not task.cancelled() or running is None or running.task is not task:
+            return  # it ran: _run_job's own handlers ended it (or it stopped with the worker)
+        del self._running[d.job_id]
+        if running.deadline is not None:
+            running.deadline.cancel()
+        reason = running.stop_reason
+        if reason is not None and not isinstance(reason, LeaseLost):  # a peer owns a lost lease's job
+            self._end(d, d.last_seq, reason, usage=Usage())
+        self._slot_freed.set()
 
     # --- one job ------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ import uuid
 import pytest
 
 from shared.config import load_settings
+from shared.errors import JobCancelled
 from shared.keys import GROUP, Keys
 from shared.queue import Queue, now_ms
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams
@@ -137,3 +138,28 @@ async def test_stop_ends_a_blocked_read_at_once(make_worker, redis, keys):
     await asyncio.sleep(0.2)
     assert (await redis.xpending(keys.queue("m"), GROUP))["pending"] == 0
     assert (await queue.get_job("m", job_id)).status == "queued"
+
+
+async def test_a_cancel_that_arrives_before_its_job_task_starts_still_ends_the_job(redis, prefix):
+    """A DELETE just as the job is picked: the cancel notice reaches the worker after the claim
+    and before the job's task has run a step (a task cancelled then never runs its coroutine).
+    The job still ends as cancelled, its slot is free and its queue entry is gone."""
+    keys = Keys(prefix)
+    settings = load_settings({}, prefix=prefix, served_model_name="m")
+    queue = Queue(redis, keys)
+    await queue.ensure_group("m")
+    worker = Worker(settings, queue, ScriptedEngine(delay_s=0.01), worker_id="w-unstarted")
+    record = JobRecord(id=uuid.uuid4().hex, model="m", queued_at=now_ms(),
+                       request=GenerationRequest(prompt="x", sampling=SamplingParams(max_tokens=50)))
+    await queue.enqueue(record)
+    [delivery] = await queue.read_new("m", worker.worker_id, 1, 50)
+    await worker._accept(delivery)
+    assert worker.cancel_job(record.id, JobCancelled("job was cancelled"))  # before the task's first step
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert record.id not in worker._running
+    await worker._flush_once()
+    stored = await queue.get_job("m", record.id)
+    assert stored.status == "cancelled" and stored.error.code == "cancelled"
+    assert await redis.xlen(keys.queue("m")) == 0
+    assert (await redis.xpending(keys.queue("m"), GROUP))["pending"] == 0
