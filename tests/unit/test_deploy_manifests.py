@@ -253,7 +253,7 @@ def test_every_container_runs_a_procfile_process() -> None:
         for c in _containers(dep):
             ran.add(" ".join(c.get("command", []) + c.get("args", [])))
     for name, service in _compose()["services"].items():
-        if name != "redis":
+        if name != "redis" and "profiles" not in service:  # a profile's services are others' images
             ran.add(" ".join(service["command"]))
     assert ran and ran <= procfile, ran - procfile
     assert ran == procfile  # and every process has a home
@@ -338,3 +338,24 @@ def test_the_gpu_image_installs_the_gpu_extra() -> None:
     for dockerfile in ("Dockerfile.cpu", "Dockerfile.gpu"):
         content = _instructions(dockerfile)
         assert 'ENTRYPOINT ["tini", "--"]' in content and "USER llmq" in content
+
+
+def test_the_observability_profile_scrapes_web_and_provisions_the_dashboard() -> None:
+    services = _compose()["services"]
+    extra = {name for name, service in services.items() if "observability" in service.get("profiles", [])}
+    assert extra == {"prometheus", "grafana", "otel-collector"}
+    assert all("profiles" not in services[name] for name in ("redis", "web", "worker", "housekeeping"))
+    web_port = services["web"]["environment"]["LLMQ_PORT"]
+    scrape = yaml.safe_load((DEPLOY / "observability" / "prometheus.yml").read_text())["scrape_configs"]
+    targets = [(c["metrics_path"], c["static_configs"][0]["targets"]) for c in scrape]
+    assert targets == [("/metrics", [f"web:{web_port}"])]
+    mounts = {v.split(":")[0]: v.split(":")[1] for v in services["grafana"]["volumes"]}
+    assert (DEPLOY / mounts["./grafana/llmq.json"].replace("/var/lib/grafana/dashboards", "grafana")).exists()
+    provisioning = DEPLOY / "observability" / "grafana"
+    assert mounts["./observability/grafana"] == "/etc/grafana/provisioning"
+    [source] = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert source["isDefault"] and source["url"] == "http://prometheus:9090"  # the dashboard names none
+    [provider] = yaml.safe_load((provisioning / "dashboards" / "llmq.yml").read_text())["providers"]
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
+    collector = yaml.safe_load((DEPLOY / "observability" / "otel-collector.yaml").read_text())
+    assert collector["service"]["pipelines"]["traces"]["receivers"] == ["otlp"]
