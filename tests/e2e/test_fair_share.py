@@ -68,7 +68,9 @@ def test_a_flooding_tenant_cannot_push_another_tenants_ttft_past_one_batch_turno
             raw = redis.hmget(keys.job(stack.model, job_id), "started_at", "finished_at")
             if raw[0] and raw[1]:
                 durations.append(float(raw[1]) - float(raw[0]))
-        turnover = statistics.median(durations) / 1000
+        # One batch turnover: the longest a flood job held its slot (the flood's jobs start and
+        # end in batches; the light tenant waits at most for the slowest of the batch it lands in).
+        turnover = max(durations) / 1000
         print(f"light tenant TTFT: uncontended p50 {uncontended * 1000:.0f} ms; under the flood "
               f"{[round(t * 1000) for t in contended]} ms; one batch turnover {turnover * 1000:.0f} ms "
               f"({len(durations)} flood jobs finished, {waiting_after} still waiting)")
