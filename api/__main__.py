@@ -42,7 +42,7 @@ from typing import Any
 import structlog
 import uvicorn
 
-from shared.config import Settings, load_settings
+from shared.config import Settings, load_settings, load_tracing
 from shared.logging import configure_logging
 
 log = structlog.get_logger()
@@ -83,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if settings.web_processes == 1:
         from api.app import create_app
 
-        uvicorn.run(create_app(settings), **_uvicorn_options(settings))
+        uvicorn.run(create_app(settings, load_tracing("llmq-api", "api")), **_uvicorn_options(settings))
         return
     sys.exit(Supervisor(settings).run())
 
@@ -95,7 +95,9 @@ def serve_child(settings: Settings, fd: int, parent: int | None) -> int:
 
     _die_with_parent(parent)
     sock = socket.socket(fileno=fd)  # family and type read from the descriptor (AF_INET or AF_INET6)
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), **_uvicorn_options(settings)))
+    # Each web process its own tracer: the batch processor's thread does not survive a fork.
+    app = create_app(settings, load_tracing("llmq-api", "api"))
+    server = uvicorn.Server(uvicorn.Config(app, **_uvicorn_options(settings)))
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it drained for; the drain is done

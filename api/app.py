@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from litestar import Litestar
 from litestar.datastructures import State
 from litestar.di import Provide
@@ -29,8 +31,11 @@ from api.routes import (
     usage,
 )
 from api.services import Services, lifespan
-from shared.config import Settings, load_settings
+from shared.config import Settings, load_settings, load_tracing
 from shared.logging import configure_logging
+
+if TYPE_CHECKING:
+    from shared.tracing import Tracing
 
 __all__ = ["create_app"]
 
@@ -39,12 +44,20 @@ def _services(state: State) -> Services:
     return state.services
 
 
-def create_app(settings: Settings | None = None) -> Litestar:
+def create_app(settings: Settings | None = None, tracing: Tracing | None = None) -> Litestar:
+    """``tracing``: the process's tracer (shared/tracing.py), None with tracing off; the
+    entrypoint builds it from the OTEL_* variables."""
     if settings is None:  # the entrypoint: load settings (and logging) exactly once, here
         settings = load_settings()
         configure_logging(settings.log_level, settings.log_json, log_requests=settings.log_requests)
+        tracing = load_tracing("llmq-api", "api")
     keys = parse_keys(settings.api_keys)
     guard = KeyGuard(keys) if keys else None
+    middleware: list = [lambda app: RequestLifecycle(app, guard)]
+    if tracing is not None:
+        from api.tracing import Traced
+
+        middleware.insert(0, lambda app: Traced(app, tracing))  # outermost: its span ends after the last byte
     return Litestar(
         route_handlers=[
             lmi.invocations,
@@ -77,10 +90,11 @@ def create_app(settings: Settings | None = None) -> Litestar:
             "job": Provide(job_ref),
         },
         lifespan=[lifespan, pushing],
+        on_shutdown=[tracing.shutdown] if tracing is not None else None,
         exception_handlers=exception_handlers,
         # Guards run after routing, so a 401 renders in the route's dialect.
         guards=[guard] if guard is not None else None,
-        middleware=[lambda app: RequestLifecycle(app, guard)],
+        middleware=middleware,
         request_max_body_size=settings.max_body_bytes,
         state=State({"settings": settings}),
         openapi_config=None,  # the document is api.openapi's (routes read their own bodies)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import structlog
 from litestar.datastructures import Headers
@@ -28,12 +29,13 @@ from api.auth import owner_of, presented_key
 from api.services import Services, Svc
 from api.watches import JobWatch
 from shared.errors import InvalidRequest, JobNotFound
+from shared.events import Event
 from shared.keys import TAG_CHARS, model_tag
 from shared.schemas import GROUP_PREFIX, JobGroup, JobRecord
 from shared.tenants import DEFAULT_TENANT, valid_tenant
 
 __all__ = ["RequestContext", "Ctx", "JobRef", "Job", "request_context", "job_ref", "TIMEOUT_HEADER",
-           "PRIORITY_HEADER", "WATCHES", "owner_of_request"]
+           "PRIORITY_HEADER", "WATCHES", "SPAN", "RequestTrace", "owner_of_request"]
 
 # Per-request options every dialect accepts as headers (most wire formats have no field for them).
 TIMEOUT_HEADER = "x-llmq-timeout"
@@ -43,6 +45,20 @@ PRIORITY_HEADER = "x-llmq-priority"
 WATCHES = "llmq.watches"
 """The ASGI scope entry where :class:`api.http.RequestLifecycle` hands this request's watch set
 to :func:`request_context` (the one place that reads it)."""
+SPAN = "llmq.span"
+"""The ASGI scope entry where :class:`api.tracing.Traced` hands over the request's span (tracing on)."""
+
+
+class RequestTrace(Protocol):
+    """What a request's context needs of its span (``api.tracing.RequestSpan``, tracing on): a
+    Protocol, because the context is built in every process and OpenTelemetry is loaded only in
+    a traced one."""
+
+    traceparent: str
+
+    def queued(self, job_id: str, model: str, tenant: str, dialect: str) -> None: ...
+
+    def ended(self, event: Event) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +82,8 @@ class RequestContext:
     """RFC 7240 ``Prefer: respond-async``: answer 202 with a job id instead of waiting."""
     watches: set[JobWatch] | None = None
     """The jobs this request (or LMTP socket) submitted and follows; None: nobody watches."""
+    span: RequestTrace | None = None
+    """The request's span, with tracing on: its jobs' records carry its ``traceparent``."""
 
     def as_dialect(self, dialect: str) -> RequestContext:
         """The same request answered in another dialect (LMI's ``/invocations`` with an OpenAI body)."""
@@ -129,6 +147,7 @@ def request_context(scope: Scope, svc: Svc) -> RequestContext:
         idempotency_key=headers.get("idempotency-key") or None,
         respond_async=any(token.strip().lower() == "respond-async" for token in prefer.split(",")),
         watches=scope.get(WATCHES),  # type: ignore[typeddict-item]
+        span=scope.get(SPAN),  # type: ignore[typeddict-item]
     )
 
 

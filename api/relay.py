@@ -62,7 +62,7 @@ async def follow(
     keepalive_s: float | None = None,
     deadline: float | None = None,
     cold: ColdWait | None = None,
-    on_terminal: Callable[[], None] | None = None,
+    on_terminal: Callable[[Event], None] | None = None,
     on_exit: Callable[[], Awaitable[None]] | None = None,
 ) -> AsyncIterator[Event | Keepalive]:
     """Yield the job's events with seq > ``after_seq``, in order, ending with the terminal one.
@@ -73,7 +73,7 @@ async def follow(
     ended it (queued: at once; running: after a grace for its worker), so a client never waits
     beyond its deadline for a job no worker reads. With ``cold``, the job is also ended once no
     warm worker has served its model for ``cold.wait_s`` while it was quiet. ``on_terminal`` is
-    called as the terminal event goes out, ``on_exit`` when the iterator ends or is closed (hooks
+    called with the terminal event as it goes out, ``on_exit`` when the iterator ends or is closed (hooks
     here rather than a wrapping generator: no extra layer per event).
     """
     async def read_log(after: int) -> list[Event]:
@@ -117,7 +117,7 @@ async def follow(
                 last = event.seq
                 if is_terminal(event):
                     if on_terminal is not None:
-                        on_terminal()  # before the yield: the reader may stop right after it
+                        on_terminal(event)  # before the yield: the reader may stop right after it
                     yield event
                     return
                 yield event

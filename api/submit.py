@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import msgspec
 import structlog
 
-from api.context import RequestContext
+from api.context import RequestContext, RequestTrace
 from api.relay import ColdWait, follow
 from api.services import Services
 from api.watches import JobWatch
@@ -88,7 +88,10 @@ async def admit(svc: Services, ctx: RequestContext, req: GenerationRequest) -> G
 def _record(svc: Services, ctx: RequestContext, req: GenerationRequest) -> JobRecord:
     if req.webhook and not svc.settings.webhook_secret:
         raise InvalidRequest("webhooks are not configured on this server (LLMQ_WEBHOOK_SECRET)", param="webhook")
-    record = JobRecord.new(req, owner=ctx.owner, default_timeout_s=svc.settings.deadline_s, tenant=ctx.tenant)
+    record = JobRecord.new(req, owner=ctx.owner, default_timeout_s=svc.settings.deadline_s, tenant=ctx.tenant,
+                           traceparent=ctx.span.traceparent if ctx.span is not None else None)
+    if ctx.span is not None:
+        ctx.span.queued(record.id, record.model, ctx.tenant, req.dialect)
     if svc.settings.log_requests:  # LLMQ_LOG_REQUESTS: the only log line that holds a prompt, at debug
         log.debug("job_request", job_id=record.id, model=record.model, request=req)
     return record
@@ -146,9 +149,11 @@ def follow_job(
     keepalive: bool = False,
     watch: JobWatch | None = None,
     deadline: float | None = None,
+    span: RequestTrace | None = None,
 ) -> AsyncIterator[Event | Keepalive]:
     """The job's events; iterating to the end (or closing the iterator) closes the subscription.
-    With a ``watch``, leaving before the terminal event (closed, cancelled, failed) cancels the job."""
+    With a ``watch``, leaving before the terminal event (closed, cancelled, failed) cancels the job.
+    ``span``: the request's span (tracing on), told how the job ended."""
 
     # Only the request that queued the job waits for a worker with a bound; other readers (a poll's
     # event stream, a repeated Idempotency-Key) follow whatever happens to it.
@@ -156,9 +161,11 @@ def follow_job(
     if watch is not None and svc.settings.cold_wait_s > 0:
         cold = ColdWait(functools.partial(svc.models.warm, live.model), svc.settings.cold_wait_s)
 
-    def on_terminal() -> None:
+    def on_terminal(event: Event) -> None:
         if watch is not None:
             watch.finished = True
+        if span is not None:
+            span.ended(event)
 
     async def on_exit() -> None:
         try:
@@ -217,5 +224,5 @@ async def submit(svc: Services, ctx: RequestContext, req: GenerationRequest, *, 
         raise
     ours = watch.job_id == job_id
     events = follow_job(svc, live, backfill=backfill, keepalive=keepalive, watch=watch if ours else None,
-                        deadline=record.deadline if ours else None)
+                        deadline=record.deadline if ours else None, span=ctx.span)
     return Submission(job_id=job_id, created=int(record.queued_at // 1000), request=record.request, events=events)

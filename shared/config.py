@@ -11,15 +11,20 @@ import os
 import re
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 
 from shared import egress
 
+if TYPE_CHECKING:
+    from shared.tracing import Tracing
+
 __all__ = [
     "Settings",
     "load_settings",
+    "tracing_enabled",
+    "load_tracing",
     "apply_engine_environment",
     "apply_device_environment",
     "visible_gpus",
@@ -307,6 +312,35 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: object)
     if bad:
         raise SettingsError("invalid llmq settings: " + "; ".join(bad))
     return settings
+
+
+def tracing_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the standard OpenTelemetry variables turn tracing on: an OTLP endpoint, or
+    ``OTEL_TRACES_EXPORTER`` naming an exporter; ``OTEL_SDK_DISABLED=true`` or
+    ``OTEL_TRACES_EXPORTER=none`` keep it off. Off by default."""
+    env = os.environ if environ is None else environ
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    exporter = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if exporter:
+        return exporter != "none"
+    return bool(env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+
+
+def load_tracing(default_service: str, process: str) -> Tracing | None:
+    """The entrypoint's tracer, or None with tracing off. OpenTelemetry is imported only here, and
+    only when tracing is on: the API's own dependencies do not include it (``llmq[tracing]``)."""
+    if not tracing_enabled():
+        return None
+    try:
+        from shared.tracing import Tracing
+    except ImportError as exc:
+        raise SettingsError(f"tracing is on (OTEL_* variables) but {exc.name} is not installed: "
+                            "pip install 'llmq[tracing]'") from None
+    try:
+        return Tracing.from_env(default_service, process)
+    except ValueError as exc:
+        raise SettingsError(f"invalid tracing settings: {exc}") from None
 
 
 def _cpu_engine() -> bool:

@@ -112,6 +112,13 @@ class Delivery:
     prompt_ids: list[int] | None = None
     """The prompt's token ids as an earlier attempt's engine saw them (for continuation)."""
     reclaimed: bool = False
+    traceparent: str = ""
+    """The W3C ``traceparent`` of the request that queued the job ("": none; tracing off)."""
+    lost_worker: str = ""
+    """The worker of the previous attempt when that attempt was lost (died or stalled)."""
+    lost_started: float = 0.0
+    """When that lost attempt started (epoch ms)."""
+    tenant: str = ""
 
 
 @dataclass(slots=True)
@@ -513,9 +520,8 @@ class Queue:
     def _deliveries(self, entries: list[tuple[int, bytes, str]], states: list, *, reclaimed: bool) -> list[Delivery]:
         """Deliveries from entries (level, entry id, job id) and their claim rows (claim.lua)."""
         deliveries = []
-        for (level, entry_id, job_id), (state, request, queued_at, attempt, last_seq, prompt_ids, deadline) in zip(
-            entries, states, strict=True
-        ):
+        for (level, entry_id, job_id), row in zip(entries, states, strict=True):
+            state, request, queued_at, attempt, last_seq, prompt_ids, deadline, trace, lost, lost_started, tenant = row
             state = state.decode()
             decoded = None
             if state in ("run", "cancelled", "dead", "expired"):
@@ -538,6 +544,10 @@ class Queue:
                 reclaimed=reclaimed,
                 level=level,
                 deadline=float(deadline) if deadline else None,
+                traceparent=trace.decode() if trace else "",
+                lost_worker=lost.decode() if lost else "",
+                lost_started=float(lost_started) if lost_started else 0.0,
+                tenant=tenant.decode() if tenant else "",
             ))
         return deliveries
 

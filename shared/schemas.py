@@ -265,10 +265,13 @@ class JobRecord(msgspec.Struct, kw_only=True):
     webhook_status: Literal["delivered", "failed"] | None = None
     """Set by the delivery: ``failed`` once every attempt was refused or given up."""
     webhook_attempts: int = 0
+    traceparent: str | None = None
+    """With tracing on: the W3C ``traceparent`` of the API's span of the request that queued the
+    job, the parent of the worker's spans (shared/tracing.py). None (no field) with tracing off."""
 
     @classmethod
     def new(cls, req: GenerationRequest, *, owner: str, default_timeout_s: float | None,
-            now_ms: float | None = None, tenant: str = "") -> JobRecord:
+            now_ms: float | None = None, tenant: str = "", traceparent: str | None = None) -> JobRecord:
         """The record of a job about to be queued, the one way every job is made (the API's
         routes, batch lines): a fresh id tagged with its model, queued ``now_ms`` (default: now),
         due ``req.timeout_s`` seconds later, else ``default_timeout_s`` (None or 0: no deadline)."""
@@ -276,7 +279,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
         timeout_s = req.timeout_s or default_timeout_s
         return cls(id=new_job_id(req.model), model=req.model, request=req, queued_at=queued_at, owner=owner,
                    deadline=queued_at + timeout_s * 1000 if timeout_s else None, webhook=req.webhook,
-                   tenant=tenant, estimate=estimate_tokens(req))
+                   tenant=tenant, estimate=estimate_tokens(req), traceparent=traceparent)
 
 
 def estimate_tokens(req: GenerationRequest) -> int:

@@ -38,11 +38,12 @@ class Running:
 async def make_worker(redis, prefix):
     started: list[Running] = []
 
-    async def start(delay_s: float = 0.01, die_after: int | None = None, engine=None, **overrides) -> Running:
+    async def start(delay_s: float = 0.01, die_after: int | None = None, engine=None, tracing=None,
+                    **overrides) -> Running:
         settings = load_settings({}, prefix=prefix, served_model_name=MODEL, block_ms=100, heartbeat_s=0.2,
                                  **{"lease_s": 1.0, **overrides})
         queue = Queue(redis, Keys(prefix))
-        worker = Worker(settings, queue, engine or ContextEngine(delay_s, die_after))
+        worker = Worker(settings, queue, engine or ContextEngine(delay_s, die_after), tracing=tracing)
         task = asyncio.create_task(worker.run())
         started.append(Running(worker, queue, task))
         while not worker.ready:
@@ -93,7 +94,7 @@ class Client:
         self.redis, self.queue = redis, queue
         self.events: list[Event] = []
 
-    async def start(self, prompt: str, max_tokens: int, **sampling) -> str:
+    async def start(self, prompt: str, max_tokens: int, traceparent: str | None = None, **sampling) -> str:
         self.job_id = uuid.uuid4().hex
         live: asyncio.Queue[bytes] = asyncio.Queue()
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
@@ -115,7 +116,7 @@ class Client:
 
         self.task = asyncio.create_task(relay())
         rec = JobRecord(id=self.job_id, model=MODEL, queued_at=now_ms(), request=GenerationRequest(
-            prompt=prompt, sampling=SamplingParams(max_tokens=max_tokens, **sampling)))
+            prompt=prompt, sampling=SamplingParams(max_tokens=max_tokens, **sampling)), traceparent=traceparent)
         await self.queue.enqueue(rec)
         return self.job_id
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 import msgspec
 
@@ -43,12 +43,14 @@ class ScriptedEngine:
         self.started: list[str] = []  # job ids in the order they reached the engine
         self.requests: list[GenerationRequest] = []  # their requests, the warm-up's first
         self.parts: list[list[Part]] = []  # the parts of each continued job that came in parts
+        self.trace_headers: list[Mapping[str, str] | None] = []  # what each job's engine request was given
         self.active = 0
         self.peak_active = 0  # most jobs generating at once: what the engine's slots bound
 
     async def stream(self, job_id: str, req: GenerationRequest, parts: Sequence[Part] | None = None,
-                     ) -> AsyncIterator[Step]:
+                     trace_headers: Mapping[str, str] | None = None) -> AsyncIterator[Step]:
         self.started.append(job_id)
+        self.trace_headers.append(trace_headers)
         self.requests.append(req)
         self.active += 1
         self.peak_active = max(self.peak_active, self.active)

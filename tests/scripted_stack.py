@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 import uvicorn
@@ -23,6 +24,9 @@ from shared.redis import connect
 from tests.conftest import free_port
 from tests.scripted_engine import ScriptedEngine
 from workers.runner import Worker
+
+if TYPE_CHECKING:
+    from shared.tracing import Tracing
 
 __all__ = ["ScriptedStack", "scripted_stack", "serve_api", "scripted_settings"]
 
@@ -44,9 +48,10 @@ def scripted_settings(redis_url: str, prefix: str, **overrides: object) -> Setti
 
 
 @asynccontextmanager
-async def serve_api(settings: Settings, routes: Sequence[object] = ()) -> AsyncIterator[str]:
+async def serve_api(settings: Settings, routes: Sequence[object] = (), tracing: Tracing | None = None,
+                    ) -> AsyncIterator[str]:
     """uvicorn serving the real app (plus any test-only ``routes``); yields its base URL."""
-    app = create_app(settings)
+    app = create_app(settings, tracing)
     for route in routes:
         app.register(route)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning",
@@ -68,13 +73,15 @@ async def scripted_stack(
     engine: ScriptedEngine | None = None,
     *,
     routes: Sequence[object] = (),
+    tracing: Tracing | None = None,
     **overrides: object,
 ) -> AsyncIterator[ScriptedStack]:
+    """``tracing``: one tracer for the API and the worker alike (tests/integration/test_tracing.py)."""
     settings = scripted_settings(redis_url, prefix, **overrides)
-    async with serve_api(settings, routes) as url:
+    async with serve_api(settings, routes, tracing) as url:
         redis = connect(redis_url)
         engine = engine if engine is not None else ScriptedEngine(delay_s=0.001)
-        worker = Worker(settings, Queue(redis, Keys(prefix)), engine, worker_id=f"w-{prefix}")
+        worker = Worker(settings, Queue(redis, Keys(prefix)), engine, worker_id=f"w-{prefix}", tracing=tracing)
         worker_task = asyncio.create_task(worker.run())
         try:
             # Registered in the model's worker set, not just warm: only then does the API route to it.

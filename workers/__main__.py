@@ -1,6 +1,7 @@
 """``python -m workers``: one worker process owning one vLLM engine.
 
-Settings are loaded here and passed down; an AsyncExitStack owns the Redis client and the engine.
+Settings (and the tracer, with tracing on) are loaded here and passed down; an AsyncExitStack owns
+the Redis client, the engine and the tracer.
 SIGTERM/SIGINT start a graceful drain; a second signal exits at once.
 """
 
@@ -9,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import signal
 from contextlib import AsyncExitStack
+from typing import TYPE_CHECKING
 
 import structlog
 import uvloop
 
-from shared.config import DEFAULT_MODEL, Settings, apply_engine_environment, cpu_engine, load_settings
+from shared.config import DEFAULT_MODEL, Settings, apply_engine_environment, cpu_engine, load_settings, load_tracing
 from shared.keys import Keys
 from shared.logging import configure_logging
 from shared.queue import Queue
@@ -21,8 +23,11 @@ from shared.redis import connect, wait_for_redis
 from workers.claim import NoFreeDevice, claim_device
 from workers.lifeline import bind_children
 
+if TYPE_CHECKING:
+    from shared.tracing import Tracing
 
-async def serve(settings: Settings) -> None:
+
+async def serve(settings: Settings, tracing: Tracing | None = None) -> None:
     log = structlog.get_logger()
     # First: the claim sets CUDA_VISIBLE_DEVICES and the CPU affinity, which must precede any
     # torch import (the tiny-model build) and the OMP thread count (apply_engine_environment).
@@ -42,6 +47,14 @@ async def serve(settings: Settings) -> None:
 
     async with AsyncExitStack() as stack:
         stack.callback(claim.release)  # last out: the device stays claimed until the engine is gone
+        traces_endpoint = None
+        if tracing is not None:
+            stack.callback(tracing.shutdown)  # after the drain: the last attempts' spans go out
+            # Before vLLM starts: its spans go out through our provider, in our protocol.
+            tracing.make_global()
+            from workers.tracing import engine_environment
+
+            traces_endpoint = engine_environment()
         redis = connect(settings.redis_dsn, block_ms=settings.block_ms)
         stack.push_async_callback(redis.aclose)
         await wait_for_redis(redis, what="worker")
@@ -51,11 +64,11 @@ async def serve(settings: Settings) -> None:
 
         bind_children()  # a SIGKILLed worker takes its engine process with it
         log.info("engine_loading", model=model_path)
-        engine = VllmEngine.build(settings, model_path)
+        engine = VllmEngine.build(settings, model_path, traces_endpoint)
         stack.callback(engine.shutdown)
 
         queue = Queue(redis, Keys(settings.prefix), result_ttl_s=settings.result_ttl_s, usage_days=settings.usage_days)
-        worker = Worker(settings, queue, engine, device=claim.label)
+        worker = Worker(settings, queue, engine, device=claim.label, tracing=tracing)
         loop = asyncio.get_running_loop()
 
         def on_signal() -> None:
@@ -75,9 +88,10 @@ async def serve(settings: Settings) -> None:
 def main() -> None:
     settings = load_settings()
     configure_logging(settings.log_level, settings.log_json, log_requests=settings.log_requests)
+    tracing = load_tracing("llmq-worker", "worker")
     # uvloop, as uvicorn runs the API and vLLM runs its own server: the worker's loop carries the
     # engine's output handler and every token's flush.
-    uvloop.run(serve(settings))
+    uvloop.run(serve(settings, tracing))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ inside its engine core.
 from __future__ import annotations
 
 import gc
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.config.structured_outputs import StructuredOutputsConfig
@@ -134,9 +134,10 @@ def _strip_primed(step: Step, primed: dict[int, str]) -> dict[int, str]:
     return primed
 
 
-def engine_args(settings: Settings, model_path: str) -> AsyncEngineArgs:
+def engine_args(settings: Settings, model_path: str, traces_endpoint: str | None = None) -> AsyncEngineArgs:
     """The engine a worker builds from its settings (``vllm serve`` takes the same as flags:
-    tests/bench/serving.py's vllm_server_args)."""
+    tests/bench/serving.py's vllm_server_args). ``traces_endpoint``: with tracing on, vLLM's
+    ``otlp_traces_endpoint``, so its spans join each job's trace (workers/tracing.py)."""
     return AsyncEngineArgs(
         model=model_path,
         served_model_name=[settings.model_name],
@@ -146,7 +147,9 @@ def engine_args(settings: Settings, model_path: str) -> AsyncEngineArgs:
         kv_cache_memory_bytes=settings.kv_cache_bytes,
         enforce_eager=settings.eager,
         structured_outputs_config=_structured_config(settings.json_compact),
-        disable_log_stats=True,
+        # vLLM's request spans are built from its per-request stats: kept only with tracing on.
+        disable_log_stats=traces_endpoint is None,
+        otlp_traces_endpoint=traces_endpoint,
         enable_log_requests=False,
         # Requests carry a priority (lower first); the default FCFS policy refuses any but 0.
         scheduling_policy="priority",
@@ -165,8 +168,8 @@ class VllmEngine:
         self._requests: dict[str, list[str]] = {}  # job id -> its engine requests, when not just the job id
 
     @classmethod
-    def build(cls, settings: Settings, model_path: str) -> VllmEngine:
-        args = engine_args(settings, model_path)
+    def build(cls, settings: Settings, model_path: str, traces_endpoint: str | None = None) -> VllmEngine:
+        args = engine_args(settings, model_path, traces_endpoint)
         config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
         # The forcing processor's interface depends on the model runner this config chose.
         config.model_config.logits_processors = [forcing.processor_for(config.use_v2_model_runner)]
@@ -205,26 +208,30 @@ class VllmEngine:
         return info
 
     def stream(self, job_id: str, req: GenerationRequest, parts: Sequence[Part] | None = None,
-               ) -> AsyncIterator[Step]:
+               trace_headers: Mapping[str, str] | None = None) -> AsyncIterator[Step]:
         """The job's steps: ``req`` as one engine request, or (a continued job) each of ``parts``
         as its own, merged under the parts' choice indices. A plain job's steps come straight from
         :meth:`_generate`, with no generator in between (one fewer resume per token)."""
-        return self._generate(job_id, req) if parts is None else self._stream_parts(job_id, parts)
+        if parts is None:
+            return self._generate(job_id, req, trace_headers=trace_headers)
+        return self._stream_parts(job_id, parts, trace_headers)
 
-    async def _stream_parts(self, job_id: str, parts: Sequence[Part]) -> AsyncIterator[Step]:
+    async def _stream_parts(self, job_id: str, parts: Sequence[Part],
+                            trace_headers: Mapping[str, str] | None) -> AsyncIterator[Step]:
         if not parts:  # every choice had finished: only the final event is missing
             yield Step(deltas=[], finished=True)
             return
         ids = {part.index: job_id if len(parts) == 1 else f"{job_id}-{part.index}" for part in parts}
         self._requests[job_id] = list(ids.values())
         try:
-            async for step in run_parts(parts, lambda part: self._generate(ids[part.index], part.request, part.replay)):
+            async for step in run_parts(parts, lambda part: self._generate(ids[part.index], part.request, part.replay,
+                                                                            trace_headers)):
                 yield step
         finally:
             self._requests.pop(job_id, None)
 
     async def _generate(self, request_id: str, req: GenerationRequest, forced: Sequence[int] = (),
-                        ) -> AsyncIterator[Step]:
+                        trace_headers: Mapping[str, str] | None = None) -> AsyncIterator[Step]:
         want_top = req.sampling.logprobs
         try:
             params = to_sampling_params(req, forced)
@@ -237,7 +244,8 @@ class VllmEngine:
                 return
             first = True
             primed = self._primed_text(req)
-            async for out in self.engine.generate(prompt, params, request_id=request_id, priority=_priority(req)):
+            async for out in self.engine.generate(prompt, params, request_id=request_id, priority=_priority(req),
+                                                  trace_headers=trace_headers):
                 step = _step(out, want_top)
                 if primed:
                     primed = _strip_primed(step, primed)

