@@ -118,9 +118,7 @@ class Presence:
                             self._control_confirmed()
                             delay = 0.0
                         elif message["type"] == "message":
-                            job_id = message["data"].decode()
-                            if cancel(job_id):
-                                log.info("job_cancel_requested", job_id=job_id)
+                            cancel(message["data"].decode())  # it logs the jobs it had
             except REDIS_DOWN as exc:
                 self.control_up.clear()
                 log.warning("control_channel_lost", error=str(exc), retry_in_s=delay)

@@ -288,8 +288,21 @@ class Worker:
 
         return JobSpans(self.tracing, d, self.model, self.worker_id)
 
+    def _traced(self, job_id: str) -> dict[str, str]:
+        """``trace_id`` for a log line about a running job, outside its task's bound context."""
+        running = self._running.get(job_id)
+        spans = running.spans if running is not None else None
+        return {"trace_id": spans.trace_id} if spans is not None and spans.trace_id else {}
+
     async def _accept(self, d: Delivery) -> None:
         spans = self._spans(d)
+        if spans is not None and spans.trace_id:
+            # Its log lines here and in its task (which copies this context) lead to its trace.
+            with structlog.contextvars.bound_contextvars(trace_id=spans.trace_id):
+                return await self._start(d, spans)
+        return await self._start(d, spans)
+
+    async def _start(self, d: Delivery, spans: JobSpans | None) -> None:
         if d.state == "missing":
             # The record expired or was never written: nothing to answer; just clear the entry.
             log.warning("job_record_missing", job_id=d.job_id)
@@ -351,9 +364,9 @@ class Worker:
         usage = Usage()
         # How the attempt ended, for its span: "released" unless a branch below says otherwise.
         outcome, result = "released", None
-        traced = {"trace_id": spans.trace_id} if spans is not None and spans.trace_id else {}
+        # (With tracing on, trace_id is bound too: this task copied _accept's context.)
         with structlog.contextvars.bound_contextvars(job_id=d.job_id, model=self.model, worker=self.worker_id,
-                                                     attempt=d.attempt, **traced):
+                                                     attempt=d.attempt):
             try:
                 plan = await plan_for(self.queue, self.model, d, req)
                 state.seq, state.builder = plan.seq, plan.builder
@@ -478,7 +491,11 @@ class Worker:
 
     def _cancel_requested(self, job_id: str) -> bool:
         """A cancel notice on the control channel (DELETE /v1/jobs/{id})."""
-        return self.cancel_job(job_id, JobCancelled("job was cancelled"))
+        traced = self._traced(job_id)
+        if not self.cancel_job(job_id, JobCancelled("job was cancelled")):
+            return False
+        log.info("job_cancel_requested", job_id=job_id, **traced)
+        return True
 
     def cancel_job(self, job_id: str, reason: ServiceError) -> bool:
         running = self._running.get(job_id)
@@ -503,8 +520,9 @@ class Worker:
     def _lose(self, job_ids: list[str]) -> None:
         """Jobs a peer took over (our lease lapsed): stop them here without writing anything."""
         for job_id in job_ids:
+            traced = self._traced(job_id)
             if self.cancel_job(job_id, LeaseLost("a peer took the job over")):
-                log.warning("lease_lost", job_id=job_id)
+                log.warning("lease_lost", job_id=job_id, **traced)
 
     async def _flusher(self) -> None:
         while True:

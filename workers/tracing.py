@@ -58,32 +58,36 @@ class JobSpans:
         tracer = tracing.tracer
         parent = t.parent_context(d.traceparent)
         now = time.time_ns()
-        req = d.request
         self.common: dict[str, str | int] = {t.JOB_ID: d.job_id, t.MODEL: model, "llmq.level": d.level}
         if d.tenant:
             self.common[t.TENANT] = d.tenant
-        if req is not None:
-            self.common[t.DIALECT] = req.dialect
+        if d.request is not None:
+            self.common[t.DIALECT] = d.request.dialect
+        made: list[Span] = []
+
+        def start(name: str, start_ns: int, attributes: dict) -> Span:
+            # A job queued without trace context (a batch line, an LMTP socket): this delivery's
+            # first span is the root of a trace of its own, and the parent of the rest.
+            context = parent if parent is not None or not made else set_span_in_context(made[0])
+            span = tracer.start_span(name, context=context, kind=SpanKind.CONSUMER, start_time=start_ns,
+                                     attributes={**self.common, **attributes})
+            made.append(span)
+            return span
+
         if d.attempt == 1:
-            queue = tracer.start_span("llmq.queue", context=parent, kind=SpanKind.CONSUMER, start_time=_ns(d.queued_at),
-                                      attributes={**self.common, "llmq.worker": worker, "llmq.outcome": d.state})
-            queue.end(end_time=now)
+            start("llmq.queue", _ns(d.queued_at), {"llmq.worker": worker, "llmq.outcome": d.state}).end(end_time=now)
         if d.lost_worker and d.lost_started:
-            lost = tracer.start_span("llmq.attempt", context=parent, kind=SpanKind.CONSUMER,
-                                     start_time=_ns(d.lost_started), attributes={
-                                         **self.common, "llmq.attempt": d.attempt - 1, "llmq.worker": d.lost_worker,
-                                         "llmq.outcome": "worker_lost", "llmq.reconstructed": True,
-                                         t.ERROR_TYPE: "worker_lost"})
+            lost = start("llmq.attempt", _ns(d.lost_started), {
+                "llmq.attempt": d.attempt - 1, "llmq.worker": d.lost_worker, "llmq.outcome": "worker_lost",
+                "llmq.reconstructed": True, t.ERROR_TYPE: "worker_lost"})
             lost.set_status(Status(StatusCode.ERROR, "the worker died or stalled; a peer took the job over"))
             lost.end(end_time=now)
         self.attempt: Span | None = None
         self.engine: Span | None = None
-        self.trace_id = ""
         if d.state == "run":
-            self.attempt = tracer.start_span("llmq.attempt", context=parent, kind=SpanKind.CONSUMER, start_time=now,
-                                             attributes={**self.common, "llmq.attempt": d.attempt,
-                                                         "llmq.worker": worker, "llmq.resumed_after_seq": d.last_seq})
-            self.trace_id = t.trace_id_of(self.attempt)
+            self.attempt = start("llmq.attempt", now, {"llmq.attempt": d.attempt, "llmq.worker": worker,
+                                                       "llmq.resumed_after_seq": d.last_seq})
+        self.trace_id = t.trace_id_of(made[0]) if made else ""
 
     def engine_started(self) -> dict[str, str] | None:
         """The engine span begins; returns the ``trace_headers`` for vLLM's request."""

@@ -16,6 +16,7 @@ generations stay short.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -23,7 +24,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -89,13 +90,14 @@ class Small:
             time.sleep(0.5)
 
 
-@pytest.fixture(scope="module")
-def small(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Small]:
-    logs = tmp_path_factory.mktemp("crash-logs")
-    prefix = f"crash-{uuid.uuid4().hex[:6]}"
-    env = {**os.environ, "LLMQ_REDIS_URL": redis_url, "LLMQ_PREFIX": prefix, "LLMQ_LOG_JSON": "true",
+@contextlib.contextmanager
+def small_stack(redis_url: str, logs: Path, prefix: str, base_env: Mapping[str, str] = os.environ,
+                **extra: str) -> Iterator[Small]:
+    """Two workers and one API on ``prefix``, with ``base_env`` and ``extra`` (tests/e2e/test_tracing.py
+    adds its exporter's settings)."""
+    env = {**base_env, "LLMQ_REDIS_URL": redis_url, "LLMQ_PREFIX": prefix, "LLMQ_LOG_JSON": "true",
            "LLMQ_MAX_NUM_SEQS": "4", "LLMQ_MAX_MODEL_LEN": "1024", "LLMQ_HEARTBEAT_S": "1",
-           "LLMQ_LEASE_S": str(LEASE_S)}
+           "LLMQ_LEASE_S": str(LEASE_S), **extra}
     procs: list[tuple[subprocess.Popen, Path]] = []
     for i in range(2):
         log = logs / f"worker{i}.log"
@@ -110,6 +112,12 @@ def small(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     finally:
         stop_all(procs)
         stack.redis.close()
+
+
+@pytest.fixture(scope="module")
+def small(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Small]:
+    with small_stack(redis_url, tmp_path_factory.mktemp("crash-logs"), f"crash-{uuid.uuid4().hex[:6]}") as stack:
+        yield stack
 
 
 # --- streaming, killing, checking -----------------------------------------------------------

@@ -9,6 +9,7 @@ on real vLLM). The scripted engine records the ``trace_headers`` each job's engi
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 
@@ -152,7 +153,8 @@ async def test_a_lost_attempt_is_reconstructed_by_the_worker_that_continues_the_
     # The first worker traces nothing, as a SIGKILLed process exports nothing of its attempt.
     a = await make_worker(delay_s=0.02)
     client = Client(redis, a.queue)
-    job_id = await client.start("crash me", 60, traceparent=f"00-{TRACE}-{CLIENT_SPAN}-01")
+    # 200 tokens at 20 ms: a keeps it for 4 s, past b's start on a loaded machine.
+    job_id = await client.start("crash me", 200, traceparent=f"00-{TRACE}-{CLIENT_SPAN}-01")
     await running_on(a.queue, job_id, a.worker, min_tokens=10)
     started = (await a.queue.get_job(MODEL, job_id)).started_at
     b = await make_worker(delay_s=0.005, tracing=tracing)
@@ -173,7 +175,7 @@ async def test_a_lost_attempt_is_reconstructed_by_the_worker_that_continues_the_
     assert second.attributes["llmq.attempt"] == 2 and second.attributes["llmq.worker"] == b.worker.worker_id
     assert second.attributes["llmq.resumed_after_seq"] >= 10
     assert second.attributes["llmq.outcome"] == "done"
-    assert second.attributes["gen_ai.usage.output_tokens"] == 60
+    assert second.attributes["gen_ai.usage.output_tokens"] == 200
 
 
 async def test_with_tracing_off_no_record_carries_trace_context(redis_url, prefix):
@@ -228,3 +230,41 @@ def test_the_engine_gets_the_traces_url_in_its_protocol():
 def test_a_malformed_traceparent_is_no_parent():
     assert parent_context("00-zz-yy-01") is None and parent_context("") is None and parent_context(None) is None
     assert parent_context(f"00-{TRACE}-{CLIENT_SPAN}-01") is not None
+
+
+async def test_a_job_queued_without_trace_context_gets_one_trace_of_its_own(make_worker, redis, tracing, exported):
+    w = await make_worker(delay_s=0.001, tracing=tracing)
+    client = Client(redis, w.queue)
+    await client.start("a batch line", 4)  # as a batch line or an LMTP frame is queued: no traceparent
+    await client.finish()
+    spans = await spans_when(exported, lambda s: len(s) == 3)
+    queue, attempt, engine_span = (named(spans, n)[0] for n in ("llmq.queue", "llmq.attempt", "llmq.engine"))
+    assert queue.parent is None  # the root
+    assert attempt.parent.span_id == queue.context.span_id and engine_span.parent.span_id == attempt.context.span_id
+    assert len({s.context.trace_id for s in spans}) == 1
+
+
+def test_the_service_name_is_the_processs_unless_otel_service_name_says(monkeypatch):
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
+    api = Tracing.from_env("llmq-api", "api", os.environ)
+    assert (api.provider.resource.attributes["service.name"], api.provider.resource.attributes["llmq.process"]) == (
+        "llmq-api", "api")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "llmq")
+    worker = Tracing.from_env("llmq-worker", "worker", os.environ)
+    assert worker.provider.resource.attributes["service.name"] == "llmq"
+    api.shutdown()
+    worker.shutdown()
+
+
+def test_an_exporter_llmq_cannot_use_is_a_settings_error_at_start(monkeypatch):
+    from shared.config import SettingsError, load_tracing
+
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin")
+    with pytest.raises(SettingsError, match="OTEL_TRACES_EXPORTER='zipkin'"):
+        load_tracing("llmq-api", "api")
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+    with pytest.raises(SettingsError, match="http/json"):
+        load_tracing("llmq-api", "api")
