@@ -49,7 +49,8 @@ faults: install
 # engine (bench-results.json), interleaved rounds at C=1,16,64 with CPU per token by process;
 # the fast set's CPU per token as a capacity table; where llmq's added time to first token goes,
 # hop by hop; its CPU per request and per further token; then queue pickup vs arq, relay capacity
-# with one and two web processes, and Redis memory per finished job. bench-smoke: one short round
+# with one and two web processes, Redis memory per finished job, the fair-share pick, and what
+# tracing costs per request. bench-smoke: one short round
 # of the first two at C=1,4 on the real engines. BENCH_ARGS go to the first two,
 # e.g. BENCH_ARGS="--rounds 5".
 bench: model
@@ -62,6 +63,7 @@ bench: model
 	$(PY) -m tests.bench.relay --web-processes 1 2
 	$(PY) -m tests.bench.memory
 	$(PY) -m tests.bench.fairness
+	$(PY) -m tests.bench.tracing
 
 bench-smoke: model
 	$(PY) -m tests.bench --config fast --smoke

@@ -72,8 +72,13 @@ class Traced:
             return
         method = scope["method"]
         parent = t.parent_context(Headers.from_scope(scope).get(t.TRACEPARENT))
-        span = self.tracer.start_span(f"{method} {scope['path']}", context=parent, kind=SpanKind.SERVER,
-                                      attributes={"http.request.method": method, "url.path": scope["path"]})
+        # Litestar runs app middleware after routing (a path no route matches is answered 404
+        # before it): the span is named by its route's template, never by the path, whose ids
+        # would make every name unique.
+        route = scope.get("path_template", "")
+        span = self.tracer.start_span(f"{method} {route}".rstrip(), context=parent, kind=SpanKind.SERVER,
+                                      attributes={"http.request.method": method, "url.path": scope["path"],
+                                                  "http.route": route})
         request = RequestSpan(span)
         scope[SPAN] = request  # type: ignore[literal-required]
         # Copied into the handler's task (api.http.RequestLifecycle creates it after this).
@@ -94,9 +99,4 @@ class Traced:
             span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
             raise
         finally:
-            # Routing has run: name the span by its route template, not by the path's ids.
-            template = scope.get("path_template")
-            if template:
-                span.update_name(f"{method} {template}")
-                span.set_attribute("http.route", template)
             span.end()  # the last body message has been sent: the relay's end

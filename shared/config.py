@@ -112,6 +112,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     --stream-interval; the first token always goes at once). 1 streams each token as it comes. Every
     hop after the engine (the worker's flush, Redis, the API's relay, the client) works per event,
     so N divides llmq's CPU per token by about N, for streams that arrive N tokens at a time."""
+    engine_tracing: bool = True
+    """LLMQ_ENGINE_TRACING: with tracing on (the OTEL_* variables, docs/operations.md#tracing),
+    also vLLM's own span of each job (``llm_request``: its queue, prefill and decode times), under
+    the job's engine span. vLLM builds it from per-request statistics it keeps only for this, at a
+    cost in CPU per token (docs/benchmarks.md#tracing); false keeps llmq's own spans only."""
     block_ms: int = 2000
     """LLMQ_BLOCK_MS: how long one XREADGROUP blocks waiting for work."""
     drain_timeout_s: float = 30.0

@@ -54,7 +54,8 @@ async def serve(settings: Settings, tracing: Tracing | None = None) -> None:
             tracing.make_global()
             from workers.tracing import engine_environment
 
-            traces_endpoint = engine_environment()
+            if settings.engine_tracing:
+                traces_endpoint = engine_environment()
         redis = connect(settings.redis_dsn, block_ms=settings.block_ms)
         stack.push_async_callback(redis.aclose)
         await wait_for_redis(redis, what="worker")

@@ -374,6 +374,8 @@ class Worker:
                 # The first token time of a continued job was recorded by its first attempt.
                 prompt_ids = None if plan.emitted else []  # [] = not yet known; None = do not store
                 headers = spans.engine_started() if spans is not None else None
+                if not self.settings.engine_tracing:
+                    headers = None  # vLLM traces nothing: it would only warn of the headers
                 async for step in self.engine.stream(d.job_id, plan.request, plan.parts, trace_headers=headers):
                     if not plan.emitted:
                         usage.prompt_tokens = step.prompt_tokens or usage.prompt_tokens

@@ -139,13 +139,17 @@ async def test_a_request_without_traceparent_starts_a_trace_and_an_error_is_mark
     assert "gen_ai.response.finish_reasons" not in attempt.attributes
 
 
-async def test_probes_and_scrapes_make_no_spans(redis_url, prefix, tracing, exported):
+async def test_probes_and_scrapes_make_no_spans_and_a_span_is_named_by_its_route(redis_url, prefix, tracing, exported):
     async with scripted_stack(redis_url, prefix, tracing=tracing) as stack:
         for path in ("/metrics", "/ping", "/livez", "/readyz"):
             assert (await stack.client.get(path)).status_code == 200
         assert (await stack.client.get("/v1/models")).status_code == 200
-        spans = await spans_when(exported, lambda s: named(s, "GET /v1/models"))
-    assert [s.name for s in spans] == ["GET /v1/models"]
+        assert (await stack.client.get("/v1/jobs/0123456789abcdef0123456789abcdef")).status_code == 404
+        assert (await stack.client.get("/v1/no/such/route")).status_code == 404  # no route: no middleware
+        spans = await spans_when(exported, lambda s: len(s) == 2)
+    # Named by the route's template, not the path: ids would make every span name unique.
+    assert [(s.name, s.attributes["http.route"], s.attributes["http.response.status_code"]) for s in spans] == [
+        ("GET /v1/models", "/v1/models", 200), ("GET /v1/jobs/{job_id}", "/v1/jobs/{job_id}", 404)]
 
 
 async def test_a_lost_attempt_is_reconstructed_by_the_worker_that_continues_the_job(make_worker, redis, tracing,
