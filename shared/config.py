@@ -25,6 +25,8 @@ __all__ = [
     "load_settings",
     "tracing_enabled",
     "load_tracing",
+    "otlp_protocol",
+    "apply_tracing_environment",
     "apply_engine_environment",
     "apply_device_environment",
     "visible_gpus",
@@ -332,6 +334,25 @@ def tracing_enabled(environ: Mapping[str, str] | None = None) -> bool:
     return bool(env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
 
 
+def otlp_protocol(environ: Mapping[str, str]) -> str:
+    """The OTLP protocol the traces go out in: http/protobuf (the SDKs' default) or grpc."""
+    return (environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+            or "http/protobuf")
+
+
+def apply_tracing_environment(environ: MutableMapping[str, str] | None = None) -> str:
+    """A traced worker, before its engine is built: returns the endpoint for vLLM's
+    ``otlp_traces_endpoint``. vLLM takes the full traces URL (the SDK appends ``/v1/traces`` to a
+    base endpoint itself), and its exporters (in its engine processes) default to gRPC whatever
+    the SDK's default: the protocol llmq uses is named for them."""
+    env = os.environ if environ is None else environ
+    protocol = env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = otlp_protocol(env)
+    if url := env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        return url
+    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4318")
+    return base if protocol == "grpc" else f"{base.rstrip('/')}/v1/traces"
+
+
 def load_tracing(default_service: str, process: str) -> Tracing | None:
     """The entrypoint's tracer, or None with tracing off. OpenTelemetry is imported only here, and
     only when tracing is on: the API's own dependencies do not include it (``llmq[tracing]``)."""
@@ -343,7 +364,7 @@ def load_tracing(default_service: str, process: str) -> Tracing | None:
         raise SettingsError(f"tracing is on (OTEL_* variables) but {exc.name} is not installed: "
                             "pip install 'llmq[tracing]'") from None
     try:
-        return Tracing.from_env(default_service, process)
+        return Tracing.from_env(default_service, process, os.environ)
     except ValueError as exc:
         raise SettingsError(f"invalid tracing settings: {exc}") from None
 

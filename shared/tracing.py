@@ -18,7 +18,6 @@ in the job record. docs/operations.md#tracing shows the tree.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 from opentelemetry.context import Context
@@ -28,7 +27,9 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.trace import Span, format_span_id, format_trace_id, set_tracer_provider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-__all__ = ["Tracing", "parent_context", "traceparent_of", "trace_id_of", "engine_endpoint",
+from shared.config import otlp_protocol
+
+__all__ = ["Tracing", "parent_context", "traceparent_of", "trace_id_of",
            "TRACEPARENT", "MODEL", "TENANT", "JOB_ID", "DIALECT", "INPUT_TOKENS", "OUTPUT_TOKENS",
            "FINISH_REASONS", "ERROR_TYPE"]
 
@@ -47,18 +48,13 @@ TENANT = "llmq.tenant"
 _propagator = TraceContextTextMapPropagator()
 
 
-def _protocol(environ: Mapping[str, str]) -> str:
-    return (environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-            or "http/protobuf")  # the SDKs' default per the OTLP exporter specification
-
-
 def _exporter(environ: Mapping[str, str]) -> SpanExporter:
     name = environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() or "otlp"
     if name == "console":
         return ConsoleSpanExporter()
     if name != "otlp":
         raise ValueError(f"OTEL_TRACES_EXPORTER={name!r}: llmq exports traces with otlp or console")
-    protocol = _protocol(environ)
+    protocol = otlp_protocol(environ)
     if protocol == "http/protobuf":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
 
@@ -70,16 +66,6 @@ def _exporter(environ: Mapping[str, str]) -> SpanExporter:
     raise ValueError(f"OTLP protocol {protocol!r}: llmq exports traces over http/protobuf or grpc")
 
 
-def engine_endpoint(environ: Mapping[str, str] = os.environ) -> str:
-    """The OTLP traces endpoint for vLLM's ``otlp_traces_endpoint``: vLLM takes the full URL
-    (it sets ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` for its own processes), where the SDK appends
-    ``/v1/traces`` to a base endpoint itself."""
-    if url := environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
-        return url
-    base = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4318")
-    return base if _protocol(environ) == "grpc" else f"{base.rstrip('/')}/v1/traces"
-
-
 class Tracing:
     """The process's tracer; owned by its entrypoint, which calls :meth:`shutdown` last."""
 
@@ -88,7 +74,7 @@ class Tracing:
         self.tracer = provider.get_tracer("llmq")
 
     @classmethod
-    def from_env(cls, default_service: str, process: str, environ: Mapping[str, str] = os.environ) -> Tracing:
+    def from_env(cls, default_service: str, process: str, environ: Mapping[str, str]) -> Tracing:
         """As the OTEL_* variables say (:func:`shared.config.tracing_enabled` decides whether at
         all). ``default_service``: the service name unless ``OTEL_SERVICE_NAME`` (or
         ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES``) names one."""

@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING
 import structlog
 import uvloop
 
-from shared.config import DEFAULT_MODEL, Settings, apply_engine_environment, cpu_engine, load_settings, load_tracing
+from shared.config import (
+    DEFAULT_MODEL,
+    Settings,
+    apply_engine_environment,
+    apply_tracing_environment,
+    cpu_engine,
+    load_settings,
+    load_tracing,
+)
 from shared.keys import Keys
 from shared.logging import configure_logging
 from shared.queue import Queue
@@ -52,10 +60,8 @@ async def serve(settings: Settings, tracing: Tracing | None = None) -> None:
             stack.callback(tracing.shutdown)  # after the drain: the last attempts' spans go out
             # Before vLLM starts: its spans go out through our provider, in our protocol.
             tracing.make_global()
-            from workers.tracing import engine_environment
-
             if settings.engine_tracing:
-                traces_endpoint = engine_environment()
+                traces_endpoint = apply_tracing_environment()
         redis = connect(settings.redis_dsn, block_ms=settings.block_ms)
         stack.push_async_callback(redis.aclose)
         await wait_for_redis(redis, what="worker")

@@ -21,9 +21,7 @@ prompt or any generated text.
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import MutableMapping
 
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
 
@@ -32,20 +30,11 @@ from shared.queue import Delivery
 from shared.schemas import JobResult, Usage
 from shared.tracing import Tracing
 
-__all__ = ["JobSpans", "engine_environment"]
+__all__ = ["JobSpans"]
 
 
 def _ns(epoch_ms: float) -> int:
     return int(epoch_ms * 1_000_000)
-
-
-def engine_environment(environ: MutableMapping[str, str] = os.environ) -> str:
-    """Before the engine is built: the endpoint for vLLM's ``otlp_traces_endpoint``. vLLM's own
-    exporters (in its engine processes) default to gRPC whatever the SDK's default: name the
-    protocol llmq uses, so they speak the same one."""
-    protocol = environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-    environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = protocol or "http/protobuf"
-    return t.engine_endpoint(environ)
 
 
 class JobSpans:

@@ -19,8 +19,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode, format_span_id, format_trace_id
 
-from shared.config import tracing_enabled
-from shared.tracing import Tracing, engine_endpoint, parent_context
+from shared.config import apply_tracing_environment, tracing_enabled
+from shared.tracing import Tracing, parent_context
 from tests import inprocess_workers
 from tests.inprocess_workers import MODEL, Client, kill, running_on
 from tests.scripted_engine import ScriptedEngine
@@ -223,12 +223,14 @@ def test_tracing_is_on_only_when_the_otel_variables_say_where(env, on):
     assert tracing_enabled(env) is on
 
 
-def test_the_engine_gets_the_traces_url_in_its_protocol():
-    assert engine_endpoint({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318/"}) == "http://c:4318/v1/traces"
-    assert engine_endpoint({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317",
-                            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}) == "http://c:4317"
-    assert engine_endpoint({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t/x",
-                            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}) == "http://t/x"
+def test_the_engine_gets_the_traces_url_and_protocol_llmq_uses():
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318/"}
+    assert apply_tracing_environment(env) == "http://c:4318/v1/traces"
+    assert env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"  # vLLM's exporters would say grpc
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+    assert apply_tracing_environment(env) == "http://c:4317" and env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "grpc"
+    env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t/x", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}
+    assert apply_tracing_environment(env) == "http://t/x"
 
 
 def test_a_malformed_traceparent_is_no_parent():
