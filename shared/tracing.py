@@ -3,10 +3,11 @@
 On when ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is set, or
 ``OTEL_TRACES_EXPORTER`` names ``otlp`` or ``console``; ``OTEL_SDK_DISABLED=true`` or
 ``OTEL_TRACES_EXPORTER=none`` keep it off (:func:`shared.config.load_tracing`, which alone imports
-this module: the API's own dependencies do not include OpenTelemetry). Everything else is the SDK's own reading of the
-environment: the endpoint, headers, timeout and compression (the OTLP exporter), the service name
-and resource attributes (``Resource.create``), the sampler (``OTEL_TRACES_SAMPLER``, parent-based by
-default: a client's unsampled ``traceparent`` stays unsampled) and the batch processor's delays.
+this module: the API's own dependencies do not include OpenTelemetry). Everything else is the
+SDK's own reading of the environment: the endpoint, headers, timeout and compression (the OTLP
+exporter), the service name and resource attributes (``Resource.create``), the sampler
+(``OTEL_TRACES_SAMPLER``, parent-based by default: a client's unsampled ``traceparent`` stays
+unsampled) and the batch processor's delays.
 
 Each entrypoint builds one :class:`Tracing` (or None) and passes it down; with None nothing on the
 hot path does tracing work, and no OpenTelemetry module is imported.
