@@ -72,12 +72,27 @@ async def kill(r: Running) -> None:
     # The worker's own task must be gone too, or its reader lives on and reclaims the very job
     # this kill left behind (seen once in CI). One cancel is not always enough: redis-py sends
     # every command through asyncio.wait_for, which on Python 3.11 can drop a cancel that arrives
-    # just as the send completes (fixed in 3.12). So cancel again until the task is done.
+    # just as the send completes (fixed in 3.12). So cancel again until the task is done, and its
+    # task group's children with it: the group cancels them once, and a child that dropped that
+    # cancel (its heartbeat, control or reader loop) would keep the group, and the task, waiting
+    # for good (seen once in CI).
     deadline = asyncio.get_running_loop().time() + 10
     while not r.task.done() and asyncio.get_running_loop().time() < deadline:
-        r.task.cancel()
+        for task in (r.task, *_children(r.worker)):
+            task.cancel()
         await asyncio.wait([r.task], timeout=0.1)
     assert r.task.done(), "the killed worker's task would not stop"
+
+
+def _children(worker: Worker) -> list[asyncio.Task]:
+    """The tasks running one of ``worker``'s (or its presence's) loops."""
+    owners = (worker, worker.presence)
+    found = []
+    for task in asyncio.all_tasks():
+        frame = getattr(task.get_coro(), "cr_frame", None)
+        if frame is not None and any(frame.f_locals.get("self") is owner for owner in owners):
+            found.append(task)
+    return found
 
 
 async def submit(queue: Queue, prompt: str, max_tokens: int, **sampling) -> str:
