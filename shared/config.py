@@ -26,6 +26,7 @@ __all__ = [
     "tracing_enabled",
     "load_tracing",
     "otlp_protocol",
+    "traces_exporter",
     "apply_tracing_environment",
     "apply_engine_environment",
     "apply_device_environment",
@@ -328,10 +329,14 @@ def tracing_enabled(environ: Mapping[str, str] | None = None) -> bool:
     env = os.environ if environ is None else environ
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False
-    exporter = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-    if exporter:
+    if exporter := traces_exporter(env):
         return exporter != "none"
     return bool(env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+
+
+def traces_exporter(environ: Mapping[str, str]) -> str:
+    """``OTEL_TRACES_EXPORTER``, normalised ("" when unset)."""
+    return environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
 
 
 def otlp_protocol(environ: Mapping[str, str]) -> str:

@@ -28,7 +28,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.trace import Span, format_span_id, format_trace_id, set_tracer_provider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from shared.config import otlp_protocol
+from shared.config import otlp_protocol, traces_exporter
 
 __all__ = ["Tracing", "parent_context", "traceparent_of", "trace_id_of",
            "TRACEPARENT", "MODEL", "TENANT", "JOB_ID", "DIALECT", "INPUT_TOKENS", "OUTPUT_TOKENS",
@@ -50,7 +50,7 @@ _propagator = TraceContextTextMapPropagator()
 
 
 def _exporter(environ: Mapping[str, str]) -> SpanExporter:
-    name = environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() or "otlp"
+    name = traces_exporter(environ) or "otlp"
     if name == "console":
         return ConsoleSpanExporter()
     if name != "otlp":

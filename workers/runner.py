@@ -349,11 +349,12 @@ class Worker:
         if running.deadline is not None:
             running.deadline.cancel()
         reason = running.stop_reason
-        if reason is not None and not isinstance(reason, LeaseLost):  # a peer owns a lost lease's job
+        if isinstance(reason, LeaseLost):
+            reason = None  # a peer owns a lost lease's job: nothing to end here
+        if reason is not None:
             self._end(d, d.last_seq, reason, usage=Usage())
         if running.spans is not None:
-            running.spans.ended(reason.code if reason is not None and not isinstance(reason, LeaseLost)
-                                else "released", Usage())
+            running.spans.ended(reason.code if reason is not None else "released", Usage())
         self._slot_freed.set()
 
     # --- one job ------------------------------------------------------------------------------
@@ -493,10 +494,9 @@ class Worker:
 
     def _cancel_requested(self, job_id: str) -> bool:
         """A cancel notice on the control channel (DELETE /v1/jobs/{id})."""
-        traced = self._traced(job_id)
         if not self.cancel_job(job_id, JobCancelled("job was cancelled")):
             return False
-        log.info("job_cancel_requested", job_id=job_id, **traced)
+        log.info("job_cancel_requested", job_id=job_id, **self._traced(job_id))  # still running until its task ends
         return True
 
     def cancel_job(self, job_id: str, reason: ServiceError) -> bool:
@@ -522,9 +522,8 @@ class Worker:
     def _lose(self, job_ids: list[str]) -> None:
         """Jobs a peer took over (our lease lapsed): stop them here without writing anything."""
         for job_id in job_ids:
-            traced = self._traced(job_id)
             if self.cancel_job(job_id, LeaseLost("a peer took the job over")):
-                log.warning("lease_lost", job_id=job_id, **traced)
+                log.warning("lease_lost", job_id=job_id, **self._traced(job_id))
 
     async def _flusher(self) -> None:
         while True:
