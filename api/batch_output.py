@@ -20,7 +20,6 @@ from api.dialects.openai_chat import ChatCompletion
 from api.dialects.openai_completions import Completion, ErrorResponse
 from shared.batches import RESULTS, Answered, BatchStore, Failed, FileObject, LineOutcome, NotRun, Refused
 from shared.codec import encode
-from shared.errors import error_from_code
 
 __all__ = ["rendered", "render_line", "BatchRequestOutput"]
 
@@ -66,7 +65,7 @@ def render_line(outcome: LineOutcome) -> BatchRequestOutput:
             body = openai_completions.render_results(requests, outcome.results, outcome.request_id, outcome.created)
             return _answered(outcome, 200, body)
         case Failed(error=error):
-            status, body = openai_completions.error_body(error_from_code(error.code, error.message, error.status))
+            status, body = openai_completions.error_body(error.exception())
             return _answered(outcome, status, body)
         case Refused(error=error):
             return _answered(outcome, error.status, error.body)

@@ -17,7 +17,7 @@ from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 
 from api import dialects
 from shared.codec import encode
-from shared.errors import PayloadTooLarge, QueueUnavailable, RateLimited, ServiceError
+from shared.errors import HttpError, InternalError, PayloadTooLarge, QueueUnavailable, RateLimited, ServiceError
 from shared.redis import REDIS_DOWN
 
 __all__ = ["exception_handlers", "answered_in", "InDialect"]
@@ -57,11 +57,9 @@ def _service_error(exc: Exception) -> ServiceError:
     if isinstance(exc, RequestEntityTooLarge):  # LLMQ_MAX_BODY_BYTES, enforced while Litestar reads the body
         return PayloadTooLarge("Request body too large: the limit is set by LLMQ_MAX_BODY_BYTES")
     if isinstance(exc, HTTPException):  # Litestar's own (405, 413, ...): keep its status
-        err = ServiceError(str(exc.detail))
-        err.status, err.code = exc.status_code, "http_error"
-        return err
+        return HttpError(str(exc.detail), status=exc.status_code)
     log.exception("unhandled_error", error_type=type(exc).__name__, may_quote_request=True)
-    return ServiceError("internal server error")
+    return InternalError("internal server error")
 
 
 def handle(request: Request, exc: Exception) -> Response:

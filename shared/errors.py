@@ -1,19 +1,25 @@
 """Typed errors, defined once. No web framework here: ``api/errors.py`` maps them to HTTP once,
 in each dialect's shape, and the worker turns them into terminal ``error`` events.
+
+Every code llmq emits is a class: defining one registers it under its ``code`` (a second class
+with the same code is a mistake caught at import), so an error that crossed a process boundary
+as code + message is rebuilt by :func:`error_from_code` as the same class, and the rest of the
+code compares classes (``isinstance``), never code strings.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from shared.events import Error
+from typing import ClassVar
 
 __all__ = [
     "ServiceError",
+    "InternalError",
+    "UnknownError",
+    "HttpError",
     "InvalidRequest",
     "ModelNotFound",
     "JobNotFound",
+    "JobMissing",
     "QueueUnavailable",
     "GenerationFailed",
     "EngineDead",
@@ -26,26 +32,59 @@ __all__ = [
     "RateLimited",
     "PayloadTooLarge",
     "DeadlineExceeded",
+    "error_class",
     "error_from_code",
 ]
 
+_BY_CODE: dict[str, type[ServiceError]] = {}
+
 
 class ServiceError(Exception):
-    """Base of every error llmq reports on purpose. ``code`` is stable; ``status`` is HTTP."""
+    """Base of every error llmq reports on purpose. ``code`` is stable; ``status`` is HTTP.
+    Raise a subclass: each names its own code."""
 
-    status: int = 500
-    code: str = "internal_error"
+    status: ClassVar[int] = 500
+    code: ClassVar[str] = "internal_error"
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "code" not in cls.__dict__:
+            return  # shares its parent's code (and is rebuilt as the parent)
+        other = _BY_CODE.setdefault(cls.code, cls)
+        if other is not cls:
+            raise TypeError(f"error code {cls.code!r} is taken by {other.__qualname__}")
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
 
-    def event(self, seq: int) -> Error:
-        """The terminal ``error`` event that reports this error as event ``seq`` of a job."""
-        from shared.events import Error  # events imports this module: the union is built on it
 
-        return Error(seq=seq, code=self.code, message=self.message, status=self.status)
+class InternalError(ServiceError):
+    """Something llmq did not expect: a logged 500, never the client's fault."""
+
+    code = "internal_error"
+
+
+class UnknownError(ServiceError):
+    """An error event whose code this process has no class for (a newer worker wrote it): kept
+    with the code and status it came with."""
+
+    code = "unknown_error"
+
+    def __init__(self, message: str, *, code: str, status: int, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.code, self.status = code, status  # type: ignore[misc]  # this one error's own
+
+
+class HttpError(ServiceError):
+    """The web framework's own refusal (a 405, a 404 of an unknown path): its status kept."""
+
+    code = "http_error"
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message)
+        self.status = status  # type: ignore[misc]  # the framework's, per instance
 
 
 class InvalidRequest(ServiceError):
@@ -63,6 +102,14 @@ class JobNotFound(ServiceError):
     code = "job_not_found"
 
 
+class JobMissing(ServiceError):
+    """A queued entry whose job record was gone when a worker read it (it expired, or was never
+    written): the entry is cleared with this error."""
+
+    status = 404
+    code = "job_missing"
+
+
 class QueueUnavailable(ServiceError):
     """Redis is unreachable: a dependency failure, never the client's fault."""
 
@@ -71,6 +118,9 @@ class QueueUnavailable(ServiceError):
 
 
 class GenerationFailed(ServiceError):
+    """The engine failed while generating this job (anything but its own death): the job ends,
+    the worker goes on."""
+
     status = 500
     code = "generation_failed"
 
@@ -147,16 +197,15 @@ class DeadlineExceeded(ServiceError):
     code = "deadline_exceeded"
 
 
+def error_class(code: str) -> type[ServiceError] | None:
+    """The class that owns ``code``; None for a code no class in this process defines."""
+    return _BY_CODE.get(code)
+
+
 def error_from_code(code: str, message: str, status: int) -> ServiceError:
-    """Rebuild a typed error from a terminal ``error`` event (which crossed a process boundary)."""
-    for cls in _ALL:
-        if cls.code == code:
-            return cls(message)
-    exc = ServiceError(message)
-    exc.code, exc.status = code, status
-    return exc
-
-
-_ALL = (InvalidRequest, ModelNotFound, JobNotFound, QueueUnavailable, GenerationFailed,
-        EngineDead, JobCancelled, DeadLetter, WorkerLost, Unauthorized, Overloaded, RateLimited, PayloadTooLarge,
-        DeadlineExceeded)
+    """Rebuild a typed error from a terminal ``error`` event or a stored job error (which
+    crossed a process boundary as code + message)."""
+    cls = _BY_CODE.get(code)
+    if cls is None or cls in (UnknownError, HttpError):  # their codes are not theirs alone
+        return UnknownError(message, code=code, status=status)
+    return cls(message)

@@ -67,6 +67,11 @@ class Error(msgspec.Struct, tag="error", kw_only=True):
     status: int = 500
     """The HTTP status a dialect should use if nothing has been sent yet."""
 
+    @classmethod
+    def of(cls, exc: ServiceError, seq: int) -> Error:
+        """The terminal event that reports ``exc`` as event ``seq`` of a job."""
+        return cls(seq=seq, code=exc.code, message=exc.message, status=exc.status)
+
     def exception(self) -> ServiceError:
         """The typed error this event carries (it crossed a process boundary as code + message)."""
         return error_from_code(self.code, self.message, self.status)

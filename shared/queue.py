@@ -303,7 +303,7 @@ class Queue:
         is running: its worker ends it first) and it is still unfinished. With ``now`` (the error to
         end it with) it ends at once if unfinished, deadline or not. True when this ended it."""
         exc = now or DeadlineExceeded("the request's deadline passed before it finished")
-        event = encode(exc.event(seq=0))
+        event = encode(Error.of(exc, seq=0))
         head = b'{"type":"error","seq":0,'
         assert event.startswith(head)  # expire.lua writes the same bytes with the real seq
         error = encode(JobError(code=exc.code, message=exc.message, status=exc.status))
@@ -612,8 +612,8 @@ class Queue:
         match out.event:
             case Done():
                 return "done", "result", encode(out.result or JobResult())
-            case Error(code=code, message=message, status=status):
-                outcome = "cancelled" if code == "cancelled" else "failed"
+            case Error(code=code, message=message, status=status) as error:
+                outcome = "cancelled" if isinstance(error.exception(), JobCancelled) else "failed"
                 return outcome, "error", encode(JobError(code=code, message=message, status=status))
             case Tokens():
                 return "", "", ""

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from shared.errors import ServiceError, error_from_code
 from shared.keys import new_job_id
 
 __all__ = [
@@ -232,6 +233,14 @@ class JobError(msgspec.Struct, kw_only=True):
     code: str
     message: str
     status: int = 500
+
+    @classmethod
+    def of(cls, exc: ServiceError) -> JobError:
+        return cls(code=exc.code, message=exc.message, status=exc.status)
+
+    def exception(self) -> ServiceError:
+        """The typed error the job ended with."""
+        return error_from_code(self.code, self.message, self.status)
 
 
 class JobRecord(msgspec.Struct, kw_only=True):

@@ -45,7 +45,7 @@ from shared.batches import (
     StoredLine,
 )
 from shared.codec import encode
-from shared.errors import Overloaded
+from shared.errors import GenerationFailed, Overloaded
 from shared.keys import LEVELS
 from shared.queue import now_ms
 from shared.schemas import TERMINAL_STATUSES, GenerationRequest, JobError, JobRecord
@@ -99,7 +99,7 @@ class Tick:
             return
         if ending:
             final = (await self.redis.hget(self.keys.batch(batch.id), "ending") or b"cancelled").decode()
-            await self.never_run(batch, "batch_expired" if final == "expired" else "batch_cancelled")
+            await self.never_run(batch, final)
             await self.finish(batch, owner, "cancelling", final)
         elif int(await self.redis.hget(self.keys.batch(batch.id), "next") or 0) >= batch.request_counts.total:
             await self.finish(batch, owner, "in_progress", "completed")
@@ -163,13 +163,13 @@ class Tick:
         return await self.queue.enqueue(record, self.keys.batch_idempotency(batch.id, line, part),
                                         max_queued=self.settings.max_queued, tenant=TenantConfig(weight=config.weight))
 
-    async def never_run(self, batch: BatchObject, code: str) -> None:
-        """Error-file lines for the lines a cancelled or expired batch never queued."""
+    async def never_run(self, batch: BatchObject, final: str) -> None:
+        """Error-file lines for the lines a batch that ended ``final`` (cancelled or expired)
+        never queued."""
+        code, message = _NEVER_RUN["expired" if final == "expired" else "cancelled"]
         start = int(await self.redis.hget(self.keys.batch(batch.id), "next") or 0)
         for line in range(start, batch.request_counts.total):
             stored = _stored.decode(await self.redis.lindex(self.keys.batch_lines(batch.id), line))
-            message = "The batch was cancelled before this request ran." if code == "batch_cancelled" else \
-                "The batch expired before this request ran."
             out = NotRun(custom_id=stored.custom_id, request_id=f"{batch.id}_{line}", code=code, message=message)
             await self.redis.hset(self.keys.batch_errors(batch.id), str(line), encode(out))
         await self.redis.hset(self.keys.batch(batch.id), "next", batch.request_counts.total)
@@ -205,6 +205,11 @@ class Tick:
         await self.redis.hset(self.keys.batch(batch.id), mapping={"completed": completed, "failed": failed})
 
 
+# OpenAI's error-file code for the lines a batch never queued, and its message, by how it ended.
+_NEVER_RUN = {"expired": ("batch_expired", "The batch expired before this request ran."),
+              "cancelled": ("batch_cancelled", "The batch was cancelled before this request ran.")}
+
+
 def _outcome(stored: StoredLine, job_ids: list[str], records: list[JobRecord | None]) -> LineOutcome:
     """The outcome of a line whose jobs all ended: its results, or the first reason it has none."""
     for job_id, record in zip(job_ids, records, strict=True):
@@ -215,7 +220,7 @@ def _outcome(stored: StoredLine, job_ids: list[str], records: list[JobRecord | N
             return NotRun(custom_id=stored.custom_id, request_id=job_id, code="batch_cancelled",
                           message="The batch was cancelled while this ran.")
         if record.status != "done" or record.result is None:
-            error = record.error or JobError(code="generation_failed", message="the job ended without a result")
+            error = record.error or JobError.of(GenerationFailed("the job ended without a result"))
             return Failed(custom_id=stored.custom_id, request_id=job_id, error=error)
     done = [(r.queued_at, r.result) for r in records if r is not None and r.result is not None]
     # The requests as the line translated them (its jobs' only differ in the batch's priority).

@@ -39,8 +39,10 @@ from shared.errors import (
     DeadLetter,
     DeadlineExceeded,
     EngineDead,
+    GenerationFailed,
     InvalidRequest,
     JobCancelled,
+    JobMissing,
     LeaseLost,
     ServiceError,
 )
@@ -306,7 +308,7 @@ class Worker:
         if d.state == "missing":
             # The record expired or was never written: nothing to answer; just clear the entry.
             log.warning("job_record_missing", job_id=d.job_id)
-            self._emit(d, Error(seq=1, code="job_missing", message="job record not found", status=404),
+            self._emit(d, Error.of(JobMissing("job record not found"), seq=1),
                        entry_id=d.entry_id, attempt=0)
         elif d.state == "finished":  # the job already ended; only its entry was left behind
             await self.queue.ack(self.model, d.entry_id, d.level)
@@ -322,7 +324,7 @@ class Worker:
             log.warning("job_dead_lettered", job_id=d.job_id, attempt=d.attempt)
             exc = DeadLetter(f"the job was delivered {d.attempt - 1} times and no worker finished it "
                              "(workers died or stalled while running it)")
-            self._emit(d, exc.event(d.last_seq + 1),
+            self._emit(d, Error.of(exc, d.last_seq + 1),
                        entry_id=d.entry_id, dead=True)
         else:
             assert d.request is not None
@@ -412,7 +414,7 @@ class Worker:
                         # can also continue after it.
                         self._emit(d, event, first_token_at=first_token_at, prompt_ids=prompt_ids or None)
                         prompt_ids = None
-                raise ServiceError("the engine ended the job without a final output")
+                raise GenerationFailed("the engine ended the job without a final output")
             except asyncio.CancelledError:
                 reason = self._running[d.job_id].stop_reason
                 if reason is None:
@@ -438,7 +440,7 @@ class Worker:
                 self._fail(d, state, exc, usage)
             except Exception as exc:  # an engine failure ends this job, not the worker
                 log.exception("job_failed", may_quote_request=True)  # an engine error may quote the prompt
-                error = ServiceError(f"generation failed: {type(exc).__name__}: {exc}")
+                error = GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}")
                 outcome = error.code
                 self._fail(d, state, error, usage)
             finally:
@@ -468,7 +470,7 @@ class Worker:
         # The code, not the message: that can quote the request (an engine's or a template's
         # error); the client and the job record get it.
         log.info("job_ended", job_id=d.job_id, code=exc.code)
-        event = exc.event(last_seq + 1)
+        event = Error.of(exc, last_seq + 1)
         self._emit(d, event, entry_id=d.entry_id, log=self._compacted(d, [*(events or ()), event]), usage=usage)
 
     @staticmethod

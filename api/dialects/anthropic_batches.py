@@ -22,7 +22,7 @@ from msgspec import Meta
 from api.dialects import anthropic_messages as am
 from shared.batches import Answered, BatchObject, Failed, LineError, LineOutcome, NotRun, Refused
 from shared.codec import encode
-from shared.errors import InvalidRequest, ServiceError, error_from_code
+from shared.errors import InvalidRequest, ServiceError
 from shared.schemas import GenerationRequest
 
 __all__ = ["CreateBatch", "BatchRequest", "check", "translate", "refusal", "MessageBatch", "RequestCounts",
@@ -189,7 +189,7 @@ def result_line(outcome: LineOutcome) -> IndividualResponse:
         case Answered(requests=[first, *_], results=[answer, *_]):
             result = Succeeded(message=am.render_result(first, answer, outcome.request_id, outcome.created))
         case Failed(error=error):
-            result = Errored(error=am.error_body(error_from_code(error.code, error.message, error.status))[1])
+            result = Errored(error=am.error_body(error.exception())[1])
         case Refused(error=error):
             result = Errored(error=error.body)
         case NotRun(code="batch_cancelled"):  # cancelled before it ran, or while it ran

@@ -395,6 +395,6 @@ def error_body(exc: ServiceError) -> tuple[int, ErrorResponse]:
     """Anthropic's statuses and error types. A full queue is 529 ``overloaded_error`` (the server
     is busy, not this client over a rate limit); other statuses keep their number, typed
     ``invalid_request_error`` (4xx) or ``api_error`` (5xx) where Anthropic has no closer type."""
-    status = OVERLOADED if exc.code == Overloaded.code else exc.status
+    status = OVERLOADED if isinstance(exc, Overloaded) else exc.status
     kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
     return status, ErrorResponse(error=ErrorObject(type=kind, message=exc.message))

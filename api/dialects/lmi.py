@@ -20,7 +20,7 @@ from msgspec import Meta
 
 from api.dialects.lmi_render import BatchError, Details, LmiToken, batch_error, render_result, render_stream
 from api.dialects.openai_structured import StructuredOutputs, structured_output
-from shared.errors import InvalidRequest, ServiceError
+from shared.errors import GenerationFailed, InternalError, InvalidRequest, ServiceError
 from shared.schemas import DialectName, GenerationRequest, JobResult, OutputOptions, SamplingParams
 
 __all__ = [
@@ -177,7 +177,7 @@ class FrontendError(msgspec.Struct, kw_only=True):
 def error_body(exc: ServiceError) -> tuple[int, LmiError | GenerationError | FrontendError]:
     if isinstance(exc, InvalidRequest):
         return 424, LmiError(error=exc.message, code=424)
-    if exc.status >= 500 and exc.code in ("generation_failed", "internal_error"):
+    if exc.status >= 500 and isinstance(exc, (GenerationFailed, InternalError)):
         details: Details = Details(finish_reason="error", generated_tokens=None, inputs=None, tokens=None)
         return exc.status, GenerationError(error=exc.message, code=exc.status, details=details)
     return exc.status, FrontendError(code=exc.status, type=exc.code, message=exc.message)

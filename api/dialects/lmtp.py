@@ -17,7 +17,7 @@ import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
 from shared import json_input
-from shared.errors import InvalidRequest, ServiceError
+from shared.errors import GenerationFailed, InvalidRequest, ServiceError
 from shared.events import Done, Error, Event, TokenDelta, Tokens
 from shared.schemas import GenerationRequest, JobResult, OutputOptions, PromptInfo, SamplingParams, TopLogprob
 
@@ -287,7 +287,7 @@ class TokenStream:
             case Done():
                 out = self._take(event.deltas)
                 if self.held is None:
-                    raise ServiceError("the engine finished without generating a token")
+                    raise GenerationFailed("the engine finished without generating a token")
                 self.held.finish_reason = _finish_reason(self.reason)
                 out.append(self.held)
                 self.held = None
@@ -354,7 +354,7 @@ def score_payloads(stream_id: int, offset: int, scored: list[int], prompt: Promp
     """The scored slice of the prompt's logprobs. The very first prompt token has no logprob:
     0.0, as LMQL's server reports it."""
     if prompt is None or prompt.logprobs is None or prompt.token_ids[offset:] != scored:
-        raise ServiceError("the engine did not report logprobs for the scored tokens")
+        raise GenerationFailed("the engine did not report logprobs for the scored tokens")
     logprobs = prompt.logprobs[offset:]
     last = len(scored) - 1
     return [

@@ -28,7 +28,7 @@ from msgspec import Meta
 from api.dialects.openai_structured import JsonSchemaFormat, ResponseFormat, structured_output
 from api.dialects.tiers import priority_of_tier, reported_tier
 from shared.codec import encode
-from shared.errors import InvalidRequest, ServiceError
+from shared.errors import InternalError, InvalidRequest, JobCancelled, Overloaded, ServiceError
 from shared.events import Done, Error, Event
 from shared.framing import KEEPALIVE, Keepalive
 from shared.schemas import (
@@ -407,13 +407,15 @@ def usage_of(usage: Usage) -> ResponseUsage:
                          total_tokens=usage.prompt_tokens + usage.completion_tokens)
 
 
-# llmq's error codes as the SDK's ResponseError.code vocabulary: the model's own failures are
+# llmq's errors in the SDK's ResponseError.code vocabulary: the model's own failures are
 # ``server_error``; a prompt the engine refused (too long for the context) is ``invalid_prompt``.
-_FAILURE_CODES = {"invalid_request": "invalid_prompt", "overloaded": "rate_limit_exceeded"}
+_FAILURE_CODES: tuple[tuple[type[ServiceError], str], ...] = (
+    (InvalidRequest, "invalid_prompt"), (Overloaded, "rate_limit_exceeded"))
 
 
 def response_error(exc: ServiceError) -> ResponseError:
-    return ResponseError(code=_FAILURE_CODES.get(exc.code, "server_error"), message=exc.message)
+    code = next((name for cls, name in _FAILURE_CODES if isinstance(exc, cls)), "server_error")
+    return ResponseError(code=code, message=exc.message)
 
 
 def render_response(echo: Echo, job_id: str, created: int, status: Status, *, text: str | None = None,
@@ -464,9 +466,7 @@ def render_record(record: JobRecord, *, echo: Echo | None = None) -> Response:
         case "cancelled":
             return render_response(echo, record.id, created, "cancelled")
         case "failed":
-            error = record.error
-            exc = ServiceError(error.message if error else "the response failed")
-            exc.code = error.code if error else exc.code
+            exc = record.error.exception() if record.error else InternalError("the response failed")
             return render_response(echo, record.id, created, "failed", error=exc)
         case "running":
             return render_response(echo, record.id, created, "in_progress")
@@ -612,7 +612,7 @@ def failed_event(echo: Echo, job_id: str, created: int, error: Error) -> StreamR
     """A job that ended with an error: ``response.failed``; a cancelled job's object says
     ``cancelled`` (OpenAI's stream has no event of its own for it)."""
     exc = error.exception()
-    cancelled = exc.code == "cancelled"
+    cancelled = isinstance(exc, JobCancelled)
     response = render_response(echo, job_id, created, "cancelled" if cancelled else "failed",
                                error=None if cancelled else exc)
     return StreamResponse(type="response.failed", sequence_number=delta_seq(error.seq), response=response)

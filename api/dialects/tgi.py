@@ -17,7 +17,7 @@ import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
 from shared import json_input
-from shared.errors import InvalidRequest, ServiceError
+from shared.errors import EngineDead, GenerationFailed, InvalidRequest, JobCancelled, JobMissing, ServiceError
 from shared.events import Done, Error, Event, TokenDelta, Tokens
 from shared.framing import KEEPALIVE, Keepalive, sse
 from shared.schemas import (
@@ -563,7 +563,8 @@ def error_frame(exc: ServiceError) -> bytes:
 
 # --- errors -------------------------------------------------------------------------------
 
-_GENERATION = {"generation_failed", "engine_dead", "worker_shutdown", "cancelled", "job_missing"}
+# Failures of the generation itself (TGI's InferError::GenerationError): 424.
+_GENERATION = (GenerationFailed, EngineDead, JobCancelled, JobMissing)
 
 
 def error_body(exc: ServiceError) -> tuple[int, ErrorResponse]:
@@ -573,9 +574,9 @@ def error_body(exc: ServiceError) -> tuple[int, ErrorResponse]:
         return 422, ErrorResponse(f"Input validation error: {exc.message}", "validation")
     if exc.status == 429:
         return 429, ErrorResponse(exc.message, "overloaded")
-    if exc.code in _GENERATION:
+    if isinstance(exc, _GENERATION):
         return 424, ErrorResponse(f"Request failed during generation: {exc.message}", "generation")
-    if exc.code == IncompleteGenerationStream.code:
+    if isinstance(exc, IncompleteGenerationStream):
         return 500, ErrorResponse(exc.message, exc.code)
     if exc.status == 500:
         return 500, ErrorResponse(exc.message, "incomplete_generation")

@@ -13,7 +13,7 @@ import pytest
 from huggingface_hub import InferenceClient
 from huggingface_hub.errors import GenerationError, OverloadedError, ValidationError
 
-from shared.errors import GenerationFailed, ServiceError
+from shared.errors import GenerationFailed, Overloaded
 from shared.events import TokenDelta
 from shared.schemas import GenerationRequest, PromptInfo, TopLogprob
 from tests.scripted_engine import ScriptedEngine
@@ -21,11 +21,6 @@ from tests.scripted_stack import scripted_stack
 from workers.protocol import Step
 
 EOS = 2
-
-
-class Overloaded(ServiceError):
-    status = 429
-    code = "overloaded"
 
 
 class TgiEngine(ScriptedEngine):

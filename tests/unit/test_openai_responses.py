@@ -364,7 +364,7 @@ async def test_a_length_stop_ends_incomplete():
 
 async def test_a_job_error_is_response_failed_numbered_by_its_seq():
     out = await frames([Tokens(seq=1, deltas=[TokenDelta(text="a")]),
-                        GenerationFailed("engine broke").event(2)])
+                        Error.of(GenerationFailed("engine broke"), 2)])
     name, data = parsed(out[-1])
     assert (name, data["sequence_number"], len(out)) == ("response.failed", 5, 6)
     assert data["response"]["status"] == "failed" and data["response"]["output"] == []
