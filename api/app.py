@@ -11,20 +11,20 @@ from litestar.di import Provide
 from api.auth import KeyGuard, parse_keys
 from api.context import job_ref, request_context
 from api.errors import exception_handlers
-from api.http import RequestLifecycle
 from api.metrics import metrics, pushing
+from api.middleware import RequestLifecycle
 from api.openapi import openapi_json
 from api.routes import (
-    anthropic,
     anthropic_batches,
-    batches,
+    anthropic_messages,
     happy_vllm,
     health,
     jobs,
     lmi,
     lmtp,
-    openai,
+    openai_batches,
     openai_chat,
+    openai_completions,
     openai_responses,
     tgi,
     triton,
@@ -60,14 +60,9 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
         middleware.insert(0, lambda app: Traced(app, tracing))  # outermost: its span ends after the last byte
     return Litestar(
         route_handlers=[
-            lmi.invocations,
-            lmi.predictions,
-            openai.completions,
-            openai.models,
-            jobs.create_job,
-            jobs.get_job,
-            jobs.cancel_job,
-            jobs.job_events,
+            *lmi.ROUTES,
+            *openai_completions.ROUTES,
+            *jobs.ROUTES,
             usage.usage,
             health.ping,
             health.livez,
@@ -77,10 +72,10 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
             *happy_vllm.ROUTES,
             *lmtp.ROUTES,
             *openai_chat.ROUTES,
-            *anthropic.ROUTES,
+            *anthropic_messages.ROUTES,
             *anthropic_batches.ROUTES,
             *openai_responses.ROUTES,
-            *batches.ROUTES,
+            *openai_batches.ROUTES,
             openapi_json,
             metrics,
         ],

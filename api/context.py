@@ -3,7 +3,7 @@
 - :class:`RequestContext`: who sent the request (the API key's owner hash), the dialect its errors
   are rendered in, the per-request option headers (deadline, priority), its Idempotency-Key and
   ``Prefer: respond-async``, and the set of jobs it watches (cancelled when the request ends early;
-  the set belongs to :class:`api.http.RequestLifecycle`, which ends them). Handlers that queue work
+  the set belongs to :class:`api.middleware.RequestLifecycle`, which ends them). Handlers that queue work
   take ``ctx: Ctx`` and hand it to :func:`api.submit.submit`.
 - :class:`JobRef`: a job (or group) id from a URL, resolved to the model that holds it and checked
   against the caller's key, once, by the ``job: Job`` dependency. A job queued under another key is
@@ -43,7 +43,7 @@ TIMEOUT_HEADER = "x-llmq-timeout"
 PRIORITY_HEADER = "x-llmq-priority"
 """An integer, lower runs earlier; a body field (OpenAI's ``priority``) wins over it."""
 WATCHES = "llmq.watches"
-"""The ASGI scope entry where :class:`api.http.RequestLifecycle` hands this request's watch set
+"""The ASGI scope entry where :class:`api.middleware.RequestLifecycle` hands this request's watch set
 to :func:`request_context` (the one place that reads it)."""
 SPAN = "llmq.span"
 """The ASGI scope entry where :class:`api.tracing.Traced` hands over the request's span (tracing on)."""

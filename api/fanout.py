@@ -14,14 +14,14 @@ polled and cancelled at ``/v1/jobs/<group id>`` like one job, its result in the 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
 
 from api.context import RequestContext
 from api.dialects import render_group_result
-from api.relay import collect
+from api.follow import collect
 from api.services import Services
 from api.submit import Submission, enqueue_detached, submit
 from api.watches import cancel_quietly
@@ -178,11 +178,15 @@ async def _interleave(subs: list[Submission], n: int) -> AsyncIterator[Event | K
             await sub.events.aclose()  # type: ignore[attr-defined]
 
 
-async def collect_all(subs: list[Submission]) -> list[JobResult]:
-    """Every job's result, in order; the first failure is raised and the rest are let go."""
+async def collect_all(subs: list[Submission], on_event: Callable[[Tokens | Done], None] | None = None
+                      ) -> list[JobResult]:
+    """Every job's result, in order; the first failure is raised and the rest are let go.
+    ``on_event`` sees each token event as it is folded."""
     try:
+        if len(subs) == 1:  # one job: no task group on the common path
+            return [await collect(subs[0].events, on_event)]
         async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(collect(sub.events)) for sub in subs]
+            tasks = [tg.create_task(collect(sub.events, on_event)) for sub in subs]
     except* Exception as group:
         raise group.exceptions[0] from None
     finally:

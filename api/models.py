@@ -4,7 +4,7 @@ A model is *known* when it is configured (``LLMQ_MODEL``, ``LLMQ_MODELS``) or wh
 ever advertised it: workers add their model to ``llmq:models`` with each heartbeat and nothing
 removes it, so a model stays known while all its workers are down. A request for a known model is
 queued whether or not a worker is warm (cold starts, rolling restarts, scale from zero); the
-request's cold wait (:class:`api.relay.ColdWait`) bounds how long a waiting client is kept. An
+request's cold wait (:class:`api.follow.ColdWait`) bounds how long a waiting client is kept. An
 unknown model gets the dialect's 404.
 
 A model is *live* while a warm worker serves it (the model's ``workers`` set, scored by heartbeat

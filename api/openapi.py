@@ -29,7 +29,7 @@ from api.dialects import anthropic_messages as anthropic
 from api.dialects import happy_vllm, jobs, lmi, openai_chat, openai_completions, tgi, triton
 from api.dialects import openai_responses as responses
 from api.fanout import GroupView
-from api.http import Accepted
+from api.jobs import Accepted
 from api.routes.health import Liveness, Ping, Readiness
 from api.routes.usage import UsagePage
 from api.services import Svc

@@ -24,7 +24,7 @@ import msgspec
 import structlog
 
 from api.context import RequestContext, RequestTrace
-from api.relay import ColdWait, follow
+from api.follow import ColdWait, follow
 from api.services import Services
 from api.watches import JobWatch
 from shared.codec import decode_request, encode
@@ -33,7 +33,7 @@ from shared.events import Event
 from shared.framing import Keepalive
 from shared.schemas import GenerationRequest, JobRecord
 
-__all__ = ["Submission", "Live", "submit", "enqueue_detached", "admit", "subscribe_job", "follow_job",
+__all__ = ["Submission", "Live", "Following", "submit", "enqueue_detached", "admit", "subscribe_job", "follow_job",
            "check_queueable", "part_key"]
 
 log = structlog.get_logger()
@@ -140,6 +140,32 @@ async def subscribe_job(svc: Services, model: str, job_id: str, stack: AsyncExit
     return Live(model, job_id, stack, messages)
 
 
+@dataclass(slots=True)
+class Following:
+    """What ends with a followed job's relay (:class:`api.follow.Watcher`): its subscription; a
+    watch, which cancels the job if the relay ends before the terminal event; a span, told how
+    the job ended."""
+
+    live: Live
+    watch: JobWatch | None = None
+    span: RequestTrace | None = None
+
+    def ended(self, event: Event) -> None:
+        if self.watch is not None:
+            self.watch.finished = True
+        if self.span is not None:
+            self.span.ended(event)
+
+    async def closed(self) -> None:
+        try:
+            await self.live.stack.aclose()  # the subscription
+        finally:
+            if self.watch is not None:
+                self.watch.cancel()  # a no-op once the terminal event went out
+                if self.watch.scope is not None:
+                    self.watch.scope.discard(self.watch)  # a long LMTP socket keeps only live streams
+
+
 def follow_job(
     svc: Services,
     live: Live,
@@ -154,31 +180,14 @@ def follow_job(
     """The job's events; iterating to the end (or closing the iterator) closes the subscription.
     With a ``watch``, leaving before the terminal event (closed, cancelled, failed) cancels the job.
     ``span``: the request's span (tracing on), told how the job ended."""
-
     # Only the request that queued the job waits for a worker with a bound; other readers (a poll's
     # event stream, a repeated Idempotency-Key) follow whatever happens to it.
     cold = None
     if watch is not None and svc.settings.cold_wait_s > 0:
         cold = ColdWait(functools.partial(svc.models.warm, live.model), svc.settings.cold_wait_s)
-
-    def on_terminal(event: Event) -> None:
-        if watch is not None:
-            watch.finished = True
-        if span is not None:
-            span.ended(event)
-
-    async def on_exit() -> None:
-        try:
-            await live.stack.aclose()  # the subscription
-        finally:
-            if watch is not None:
-                watch.cancel()  # a no-op once the terminal event went out
-                if watch.scope is not None:
-                    watch.scope.discard(watch)  # a long LMTP socket keeps only live streams
-
     return follow(svc.queue, live.messages, live.model, live.job_id, after_seq=after_seq, backfill=backfill,
                   keepalive_s=svc.settings.sse_keepalive_s if keepalive else None, deadline=deadline, cold=cold,
-                  on_terminal=on_terminal, on_exit=on_exit)
+                  watcher=Following(live, watch, span))
 
 
 async def submit(svc: Services, ctx: RequestContext, req: GenerationRequest, *, keepalive: bool = False,

@@ -81,7 +81,7 @@ class Traced:
                                                   "http.route": route})
         request = RequestSpan(span)
         scope[SPAN] = request  # type: ignore[literal-required]
-        # Copied into the handler's task (api.http.RequestLifecycle creates it after this).
+        # Copied into the handler's task (api.middleware.RequestLifecycle creates it after this).
         structlog.contextvars.bind_contextvars(trace_id=request.trace_id)
 
         async def traced_send(message: Message) -> None:

@@ -5,7 +5,7 @@ registered before the enqueue awaits). When the request ends (the response is do
 disconnected, the LMTP socket closed) any watched job whose terminal event was not relayed is
 cancelled; the worker aborts it in the engine. Ending early is the only trigger: a job that
 finished is never cancelled, whoever reads it later. The request's set of watches is created and
-ended by :class:`api.http.RequestLifecycle` and reaches :func:`api.submit.submit` in the request's
+ended by :class:`api.middleware.RequestLifecycle` and reaches :func:`api.submit.submit` in the request's
 context.
 """
 

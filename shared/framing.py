@@ -1,5 +1,5 @@
-"""The bytes of a relayed stream, in every framing a dialect uses: Server-Sent Events (with or
-without the space after ``data:``), JSON lines, SSE keep-alive comments and OpenAI's ``[DONE]``.
+"""The bytes of a relayed stream, in every framing a dialect uses: Server-Sent Events (named or
+not, numbered or not, with or without the space after ``data:``), JSON lines, SSE keep-alive comments and OpenAI's ``[DONE]``.
 
 Here, not in the API's relay, because dialect modules render streams and depend only on
 ``shared/``; :class:`Keepalive` is the tick the relay interleaves with a job's events when it has
@@ -23,9 +23,13 @@ class Keepalive:
 KEEPALIVE_TICK = Keepalive()
 
 
-def sse(payload: object, *, event_id: int | None = None, space: bool = True) -> bytes:
-    """One Server-Sent Event. ``space`` is the dialect's choice: ``data: {..}`` or ``data:{..}``."""
-    head = f"id: {event_id}\n".encode() if event_id is not None else b""
+def sse(payload: object, *, event: str | None = None, event_id: int | None = None, space: bool = True) -> bytes:
+    """One Server-Sent Event: ``event: <name>`` when the dialect names its events (Anthropic's,
+    OpenAI Responses'), ``id: <n>`` when it numbers them, then the data. ``space`` is the
+    dialect's choice: ``data: {..}`` or ``data:{..}``."""
+    head = b"event: " + event.encode() + b"\n" if event is not None else b""
+    if event_id is not None:
+        head += f"id: {event_id}\n".encode()
     data = payload if isinstance(payload, bytes) else encode(payload)
     return head + (b"data: " if space else b"data:") + data + b"\n\n"
 

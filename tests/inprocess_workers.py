@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from api.relay import follow
+from api.follow import follow
 from shared.config import load_settings
 from shared.events import Done, Event, Tokens
 from shared.keys import Keys

@@ -4,7 +4,8 @@ imports anything from api/ outside this package.
 
 Each module (and LMI's two other shapes) is a :class:`Dialect`, found by its ``DialectName``; a
 name with no dialect is a KeyError, never a silent fallback (``GenerationRequest.dialect`` is that
-Literal, so no request can carry another).
+Literal, so no request can carry another). A dialect's stream is a
+:class:`api.dialects.stream.StreamRenderer`, which :func:`api.dialects.stream.drive` feeds.
 """
 
 from __future__ import annotations
@@ -26,22 +27,26 @@ from api.dialects import (
     triton,
 )
 from api.dialects.lmi_render import render_batch_result
+from api.dialects.stream import StreamRenderer
 from shared.errors import ServiceError
 from shared.schemas import DialectName, GenerationRequest, JobResult
 
 Body = msgspec.Struct | list[msgspec.Struct]
 """A response body: a wire object, or a list of them (TGI's ``POST /``, LMTP's tokens)."""
 
-__all__ = ["Dialect", "Body", "render_result", "render_group_result", "error_body"]
+__all__ = ["Dialect", "Body", "render_result", "render_group_result", "stream", "error_body"]
 
 
 class Dialect(Protocol):
-    """What the API needs from every dialect besides its routes: a stored job's result and any
-    error, in its shape."""
+    """What the API needs from every dialect besides its routes: a job's result, its stream and
+    any error, in its shape, from the stored request alone (a route whose wire request has
+    options the stored one lacks builds its renderer itself)."""
 
     NAME: str
 
     def render_result(self, req: GenerationRequest, result: JobResult, job_id: str, created: int) -> Body: ...
+
+    def stream(self, req: GenerationRequest, job_id: str, created: int) -> StreamRenderer[bytes]: ...
 
     def error_body(self, exc: ServiceError) -> tuple[int, msgspec.Struct]: ...
 
@@ -65,6 +70,11 @@ def render_group_result(reqs: list[GenerationRequest], results: list[JobResult],
     if reqs[0].dialect == lmi.DYNAMIC_BATCH.NAME:
         return render_batch_result(results)
     return openai_completions.render_results(reqs, results, group_id, created)
+
+
+def stream(req: GenerationRequest, job_id: str, created: int) -> StreamRenderer[bytes]:
+    """A job's stream in the shape of the dialect that submitted it."""
+    return _DIALECTS[req.dialect].stream(req, job_id, created)
 
 
 def error_body(dialect: DialectName, exc: ServiceError) -> tuple[int, msgspec.Struct]:

@@ -17,17 +17,17 @@ stretches are SSE comments, which every SSE parser drops (the SDK included).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
 
+from api.dialects.common import refuse
+from api.dialects.stream import SseKeepalive, StreamRenderer
 from api.dialects.tiers import priority_of_tier
-from shared.codec import encode
-from shared.errors import InvalidRequest, Overloaded, ServiceError
-from shared.events import Done, Error, Event
-from shared.framing import KEEPALIVE, Keepalive
+from shared.errors import Overloaded, ServiceError
+from shared.events import Done, Tokens
+from shared.framing import sse
 from shared.schemas import (
     ChatMessage,
     ChatOptions,
@@ -45,7 +45,8 @@ __all__ = [
     "to_generation_request",
     "chat_of",
     "render_result",
-    "render_stream",
+    "MessageStream",
+    "stream",
     "error_body",
     "event",
     "Message",
@@ -117,19 +118,14 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1)]
 
 
-def _refuse(bad: bool, message: str, param: str | None = None) -> None:
-    if bad:
-        raise InvalidRequest(message, param=param)
-
-
 def _refusals(b: CountTokensRequest) -> None:
-    _refuse(bool(b.tools), "tools: tool use is not supported by this server", "tools")
+    refuse(bool(b.tools), "tools: tool use is not supported by this server", "tools")
     no_tools = b.tool_choice is None or (isinstance(b.tool_choice, dict) and b.tool_choice.get("type") == "none")
-    _refuse(not no_tools, "tool_choice: tool use is not supported by this server", "tool_choice")
+    refuse(not no_tools, "tool_choice: tool use is not supported by this server", "tool_choice")
     thinking = b.thinking is not None and b.thinking.type != "disabled"
-    _refuse(thinking, "thinking: extended thinking is not supported by this server", "thinking")
+    refuse(thinking, "thinking: extended thinking is not supported by this server", "thinking")
     effort = b.output_config is not None and b.output_config.effort is not None
-    _refuse(effort, "output_config.effort: effort levels are not supported by this server", "output_config")
+    refuse(effort, "output_config.effort: effort levels are not supported by this server", "output_config")
 
 
 def _text(content: str | list[ContentBlock], where: str) -> str:
@@ -137,9 +133,9 @@ def _text(content: str | list[ContentBlock], where: str) -> str:
         return content
     texts = []
     for i, block in enumerate(content):
-        _refuse(block.type != "text", f"{where}.{i}: content blocks of type `{block.type}` are not supported "
+        refuse(block.type != "text", f"{where}.{i}: content blocks of type `{block.type}` are not supported "
                 "by this server (text only)", where.split(".")[0])
-        _refuse(block.text is None, f"{where}.{i}.text: Field required", where.split(".")[0])
+        refuse(block.text is None, f"{where}.{i}.text: Field required", where.split(".")[0])
         texts.append(block.text)
     return "\n".join(texts)
 
@@ -149,13 +145,13 @@ def chat_of(b: CountTokensRequest) -> tuple[list[ChatMessage], ChatOptions]:
     turns of one role are one turn (as Anthropic combines them); a last ``assistant`` turn is
     continued rather than answered."""
     _refusals(b)
-    _refuse(not b.messages, "messages: at least one message is required", "messages")
+    refuse(not b.messages, "messages: at least one message is required", "messages")
     out: list[ChatMessage] = []
     if b.system is not None and (system := _text(b.system, "system")):
         out.append(ChatMessage(role="system", content=system))
     turns: list[tuple[str, str]] = []
     for i, m in enumerate(b.messages):
-        _refuse(m.role not in ROLES, f"messages.{i}.role: Input should be 'user' or 'assistant'", "messages")
+        refuse(m.role not in ROLES, f"messages.{i}.role: Input should be 'user' or 'assistant'", "messages")
         text = _text(m.content, f"messages.{i}.content")
         if turns and turns[-1][0] == m.role:
             turns[-1] = (m.role, turns[-1][1] + "\n" + text)
@@ -170,9 +166,9 @@ def _structured(b: CountTokensRequest) -> StructuredOutput | None:
     fmt = b.output_config.format if b.output_config is not None else None
     if fmt is None:
         return None
-    _refuse(fmt.type != "json_schema", f"output_config.format.type: Input should be 'json_schema', got {fmt.type!r}",
+    refuse(fmt.type != "json_schema", f"output_config.format.type: Input should be 'json_schema', got {fmt.type!r}",
             "output_config")
-    _refuse(fmt.schema is None, "output_config.format.schema: Field required", "output_config")
+    refuse(fmt.schema is None, "output_config.format.schema: Field required", "output_config")
     return StructuredOutput(json=fmt.schema)
 
 
@@ -185,7 +181,7 @@ def _priority(tier: str | None) -> int | None:
 def to_generation_request(body: MessagesRequest) -> GenerationRequest:
     messages, chat = chat_of(body)
     stop = list(body.stop_sequences or [])
-    _refuse(any(not s for s in stop), "stop_sequences: each stop sequence must be a non-empty string",
+    refuse(any(not s for s in stop), "stop_sequences: each stop sequence must be a non-empty string",
             "stop_sequences")
     sampling = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -325,51 +321,52 @@ class MessageStop(msgspec.Struct, kw_only=True):
 
 def event(name: str, payload: msgspec.Struct) -> bytes:
     """One named Server-Sent Event, as Anthropic frames them."""
-    return b"event: " + name.encode() + b"\ndata: " + encode(payload) + b"\n\n"
+    return sse(payload, event=name)
 
 
-async def render_stream(req: GenerationRequest, events: AsyncIterator[Event | Keepalive], job_id: str
-                        ) -> AsyncIterator[bytes]:
+class MessageStream(SseKeepalive, StreamRenderer[bytes]):
     """The message opens at the job's first token event; before it only keep-alive comments go
     out. ``message_start`` has ``input_tokens`` 0: the prompt's length is known when the job ends,
     and ``message_delta`` carries it (cumulative, so the SDK's final message has it)."""
-    started, output_tokens = False, 0
-    try:
-        async for ev in events:
-            match ev:
-                case Keepalive():
-                    yield KEEPALIVE
-                    continue
-                case Error():
-                    yield event("error", error_body(ev.exception())[1])
-                    return
-            new_tokens = sum(len(d.token_ids) for d in ev.deltas)
-            output_tokens += new_tokens
-            if not started:
-                started = True
-                opening = Message(id=f"msg_{job_id}", content=[], model=req.model, stop_reason=None,
-                                  stop_sequence=None,
-                                  usage=Usage(input_tokens=0, output_tokens=new_tokens,
-                                              service_tier=reported_tier(req)))
-                yield event("message_start", MessageStart(message=opening))
-                yield event("content_block_start", ContentBlockStart(content_block=TextBlock(text="")))
-                yield event("ping", Ping())
-            text = "".join(d.text for d in ev.deltas)
-            if text:
-                yield event("content_block_delta", ContentBlockDelta(delta=TextDelta(text=text)))
-            if isinstance(ev, Done):
-                last = ev.deltas[-1] if ev.deltas else None
-                finish = next((d for d in reversed(ev.deltas) if d.finish_reason is not None), last)
-                stop_reason, stop_sequence = stop_of(finish.finish_reason if finish else None,
-                                                     finish.stop_reason if finish else None)
-                yield event("content_block_stop", ContentBlockStop())
-                usage = DeltaUsage(input_tokens=ev.usage.prompt_tokens, output_tokens=ev.usage.completion_tokens)
-                yield event("message_delta", MessageDelta(delta=StopDelta(stop_reason=stop_reason,
-                                                                          stop_sequence=stop_sequence), usage=usage))
-                yield event("message_stop", MessageStop())
-                return
-    except ServiceError as exc:  # the relay itself failed (say, Redis went away mid-stream)
-        yield event("error", error_body(exc)[1])
+
+    def __init__(self, req: GenerationRequest, job_id: str, created: int = 0) -> None:
+        self.req, self.job_id = req, job_id
+        self.started, self.output_tokens = False, 0
+
+    def step(self, ev: Tokens | Done) -> list[bytes]:
+        out = []
+        new_tokens = sum(len(d.token_ids) for d in ev.deltas)
+        self.output_tokens += new_tokens
+        if not self.started:
+            self.started = True
+            opening = Message(id=f"msg_{self.job_id}", content=[], model=self.req.model, stop_reason=None,
+                              stop_sequence=None,
+                              usage=Usage(input_tokens=0, output_tokens=new_tokens,
+                                          service_tier=reported_tier(self.req)))
+            out += [event("message_start", MessageStart(message=opening)),
+                    event("content_block_start", ContentBlockStart(content_block=TextBlock(text=""))),
+                    event("ping", Ping())]
+        text = "".join(d.text for d in ev.deltas)
+        if text:
+            out.append(event("content_block_delta", ContentBlockDelta(delta=TextDelta(text=text))))
+        if isinstance(ev, Done):
+            last = ev.deltas[-1] if ev.deltas else None
+            finish = next((d for d in reversed(ev.deltas) if d.finish_reason is not None), last)
+            stop_reason, stop_sequence = stop_of(finish.finish_reason if finish else None,
+                                                 finish.stop_reason if finish else None)
+            usage = DeltaUsage(input_tokens=ev.usage.prompt_tokens, output_tokens=ev.usage.completion_tokens)
+            out += [event("content_block_stop", ContentBlockStop()),
+                    event("message_delta", MessageDelta(delta=StopDelta(stop_reason=stop_reason,
+                                                                        stop_sequence=stop_sequence), usage=usage)),
+                    event("message_stop", MessageStop())]
+        return out
+
+    def fail(self, exc: ServiceError) -> list[bytes]:
+        return [event("error", error_body(exc)[1])]
+
+
+def stream(req: GenerationRequest, job_id: str, created: int) -> MessageStream:
+    return MessageStream(req, job_id, created)
 
 
 # --- errors -------------------------------------------------------------------------------------

@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
+from api.dialects.stream import NDJSON, StreamRenderer
 from shared.errors import InvalidRequest, ServiceError
-from shared.events import Done, Error, Event, Tokens
-from shared.framing import Keepalive
+from shared.events import Done, Tokens
 from shared.schemas import GenerationRequest, JobResult, OutputOptions, SamplingParams, StructuredOutput
 
 __all__ = [
@@ -44,7 +44,8 @@ __all__ = [
     "ResponseGenerate",
     "ResponseInformation",
     "render_result",
-    "render_stream",
+    "GenerateStream",
+    "stream",
     "error_body",
 ]
 
@@ -331,44 +332,47 @@ def ndjson(obj: msgspec.Struct) -> bytes:
     return (json.dumps(msgspec.to_builtins(obj)) + "\n").encode()
 
 
-async def render_stream(req: GenerationRequest, events: AsyncIterator[Event | Keepalive]) -> AsyncIterator[bytes]:
+class GenerateStream(StreamRenderer[bytes]):
     """One line per engine step, each the whole answer so far. An error after the first line ends
-    the stream with ``{"detail": ...}`` (happy_vllm just dropped the connection)."""
-    n = req.sampling.n
-    texts: list[list[str]] = [[] for _ in range(n)]
-    counts = [0] * n
-    reasons: list[str | None] = [None] * n
-    prompt_tokens = 0
-    try:
-        async for event in events:
-            match event:
-                case Keepalive():
-                    continue  # NDJSON has no comment line
-                case Error() as e:
-                    yield ndjson(ErrorDetail(e.message))
-                    return
-                case Tokens(prompt=prompt) if prompt is not None:
-                    prompt_tokens = len(prompt.token_ids)
-                case Done(prompt=prompt):
-                    known = len(prompt.token_ids) if prompt is not None else prompt_tokens
-                    prompt_tokens = event.usage.prompt_tokens or known
-            for d in event.deltas:
-                texts[d.index].append(d.text)
-                counts[d.index] += len(d.token_ids)
-                reasons[d.index] = d.finish_reason or reasons[d.index]
-            if event.deltas:
-                yield ndjson(
-                    ResponseGenerate(
-                        responses=["".join(t) for t in texts],
-                        finish_reasons=[_reason(r) for r in reasons],
-                        usages=[_usage(prompt_tokens, c) for c in counts],
-                        prompt=req.prompt if req.output.echo else UNSET,
-                    )
-                )
-            if isinstance(event, Done):
-                return
-    except ServiceError as exc:  # the relay itself failed (say, Redis went away mid-stream)
-        yield ndjson(ErrorDetail(exc.message))
+    the stream with ``{"detail": ...}`` (happy_vllm just dropped the connection). NDJSON has no
+    comment line, so quiet stretches send nothing."""
+
+    media_type = NDJSON
+
+    def __init__(self, req: GenerationRequest, job_id: str = "", created: int = 0) -> None:
+        self.req = req
+        n = req.sampling.n
+        self.texts: list[list[str]] = [[] for _ in range(n)]
+        self.counts = [0] * n
+        self.reasons: list[str | None] = [None] * n
+        self.prompt_tokens = 0
+
+    def step(self, event: Tokens | Done) -> list[bytes]:
+        match event:
+            case Tokens(prompt=prompt) if prompt is not None:
+                self.prompt_tokens = len(prompt.token_ids)
+            case Done(prompt=prompt):
+                known = len(prompt.token_ids) if prompt is not None else self.prompt_tokens
+                self.prompt_tokens = event.usage.prompt_tokens or known
+        for d in event.deltas:
+            self.texts[d.index].append(d.text)
+            self.counts[d.index] += len(d.token_ids)
+            self.reasons[d.index] = d.finish_reason or self.reasons[d.index]
+        if not event.deltas:
+            return []
+        return [ndjson(ResponseGenerate(
+            responses=["".join(t) for t in self.texts],
+            finish_reasons=[_reason(r) for r in self.reasons],
+            usages=[_usage(self.prompt_tokens, c) for c in self.counts],
+            prompt=self.req.prompt if self.req.output.echo else UNSET,
+        ))]
+
+    def fail(self, exc: ServiceError) -> list[bytes]:
+        return [ndjson(ErrorDetail(exc.message))]
+
+
+def stream(req: GenerationRequest, job_id: str, created: int) -> GenerateStream:
+    return GenerateStream(req, job_id, created)
 
 
 def error_body(exc: ServiceError) -> tuple[int, ErrorDetail]:

@@ -18,8 +18,9 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from api.dialects.lmi_render import BatchError, Details, LmiToken, batch_error, render_result, render_stream
+from api.dialects.lmi_render import BatchError, Details, LmiStream, LmiToken, batch_error, render_result, stream
 from api.dialects.openai_structured import StructuredOutputs, structured_output
+from api.dialects.stream import StreamRenderer
 from shared.errors import GenerationFailed, InternalError, InvalidRequest, ServiceError
 from shared.schemas import DialectName, GenerationRequest, JobResult, OutputOptions, SamplingParams
 
@@ -28,7 +29,8 @@ __all__ = [
     "LmiRequest",
     "to_generation_requests",
     "render_result",
-    "render_stream",
+    "LmiStream",
+    "stream",
     "error_body",
     "batch_error_body",
     "LmiError",
@@ -198,8 +200,9 @@ class Shape:
 
     NAME: DialectName
     render_result: Callable[[GenerationRequest, JobResult, str, int], object]
+    stream: Callable[[GenerationRequest, str, int], StreamRenderer[bytes]]
     error_body: Callable[[ServiceError], tuple[int, msgspec.Struct]]
 
 
-TGI_COMPAT = Shape(NAME="lmi_tgi", render_result=render_result, error_body=error_body)
-DYNAMIC_BATCH = Shape(NAME="lmi_batch", render_result=render_result, error_body=batch_error_body)
+TGI_COMPAT = Shape(NAME="lmi_tgi", render_result=render_result, stream=stream, error_body=error_body)
+DYNAMIC_BATCH = Shape(NAME="lmi_batch", render_result=render_result, stream=stream, error_body=batch_error_body)

@@ -13,15 +13,15 @@ between LMI (``log_prob``, ``special_token`` only when true) and TGI compatibili
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Generic, TypeVar
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from api.dialects.stream import JSONLINES, SSE, StreamRenderer
 from shared.errors import ServiceError
-from shared.events import Done, Error, Event, TokenDelta, Tokens
-from shared.framing import Keepalive, jsonline, sse
+from shared.events import Done, TokenDelta, Tokens
+from shared.framing import jsonline, sse
 from shared.schemas import Choice, GenerationRequest, JobResult, PromptInfo, TopLogprob
 
 __all__ = [
@@ -39,8 +39,9 @@ __all__ = [
     "BatchError",
     "render_result",
     "render_batch_result",
-    "render_stream",
-    "render_batch_stream",
+    "LmiStream",
+    "BatchStream",
+    "stream",
     "batch_error",
 ]
 
@@ -283,79 +284,70 @@ def _delta_lines(req: GenerationRequest, delta: TokenDelta, top_n: int) -> list[
     return lines
 
 
-async def render_stream(
-    req: GenerationRequest, events: AsyncIterator[Event | Keepalive], *, sse_format: bool
-) -> AsyncIterator[bytes]:
-    def frame(line: Line) -> bytes:
-        return sse(line) if sse_format else jsonline(line)
+class LmiStream(StreamRenderer[bytes]):
+    """Rolling batch (and TGI compatibility): one line per token, the last one carrying
+    ``generated_text`` (and ``details`` when asked for); a failure is the documented error line.
+    JSON lines by default, SSE with LMI's ``sse`` output formatter. Keep-alives send nothing:
+    JSON lines has no comment syntax, and SSE keep-alives are not LMI's either."""
 
-    try:
-        async for line in _lines(req, events):
-            yield frame(line)
-    except ServiceError as exc:  # the relay itself failed (say, Redis went away mid-stream)
-        yield frame(_error_line(exc.message))
+    def __init__(self, req: GenerationRequest, job_id: str = "", created: int = 0, *, sse_format: bool = False
+                 ) -> None:
+        self.req = req
+        self.frame = sse if sse_format else jsonline
+        self.media_type = SSE if sse_format else JSONLINES
+        self.text_parts: list[str] = []
+        self.generated = 0
+        self.top_n = req.sampling.logprobs or 0
 
-
-async def _lines(req: GenerationRequest, events: AsyncIterator[Event | Keepalive]) -> AsyncIterator[Line]:
-    text_parts: list[str] = []
-    generated = 0
-    top_n = req.sampling.logprobs or 0
-
-    def token_lines(event: Tokens | Done) -> list[StreamLine | TgiStreamLine]:
-        nonlocal generated
+    def step(self, event: Tokens | Done) -> list[bytes]:
+        req = self.req
         for delta in event.deltas:
-            text_parts.append(delta.text)
-            generated += len(delta.token_ids)
-        return [line for delta in event.deltas for line in _delta_lines(req, delta, top_n)]
+            self.text_parts.append(delta.text)
+            self.generated += len(delta.token_ids)
+        lines = [line for delta in event.deltas for line in _delta_lines(req, delta, self.top_n)]
+        if isinstance(event, Done):
+            # The last line carries the last token plus generated_text (and details when asked).
+            # With no token at all it is a bare line around an empty special token.
+            last = lines.pop() if lines else StreamLine(token=_token(req, -1, "", None, True))
+            last.generated_text = _generated_text(req, "".join(self.text_parts))
+            if req.output.details:
+                final = event.deltas[-1] if event.deltas else TokenDelta()
+                tgi = req.dialect == TGI
+                last.details = StreamDetails(
+                    finish_reason=finish_reason(final.finish_reason, final.stop_reason),
+                    generated_tokens=self.generated,
+                    inputs=req.prompt,
+                    input_length=event.usage.prompt_tokens if tgi else UNSET,
+                    seed=req.sampling.seed if tgi else UNSET,
+                )
+            lines.append(last)
+        return [self.frame(line) for line in lines]
 
-    async for event in events:
-        match event:
-            case Keepalive():
-                continue  # JSON lines has no comment syntax; SSE keep-alives are not LMI's either
-            case Error() as error:
-                yield _error_line(error.message)
-                return
-            case Tokens():
-                for line in token_lines(event):
-                    yield line
-            case Done():
-                lines = token_lines(event)
-                # The last line carries the last token plus generated_text (and details when asked).
-                # With no token at all it is a bare line around an empty special token.
-                last = lines.pop() if lines else StreamLine(token=_token(req, -1, "", None, True))
-                for line in lines:
-                    yield line
-                last.generated_text = _generated_text(req, "".join(text_parts))
-                if req.output.details:
-                    final = event.deltas[-1] if event.deltas else TokenDelta()
-                    tgi = req.dialect == TGI
-                    last.details = StreamDetails(
-                        finish_reason=finish_reason(final.finish_reason, final.stop_reason),
-                        generated_tokens=generated,
-                        inputs=req.prompt,
-                        input_length=event.usage.prompt_tokens if tgi else UNSET,
-                        seed=req.sampling.seed if tgi else UNSET,
-                    )
-                yield last
-                return
+    def fail(self, exc: ServiceError) -> list[bytes]:
+        return [self.frame(_error_line(exc.message))]
 
 
-async def render_batch_stream(inputs: int, events: AsyncIterator[Event | Keepalive]) -> AsyncIterator[bytes]:
+class BatchStream(StreamRenderer[bytes]):
     """Dynamic-batch streaming: ``{"outputs": [...]}`` lines, one entry per input (its new text)."""
-    try:
-        async for event in events:
-            match event:
-                case Keepalive():
-                    continue
-                case Error() as error:
-                    yield jsonline(batch_error(error.message))
-                    return
-                case Tokens() | Done():
-                    outputs = [""] * inputs
-                    for delta in event.deltas:
-                        outputs[delta.index] += delta.text
-                    if any(outputs):
-                        yield jsonline(BatchOutputs(outputs))
-    except ServiceError as exc:
-        yield jsonline(batch_error(exc.message))
 
+    media_type = JSONLINES
+
+    def __init__(self, inputs: int) -> None:
+        self.inputs = inputs
+
+    def step(self, event: Tokens | Done) -> list[bytes]:
+        outputs = [""] * self.inputs
+        for delta in event.deltas:
+            outputs[delta.index] += delta.text
+        return [jsonline(BatchOutputs(outputs))] if any(outputs) else []
+
+    def fail(self, exc: ServiceError) -> list[bytes]:
+        return [jsonline(batch_error(exc.message))]
+
+
+def stream(req: GenerationRequest, job_id: str, created: int) -> LmiStream | BatchStream:
+    """A stored job's stream in the shape that queued it (TGI compatibility streams SSE; one job of
+    a dynamic batch is one input)."""
+    if req.dialect == BATCH:
+        return BatchStream(1)
+    return LmiStream(req, job_id, created, sse_format=req.dialect == TGI)

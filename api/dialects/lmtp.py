@@ -16,6 +16,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
+from api.dialects import jobs
+from api.dialects.stream import StreamRenderer
 from shared import json_input
 from shared.errors import GenerationFailed, InvalidRequest, ServiceError
 from shared.events import Done, Error, Event, TokenDelta, Tokens
@@ -37,6 +39,8 @@ __all__ = [
     "to_score_request",
     "TokenStream",
     "ScoreStream",
+    "TokenFrames",
+    "stream",
     "score_payloads",
     "TokenPayload",
     "ErrorPayload",
@@ -348,6 +352,26 @@ class ScoreStream:
                 return score_payloads(self.stream_id, self.offset, self.scored, prompt)
             case Error():
                 return []
+
+
+class TokenFrames(StreamRenderer[Payload]):
+    """One GENERATE or SCORE stream as TOKEN payloads. Its errors are TOKEN error payloads too:
+    LMQL's client only delivers TOKEN frames to a stream, so a MSG error would leave it waiting."""
+
+    def __init__(self, stream_id: int, tokens: TokenStream | ScoreStream) -> None:
+        self.stream_id, self.tokens = stream_id, tokens
+
+    def step(self, event: Tokens | Done) -> list[Payload]:
+        return list(self.tokens.feed(event))
+
+    def fail(self, exc: ServiceError) -> list[Payload]:
+        return [error_payload(self.stream_id, exc.message)]
+
+
+def stream(req: GenerationRequest, job_id: str, created: int) -> StreamRenderer[bytes]:
+    """LMTP streams only on its socket (:class:`TokenFrames`); a job of it followed over HTTP is
+    read in llmq's own event shape."""
+    return jobs.stream(req, job_id, created)
 
 
 def score_payloads(stream_id: int, offset: int, scored: list[int], prompt: PromptInfo | None) -> list[TokenPayload]:

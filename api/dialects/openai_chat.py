@@ -10,18 +10,19 @@ Errors have the OpenAI shape of :mod:`api.dialects.openai_completions`.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
+from api.dialects.common import refuse
 from api.dialects.openai_completions import CompletionUsage, error_body, usage_body
 from api.dialects.openai_structured import ResponseFormat, StructuredOutputs, structured_output
+from api.dialects.stream import JSONLINES, SSE, StreamRenderer
 from api.dialects.tiers import priority_of_tier, reported_tier
 from shared.errors import InvalidRequest, ServiceError
-from shared.events import Done, Error, Event, TokenDelta
-from shared.framing import KEEPALIVE, SSE_DONE, Keepalive, jsonline, sse
+from shared.events import Done, TokenDelta, Tokens
+from shared.framing import KEEPALIVE, SSE_DONE, jsonline, sse
 from shared.schemas import (
     ChatMessage,
     ChatOptions,
@@ -36,7 +37,8 @@ __all__ = [
     "ChatRequest",
     "to_generation_request",
     "render_result",
-    "render_stream",
+    "ChatStream",
+    "stream",
     "error_body",
     "ChatCompletion",
     "ChatCompletionChunk",
@@ -126,39 +128,34 @@ _UNSUPPORTED = (
 )
 
 
-def _refuse(bad: bool, message: str, param: str | None = None) -> None:
-    if bad:
-        raise InvalidRequest(message, param=param)
-
-
 # --- translation ----------------------------------------------------------------------------
 
 
 def _unsupported(b: ChatRequest) -> None:
     tools_asked = b.tools is not None or b.tool_choice not in (None, "none")
-    _refuse(tools_asked, "tool calling (`tools`, `tool_choice`) is not supported by this server", "tools")
+    refuse(tools_asked, "tool calling (`tools`, `tool_choice`) is not supported by this server", "tools")
     for name, message in _UNSUPPORTED:
-        _refuse(bool(getattr(b, name)), message, name)
+        refuse(bool(getattr(b, name)), message, name)
     continuous = bool(b.stream_options and b.stream_options.continuous_usage_stats)
-    _refuse(continuous, "`stream_options.continuous_usage_stats` is not supported", "stream_options")
+    refuse(continuous, "`stream_options.continuous_usage_stats` is not supported", "stream_options")
 
 
 def _cross_checks(b: ChatRequest, temperature: float, max_tokens: int) -> None:
     """vLLM's request validators and ``SamplingParams`` checks that involve two fields."""
     n, so = 1 if b.n is None else b.n, b.stream_options
-    _refuse(so is not None and not b.stream, "Stream options can only be defined when `stream=True`.", "stream_options")
+    refuse(so is not None and not b.stream, "Stream options can only be defined when `stream=True`.", "stream_options")
     top_only = bool(b.top_logprobs) and not b.logprobs
-    _refuse(top_only, "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
-    _refuse(
+    refuse(top_only, "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+    refuse(
         b.continue_final_message and b.add_generation_prompt,
         "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
     )
-    _refuse(
+    refuse(
         b.min_tokens > max_tokens,
         f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {b.min_tokens}.",
         "min_tokens",
     )
-    _refuse(n > 1 and temperature < GREEDY_EPS, f"n must be 1 when using greedy sampling, got {n}.", "n")
+    refuse(n > 1 and temperature < GREEDY_EPS, f"n must be 1 when using greedy sampling, got {n}.", "n")
 
 
 def _content(m: Message, i: int) -> str:
@@ -168,8 +165,8 @@ def _content(m: Message, i: int) -> str:
     texts = []
     for part in m.content:
         unsupported = f"messages[{i}]: content parts of type `{part.type}` are not supported (text only)"
-        _refuse(part.type != "text", unsupported, "messages")
-        _refuse(part.text is None, f"messages[{i}]: a `text` content part needs `text`", "messages")
+        refuse(part.type != "text", unsupported, "messages")
+        refuse(part.text is None, f"messages[{i}]: a `text` content part needs `text`", "messages")
         texts.append(part.text)
     return "\n".join(texts)
 
@@ -177,7 +174,7 @@ def _content(m: Message, i: int) -> str:
 def _messages(b: ChatRequest) -> list[ChatMessage]:
     out = []
     for i, m in enumerate(b.messages):
-        _refuse(bool(m.tool_calls), f"messages[{i}]: `tool_calls` are not supported by this server", "messages")
+        refuse(bool(m.tool_calls), f"messages[{i}]: `tool_calls` are not supported by this server", "messages")
         out.append(ChatMessage(role=m.role, content=_content(m, i), name=m.name))
     return out
 
@@ -185,7 +182,7 @@ def _messages(b: ChatRequest) -> list[ChatMessage]:
 def _template_kwargs(b: ChatRequest) -> dict[str, object]:
     kwargs = dict(b.chat_template_kwargs or {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
-    _refuse(bool(reserved), f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+    refuse(bool(reserved), f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
     return kwargs
 
 
@@ -198,7 +195,7 @@ def to_generation_request(body: ChatRequest, *, max_model_len: int) -> Generatio
     max_tokens = max_model_len - 1 if asked is None else asked
     _cross_checks(body, temperature, max_tokens)
     stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
-    _refuse(any(not s for s in stop), "stop cannot contain an empty string.", "stop")
+    refuse(any(not s for s in stop), "stop cannot contain an empty string.", "stop")
     try:
         logit_bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
     except ValueError:
@@ -375,50 +372,47 @@ def _delta_choice(d: TokenDelta, want_logprobs: bool) -> ChunkChoice | None:
     )
 
 
-async def render_stream(
-    req: GenerationRequest,
-    events: AsyncIterator[Event | Keepalive],
-    job_id: str,
-    created: int,
-    *,
-    sse_format: bool = True,
-) -> AsyncIterator[bytes]:
-    """SSE chunks ending with ``[DONE]``; with ``sse_format=False`` (LMI's default for chat) the
-    same chunks as JSON lines, no keep-alives and no terminator."""
-    frame = sse if sse_format else jsonline
-    want_logprobs, role, tier = req.sampling.logprobs is not None, response_role(req), _tier(req)
+class ChatStream(StreamRenderer[bytes]):
+    """SSE chunks ending with ``[DONE]`` (also after an error: the openai SDK waits for it); with
+    ``sse_format=False`` (LMI's default for chat) the same chunks as JSON lines, no keep-alives
+    and no terminator."""
 
-    def chunk(choices: list[ChunkChoice], usage: CompletionUsage | UnsetType = UNSET) -> bytes:
-        return frame(ChatCompletionChunk(
-            id=f"chatcmpl-{job_id}", created=created, model=req.model, service_tier=tier, choices=choices, usage=usage
-        ))
+    def __init__(self, req: GenerationRequest, job_id: str, created: int, *, sse_format: bool = True) -> None:
+        self.req, self.job_id, self.created = req, job_id, created
+        self.sse_format = sse_format
+        self.frame = sse if sse_format else jsonline
+        self.media_type = SSE if sse_format else JSONLINES
+        self.want_logprobs, self.role, self.tier = req.sampling.logprobs is not None, response_role(req), _tier(req)
+        self.started = False
 
-    started = False
-    try:
-        async for event in events:
-            match event:
-                case Keepalive():
-                    if sse_format:
-                        yield KEEPALIVE
-                    continue
-                case Error():
-                    yield frame(error_body(event.exception())[1])
-                    break
-            if not started:  # like vLLM: every choice opens with its role, before any content
-                started = True
-                for index in range(req.sampling.n):
-                    opening = ChoiceDelta(role=role, content="")
-                    yield chunk([ChunkChoice(index=index, delta=opening, logprobs=None, finish_reason=None)])
-            for delta in event.deltas:
-                choice = _delta_choice(delta, want_logprobs)
-                if choice is not None:
-                    yield chunk([choice])
-            match event:
-                case Done(usage=usage):
-                    if req.output.include_usage:
-                        yield chunk([], usage_body(usage))
-                    break
-    except ServiceError as exc:  # the relay itself failed (say, Redis went away mid-stream)
-        yield frame(error_body(exc)[1])
-    if sse_format:  # the openai SDK waits for [DONE], also after an error
-        yield SSE_DONE
+    def _chunk(self, choices: list[ChunkChoice], usage: CompletionUsage | UnsetType = UNSET) -> bytes:
+        return self.frame(ChatCompletionChunk(id=f"chatcmpl-{self.job_id}", created=self.created, model=self.req.model,
+                                              service_tier=self.tier, choices=choices, usage=usage))
+
+    def step(self, event: Tokens | Done) -> list[bytes]:
+        out = []
+        if not self.started:  # like vLLM: every choice opens with its role, before any content
+            self.started = True
+            for index in range(self.req.sampling.n):
+                opening = ChoiceDelta(role=self.role, content="")
+                out.append(self._chunk([ChunkChoice(index=index, delta=opening, logprobs=None, finish_reason=None)]))
+        for delta in event.deltas:
+            choice = _delta_choice(delta, self.want_logprobs)
+            if choice is not None:
+                out.append(self._chunk([choice]))
+        if isinstance(event, Done) and self.req.output.include_usage:
+            out.append(self._chunk([], usage_body(event.usage)))
+        return out
+
+    def fail(self, exc: ServiceError) -> list[bytes]:
+        return [self.frame(error_body(exc)[1])]
+
+    def keepalive(self) -> list[bytes]:
+        return [KEEPALIVE] if self.sse_format else []  # JSON lines has no comment line
+
+    def close(self) -> list[bytes]:
+        return [SSE_DONE] if self.sse_format else []
+
+
+def stream(req: GenerationRequest, job_id: str, created: int) -> ChatStream:
+    return ChatStream(req, job_id, created)

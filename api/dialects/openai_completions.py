@@ -7,17 +7,18 @@ error. Errors are ``{"error": {"message", "type", "param", "code"}}`` with vLLM'
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Annotated
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
+from api.dialects.common import ErrorObject, ErrorResponse
 from api.dialects.openai_structured import ResponseFormat, StructuredOutputs, structured_output
+from api.dialects.stream import SseKeepalive, StreamRenderer
 from api.dialects.tiers import priority_of_tier
 from shared.errors import InvalidRequest, ServiceError
-from shared.events import Done, Error, Event, TokenDelta
-from shared.framing import KEEPALIVE, SSE_DONE, Keepalive, sse
+from shared.events import Done, TokenDelta, Tokens
+from shared.framing import SSE_DONE, sse
 from shared.schemas import (
     Choice,
     GenerationRequest,
@@ -34,7 +35,8 @@ __all__ = [
     "to_generation_requests",
     "render_result",
     "render_results",
-    "render_stream",
+    "CompletionStream",
+    "stream",
     "error_body",
     "usage_body",
     "Completion",
@@ -213,17 +215,6 @@ class Completion(msgspec.Struct, kw_only=True):
     usage: CompletionUsage | UnsetType = UNSET
 
 
-class ErrorObject(msgspec.Struct, kw_only=True):
-    message: str
-    type: str
-    param: str | None
-    code: int  # vLLM puts the HTTP status here, not OpenAI's string code
-
-
-class ErrorResponse(msgspec.Struct, kw_only=True):
-    error: ErrorObject
-
-
 class Model(msgspec.Struct, kw_only=True):
     """A ``/v1/models`` card, with vLLM's extras (``root``, ``parent``, ``max_model_len``)."""
 
@@ -325,29 +316,30 @@ def render_result(req: GenerationRequest, result: JobResult, job_id: str, create
     return render_results([req], [result], job_id, created)
 
 
-async def render_stream(
-    reqs: list[GenerationRequest] | GenerationRequest,
-    events: AsyncIterator[Event | Keepalive],
-    job_id: str,
-    created: int,
-) -> AsyncIterator[bytes]:
-    """Chunks as vLLM streams them; ``events`` is one job's, or several merged by api.fanout."""
-    reqs = reqs if isinstance(reqs, list) else [reqs]
-    first = reqs[0]
-    n = first.sampling.n
-    offsets: dict[int, int] = {}
-    prompts: dict[int, PromptInfo] = {}
+class CompletionStream(SseKeepalive, StreamRenderer[bytes]):
+    """Chunks as vLLM streams them, ending with ``[DONE]`` (also after an error: the openai SDK
+    waits for it). The events are one job's, or several merged by api.fanout."""
 
-    def chunk(choices: list[CompletionChoice], usage: CompletionUsage | UnsetType = UNSET) -> bytes:
-        return sse(Completion(id=f"cmpl-{job_id}", created=created, model=first.model, choices=choices, usage=usage))
+    def __init__(self, reqs: list[GenerationRequest] | GenerationRequest, job_id: str, created: int) -> None:
+        self.reqs = reqs if isinstance(reqs, list) else [reqs]
+        self.first = self.reqs[0]
+        self.n = self.first.sampling.n
+        self.job_id, self.created = job_id, created
+        self.offsets: dict[int, int] = {}
+        self.prompts: dict[int, PromptInfo] = {}
 
-    def chunk_choice(d: TokenDelta) -> CompletionChoice:
+    def _chunk(self, choices: list[CompletionChoice], usage: CompletionUsage | UnsetType = UNSET) -> bytes:
+        return sse(Completion(id=f"cmpl-{self.job_id}", created=self.created, model=self.first.model, choices=choices,
+                              usage=usage))
+
+    def _choice(self, d: TokenDelta) -> CompletionChoice:
         text, texts, logprobs, tops = d.text, d.token_texts, d.logprobs, d.top_logprobs
-        if first.output.echo and d.index not in offsets:  # a choice's first chunk carries its prompt
-            job = d.index // n
-            text, texts, logprobs, tops = _with_echo(reqs[job], prompts.get(job), text, texts, logprobs, tops)
-        offset = offsets.get(d.index, 0)
-        offsets[d.index] = offset + len(text)
+        if self.first.output.echo and d.index not in self.offsets:  # a choice's first chunk carries its prompt
+            job = d.index // self.n
+            text, texts, logprobs, tops = _with_echo(self.reqs[job], self.prompts.get(job), text, texts, logprobs,
+                                                     tops)
+        offset = self.offsets.get(d.index, 0)
+        self.offsets[d.index] = offset + len(text)
         return CompletionChoice(
             index=d.index,
             text=text,
@@ -356,30 +348,24 @@ async def render_stream(
             stop_reason=d.stop_reason,
         )
 
-    try:
-        async for event in events:
-            match event:
-                case Keepalive():
-                    yield KEEPALIVE
-                    continue
-                case Error():
-                    yield sse(error_body(event.exception())[1])
-                    break
-            # Tokens or Done: both carry deltas (Done the last step's).
-            if event.prompt is not None:
-                prompts[event.deltas[0].index // n if event.deltas else 0] = event.prompt
-            for delta in event.deltas:
-                if delta.token_ids or delta.text or delta.finish_reason or delta.index not in offsets:
-                    yield chunk([chunk_choice(delta)])
-            match event:
-                case Done(usage=usage):
-                    if first.output.include_usage:
-                        yield chunk([], usage_body(usage))
-                    break
-    except ServiceError as exc:  # the relay itself failed (say, Redis went away mid-stream)
-        yield sse(error_body(exc)[1])
-    # The stream always ends with [DONE], even after an error: the openai SDK waits for it.
-    yield SSE_DONE
+    def step(self, event: Tokens | Done) -> list[bytes]:
+        if event.prompt is not None:
+            self.prompts[event.deltas[0].index // self.n if event.deltas else 0] = event.prompt
+        out = [self._chunk([self._choice(delta)]) for delta in event.deltas
+               if delta.token_ids or delta.text or delta.finish_reason or delta.index not in self.offsets]
+        if isinstance(event, Done) and self.first.output.include_usage:
+            out.append(self._chunk([], usage_body(event.usage)))
+        return out
+
+    def fail(self, exc: ServiceError) -> list[bytes]:
+        return [sse(error_body(exc)[1])]
+
+    def close(self) -> list[bytes]:
+        return [SSE_DONE]
+
+
+def stream(req: GenerationRequest, job_id: str, created: int) -> CompletionStream:
+    return CompletionStream(req, job_id, created)
 
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "BadRequestError",
@@ -387,6 +373,7 @@ _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundErro
 
 
 def error_body(exc: ServiceError) -> tuple[int, ErrorResponse]:
+    # vLLM puts the HTTP status in ``code``, not OpenAI's string code.
     error = ErrorObject(
         message=exc.message, type=_TYPES.get(exc.status, "InternalServerError"), param=exc.param, code=exc.status
     )

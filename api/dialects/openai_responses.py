@@ -19,18 +19,19 @@ Fields that the job record does not keep (``metadata``, ``instructions``, ``user
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
+from api.dialects.common import ErrorObject, ErrorResponse, refuse
 from api.dialects.openai_structured import JsonSchemaFormat, ResponseFormat, structured_output
+from api.dialects.stream import SseKeepalive, StreamRenderer
 from api.dialects.tiers import priority_of_tier, reported_tier
-from shared.codec import encode
 from shared.errors import InternalError, InvalidRequest, JobCancelled, Overloaded, ServiceError
-from shared.events import Done, Error, Event
-from shared.framing import KEEPALIVE, Keepalive
+from shared.events import Done, Error, Tokens
+from shared.framing import sse
 from shared.schemas import (
     ChatMessage,
     GenerationRequest,
@@ -56,7 +57,8 @@ __all__ = [
     "render_result",
     "render_finished",
     "render_record",
-    "render_stream",
+    "ResponseStream",
+    "stream",
     "render_input_items",
     "Deleted",
     "error_body",
@@ -136,26 +138,21 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     conversation: str | dict[str, Any] | None = None
 
 
-def _refuse(bad: bool, message: str, param: str | None = None) -> None:
-    if bad:
-        raise InvalidRequest(message, param=param)
-
-
 def _refusals(b: ResponsesRequest) -> None:
-    _refuse(bool(b.tools), "tools are not supported by this server", "tools")
+    refuse(bool(b.tools), "tools are not supported by this server", "tools")
     forced = b.tool_choice not in (None, "none", "auto")
-    _refuse(forced, "tool_choice needs tools, which are not supported by this server", "tool_choice")
+    refuse(forced, "tool_choice needs tools, which are not supported by this server", "tool_choice")
     effort = b.reasoning.effort if b.reasoning is not None else None
-    _refuse(effort not in (None, "none"), f"reasoning.effort {effort!r} is not supported: this model does not "
+    refuse(effort not in (None, "none"), f"reasoning.effort {effort!r} is not supported: this model does not "
             "reason with an effort setting", "reasoning.effort")
     summary = b.reasoning is not None and (b.reasoning.summary or b.reasoning.generate_summary)
-    _refuse(bool(summary), "reasoning summaries are not supported by this model", "reasoning.summary")
-    _refuse(b.conversation is not None, "conversation is not supported by this server", "conversation")
-    _refuse(b.prompt is not None, "prompt templates (`prompt`) are not supported by this server", "prompt")
-    _refuse(bool(b.top_logprobs), "top_logprobs is not supported by this server", "top_logprobs")
-    _refuse(b.truncation not in (None, "disabled"), "truncation 'auto' is not supported: an input too long for "
+    refuse(bool(summary), "reasoning summaries are not supported by this model", "reasoning.summary")
+    refuse(b.conversation is not None, "conversation is not supported by this server", "conversation")
+    refuse(b.prompt is not None, "prompt templates (`prompt`) are not supported by this server", "prompt")
+    refuse(bool(b.top_logprobs), "top_logprobs is not supported by this server", "top_logprobs")
+    refuse(b.truncation not in (None, "disabled"), "truncation 'auto' is not supported: an input too long for "
             "the model is refused", "truncation")
-    _refuse(bool(b.background) and b.store is False, "background responses need store=true", "background")
+    refuse(bool(b.background) and b.store is False, "background responses need store=true", "background")
 
 
 # Roles a message item may have; ``developer`` is OpenAI's newer name for the system role, and is
@@ -169,9 +166,9 @@ def _content(item: InputItem, i: int) -> str:
         return item.content or ""
     texts = []
     for j, part in enumerate(item.content):
-        _refuse(part.type not in _TEXT_PARTS, f"input[{i}].content[{j}]: content of type {part.type!r} is not "
+        refuse(part.type not in _TEXT_PARTS, f"input[{i}].content[{j}]: content of type {part.type!r} is not "
                 "supported (text only)", f"input[{i}].content[{j}].type")
-        _refuse(part.text is None, f"input[{i}].content[{j}]: a text part needs `text`", f"input[{i}].content[{j}]")
+        refuse(part.text is None, f"input[{i}].content[{j}]: a text part needs `text`", f"input[{i}].content[{j}]")
         texts.append(part.text)
     return "\n".join(texts)
 
@@ -181,15 +178,15 @@ def _messages(b: ResponsesRequest, history: Sequence[ChatMessage] = ()) -> list[
     # rule is), then the conversation so far, then this input.
     out = [ChatMessage(role="system", content=b.instructions)] if b.instructions is not None else []
     out += history
-    _refuse(b.input is None, "input is required", "input")
+    refuse(b.input is None, "input is required", "input")
     if isinstance(b.input, str):
         return [*out, ChatMessage(role="user", content=b.input)]
-    _refuse(not b.input, "input must not be empty", "input")
+    refuse(not b.input, "input must not be empty", "input")
     for i, item in enumerate(b.input or ()):
-        _refuse(item.type != "message", f"input[{i}]: items of type {item.type!r} are not supported (message "
+        refuse(item.type != "message", f"input[{i}]: items of type {item.type!r} are not supported (message "
                 "items only)", f"input[{i}].type")
         role = _ROLES.get(item.role or "")
-        _refuse(role is None, f"input[{i}]: role must be one of {sorted(_ROLES)}, got {item.role!r}",
+        refuse(role is None, f"input[{i}]: role must be one of {sorted(_ROLES)}, got {item.role!r}",
                 f"input[{i}].role")
         out.append(ChatMessage(role=role or "", content=_content(item, i)))
     return out
@@ -200,10 +197,10 @@ def _structured(fmt: TextFormat | None):
         return None
     if fmt.type == "json_object":
         return structured_output(None, ResponseFormat(type="json_object"))
-    _refuse(fmt.type != "json_schema", f"text.format.type must be 'text', 'json_object' or 'json_schema', got "
+    refuse(fmt.type != "json_schema", f"text.format.type must be 'text', 'json_object' or 'json_schema', got "
             f"{fmt.type!r}", "text.format.type")
-    _refuse(not fmt.name, "text.format.name is required for json_schema", "text.format.name")
-    _refuse(fmt.schema is None, "text.format.schema is required for json_schema", "text.format.schema")
+    refuse(not fmt.name, "text.format.name is required for json_schema", "text.format.name")
+    refuse(fmt.schema is None, "text.format.schema is required for json_schema", "text.format.schema")
     schema = JsonSchemaFormat(name=fmt.name or "", description=fmt.description, schema=fmt.schema, strict=fmt.strict)
     return structured_output(None, ResponseFormat(type="json_schema", json_schema=schema))
 
@@ -226,7 +223,7 @@ def to_generation_request(body: ResponsesRequest, *, max_model_len: int,
     ``history``: the conversation of ``previous_response_id`` (:func:`history_of`)."""
     _refusals(body)
     asked = body.max_output_tokens
-    _refuse(asked is not None and asked >= max_model_len, f"max_output_tokens must be below this model's context "
+    refuse(asked is not None and asked >= max_model_len, f"max_output_tokens must be below this model's context "
             f"length ({max_model_len} tokens), got {asked}", "max_output_tokens")
     sampling = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -570,8 +567,7 @@ class ErrorEvent(msgspec.Struct, kw_only=True):
 
 def frame(event: msgspec.Struct) -> bytes:
     """One event as OpenAI frames it: its type as the SSE ``event:`` name, then the JSON."""
-    kind: str = event.type  # type: ignore[attr-defined]
-    return b"event: " + kind.encode() + b"\ndata: " + encode(event) + b"\n\n"
+    return sse(event, event=event.type)  # type: ignore[attr-defined]
 
 
 def delta_seq(job_seq: int) -> int:
@@ -618,52 +614,48 @@ def failed_event(echo: Echo, job_id: str, created: int, error: Error) -> StreamR
     return StreamResponse(type="response.failed", sequence_number=delta_seq(error.seq), response=response)
 
 
-async def render_stream(echo: Echo, events: AsyncIterator[Event | Keepalive], job_id: str, created: int, *,
-                        starting_after: int = -1) -> AsyncIterator[bytes]:
+class ResponseStream(SseKeepalive, StreamRenderer[bytes]):
     """The job's events as OpenAI's stream; only events numbered above ``starting_after`` are sent
-    (all of them are rendered: the closing ones carry the whole text). ``events`` must start at
+    (all of them are rendered: the closing ones carry the whole text). The events must start at
     the job's first event."""
-    item_id, parts, finish_reason = MESSAGE_PREFIX + job_id, [], None
-    last = OPENING_EVENTS - 1
-    for event in opening_events(echo, job_id, created):
-        if event.sequence_number > starting_after:  # type: ignore[attr-defined]
-            yield frame(event)
-    try:
-        async for ev in events:
-            match ev:
-                case Keepalive():
-                    yield KEEPALIVE
-                    continue
-                case Error():
-                    yield frame(failed_event(echo, job_id, created, ev))
-                    return
-            delta = "".join(d.text for d in ev.deltas)
-            parts.append(delta)
-            finish_reason = next((d.finish_reason for d in ev.deltas if d.finish_reason), finish_reason)
-            last = delta_seq(ev.seq)
-            if last > starting_after:
-                yield frame(TextDelta(sequence_number=last, item_id=item_id, delta=delta))
-            if isinstance(ev, Done):
-                for closing in closing_events(echo, job_id, created, ev, "".join(parts), finish_reason):
-                    if closing.sequence_number > starting_after:  # type: ignore[attr-defined]
-                        yield frame(closing)
-                return
-    except ServiceError as exc:  # the relay failed (Redis went away mid-stream): the stream broke
-        yield frame(ErrorEvent(sequence_number=last + 1, code=exc.code, message=exc.message))
+
+    def __init__(self, echo: Echo, job_id: str, created: int, *, starting_after: int = -1) -> None:
+        self.echo, self.job_id, self.created, self.after = echo, job_id, created, starting_after
+        self.item_id = MESSAGE_PREFIX + job_id
+        self.parts: list[str] = []
+        self.finish_reason: str | None = None
+        self.last = OPENING_EVENTS - 1
+
+    def _frames(self, events: list[msgspec.Struct]) -> list[bytes]:
+        return [frame(e) for e in events if e.sequence_number > self.after]  # type: ignore[attr-defined]
+
+    def open(self) -> list[bytes]:
+        return self._frames(opening_events(self.echo, self.job_id, self.created))
+
+    def step(self, ev: Tokens | Done) -> list[bytes]:
+        delta = "".join(d.text for d in ev.deltas)
+        self.parts.append(delta)
+        self.finish_reason = next((d.finish_reason for d in ev.deltas if d.finish_reason), self.finish_reason)
+        self.last = delta_seq(ev.seq)
+        events: list[msgspec.Struct] = [TextDelta(sequence_number=self.last, item_id=self.item_id, delta=delta)]
+        if isinstance(ev, Done):
+            events += closing_events(self.echo, self.job_id, self.created, ev, "".join(self.parts),
+                                     self.finish_reason)
+        return self._frames(events)
+
+    def failed(self, error: Error) -> list[bytes]:
+        return [frame(failed_event(self.echo, self.job_id, self.created, error))]
+
+    def fail(self, exc: ServiceError) -> list[bytes]:
+        """The relay failed (Redis went away mid-stream): the stream broke, not the job."""
+        return [frame(ErrorEvent(sequence_number=self.last + 1, code=exc.code, message=exc.message))]
+
+
+def stream(req: GenerationRequest, job_id: str, created: int) -> ResponseStream:
+    return ResponseStream(echo_of_request(req), job_id, created)
 
 
 # --- errors -----------------------------------------------------------------------------------
-
-
-class ErrorObject(msgspec.Struct, kw_only=True):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(msgspec.Struct, kw_only=True):
-    error: ErrorObject
 
 
 _ERROR_TYPES = {401: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",

@@ -9,6 +9,7 @@ from typing import Any
 
 import msgspec
 
+from api.dialects.common import refuse
 from shared import json_input
 from shared.errors import InvalidRequest
 from shared.schemas import StructuredOutput
@@ -42,23 +43,18 @@ class StructuredOutputs(msgspec.Struct, kw_only=True):
     json_object: bool | None = None
 
 
-def _refuse(bad: bool, message: str, param: str) -> None:
-    if bad:
-        raise InvalidRequest(message, param=param)
-
-
 def structured_output(so: StructuredOutputs | None, rf: ResponseFormat | None) -> StructuredOutput | None:
     json, json_object = None, False
     regex = choice = grammar = None
     if so is not None:
-        _refuse(
+        refuse(
             sum(x is not None for x in (so.json, so.regex, so.choice)) > 1,
             "You can only use one kind of constraints for structured outputs ('json', 'regex' or 'choice').",
             "structured_outputs",
         )
         json = _schema_from_string(so.json) if isinstance(so.json, str) else so.json
         json_object, regex, choice, grammar = bool(so.json_object), so.regex, so.choice, so.grammar
-        _refuse(so.grammar == "", "structured_outputs.grammar cannot be an empty string", "structured_outputs")
+        refuse(so.grammar == "", "structured_outputs.grammar cannot be an empty string", "structured_outputs")
     if rf is not None and rf.type != "text":
         if rf.type == "json_object":
             json_object = True
@@ -82,8 +78,8 @@ def _schema_from_string(text: str) -> JsonSchema:
 def _json_schema(rf: ResponseFormat) -> JsonSchema:
     """``response_format``'s schema, which overrides any ``structured_outputs`` json (as in vLLM)."""
     supported = "response_format type must be 'text', 'json_object' or 'json_schema', got '" + rf.type + "'"
-    _refuse(rf.type != "json_schema", supported, "response_format")
+    refuse(rf.type != "json_schema", supported, "response_format")
     schema = rf.json_schema.schema if rf.json_schema is not None else None
     message = "When response_format type is 'json_schema', the 'json_schema' field (with a 'schema') must be provided."
-    _refuse(schema is None, message, "response_format")
+    refuse(schema is None, message, "response_format")
     return schema

@@ -10,16 +10,17 @@ and ``details``. A stream always answers 200: every error, even a validation err
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
+from api.dialects.stream import SseKeepalive, StreamRenderer
 from shared import json_input
 from shared.errors import EngineDead, GenerationFailed, InvalidRequest, JobCancelled, JobMissing, ServiceError
-from shared.events import Done, Error, Event, TokenDelta, Tokens
-from shared.framing import KEEPALIVE, Keepalive, sse
+from shared.events import Done, TokenDelta, Tokens
+from shared.framing import sse
 from shared.schemas import (
     Choice,
     GenerationRequest,
@@ -34,7 +35,9 @@ __all__ = [
     "GenerateRequest",
     "to_generation_request",
     "render_result",
-    "render_stream",
+    "TgiStream",
+    "TokenRecorder",
+    "stream",
     "error_body",
     "error_frame",
     "TokenTexts",
@@ -512,48 +515,65 @@ def _stream_details(req: GenerationRequest, done: Done, generated: int) -> Strea
     )
 
 
-async def render_stream(
-    req: GenerationRequest,
-    events: AsyncIterator[Event | Keepalive],
-    *,
-    inputs: str,
-    special: frozenset[int] = frozenset(),
-) -> AsyncIterator[bytes]:
+class TgiStream(SseKeepalive, StreamRenderer[bytes]):
     """One event per token, counted from 1; the last token's event also carries
-    ``generated_text`` and ``details``."""
-    index, generated, parts, texts = 0, 0, [], TokenTexts(special)
-    try:
-        async for event in events:
-            match event:
-                case Keepalive():
-                    yield KEEPALIVE
-                    continue
-                case Error() as e:
-                    yield error_frame(e.exception())
-                    return
-            pending: list[tuple[Token, list[Token] | None]] = []
-            for d in event.deltas:
-                parts.append(d.text)
-                generated += len(d.token_ids)
-                tops = top_tokens_of(d.top_logprobs, special)
-                pending += [(t, tops[i] if i < len(tops) else None) for i, t in enumerate(texts.delta(d))]
-            match event:
-                case Tokens():
-                    for tok, top in pending:
-                        index += 1
-                        yield _event(index, tok, top, None, None)
-                case Done():
-                    # Done carries the last engine step's tokens: its last token is the final event.
-                    last = pending.pop() if pending else (Token(0, "", None, True), None)
-                    for tok, top in pending:
-                        index += 1
-                        yield _event(index, tok, top, None, None)
-                    text = full_text_prefix(req, inputs) + "".join(parts)
-                    yield _event(index + 1, *last, text, _stream_details(req, event, generated))
-                    return
-        yield error_frame(IncompleteGenerationStream("Incomplete generation stream"))
-    except ServiceError as exc:  # the relay itself failed (say, Redis went away mid-stream)
-        yield error_frame(exc)
+    ``generated_text`` and ``details``. Events that end without a final one end with TGI's
+    ``incomplete_generation_stream`` error."""
+
+    def __init__(self, req: GenerationRequest, job_id: str = "", created: int = 0, *, inputs: str = "",
+                 special: frozenset[int] = frozenset()) -> None:
+        self.req, self.inputs, self.special = req, inputs, special
+        self.index = self.generated = 0
+        self.parts: list[str] = []
+        self.texts = TokenTexts(special)
+        self.ended = False
+
+    def step(self, event: Tokens | Done) -> list[bytes]:
+        pending: list[tuple[Token, list[Token] | None]] = []
+        for d in event.deltas:
+            self.parts.append(d.text)
+            self.generated += len(d.token_ids)
+            tops = top_tokens_of(d.top_logprobs, self.special)
+            pending += [(t, tops[i] if i < len(tops) else None) for i, t in enumerate(self.texts.delta(d))]
+        last = None
+        if isinstance(event, Done):
+            # Done carries the last engine step's tokens: its last token is the final event.
+            last = pending.pop() if pending else (Token(0, "", None, True), None)
+        out = []
+        for tok, top in pending:
+            self.index += 1
+            out.append(_event(self.index, tok, top, None, None))
+        if last is not None:
+            self.ended = True
+            text = full_text_prefix(self.req, self.inputs) + "".join(self.parts)
+            out.append(_event(self.index + 1, *last, text, _stream_details(self.req, event, self.generated)))
+        return out
+
+    def fail(self, exc: ServiceError) -> list[bytes]:
+        self.ended = True
+        return [error_frame(exc)]
+
+    def close(self) -> list[bytes]:
+        return [] if self.ended else [error_frame(IncompleteGenerationStream("Incomplete generation stream"))]
+
+
+def stream(req: GenerationRequest, job_id: str, created: int) -> TgiStream:
+    return TgiStream(req, job_id, created, inputs=req.prompt or "")
+
+
+class TokenRecorder:
+    """A non-streamed answer's tokens, kept event by event as :class:`TgiStream` splits them, so
+    the answer has exactly the tokens (and texts) a stream would have sent."""
+
+    def __init__(self, special: frozenset[int] = frozenset()) -> None:
+        self.special = special
+        self.tokens: dict[int, list[Token]] = {}
+        self._texts: dict[int, TokenTexts] = {}
+
+    def seen(self, event: Tokens | Done) -> None:
+        for delta in event.deltas:
+            texts = self._texts.setdefault(delta.index, TokenTexts(self.special))
+            self.tokens.setdefault(delta.index, []).extend(texts.delta(delta))
 
 
 def error_frame(exc: ServiceError) -> bytes:

@@ -27,17 +27,18 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from typing import TypeVar
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
 from api.dialects.happy_vllm import sampling_from_dict, to_sampling_params
+from api.dialects.stream import StreamRenderer
 from shared import json_input
 from shared.errors import InvalidRequest, ServiceError
-from shared.events import Done, Error, Event, TokenDelta
-from shared.framing import Keepalive, sse
+from shared.events import Done, TokenDelta, Tokens
+from shared.framing import sse
 from shared.schemas import Choice, GenerationRequest, JobResult, OutputOptions, PromptInfo, StructuredOutput, TopLogprob
 
 __all__ = [
@@ -51,7 +52,8 @@ __all__ = [
     "ServerMetadataResponse",
     "ModelMetadataResponse",
     "render_response",
-    "render_stream",
+    "TritonStream",
+    "stream",
     "render_result",
     "error_body",
 ]
@@ -391,31 +393,31 @@ def render_result(req: GenerationRequest, result: JobResult, job_id: str = "", c
     return render_response(req, result, Outputs(prepend_input=req.output.return_full_text))
 
 
-async def render_stream(
-    req: GenerationRequest, events: AsyncIterator[Event | Keepalive], opts: Outputs
-) -> AsyncIterator[bytes]:
+class TritonStream(StreamRenderer[bytes]):
     """One event per engine step with the new text of every choice; the connection closes after
     the last one. Keep-alive ticks are dropped: Triton sends no comments, and some clients (vLLM's
     benchmark, for one) parse every non-empty line as JSON."""
-    n = req.sampling.n
-    cumulative = [0.0] * n
-    finished: list[str | None] = [None] * n
-    prompt_tokens = 0
-    try:
-        async for event in events:
-            match event:
-                case Keepalive():
-                    continue
-                case Error() as e:
-                    yield sse(ErrorResponse(e.message))
-                    return
-            prompt_tokens = _prompt_tokens(event.prompt, prompt_tokens)
-            if event.deltas:
-                yield sse(_step(req, opts, event.deltas, cumulative, finished, prompt_tokens))
-            if isinstance(event, Done):
-                return
-    except ServiceError as exc:  # the relay itself failed (say, Redis went away mid-stream)
-        yield sse(ErrorResponse(exc.message))
+
+    def __init__(self, req: GenerationRequest, job_id: str = "", created: int = 0, *,
+                 opts: Outputs | None = None) -> None:
+        self.req = req
+        self.opts = opts if opts is not None else Outputs(prepend_input=req.output.return_full_text)
+        self.cumulative = [0.0] * req.sampling.n
+        self.finished: list[str | None] = [None] * req.sampling.n
+        self.prompt_tokens = 0
+
+    def step(self, event: Tokens | Done) -> list[bytes]:
+        self.prompt_tokens = _prompt_tokens(event.prompt, self.prompt_tokens)
+        if not event.deltas:
+            return []
+        return [sse(_step(self.req, self.opts, event.deltas, self.cumulative, self.finished, self.prompt_tokens))]
+
+    def fail(self, exc: ServiceError) -> list[bytes]:
+        return [sse(ErrorResponse(exc.message))]
+
+
+def stream(req: GenerationRequest, job_id: str, created: int) -> TritonStream:
+    return TritonStream(req, job_id, created)
 
 
 def _prompt_tokens(prompt: PromptInfo | None, known: int) -> int:

@@ -6,19 +6,16 @@ from __future__ import annotations
 import importlib.metadata
 
 from litestar import Request, Response, get, post
-from litestar.response import Stream
 
+from api import jobs
 from api.context import Ctx
 from api.dialects import happy_vllm as hv
-from api.http import accepted, decode_body, event_stream, json_response
-from api.relay import collect
+from api.http import decode_body, json_response
 from api.services import Svc
-from api.submit import submit
 from shared.redis import REDIS_DOWN
 
 __all__ = ["ROUTES"]
 
-NDJSON = "application/x-ndjson"
 _OPT = {"dialect": hv.NAME}
 
 
@@ -29,21 +26,13 @@ async def _body(request: Request) -> hv.RequestGenerate:
 @post("/v1/generate", opt=_OPT, status_code=200)
 async def generate(request: Request, svc: Svc, ctx: Ctx) -> Response:
     req = hv.to_generation_request(await _body(request), stream=False)
-    if ctx.respond_async:
-        return await accepted(svc, ctx, req)
-    sub = await submit(svc, ctx, req)
-    result = await collect(sub.events)
-    return json_response(hv.render_result(sub.request, result))
+    return await jobs.respond(svc, ctx, req, stream=False)
 
 
 @post("/v1/generate_stream", opt=_OPT, status_code=200)
-async def generate_stream(request: Request, svc: Svc, ctx: Ctx) -> Response | Stream:
+async def generate_stream(request: Request, svc: Svc, ctx: Ctx) -> Response:
     req = hv.to_generation_request(await _body(request), stream=True)
-    if ctx.respond_async:
-        return await accepted(svc, ctx, req)
-    sub = await submit(svc, ctx, req)
-    return event_stream(sub.events, lambda events: hv.render_stream(sub.request, events), NDJSON,
-                        svc.settings.sse_keepalive_s)
+    return await jobs.respond(svc, ctx, req, stream=True)
 
 
 @get("/liveness", opt=_OPT)

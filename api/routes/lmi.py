@@ -6,27 +6,22 @@ from __future__ import annotations
 import msgspec
 from litestar import Request, Response, post
 from litestar.params import FromPath
-from litestar.response import Stream
 
+from api import jobs
 from api.context import Ctx, RequestContext
 from api.dialects import lmi
 from api.dialects import openai_chat as chat
 from api.dialects import openai_completions as oc
-from api.dialects.lmi_render import render_batch_result, render_batch_stream
+from api.dialects.lmi_render import BatchStream, render_batch_result
 from api.errors import answered_in
-from api.fanout import collect_all, merge, submit_all
-from api.http import accepted, decode_body, event_stream, json_response
-from api.relay import collect
-from api.routes.openai import completions_response
+from api.http import decode_body
 from api.routes.openai_chat import chat_response
+from api.routes.openai_completions import completions_response
 from api.services import Svc
 from shared import json_input
 from shared.errors import InvalidRequest
 
-__all__ = ["invocations", "predictions"]
-
-JSONLINES = "application/jsonlines"
-SSE = "text/event-stream"
+__all__ = ["ROUTES", "invocations", "predictions"]
 
 
 class _BodyKeys(msgspec.Struct):
@@ -41,35 +36,28 @@ class _BodyKeys(msgspec.Struct):
 _keys_decoder = msgspec.json.Decoder(_BodyKeys)
 
 
-async def _lmi_response(request: Request, svc: Svc, ctx: RequestContext, model: str = "") -> Response | Stream:
+async def _lmi_response(request: Request, svc: Svc, ctx: RequestContext, model: str = "") -> Response:
     body = await decode_body(request, lmi.LmiRequest)
     if isinstance(body.inputs, list):  # errors in the dynamic-batch shape from here on
         return await answered_in(lmi.DYNAMIC_BATCH.NAME, _lmi_jobs(svc, ctx, body, model))
     return await _lmi_jobs(svc, ctx, body, model)
 
 
-async def _lmi_jobs(svc: Svc, ctx: RequestContext, body: lmi.LmiRequest, model: str) -> Response | Stream:
+async def _lmi_jobs(svc: Svc, ctx: RequestContext, body: lmi.LmiRequest, model: str) -> Response:
     tgi_compat = svc.settings.lmi_tgi_compat
     reqs = lmi.to_generation_requests(body, model=model, tgi_compat=tgi_compat)
-    if ctx.respond_async:
-        return await accepted(svc, ctx, reqs)
-    subs = await submit_all(svc, ctx, reqs, keepalive=body.stream)
-    if isinstance(body.inputs, list):
-        if not body.stream:
-            return json_response(render_batch_result(await collect_all(subs)))
-        return event_stream(merge(subs, 1), lambda events: render_batch_stream(len(reqs), events), JSONLINES,
-                            svc.settings.sse_keepalive_s)
-    (sub,) = subs
-    if not body.stream:
-        return json_response(lmi.render_result(sub.request, await collect(sub.events)))
+    if isinstance(body.inputs, list):  # dynamic batch: one job per input, answered together
+        return await jobs.respond(svc, ctx, reqs, stream=body.stream,
+                                  whole=lambda q, results: render_batch_result(results),
+                                  renderer=lambda q: BatchStream(len(q.requests)))
     # TGI compatibility streams SSE by default, as LMI does.
     sse_format = tgi_compat or svc.settings.lmi_output_formatter == "sse"
-    return event_stream(sub.events, lambda events: lmi.render_stream(sub.request, events, sse_format=sse_format),
-                        SSE if sse_format else JSONLINES, svc.settings.sse_keepalive_s)
+    return await jobs.respond(svc, ctx, reqs, stream=body.stream,
+                              renderer=lambda q: lmi.LmiStream(q.request, sse_format=sse_format))
 
 
-@post("/invocations", opt={"dialect": "lmi"}, status_code=200)
-async def invocations(request: Request, svc: Svc, ctx: Ctx) -> Response | Stream:
+@post("/invocations", opt={"dialect": lmi.NAME}, status_code=200)
+async def invocations(request: Request, svc: Svc, ctx: Ctx) -> Response:
     try:
         keys = json_input.decode(await request.body(), _keys_decoder)
     except msgspec.DecodeError as exc:  # (ValidationError is one)
@@ -82,6 +70,9 @@ async def invocations(request: Request, svc: Svc, ctx: Ctx) -> Response | Stream
     return await _lmi_response(request, svc, ctx)
 
 
-@post("/predictions/{model:str}", opt={"dialect": "lmi"}, status_code=200)
-async def predictions(request: Request, svc: Svc, ctx: Ctx, model: FromPath[str]) -> Response | Stream:
+@post("/predictions/{model:str}", opt={"dialect": lmi.NAME}, status_code=200)
+async def predictions(request: Request, svc: Svc, ctx: Ctx, model: FromPath[str]) -> Response:
     return await _lmi_response(request, svc, ctx, model=model)
+
+
+ROUTES = [invocations, predictions]

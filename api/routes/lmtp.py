@@ -14,22 +14,18 @@ from typing import Any
 import structlog
 from litestar import WebSocket, websocket
 
+from api import jobs
 from api.context import Ctx, RequestContext
 from api.dialects import lmtp
+from api.dialects.stream import drive
+from api.jobs import Submission
 from api.services import Services, Svc
-from api.submit import Submission, submit
 from shared.errors import ServiceError
-from shared.events import Done, Error, Event, Tokens, is_terminal
-from shared.framing import Keepalive
 from shared.redis import REDIS_DOWN
 
 __all__ = ["ROUTES", "lmtp_socket", "Session"]
 
 log = structlog.get_logger()
-
-Feed = Callable[[Event], list[lmtp.TokenPayload]]
-"""A stream's translator: the TOKEN payloads ready to send after each event."""
-
 
 class Session:
     """One client socket: dispatches commands, runs a task per stream, owns the send lock."""
@@ -69,24 +65,32 @@ class Session:
         else:  # LMQL's server's wording
             await self.send("MSG", lmtp.error_payload(frame.stream_id, f"Unknown command: {frame.verb}"))
 
-    async def start_generate(self, frame: lmtp.Frame) -> tuple[Submission, Feed]:
+    async def start_generate(self, frame: lmtp.Frame) -> tuple[Submission, lmtp.TokenFrames]:
         cmd = lmtp.decode_generate(frame)
-        return await submit(self.svc, self.ctx, lmtp.to_generation_request(cmd)), lmtp.TokenStream(cmd).feed
+        sub = await jobs.submit(self.svc, self.ctx, lmtp.to_generation_request(cmd))
+        return sub, lmtp.TokenFrames(cmd.stream_id, lmtp.TokenStream(cmd))
 
-    async def start_score(self, frame: lmtp.Frame) -> tuple[Submission, Feed]:
+    async def start_score(self, frame: lmtp.Frame) -> tuple[Submission, lmtp.TokenFrames]:
         cmd = lmtp.decode_score(frame)
-        return await submit(self.svc, self.ctx, lmtp.to_score_request(cmd)), lmtp.ScoreStream(cmd).feed
+        sub = await jobs.submit(self.svc, self.ctx, lmtp.to_score_request(cmd))
+        return sub, lmtp.TokenFrames(cmd.stream_id, lmtp.ScoreStream(cmd))
 
     async def stream(self, frame: lmtp.Frame,
-                     start: Callable[[lmtp.Frame], Awaitable[tuple[Submission, Feed]]]) -> None:
+                     start: Callable[[lmtp.Frame], Awaitable[tuple[Submission, lmtp.TokenFrames]]]) -> None:
         """One GENERATE/SCORE stream. Its errors are TOKEN error frames: LMQL's client only
-        delivers TOKEN frames to a stream, so a MSG error would leave it waiting forever."""
+        delivers TOKEN frames to a stream, so a MSG error would leave it waiting forever. Leaving
+        before its end (the socket closed) cancels its job: the request's watch does."""
         if not isinstance(frame.stream_id, int) or isinstance(frame.stream_id, bool):
             await self.send("MSG", lmtp.error_payload(frame.stream_id, f"{frame.verb} needs an integer `stream_id`"))
             return
         try:
-            sub, feed = await start(frame)
-            await self.follow(sub, feed)
+            sub, renderer = await start(frame)
+            try:
+                async for payloads in drive(renderer, sub.events):
+                    for payload in payloads:
+                        await self.send("TOKEN", payload)
+            finally:
+                await sub.events.aclose()  # type: ignore[attr-defined]
         except ServiceError as exc:
             await self.send("TOKEN", lmtp.error_payload(frame.stream_id, exc.message))
         except REDIS_DOWN:
@@ -96,33 +100,6 @@ class Session:
                 raise
             log.exception("lmtp_stream_failed", stream_id=frame.stream_id, may_quote_request=True)
             await self.send("TOKEN", lmtp.error_payload(frame.stream_id, "internal server error"))
-
-    async def follow(self, sub: Submission, feed: Feed) -> None:
-        """Relay one job as TOKEN frames; a job error is raised as its typed ServiceError."""
-        finished = False
-        try:
-            async for event in sub.events:
-                match event:
-                    case Keepalive():
-                        continue
-                    case Error():
-                        finished = True
-                        raise event.exception()
-                    case Tokens() | Done():
-                        finished = is_terminal(event)  # (before feed: it may raise on Done)
-                        for payload in feed(event):
-                            await self.send("TOKEN", payload)
-        finally:
-            await sub.events.aclose()
-            if not finished:
-                await self.cancel(sub)
-
-    async def cancel(self, sub: Submission) -> None:
-        """The client went away (or the relay failed): stop the job rather than finish it unseen."""
-        try:
-            await self.svc.queue.cancel(sub.request.model, sub.job_id)
-        except REDIS_DOWN as exc:
-            log.warning("lmtp_cancel_failed", job_id=sub.job_id, error=str(exc))
 
     async def model_info(self, frame: lmtp.Frame) -> None:
         """A MSG reply. An unknown model is a MSG error, as LMQL's server answers one."""

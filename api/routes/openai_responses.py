@@ -9,59 +9,45 @@ with it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack
-
 from litestar import Request, Response, delete, get, post
 from litestar.params import FromPath
-from litestar.response import Stream
 
+from api import jobs
 from api.context import Ctx, JobRef, RequestContext, job_ref
 from api.dialects import openai_responses as r
-from api.http import accepted, decode_body, event_stream, json_response, stream_response
-from api.relay import DEADLINE_GRACE_MS, collect
+from api.http import EventStream, decode_body, json_response
 from api.services import Svc
-from api.submit import enqueue_detached, follow_job, submit, subscribe_job
 from shared.errors import InvalidRequest, JobNotFound
-from shared.events import Event
-from shared.framing import Keepalive
-from shared.queue import now_ms
 from shared.schemas import TERMINAL_STATUSES, ChatMessage, GenerationRequest, JobRecord
 
 __all__ = ["ROUTES"]
 
-SSE = "text/event-stream"
 DIALECT = {"dialect": r.NAME}
 
 
 @post("/v1/responses", opt=DIALECT, status_code=200)
-async def create_response(request: Request, svc: Svc, ctx: Ctx) -> Response | Stream:
+async def create_response(request: Request, svc: Svc, ctx: Ctx) -> Response:
     body = await decode_body(request, r.ResponsesRequest)
     history = await _history(request, svc, body.previous_response_id) if body.previous_response_id else []
     req = r.to_generation_request(body, max_model_len=svc.settings.max_model_len, history=history)
-    if ctx.respond_async:
-        return await accepted(svc, ctx, req)
-    if body.background:
+    if body.background and not ctx.respond_async:
         return await _background(svc, ctx, body, req)
-    stream = bool(body.stream)
-    sub = await submit(svc, ctx, req, keepalive=stream)
-    echo = r.echo_of_body(body, sub.request.model)
-    if not stream:
-        result = await collect(sub.events)
-        return json_response(r.render_finished(echo, result, sub.job_id, sub.created))
     # An error before the first event (say, a prompt too long for the model) keeps its HTTP status.
-    return event_stream(sub.events, lambda events: r.render_stream(echo, events, sub.job_id, sub.created), SSE,
-                        svc.settings.sse_keepalive_s)
+    return await jobs.respond(
+        svc, ctx, req, stream=bool(body.stream),
+        whole=lambda q, results: r.render_finished(r.echo_of_body(body, q.request.model), results[0], q.job_id,
+                                                   q.created),
+        renderer=lambda q: r.ResponseStream(r.echo_of_body(body, q.request.model), q.job_id, q.created))
 
 
-async def _background(svc: Svc, ctx: RequestContext, body: r.ResponsesRequest, req: GenerationRequest
-                      ) -> Response | Stream:
+async def _background(svc: Svc, ctx: RequestContext, body: r.ResponsesRequest, req: GenerationRequest) -> Response:
     """Queued and answered at once: ``queued``, or the stream of a job nobody's leaving cancels."""
-    job_id = await enqueue_detached(svc, ctx, req)
+    job_id = await jobs.enqueue(svc, ctx, req)
     model = await svc.models.resolve(req.model)
-    record = await svc.queue.get_job(model, job_id)
-    if record is None:  # expired already (a repeated Idempotency-Key of a long-gone job)
-        raise JobNotFound(f"Response with id '{r.response_id(job_id)}' not found.")
+    try:
+        record = await jobs.record(svc, model, job_id)
+    except JobNotFound:  # expired already (a repeated Idempotency-Key of a long-gone job)
+        raise JobNotFound(f"Response with id '{r.response_id(job_id)}' not found.") from None
     created = int(record.queued_at // 1000)
     echo = r.echo_of_body(body, model)
     if not body.stream:
@@ -70,7 +56,7 @@ async def _background(svc: Svc, ctx: RequestContext, body: r.ResponsesRequest, r
         if record.status in TERMINAL_STATUSES:
             return json_response(r.render_record(record, echo=echo))
         return json_response(r.render_response(echo, job_id, created, "queued"))
-    return stream_response(r.render_stream(echo, await _events(svc, model, record), job_id, created), SSE)
+    return EventStream(await jobs.events(svc, model, record), r.ResponseStream(echo, job_id, created))
 
 
 async def _found(request: Request, svc: Svc, response_id: str) -> JobRef:
@@ -107,19 +93,6 @@ async def _history(request: Request, svc: Svc, previous_id: str) -> list[ChatMes
     return r.history_of(record.request, record.result)
 
 
-async def _iterate(events: list[Event]) -> AsyncIterator[Event | Keepalive]:
-    for event in events:
-        yield event
-
-
-async def _events(svc: Svc, model: str, record: JobRecord) -> AsyncIterator[Event | Keepalive]:
-    """All of a job's events from its first: the log of a finished job, else the log then live."""
-    if record.status in TERMINAL_STATUSES:
-        return _iterate(await svc.queue.read_events(model, record.id, 0))
-    live = await subscribe_job(svc, model, record.id, AsyncExitStack())
-    return follow_job(svc, live, backfill=True, keepalive=True, deadline=record.deadline)
-
-
 def _flag(request: Request, name: str) -> bool:
     value = request.query_params.get(name, "false").lower()
     if value not in ("true", "false", "1", "0"):
@@ -128,45 +101,45 @@ def _flag(request: Request, name: str) -> bool:
 
 
 @get("/v1/responses/{response_id:str}", opt=DIALECT)
-async def get_response(request: Request, svc: Svc, response_id: FromPath[str]) -> Response | Stream:
+async def get_response(request: Request, svc: Svc, response_id: FromPath[str]) -> Response:
     """The response now; with ``stream=true`` its events numbered above ``starting_after``, from
     the job's event log, then live until it ends."""
     job = await _found(request, svc, response_id)
-    record = job.found
-    assert isinstance(record, JobRecord)
     if not _flag(request, "stream"):
-        if record.status not in TERMINAL_STATUSES and record.deadline is not None and now_ms() >= record.deadline:
-            # As GET /v1/jobs/{id}: nobody may be waiting on a background job, so the poll ends it.
-            if await svc.queue.expire(job.model, job.id, grace_ms=DEADLINE_GRACE_MS):
-                record = await svc.queue.get_job(job.model, job.id) or record
-        return json_response(r.render_record(record))
+        # As GET /v1/jobs/{id}: nobody may be waiting on a background job, so the poll ends it.
+        return json_response(r.render_record(await jobs.poll(svc, job)))
     try:
         after = int(request.query_params.get("starting_after", "-1"))
         if not -1 <= after < 2**63:
             raise ValueError
     except ValueError:
         raise InvalidRequest("starting_after must be a sequence number", param="starting_after") from None
+    record = job.found
+    assert isinstance(record, JobRecord)
     echo = r.echo_of_request(record.request, background=True)
-    created = int(record.queued_at // 1000)
-    frames = r.render_stream(echo, await _events(svc, job.model, record), job.id, created, starting_after=after)
-    return stream_response(frames, SSE)
+    renderer = r.ResponseStream(echo, job.id, int(record.queued_at // 1000), starting_after=after)
+    return EventStream(await jobs.events(svc, job.model, record), renderer)
 
 
 @post("/v1/responses/{response_id:str}/cancel", opt=DIALECT, status_code=200)
 async def cancel_response(request: Request, svc: Svc, response_id: FromPath[str]) -> Response:
     job = await _found(request, svc, response_id)
-    if await svc.queue.cancel(job.model, job.id) is None:
-        raise JobNotFound(f"Response with id '{response_id}' not found.")
-    record = await svc.queue.get_job(job.model, job.id)
-    return json_response(r.render_record(record or job.found))  # type: ignore[arg-type]
+    try:
+        record = await jobs.cancel(svc, job)
+    except JobNotFound:
+        raise JobNotFound(f"Response with id '{response_id}' not found.") from None
+    assert isinstance(record, JobRecord)
+    return json_response(r.render_record(record))
 
 
 @delete("/v1/responses/{response_id:str}", opt=DIALECT, status_code=200)
 async def delete_response(request: Request, svc: Svc, response_id: FromPath[str]) -> Response:
     """Ends the job if it still runs and forgets it: a later GET, resume or cancel is a 404."""
     job = await _found(request, svc, response_id)
-    if not await svc.queue.delete(job.model, job.id):
-        raise JobNotFound(f"Response with id '{response_id}' not found.")
+    try:
+        await jobs.delete(svc, job)
+    except JobNotFound:
+        raise JobNotFound(f"Response with id '{response_id}' not found.") from None
     return json_response(r.Deleted(id=response_id))
 
 

@@ -10,27 +10,22 @@ extractor.
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import AsyncIterator
 
 import msgspec
 from litestar import Request, Response, get, post
-from litestar.response import Stream
 
+from api import jobs
 from api.context import Ctx, RequestContext
 from api.dialects import tgi
-from api.http import accepted, decode_body, json_response, stream_response
-from api.relay import collect
+from api.dialects.stream import SSE
+from api.http import EventStream, decode_body, json_response, stream_frames
 from api.services import Services, Svc
-from api.submit import submit
 from shared.errors import QueueUnavailable, ServiceError
-from shared.events import Done, Event, Tokens
-from shared.framing import Keepalive
 from shared.redis import REDIS_DOWN
 from shared.schemas import GenerationRequest, JobResult
 
 __all__ = ["ROUTES"]
 
-SSE = "text/event-stream"
 _OPT = {"dialect": tgi.NAME}
 
 
@@ -45,77 +40,39 @@ async def _translate(svc: Services, body: tgi.GenerateRequest, *, stream: bool, 
     return req
 
 
-async def _close(events: AsyncIterator[object]) -> None:
-    """Release the job's subscription now, not whenever the generator is collected."""
-    aclose = getattr(events, "aclose", None)
-    if aclose is not None:
-        await aclose()
-
-
-# --- non-streaming --------------------------------------------------------------------------
-
-
-async def _collect(
-    events: AsyncIterator[Event | Keepalive], special: frozenset[int]
-) -> tuple[JobResult, dict[int, list[tgi.Token]]]:
-    """Fold the job as relay.collect does, keeping each event's TGI tokens, so a non-streamed
-    answer has exactly the tokens (and texts) a stream would have sent."""
-    tokens: dict[int, list[tgi.Token]] = {}
-    texts: dict[int, tgi.TokenTexts] = {}
-
-    def keep_tokens(event: Tokens | Done) -> None:
-        for delta in event.deltas:
-            seq_texts = texts.setdefault(delta.index, tgi.TokenTexts(special))
-            tokens.setdefault(delta.index, []).extend(seq_texts.delta(delta))
-
-    try:
-        result = await collect(events, keep_tokens)
-    finally:
-        await _close(events)
-    return result, tokens
-
-
 async def _generate(svc: Services, ctx: RequestContext, body: tgi.GenerateRequest, *, compat: bool) -> Response:
+    """The whole answer, its tokens kept event by event as a stream would have sent them."""
     req = await _translate(svc, body, stream=False, compat=compat)
-    if ctx.respond_async:
-        return await accepted(svc, ctx, req)
-    special = await svc.tokenizer.special_ids()
-    sub = await submit(svc, ctx, req)
-    result, tokens = await _collect(sub.events, special)
-    out = tgi.render_result(sub.request, result, inputs=body.inputs, tokens=tokens, special=special)
-    headers = {
-        "x-prompt-tokens": str(result.usage.prompt_tokens),
-        "x-generated-tokens": str(result.usage.completion_tokens),
-    }
-    return json_response([out] if compat else out, headers=headers)
+    special = await svc.tokenizer.special_ids() if not ctx.respond_async else frozenset()
+    recorder = tgi.TokenRecorder(special)
+
+    def whole(q: jobs.Queued, results: list[JobResult]) -> Response:
+        (result,) = results
+        out = tgi.render_result(q.request, result, inputs=body.inputs, tokens=recorder.tokens, special=special)
+        headers = {
+            "x-prompt-tokens": str(result.usage.prompt_tokens),
+            "x-generated-tokens": str(result.usage.completion_tokens),
+        }
+        return json_response([out] if compat else out, headers=headers)
+
+    return await jobs.respond(svc, ctx, req, stream=False, whole=whole, seen=recorder.seen)
 
 
-# --- streaming ------------------------------------------------------------------------------
-
-
-async def _stream(svc: Services, ctx: RequestContext, body: tgi.GenerateRequest, *, compat: bool
-                  ) -> Response | Stream:
+async def _stream(svc: Services, ctx: RequestContext, body: tgi.GenerateRequest, *, compat: bool) -> Response:
+    """A stream always answers 200: an error before the first token (validation, the queue) is its
+    one in-band event, as any later one is."""
     if ctx.respond_async:  # queued and answered 202 (errors as statuses: no stream has started)
-        return await accepted(svc, ctx, await _translate(svc, body, stream=True, compat=compat))
-
-    async def frames() -> AsyncIterator[bytes]:
-        try:
-            req = await _translate(svc, body, stream=True, compat=compat)
-            special = await svc.tokenizer.special_ids()
-            sub = await submit(svc, ctx, req, keepalive=True)
-        except ServiceError as exc:
-            yield tgi.error_frame(exc)
-            return
-        except REDIS_DOWN:
-            yield tgi.error_frame(QueueUnavailable("the queue is unavailable; try again shortly"))
-            return
-        try:
-            async for frame in tgi.render_stream(sub.request, sub.events, inputs=body.inputs, special=special):
-                yield frame
-        finally:
-            await _close(sub.events)
-
-    return stream_response(frames(), SSE)
+        return await jobs.accepted(svc, ctx, [await _translate(svc, body, stream=True, compat=compat)])
+    try:
+        req = await _translate(svc, body, stream=True, compat=compat)
+        special = await svc.tokenizer.special_ids()
+        sub = await jobs.submit(svc, ctx, req, keepalive=True)
+    except ServiceError as exc:
+        return stream_frames([tgi.error_frame(exc)], SSE)
+    except REDIS_DOWN:
+        return stream_frames([tgi.error_frame(QueueUnavailable("the queue is unavailable; try again shortly"))], SSE)
+    # Started at once, not held for the first event: every error from here on is in-band too.
+    return EventStream(sub.events, tgi.TgiStream(sub.request, inputs=body.inputs, special=special))
 
 
 # --- routes ---------------------------------------------------------------------------------
@@ -127,12 +84,12 @@ async def generate(request: Request, svc: Svc, ctx: Ctx) -> Response:
 
 
 @post("/generate_stream", opt=_OPT, status_code=200)
-async def generate_stream(request: Request, svc: Svc, ctx: Ctx) -> Response | Stream:
+async def generate_stream(request: Request, svc: Svc, ctx: Ctx) -> Response:
     return await _stream(svc, ctx, await decode_body(request, tgi.GenerateRequest), compat=False)
 
 
 @post("/", opt=_OPT, status_code=200)
-async def compat_generate(request: Request, svc: Svc, ctx: Ctx) -> Response | Stream:
+async def compat_generate(request: Request, svc: Svc, ctx: Ctx) -> Response:
     """``stream: false`` answers a one-element array (as api-inference does); ``true`` streams."""
     body = await decode_body(request, tgi.GenerateRequest)
     if body.stream:

@@ -9,25 +9,24 @@ exists when the deployment knows it (configured, or ever served: its requests qu
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import AsyncIterator
 
 from litestar import Request, Response, get, post
 from litestar.params import FromPath
-from litestar.response import Stream
 
+from api import jobs
 from api.context import Ctx, RequestContext
 from api.dialects import triton as tr
-from api.http import accepted, decode_body, event_stream, json_response, stream_response
-from api.relay import collect
+from api.dialects.stream import SSE
+from api.http import decode_body, json_response, stream_frames
 from api.services import Services, Svc
-from api.submit import submit
 from shared.errors import InvalidRequest, ModelNotFound
 from shared.framing import sse
 from shared.redis import REDIS_DOWN
+from shared.schemas import JobResult
 
 __all__ = ["ROUTES"]
 
-SSE = "text/event-stream"  # Litestar adds "; charset=utf-8", which is exactly Triton's header
+# SSE: Litestar adds "; charset=utf-8" to text/event-stream, which is exactly Triton's header.
 _OPT = {"dialect": tr.NAME}
 _MODEL = "/v2/models/{model:str}"
 _VERSIONED = "/v2/models/{model:str}/versions/{version:str}"
@@ -50,49 +49,44 @@ async def _check_model(svc: Services, model: str, version: str | None) -> None:
         raise ModelNotFound(f"Request for unknown model: '{model}' version {number} is not found")
 
 
-async def _one_event(payload: tr.GenerateResponse) -> AsyncIterator[bytes]:
-    yield sse(payload)
-
-
 async def _generate(
     request: Request, svc: Services, ctx: RequestContext, model: str, version: str | None, *, streaming: bool
-) -> Response | Stream:
+) -> Response:
     await _check_model(svc, model, version)
     body = tr.read_body(await decode_body(request, tr.RawBody))
     req, opts = tr.to_generation_request(body, model)
-    if ctx.respond_async:
-        return await accepted(svc, ctx, req)
-    sub = await submit(svc, ctx, req)
-    if streaming and opts.stream:
-        return event_stream(sub.events, lambda events: tr.render_stream(sub.request, events, opts), SSE,
-                            svc.settings.sse_keepalive_s)
-    # /generate always answers with one object; /generate_stream without `stream: true` sends
-    # the backend's single (whole) response as one event.
-    body = tr.render_response(sub.request, await collect(sub.events), opts)
-    return stream_response(_one_event(body), SSE) if streaming else json_response(body)
+
+    def whole(q: jobs.Queued, results: list[JobResult]) -> object:
+        # /generate answers with one object; /generate_stream without `stream: true` sends the
+        # backend's single (whole) response as one event.
+        answer = tr.render_response(q.request, results[0], opts)
+        return stream_frames([sse(answer)], SSE) if streaming else answer
+
+    return await jobs.respond(svc, ctx, req, stream=streaming and opts.stream, whole=whole,
+                              renderer=lambda q: tr.TritonStream(q.request, opts=opts))
 
 
 @post(f"{_MODEL}/generate", opt=_OPT, status_code=200)
-async def generate(request: Request, svc: Svc, ctx: Ctx, model: FromPath[str]) -> Response | Stream:
+async def generate(request: Request, svc: Svc, ctx: Ctx, model: FromPath[str]) -> Response:
     return await _generate(request, svc, ctx, model, None, streaming=False)
 
 
 @post(f"{_VERSIONED}/generate", opt=_OPT, status_code=200)
 async def generate_versioned(
     request: Request, svc: Svc, ctx: Ctx, model: FromPath[str], version: FromPath[str]
-) -> Response | Stream:
+) -> Response:
     return await _generate(request, svc, ctx, model, version, streaming=False)
 
 
 @post(f"{_MODEL}/generate_stream", opt=_OPT, status_code=200)
-async def generate_stream(request: Request, svc: Svc, ctx: Ctx, model: FromPath[str]) -> Response | Stream:
+async def generate_stream(request: Request, svc: Svc, ctx: Ctx, model: FromPath[str]) -> Response:
     return await _generate(request, svc, ctx, model, None, streaming=True)
 
 
 @post(f"{_VERSIONED}/generate_stream", opt=_OPT, status_code=200)
 async def generate_stream_versioned(
     request: Request, svc: Svc, ctx: Ctx, model: FromPath[str], version: FromPath[str]
-) -> Response | Stream:
+) -> Response:
     return await _generate(request, svc, ctx, model, version, streaming=True)
 
 

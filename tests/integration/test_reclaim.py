@@ -3,7 +3,7 @@
 The engine here (``tests.scripted_engine.ContextEngine``) is deterministic in its whole context
 (each next token is a function of every token before it, like greedy decoding), so a job
 continued from "prompt + published tokens" must produce exactly what an uninterrupted run
-produces. The client side is the real relay (``api.relay.follow`` over a live pub/sub
+produces. The client side is the real relay (``api.follow.follow`` over a live pub/sub
 subscription, ``tests.inprocess_workers.Client``), as an API process would run it.
 """
 

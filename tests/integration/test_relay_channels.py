@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 
 import httpx
 
+from api.follow import follow
 from api.listener import EventListener
-from api.relay import follow
 from shared.codec import encode
 from shared.events import Done, TokenDelta, Tokens
 from shared.keys import Keys

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from api.follow import follow
 from api.listener import EventListener
-from api.relay import follow
 from shared.codec import encode
 from shared.errors import QueueUnavailable
 from shared.events import Done, TokenDelta, Tokens

@@ -28,6 +28,7 @@ from shared.framing import KEEPALIVE, Keepalive
 from shared.queue import level_of
 from shared.schemas import ChatMessage, Choice, JobResult, StructuredOutput, Usage
 from tests.dialect_bodies import anthropic_bodies
+from tests.streams import frames as rendered
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -46,13 +47,8 @@ def refused(**fields) -> InvalidRequest:
     return info.value
 
 
-async def _aiter(items):
-    for item in items:
-        yield item
-
-
 async def frames(r, events, **kw) -> list[bytes]:
-    return [f async for f in am.render_stream(r, _aiter(events), "j1", **kw)]
+    return await rendered(am.MessageStream(r, "j1", **kw), events)
 
 
 # --- translation ----------------------------------------------------------------------------------
@@ -274,7 +270,7 @@ async def test_a_relay_failure_is_an_error_event_too():
         raise QueueUnavailable("the queue is unavailable")
 
     r = msgspec.structs.replace(req(), model="tiny")
-    out = [f async for f in am.render_stream(r, broken(), "j1")]
+    out = await rendered(am.MessageStream(r, "j1"), broken())
     assert out[-1] == (b'event: error\ndata: {"type":"error","error":{"type":"api_error",'
                        b'"message":"the queue is unavailable"}}\n\n')
 

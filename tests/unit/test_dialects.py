@@ -13,6 +13,7 @@ from shared.errors import InvalidRequest, error_from_code
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.framing import SSE_DONE, Keepalive, sse
 from shared.schemas import Choice, JobResult, PromptInfo, TopLogprob, Usage
+from tests.streams import frames
 
 
 def lmi_req(body: dict):
@@ -97,16 +98,11 @@ def test_lmi_decoder_input_details_gives_prefill():
                                           {"id": 9, "text": "p", "log_prob": -2.0}]
 
 
-async def _aiter(items):
-    for item in items:
-        yield item
-
-
 async def test_lmi_stream_error_after_first_token_ends_with_the_documented_error_line():
     req = lmi_req({"inputs": "x"})
     events = [Tokens(seq=1, deltas=[TokenDelta(token_ids=[1], text="a", token_texts=["a"], logprobs=[-1.0])]),
               Keepalive(), Error(seq=2, code="generation_failed", message="engine died", status=500)]
-    lines = [msgspec.json.decode(x) async for x in lmi.render_stream(req, _aiter(events), sse_format=False)]
+    lines = [msgspec.json.decode(x) for x in await frames(lmi.LmiStream(req, sse_format=False), events)]
     assert lines[0] == {"token": {"id": 1, "text": "a", "log_prob": -1.0}}
     assert lines[1]["details"] == {"finish_reason": "error", "generated_tokens": None, "inputs": None}
     assert lines[1]["token"]["id"] == -1 and lines[1]["generated_text"] == ""
@@ -116,8 +112,7 @@ async def test_lmi_sse_frames_are_data_space_json():
     req = lmi_req({"inputs": "x"})
     done = Done(seq=1, deltas=[TokenDelta(token_ids=[9], text="z", token_texts=["z"], logprobs=[-0.5],
                                           finish_reason="stop")], usage=Usage(completion_tokens=1))
-    frames = [f async for f in lmi.render_stream(req, _aiter([done]), sse_format=True)]
-    assert frames == [
+    assert await frames(lmi.LmiStream(req, sse_format=True), [done]) == [
         b'data: {"token":{"id":9,"text":"z","log_prob":-0.5,"special_token":true},"generated_text":"z"}\n\n'
     ]
 
@@ -135,8 +130,7 @@ async def test_lmi_tgi_compat_stream_lines_carry_nulls_until_the_last():
     events = [Tokens(seq=1, deltas=[TokenDelta(token_ids=[1], text="a", logprobs=[-1.0], top_logprobs=top)]),
               Done(seq=2, deltas=[TokenDelta(token_ids=[2], text="b", logprobs=[-0.5], top_logprobs=top,
                                              finish_reason="length")], usage=Usage(prompt_tokens=3))]
-    frames = [f async for f in lmi.render_stream(req, _aiter(events), sse_format=True)]
-    assert frames == [
+    assert await frames(lmi.LmiStream(req, sse_format=True), events) == [
         b'data: {"index":0,"token":{"id":1,"text":"a","logprob":-1.0,"special":false},"generated_text":null,'
         b'"details":null,"top_tokens":[{"id":7,"text":"q","logprob":-0.25,"special":false}]}\n\n',
         b'data: {"index":0,"token":{"id":2,"text":"b","logprob":-0.5,"special":false},"generated_text":"ab",'
@@ -150,8 +144,7 @@ async def test_lmi_stream_error_line_is_byte_exact():
     top = [[TopLogprob(7, "q", -0.25)]]
     events = [Tokens(seq=1, deltas=[TokenDelta(token_ids=[1], text="a", logprobs=[-1.0], top_logprobs=top)]),
               Error(seq=2, code="generation_failed", message="engine died", status=500)]
-    lines = [x async for x in lmi.render_stream(req, _aiter(events), sse_format=False)]
-    assert lines == [
+    assert await frames(lmi.LmiStream(req, sse_format=False), events) == [
         b'{"token":{"id":1,"text":"a","log_prob":-1.0},"top_tokens":[{"id":7,"text":"q","log_prob":-0.25}]}\n',
         b'{"token":{"id":-1,"text":"","log_prob":-1,"special_token":true},"generated_text":"",'
         b'"details":{"finish_reason":"error","generated_tokens":null,"inputs":null},"error":"engine died"}\n',
@@ -159,12 +152,12 @@ async def test_lmi_stream_error_line_is_byte_exact():
 
 
 async def test_lmi_dynamic_batch_stream_and_result():
-    from api.dialects.lmi_render import render_batch_result, render_batch_stream
+    from api.dialects.lmi_render import BatchStream, render_batch_result
 
     events = [Tokens(seq=1, deltas=[TokenDelta(index=1, text="b"), TokenDelta(index=0, text="a")]), Keepalive(),
               Tokens(seq=2, deltas=[TokenDelta(index=0)]),
               Error(seq=3, code="generation_failed", message="died", status=500)]
-    assert [x async for x in render_batch_stream(2, _aiter(events))] == [
+    assert await frames(BatchStream(2), events) == [
         b'{"outputs":["a","b"]}\n', b'{"code":424,"message":"invoke handler failure","error":"died"}\n'
     ]
     results = [JobResult(choices=[Choice(text="x")]), JobResult()]
@@ -226,11 +219,11 @@ async def test_openai_stream_ends_with_done_after_an_in_band_error():
     req = oc_req({"prompt": "x", "stream": True})
     events = [Tokens(seq=1, deltas=[TokenDelta(token_ids=[1], text="a")]),
               Error(seq=2, code="generation_failed", message="boom", status=500)]
-    frames = [f async for f in oc.render_stream(req, _aiter(events), "id1", 123)]
-    assert frames[-1] == SSE_DONE
-    error = msgspec.json.decode(frames[-2][len(b"data: "):])
+    out = await frames(oc.CompletionStream(req, "id1", 123), events)
+    assert out[-1] == SSE_DONE
+    error = msgspec.json.decode(out[-2][len(b"data: "):])
     assert error["error"]["message"] == "boom" and error["error"]["code"] == 500
-    assert frames[0].startswith(b'data: {"id":"cmpl-id1","object":"text_completion","created":123')
+    assert out[0].startswith(b'data: {"id":"cmpl-id1","object":"text_completion","created":123')
 
 
 def test_openai_prompt_lists_become_one_job_each():
@@ -276,7 +269,7 @@ async def test_openai_stream_chunks_have_usage_only_in_the_last_and_logprobs_off
              usage=Usage(prompt_tokens=1, completion_tokens=2)),
     ]
     head = b'data: {"id":"cmpl-s","object":"text_completion","created":9,"model":"",'
-    assert [f async for f in oc.render_stream(req, _aiter(events), "s", 9)] == [
+    assert await frames(oc.CompletionStream(req, "s", 9), events) == [
         head + b'"choices":[{"index":0,"text":"ab","logprobs":{"text_offset":[0],"token_logprobs":[-0.5],'
         b'"tokens":["ab"],"top_logprobs":[{"ab":-0.5}]},"finish_reason":null,"stop_reason":null}]}\n\n',
         head + b'"choices":[{"index":0,"text":"c","logprobs":{"text_offset":[2],"token_logprobs":[-1.0],'

@@ -12,6 +12,7 @@ from shared.errors import InvalidRequest, QueueUnavailable
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.framing import Keepalive
 from shared.schemas import Choice, JobResult, PromptInfo, StructuredOutput, Usage
+from tests.streams import frames
 
 
 def req(body: dict, stream: bool = False):
@@ -158,13 +159,8 @@ def test_render_result_has_one_entry_per_choice_and_the_string_None():
     assert b'"prompt"' not in encode(hv.render_result(req({"prompt": "p"}), result))
 
 
-async def _aiter(items):
-    for item in items:
-        yield item
-
-
 async def _stream(r, events) -> bytes:
-    return b"".join([chunk async for chunk in hv.render_stream(r, _aiter(events))])
+    return b"".join(await frames(hv.GenerateStream(r), events))
 
 
 async def test_stream_lines_are_cumulative_json_dumps_with_the_string_None():

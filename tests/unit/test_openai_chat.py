@@ -11,6 +11,7 @@ from shared.errors import InvalidRequest
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.framing import KEEPALIVE, SSE_DONE, Keepalive
 from shared.schemas import ChatMessage, Choice, JobResult, StructuredOutput, TopLogprob, Usage
+from tests.streams import frames as rendered
 
 MAX_LEN = 1024
 HI = [{"role": "user", "content": "hi"}]
@@ -26,13 +27,8 @@ def refused(body: dict) -> InvalidRequest:
     return info.value
 
 
-async def _aiter(items):
-    for item in items:
-        yield item
-
-
 async def frames(r, events, *, sse_format=True) -> list[bytes]:
-    return [f async for f in chat.render_stream(r, _aiter(events), "j1", 7, sse_format=sse_format)]
+    return await rendered(chat.ChatStream(r, "j1", 7, sse_format=sse_format), events)
 
 
 # --- translation ----------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from shared.schemas import (
 )
 from tests.dialect_bodies import responses_bodies
 from tests.fuzzing import single_field_bodies
+from tests.streams import frames as rendered
 
 MAX_LEN = 1024
 STREAM_EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
@@ -55,14 +56,9 @@ def refused(**fields) -> InvalidRequest:
     return info.value
 
 
-async def _aiter(items):
-    for item in items:
-        yield item
-
-
 async def frames(events, echo=None, starting_after=-1) -> list[bytes]:
     echo = echo or r.echo_of_body(body(), "m")
-    return [f async for f in r.render_stream(echo, _aiter(events), "j1", 7, starting_after=starting_after)]
+    return await rendered(r.ResponseStream(echo, "j1", 7, starting_after=starting_after), events)
 
 
 def parsed(frame: bytes) -> tuple[str, dict]:
@@ -384,7 +380,7 @@ async def test_keepalives_are_comments_and_a_broken_relay_is_an_error_event():
         yield Tokens(seq=1, deltas=[TokenDelta(text="a")])
         raise QueueUnavailable("lost the queue")
 
-    out = [f async for f in r.render_stream(echo(), broken(), "j1", 7)]
+    out = await rendered(r.ResponseStream(echo(), "j1", 7), broken())
     assert out[4] == KEEPALIVE
     name, data = parsed(out[-1])
     assert name == "error" and data == {"type": "error", "sequence_number": 5, "code": "queue_unavailable",

@@ -8,12 +8,13 @@ import msgspec
 import pytest
 
 from api.dialects import tgi
-from api.dialects.tgi import render_stream
+from api.dialects.tgi import TgiStream
 from shared.codec import encode
 from shared.errors import GenerationFailed, InvalidRequest, QueueUnavailable, ServiceError, error_from_code
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.framing import KEEPALIVE, Keepalive
 from shared.schemas import Choice, JobResult, PromptInfo, TopLogprob, Usage
+from tests.streams import frames
 
 LIMIT = 1024
 
@@ -313,11 +314,7 @@ def test_error_bodies_and_statuses():
 
 
 async def _frames(req, events) -> list[bytes]:
-    async def gen():
-        for e in events:
-            yield e
-
-    return [f async for f in render_stream(req, gen(), inputs="Hi")]
+    return await frames(TgiStream(req, inputs="Hi"), events)
 
 
 async def test_stream_frames_one_event_per_token_and_summary_on_the_last():

@@ -12,6 +12,7 @@ from shared.errors import InvalidRequest, JobCancelled, ModelNotFound, QueueUnav
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.framing import Keepalive
 from shared.schemas import Choice, JobResult, PromptInfo, StructuredOutput, TopLogprob, Usage
+from tests.streams import frames
 
 
 def translate(body: dict):
@@ -217,13 +218,8 @@ def test_n_greater_than_one_gives_arrays():
     )
 
 
-async def _aiter(items):
-    for item in items:
-        yield item
-
-
 async def _stream(req, opts, events) -> bytes:
-    return b"".join([chunk async for chunk in tr.render_stream(req, _aiter(events), opts)])
+    return b"".join(await frames(tr.TritonStream(req, opts=opts), events))
 
 
 async def test_stream_is_data_space_json_deltas_without_terminator():

@@ -1,9 +1,10 @@
-"""From a job's events to the client: ordering and gap filling.
+"""Following a job: its events to the client in order, with gaps filled.
 
 :func:`follow` yields a job's events in sequence order, exactly once, ending with the terminal
-event. Live pub/sub messages are the fast path; the event log fills any gap (a message lost in a
-reconnect, or a resume from ``Last-Event-ID``). Every dialect builds on it, so no dialect has its
-own relay; the bytes on the wire are ``shared.framing``'s.
+event. Live pub/sub messages (the relay channel) are the fast path; the event log fills any gap
+(a message lost in a reconnect, or a resume from ``Last-Event-ID``). Every dialect builds on it,
+so no dialect has its own relay: :func:`api.dialects.stream.drive` renders what it yields, and
+:func:`collect` folds it for a whole answer.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from shared.codec import decode_event
 from shared.errors import DeadlineExceeded, QueueUnavailable
@@ -23,7 +24,7 @@ from shared.redis import REDIS_DOWN
 from shared.result import ResultBuilder
 from shared.schemas import JobResult
 
-__all__ = ["follow", "collect", "prefetch", "ColdWait", "DEADLINE_GRACE_MS"]
+__all__ = ["follow", "collect", "prefetch", "ColdWait", "Watcher", "DEADLINE_GRACE_MS"]
 
 T = TypeVar("T")
 
@@ -50,6 +51,17 @@ class ColdWait:
                                 "(LLMQ_COLD_WAIT_S)")
 
 
+class Watcher(Protocol):
+    """Who else hears how a followed job's relay ends (:class:`api.submit.Following`: the
+    request's watch, its span and the subscription)."""
+
+    def ended(self, event: Event) -> None:
+        """The terminal event is going out (before it is yielded: the reader may stop right after)."""
+
+    async def closed(self) -> None:
+        """The relay ended, or its reader let it go."""
+
+
 async def follow(
     queue: Queue,
     live: asyncio.Queue[bytes],
@@ -62,8 +74,7 @@ async def follow(
     keepalive_s: float | None = None,
     deadline: float | None = None,
     cold: ColdWait | None = None,
-    on_terminal: Callable[[Event], None] | None = None,
-    on_exit: Callable[[], Awaitable[None]] | None = None,
+    watcher: Watcher | None = None,
 ) -> AsyncIterator[Event | Keepalive]:
     """Yield the job's events with seq > ``after_seq``, in order, ending with the terminal one.
 
@@ -72,9 +83,9 @@ async def follow(
     never an event. Past the job's ``deadline`` (epoch ms) the job is ended here if nobody else
     ended it (queued: at once; running: after a grace for its worker), so a client never waits
     beyond its deadline for a job no worker reads. With ``cold``, the job is also ended once no
-    warm worker has served its model for ``cold.wait_s`` while it was quiet. ``on_terminal`` is
-    called with the terminal event as it goes out, ``on_exit`` when the iterator ends or is closed (hooks
-    here rather than a wrapping generator: no extra layer per event).
+    warm worker has served its model for ``cold.wait_s`` while it was quiet. ``watcher`` hears
+    of the terminal event and of the end (a hook here rather than a wrapping generator: no extra
+    layer per event).
     """
     async def read_log(after: int) -> list[Event]:
         return await _relaying(queue.read_events(model, job_id, after))
@@ -116,8 +127,8 @@ async def follow(
                     continue  # a duplicate: already delivered live or from the log
                 last = event.seq
                 if is_terminal(event):
-                    if on_terminal is not None:
-                        on_terminal(event)  # before the yield: the reader may stop right after it
+                    if watcher is not None:
+                        watcher.ended(event)  # before the yield: the reader may stop right after it
                     yield event
                     return
                 yield event
@@ -130,7 +141,7 @@ async def follow(
                 wait_s = min(wait_s, max(0.001, (cold_at - time.time() * 1000) / 1000))
             try:
                 # Messages already queued are taken without waiting, so a burst of events flows through
-                # the whole chain in one task step and the response's writes coalesce (api.http.CoalescingSend).
+                # the whole chain in one task step and the response's writes coalesce (api.middleware.CoalescingSend).
                 # A wait arms a timer, not wait_for's extra task per event (and keeps an item that
                 # arrives as the timer fires: it stays queued).
                 if live.empty():
@@ -161,8 +172,8 @@ async def follow(
                 pending = await read_log(last)
 
     finally:
-        if on_exit is not None:
-            await on_exit()
+        if watcher is not None:
+            await watcher.closed()
 
 
 async def _relaying(call: Awaitable[T]) -> T:

@@ -1,0 +1,95 @@
+"""One stream loop for every dialect: each dialect's stream is a renderer fed a job's events, and
+:func:`drive` is the only loop that feeds one.
+
+A renderer turns each event into the frames to send after it (as TGI's ``ChatState.push`` does):
+``open`` before any event, ``feed`` per event (tokens, the final ``done``, or the job's ``error``),
+``keepalive`` when the job was quiet, ``fail`` when the stream itself broke (the relay lost
+Redis, or a renderer found the events inconsistent), ``close`` after the last event. Frames are
+bytes on HTTP and payloads on LMTP's WebSocket; they go out per event, in order. A renderer keeps
+whatever state its dialect needs (offsets, held tokens, numbering) and does no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Generic, TypeVar
+
+from shared.errors import ServiceError
+from shared.events import Done, Error, Event, Tokens
+from shared.framing import KEEPALIVE, Keepalive
+
+__all__ = ["StreamRenderer", "drive", "SSE", "JSONLINES", "NDJSON", "SseKeepalive"]
+
+F = TypeVar("F")
+
+SSE = "text/event-stream"
+JSONLINES = "application/jsonlines"
+NDJSON = "application/x-ndjson"
+
+
+class StreamRenderer(Generic[F]):
+    """A dialect's stream of one client request (its job, or the jobs it fanned out to)."""
+
+    media_type: str = SSE
+
+    def open(self) -> list[F]:
+        """Frames before the first event."""
+        return []
+
+    def feed(self, event: Event) -> list[F]:
+        """The frames that ``event`` releases."""
+        return self.failed(event) if isinstance(event, Error) else self.step(event)
+
+    def step(self, event: Tokens | Done) -> list[F]:
+        """Tokens, or the final event (which carries the last step's tokens too)."""
+        raise NotImplementedError
+
+    def failed(self, error: Error) -> list[F]:
+        """The job ended with an error: by default rendered as any failure is."""
+        return self.fail(error.exception())
+
+    def fail(self, exc: ServiceError) -> list[F]:
+        """The stream broke (the relay failed mid-stream), or the job failed: the in-band error."""
+        raise NotImplementedError
+
+    def keepalive(self) -> list[F]:
+        """What a quiet stretch sends: nothing, unless the framing has comments."""
+        return []
+
+    def close(self) -> list[F]:
+        """Frames after the last event (OpenAI's ``[DONE]``), also after an error."""
+        return []
+
+
+class SseKeepalive:
+    """For renderers whose framing is SSE: a quiet stretch sends a comment, which every SSE
+    parser drops (and which keeps proxies from closing an idle connection)."""
+
+    def keepalive(self) -> list[bytes]:
+        return [KEEPALIVE]
+
+
+async def drive(renderer: StreamRenderer[F], events: AsyncIterator[Event | Keepalive]) -> AsyncIterator[list[F]]:
+    """The one stream loop: the frames of ``events`` rendered by ``renderer``, one list per event
+    (never empty), ending after the terminal event. A :class:`ServiceError` while relaying (or
+    rendering) ends the stream with the renderer's in-band error."""
+    frames = renderer.open()
+    if frames:
+        yield frames
+    try:
+        async for event in events:
+            if isinstance(event, Keepalive):
+                frames = renderer.keepalive()
+            else:
+                frames = renderer.feed(event)
+            if frames:
+                yield frames
+            if isinstance(event, Done | Error):
+                break
+    except ServiceError as exc:  # the relay itself failed (say, Redis went away mid-stream)
+        frames = renderer.fail(exc)
+        if frames:
+            yield frames
+    frames = renderer.close()
+    if frames:
+        yield frames

@@ -1,0 +1,39 @@
+"""OpenAI completions: ``POST /v1/completions`` (a list of prompts fans out, one job each) and
+``GET /v1/models``."""
+
+from __future__ import annotations
+
+from litestar import Request, Response, get, post
+
+from api import jobs
+from api.context import Ctx, RequestContext
+from api.dialects import openai_completions as oc
+from api.http import decode_body, json_response
+from api.services import Svc
+
+__all__ = ["ROUTES", "completions", "models", "completions_response"]
+
+
+async def completions_response(request: Request, svc: Svc, ctx: RequestContext) -> Response:
+    body = await decode_body(request, oc.CompletionRequest)
+    return await jobs.respond(svc, ctx, oc.to_generation_requests(body), stream=body.stream,
+                              renderer=lambda q: oc.CompletionStream(q.requests, q.job_id, q.created))
+
+
+@post("/v1/completions", opt={"dialect": oc.NAME}, status_code=200)
+async def completions(request: Request, svc: Svc, ctx: Ctx) -> Response:
+    return await completions_response(request, svc, ctx)
+
+
+@get("/v1/models", opt={"dialect": oc.NAME})
+async def models(svc: Svc) -> Response:
+    """The models requests may name: served now, or queued for the next worker that serves them."""
+    cards = [
+        oc.Model(id=name, root=svc.settings.model if name == svc.model else name,
+                 max_model_len=svc.settings.max_model_len)
+        for name in await svc.models.known()
+    ]
+    return json_response(oc.ModelList(data=cards))
+
+
+ROUTES = [completions, models]
