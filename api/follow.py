@@ -15,8 +15,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from api.dialects.stream import StreamRenderer, drive
 from shared.codec import decode_event
-from shared.errors import DeadlineExceeded, QueueUnavailable
+from shared.errors import DeadlineExceeded, QueueUnavailable, ServiceError
 from shared.events import Done, Error, Event, Tokens, is_terminal
 from shared.framing import KEEPALIVE_TICK, Keepalive
 from shared.queue import Queue, now_ms
@@ -264,20 +265,30 @@ class _Replay:
         self._let_go()
 
 
+class _Whole(StreamRenderer[None]):
+    """A whole answer: the events folded into the job's result; an error is raised."""
+
+    def __init__(self, on_event: Callable[[Tokens | Done], None] | None) -> None:
+        self.builder = ResultBuilder()
+        self.on_event = on_event
+
+    def step(self, event: Tokens | Done) -> list[None]:
+        self.builder.add(event)
+        if self.on_event is not None:
+            self.on_event(event)
+        return []
+
+    def fail(self, exc: ServiceError) -> list[None]:
+        raise exc
+
+
 async def collect(
     events: AsyncIterator[Event | Keepalive], on_event: Callable[[Tokens | Done], None] | None = None
 ) -> JobResult:
-    """Fold a whole job into its result (non-streaming responses); a terminal error is raised.
-    ``on_event`` sees each token event too (a dialect that keeps per-event detail)."""
-    builder = ResultBuilder()
-    async for event in events:
-        match event:
-            case Keepalive():
-                continue
-            case Error():
-                raise event.exception()
-            case Tokens() | Done():
-                builder.add(event)
-                if on_event is not None:
-                    on_event(event)
-    return builder.result()
+    """Fold a whole job into its result (non-streaming responses), through the one stream loop
+    (:func:`api.dialects.stream.drive`); a terminal error is raised. ``on_event`` sees each token
+    event too (a dialect that keeps per-event detail)."""
+    whole = _Whole(on_event)
+    async for _ in drive(whole, events):
+        pass  # nothing is rendered: the answer is the fold
+    return whole.builder.result()

@@ -48,6 +48,9 @@ shapes). A request naming another is refused when it is decoded, never rendered 
 Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 """What vLLM can carry: its engine requests travel as msgpack and seeds become torch int64s, so
 a larger int fails inside the worker (vLLM's own server bounds ``seed`` the same way)."""
+TokenId = Annotated[int, Meta(ge=0)]
+"""A token id: vLLM takes a negative one for a prompt and fails inside the worker (an overflow,
+not a validation error), so it is refused here, at the API."""
 TERMINAL_STATUSES = frozenset({"done", "failed", "cancelled"})
 
 
@@ -169,7 +172,7 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
 
     model: str = ""
     prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[TokenId] | None = None
     messages: list[ChatMessage] | None = None
     """A chat: the worker renders it with the model's chat template."""
     chat: ChatOptions = msgspec.field(default_factory=ChatOptions)

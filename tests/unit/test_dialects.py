@@ -226,6 +226,14 @@ async def test_openai_stream_ends_with_done_after_an_in_band_error():
     assert out[0].startswith(b'data: {"id":"cmpl-id1","object":"text_completion","created":123')
 
 
+def test_a_negative_prompt_token_id_is_the_clients_400_not_an_engine_failure():
+    from api.submit import check_queueable
+
+    (req,) = oc_reqs({"prompt": [5, -1]})
+    with pytest.raises(InvalidRequest, match=r"prompt_token_ids\[1\]"):
+        check_queueable(req, 2048)
+
+
 def test_openai_prompt_lists_become_one_job_each():
     reqs = oc_reqs({"prompt": ["a", "b"], "n": 2, "temperature": 0.5})
     assert [r.prompt for r in reqs] == ["a", "b"] and all(r.sampling.n == 2 for r in reqs)
