@@ -1,4 +1,4 @@
-"""Submitting a job and following it: the path every dialect shares.
+"""Submitting a job and following it: the mechanics under the request path (:mod:`api.jobs`).
 
 Order matters: follow the job on this process's relay channel for its model (sending the SUBSCRIBE
 the first time), enqueue (record naming that channel + stream entry, in one script) while it takes

@@ -10,6 +10,9 @@ production modules have no hooks for this.
   ``Worker._run_job`` for a job, with the request in its frames.
 - housekeeping: ``workers.housekeeping._remove_dead_consumers(hk, reading)``, which the ``sweep``
   cron calls (at start-up, then every 30 s) with the Housekeeper (holding the Settings).
+
+``python -m tests.fault_wrap engine`` is a worker whose vLLM fails, by itself, every request whose
+prompt holds :data:`ENGINE_FAULT` (see :func:`fail_marked_requests`).
 """
 
 from __future__ import annotations
@@ -44,9 +47,37 @@ def fail_once(module: Any, name: str, message: Callable[..., str]) -> None:
     setattr(module, name, faulty)
 
 
+ENGINE_FAULT = "ENGINE-FAULT"
+"""The prompt text that makes the ``engine`` target's vLLM fail the request."""
+
+
+def fail_marked_requests() -> None:
+    """vLLM's ``AsyncLLM.generate`` handed, for a prompt that holds :data:`ENGINE_FAULT`, a seed
+    no engine request can carry (past 2**64 - 1; every API refuses it). vLLM then fails that one
+    request itself, as it fails any request its own code cannot process: ``EngineGenerateError``
+    from the ``OverflowError`` of its request serialisation. The engine goes on serving the rest.
+    The fault is vLLM's; only the seed is planted."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    original = AsyncLLM.generate
+
+    def generate(self: AsyncLLM, prompt: Any, sampling_params: Any, request_id: str, **kwargs: Any) -> Any:
+        text = prompt.get("prompt") or self.tokenizer.decode(prompt.get("prompt_token_ids") or [])
+        if ENGINE_FAULT in text:
+            sampling_params = sampling_params.clone()
+            sampling_params.seed = 2**64
+        return original(self, prompt, sampling_params, request_id, **kwargs)
+
+    AsyncLLM.generate = generate  # type: ignore[method-assign]
+
+
 def main(process: str) -> None:
-    entry, holder, name, message = TARGETS[process]
-    fail_once(importlib.import_module(holder), name, message)
+    if process == "engine":
+        fail_marked_requests()
+        entry = "workers.__main__"
+    else:
+        entry, holder, name, message = TARGETS[process]
+        fail_once(importlib.import_module(holder), name, message)
     sys.argv = sys.argv[:1]  # the process's own main() reads argv (python -m api's options): not ours
     importlib.import_module(entry).main()
 
