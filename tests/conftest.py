@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 
 from shared.keys import Keys
 from shared.redis import SERVER_OPTIONS, connect, redis_server_binary
-from tests.faults import FIGURES, Figures, write_table
+from tests.support.faults import FIGURES, Figures, write_table
 
 
 def free_port() -> int:

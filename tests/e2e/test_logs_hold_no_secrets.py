@@ -1,6 +1,6 @@
 """Nothing secret in the logs: the three real processes (web, a vLLM worker, housekeeping) run with
 planted credentials (an API key, a Redis password, a webhook secret), serve requests carrying a
-planted prompt, and each hits an unexpected error (tests/fault_wrap.py) whose message quotes the
+planted prompt, and each hits an unexpected error (tests/support/fault_wrap.py) whose message quotes the
 request or the Settings. Every byte they logged is then searched for the planted values."""
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_forced_errors_log_tracebacks_without_any_planted_secret_or_prompt(secur
            "LLMQ_PORT": str(port), "LLMQ_API_KEYS": f"other-key,{API_KEY}", "LLMQ_WEBHOOK_SECRET": WEBHOOK_SECRET,
            "LLMQ_LOG_JSON": "true", "LLMQ_MAX_NUM_SEQS": "8", "LLMQ_MAX_MODEL_LEN": "512", "LLMQ_HEARTBEAT_S": "1"}
     logs = {name: tmp_path / f"{name}.log" for name in ("api", "workers", "housekeeping")}
-    procs = [(_spawn(["-m", "tests.fault_wrap", name], env, log), log) for name, log in logs.items()]
+    procs = [(_spawn(["-m", "tests.support.fault_wrap", name], env, log), log) for name, log in logs.items()]
     url = f"http://127.0.0.1:{port}"
     auth = {"Authorization": f"Bearer {API_KEY}"}
     body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}

@@ -16,8 +16,8 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.webhooks import ID_HEADER, verify
-from tests.background import housekeeping
 from tests.conftest import REPO
+from tests.support.background import housekeeping
 
 pytestmark = pytest.mark.e2e
 

@@ -28,7 +28,7 @@ from redis import Redis
 from shared.keys import Keys
 from tests.conftest import free_port
 from tests.e2e.conftest import _spawn, _tail, stop_all, wait_ready
-from tests.faults import lost_and_duplicated
+from tests.support.faults import lost_and_duplicated
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(1200)]
 

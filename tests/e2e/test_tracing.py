@@ -1,5 +1,5 @@
 """OpenTelemetry tracing across real processes (issue 18): one API and two vLLM workers on the
-tiny model export OTLP/HTTP to a receiver in this test (tests/otlp_receiver.py), and one client
+tiny model export OTLP/HTTP to a receiver in this test (tests/support/otlp_receiver.py), and one client
 request becomes one trace: the API's request span, the worker's ``llmq.queue``, ``llmq.attempt``
 and ``llmq.engine`` spans, and vLLM's own ``llm_request``, linked parent to child across the
 processes by the client's ``traceparent``. A worker SIGKILLed mid-stream never exports its
@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from tests.e2e.test_crash_continuation import Small, json_lines, small_stack, stream_and_kill
-from tests.otlp_receiver import Receiver, Span
+from tests.support.otlp_receiver import Receiver, Span
 
 pytestmark = pytest.mark.e2e
 

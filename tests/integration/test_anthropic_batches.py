@@ -13,9 +13,9 @@ import pytest
 from anthropic import AsyncAnthropic
 
 from shared.keys import Keys
-from tests.background import housekeeping
-from tests.scripted_engine import ScriptedEngine, expected_text
-from tests.scripted_stack import scripted_stack
+from tests.support.background import housekeeping
+from tests.support.scripted_engine import ScriptedEngine, expected_text
+from tests.support.scripted_stack import scripted_stack
 
 MODEL = "tiny"
 

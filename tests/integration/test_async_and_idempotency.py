@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from shared.keys import Keys
-from tests.scripted_stack import scripted_stack
+from tests.support.scripted_stack import scripted_stack
 
 PREFIX = "scripted-async"
 CHAT = {"messages": [{"role": "user", "content": "abc"}], "max_tokens": 4}

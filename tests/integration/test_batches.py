@@ -19,9 +19,9 @@ from shared.codec import encode
 from shared.keys import Keys
 from shared.queue import Queue
 from shared.schemas import ChatMessage, Choice, GenerationRequest, JobError, JobResult, SamplingParams, Usage
-from tests.background import housekeeping
-from tests.scripted_engine import ScriptedEngine, expected_text
-from tests.scripted_stack import scripted_stack
+from tests.support.background import housekeeping
+from tests.support.scripted_engine import ScriptedEngine, expected_text
+from tests.support.scripted_stack import scripted_stack
 
 MODEL = "tiny"
 

@@ -28,9 +28,9 @@ from shared.queue import Queue
 from shared.redis import connect
 from shared.schemas import GenerationRequest, SamplingParams
 from shared.tenants import ConfigCache
-from tests.job_records import MODEL, wait_status
-from tests.scripted_engine import ScriptedEngine, expected_text
-from tests.scripted_stack import scripted_stack
+from tests.support.job_records import MODEL, wait_status
+from tests.support.scripted_engine import ScriptedEngine, expected_text
+from tests.support.scripted_stack import scripted_stack
 
 SLOT_FREE_BOUND_S = 5.0  # generous; the target is 1 s and the measured figure is printed
 

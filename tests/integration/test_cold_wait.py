@@ -17,7 +17,7 @@ import pytest
 from shared.codec import job_from_hash
 from shared.keys import Keys
 from shared.queue import now_ms
-from tests.scripted_stack import scripted_settings, serve_api
+from tests.support.scripted_stack import scripted_settings, serve_api
 
 PREFIX = "cold-wait"
 COLD_S = 1.0

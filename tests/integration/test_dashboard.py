@@ -10,8 +10,8 @@ import json
 import re
 
 from tests.conftest import REPO
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_stack
+from tests.support.scripted_engine import ScriptedEngine
+from tests.support.scripted_stack import scripted_stack
 
 DASHBOARD = REPO / "deploy" / "grafana"
 

@@ -17,9 +17,9 @@ from shared.codec import decode_event
 from shared.events import Error
 from shared.keys import GROUP, Keys
 from shared.queue import Queue, level_of
-from tests.job_records import MODEL, record, wait_status
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_stack
+from tests.support.job_records import MODEL, record, wait_status
+from tests.support.scripted_engine import ScriptedEngine
+from tests.support.scripted_stack import scripted_stack
 
 BOUND_S = 5.0  # generous upper bound on "ended at its deadline"; the measured figure is recorded
 

@@ -22,11 +22,11 @@ from shared.keys import Keys
 from shared.queue import Outbound, Queue
 from shared.result import ResultBuilder
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams, Usage
-from tests import inprocess_workers
-from tests.event_log import logged_events
-from tests.inprocess_workers import MODEL, Client, assert_seamless, kill, running_on
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_stack
+from tests.support import inprocess_workers
+from tests.support.event_log import logged_events
+from tests.support.inprocess_workers import MODEL, Client, assert_seamless, kill, running_on
+from tests.support.scripted_engine import ScriptedEngine
+from tests.support.scripted_stack import scripted_stack
 
 make_worker = inprocess_workers.make_worker  # in-process workers with a ContextEngine, on real Redis
 
@@ -97,7 +97,7 @@ async def test_a_resume_after_the_end_gets_the_live_streams_bytes_from_every_eve
     live = frames(await read_sse(stack, job_id))  # followed while it runs: live messages
     keys = Keys(stack.settings.prefix)
     assert await stack.redis.type(keys.events(stack.settings.model_name, job_id)) == b"string"
-    sync = SyncRedis.from_url(stack.settings.redis_url)  # the e2e suites' reader (tests/event_log.py)
+    sync = SyncRedis.from_url(stack.settings.redis_url)  # the e2e suites' reader (tests/support/event_log.py)
     assert [seq for seq, _ in logged_events(sync, keys, stack.settings.model_name, job_id)] == list(
         range(1, tokens + 1))
     sync.close()

@@ -14,8 +14,8 @@ from shared.keys import Keys
 from shared.queue import Queue
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams
 from shared.tenants import TenantConfig
-from tests import inprocess_workers
-from tests.inprocess_workers import MODEL
+from tests.support import inprocess_workers
+from tests.support.inprocess_workers import MODEL
 
 make_worker = inprocess_workers.make_worker
 

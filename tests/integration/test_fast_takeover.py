@@ -29,11 +29,11 @@ from shared.events import Event, TokenDelta, Tokens
 from shared.keys import GROUP, Keys
 from shared.queue import Outbound, Queue
 from shared.redis import connect
-from tests import inprocess_workers
-from tests.aof_redis import AofRedis
 from tests.conftest import REPO
-from tests.faults import lost_and_duplicated
-from tests.inprocess_workers import (
+from tests.support import inprocess_workers
+from tests.support.aof_redis import AofRedis
+from tests.support.faults import lost_and_duplicated
+from tests.support.inprocess_workers import (
     MODEL,
     TAKEOVER_S,
     Client,
@@ -44,7 +44,7 @@ from tests.inprocess_workers import (
     subscribe_confirmed,
     wait_for,
 )
-from tests.scripted_engine import ContextEngine, ScriptedEngine, expected_ids
+from tests.support.scripted_engine import ContextEngine, ScriptedEngine, expected_ids
 from workers.presence import RECONNECT_MAX_S
 from workers.runner import Worker
 

@@ -19,8 +19,8 @@ from shared.errors import InvalidRequest
 from shared.events import TokenDelta
 from shared.keys import Keys
 from shared.schemas import GenerationRequest, PromptInfo, TopLogprob
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_stack
+from tests.support.scripted_engine import ScriptedEngine
+from tests.support.scripted_stack import scripted_stack
 from workers.protocol import Step
 
 PREFIX = "lmtp-scripted"

@@ -25,9 +25,9 @@ import msgspec
 import pytest
 
 from shared.json_input import MAX_DEPTH
-from tests.fuzzing import deep
-from tests.scripted_engine import CappedEngine
-from tests.scripted_stack import scripted_stack
+from tests.support.fuzzing import deep
+from tests.support.scripted_engine import CappedEngine
+from tests.support.scripted_stack import scripted_stack
 
 MODEL = "tiny"
 TIMEOUT_S = 30.0

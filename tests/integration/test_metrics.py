@@ -9,8 +9,8 @@ import asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.keys import Keys
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_stack
+from tests.support.scripted_engine import ScriptedEngine
+from tests.support.scripted_stack import scripted_stack
 
 MODEL = "tiny"
 

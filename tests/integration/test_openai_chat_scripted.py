@@ -23,8 +23,8 @@ from api.errors import answered_in
 from api.routes.openai_chat import chat_response
 from api.services import Svc
 from shared.schemas import GenerationRequest
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_stack
+from tests.support.scripted_engine import ScriptedEngine
+from tests.support.scripted_stack import scripted_stack
 from workers.protocol import Step
 
 SLOW_S = 1.6  # a "slow..." chat waits this long before its first token: several keep-alive intervals

@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 
 from api.dialects import openai_responses as r
 from shared.schemas import GenerationRequest
-from tests.dialect_bodies import responses_bodies
-from tests.fuzzing import malformed_bodies, odd_bodies, struct_body
-from tests.scripted_engine import ScriptedEngine, expected_text
-from tests.scripted_stack import scripted_settings, scripted_stack, serve_api
+from tests.support.dialect_bodies import responses_bodies
+from tests.support.fuzzing import malformed_bodies, odd_bodies, struct_body
+from tests.support.scripted_engine import ScriptedEngine, expected_text
+from tests.support.scripted_stack import scripted_settings, scripted_stack, serve_api
 from workers.protocol import Step
 
 SLOW_S = 1.5

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 
-from tests.background import housekeeping
+from tests.support.background import housekeeping
 
 IDLE_S = 4.0  # four ticks of the per-second crons (each one used to print four lines)
 

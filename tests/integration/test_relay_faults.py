@@ -25,9 +25,9 @@ from shared.events import Done, TokenDelta, Tokens
 from shared.keys import Keys
 from shared.queue import Queue
 from shared.redis import connect
-from tests.faults import FIGURES, Figures
-from tests.scripted_engine import ScriptedEngine, expected_text
-from tests.scripted_stack import ScriptedStack, scripted_stack
+from tests.support.faults import FIGURES, Figures
+from tests.support.scripted_engine import ScriptedEngine, expected_text
+from tests.support.scripted_stack import ScriptedStack, scripted_stack
 
 pytestmark = pytest.mark.faults
 

@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from tests.scripted_engine import expected_text
-from tests.scripted_stack import scripted_stack
+from tests.support.scripted_engine import expected_text
+from tests.support.scripted_stack import scripted_stack
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ from huggingface_hub.errors import GenerationError, OverloadedError, ValidationE
 from shared.errors import GenerationFailed, Overloaded
 from shared.events import TokenDelta
 from shared.schemas import GenerationRequest, PromptInfo, TopLogprob
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_stack
+from tests.support.scripted_engine import ScriptedEngine
+from tests.support.scripted_stack import scripted_stack
 from workers.protocol import Step
 
 EOS = 2

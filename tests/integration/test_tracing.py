@@ -21,10 +21,10 @@ from opentelemetry.trace import SpanKind, StatusCode, format_span_id, format_tra
 
 from shared.config import apply_tracing_environment, tracing_enabled
 from shared.tracing import Tracing, parent_context
-from tests import inprocess_workers
-from tests.inprocess_workers import MODEL, Client, kill, running_on
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_stack
+from tests.support import inprocess_workers
+from tests.support.inprocess_workers import MODEL, Client, kill, running_on
+from tests.support.scripted_engine import ScriptedEngine
+from tests.support.scripted_stack import scripted_stack
 
 make_worker = inprocess_workers.make_worker
 

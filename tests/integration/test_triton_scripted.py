@@ -11,8 +11,8 @@ import json
 import httpx
 import pytest
 
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_settings, scripted_stack, serve_api
+from tests.support.scripted_engine import ScriptedEngine
+from tests.support.scripted_stack import scripted_settings, scripted_stack, serve_api
 
 SSE = "text/event-stream; charset=utf-8"
 

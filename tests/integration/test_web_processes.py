@@ -31,7 +31,7 @@ from shared.redis import connect
 from shared.schemas import GenerationRequest
 from tests.bench.cpu import children as child_pids
 from tests.conftest import REPO, free_port
-from tests.scripted_engine import ScriptedEngine, expected_text
+from tests.support.scripted_engine import ScriptedEngine, expected_text
 from workers.protocol import Step
 from workers.runner import Worker
 

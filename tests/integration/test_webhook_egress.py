@@ -18,9 +18,9 @@ import trustme
 
 from shared.keys import Keys
 from shared.webhooks import verify
-from tests.background import housekeeping
-from tests.scripted_stack import scripted_stack
-from tests.webhook_receiver import SECRET, finished, receiver
+from tests.support.background import housekeeping
+from tests.support.scripted_stack import scripted_stack
+from tests.support.webhook_receiver import SECRET, finished, receiver
 
 # Public, never contacted: no housekeeper runs while a job carries it.
 PUBLIC_HOOK = "http://93.184.215.14/hook"

@@ -15,10 +15,10 @@ import pytest
 
 from shared.keys import Keys
 from shared.webhooks import ID_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, verify
-from tests.background import housekeeping
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_stack
-from tests.webhook_receiver import SECRET, finished, receiver
+from tests.support.background import housekeeping
+from tests.support.scripted_engine import ScriptedEngine
+from tests.support.scripted_stack import scripted_stack
+from tests.support.webhook_receiver import SECRET, finished, receiver
 
 # The receivers listen on loopback, which the default policy refuses (tests/integration/test_webhook_egress.py).
 ALLOW = "127.0.0.1/32"

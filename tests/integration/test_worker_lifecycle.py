@@ -16,7 +16,7 @@ from shared.errors import JobCancelled
 from shared.keys import GROUP, Keys
 from shared.queue import Queue, now_ms
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams
-from tests.scripted_engine import ScriptedEngine, expected_text
+from tests.support.scripted_engine import ScriptedEngine, expected_text
 from workers.runner import Worker
 
 

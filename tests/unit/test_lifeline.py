@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tests.conftest import REPO
-from tests.faults import alive
+from tests.support.faults import alive
 
 # A parent that (maybe) binds its children, forks one that sleeps, reports its pid, and waits.
 PARENT = """

@@ -34,8 +34,8 @@ from shared.schemas import (
     StructuredOutput,
     Usage,
 )
-from tests.dialect_bodies import responses_bodies
-from tests.fuzzing import single_field_bodies
+from tests.support.dialect_bodies import responses_bodies
+from tests.support.fuzzing import single_field_bodies
 
 MAX_LEN = 1024
 STREAM_EVENT = pydantic.TypeAdapter(ResponseStreamEvent)

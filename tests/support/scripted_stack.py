@@ -22,7 +22,7 @@ from shared.keys import Keys
 from shared.queue import Queue
 from shared.redis import connect
 from tests.conftest import free_port
-from tests.scripted_engine import ScriptedEngine
+from tests.support.scripted_engine import ScriptedEngine
 from workers.runner import Worker
 
 if TYPE_CHECKING:

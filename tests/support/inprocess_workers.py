@@ -20,7 +20,7 @@ from shared.events import Done, Event, Tokens
 from shared.keys import Keys
 from shared.queue import Queue, now_ms
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams
-from tests.scripted_engine import ContextEngine, expected_ids
+from tests.support.scripted_engine import ContextEngine, expected_ids
 from workers.runner import Worker
 
 MODEL = "m"

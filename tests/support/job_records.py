@@ -1,4 +1,4 @@
-"""Reading a job's record from Redis while a test's stack runs it (``tests.scripted_stack``
+"""Reading a job's record from Redis while a test's stack runs it (``tests.support.scripted_stack``
 serves the model "tiny")."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``python -m tests.fault_wrap <api|workers|housekeeping>``: a process's real ``main()``, with one
+"""``python -m tests.support.fault_wrap <api|workers|housekeeping>``: a process's real ``main()``, with one
 internal function made to raise ``RuntimeError`` the first time it is called. The error's message
 quotes what that function was given (the request, the Settings), as an engine's or a library's
 error may, so a test can check what an unexpected error puts in the logs. Test code only: the
