@@ -1,0 +1,74 @@
+"""Waiting for something to become true: the one polling loop of the tests.
+
+``await eventually(check)`` calls ``check`` (a plain function, or one returning an awaitable: a
+coroutine function, or a lambda around a coroutine call) every ``interval_s`` until it returns
+something truthy, and returns that. Past ``timeout_s`` (which also bounds a call that hangs) it
+fails with an ``AssertionError`` that names what it waited for and the last value it saw.
+:func:`eventually_sync` is the same for synchronous code (process fixtures, threads); it cannot
+interrupt a call that hangs.
+
+Wait for what the test is about (a status, an event, a log line), never for a fixed time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["eventually", "eventually_sync"]
+
+
+def _named(check: Callable[[], Any], what: str | None) -> str:
+    return what or getattr(check, "__qualname__", None) or repr(check)
+
+
+def _failure(what: str, timeout_s: float, last: object) -> AssertionError:
+    return AssertionError(f"waited {timeout_s} s for {what}; last seen: {last!r}")
+
+
+async def eventually(check: Callable[[], Any], *, timeout_s: float = 10.0, interval_s: float = 0.05,
+                     what: str | None = None, ignoring: tuple[type[BaseException], ...] = ()) -> Any:
+    """``check``'s first truthy result. ``ignoring``: exceptions that count as "not yet" (a server
+    still starting); any other exception fails at once."""
+    last: object = None
+    deadline = asyncio.timeout(timeout_s)
+    try:
+        async with deadline:
+            while True:
+                try:
+                    value = check()
+                    if inspect.isawaitable(value):
+                        value = await value
+                except ignoring as exc:
+                    last = exc
+                else:
+                    if value:
+                        return value
+                    last = value
+                await asyncio.sleep(interval_s)
+    except TimeoutError:
+        if not deadline.expired():
+            raise  # the check's own timeout, not ours
+        raise _failure(_named(check, what), timeout_s, last) from None
+
+
+def eventually_sync(check: Callable[[], Any], *, timeout_s: float = 10.0, interval_s: float = 0.05,
+                    what: str | None = None, ignoring: tuple[type[BaseException], ...] = ()) -> Any:
+    """:func:`eventually` for synchronous code: blocks the thread between calls."""
+    deadline = time.monotonic() + timeout_s
+    last: object = None
+    while True:
+        try:
+            value = check()
+        except ignoring as exc:
+            last = exc
+        else:
+            if value:
+                return value
+            last = value
+        if time.monotonic() >= deadline:
+            raise _failure(_named(check, what), timeout_s, last)
+        time.sleep(interval_s)
