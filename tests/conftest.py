@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -26,19 +25,11 @@ def free_port() -> int:
 
 def wait_for_ping(url: str, timeout_s: float = 10) -> None:
     """Until a redis-server just started answers PING."""
-    client = SyncRedis.from_url(url)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            try:
-                client.ping()
-                return
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-    finally:
-        client.close()
+    from tests.support.waiting import eventually_sync  # not at the top: tests.support imports this module
+
+    with SyncRedis.from_url(url) as client:
+        eventually_sync(client.ping, timeout_s=timeout_s, what=f"redis-server at {url} to answer PING",
+                        ignoring=(Exception,))
 
 
 def start_redis(data_dir: Path | None = None) -> tuple[subprocess.Popen, str]:

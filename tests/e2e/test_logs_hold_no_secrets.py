@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ from shared.logging import HIDDEN_MESSAGE
 from shared.redis import redis_server_binary
 from tests.conftest import free_port, wait_for_ping
 from tests.e2e.conftest import _spawn, _tail, stop_all, wait_ready
+from tests.support.waiting import eventually_sync
 
 pytestmark = pytest.mark.e2e
 
@@ -47,10 +47,8 @@ def secured_redis(tmp_path: Path) -> Iterator[str]:
 
 
 def _wait_for_line(log: Path, needle: bytes, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while needle not in log.read_bytes():
-        assert time.monotonic() < deadline, f"{needle!r} never logged\n{_tail(log)}"
-        time.sleep(0.2)
+    eventually_sync(lambda: needle in log.read_bytes(), timeout_s=timeout_s, interval_s=0.2,
+                    what=lambda: f"{needle!r} to be logged\n{_tail(log)}")
 
 
 def _json_lines(log: Path) -> list[dict]:

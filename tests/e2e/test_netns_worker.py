@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from shared.keys import Keys
 from shared.redis import redis_server_binary
 from tests.conftest import REPO, free_port, wait_for_ping
 from tests.e2e.conftest import _spawn, _tail, stop_all, wait_ready
+from tests.support.waiting import eventually_sync
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -57,11 +57,12 @@ def _addresses() -> tuple[str, str]:
 
 
 def _wait_for_address(dev: str, addr: str, script: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + 30
-    while f"inet {addr}/30" not in _ip("-4", "-o", "addr", "show", "dev", dev).stdout:
-        if script.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"netns-worker.sh did not set up {dev}\n{_tail(log)}")
-        time.sleep(0.1)
+    def set_up() -> bool:
+        if script.poll() is not None:
+            pytest.fail(f"netns-worker.sh exited before it set up {dev}\n{_tail(log)}")
+        return f"inet {addr}/30" in _ip("-4", "-o", "addr", "show", "dev", dev).stdout
+    eventually_sync(set_up, timeout_s=30, interval_s=0.1,
+                    what=lambda: f"netns-worker.sh to set up {dev}\n{_tail(log)}")
 
 
 def test_a_worker_in_another_network_namespace_serves_the_queue(tmp_path):

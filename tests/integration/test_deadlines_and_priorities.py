@@ -20,6 +20,7 @@ from shared.queue import Queue, level_of
 from tests.support.job_records import MODEL, record, wait_status
 from tests.support.scripted_engine import ScriptedEngine
 from tests.support.scripted_stack import scripted_stack
+from tests.support.waiting import eventually
 
 BOUND_S = 5.0  # generous upper bound on "ended at its deadline"; the measured figure is recorded
 
@@ -44,13 +45,12 @@ async def log_events(s, job_id: str) -> list:
 async def queue_drained(s, timeout: float = 20) -> None:
     """Every level's stream and pending list empty: no entry outlived its job."""
     keys = Keys(s.settings.prefix)
-    async with asyncio.timeout(timeout):
-        while True:
-            lengths = [await s.redis.xlen(q) for q in keys.queues(MODEL)]
-            pending = [(await s.redis.xpending(q, GROUP))["pending"] for q in keys.queues(MODEL)]
-            if not any(lengths) and not any(pending):
-                return
-            await asyncio.sleep(0.05)
+
+    async def drained() -> bool:
+        lengths = [await s.redis.xlen(q) for q in keys.queues(MODEL)]
+        pending = [(await s.redis.xpending(q, GROUP))["pending"] for q in keys.queues(MODEL)]
+        return not any(lengths) and not any(pending)
+    await eventually(drained, timeout_s=timeout, what="every level's stream and pending list empty")
 
 
 # --- deadlines ---------------------------------------------------------------------------------

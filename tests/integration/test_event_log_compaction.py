@@ -27,6 +27,7 @@ from tests.support.event_log import logged_events
 from tests.support.inprocess_workers import MODEL, Client, assert_seamless, kill, running_on
 from tests.support.scripted_engine import ScriptedEngine
 from tests.support.scripted_stack import scripted_stack
+from tests.support.waiting import job_status
 
 make_worker = inprocess_workers.make_worker  # in-process workers with a ContextEngine, on real Redis
 
@@ -43,13 +44,6 @@ async def submit(stack, body: dict) -> str:
     return resp.json()["id"]
 
 
-async def ended(stack, job_id: str) -> dict:
-    async with asyncio.timeout(30):
-        while (job := (await stack.client.get(f"/v1/jobs/{job_id}")).json())["status"] in ("queued", "running"):
-            await asyncio.sleep(0.02)
-    return job
-
-
 async def job_keys(stack, job_id: str) -> list[bytes]:
     """Every key that names the job (its record, its log, anything else left behind)."""
     return [key async for key in stack.redis.scan_iter(match=f"{stack.settings.prefix}:*{job_id}*")]
@@ -62,7 +56,7 @@ async def test_a_finished_job_costs_its_record_plus_well_under_1kb(stack, tokens
     if logprobs is not None:
         body["logprobs"] = logprobs
     job_id = await submit(stack, body)
-    assert (await ended(stack, job_id))["status"] == "done"
+    assert (await job_status(stack.client, job_id, timeout_s=30))["status"] == "done"
     keys = Keys(stack.settings.prefix)
     record_key, log_key = keys.job(stack.settings.model_name, job_id), keys.events(stack.settings.model_name, job_id)
     assert sorted(await job_keys(stack, job_id)) == sorted([record_key.encode(), log_key.encode()])
@@ -117,7 +111,7 @@ async def test_a_job_cancelled_mid_stream_is_compacted_and_reads_back_exactly(st
             await asyncio.sleep(0.01)
     entries = [fields[b"e"] for _, fields in await stack.redis.xrange(log_key)]  # what ran, so far
     assert (await stack.client.delete(f"/v1/jobs/{job_id}")).status_code == 200
-    assert (await ended(stack, job_id))["status"] == "cancelled"
+    assert (await job_status(stack.client, job_id, timeout_s=30))["status"] == "cancelled"
     compact = await stack.redis.get(log_key)
     assert compact[:1] == eventlog.SHAPE_WITH_BASE  # no result to refer to: it carries its own text
     events = await Queue(stack.redis, keys).read_events(stack.settings.model_name, job_id)

@@ -16,6 +16,7 @@ from shared.schemas import GenerationRequest, JobRecord, SamplingParams
 from shared.tenants import TenantConfig
 from tests.support import inprocess_workers
 from tests.support.inprocess_workers import MODEL
+from tests.support.waiting import eventually
 
 make_worker = inprocess_workers.make_worker
 
@@ -32,12 +33,10 @@ async def records(queue: Queue, ids: list[str]) -> list[JobRecord]:
 
 
 async def wait_done(queue: Queue, ids: list[str], timeout_s: float = 60) -> list[JobRecord]:
-    async with asyncio.timeout(timeout_s):
-        while True:
-            done = [r for r in await records(queue, ids) if r.status == "done"]
-            if len(done) == len(ids):
-                return done
-            await asyncio.sleep(0.05)
+    async def all_done() -> list[JobRecord] | None:
+        done = [r for r in await records(queue, ids) if r.status == "done"]
+        return done if len(done) == len(ids) else None
+    return await eventually(all_done, timeout_s=timeout_s, what=f"all {len(ids)} jobs done")
 
 
 def jain(xs: list[float]) -> float:

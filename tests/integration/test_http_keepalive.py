@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, free_port
+from tests.support.waiting import eventually_sync
 
 UVICORN_DEFAULT_S = 5
 REQUEST = b"GET /v2/health/live HTTP/1.1\r\nHost: llmq\r\n\r\n"
@@ -37,17 +38,13 @@ def _spawn_api(redis_url: str, log: Path, **settings: str) -> tuple[subprocess.P
 
 
 def _wait_serving(proc: subprocess.Popen, port: int, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/live", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"the API did not start:\n{log.read_text(errors='replace')[-3000:]}")
-        time.sleep(0.2)
+    def live() -> bool:
+        if proc.poll() is not None:
+            pytest.fail(f"the API exited:\n{log.read_text(errors='replace')[-3000:]}")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/live", timeout=2) as resp:
+            return resp.status == 200
+    eventually_sync(live, timeout_s=START_TIMEOUT_S, interval_s=0.2, ignoring=(OSError,),
+                    what=lambda: f"the API to start:\n{log.read_text(errors='replace')[-3000:]}")
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from shared.redis import connect
 from tests.support.faults import FIGURES, Figures
 from tests.support.scripted_engine import ScriptedEngine, expected_text
 from tests.support.scripted_stack import ScriptedStack, scripted_stack
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.faults
 
@@ -153,10 +154,7 @@ def report(name: str, totals: dict[str, int], kills: list[int], streams: list[Re
 
 
 async def _until(predicate, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting for the streams to progress"
-        await asyncio.sleep(0.01)
+    await eventually(predicate, timeout_s=timeout_s, interval_s=0.01, what="the streams to progress")
 
 
 @pytest.mark.parametrize("kill_count", [1, 2])

@@ -32,6 +32,7 @@ from shared.schemas import GenerationRequest
 from tests.bench.cpu import children as child_pids
 from tests.conftest import REPO, free_port
 from tests.support.scripted_engine import ScriptedEngine, expected_text
+from tests.support.waiting import eventually
 from workers.protocol import Step
 from workers.runner import Worker
 
@@ -107,12 +108,13 @@ async def web_processes(redis_url: str, prefix: str, log: Path, engine: Scripted
     worker_task = asyncio.create_task(worker.run())
     try:
         # Up: both children's listeners hold their home channel, and the worker is routable.
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while (len(await redis.pubsub_channels(keys.api_home("*"))) < 2
-               or await redis.zscore(keys.workers(MODEL), worker.worker_id) is None):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the web processes did not start:\n{log.read_text(errors='replace')[-3000:]}")
-            await asyncio.sleep(0.1)
+        async def up() -> bool:
+            if proc.poll() is not None:
+                pytest.fail(f"the web processes exited:\n{log.read_text(errors='replace')[-3000:]}")
+            return (len(await redis.pubsub_channels(keys.api_home("*"))) >= 2
+                    and await redis.zscore(keys.workers(MODEL), worker.worker_id) is not None)
+        await eventually(up, timeout_s=START_TIMEOUT_S, interval_s=0.1,
+                         what=lambda: f"the web processes to start:\n{log.read_text(errors='replace')[-3000:]}")
         web = Web(proc, port, f"http://127.0.0.1:{port}", log, engine, child_pids(proc.pid))
         assert len(web.children) == 2, web.children
         yield web

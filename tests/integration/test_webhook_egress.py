@@ -20,7 +20,8 @@ from shared.keys import Keys
 from shared.webhooks import verify
 from tests.support.background import housekeeping
 from tests.support.scripted_stack import scripted_stack
-from tests.support.webhook_receiver import SECRET, finished, receiver
+from tests.support.waiting import job_status
+from tests.support.webhook_receiver import SECRET, receiver
 
 # Public, never contacted: no housekeeper runs while a job carries it.
 PUBLIC_HOOK = "http://93.184.215.14/hook"
@@ -93,7 +94,7 @@ async def test_delivery_checks_the_destination_again_after_its_own_lookup(redis_
     async with receiver() as rx, scripted_stack(redis_url, prefix, webhook_secret=SECRET) as s:
         job_id = (await s.client.post("/v1/jobs", json={
             "prompt": "hi", "sampling": {"max_tokens": 3}, "webhook": PUBLIC_HOOK})).json()["id"]
-        await finished(s.client, job_id)
+        await job_status(s.client, job_id)
         port = rx.url.rsplit(":", 1)[1]
         await s.redis.hset(Keys(prefix).job("tiny", job_id), "webhook", f"http://localhost:{port}/hook/rebound")
         assert await s.redis.xlen(Keys(prefix).webhooks("tiny")) == 1  # waiting for the housekeeper

@@ -21,6 +21,7 @@ from shared.keys import Keys
 from shared.queue import Queue, now_ms
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams
 from tests.support.scripted_engine import ContextEngine, expected_ids
+from tests.support.waiting import eventually
 from workers.runner import Worker
 
 MODEL = "m"
@@ -144,12 +145,8 @@ class Client:
 
 
 async def wait_for(check, timeout: float = 10, every: float = 0.01):
-    async with asyncio.timeout(timeout):
-        while True:
-            value = await check()
-            if value:
-                return value
-            await asyncio.sleep(every)
+    """:func:`tests.support.waiting.eventually` with these suites' finer default interval."""
+    return await eventually(check, timeout_s=timeout, interval_s=every)
 
 
 async def running_on(queue: Queue, job_id: str, worker: Worker, min_tokens: int = 1) -> None:
