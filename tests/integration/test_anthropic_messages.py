@@ -66,10 +66,8 @@ class MessagesEngine(ScriptedEngine):
                        finished=True, prompt_tokens=len(prompt))
 
 
-@pytest.fixture(scope="module")
-async def stack(redis_url):
-    async with scripted_stack(redis_url, "scripted-anthropic", MessagesEngine(delay_s=0.001)) as s:
-        yield s
+# One stack for the module: tests/integration/conftest.py
+pytestmark = pytest.mark.stack(MessagesEngine(delay_s=0.001), prefix="scripted-anthropic")
 
 
 def client_of(stack, **kwargs) -> anthropic.AsyncAnthropic:

@@ -26,16 +26,12 @@ from tests.support import inprocess_workers
 from tests.support.event_log import logged_events
 from tests.support.inprocess_workers import MODEL, Client, assert_seamless, kill, running_on
 from tests.support.scripted_engine import ScriptedEngine
-from tests.support.scripted_stack import scripted_stack
 from tests.support.waiting import job_status
 
 make_worker = inprocess_workers.make_worker  # in-process workers with a ContextEngine, on real Redis
 
 
-@pytest.fixture(scope="module")
-async def stack(redis_url):
-    async with scripted_stack(redis_url, "compaction", ScriptedEngine(delay_s=0.002)) as s:
-        yield s
+pytestmark = pytest.mark.stack(ScriptedEngine(delay_s=0.002), prefix="compaction")  # tests/integration/conftest.py
 
 
 async def submit(stack, body: dict) -> str:

@@ -44,7 +44,6 @@ from tests.support.dialect_bodies import (
 )
 from tests.support.fuzzing import malformed_bodies, odd_bodies, struct_body
 from tests.support.scripted_engine import CappedEngine
-from tests.support.scripted_stack import scripted_stack
 
 T = TypeVar("T")
 
@@ -88,10 +87,7 @@ ROUTES = [
 ]
 
 
-@pytest.fixture(scope="module")
-async def stack(redis_url):
-    async with scripted_stack(redis_url, "fuzz-http", CappedEngine(delay_s=0.0)) as s:
-        yield s
+pytestmark = pytest.mark.stack(CappedEngine(delay_s=0.0), prefix="fuzz-http")  # tests/integration/conftest.py
 
 
 async def post(stack, route: str, body: bytes, content_type: str = "application/json") -> tuple[int, bytes]:

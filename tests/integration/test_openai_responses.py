@@ -22,7 +22,7 @@ from shared.schemas import GenerationRequest
 from tests.support.dialect_bodies import responses_bodies
 from tests.support.fuzzing import malformed_bodies, odd_bodies, struct_body
 from tests.support.scripted_engine import ScriptedEngine, expected_text
-from tests.support.scripted_stack import scripted_settings, scripted_stack, serve_api
+from tests.support.scripted_stack import scripted_settings, serve_api
 from tests.support.waiting import eventually
 from workers.protocol import Step
 
@@ -44,10 +44,8 @@ class ResponsesEngine(ScriptedEngine):
             yield step
 
 
-@pytest.fixture(scope="module")
-async def stack(redis_url):
-    async with scripted_stack(redis_url, "scripted-responses", ResponsesEngine(delay_s=0.001)) as s:
-        yield s
+# One stack for the module: tests/integration/conftest.py
+pytestmark = pytest.mark.stack(ResponsesEngine(delay_s=0.001), prefix="scripted-responses")
 
 
 @pytest.fixture
