@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import openai
 import pytest
 
 from tests.conftest import REPO, free_port
@@ -91,6 +92,21 @@ def wait_ready(url: str, procs: list[tuple[subprocess.Popen, Path]], workers: in
         return _ready_workers(url) >= workers
     eventually_sync(ready, timeout_s=READY_TIMEOUT_S, interval_s=1,
                     what=lambda: f"{workers} ready worker(s) at {url}\n{tails()}")
+
+
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+"""A JSON schema for structured output: the tiny model's answer must match it whatever it says."""
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> openai.OpenAI:
+    """The ``openai`` SDK on the session's stack (a module of another SDK's tests has its own)."""
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=120)
 
 
 def stop_all(procs: list[tuple[subprocess.Popen, Path]]) -> None:

@@ -28,58 +28,61 @@ __all__ = ["eventually", "eventually_sync", "job_status"]
 What = str | Callable[[], str] | None
 
 
-def _named(check: Callable[[], Any], what: What) -> str:
-    if callable(what):
-        return what()
-    return what or getattr(check, "__qualname__", None) or repr(check)
+class _Tries:
+    """What both loops keep: the last value seen (an ignored exception counts as one), and the
+    failure that names what they waited for."""
 
+    def __init__(self, check: Callable[[], Any], what: What, timeout_s: float,
+                 ignoring: tuple[type[BaseException], ...]) -> None:
+        self.check, self.what, self.timeout_s, self.ignoring = check, what, timeout_s, ignoring
+        self.last: object = None
 
-def _failure(what: str, timeout_s: float, last: object) -> AssertionError:
-    return AssertionError(f"waited {timeout_s} s for {what}; last seen: {last!r}")
+    def __enter__(self) -> _Tries:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+        if kind is not None and issubclass(kind, self.ignoring):
+            self.last = exc
+            return True  # not yet
+        return False
+
+    def failure(self) -> AssertionError:
+        what = self.what() if callable(self.what) else self.what
+        what = what or getattr(self.check, "__qualname__", None) or repr(self.check)
+        return AssertionError(f"waited {self.timeout_s} s for {what}; last seen: {self.last!r}")
 
 
 async def eventually(check: Callable[[], Any], *, timeout_s: float = 10.0, interval_s: float = 0.05,
                      what: What = None, ignoring: tuple[type[BaseException], ...] = ()) -> Any:
     """``check``'s first truthy result. ``ignoring``: exceptions that count as "not yet" (a server
     still starting); any other exception fails at once."""
-    last: object = None
-    deadline = asyncio.timeout(timeout_s)
+    tries, deadline = _Tries(check, what, timeout_s, ignoring), asyncio.timeout(timeout_s)
     try:
         async with deadline:
             while True:
-                try:
+                with tries:
                     value = check()
-                    if inspect.isawaitable(value):
-                        value = await value
-                except ignoring as exc:
-                    last = exc
-                else:
-                    if value:
-                        return value
-                    last = value
+                    tries.last = await value if inspect.isawaitable(value) else value
+                    if tries.last:
+                        return tries.last
                 await asyncio.sleep(interval_s)
     except TimeoutError:
         if not deadline.expired():
             raise  # the check's own timeout, not ours
-        raise _failure(_named(check, what), timeout_s, last) from None
+        raise tries.failure() from None
 
 
 def eventually_sync(check: Callable[[], Any], *, timeout_s: float = 10.0, interval_s: float = 0.05,
                     what: What = None, ignoring: tuple[type[BaseException], ...] = ()) -> Any:
     """:func:`eventually` for synchronous code: blocks the thread between calls."""
-    deadline = time.monotonic() + timeout_s
-    last: object = None
+    tries, deadline = _Tries(check, what, timeout_s, ignoring), time.monotonic() + timeout_s
     while True:
-        try:
-            value = check()
-        except ignoring as exc:
-            last = exc
-        else:
-            if value:
-                return value
-            last = value
+        with tries:
+            tries.last = check()
+            if tries.last:
+                return tries.last
         if time.monotonic() >= deadline:
-            raise _failure(_named(check, what), timeout_s, last)
+            raise tries.failure()
         time.sleep(interval_s)
 
 
