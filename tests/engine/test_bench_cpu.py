@@ -61,6 +61,8 @@ def tree():
     finally:
         os.killpg(root.pid, signal.SIGKILL)  # the root, its children and the engine's child
         root.wait(10)
+        root.stdin.close()
+        root.stdout.close()
         assert idle.stdin is not None
         idle.stdin.close()
         idle.wait(10)

@@ -53,6 +53,7 @@ def _orphan_after_sigkill(mode: str, start: str) -> tuple[int, bool]:
     survived = alive(child)
     if survived:
         os.kill(child, signal.SIGKILL)
+    parent.stdout.close()  # only now: a child that outlived the parent may still write its line's end
     return child, survived
 
 
