@@ -20,7 +20,7 @@ from shared.keys import Keys
 from shared.webhooks import verify
 from tests.support.background import housekeeping
 from tests.support.scripted_stack import scripted_stack
-from tests.support.waiting import job_status
+from tests.support.waiting import eventually, job_status
 from tests.support.webhook_receiver import SECRET, receiver
 
 # Public, never contacted: no housekeeper runs while a job carries it.
@@ -73,12 +73,9 @@ async def test_a_webhook_to_an_allowed_destination_is_queued(redis_url, prefix, 
         assert await s.redis.hget(Keys(prefix).job("tiny", job_id), "webhook") == webhook.encode()
 
 
-async def _webhook_status(redis, prefix: str, job_id: str, timeout_s: float = 30) -> bytes | None:
-    for _ in range(int(timeout_s / 0.05)):
-        if status := await redis.hget(Keys(prefix).job("tiny", job_id), "webhook_status"):
-            return status
-        await asyncio.sleep(0.05)
-    return None
+async def _webhook_status(redis, prefix: str, job_id: str, timeout_s: float = 30) -> bytes:
+    return await eventually(lambda: redis.hget(Keys(prefix).job("tiny", job_id), "webhook_status"),
+                            timeout_s=timeout_s, what=f"job {job_id}'s webhook outcome")
 
 
 @pytest.mark.parametrize(("allow", "outcome"), [
