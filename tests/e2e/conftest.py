@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from tests.conftest import REPO, free_port
+from tests.support.processes import spawn_logged
 from tests.support.waiting import eventually_sync
 
 # Two workers prove jobs spread across processes; LLMQ_E2E_WORKERS=1 is lighter while developing.
@@ -62,10 +63,7 @@ class Stack:
 
 
 def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, *args], cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    return spawn_logged([sys.executable, *args], log, cwd=REPO, env=env, start_new_session=True)
 
 
 def _ready_workers(url: str) -> int:

@@ -26,6 +26,7 @@ from shared.keys import Keys
 from shared.redis import redis_server_binary
 from tests.conftest import REPO, free_port, wait_for_ping
 from tests.e2e.conftest import _spawn, _tail, stop_all, wait_ready
+from tests.support.processes import spawn_logged
 from tests.support.waiting import eventually_sync
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -76,8 +77,8 @@ def test_a_worker_in_another_network_namespace_serves_the_queue(tmp_path):
     env = {**os.environ, "LLMQ_PREFIX": keys.prefix, "LLMQ_LOG_JSON": "true", "LLMQ_HEARTBEAT_S": "1",
            "LLMQ_MAX_NUM_SEQS": "4", "LLMQ_MAX_MODEL_LEN": "1024", "LLMQ_DEVICE_LOCK_DIR": str(tmp_path / "locks")}
     worker_log, api_log, redis_log = tmp_path / "netns-worker.log", tmp_path / "api.log", tmp_path / "redis.log"
-    script = subprocess.Popen(
-        [str(SCRIPT)], cwd=REPO, stdout=worker_log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+    script = spawn_logged(
+        [str(SCRIPT)], worker_log, cwd=REPO, start_new_session=True,
         env={**env, "NETNS_TAG": tag, "NETNS_HOST_ADDR": host_addr, "NETNS_NS_ADDR": ns_addr,
              "LLMQ_REDIS_URL": f"redis://{host_addr}:{redis_port}/0"})
     procs = [(script, worker_log)]
@@ -86,9 +87,9 @@ def test_a_worker_in_another_network_namespace_serves_the_queue(tmp_path):
         # Redis can bind the host-side address only once the script has made it; the worker
         # retries its first PING until then.
         _wait_for_address(host_if, host_addr, script, worker_log)
-        redis_proc = subprocess.Popen(
+        redis_proc = spawn_logged(
             [redis_server_binary(), "--bind", "127.0.0.1", host_addr, "--port", str(redis_port), "--save", "",
-             "--appendonly", "no", "--dir", str(tmp_path)], stdout=redis_log.open("wb"), stderr=subprocess.STDOUT)
+             "--appendonly", "no", "--dir", str(tmp_path)], redis_log)
         local_url = f"redis://127.0.0.1:{redis_port}/0"
         wait_for_ping(local_url)
         redis = Redis.from_url(local_url)

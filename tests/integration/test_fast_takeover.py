@@ -44,6 +44,7 @@ from tests.support.inprocess_workers import (
     subscribe_confirmed,
     wait_for,
 )
+from tests.support.processes import spawn_logged
 from tests.support.scripted_engine import ContextEngine, ScriptedEngine, expected_ids
 from workers.presence import RECONNECT_MAX_S
 from workers.runner import Worker
@@ -84,8 +85,8 @@ async def _serve(redis_url: str, prefix: str, delay_s: float) -> None:
 
 
 def spawn_worker(redis_url: str, prefix: str, log: Path, delay_s: float = 0.02) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.integration.test_fast_takeover", redis_url, prefix,
-                             str(delay_s)], cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    return spawn_logged([sys.executable, "-m", "tests.integration.test_fast_takeover", redis_url, prefix,
+                         str(delay_s)], log, cwd=REPO)
 
 
 async def worker_of(redis, keys: Keys, proc: subprocess.Popen, log: Path) -> str:

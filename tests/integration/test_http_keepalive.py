@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, free_port
+from tests.support.processes import spawn_logged
 from tests.support.waiting import eventually_sync
 
 UVICORN_DEFAULT_S = 5
@@ -32,8 +33,7 @@ def _spawn_api(redis_url: str, log: Path, **settings: str) -> tuple[subprocess.P
     env = {k: v for k, v in os.environ.items() if k != "LLMQ_HTTP_KEEPALIVE_S"}  # the default unless given
     env.update(LLMQ_REDIS_URL=redis_url, LLMQ_PREFIX=f"keepalive-{port}", LLMQ_HOST="127.0.0.1", LLMQ_PORT=str(port),
                LLMQ_SERVED_MODEL_NAME="tiny", LLMQ_LOG_JSON="true", **settings)
-    proc = subprocess.Popen([sys.executable, "-m", "api"], cwd=REPO, env=env, stdout=log.open("wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = spawn_logged([sys.executable, "-m", "api"], log, cwd=REPO, env=env, start_new_session=True)
     return proc, port
 
 

@@ -31,6 +31,7 @@ from shared.redis import connect
 from shared.schemas import GenerationRequest
 from tests.bench.cpu import children as child_pids
 from tests.conftest import REPO, free_port
+from tests.support.processes import spawn_logged
 from tests.support.scripted_engine import ScriptedEngine, expected_text
 from tests.support.waiting import eventually
 from workers.protocol import Step
@@ -99,8 +100,7 @@ async def web_processes(redis_url: str, prefix: str, log: Path, engine: Scripted
     env = {**os.environ, "LLMQ_REDIS_URL": redis_url, "LLMQ_PREFIX": prefix, "LLMQ_HOST": "127.0.0.1",
            "LLMQ_PORT": str(port), "LLMQ_SERVED_MODEL_NAME": MODEL, "LLMQ_LOG_JSON": "true",
            "LLMQ_WEB_PROCESSES": "2", "LLMQ_SSE_KEEPALIVE_S": "0.5", **env_extra}
-    proc = subprocess.Popen([sys.executable, "-m", "api"], cwd=REPO, env=env, stdout=log.open("wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = spawn_logged([sys.executable, "-m", "api"], log, cwd=REPO, env=env, start_new_session=True)
     keys = Keys(prefix)
     redis = connect(redis_url)
     settings = load_settings({}, redis_url=redis_url, prefix=prefix, served_model_name=MODEL, block_ms=200)

@@ -47,8 +47,7 @@ async def make_worker(redis, prefix):
         worker = Worker(settings, queue, engine or ContextEngine(delay_s, die_after), tracing=tracing)
         task = asyncio.create_task(worker.run())
         started.append(Running(worker, queue, task))
-        while not worker.ready:
-            await asyncio.sleep(0.01)
+        await eventually(lambda: worker.ready, timeout_s=120, interval_s=0.01, what="the worker to be warm")
         await asyncio.sleep(0.3)  # one heartbeat: registered as ready, so peers see it
         return started[-1]
 
@@ -172,8 +171,8 @@ def assert_seamless(events: list[Event], prompt: str, max_tokens: int) -> None:
 
 async def judging(worker: Worker) -> None:
     """Until the worker's watcher judges peers (its own subscription up for long enough)."""
-    while asyncio.get_running_loop().time() < worker.presence.watch_from:
-        await asyncio.sleep(0.05)
+    await eventually(lambda: asyncio.get_running_loop().time() >= worker.presence.watch_from, timeout_s=60,
+                     what="the worker's watcher to judge peers")
 
 
 async def subscribe_confirmed(redis, channel: str):
