@@ -57,6 +57,8 @@ def test_api_and_housekeeping_survive_redis_starting_late(tmp_path):
         for p in procs.values():
             p.terminate()
             p.wait(20)
+        for log in logs.values():
+            log.close()
         if redis is not None:
             redis.terminate()
             redis.wait(10)
