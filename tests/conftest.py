@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 import socket
 import subprocess
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import anthropic
+import openai
 import pytest
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
@@ -89,3 +92,22 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # no
         table = write_table(REPO / "faults.json")
         terminalreporter.write_sep("=", "fault suite figures (also in faults.json)")
         terminalreporter.write_line(table)
+
+
+@pytest.fixture(autouse=True)
+async def sdk_clients_closed(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[None]:
+    """The ``openai`` and ``anthropic`` SDK clients a test makes (tests build them inline, as a
+    user would) are closed when it ends, so no connection is left for the garbage collector to
+    find, with a ResourceWarning, during a later test. A client made by a wider fixture outlives
+    the test, as it should: it exists before this fixture starts."""
+    opened: list = []
+    for cls in (openai.OpenAI, openai.AsyncOpenAI, anthropic.Anthropic, anthropic.AsyncAnthropic):
+        def init(self, *args, _init=cls.__init__, **kwargs) -> None:
+            _init(self, *args, **kwargs)
+            opened.append(self)
+        monkeypatch.setattr(cls, "__init__", init)
+    yield
+    for client in opened:
+        closed = client.close()
+        if inspect.isawaitable(closed):
+            await closed

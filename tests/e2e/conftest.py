@@ -102,9 +102,10 @@ ANSWER = {
 
 
 @pytest.fixture(scope="module")
-def client(stack: Stack) -> openai.OpenAI:
+def client(stack: Stack) -> Iterator[openai.OpenAI]:
     """The ``openai`` SDK on the session's stack (a module of another SDK's tests has its own)."""
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=120)
+    with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=120) as client:
+        yield client
 
 
 def stop_all(procs: list[tuple[subprocess.Popen, Path]]) -> None:
