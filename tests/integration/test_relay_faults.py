@@ -262,11 +262,19 @@ async def test_a_silent_pubsub_connection_is_replaced_and_backfilled(redis_url, 
             writer.write(data)
             await writer.drain()
 
+    handlers: list[asyncio.Task] = []
+
     async def handle(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        handlers.append(asyncio.current_task())
         server_r, server_w = await asyncio.open_connection(host, int(port))
         link = {"dark": False}
         links.append(link)
-        await asyncio.gather(pipe(client_r, server_w, link), pipe(server_r, client_w, link), return_exceptions=True)
+        try:
+            await asyncio.gather(pipe(client_r, server_w, link), pipe(server_r, client_w, link),
+                                 return_exceptions=True)
+        finally:  # a dark link's pipes never end by themselves: the test's end cancels them
+            for writer in (client_w, server_w):
+                writer.close()
 
     proxy = await asyncio.start_server(handle, "127.0.0.1", 0)
     proxy_port = proxy.sockets[0].getsockname()[1]
@@ -309,6 +317,9 @@ async def test_a_silent_pubsub_connection_is_replaced_and_backfilled(redis_url, 
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)
         proxy.close()
+        for handler in handlers:
+            handler.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
         await redis.aclose()
         await proxied.aclose()
 
