@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator
 
 import structlog
@@ -19,6 +20,7 @@ from litestar import Litestar, Response, get
 from redis.asyncio import Redis
 
 from api.services import Services, Svc
+from shared.errors import HttpError, ServiceError, UnknownError
 from shared.keys import LEVELS, Keys
 from shared.metrics import Sample, decode_samples, encode_samples, exposition
 from shared.queue import now_ms
@@ -94,9 +96,9 @@ async def collect(svc: Services) -> list[Sample]:
         for lv in m.levels:
             labels = {"model": m.name, "level": str(lv.level)}
             out += [Sample("llmq_queue_depth", labels, lv.waiting + lv.running),
-                    Sample("llmq_queue_lag", labels, lv.waiting), Sample("llmq_queue_pending", labels, lv.running)]
-            if lv.oldest_age_s is not None:
-                out.append(Sample("llmq_queue_oldest_age_seconds", labels, lv.oldest_age_s))
+                    Sample("llmq_queue_lag", labels, lv.waiting), Sample("llmq_queue_pending", labels, lv.running),
+                    # An empty level's oldest job is 0 s old: the series exists while nothing waits.
+                    Sample("llmq_queue_oldest_age_seconds", labels, lv.oldest_age_s or 0)]
         out += [Sample("llmq_dead_letters", {"model": m.name}, m.dead_letters),
                 Sample("llmq_workers_ready", {"model": m.name}, m.ready_workers)]
     per_model = await asyncio.gather(*(tenant_series(svc.queue.redis, svc.keys, m.name, svc.settings.metrics_tenants)
@@ -109,12 +111,24 @@ async def collect(svc: Services) -> list[Sample]:
     return out
 
 
+@functools.cache
+def _no_errors() -> dict[tuple[int, str], int]:
+    """Every error answer known in advance, at 0: each error class's own status and code (a
+    dialect that answers one with another status, or an error whose status is per instance, adds
+    its series when it first happens)."""
+    def classes(cls: type[ServiceError]) -> list[type[ServiceError]]:
+        return [cls, *(c for sub in cls.__subclasses__() for c in classes(sub))]
+    return {(cls.status, cls.code): 0 for cls in classes(ServiceError)
+            if cls not in (UnknownError, HttpError)}
+
+
 def _own(svc: Services) -> list[Sample]:
-    """This process's own series, labelled with its id."""
+    """This process's own series, labelled with its id; its error answers from 0."""
     api = {"api": svc.instance}
+    errors = {**_no_errors(), **svc.errors}
     return [Sample("llmq_api_streams_in_flight", api, svc.listener.channels),
             *(Sample("llmq_api_errors_total", {**api, "status": str(status_code), "code": code}, n)
-              for (status_code, code), n in sorted(svc.errors.items()))]
+              for (status_code, code), n in sorted(errors.items()))]
 
 
 async def _peers(svc: Services) -> list[Sample]:

@@ -1,5 +1,6 @@
 """The bytes of a relayed stream, in every framing a dialect uses: Server-Sent Events (named or
-not, numbered or not, with or without the space after ``data:``), JSON lines, SSE keep-alive comments and OpenAI's ``[DONE]``.
+not, numbered or not, with or without the space after ``data:``), JSON lines, SSE keep-alive
+comments and OpenAI's ``[DONE]``.
 
 Here, not in the API's relay, because dialect modules render streams and depend only on
 ``shared/``; :class:`Keepalive` is the tick the relay interleaves with a job's events when it has

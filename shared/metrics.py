@@ -18,6 +18,10 @@ Where each figure comes from:
   through the one API, and its figures vanish with its heartbeat key;
 - the API counts what only it sees (error answers such as 429s, streams in flight).
 
+Every family is declared from the first scrape, and every series known in advance starts at 0
+(a worker's counters and histograms, the API's error answers by each error's own status and code,
+an empty level's oldest age), so a new deployment's dashboard shows 0 rather than no data.
+
 The workers' and API processes' counters are per process, so they restart at 0 with the process;
 Prometheus' ``rate()`` reads a reset as one. The per-tenant counters live in Redis and only grow.
 """
@@ -45,7 +49,7 @@ CATALOGUE: dict[str, Metric] = {
     "llmq_queue_depth": Metric("gauge", "Unfinished jobs on the level: lag + pending (finished entries are deleted)."),
     "llmq_queue_lag": Metric("gauge", "Jobs queued and not yet delivered to any worker (waiting their tenant's turn)."),
     "llmq_queue_pending": Metric("gauge", "Jobs delivered to a worker and unfinished (the group's pending entries)."),
-    "llmq_queue_oldest_age_seconds": Metric("gauge", "Age of the oldest unfinished job on the level."),
+    "llmq_queue_oldest_age_seconds": Metric("gauge", "Age of the oldest unfinished job on the level (0: none)."),
     "llmq_dead_letters": Metric("gauge", "Records in the model's dead-letter stream."),
     "llmq_workers_ready": Metric("gauge", "Warm workers serving the model."),
     "llmq_tenant_requests_total": Metric("counter", "Jobs of the tenant that ended on the model, however they ended."),
@@ -66,6 +70,14 @@ CATALOGUE: dict[str, Metric] = {
     "llmq_ttft_seconds": Metric("histogram", "From enqueue to the job's first token."),
     "llmq_e2e_seconds": Metric("histogram", "From enqueue to the job's end."),
 }
+
+
+WORKER_ZEROS: tuple[tuple[str, dict[str, str]], ...] = (
+    ("llmq_worker_jobs_started_total", {}), ("llmq_worker_jobs_reclaimed_total", {}),
+    ("llmq_worker_jobs_ended_total", {"outcome": "done"}), ("llmq_worker_tokens_total", {}))
+"""A worker's counters as they start: at 0, so each series exists from its first heartbeat on
+(Prometheus' advice for series known in advance; an error outcome is not: it appears with its
+first job)."""
 
 
 class Sample(NamedTuple):
@@ -96,12 +108,15 @@ class _Histogram:
 
 
 class Recorder:
-    """A worker's counters and histograms, all labelled with its model."""
+    """A worker's counters and histograms, all labelled with its model; the counters of
+    :data:`WORKER_ZEROS` and every histogram (empty) are there from the start."""
 
     def __init__(self, model: str) -> None:
         self.model = model
         self._counters: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-        self._histograms: dict[str, _Histogram] = {}
+        self._histograms = {name: _Histogram() for name, metric in CATALOGUE.items() if metric.kind == "histogram"}
+        for name, labels in WORKER_ZEROS:
+            self.inc(name, 0, **labels)
 
     def inc(self, name: str, amount: float = 1, **labels: str) -> None:
         assert CATALOGUE[name].kind == "counter", name
@@ -110,7 +125,7 @@ class Recorder:
 
     def observe(self, name: str, seconds: float) -> None:
         assert CATALOGUE[name].kind == "histogram", name
-        self._histograms.setdefault(name, _Histogram()).observe(max(0.0, seconds))
+        self._histograms[name].observe(max(0.0, seconds))
 
     def samples(self) -> list[Sample]:
         base = {"model": self.model}
@@ -147,8 +162,10 @@ def _family(name: str) -> str:
 
 
 def exposition(samples: Iterable[Sample]) -> str:
-    """Prometheus' text format (0.0.4): each family's HELP and TYPE once, then its samples."""
-    families: dict[str, list[Sample]] = {}
+    """Prometheus' text format (0.0.4): each family's HELP and TYPE once, then its samples. Every
+    family of the catalogue is declared, with or without samples, so a scrape names them all from
+    the first one on (a family whose labels have no value yet, such as a tenant's, has none)."""
+    families: dict[str, list[Sample]] = {name: [] for name in CATALOGUE}
     for sample in samples:
         families.setdefault(_family(sample.name), []).append(sample)
     lines = []

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import inspect
 import socket
 import subprocess
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import anthropic
+import openai
 import pytest
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 
 from shared.keys import Keys
 from shared.redis import SERVER_OPTIONS, connect, redis_server_binary
-from tests.faults import FIGURES, Figures, write_table
+from tests.support.faults import FIGURES, Figures, write_table
 
 
 def free_port() -> int:
@@ -26,19 +28,11 @@ def free_port() -> int:
 
 def wait_for_ping(url: str, timeout_s: float = 10) -> None:
     """Until a redis-server just started answers PING."""
-    client = SyncRedis.from_url(url)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            try:
-                client.ping()
-                return
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-    finally:
-        client.close()
+    from tests.support.waiting import eventually_sync  # not at the top: tests.support imports this module
+
+    with SyncRedis.from_url(url) as client:
+        eventually_sync(client.ping, timeout_s=timeout_s, what=f"redis-server at {url} to answer PING",
+                        ignoring=(Exception,))
 
 
 def start_redis(data_dir: Path | None = None) -> tuple[subprocess.Popen, str]:
@@ -98,3 +92,22 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # no
         table = write_table(REPO / "faults.json")
         terminalreporter.write_sep("=", "fault suite figures (also in faults.json)")
         terminalreporter.write_line(table)
+
+
+@pytest.fixture(autouse=True)
+async def sdk_clients_closed(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[None]:
+    """The ``openai`` and ``anthropic`` SDK clients a test makes (tests build them inline, as a
+    user would) are closed when it ends, so no connection is left for the garbage collector to
+    find, with a ResourceWarning, during a later test. A client made by a wider fixture outlives
+    the test, as it should: it exists before this fixture starts."""
+    opened: list = []
+    for cls in (openai.OpenAI, openai.AsyncOpenAI, anthropic.Anthropic, anthropic.AsyncAnthropic):
+        def init(self, *args, _init=cls.__init__, **kwargs) -> None:
+            _init(self, *args, **kwargs)
+            opened.append(self)
+        monkeypatch.setattr(cls, "__init__", init)
+    yield
+    for client in opened:
+        closed = client.close()
+        if inspect.isawaitable(closed):
+            await closed

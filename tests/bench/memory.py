@@ -35,7 +35,7 @@ from shared.queue import Queue, now_ms
 from shared.redis import connect
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams
 from tests.bench.procs import load_average, markdown_table, report_head, save, start_redis, stop
-from tests.scripted_engine import ScriptedEngine, expected_text
+from tests.support.scripted_engine import ScriptedEngine, expected_text
 from workers.runner import Worker
 
 __all__ = ["main", "measure"]

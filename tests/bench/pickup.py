@@ -67,7 +67,7 @@ async def serve_llmq_worker(redis_url: str, prefix: str, model: str) -> None:
     from shared.keys import Keys
     from shared.logging import configure_logging
     from shared.queue import Queue
-    from tests.scripted_engine import ScriptedEngine
+    from tests.support.scripted_engine import ScriptedEngine
     from workers.runner import Worker
 
     settings = load_settings({}, redis_url=redis_url, prefix=prefix, served_model_name=model)

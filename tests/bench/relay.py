@@ -44,7 +44,7 @@ from shared.events import TokenDelta
 from shared.schemas import GenerationRequest
 from tests.bench.cpu import children, cpu_seconds
 from tests.bench.procs import REPO, free_port, load_average, markdown_table, report_head, save, start_redis, stop
-from tests.scripted_engine import ScriptedEngine
+from tests.support.scripted_engine import ScriptedEngine
 from workers.protocol import Step
 
 __all__ = ["BurstEngine", "expected_text", "check_stream"]
@@ -232,7 +232,7 @@ class Stack:
         lives on one of them; each node's CPU is reported as ``redis<i>``."""
         import tempfile
 
-        from tests.redis_cluster import redis7_binaries, start_cluster
+        from tests.support.redis_cluster import redis7_binaries, start_cluster
 
         found = redis7_binaries()
         if found is None:

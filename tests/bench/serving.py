@@ -32,6 +32,7 @@ from shared.redis import redis_server_binary
 from tests.bench.cpu import CpuMeter, ProcessCpu, by_role
 from tests.bench.workload import RequestRecord, Summary, prompts_for, run_workload, summarize
 from tests.conftest import REPO, free_port
+from tests.support.processes import spawn_logged
 
 __all__ = ["Run", "Target", "HttpTarget", "TargetSet", "TARGET_SETS", "measure", "start_targets", "vllm_server_args"]
 
@@ -187,8 +188,7 @@ def _cpu_line(cpu_s: dict[str, float], summary: Summary) -> str:
 
 def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     # A session of its own: stopping it stops its children too (vLLM's engine-core process).
-    return subprocess.Popen(args, cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return spawn_logged(args, log, cwd=REPO, env=env, start_new_session=True)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -316,11 +316,12 @@ async def start_targets(
         waits.append(vllm_ready())
     if "in-process" in names:
         log = logs / "in-process.log"
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tests.bench.inprocess", cwd=REPO, env=env, stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=log.open("wb"), start_new_session=True,
-            limit=2**26,  # one answer line holds every record of a run
-        )
+        with log.open("wb") as err:  # the child has its own copy
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "tests.bench.inprocess", cwd=REPO, env=env, stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=err, start_new_session=True,
+                limit=2**26,  # one answer line holds every record of a run
+            )
 
         async def stop_inprocess() -> None:
             if proc.stdin is not None:

@@ -12,7 +12,7 @@ requests go through, in this process:
   (``engine_started``) and its end (``ended``) with a 16-token result (on), or nothing (off).
 
 Spans leave as in production, through the SDK's batch processor and OTLP/HTTP exporter, to a
-receiver in another process (``tests/otlp_receiver.py``); each round ends with a flush, so the
+receiver in another process (``tests/support/otlp_receiver.py``); each round ends with a flush, so the
 exporter thread's encoding and sending is counted. CPU is this process's (``time.process_time``).
 vLLM's own span is not here: its cost is vLLM's per-request statistics, per token, in the engine
 (``LLMQ_ENGINE_TRACING``; the whole-deployment runs show it).
@@ -44,7 +44,7 @@ from workers.tracing import JobSpans
 
 TOKENS = 16
 # The receiver: its URL first; once its stdin closes, how many spans it received.
-RECEIVER = ("import sys\nfrom tests.otlp_receiver import Receiver\nrx = Receiver().__enter__()\n"
+RECEIVER = ("import sys\nfrom tests.support.otlp_receiver import Receiver\nrx = Receiver().__enter__()\n"
             "print(rx.url, flush=True)\nsys.stdin.read()\nprint(len(rx.spans()), flush=True)\n")
 SPANS_PER_REQUEST = 4  # the API's, and the worker's queue, attempt and engine spans
 

@@ -11,16 +11,18 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import openai
 import pytest
 
 from tests.conftest import REPO, free_port
+from tests.support.processes import spawn_logged
+from tests.support.waiting import eventually_sync
 
 # Two workers prove jobs spread across processes; LLMQ_E2E_WORKERS=1 is lighter while developing.
 WORKERS = int(os.environ.get("LLMQ_E2E_WORKERS", "2"))
@@ -49,20 +51,19 @@ class Stack:
             proc = _spawn(["-m", "api"], {**self.env, "LLMQ_PORT": str(port), **settings}, log)
             self.procs.append((proc, log))
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 60
-            while _ready_workers(url) < 1:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"API with {settings} did not start\n{_tail(log)}")
-                time.sleep(0.2)
+
+            def serving() -> bool:
+                if proc.poll() is not None:
+                    pytest.fail(f"API with {settings} exited\n{_tail(log)}")
+                return _ready_workers(url) >= 1
+            eventually_sync(serving, timeout_s=60, interval_s=0.2,
+                            what=lambda: f"API with {settings} to start\n{_tail(log)}")
             self._apis[key] = url
         return self._apis[key]
 
 
 def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, *args], cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    return spawn_logged([sys.executable, *args], log, cwd=REPO, env=env, start_new_session=True)
 
 
 def _ready_workers(url: str) -> int:
@@ -80,13 +81,31 @@ def _tail(log: Path) -> str:
 def wait_ready(url: str, procs: list[tuple[subprocess.Popen, Path]], workers: int) -> None:
     """Until ``workers`` warm workers serve the API at ``url``; fails with every log's tail if a
     process dies or the engines take longer than READY_TIMEOUT_S."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while _ready_workers(url) < workers:
-        dead = [(p, log) for p, log in procs if p.poll() is not None]
-        if dead or time.monotonic() > deadline:
-            detail = "\n".join(f"--- {log.name}\n{_tail(log)}" for _, log in procs)
-            pytest.fail(f"stack did not become ready (dead: {[log.name for _, log in dead]})\n{detail}")
-        time.sleep(1)
+    def tails() -> str:
+        return "\n".join(f"--- {log.name}\n{_tail(log)}" for _, log in procs)
+
+    def ready() -> bool:
+        if dead := [log.name for p, log in procs if p.poll() is not None]:
+            pytest.fail(f"stack did not become ready (dead: {dead})\n{tails()}")
+        return _ready_workers(url) >= workers
+    eventually_sync(ready, timeout_s=READY_TIMEOUT_S, interval_s=1,
+                    what=lambda: f"{workers} ready worker(s) at {url}\n{tails()}")
+
+
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+"""A JSON schema for structured output: the tiny model's answer must match it whatever it says."""
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> Iterator[openai.OpenAI]:
+    """The ``openai`` SDK on the session's stack (a module of another SDK's tests has its own)."""
+    with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=120) as client:
+        yield client
 
 
 def stop_all(procs: list[tuple[subprocess.Popen, Path]]) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from tests.conftest import REPO
+from tests.support.processes import spawn_logged
 
 __all__ = ["BIN", "Stream", "completion_body", "kill_leftovers", "start_honcho", "log_events"]
 
@@ -81,8 +82,8 @@ class Stream:
 def start_honcho(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     # Its own session, so nothing here signals the test's process group; honcho puts each of its
     # children in a session of their own too (cleaned up in kill_leftovers).
-    return subprocess.Popen([str(BIN / "honcho"), "-f", "Procfile", "--no-colour", "start", *args], cwd=REPO,
-                            env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    return spawn_logged([str(BIN / "honcho"), "-f", "Procfile", "--no-colour", "start", *args], log, cwd=REPO,
+                        env=env, start_new_session=True)
 
 
 def kill_leftovers(logs: list[Path]) -> None:

@@ -21,8 +21,9 @@ GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def client(stack) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=stack.url, api_key="x", max_retries=0, timeout=120)
+def client(stack):
+    with anthropic.Anthropic(base_url=stack.url, api_key="x", max_retries=0, timeout=120) as client:
+        yield client
 
 
 def test_greedy_stream_equals_create_and_count_tokens_equals_input_tokens(client, stack):

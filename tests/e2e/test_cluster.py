@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import free_port
 from tests.e2e.conftest import Stack, _spawn, stop_all, wait_ready
-from tests.redis_cluster import LocalCluster, start_cluster
+from tests.support.redis_cluster import LocalCluster, start_cluster
 
 pytestmark = pytest.mark.e2e
 

@@ -38,7 +38,7 @@ from shared.config import load_settings
 from shared.keys import GROUP, Keys
 from tests.conftest import free_port
 from tests.e2e.conftest import _spawn, _tail, stop_all, wait_ready
-from tests.faults import Figures, alive, children, lost_and_duplicated
+from tests.support.faults import Figures, alive, children, lost_and_duplicated
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 

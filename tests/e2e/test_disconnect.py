@@ -19,6 +19,8 @@ from redis.asyncio import Redis
 from shared.keys import Keys
 from shared.queue import Queue
 from shared.redis import connect
+from tests.support.job_records import running_job
+from tests.support.waiting import eventually
 
 BOUND_S = 5.0
 
@@ -43,33 +45,23 @@ async def _close(writer: asyncio.StreamWriter) -> float:
 async def _heartbeat_idle_at(redis: Redis, keys: Keys, model: str, after_ms: float) -> float:
     """The time (epoch ms) of the first heartbeat written after ``after_ms`` in which every
     ready worker reports ``running`` 0 (heartbeats are written every LLMQ_HEARTBEAT_S)."""
-    async with asyncio.timeout(30):
-        while True:
-            workers = [w.decode() for w in await redis.zrange(keys.workers(model), 0, -1)]
-            beats = [await redis.hmget(keys.worker(w), "running", "last_heartbeat") for w in workers]
-            if workers and all(b[1] and float(b[1]) > after_ms for b in beats):
-                if all(b[0] == b"0" for b in beats):
-                    return max(float(b[1]) for b in beats)
-                after_ms = max(float(b[1]) for b in beats)  # still busy at that beat: wait for the next
-            await asyncio.sleep(0.05)
-
-
-async def _running_job(redis: Redis, keys: Keys, model: str) -> str:
-    async with asyncio.timeout(60):
-        while True:
-            async for key in redis.scan_iter(match=keys.job(model, "*")):
-                if await redis.hget(key, "status") == b"running":
-                    return key.decode().rsplit(":", 1)[1]
-            await asyncio.sleep(0.05)
+    async def idle_beat() -> float | None:
+        nonlocal after_ms
+        workers = [w.decode() for w in await redis.zrange(keys.workers(model), 0, -1)]
+        beats = [await redis.hmget(keys.worker(w), "running", "last_heartbeat") for w in workers]
+        if workers and all(b[1] and float(b[1]) > after_ms for b in beats):
+            if all(b[0] == b"0" for b in beats):
+                return max(float(b[1]) for b in beats)
+            after_ms = max(float(b[1]) for b in beats)  # still busy at that beat: wait for the next
+        return None
+    return await eventually(idle_beat, timeout_s=30, what="a heartbeat with every worker idle")
 
 
 async def _until_finished(queue: Queue, model: str, job_id: str):
-    async with asyncio.timeout(60):
-        while True:
-            rec = await queue.get_job(model, job_id)
-            if rec is not None and rec.status in ("cancelled", "done", "failed"):
-                return rec
-            await asyncio.sleep(0.02)
+    async def finished():
+        rec = await queue.get_job(model, job_id)
+        return rec if rec is not None and rec.status in ("cancelled", "done", "failed") else None
+    return await eventually(finished, timeout_s=60, interval_s=0.02, what=f"job {job_id} to end")
 
 
 async def _check(stack, redis: Redis, job_id: str, gone_at: float, what: str, figures) -> None:
@@ -113,7 +105,7 @@ async def test_non_streaming_client_disconnect_frees_the_slot(stack, figures):
     try:
         body = {"prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True}
         _, writer = await _open(stack.url, "/v1/completions", body)
-        job_id = await _running_job(redis, Keys(stack.prefix), stack.model)
+        job_id = await running_job(redis, Keys(stack.prefix), stack.model, timeout_s=60)
         await asyncio.sleep(0.5)  # let it generate a little: the abort hits a running engine request
         gone_at = await _close(writer)
         await _check(stack, redis, job_id, gone_at, "non-streaming disconnect", figures)

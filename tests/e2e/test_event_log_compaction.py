@@ -11,7 +11,7 @@ from redis import Redis
 
 from shared import eventlog
 from shared.keys import Keys
-from tests.event_log import logged_events
+from tests.support.event_log import logged_events
 
 pytestmark = pytest.mark.e2e
 

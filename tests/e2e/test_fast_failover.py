@@ -38,8 +38,8 @@ from shared.keys import GROUP, Keys
 from tests.conftest import free_port
 from tests.e2e.conftest import _tail, stop_all, wait_ready
 from tests.e2e.procfile import BIN, Stream, completion_body, kill_leftovers, log_events, start_honcho
-from tests.event_log import logged_events
-from tests.faults import Figures, alive, lost_and_duplicated
+from tests.support.event_log import logged_events
+from tests.support.faults import Figures, alive, lost_and_duplicated
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(900)]
 

@@ -1,6 +1,6 @@
 """A request the engine fails is each dialect's generation failure, against real vLLM.
 
-The worker runs under ``python -m tests.fault_wrap engine``: vLLM itself fails every request
+The worker runs under ``python -m tests.support.fault_wrap engine``: vLLM itself fails every request
 whose prompt holds ``ENGINE-FAULT`` (``EngineGenerateError``, the error vLLM raises for a request
 its own code cannot process), and serves every other. The worker's catch-all ends such a job with
 ``generation_failed``, so each client sees its server's own answer to a generation failure:
@@ -11,7 +11,6 @@ and Anthropic's 500, LMI's error-shaped result; and the engine goes on serving.
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -24,7 +23,8 @@ from huggingface_hub.errors import GenerationError
 
 from tests.conftest import free_port
 from tests.e2e.conftest import _spawn, stop_all, wait_ready
-from tests.fault_wrap import ENGINE_FAULT
+from tests.support.fault_wrap import ENGINE_FAULT
+from tests.support.waiting import eventually_sync
 
 pytestmark = pytest.mark.e2e
 
@@ -39,7 +39,7 @@ def faulty(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     env = {**os.environ, "LLMQ_REDIS_URL": redis_url, "LLMQ_PREFIX": f"fault-{uuid.uuid4().hex[:6]}",
            "LLMQ_PORT": str(port), "LLMQ_LOG_JSON": "true", "LLMQ_MAX_NUM_SEQS": "8", "LLMQ_MAX_MODEL_LEN": "512",
            "LLMQ_HEARTBEAT_S": "1"}
-    procs = [(_spawn(["-m", "tests.fault_wrap", "engine"], env, logs / "worker.log"), logs / "worker.log"),
+    procs = [(_spawn(["-m", "tests.support.fault_wrap", "engine"], env, logs / "worker.log"), logs / "worker.log"),
              (_spawn(["-m", "api"], env, logs / "api.log"), logs / "api.log")]
     url = f"http://127.0.0.1:{port}"
     try:
@@ -87,9 +87,9 @@ def test_lmi_answers_its_error_shaped_result_and_the_job_records_generation_fail
     queued = httpx.post(f"{faulty}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4},
                         headers={"Prefer": "respond-async"}, timeout=60)
     assert queued.status_code == 202
-    for _ in range(600):
+
+    def ended() -> dict | None:
         job = httpx.get(f"{faulty}/v1/jobs/{queued.json()['id']}", timeout=10).json()
-        if job["status"] not in ("queued", "running"):
-            break
-        time.sleep(0.1)
+        return job if job["status"] not in ("queued", "running") else None
+    job = eventually_sync(ended, timeout_s=60, interval_s=0.1, what="the failing job to end")
     assert job["status"] == "failed" and job["error"]["code"] == "generation_failed", job

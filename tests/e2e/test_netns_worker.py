@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -27,6 +26,8 @@ from shared.keys import Keys
 from shared.redis import redis_server_binary
 from tests.conftest import REPO, free_port, wait_for_ping
 from tests.e2e.conftest import _spawn, _tail, stop_all, wait_ready
+from tests.support.processes import spawn_logged
+from tests.support.waiting import eventually_sync
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -57,11 +58,12 @@ def _addresses() -> tuple[str, str]:
 
 
 def _wait_for_address(dev: str, addr: str, script: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + 30
-    while f"inet {addr}/30" not in _ip("-4", "-o", "addr", "show", "dev", dev).stdout:
-        if script.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"netns-worker.sh did not set up {dev}\n{_tail(log)}")
-        time.sleep(0.1)
+    def set_up() -> bool:
+        if script.poll() is not None:
+            pytest.fail(f"netns-worker.sh exited before it set up {dev}\n{_tail(log)}")
+        return f"inet {addr}/30" in _ip("-4", "-o", "addr", "show", "dev", dev).stdout
+    eventually_sync(set_up, timeout_s=30, interval_s=0.1,
+                    what=lambda: f"netns-worker.sh to set up {dev}\n{_tail(log)}")
 
 
 def test_a_worker_in_another_network_namespace_serves_the_queue(tmp_path):
@@ -75,8 +77,8 @@ def test_a_worker_in_another_network_namespace_serves_the_queue(tmp_path):
     env = {**os.environ, "LLMQ_PREFIX": keys.prefix, "LLMQ_LOG_JSON": "true", "LLMQ_HEARTBEAT_S": "1",
            "LLMQ_MAX_NUM_SEQS": "4", "LLMQ_MAX_MODEL_LEN": "1024", "LLMQ_DEVICE_LOCK_DIR": str(tmp_path / "locks")}
     worker_log, api_log, redis_log = tmp_path / "netns-worker.log", tmp_path / "api.log", tmp_path / "redis.log"
-    script = subprocess.Popen(
-        [str(SCRIPT)], cwd=REPO, stdout=worker_log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+    script = spawn_logged(
+        [str(SCRIPT)], worker_log, cwd=REPO, start_new_session=True,
         env={**env, "NETNS_TAG": tag, "NETNS_HOST_ADDR": host_addr, "NETNS_NS_ADDR": ns_addr,
              "LLMQ_REDIS_URL": f"redis://{host_addr}:{redis_port}/0"})
     procs = [(script, worker_log)]
@@ -85,9 +87,9 @@ def test_a_worker_in_another_network_namespace_serves_the_queue(tmp_path):
         # Redis can bind the host-side address only once the script has made it; the worker
         # retries its first PING until then.
         _wait_for_address(host_if, host_addr, script, worker_log)
-        redis_proc = subprocess.Popen(
+        redis_proc = spawn_logged(
             [redis_server_binary(), "--bind", "127.0.0.1", host_addr, "--port", str(redis_port), "--save", "",
-             "--appendonly", "no", "--dir", str(tmp_path)], stdout=redis_log.open("wb"), stderr=subprocess.STDOUT)
+             "--appendonly", "no", "--dir", str(tmp_path)], redis_log)
         local_url = f"redis://127.0.0.1:{redis_port}/0"
         wait_for_ping(local_url)
         redis = Redis.from_url(local_url)

@@ -14,20 +14,11 @@ import jsonschema
 import openai
 import pytest
 
+from tests.e2e.conftest import ANSWER
+
 pytestmark = pytest.mark.e2e
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
-ANSWER = {
-    "type": "object",
-    "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
-    "required": ["answer"],
-    "additionalProperties": False,
-}
-
-
-@pytest.fixture(scope="module")
-def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=120)
 
 
 def collect_stream(stream) -> tuple[dict[int, str], dict[int, str], list]:

@@ -12,10 +12,10 @@ import sys
 import time
 
 import jsonschema
-import openai
 import pytest
 
 from shared.config import load_settings
+from tests.e2e.conftest import ANSWER
 
 pytestmark = pytest.mark.e2e
 
@@ -27,17 +27,6 @@ add_cli_args(parser)
 main(parser.parse_args(sys.argv[1:]))
 """
 
-ANSWER = {
-    "type": "object",
-    "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
-    "required": ["answer"],
-    "additionalProperties": False,
-}
-
-
-@pytest.fixture(scope="module")
-def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=120)
 
 
 def test_greedy_stream_and_background_resume_equal_the_plain_text(client, stack):

@@ -16,8 +16,8 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.webhooks import ID_HEADER, verify
-from tests.background import housekeeping
 from tests.conftest import REPO
+from tests.support.background import housekeeping
 
 pytestmark = pytest.mark.e2e
 
@@ -113,6 +113,7 @@ def test_a_batch_file_and_a_webhook_run_on_real_vllm(stack, tmp_path):
                 time.sleep(0.2)
     finally:
         receiver.shutdown()
+        receiver.server_close()
 
     assert batch.status == "completed" and batch.request_counts.completed == len(prompts)
     output = {json.loads(x)["custom_id"]: json.loads(x) for x in client.files.content(batch.output_file_id).text

@@ -37,7 +37,7 @@ from shared.keys import Keys
 from tests.conftest import free_port
 from tests.e2e.conftest import _tail, stop_all, wait_ready
 from tests.e2e.procfile import BIN, kill_leftovers, start_honcho
-from tests.event_log import logged_events
+from tests.support.event_log import logged_events
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(900)]
 

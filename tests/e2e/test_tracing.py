@@ -1,5 +1,5 @@
 """OpenTelemetry tracing across real processes (issue 18): one API and two vLLM workers on the
-tiny model export OTLP/HTTP to a receiver in this test (tests/otlp_receiver.py), and one client
+tiny model export OTLP/HTTP to a receiver in this test (tests/support/otlp_receiver.py), and one client
 request becomes one trace: the API's request span, the worker's ``llmq.queue``, ``llmq.attempt``
 and ``llmq.engine`` spans, and vLLM's own ``llm_request``, linked parent to child across the
 processes by the client's ``traceparent``. A worker SIGKILLed mid-stream never exports its
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -22,7 +21,8 @@ import openai
 import pytest
 
 from tests.e2e.test_crash_continuation import Small, json_lines, small_stack, stream_and_kill
-from tests.otlp_receiver import Receiver, Span
+from tests.support.otlp_receiver import Receiver, Span
+from tests.support.waiting import eventually_sync
 
 pytestmark = pytest.mark.e2e
 
@@ -86,13 +86,11 @@ def json_log_lines(small: Small) -> list[tuple[str, dict]]:
 def job_log_lines(small: Small, job_id: str, until_event: str) -> list[tuple[str, dict]]:
     """The lines naming ``job_id``, once ``until_event`` about it has been logged (the worker logs
     ``job_finished`` after it published the end the client already read)."""
-    deadline = time.monotonic() + SPANS_TIMEOUT_S
-    while True:
+    def logged() -> list[tuple[str, dict]] | None:
         lines = [(name, x) for name, x in json_log_lines(small) if x.get("job_id") == job_id]
-        if any(x.get("event") == until_event for _, x in lines):
-            return lines
-        assert time.monotonic() < deadline, f"no {until_event} line for {job_id}: {lines}\n{small.tails()}"
-        time.sleep(0.1)
+        return lines if any(x.get("event") == until_event for _, x in lines) else None
+    return eventually_sync(logged, timeout_s=SPANS_TIMEOUT_S, interval_s=0.1,
+                           what=lambda: f"a {until_event} line for {job_id}\n{small.tails()}")
 
 
 def check_log_trace_ids(lines: list[tuple[str, dict]], trace_id: str) -> None:

@@ -13,9 +13,10 @@ import pytest
 from anthropic import AsyncAnthropic
 
 from shared.keys import Keys
-from tests.background import housekeeping
-from tests.scripted_engine import ScriptedEngine, expected_text
-from tests.scripted_stack import scripted_stack
+from tests.support.background import housekeeping
+from tests.support.scripted_engine import ScriptedEngine, expected_text
+from tests.support.scripted_stack import scripted_stack
+from tests.support.waiting import eventually
 
 MODEL = "tiny"
 
@@ -30,15 +31,15 @@ def _client(url: str) -> AsyncAnthropic:
 
 
 async def _until_ended(client: AsyncAnthropic, batch_id: str, timeout_s: float = 60):
+    """The batch once it ended, and every reading on the way."""
     seen = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        batch = await client.messages.batches.retrieve(batch_id)
-        seen.append(batch)
-        if batch.processing_status == "ended":
-            return batch, seen
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"batch stayed {seen[-1].processing_status}: {seen[-1]}")
+
+    async def ended():
+        seen.append(await client.messages.batches.retrieve(batch_id))
+        return seen[-1].processing_status == "ended"
+    await eventually(ended, timeout_s=timeout_s, interval_s=0.1,
+                     what=lambda: f"batch to end: {seen[-1] if seen else None}")
+    return seen[-1], seen
 
 
 async def _results(client: AsyncAnthropic, batch_id: str) -> dict:

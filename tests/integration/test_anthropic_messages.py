@@ -23,10 +23,10 @@ from transformers import AutoTokenizer
 from api.dialects import anthropic_messages as am
 from shared.events import TokenDelta
 from shared.schemas import GenerationRequest
-from tests.dialect_bodies import anthropic_bodies
-from tests.fuzzing import malformed_bodies, struct_body
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_stack
+from tests.support.dialect_bodies import anthropic_bodies
+from tests.support.fuzzing import malformed_bodies, struct_body
+from tests.support.scripted_engine import ScriptedEngine
+from tests.support.scripted_stack import scripted_stack
 from workers.protocol import Step
 
 SLOW_S = 1.6  # a "slow..." chat waits this long before its first token: several keep-alive intervals
@@ -66,10 +66,8 @@ class MessagesEngine(ScriptedEngine):
                        finished=True, prompt_tokens=len(prompt))
 
 
-@pytest.fixture(scope="module")
-async def stack(redis_url):
-    async with scripted_stack(redis_url, "scripted-anthropic", MessagesEngine(delay_s=0.001)) as s:
-        yield s
+# One stack for the module: tests/integration/conftest.py
+pytestmark = pytest.mark.stack(MessagesEngine(delay_s=0.001), prefix="scripted-anthropic")
 
 
 def client_of(stack, **kwargs) -> anthropic.AsyncAnthropic:

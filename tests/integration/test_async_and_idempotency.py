@@ -24,7 +24,6 @@ import httpx
 import pytest
 
 from shared.keys import Keys
-from tests.scripted_stack import scripted_stack
 
 PREFIX = "scripted-async"
 CHAT = {"messages": [{"role": "user", "content": "abc"}], "max_tokens": 4}
@@ -84,10 +83,7 @@ ROUTES = [
 IDS = [r.name for r in ROUTES]
 
 
-@pytest.fixture(scope="module")
-async def stack(redis_url):
-    async with scripted_stack(redis_url, PREFIX) as s:
-        yield s
+pytestmark = pytest.mark.stack(prefix=PREFIX)  # one stack for the module: tests/integration/conftest.py
 
 
 def _stable(body: Any) -> Any:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import msgspec
 import openai
@@ -19,9 +18,10 @@ from shared.codec import encode
 from shared.keys import Keys
 from shared.queue import Queue
 from shared.schemas import ChatMessage, Choice, GenerationRequest, JobError, JobResult, SamplingParams, Usage
-from tests.background import housekeeping
-from tests.scripted_engine import ScriptedEngine, expected_text
-from tests.scripted_stack import scripted_stack
+from tests.support.background import housekeeping
+from tests.support.scripted_engine import ScriptedEngine, expected_text
+from tests.support.scripted_stack import scripted_stack
+from tests.support.waiting import eventually
 
 MODEL = "tiny"
 
@@ -37,15 +37,15 @@ def _chat_line(custom_id: str, content: str, max_tokens: int = 4, **extra) -> di
 
 
 async def _until(client: AsyncOpenAI, batch_id: str, statuses: tuple[str, ...], timeout_s: float = 60):
+    """The batch once its status is one of ``statuses``, and every reading on the way."""
     seen = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        batch = await client.batches.retrieve(batch_id)
-        seen.append(batch)
-        if batch.status in statuses:
-            return batch, seen
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"batch stayed {seen[-1].status}: {seen[-1]}")
+
+    async def reached():
+        seen.append(await client.batches.retrieve(batch_id))
+        return seen[-1].status in statuses
+    await eventually(reached, timeout_s=timeout_s, interval_s=0.1,
+                     what=lambda: f"batch in {statuses}: {seen[-1] if seen else None}")
+    return seen[-1], seen
 
 
 def _by_custom_id(text: str) -> dict[str, dict]:

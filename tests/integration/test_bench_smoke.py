@@ -12,7 +12,7 @@ from tests.bench.__main__ import _args, _main
 from tests.bench.report import build_report, render
 from tests.bench.serving import HttpTarget, measure
 from tests.bench.workload import RequestRecord, prompts_for, run_workload, summarize
-from tests.scripted_stack import scripted_stack
+from tests.support.scripted_stack import scripted_stack
 
 MAX_TOKENS = 8
 

@@ -14,7 +14,6 @@ import time
 from contextlib import AsyncExitStack
 
 import pytest
-from redis.asyncio import Redis
 
 from api.context import RequestContext
 from api.listener import EventListener
@@ -28,9 +27,9 @@ from shared.queue import Queue
 from shared.redis import connect
 from shared.schemas import GenerationRequest, SamplingParams
 from shared.tenants import ConfigCache
-from tests.job_records import MODEL, wait_status
-from tests.scripted_engine import ScriptedEngine, expected_text
-from tests.scripted_stack import scripted_stack
+from tests.support.job_records import MODEL, running_job, wait_status
+from tests.support.scripted_engine import ScriptedEngine, expected_text
+from tests.support.scripted_stack import scripted_stack
 
 SLOT_FREE_BOUND_S = 5.0  # generous; the issue's target is 1 s and the measured figure is printed
 
@@ -64,18 +63,6 @@ async def close(writer: asyncio.StreamWriter) -> float:
     writer.close()
     await writer.wait_closed()
     return gone_at
-
-
-async def running_job(redis: Redis, prefix: str, timeout: float = 20) -> str:
-    """The id of the (single) job the worker is running."""
-    keys = Keys(prefix)
-    async with asyncio.timeout(timeout):
-        while True:
-            async for key in redis.scan_iter(match=keys.job(MODEL, "*")):
-                raw = await redis.hget(key, "status")
-                if raw == b"running":
-                    return key.decode().rsplit(":", 1)[1]
-            await asyncio.sleep(0.02)
 
 
 def slow_engine() -> ScriptedEngine:
@@ -114,7 +101,7 @@ async def test_non_streaming_disconnect_cancels_the_job(redis_url, prefix, path,
     engine = slow_engine()
     async with scripted_stack(redis_url, prefix, engine) as s:
         _, writer = await raw_request(s.url, "POST", path, body)
-        job_id = await running_job(s.redis, prefix)
+        job_id = await running_job(s.redis, Keys(prefix), MODEL)
         gone_at = await close(writer)
         rec = await wait_status(s.redis, prefix, job_id, {"cancelled", "done", "failed"})
         assert rec.status == "cancelled"

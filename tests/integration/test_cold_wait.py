@@ -17,13 +17,14 @@ import pytest
 from shared.codec import job_from_hash
 from shared.keys import Keys
 from shared.queue import now_ms
-from tests.scripted_stack import scripted_settings, serve_api
+from tests.support.scripted_stack import scripted_settings, serve_api
 
 PREFIX = "cold-wait"
 COLD_S = 1.0
 MESSAGE = "no worker became ready to serve this request within 1 s (LLMQ_COLD_WAIT_S)"
 
 
+# Not the conftest's stack: these tests need an API with no worker at all (a model nobody serves).
 @pytest.fixture(scope="module")
 async def api(redis_url):
     settings = scripted_settings(redis_url, PREFIX, cold_wait_s=COLD_S, models="second, third")

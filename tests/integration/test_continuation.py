@@ -20,9 +20,9 @@ import pytest
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.keys import GROUP
 from shared.schemas import GenerationRequest
-from tests import inprocess_workers
-from tests.inprocess_workers import MODEL, Client, kill, running_on
-from tests.scripted_engine import ScriptedEngine
+from tests.support import inprocess_workers
+from tests.support.inprocess_workers import MODEL, Client, kill, running_on
+from tests.support.scripted_engine import ScriptedEngine
 from workers.protocol import Step
 
 make_worker = inprocess_workers.make_worker  # in-process workers on real Redis

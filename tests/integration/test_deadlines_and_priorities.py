@@ -17,9 +17,10 @@ from shared.codec import decode_event
 from shared.events import Error
 from shared.keys import GROUP, Keys
 from shared.queue import Queue, level_of
-from tests.job_records import MODEL, record, wait_status
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_stack
+from tests.support.job_records import MODEL, record, wait_status
+from tests.support.scripted_engine import ScriptedEngine
+from tests.support.scripted_stack import scripted_stack
+from tests.support.waiting import eventually
 
 BOUND_S = 5.0  # generous upper bound on "ended at its deadline"; the measured figure is recorded
 
@@ -44,13 +45,12 @@ async def log_events(s, job_id: str) -> list:
 async def queue_drained(s, timeout: float = 20) -> None:
     """Every level's stream and pending list empty: no entry outlived its job."""
     keys = Keys(s.settings.prefix)
-    async with asyncio.timeout(timeout):
-        while True:
-            lengths = [await s.redis.xlen(q) for q in keys.queues(MODEL)]
-            pending = [(await s.redis.xpending(q, GROUP))["pending"] for q in keys.queues(MODEL)]
-            if not any(lengths) and not any(pending):
-                return
-            await asyncio.sleep(0.05)
+
+    async def drained() -> bool:
+        lengths = [await s.redis.xlen(q) for q in keys.queues(MODEL)]
+        pending = [(await s.redis.xpending(q, GROUP))["pending"] for q in keys.queues(MODEL)]
+        return not any(lengths) and not any(pending)
+    await eventually(drained, timeout_s=timeout, what="every level's stream and pending list empty")
 
 
 # --- deadlines ---------------------------------------------------------------------------------
@@ -111,9 +111,16 @@ async def test_a_running_job_is_aborted_at_its_deadline_and_its_slot_freed(redis
         rec = await record(s.redis, prefix, job_id)
         assert rec.status == "failed" and rec.error.code == "deadline_exceeded"
         assert rec.deadline == pytest.approx(rec.queued_at + 600)
-        # The slot is free: the next request runs at once (its own 0.6 s deadline is plenty).
-        resp = await s.client.post("/v1/completions", json={"prompt": "next", "max_tokens": 3})
+        # The slot is free: the next request runs, and the engine's log (not a clock: the next
+        # request's own deadline is set far off, so load cannot end it first) shows in what order.
+        # The only slot held the aborted job until it left the engine; the next started after.
+        resp = await s.client.post("/v1/completions", json={"prompt": "next", "max_tokens": 3},
+                                   headers={"X-LLMQ-Timeout": "20"})
         assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "nex"
+        next_id = ran(engine)[1]
+        log = [e for e in engine.log if not e[1].startswith("warmup-")]
+        assert log[0] == ("start", job_id) and sorted(log[1:3]) == [("abort", job_id), ("end", job_id)], log
+        assert log[3:] == [("start", next_id), ("end", next_id)], log
         await queue_drained(s)
     figures.requests_sent, figures.ended_with_error, figures.completed = 2, 1, 1
     figures.seconds["aborted_after_s"] = ended

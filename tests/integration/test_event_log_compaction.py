@@ -22,32 +22,22 @@ from shared.keys import Keys
 from shared.queue import Outbound, Queue
 from shared.result import ResultBuilder
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams, Usage
-from tests import inprocess_workers
-from tests.event_log import logged_events
-from tests.inprocess_workers import MODEL, Client, assert_seamless, kill, running_on
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_stack
+from tests.support import inprocess_workers
+from tests.support.event_log import logged_events
+from tests.support.inprocess_workers import MODEL, Client, assert_seamless, kill, running_on
+from tests.support.scripted_engine import ScriptedEngine
+from tests.support.waiting import job_status
 
 make_worker = inprocess_workers.make_worker  # in-process workers with a ContextEngine, on real Redis
 
 
-@pytest.fixture(scope="module")
-async def stack(redis_url):
-    async with scripted_stack(redis_url, "compaction", ScriptedEngine(delay_s=0.002)) as s:
-        yield s
+pytestmark = pytest.mark.stack(ScriptedEngine(delay_s=0.002), prefix="compaction")  # tests/integration/conftest.py
 
 
 async def submit(stack, body: dict) -> str:
     resp = await stack.client.post("/v1/completions", json=body, headers={"Prefer": "respond-async"})
     assert resp.status_code == 202, resp.text
     return resp.json()["id"]
-
-
-async def ended(stack, job_id: str) -> dict:
-    async with asyncio.timeout(30):
-        while (job := (await stack.client.get(f"/v1/jobs/{job_id}")).json())["status"] in ("queued", "running"):
-            await asyncio.sleep(0.02)
-    return job
 
 
 async def job_keys(stack, job_id: str) -> list[bytes]:
@@ -62,7 +52,7 @@ async def test_a_finished_job_costs_its_record_plus_well_under_1kb(stack, tokens
     if logprobs is not None:
         body["logprobs"] = logprobs
     job_id = await submit(stack, body)
-    assert (await ended(stack, job_id))["status"] == "done"
+    assert (await job_status(stack.client, job_id, timeout_s=30))["status"] == "done"
     keys = Keys(stack.settings.prefix)
     record_key, log_key = keys.job(stack.settings.model_name, job_id), keys.events(stack.settings.model_name, job_id)
     assert sorted(await job_keys(stack, job_id)) == sorted([record_key.encode(), log_key.encode()])
@@ -97,7 +87,7 @@ async def test_a_resume_after_the_end_gets_the_live_streams_bytes_from_every_eve
     live = frames(await read_sse(stack, job_id))  # followed while it runs: live messages
     keys = Keys(stack.settings.prefix)
     assert await stack.redis.type(keys.events(stack.settings.model_name, job_id)) == b"string"
-    sync = SyncRedis.from_url(stack.settings.redis_url)  # the e2e suites' reader (tests/event_log.py)
+    sync = SyncRedis.from_url(stack.settings.redis_url)  # the e2e suites' reader (tests/support/event_log.py)
     assert [seq for seq, _ in logged_events(sync, keys, stack.settings.model_name, job_id)] == list(
         range(1, tokens + 1))
     sync.close()
@@ -117,7 +107,7 @@ async def test_a_job_cancelled_mid_stream_is_compacted_and_reads_back_exactly(st
             await asyncio.sleep(0.01)
     entries = [fields[b"e"] for _, fields in await stack.redis.xrange(log_key)]  # what ran, so far
     assert (await stack.client.delete(f"/v1/jobs/{job_id}")).status_code == 200
-    assert (await ended(stack, job_id))["status"] == "cancelled"
+    assert (await job_status(stack.client, job_id, timeout_s=30))["status"] == "cancelled"
     compact = await stack.redis.get(log_key)
     assert compact[:1] == eventlog.SHAPE_WITH_BASE  # no result to refer to: it carries its own text
     events = await Queue(stack.redis, keys).read_events(stack.settings.model_name, job_id)

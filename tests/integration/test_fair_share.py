@@ -14,12 +14,14 @@ from shared.keys import Keys
 from shared.queue import Queue
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams
 from shared.tenants import TenantConfig
-from tests import inprocess_workers
-from tests.inprocess_workers import MODEL
+from tests.support import inprocess_workers
+from tests.support.inprocess_workers import MODEL
+from tests.support.waiting import eventually
 
 make_worker = inprocess_workers.make_worker
 
 STEP_S = 0.005  # the scripted engine's time per token
+SLOTS = 8  # the worker's engine slots in the flood test
 
 
 def job(tenant: str, tokens: int, prompt: str = "abcdefgh", priority: int = 0) -> JobRecord:
@@ -32,12 +34,10 @@ async def records(queue: Queue, ids: list[str]) -> list[JobRecord]:
 
 
 async def wait_done(queue: Queue, ids: list[str], timeout_s: float = 60) -> list[JobRecord]:
-    async with asyncio.timeout(timeout_s):
-        while True:
-            done = [r for r in await records(queue, ids) if r.status == "done"]
-            if len(done) == len(ids):
-                return done
-            await asyncio.sleep(0.05)
+    async def all_done() -> list[JobRecord] | None:
+        done = [r for r in await records(queue, ids) if r.status == "done"]
+        return done if len(done) == len(ids) else None
+    return await eventually(all_done, timeout_s=timeout_s, what=f"all {len(ids)} jobs done")
 
 
 def jain(xs: list[float]) -> float:
@@ -47,15 +47,17 @@ def jain(xs: list[float]) -> float:
 async def test_a_flood_cannot_starve_a_tenant_that_sends_a_little(redis, prefix, make_worker):
     """Tenant A queues 2,000 jobs at once; tenant B sends one every 200 ms. B's jobs wait at most
     one engine turnover (the time a job takes, so a slot frees for it) rather than behind A's
-    backlog (which would be about 2,000 / 8 turnovers: tens of seconds)."""
+    backlog (which would be about 2,000 / 8 turnovers: tens of seconds). Counted in what the
+    engine started, in order, not in seconds: a loaded machine stretches every step alike."""
     queue = Queue(redis, Keys(prefix))
-    await make_worker(delay_s=STEP_S, max_num_seqs=8)
+    engine = (await make_worker(delay_s=STEP_S, max_num_seqs=SLOTS)).worker.engine
     flood = [job("a", 20) for _ in range(2000)]
     pipe_size = 200
     for i in range(0, len(flood), pipe_size):
         await asyncio.gather(*(queue.enqueue(r) for r in flood[i:i + pipe_size]))
-    b_ids = []
+    b_ids, arrived = [], []
     for _ in range(15):
+        arrived.append(len(engine.started))  # B's arrival, in the engine's starts so far
         b_ids.append(await queue.enqueue(job("b", 20)))
         await asyncio.sleep(0.2)
     b = await wait_done(queue, b_ids)
@@ -68,16 +70,15 @@ async def test_a_flood_cannot_starve_a_tenant_that_sends_a_little(redis, prefix,
     batches = [starts[0]] + [t for prev, t in zip(starts, starts[1:], strict=False) if t - prev > duration / 2]
     # Measured while B sent (before, the flood was being queued on this same event loop).
     turnovers = [t - prev for prev, t in zip(batches, batches[1:], strict=False) if prev >= b[0].queued_at]
-    # Batches that began after a B job was queued (more than a pick's few ms after) and before
-    # the batch it ran in: each would be B left waiting behind A.
-    missed = [sum(r.queued_at + 5 < t < max(t for t in batches if t <= r.started_at) for t in batches) for r in b]
+    # The jobs the engine started after a B job came and before it: at most the ones already
+    # picked for the slots when it came (one turnover's worth); behind A's backlog, hundreds.
+    overtaken = [engine.started.index(job_id) - at for job_id, at in zip(b_ids, arrived, strict=True)]
     print(f"B's queue wait (ms): p50 {statistics.median(waits):.1f}, p99 {waits[-1]:.1f}; one batch turnover: "
           f"median {statistics.median(turnovers):.1f}, longest {max(turnovers):.1f}; "
-          f"A jobs done meanwhile: {len(a_done)} of {len(flood)}")
+          f"A jobs done meanwhile: {len(a_done)} of {len(flood)}; jobs started before each B job after it came: "
+          f"{overtaken}")
+    assert max(overtaken) <= SLOTS, overtaken  # every B job started within one turnover of its coming
     assert len(a_done) < len(flood) // 2, "A's backlog must still be there: B was not just last in line"
-    assert missed == [0] * len(b), missed  # every B job ran in the first batch to start after it came
-    # p99 of 15 = the longest: one turnover, plus the few ms of a pick already under way when it came
-    assert waits[-1] <= max(turnovers) + 5, (waits, turnovers)
 
 
 @pytest.mark.parametrize("workers", [2])

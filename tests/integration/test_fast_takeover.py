@@ -29,11 +29,11 @@ from shared.events import Event, TokenDelta, Tokens
 from shared.keys import GROUP, Keys
 from shared.queue import Outbound, Queue
 from shared.redis import connect
-from tests import inprocess_workers
-from tests.aof_redis import AofRedis
 from tests.conftest import REPO
-from tests.faults import lost_and_duplicated
-from tests.inprocess_workers import (
+from tests.support import inprocess_workers
+from tests.support.aof_redis import AofRedis
+from tests.support.faults import lost_and_duplicated
+from tests.support.inprocess_workers import (
     MODEL,
     TAKEOVER_S,
     Client,
@@ -44,7 +44,8 @@ from tests.inprocess_workers import (
     subscribe_confirmed,
     wait_for,
 )
-from tests.scripted_engine import ContextEngine, ScriptedEngine, expected_ids
+from tests.support.processes import spawn_logged
+from tests.support.scripted_engine import ContextEngine, ScriptedEngine, expected_ids
 from workers.presence import RECONNECT_MAX_S
 from workers.runner import Worker
 
@@ -84,8 +85,8 @@ async def _serve(redis_url: str, prefix: str, delay_s: float) -> None:
 
 
 def spawn_worker(redis_url: str, prefix: str, log: Path, delay_s: float = 0.02) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.integration.test_fast_takeover", redis_url, prefix,
-                             str(delay_s)], cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    return spawn_logged([sys.executable, "-m", "tests.integration.test_fast_takeover", redis_url, prefix,
+                         str(delay_s)], log, cwd=REPO)
 
 
 async def worker_of(redis, keys: Keys, proc: subprocess.Popen, log: Path) -> str:

@@ -3,7 +3,7 @@
 The app runs on a real port with a scripted worker. Every response must have a status below
 500 and must finish (streams are read to the end) within a per-request timeout; a body never
 carries an internal error in-band either. Bodies come from the same strategies as the unit
-fuzz tests (tests/dialect_bodies.py, tests/fuzzing.py). The worker must still be alive at the end.
+fuzz tests (tests/support/dialect_bodies.py, tests/support/fuzzing.py). The worker must still be alive at the end.
 
 Below JSON: raw bytes per route (``test_raw_bytes_...``), mutations of valid bodies under any
 content type. A malformed body (truncated, a BOM, invalid UTF-8, NaN, nesting past the limit,
@@ -29,7 +29,7 @@ from api.dialects import openai_completions as oc
 from api.dialects import openai_responses as resp
 from shared.batches import BatchCreate
 from shared.schemas import GenerationRequest
-from tests.dialect_bodies import (
+from tests.support.dialect_bodies import (
     anthropic_bodies,
     chat_bodies,
     completion_bodies,
@@ -42,9 +42,8 @@ from tests.dialect_bodies import (
     tgi_bodies,
     triton_bodies,
 )
-from tests.fuzzing import malformed_bodies, odd_bodies, struct_body
-from tests.scripted_engine import CappedEngine
-from tests.scripted_stack import scripted_stack
+from tests.support.fuzzing import malformed_bodies, odd_bodies, struct_body
+from tests.support.scripted_engine import CappedEngine
 
 T = TypeVar("T")
 
@@ -88,10 +87,7 @@ ROUTES = [
 ]
 
 
-@pytest.fixture(scope="module")
-async def stack(redis_url):
-    async with scripted_stack(redis_url, "fuzz-http", CappedEngine(delay_s=0.0)) as s:
-        yield s
+pytestmark = pytest.mark.stack(CappedEngine(delay_s=0.0), prefix="fuzz-http")  # tests/integration/conftest.py
 
 
 async def post(stack, route: str, body: bytes, content_type: str = "application/json") -> tuple[int, bytes]:

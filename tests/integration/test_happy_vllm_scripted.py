@@ -11,14 +11,15 @@ import json
 import httpx
 import pytest
 
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_settings, scripted_stack, serve_api
+from tests.support.scripted_engine import ScriptedEngine
+from tests.support.scripted_stack import scripted_settings, serve_api
+
+pytestmark = pytest.mark.stack(ScriptedEngine(delay_s=0.001), prefix="scripted-happy")  # tests/integration/conftest.py
 
 
 @pytest.fixture(scope="module")
-async def client(redis_url):
-    async with scripted_stack(redis_url, "scripted-happy", ScriptedEngine(delay_s=0.001)) as s:
-        yield s.client
+def client(stack):
+    return stack.client
 
 
 async def raw_stream(client, body: dict) -> tuple[httpx.Response, bytes]:

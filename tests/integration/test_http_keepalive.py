@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, free_port
+from tests.support.processes import spawn_logged
+from tests.support.waiting import eventually_sync
 
 UVICORN_DEFAULT_S = 5
 REQUEST = b"GET /v2/health/live HTTP/1.1\r\nHost: llmq\r\n\r\n"
@@ -31,23 +33,18 @@ def _spawn_api(redis_url: str, log: Path, **settings: str) -> tuple[subprocess.P
     env = {k: v for k, v in os.environ.items() if k != "LLMQ_HTTP_KEEPALIVE_S"}  # the default unless given
     env.update(LLMQ_REDIS_URL=redis_url, LLMQ_PREFIX=f"keepalive-{port}", LLMQ_HOST="127.0.0.1", LLMQ_PORT=str(port),
                LLMQ_SERVED_MODEL_NAME="tiny", LLMQ_LOG_JSON="true", **settings)
-    proc = subprocess.Popen([sys.executable, "-m", "api"], cwd=REPO, env=env, stdout=log.open("wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = spawn_logged([sys.executable, "-m", "api"], log, cwd=REPO, env=env, start_new_session=True)
     return proc, port
 
 
 def _wait_serving(proc: subprocess.Popen, port: int, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/live", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"the API did not start:\n{log.read_text(errors='replace')[-3000:]}")
-        time.sleep(0.2)
+    def live() -> bool:
+        if proc.poll() is not None:
+            pytest.fail(f"the API exited:\n{log.read_text(errors='replace')[-3000:]}")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/live", timeout=2) as resp:
+            return resp.status == 200
+    eventually_sync(live, timeout_s=START_TIMEOUT_S, interval_s=0.2, ignoring=(OSError,),
+                    what=lambda: f"the API to start:\n{log.read_text(errors='replace')[-3000:]}")
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import pytest
 from shared.keys import TAG_CHARS, Keys, model_tag
 from shared.queue import Queue
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams
-from tests.job_records import wait_status
-from tests.scripted_stack import scripted_stack
+from tests.support.job_records import wait_status
+from tests.support.scripted_stack import scripted_stack
 
 OTHERS = ("a", "b", "c", "last")
 

@@ -19,8 +19,7 @@ from shared.errors import InvalidRequest
 from shared.events import TokenDelta
 from shared.keys import Keys
 from shared.schemas import GenerationRequest, PromptInfo, TopLogprob
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_stack
+from tests.support.scripted_engine import ScriptedEngine
 from workers.protocol import Step
 
 PREFIX = "lmtp-scripted"
@@ -91,10 +90,14 @@ class LmtpEngine(ScriptedEngine):
         return delta
 
 
+# One stack for the module: tests/integration/conftest.py
+pytestmark = pytest.mark.stack(LmtpEngine(), prefix=PREFIX, served_model_name=MODEL, heartbeat_s=0.5)
+
+
 @pytest.fixture(scope="module")
-async def stack(redis_url):
-    async with scripted_stack(redis_url, PREFIX, LmtpEngine(), served_model_name=MODEL, heartbeat_s=0.5) as s:
-        yield s.url, s.redis, s.worker
+def stack(stack):
+    """The module's stack as the (url, redis, worker) these tests unpack."""
+    return stack.url, stack.redis, stack.worker
 
 
 async def exchange(url: str, messages: list[str], count: int) -> list[str]:

@@ -25,9 +25,8 @@ import msgspec
 import pytest
 
 from shared.json_input import MAX_DEPTH
-from tests.fuzzing import deep
-from tests.scripted_engine import CappedEngine
-from tests.scripted_stack import scripted_stack
+from tests.support.fuzzing import deep
+from tests.support.scripted_engine import CappedEngine
 
 MODEL = "tiny"
 TIMEOUT_S = 30.0
@@ -220,16 +219,19 @@ MALFORMED = [
 ]
 
 
+pytestmark = pytest.mark.stack(CappedEngine(delay_s=0.0), prefix="malformed")  # tests/integration/conftest.py
+
+
 @pytest.fixture(scope="module")
-async def stack(redis_url):
-    async with scripted_stack(redis_url, "malformed", CappedEngine(delay_s=0.0)) as s:
-        line = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
-                "body": {"prompt": "hi", "max_tokens": 2}}
-        resp = await s.client.post("/v1/files", files={"file": ("in.jsonl", json.dumps(line).encode())},
+async def stack(stack):
+    """The module's stack, with one batch input file uploaded (``stack.file_id``): the batch
+    routes' bodies name it."""
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 2}}
+    resp = await stack.client.post("/v1/files", files={"file": ("in.jsonl", json.dumps(line).encode())},
                                    data={"purpose": "batch"})
-        assert resp.status_code == 200, resp.text
-        s.file_id = resp.json()["id"]  # type: ignore[attr-defined]
-        yield s
+    assert resp.status_code == 200, resp.text
+    stack.file_id = resp.json()["id"]  # type: ignore[attr-defined]
+    return stack
 
 
 async def send(stack, path: str, body: bytes, content_type: str = "application/json") -> tuple[int, bytes]:

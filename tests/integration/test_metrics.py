@@ -9,8 +9,9 @@ import asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.keys import Keys
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_stack
+from tests.support.scripted_engine import ScriptedEngine
+from tests.support.scripted_stack import scripted_stack
+from tests.support.waiting import job_status
 
 MODEL = "tiny"
 
@@ -24,20 +25,12 @@ def _get(values: dict, name: str, **labels: str) -> float:
     return values[(name, frozenset(labels.items()))]
 
 
-async def _wait_status(client, job_id: str, status: str) -> None:
-    for _ in range(200):
-        if (await client.get(f"/v1/jobs/{job_id}")).json()["status"] == status:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"job {job_id} never became {status}")
-
-
 async def test_metrics_count_jobs_tokens_latencies_and_refusals(redis_url, prefix):
     async with scripted_stack(redis_url, prefix, ScriptedEngine(delay_s=0.01), max_num_seqs=1, max_queued=1,
                               heartbeat_s=0.2) as s:
         worker = s.worker.worker_id
         held = (await s.client.post("/v1/jobs", json={"prompt": "hold", "sampling": {"max_tokens": 2000}})).json()["id"]
-        await _wait_status(s.client, held, "running")
+        await job_status(s.client, held, "running")
         await asyncio.sleep(0.3)  # so its end-to-end time lands above the 0.25 s bucket
         busy = _values((await s.client.get("/metrics")).text)
         level0 = {"model": MODEL, "level": "0"}
@@ -47,7 +40,7 @@ async def test_metrics_count_jobs_tokens_latencies_and_refusals(redis_url, prefi
         refused = await s.client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3})
         assert refused.status_code == 429  # the one allowed unfinished job is running
         await s.client.delete(f"/v1/jobs/{held}")
-        await _wait_status(s.client, held, "cancelled")
+        await job_status(s.client, held, "cancelled")
         for _ in range(2):
             done = await s.client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3})
             assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 3

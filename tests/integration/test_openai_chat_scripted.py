@@ -23,8 +23,7 @@ from api.errors import answered_in
 from api.routes.openai_chat import chat_response
 from api.services import Svc
 from shared.schemas import GenerationRequest
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_stack
+from tests.support.scripted_engine import ScriptedEngine
 from workers.protocol import Step
 
 SLOW_S = 1.6  # a "slow..." chat waits this long before its first token: several keep-alive intervals
@@ -49,10 +48,14 @@ async def lmi_chat(request: Request, svc: Svc, ctx: Ctx) -> Response | Stream:
     return await answered_in(chat.NAME, chat_response(request, svc, ctx.as_dialect(chat.NAME), lmi=True))
 
 
+# One stack for the module (tests/integration/conftest.py), with LMI's chat route too.
+pytestmark = pytest.mark.stack(ChatEngine(delay_s=0.001), prefix="scripted-chat", routes=[lmi_chat])
+
+
 @pytest.fixture(scope="module")
-async def client(redis_url):
-    async with scripted_stack(redis_url, "scripted-chat", ChatEngine(delay_s=0.001), routes=[lmi_chat]) as s:
-        yield s.client
+def client(stack):
+    return stack.client
+
 
 def chat_body(text: str, **extra) -> dict:
     return {"messages": [{"role": "system", "content": "ignored"}, {"role": "user", "content": text}], **extra}

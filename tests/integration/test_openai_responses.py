@@ -19,10 +19,11 @@ from hypothesis import strategies as st
 
 from api.dialects import openai_responses as r
 from shared.schemas import GenerationRequest
-from tests.dialect_bodies import responses_bodies
-from tests.fuzzing import malformed_bodies, odd_bodies, struct_body
-from tests.scripted_engine import ScriptedEngine, expected_text
-from tests.scripted_stack import scripted_settings, scripted_stack, serve_api
+from tests.support.dialect_bodies import responses_bodies
+from tests.support.fuzzing import malformed_bodies, odd_bodies, struct_body
+from tests.support.scripted_engine import ScriptedEngine, expected_text
+from tests.support.scripted_stack import scripted_settings, serve_api
+from tests.support.waiting import eventually
 from workers.protocol import Step
 
 SLOW_S = 1.5
@@ -43,10 +44,8 @@ class ResponsesEngine(ScriptedEngine):
             yield step
 
 
-@pytest.fixture(scope="module")
-async def stack(redis_url):
-    async with scripted_stack(redis_url, "scripted-responses", ResponsesEngine(delay_s=0.001)) as s:
-        yield s
+# One stack for the module: tests/integration/conftest.py
+pytestmark = pytest.mark.stack(ResponsesEngine(delay_s=0.001), prefix="scripted-responses")
 
 
 @pytest.fixture
@@ -56,13 +55,10 @@ async def client(stack):
 
 
 async def until(client: openai.AsyncOpenAI, resp_id: str, statuses: set[str], timeout_s: float = 10.0):
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
+    async def response():
         resp = await client.responses.retrieve(resp_id)
-        if resp.status in statuses:
-            return resp
-        assert asyncio.get_running_loop().time() < deadline, resp.status
-        await asyncio.sleep(0.05)
+        return resp if resp.status in statuses else None
+    return await eventually(response, timeout_s=timeout_s, what=f"response {resp_id} in {statuses}")
 
 
 async def test_create_plain_output_text_usage_and_echo(client):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import time
 
-from tests.background import housekeeping
+from tests.support.background import housekeeping
+from tests.support.waiting import eventually_sync
 
 IDLE_S = 4.0  # four ticks of the per-second crons (each one used to print four lines)
 
@@ -14,10 +15,10 @@ IDLE_S = 4.0  # four ticks of the per-second crons (each one used to print four 
 def _run_idle(redis_url: str, prefix: str, tmp_path, **settings: str) -> list[dict]:
     with housekeeping(redis_url, prefix, tmp_path, **settings) as proc:
         log = tmp_path / f"housekeeping-{prefix}.log"
-        deadline = time.monotonic() + 30
-        while b"housekeeping_sweep" not in log.read_bytes():  # started: its first sweep ran
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+        def swept() -> bool:  # started: its first sweep ran
+            assert proc.poll() is None, log.read_text()
+            return b"housekeeping_sweep" in log.read_bytes()
+        eventually_sync(swept, timeout_s=30, interval_s=0.1, what=lambda: f"a first sweep:\n{log.read_text()}")
         time.sleep(IDLE_S)
         text = log.read_text()
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]

@@ -1,10 +1,10 @@
 """Leases, reclaim, fencing, dead letter and drain hand-back on real Redis with in-process workers.
 
-The engine here (``tests.scripted_engine.ContextEngine``) is deterministic in its whole context
+The engine here (``tests.support.scripted_engine.ContextEngine``) is deterministic in its whole context
 (each next token is a function of every token before it, like greedy decoding), so a job
 continued from "prompt + published tokens" must produce exactly what an uninterrupted run
 produces. The client side is the real relay (``api.follow.follow`` over a live pub/sub
-subscription, ``tests.inprocess_workers.Client``), as an API process would run it.
+subscription, ``tests.support.inprocess_workers.Client``), as an API process would run it.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from shared.events import Error, TokenDelta, Tokens
 from shared.keys import GROUP
 from shared.queue import Outbound, Queue
 from shared.schemas import GenerationRequest, SamplingParams, StructuredOutput
-from tests import inprocess_workers
-from tests.inprocess_workers import MODEL, Client, assert_seamless, kill, running_on, submit, wait_for
-from tests.scripted_engine import expected_ids
+from tests.support import inprocess_workers
+from tests.support.inprocess_workers import MODEL, Client, assert_seamless, kill, running_on, submit, wait_for
+from tests.support.scripted_engine import expected_ids
 from workers.continuation import plan_continuation
 
 make_worker = inprocess_workers.make_worker  # in-process workers with a ContextEngine, on real Redis

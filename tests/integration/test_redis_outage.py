@@ -12,19 +12,11 @@ import httpx
 
 from shared.redis import redis_server_binary
 from tests.conftest import REPO, free_port
+from tests.support.waiting import eventually_sync
 
 
 def _wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            result = predicate()
-            if result:
-                return result
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    return eventually_sync(predicate, timeout_s=timeout_s, interval_s=0.1, what=what, ignoring=(httpx.TransportError,))
 
 
 def test_api_and_housekeeping_survive_redis_starting_late(tmp_path):
@@ -65,6 +57,8 @@ def test_api_and_housekeeping_survive_redis_starting_late(tmp_path):
         for p in procs.values():
             p.terminate()
             p.wait(20)
+        for log in logs.values():
+            log.close()
         if redis is not None:
             redis.terminate()
             redis.wait(10)

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from tests.aof_redis import AofRedis
-from tests.faults import lost_and_duplicated
-from tests.scripted_engine import ScriptedEngine, expected_text
-from tests.scripted_stack import scripted_stack
+from tests.support.aof_redis import AofRedis
+from tests.support.faults import lost_and_duplicated
+from tests.support.scripted_engine import ScriptedEngine, expected_text
+from tests.support.scripted_stack import scripted_stack
 
 TERMINAL = {"done", "failed", "cancelled"}
 

@@ -1,6 +1,6 @@
 """Redis passwords, ACL users and TLS (``rediss://``) through LLMQ_REDIS_URL, on real redis-servers.
 
-TLS runs through ``tests/tls_proxy.py`` (the shipped redis-server has no TLS): the client's TLS
+TLS runs through ``tests/support/tls_proxy.py`` (the shipped redis-server has no TLS): the client's TLS
 handshake and certificate check are real, the proxy forwards plaintext to the real server.
 """
 
@@ -25,10 +25,10 @@ from shared.keys import Keys
 from shared.queue import Queue
 from shared.redis import connect, redis_server_binary, wait_for_redis
 from tests.conftest import REPO, free_port, wait_for_ping
-from tests.job_records import record, wait_status
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_settings, scripted_stack, serve_api
-from tests.tls_proxy import TlsProxy, tls_proxy, write_ca
+from tests.support.job_records import record, wait_status
+from tests.support.scripted_engine import ScriptedEngine
+from tests.support.scripted_stack import scripted_settings, scripted_stack, serve_api
+from tests.support.tls_proxy import TlsProxy, tls_proxy, write_ca
 from workers.runner import Worker
 
 PASSWORD = "s3cret-pw"

@@ -24,8 +24,8 @@ from shared.keys import Keys
 from shared.queue import Outbound, Queue, now_ms
 from shared.redis import connect
 from shared.schemas import GenerationRequest, JobRecord
-from tests.scripted_engine import ScriptedEngine, expected_text
-from tests.scripted_stack import scripted_settings, scripted_stack, serve_api
+from tests.support.scripted_engine import ScriptedEngine, expected_text
+from tests.support.scripted_stack import scripted_settings, scripted_stack, serve_api
 
 MODEL = "tiny"
 

@@ -25,9 +25,10 @@ from shared.events import Done, TokenDelta, Tokens
 from shared.keys import Keys
 from shared.queue import Queue
 from shared.redis import connect
-from tests.faults import FIGURES, Figures
-from tests.scripted_engine import ScriptedEngine, expected_text
-from tests.scripted_stack import ScriptedStack, scripted_stack
+from tests.support.faults import FIGURES, Figures
+from tests.support.scripted_engine import ScriptedEngine, expected_text
+from tests.support.scripted_stack import ScriptedStack, scripted_stack
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.faults
 
@@ -153,10 +154,7 @@ def report(name: str, totals: dict[str, int], kills: list[int], streams: list[Re
 
 
 async def _until(predicate, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting for the streams to progress"
-        await asyncio.sleep(0.01)
+    await eventually(predicate, timeout_s=timeout_s, interval_s=0.01, what="the streams to progress")
 
 
 @pytest.mark.parametrize("kill_count", [1, 2])
@@ -264,11 +262,19 @@ async def test_a_silent_pubsub_connection_is_replaced_and_backfilled(redis_url, 
             writer.write(data)
             await writer.drain()
 
+    handlers: list[asyncio.Task] = []
+
     async def handle(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        handlers.append(asyncio.current_task())
         server_r, server_w = await asyncio.open_connection(host, int(port))
         link = {"dark": False}
         links.append(link)
-        await asyncio.gather(pipe(client_r, server_w, link), pipe(server_r, client_w, link), return_exceptions=True)
+        try:
+            await asyncio.gather(pipe(client_r, server_w, link), pipe(server_r, client_w, link),
+                                 return_exceptions=True)
+        finally:  # a dark link's pipes never end by themselves: the test's end cancels them
+            for writer in (client_w, server_w):
+                writer.close()
 
     proxy = await asyncio.start_server(handle, "127.0.0.1", 0)
     proxy_port = proxy.sockets[0].getsockname()[1]
@@ -311,6 +317,9 @@ async def test_a_silent_pubsub_connection_is_replaced_and_backfilled(redis_url, 
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)
         proxy.close()
+        for handler in handlers:
+            handler.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
         await redis.aclose()
         await proxied.aclose()
 

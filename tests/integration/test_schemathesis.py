@@ -36,8 +36,8 @@ from schemathesis import checks as st_checks
 
 from api.openapi import document
 from shared.json_input import MAX_DEPTH
-from tests.scripted_engine import CappedEngine
-from tests.scripted_stack import scripted_stack
+from tests.support.scripted_engine import CappedEngine
+from tests.support.scripted_stack import scripted_stack
 
 MODEL = "tiny"
 MAX_EXAMPLES = 25

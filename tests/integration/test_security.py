@@ -15,9 +15,9 @@ from redis.exceptions import AuthenticationError, ResponseError
 from shared.keys import Keys
 from shared.redis import REDIS_DOWN, connect, redis_server_binary
 from tests.conftest import free_port
-from tests.job_records import MODEL, record, wait_status
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_settings, scripted_stack
+from tests.support.job_records import MODEL, record, wait_status
+from tests.support.scripted_engine import ScriptedEngine
+from tests.support.scripted_stack import scripted_settings, scripted_stack
 
 # --- API keys ----------------------------------------------------------------------------------
 

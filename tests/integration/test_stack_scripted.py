@@ -10,14 +10,15 @@ import json
 
 import pytest
 
-from tests.scripted_engine import expected_text
-from tests.scripted_stack import scripted_stack
+from tests.support.scripted_engine import expected_text
+
+pytestmark = pytest.mark.stack(prefix="scripted")  # one stack for the module: tests/integration/conftest.py
 
 
 @pytest.fixture(scope="module")
-async def stack(redis_url):
-    async with scripted_stack(redis_url, "scripted") as s:
-        yield s.client, s.redis, s.settings
+def stack(stack):
+    """The module's stack as the (client, redis, settings) these tests unpack."""
+    return stack.client, stack.redis, stack.settings
 
 async def test_lmi_jsonlines_frames_one_token_per_line_and_summary_last(stack):
     client, _, _ = stack

@@ -13,8 +13,8 @@ from shared.keys import GROUP, Keys
 from shared.queue import Queue
 from shared.status import render, snapshot
 from tests.conftest import REPO
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_stack
+from tests.support.scripted_engine import ScriptedEngine
+from tests.support.scripted_stack import scripted_stack
 
 MODEL = "tiny"
 

@@ -21,9 +21,9 @@ from shared.config import load_settings
 from shared.keys import GROUP, Keys
 from shared.queue import Queue
 from shared.redis import connect
-from tests.inprocess_workers import MODEL, TAKEOVER_S, judging, seconds_until_taken, submit, subscribe_confirmed
-from tests.redis_cluster import LocalCluster, start_cluster
-from tests.scripted_engine import ContextEngine
+from tests.support.inprocess_workers import MODEL, TAKEOVER_S, judging, seconds_until_taken, submit, subscribe_confirmed
+from tests.support.redis_cluster import LocalCluster, start_cluster
+from tests.support.scripted_engine import ContextEngine
 from workers.runner import Worker
 
 

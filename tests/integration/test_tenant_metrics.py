@@ -13,9 +13,9 @@ from shared.keys import Keys
 from shared.status import render, snapshot
 from tests.conftest import REPO
 from tests.integration.test_metrics import _values
-from tests.job_records import MODEL, wait_status
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_stack
+from tests.support.job_records import MODEL, wait_status
+from tests.support.scripted_engine import ScriptedEngine
+from tests.support.scripted_stack import scripted_stack
 
 HEADER = "x-tenant"
 COUNTERS = ("llmq_tenant_requests_total", "llmq_tenant_prompt_tokens_total", "llmq_tenant_generated_tokens_total")

@@ -11,9 +11,9 @@ import pytest
 
 from shared.keys import Keys
 from shared.tenants import today
-from tests.job_records import MODEL, wait_status
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_stack
+from tests.support.job_records import MODEL, wait_status
+from tests.support.scripted_engine import ScriptedEngine
+from tests.support.scripted_stack import scripted_stack
 
 HEADER = "x-tenant"
 

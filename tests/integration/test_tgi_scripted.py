@@ -16,8 +16,7 @@ from huggingface_hub.errors import GenerationError, OverloadedError, ValidationE
 from shared.errors import GenerationFailed, Overloaded
 from shared.events import TokenDelta
 from shared.schemas import GenerationRequest, PromptInfo, TopLogprob
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_stack
+from tests.support.scripted_engine import ScriptedEngine
 from workers.protocol import Step
 
 EOS = 2
@@ -64,12 +63,15 @@ class TgiEngine(ScriptedEngine):
             yield Step(deltas=deltas, finished=i == n - 1, prompt_tokens=len(prompt), prompt=info if i == 0 else None)
 
 
+# One stack for the module (tests/integration/conftest.py); no tokenizer files: the special-id lookup finds none.
+pytestmark = pytest.mark.stack(TgiEngine(delay_s=0.001), prefix="scripted-tgi", max_model_len=64,
+                               cache_dir="/nonexistent-llmq-cache")
+
+
 @pytest.fixture(scope="module")
-async def stack(redis_url):
-    # no tokenizer files: the special-id lookup finds none
-    async with scripted_stack(redis_url, "scripted-tgi", TgiEngine(delay_s=0.001), max_model_len=64,
-                              cache_dir="/nonexistent-llmq-cache") as s:
-        yield s.client, s.url
+def stack(stack):
+    """The module's stack as the (client, url) these tests unpack."""
+    return stack.client, stack.url
 
 def _frames(raw: bytes) -> list[bytes]:
     frames = raw.split(b"\n\n")

@@ -8,7 +8,6 @@ on real vLLM). The scripted engine records the ``trace_headers`` each job's engi
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
@@ -21,10 +20,11 @@ from opentelemetry.trace import SpanKind, StatusCode, format_span_id, format_tra
 
 from shared.config import apply_tracing_environment, tracing_enabled
 from shared.tracing import Tracing, parent_context
-from tests import inprocess_workers
-from tests.inprocess_workers import MODEL, Client, kill, running_on
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_stack
+from tests.support import inprocess_workers
+from tests.support.inprocess_workers import MODEL, Client, kill, running_on
+from tests.support.scripted_engine import ScriptedEngine
+from tests.support.scripted_stack import scripted_stack
+from tests.support.waiting import eventually
 
 make_worker = inprocess_workers.make_worker
 
@@ -48,12 +48,11 @@ def tracing(exported: InMemorySpanExporter) -> Tracing:
 async def spans_when(exported: InMemorySpanExporter, done, timeout_s: float = 10) -> list[ReadableSpan]:
     """The finished spans once ``done(spans)`` holds (the API's span ends a moment after the
     client has read the last byte)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not done(spans := list(exported.get_finished_spans())):
-        assert loop.time() < deadline, [(s.name, dict(s.attributes or {})) for s in spans]
-        await asyncio.sleep(0.02)
-    return spans
+    def finished() -> list[ReadableSpan] | None:
+        spans = list(exported.get_finished_spans())
+        return spans if done(spans) else None
+    return await eventually(finished, timeout_s=timeout_s, interval_s=0.02, what=lambda: str(
+        [(s.name, dict(s.attributes or {})) for s in exported.get_finished_spans()]))
 
 
 def named(spans: list[ReadableSpan], name: str) -> list[ReadableSpan]:

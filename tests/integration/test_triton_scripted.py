@@ -11,21 +11,18 @@ import json
 import httpx
 import pytest
 
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_settings, scripted_stack, serve_api
+from tests.support.scripted_engine import ScriptedEngine
+from tests.support.scripted_stack import scripted_settings, serve_api
 
 SSE = "text/event-stream; charset=utf-8"
 
 
-@pytest.fixture(scope="module")
-async def stack(redis_url):
-    async with scripted_stack(redis_url, "scripted-triton", ScriptedEngine(delay_s=0.001)) as s:
-        yield s.client, s.settings
+pytestmark = pytest.mark.stack(ScriptedEngine(delay_s=0.001), prefix="scripted-triton")  # tests/integration/conftest.py
 
 
 @pytest.fixture
 def client(stack):
-    return stack[0]
+    return stack.client
 
 
 async def raw_stream(client, path: str, body: dict) -> tuple[httpx.Response, bytes]:
@@ -153,7 +150,6 @@ async def test_health_and_metadata(client):
 
 
 async def test_a_model_without_a_warm_worker_is_not_ready_and_its_request_waits_its_cold_wait(stack, redis_url):
-    _, settings = stack
     ghost = scripted_settings(redis_url, "scripted-triton-ghost", served_model_name="ghost", cold_wait_s=1.0)
     async with serve_api(ghost) as url:
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:

@@ -31,7 +31,9 @@ from shared.redis import connect
 from shared.schemas import GenerationRequest
 from tests.bench.cpu import children as child_pids
 from tests.conftest import REPO, free_port
-from tests.scripted_engine import ScriptedEngine, expected_text
+from tests.support.processes import spawn_logged
+from tests.support.scripted_engine import ScriptedEngine, expected_text
+from tests.support.waiting import eventually
 from workers.protocol import Step
 from workers.runner import Worker
 
@@ -98,8 +100,7 @@ async def web_processes(redis_url: str, prefix: str, log: Path, engine: Scripted
     env = {**os.environ, "LLMQ_REDIS_URL": redis_url, "LLMQ_PREFIX": prefix, "LLMQ_HOST": "127.0.0.1",
            "LLMQ_PORT": str(port), "LLMQ_SERVED_MODEL_NAME": MODEL, "LLMQ_LOG_JSON": "true",
            "LLMQ_WEB_PROCESSES": "2", "LLMQ_SSE_KEEPALIVE_S": "0.5", **env_extra}
-    proc = subprocess.Popen([sys.executable, "-m", "api"], cwd=REPO, env=env, stdout=log.open("wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = spawn_logged([sys.executable, "-m", "api"], log, cwd=REPO, env=env, start_new_session=True)
     keys = Keys(prefix)
     redis = connect(redis_url)
     settings = load_settings({}, redis_url=redis_url, prefix=prefix, served_model_name=MODEL, block_ms=200)
@@ -107,12 +108,13 @@ async def web_processes(redis_url: str, prefix: str, log: Path, engine: Scripted
     worker_task = asyncio.create_task(worker.run())
     try:
         # Up: both children's listeners hold their home channel, and the worker is routable.
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while (len(await redis.pubsub_channels(keys.api_home("*"))) < 2
-               or await redis.zscore(keys.workers(MODEL), worker.worker_id) is None):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the web processes did not start:\n{log.read_text(errors='replace')[-3000:]}")
-            await asyncio.sleep(0.1)
+        async def up() -> bool:
+            if proc.poll() is not None:
+                pytest.fail(f"the web processes exited:\n{log.read_text(errors='replace')[-3000:]}")
+            return (len(await redis.pubsub_channels(keys.api_home("*"))) >= 2
+                    and await redis.zscore(keys.workers(MODEL), worker.worker_id) is not None)
+        await eventually(up, timeout_s=START_TIMEOUT_S, interval_s=0.1,
+                         what=lambda: f"the web processes to start:\n{log.read_text(errors='replace')[-3000:]}")
         web = Web(proc, port, f"http://127.0.0.1:{port}", log, engine, child_pids(proc.pid))
         assert len(web.children) == 2, web.children
         yield web

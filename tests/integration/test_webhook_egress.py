@@ -18,9 +18,10 @@ import trustme
 
 from shared.keys import Keys
 from shared.webhooks import verify
-from tests.background import housekeeping
-from tests.scripted_stack import scripted_stack
-from tests.webhook_receiver import SECRET, finished, receiver
+from tests.support.background import housekeeping
+from tests.support.scripted_stack import scripted_stack
+from tests.support.waiting import eventually, job_status
+from tests.support.webhook_receiver import SECRET, receiver
 
 # Public, never contacted: no housekeeper runs while a job carries it.
 PUBLIC_HOOK = "http://93.184.215.14/hook"
@@ -72,12 +73,9 @@ async def test_a_webhook_to_an_allowed_destination_is_queued(redis_url, prefix, 
         assert await s.redis.hget(Keys(prefix).job("tiny", job_id), "webhook") == webhook.encode()
 
 
-async def _webhook_status(redis, prefix: str, job_id: str, timeout_s: float = 30) -> bytes | None:
-    for _ in range(int(timeout_s / 0.05)):
-        if status := await redis.hget(Keys(prefix).job("tiny", job_id), "webhook_status"):
-            return status
-        await asyncio.sleep(0.05)
-    return None
+async def _webhook_status(redis, prefix: str, job_id: str, timeout_s: float = 30) -> bytes:
+    return await eventually(lambda: redis.hget(Keys(prefix).job("tiny", job_id), "webhook_status"),
+                            timeout_s=timeout_s, what=f"job {job_id}'s webhook outcome")
 
 
 @pytest.mark.parametrize(("allow", "outcome"), [
@@ -93,7 +91,7 @@ async def test_delivery_checks_the_destination_again_after_its_own_lookup(redis_
     async with receiver() as rx, scripted_stack(redis_url, prefix, webhook_secret=SECRET) as s:
         job_id = (await s.client.post("/v1/jobs", json={
             "prompt": "hi", "sampling": {"max_tokens": 3}, "webhook": PUBLIC_HOOK})).json()["id"]
-        await finished(s.client, job_id)
+        await job_status(s.client, job_id)
         port = rx.url.rsplit(":", 1)[1]
         await s.redis.hset(Keys(prefix).job("tiny", job_id), "webhook", f"http://localhost:{port}/hook/rebound")
         assert await s.redis.xlen(Keys(prefix).webhooks("tiny")) == 1  # waiting for the housekeeper

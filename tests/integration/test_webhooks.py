@@ -15,10 +15,11 @@ import pytest
 
 from shared.keys import Keys
 from shared.webhooks import ID_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, verify
-from tests.background import housekeeping
-from tests.scripted_engine import ScriptedEngine
-from tests.scripted_stack import scripted_stack
-from tests.webhook_receiver import SECRET, finished, receiver
+from tests.support.background import housekeeping
+from tests.support.scripted_engine import ScriptedEngine
+from tests.support.scripted_stack import scripted_stack
+from tests.support.waiting import job_status
+from tests.support.webhook_receiver import SECRET, receiver
 
 # The receivers listen on loopback, which the default policy refuses (tests/integration/test_webhook_egress.py).
 ALLOW = "127.0.0.1/32"
@@ -30,7 +31,7 @@ async def test_a_webhook_is_signed_retried_with_backoff_and_delivered_once(redis
             rx.plans["flaky"] = [500, 503]  # two retryable failures, then 200
             job_id = (await s.client.post("/v1/jobs", json={
                 "prompt": "hi", "sampling": {"max_tokens": 5}, "webhook": f"{rx.url}/hook/flaky"})).json()["id"]
-            view = await finished(s.client, job_id)
+            view = await job_status(s.client, job_id)
             hits = await rx.hits_of("flaky", 3)
             assert len(hits) == 3, hits
 
@@ -67,7 +68,7 @@ async def test_a_refused_webhook_is_not_retried_and_is_marked_failed(redis_url, 
             rx.plans["gone"] = [410]
             job_id = (await s.client.post("/v1/jobs", json={
                 "prompt": "hi", "sampling": {"max_tokens": 3}, "webhook": f"{rx.url}/hook/gone"})).json()["id"]
-            await finished(s.client, job_id)
+            await job_status(s.client, job_id)
             await rx.hits_of("gone", 1)
             for _ in range(100):
                 if (await s.redis.hget(Keys(prefix).job("tiny", job_id), "webhook_status")) == b"failed":
@@ -94,7 +95,7 @@ async def test_cancelled_and_failed_jobs_call_their_webhook_too(redis_url, prefi
                 "prompt": "x", "sampling": {"max_tokens": 3}, "timeout_s": 0.2,
                 "webhook": f"{rx.url}/hook/expired"})).json()["id"]
             await asyncio.sleep(0.4)
-            assert (await finished(s.client, expired))["status"] == "failed"
+            assert (await job_status(s.client, expired))["status"] == "failed"
             await s.client.delete(f"/v1/jobs/{blocker['id']}")
 
             cancelled = json.loads((await rx.hits_of("cancelled", 1))[0][2])

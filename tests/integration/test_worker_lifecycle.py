@@ -16,7 +16,8 @@ from shared.errors import JobCancelled
 from shared.keys import GROUP, Keys
 from shared.queue import Queue, now_ms
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams
-from tests.scripted_engine import ScriptedEngine, expected_text
+from tests.support.scripted_engine import ScriptedEngine, expected_text
+from tests.support.waiting import eventually
 from workers.runner import Worker
 
 
@@ -48,12 +49,10 @@ async def _submit(queue: Queue, prompt: str, max_tokens: int) -> str:
 
 
 async def _wait_status(queue: Queue, job_id: str, *statuses: str, timeout: float = 10) -> str:
-    async with asyncio.timeout(timeout):
-        while True:
-            job = await queue.get_job("m", job_id)
-            if job is not None and job.status in statuses:
-                return job.status
-            await asyncio.sleep(0.01)
+    async def status() -> str | None:
+        job = await queue.get_job("m", job_id)
+        return job.status if job is not None and job.status in statuses else None
+    return await eventually(status, timeout_s=timeout, interval_s=0.01, what=f"job {job_id} to be {statuses}")
 
 
 async def test_stop_drains_in_flight_jobs_then_unregisters(make_worker, redis, keys):

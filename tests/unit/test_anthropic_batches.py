@@ -17,7 +17,7 @@ from shared.batches import MESSAGES, Answered, BatchObject, Failed, NotRun, Refu
 from shared.codec import encode
 from shared.errors import InvalidRequest, ServiceError
 from shared.schemas import Choice, JobError, JobResult, Usage
-from tests.dialect_bodies import message_batch_bodies
+from tests.support.dialect_bodies import message_batch_bodies
 
 CREATED = 1_700_000_000  # 2023-11-14T22:13:20Z
 

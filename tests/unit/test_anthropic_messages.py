@@ -27,8 +27,8 @@ from shared.events import Done, Error, TokenDelta, Tokens
 from shared.framing import KEEPALIVE, Keepalive
 from shared.queue import level_of
 from shared.schemas import ChatMessage, Choice, JobResult, StructuredOutput, Usage
-from tests.dialect_bodies import anthropic_bodies
-from tests.streams import frames as rendered
+from tests.support.dialect_bodies import anthropic_bodies
+from tests.support.streams import frames as rendered
 
 HI = [{"role": "user", "content": "hi"}]
 

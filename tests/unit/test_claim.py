@@ -58,6 +58,7 @@ def test_a_claim_held_by_a_sigkilled_process_is_free_again(tmp_path, release):
     finally:
         holder.kill()  # SIGKILL: no cleanup runs; the kernel drops the flock with the process
         holder.wait(10)
+        holder.stdout.close()
     freed = claim_gpus(tmp_path, ["0", "1"])
     release(freed)
     assert freed.label == "gpu:0"

@@ -13,7 +13,7 @@ from shared.errors import InvalidRequest, error_from_code
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.framing import SSE_DONE, Keepalive, sse
 from shared.schemas import Choice, JobResult, PromptInfo, TopLogprob, Usage
-from tests.streams import frames
+from tests.support.streams import frames
 
 
 def lmi_req(body: dict):

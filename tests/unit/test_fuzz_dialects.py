@@ -28,7 +28,7 @@ from shared import json_input
 from shared.codec import decode_request, encode, job_from_hash, job_to_hash
 from shared.errors import InvalidRequest, ServiceError
 from shared.schemas import ChatOptions, GenerationRequest, JobRecord, OutputOptions, SamplingParams
-from tests.dialect_bodies import (
+from tests.support.dialect_bodies import (
     chat_bodies,
     completion_bodies,
     happy_bodies,
@@ -38,7 +38,7 @@ from tests.dialect_bodies import (
     tgi_bodies,
     triton_bodies,
 )
-from tests.fuzzing import single_field_bodies
+from tests.support.fuzzing import single_field_bodies
 
 MAX_MODEL_LEN = 2048
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -12,7 +12,7 @@ from shared.errors import InvalidRequest, QueueUnavailable
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.framing import Keepalive
 from shared.schemas import Choice, JobResult, PromptInfo, StructuredOutput, Usage
-from tests.streams import frames
+from tests.support.streams import frames
 
 
 def req(body: dict, stream: bool = False):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from shared import json_input
 from shared.json_input import MAX_DEPTH, decode, decoder_for, loads, nesting_depth
-from tests.fuzzing import deep
+from tests.support.fuzzing import deep
 
 
 class Body(msgspec.Struct):

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tests.conftest import REPO
-from tests.faults import alive
+from tests.support.faults import alive
 
 # A parent that (maybe) binds its children, forks one that sleeps, reports its pid, and waits.
 PARENT = """
@@ -53,6 +53,7 @@ def _orphan_after_sigkill(mode: str, start: str) -> tuple[int, bool]:
     survived = alive(child)
     if survived:
         os.kill(child, signal.SIGKILL)
+    parent.stdout.close()  # only now: a child that outlived the parent may still write its line's end
     return child, survived
 
 

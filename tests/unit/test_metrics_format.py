@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.metrics import BUCKETS, Recorder, Sample, decode_samples, encode_samples, exposition
+from shared.metrics import BUCKETS, CATALOGUE, Recorder, Sample, decode_samples, encode_samples, exposition
 
 
 def test_a_recorders_counters_and_histograms_parse_as_prometheus_families():
@@ -34,6 +34,17 @@ def test_a_recorders_counters_and_histograms_parse_as_prometheus_families():
 
 def test_label_values_are_escaped():
     text = exposition([Sample("llmq_workers_ready", {"model": 'we"ird\\name\n'}, 1)])
-    [family] = text_string_to_metric_families(text)
+    [family] = [f for f in text_string_to_metric_families(text) if f.samples]
     assert family.samples[0].labels == {"model": 'we"ird\\name\n'}
-    assert text.startswith("# HELP llmq_workers_ready ")
+    assert "\n# HELP llmq_workers_ready " in text
+
+
+def test_every_family_is_declared_before_any_sample_and_a_new_recorder_starts_at_zero():
+    families = {f.name: f for f in text_string_to_metric_families(exposition([]))}
+    assert {(f.name, f.type, len(f.samples)) for f in families.values()} == {
+        (name.removesuffix("_total"), metric.kind, 0) for name, metric in CATALOGUE.items()}
+    fresh = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in Recorder("m").samples()}
+    assert fresh[("llmq_worker_jobs_ended_total", (("model", "m"), ("outcome", "done")))] == 0
+    assert fresh[("llmq_worker_tokens_total", (("model", "m"),))] == 0
+    assert fresh[("llmq_ttft_seconds_bucket", (("le", "+Inf"), ("model", "m")))] == 0
+    assert fresh[("llmq_ttft_seconds_count", (("model", "m"),))] == 0

@@ -11,7 +11,7 @@ from shared.errors import InvalidRequest
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.framing import KEEPALIVE, SSE_DONE, Keepalive
 from shared.schemas import ChatMessage, Choice, JobResult, StructuredOutput, TopLogprob, Usage
-from tests.streams import frames as rendered
+from tests.support.streams import frames as rendered
 
 MAX_LEN = 1024
 HI = [{"role": "user", "content": "hi"}]

@@ -34,9 +34,9 @@ from shared.schemas import (
     StructuredOutput,
     Usage,
 )
-from tests.dialect_bodies import responses_bodies
-from tests.fuzzing import single_field_bodies
-from tests.streams import frames as rendered
+from tests.support.dialect_bodies import responses_bodies
+from tests.support.fuzzing import single_field_bodies
+from tests.support.streams import frames as rendered
 
 MAX_LEN = 1024
 STREAM_EVENT = pydantic.TypeAdapter(ResponseStreamEvent)

@@ -14,7 +14,7 @@ from shared.errors import GenerationFailed, InvalidRequest, QueueUnavailable, Se
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.framing import KEEPALIVE, Keepalive
 from shared.schemas import Choice, JobResult, PromptInfo, TopLogprob, Usage
-from tests.streams import frames
+from tests.support.streams import frames
 
 LIMIT = 1024
 

@@ -12,7 +12,7 @@ from shared.errors import InvalidRequest, JobCancelled, ModelNotFound, QueueUnav
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.framing import Keepalive
 from shared.schemas import Choice, JobResult, PromptInfo, StructuredOutput, TopLogprob, Usage
-from tests.streams import frames
+from tests.support.streams import frames
 
 
 def translate(body: dict):

@@ -1,9 +1,10 @@
 """A webhook receiver on loopback for tests (tests/integration/test_webhooks.py and
-test_webhook_egress.py), and waiting for a job to finish through the API."""
+test_webhook_egress.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
@@ -15,8 +16,9 @@ from litestar import Litestar, Request, Response, post
 from litestar.params import FromPath
 
 from tests.conftest import free_port
+from tests.support.waiting import eventually
 
-__all__ = ["SECRET", "Receiver", "receiver", "finished"]
+__all__ = ["SECRET", "Receiver", "receiver"]
 
 SECRET = "test-secret"
 
@@ -32,9 +34,9 @@ class Receiver:
         self.url = ""
 
     async def hits_of(self, name: str, count: int, timeout_s: float = 30) -> list[tuple[float, dict[str, str], bytes]]:
-        deadline = time.monotonic() + timeout_s
-        while len(self.hits[name]) < count and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        """The hook's hits once there are ``count`` (or, after ``timeout_s``, as many as came)."""
+        with contextlib.suppress(AssertionError):  # the caller asserts on what came
+            await eventually(lambda: len(self.hits[name]) >= count, timeout_s=timeout_s)
         return self.hits[name]
 
 
@@ -56,8 +58,7 @@ async def receiver(certfile: Path | None = None, name: str = "127.0.0.1") -> Asy
     server = uvicorn.Server(uvicorn.Config(Litestar([hook]), host="127.0.0.1", port=port, log_level="warning",
                                            ssl_certfile=certfile))
     task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.02)
+    await eventually(lambda: server.started, interval_s=0.02, what="the receiver to serve")
     rx.url = f"{'https' if certfile else 'http'}://{name}:{port}"
     try:
         yield rx
@@ -65,12 +66,3 @@ async def receiver(certfile: Path | None = None, name: str = "127.0.0.1") -> Asy
         server.should_exit = True
         await task
 
-
-async def finished(client, job_id: str) -> dict:
-    """The job's view (``GET /v1/jobs/{id}``) once it is neither queued nor running."""
-    for _ in range(400):
-        view = (await client.get(f"/v1/jobs/{job_id}")).json()
-        if view["status"] not in ("queued", "running"):
-            return view
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"job {job_id} never finished")

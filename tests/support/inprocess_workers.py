@@ -20,7 +20,8 @@ from shared.events import Done, Event, Tokens
 from shared.keys import Keys
 from shared.queue import Queue, now_ms
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams
-from tests.scripted_engine import ContextEngine, expected_ids
+from tests.support.scripted_engine import ContextEngine, expected_ids
+from tests.support.waiting import eventually
 from workers.runner import Worker
 
 MODEL = "m"
@@ -46,8 +47,7 @@ async def make_worker(redis, prefix):
         worker = Worker(settings, queue, engine or ContextEngine(delay_s, die_after), tracing=tracing)
         task = asyncio.create_task(worker.run())
         started.append(Running(worker, queue, task))
-        while not worker.ready:
-            await asyncio.sleep(0.01)
+        await eventually(lambda: worker.ready, timeout_s=120, interval_s=0.01, what="the worker to be warm")
         await asyncio.sleep(0.3)  # one heartbeat: registered as ready, so peers see it
         return started[-1]
 
@@ -144,12 +144,8 @@ class Client:
 
 
 async def wait_for(check, timeout: float = 10, every: float = 0.01):
-    async with asyncio.timeout(timeout):
-        while True:
-            value = await check()
-            if value:
-                return value
-            await asyncio.sleep(every)
+    """:func:`tests.support.waiting.eventually` with these suites' finer default interval."""
+    return await eventually(check, timeout_s=timeout, interval_s=every)
 
 
 async def running_on(queue: Queue, job_id: str, worker: Worker, min_tokens: int = 1) -> None:
@@ -175,8 +171,8 @@ def assert_seamless(events: list[Event], prompt: str, max_tokens: int) -> None:
 
 async def judging(worker: Worker) -> None:
     """Until the worker's watcher judges peers (its own subscription up for long enough)."""
-    while asyncio.get_running_loop().time() < worker.presence.watch_from:
-        await asyncio.sleep(0.05)
+    await eventually(lambda: asyncio.get_running_loop().time() >= worker.presence.watch_from, timeout_s=60,
+                     what="the worker's watcher to judge peers")
 
 
 async def subscribe_confirmed(redis, channel: str):

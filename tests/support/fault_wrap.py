@@ -1,4 +1,4 @@
-"""``python -m tests.fault_wrap <api|workers|housekeeping>``: a process's real ``main()``, with one
+"""``python -m tests.support.fault_wrap <api|workers|housekeeping>``: a process's real ``main()``, with one
 internal function made to raise ``RuntimeError`` the first time it is called. The error's message
 quotes what that function was given (the request, the Settings), as an engine's or a library's
 error may, so a test can check what an unexpected error puts in the logs. Test code only: the
@@ -11,7 +11,7 @@ production modules have no hooks for this.
 - housekeeping: ``workers.housekeeping._remove_dead_consumers(hk, reading)``, which the ``sweep``
   cron calls (at start-up, then every 30 s) with the Housekeeper (holding the Settings).
 
-``python -m tests.fault_wrap engine`` is a worker whose vLLM fails, by itself, every request whose
+``python -m tests.support.fault_wrap engine`` is a worker whose vLLM fails, by itself, every request whose
 prompt holds :data:`ENGINE_FAULT` (see :func:`fail_marked_requests`).
 """
 

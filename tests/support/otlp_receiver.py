@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gzip
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -25,6 +24,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
 from tests.conftest import free_port
+from tests.support.waiting import eventually_sync
 
 __all__ = ["Receiver", "Span", "decode"]
 
@@ -140,14 +140,10 @@ class Receiver:
     def wait_for(self, predicate: Callable[[list[Span]], bool], timeout_s: float = 30) -> list[Span]:
         """The spans once ``predicate`` holds over them all; AssertionError with what did
         arrive if it does not within ``timeout_s`` (exporters batch, so spans trickle in)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
+        def arrived() -> list[Span] | None:
             spans = self.spans()
-            if predicate(spans):
-                return spans
-            if time.monotonic() > deadline:
-                raise AssertionError(f"spans awaited for {timeout_s} s did not arrive\n{self.dump(spans)}")
-            time.sleep(0.05)
+            return spans if predicate(spans) else None
+        return eventually_sync(arrived, timeout_s=timeout_s, what=lambda: f"spans that did not arrive\n{self.dump()}")
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         rx = self

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
+
+pytest.importorskip("vllm")  # the engine tier: collected everywhere, run where a worker extra is installed
+
+import numpy as np
 import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext
 
 from workers.forcing import FORCED, ForcedPrefix, ForcedPrefixV2, forced_tokens, processor_for
+
+pytestmark = pytest.mark.engine
 
 VOCAB = 8
 NEG = float("-inf")

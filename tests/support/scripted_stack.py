@@ -22,7 +22,8 @@ from shared.keys import Keys
 from shared.queue import Queue
 from shared.redis import connect
 from tests.conftest import free_port
-from tests.scripted_engine import ScriptedEngine
+from tests.support.scripted_engine import ScriptedEngine
+from tests.support.waiting import eventually
 from workers.runner import Worker
 
 if TYPE_CHECKING:
@@ -58,8 +59,7 @@ async def serve_api(settings: Settings, routes: Sequence[object] = (), tracing: 
                                            lifespan="on"))
     task = asyncio.create_task(server.serve())
     try:
-        while not server.started:
-            await asyncio.sleep(0.05)
+        await eventually(lambda: server.started, timeout_s=60, what="the API to serve")
         yield f"http://127.0.0.1:{settings.port}"
     finally:
         server.should_exit = True
@@ -85,8 +85,9 @@ async def scripted_stack(
         worker_task = asyncio.create_task(worker.run())
         try:
             # Registered in the model's worker set, not just warm: only then does the API route to it.
-            while await redis.zscore(Keys(prefix).workers(settings.model_name), worker.worker_id) is None:
-                await asyncio.sleep(0.05)
+            async def registered() -> bool:
+                return await redis.zscore(Keys(prefix).workers(settings.model_name), worker.worker_id) is not None
+            await eventually(registered, timeout_s=120, what="the worker to register")
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
                 yield ScriptedStack(client=client, url=url, redis=redis, settings=settings, worker=worker)
         finally:

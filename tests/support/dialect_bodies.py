@@ -1,4 +1,4 @@
-"""Hypothesis strategies of request bodies, one per dialect's route, built with tests/fuzzing.py
+"""Hypothesis strategies of request bodies, one per dialect's route, built with tests/support/fuzzing.py
 from each dialect's own request Structs: shared by the unit fuzz tests (decode + translate,
 tests/unit/test_fuzz_dialects.py) and the HTTP ones (tests/integration/test_fuzz_http.py)."""
 
@@ -16,7 +16,7 @@ from api.dialects import openai_responses as resp
 from api.dialects import triton as tr
 from shared.codec import encode
 from shared.schemas import GenerationRequest
-from tests.fuzzing import NUMBER_STRINGS, dict_body, encode_body, junk, raw_bodies, struct_body, texts, typed
+from tests.support.fuzzing import NUMBER_STRINGS, dict_body, encode_body, junk, raw_bodies, struct_body, texts, typed
 
 __all__ = ["completion_bodies", "chat_bodies", "lmi_bodies", "tgi_bodies", "triton_bodies", "happy_bodies",
            "lmtp_frames", "job_bodies", "anthropic_bodies", "responses_bodies",

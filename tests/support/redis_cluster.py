@@ -14,13 +14,13 @@ import re
 import shutil
 import socket
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from redis import Redis as SyncRedis
 
 from shared.redis import redis_cli_binary, redis_server_binary
+from tests.support.waiting import eventually_sync
 
 __all__ = ["LocalCluster", "start_cluster", "redis7_binaries", "server_version"]
 
@@ -169,8 +169,4 @@ def _cluster_ok(url: str) -> bool:
 
 
 def _wait(check, *, what: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"local cluster: no {what} after {timeout_s} s")
-        time.sleep(0.1)
+    eventually_sync(check, timeout_s=timeout_s, interval_s=0.1, what=f"local cluster: {what}")

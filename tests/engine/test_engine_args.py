@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("vllm")  # the engine tier: collected everywhere, run where a worker extra is installed
+
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from shared.config import load_settings
 from tests.bench.serving import vllm_server_args
 from workers.engine import engine_args
+
+pytestmark = pytest.mark.engine
 
 
 def _served(flags: list[str]) -> AsyncEngineArgs:

@@ -46,10 +46,15 @@ class ScriptedEngine:
         self.trace_headers: list[Mapping[str, str] | None] = []  # what each job's engine request was given
         self.active = 0
         self.peak_active = 0  # most jobs generating at once: what the engine's slots bound
+        self.log: list[tuple[str, str]] = []
+        """What the engine did, in order: ("start", job id) when a job's stream begins, ("end", job
+        id) when it ends however it ends, ("abort", job id). Tests that pin an order of events
+        read it instead of clocks, which a loaded machine stretches."""
 
     async def stream(self, job_id: str, req: GenerationRequest, parts: Sequence[Part] | None = None,
                      trace_headers: Mapping[str, str] | None = None) -> AsyncIterator[Step]:
         self.started.append(job_id)
+        self.log.append(("start", job_id))
         self.trace_headers.append(trace_headers)
         self.requests.append(req)
         self.active += 1
@@ -67,6 +72,7 @@ class ScriptedEngine:
                     yield step
         finally:
             self.active -= 1
+            self.log.append(("end", job_id))
 
     async def steps(self, job_id: str, req: GenerationRequest, replay: Sequence[int] = ()) -> AsyncIterator[Step]:
         """One engine request's steps: the hook a subclass overrides. ``replay``: output tokens to
@@ -93,6 +99,7 @@ class ScriptedEngine:
 
     async def abort(self, job_id: str) -> None:
         self.aborted.append(job_id)
+        self.log.append(("abort", job_id))
 
 
 class CappedEngine(ScriptedEngine):
