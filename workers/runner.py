@@ -50,6 +50,7 @@ from shared.events import Done, Error, Event, Timings, Tokens, is_terminal
 from shared.metrics import Recorder
 from shared.queue import Delivery, Held, Outbound, Queue, now_ms
 from shared.redis import REDIS_DOWN
+from shared.registry import Registry
 from shared.result import ResultBuilder
 from shared.schemas import GenerationRequest, JobResult, Usage
 from workers.continuation import plan_for
@@ -116,7 +117,8 @@ class Worker:
         self._next_reclaim = 0.0
         self._incoming = 0  # slots promised to jobs being claimed, not yet in _running
         self.metrics = Recorder(self.model)  # pushed with each heartbeat (shared/metrics.py)
-        self.presence = Presence(settings, queue, self.worker_id, self.metrics, device=device)
+        self.presence = Presence(settings, Registry(queue.redis, queue.keys), self.worker_id, self.metrics,
+                                 device=device)
 
     # --- lifecycle ----------------------------------------------------------------------------
 

@@ -224,7 +224,8 @@ async def test_a_dropped_control_connection_reconnects_and_keeps_its_jobs(make_w
         [a_conn] = await _pubsub_ids(redis) - others  # A's current connection
         assert await redis.client_kill_filter(_id=a_conn) == 1
         await asyncio.sleep(TAKEOVER_S * 1.5)
-        assert (await a.queue.subscribed(MODEL, [a.worker.worker_id])) == [1], "A re-subscribed"
+        subscribed = await a.worker.presence.registry.subscribed(MODEL, [a.worker.worker_id])
+        assert subscribed == [1], "A re-subscribed"
     events = await client.finish()
 
     assert_seamless(events, "blip", 200)
@@ -411,15 +412,15 @@ async def test_a_worker_reads_no_job_before_its_control_subscription_is_confirme
                                                                                  monkeypatch):
     """Peers would take a consumer holding jobs without a subscription for a dead worker's, so a
     worker starting up reads nothing until Redis confirmed its subscription (here delayed 1 s)."""
-    from shared import queue as queue_module
+    from shared import registry as registry_module
 
-    real = queue_module.node_client
+    real = registry_module.node_client
 
     async def slow(*args, **kwargs):
         await asyncio.sleep(1.0)
         return await real(*args, **kwargs)
 
-    monkeypatch.setattr(queue_module, "node_client", slow)  # what Queue.control_subscription connects with
+    monkeypatch.setattr(registry_module, "node_client", slow)  # what Registry.control_subscription connects with
     queue = Queue(redis, keys)
     await queue.ensure_group(MODEL)
     job_id = await submit(queue, "early", 5)
