@@ -311,26 +311,6 @@ class Queue:
 
     # --- worker side --------------------------------------------------------------------------
 
-    async def read_new(self, model: str, consumer: str, count: int, block_ms: int,
-                       max_deliveries: int = 3, *, admit: Callable[[int], int] | None = None,
-                       stop: asyncio.Event | None = None) -> list[Delivery]:
-        """:meth:`pick`, and only when nothing waits :meth:`wait_for_work` and a pick once more.
-        ``admit``, called before each pick with ``count``, says how many the caller has room for
-        now and holds that many slots; called with 0 before blocking, it holds none."""
-        room = admit(count) if admit is not None else count
-        if room <= 0:
-            return []
-        picked = await self.pick(model, consumer, room, max_deliveries)
-        if picked.deliveries:
-            return picked.deliveries
-        if admit is not None:
-            admit(0)  # hold no slot while blocked: a takeover meanwhile may need them all
-        woke = await self.wait_for_work(model, picked.tops, block_ms, stop)
-        room = admit(count) if admit is not None else count
-        if not woke or room <= 0:
-            return []
-        return (await self.pick(model, consumer, room, max_deliveries)).deliveries
-
     async def pick(self, model: str, consumer: str, count: int, max_deliveries: int = 3) -> Picked:
         """Pick, read and claim up to ``count`` new jobs, the most urgent level first, by fair
         share between tenants within a level: read.lua, one round trip, never blocking. Ask only

@@ -118,7 +118,7 @@ def _spans(first: int, groups: Sequence[Group], counts: Sequence[int]) -> list[i
 ENQUEUE = Script(
     "enqueue.lua",
     keys=("job", "tenant_key", "tenants", "clock"),
-    key_groups=(Group("levels", ("queue", "waiting", "fair")), Group("idempotency", ("idempotency",))),
+    key_groups=(Group("levels", ("queue", "waiting_stream", "fair")), Group("idempotency", ("idempotency",))),
     argv=("job_id", "idempotency_ttl", "max_depth", "levels", "level", "tenant", "weight", "max_running",
           "max_queued", "tokens_per_minute", "now", "levels_at", "levels_width", "idempotency_at"),
     tail=True,  # the job record's field, value pairs

@@ -27,21 +27,19 @@ local levels_at = tonumber(ARGV[12])
 local levels_width = tonumber(ARGV[13])
 local idempotency_at = tonumber(ARGV[14])
 
-local queues, waitings, fairs = {}, {}, {}
-for l = 0, levels - 1 do
-  local k = levels_at + l * levels_width
-  local queue, waiting, fair = KEYS[k], KEYS[k + 1], KEYS[k + 2]
-  queues[l + 1], waitings[l + 1], fairs[l + 1] = queue, waiting, fair
-end
 local idempotency = KEYS[idempotency_at]  -- nil: the request has no Idempotency-Key
 if idempotency then
   local existing = redis.call('GET', idempotency)
   if existing then return existing end
 end
-local depth, waiting = 0, 0
+-- The model's unfinished jobs (both streams of every level) and the tenant's waiting ones.
+local depth, waiting, streams, fairs = 0, 0, {}, {}
 for l = 0, levels - 1 do
-  depth = depth + redis.call('XLEN', queues[l + 1]) + redis.call('XLEN', waitings[l + 1])
+  local k = levels_at + l * levels_width
+  local queue, waiting_stream, fair = KEYS[k], KEYS[k + 1], KEYS[k + 2]
+  depth = depth + redis.call('XLEN', queue) + redis.call('XLEN', waiting_stream)
   waiting = waiting + redis.call('LLEN', Fair.waiting_list(tenant_key, l))
+  streams[l + 1], fairs[l + 1] = waiting_stream, fair
 end
 if depth >= tonumber(max_depth) then return {'full', depth} end
 
@@ -69,7 +67,7 @@ end
 
 if idempotency then redis.call('SET', idempotency, job_id, 'EX', idempotency_ttl) end
 redis.call('HSET', job, unpack(ARGV, 15))
-local entry = redis.call('XADD', waitings[level + 1], '*', 'job', job_id, 'tenant', tenant)
+local entry = redis.call('XADD', streams[level + 1], '*', 'job', job_id, 'tenant', tenant)
 redis.call('RPUSH', Fair.waiting_list(tenant_key, level), entry .. ' ' .. job_id)
 redis.call('HSET', tenant_key, 'weight', weight, 'max_running', math.max(max_running, 0))
 redis.call('ZADD', tenants, 'NX', now, tenant)
