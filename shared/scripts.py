@@ -103,7 +103,7 @@ class Call(NamedTuple):
     args: list[Value]
 
 
-def _spans(first: int, groups: Sequence[Group], counts: Sequence[int]) -> list[int]:
+def _places(first: int, groups: Sequence[Group], counts: Sequence[int]) -> list[int]:
     """``<group>_at, <group>_width`` for groups laid out one after another from index ``first``,
     ``counts[i]`` items of group i."""
     out: list[int] = []
@@ -136,7 +136,7 @@ def enqueue(keys: Keys, model: str, job_id: str, tenant: str, *, idempotency: st
         k += [keys.queue(model, lvl), keys.waiting(model, lvl), keys.fair(model, lvl)]
     if idempotency:
         k.append(keys.idempotency(model, idempotency))
-    levels_at, levels_width, idempotency_at, _ = _spans(len(ENQUEUE.keys) + 1, ENQUEUE.key_groups,
+    levels_at, levels_width, idempotency_at, _ = _places(len(ENQUEUE.keys) + 1, ENQUEUE.key_groups,
                                                         [LEVELS, 1 if idempotency else 0])
     return Call(ENQUEUE, k, [job_id, idempotency_ttl, max_depth, LEVELS, level, tenant, repr(weight), max_running,
                              max_queued, tokens_per_minute, now, levels_at, levels_width, idempotency_at, *record])
@@ -157,7 +157,7 @@ def read(keys: Keys, model: str, consumer: str, count: int, *, now: float, max_f
     for lvl in range(LEVELS):
         k += [keys.queue(model, lvl), keys.waiting(model, lvl), keys.fair(model, lvl)]
     return Call(READ, k, [GROUP, consumer, count, keys.tenant(model, ""), keys.job(model, ""), keys.events(model, ""),
-                          now, max_failed, LEVELS, *_spans(len(READ.keys) + 1, READ.key_groups, [LEVELS])])
+                          now, max_failed, LEVELS, *_places(len(READ.keys) + 1, READ.key_groups, [LEVELS])])
 
 
 CLAIM_TAKEN = Script(
@@ -172,7 +172,7 @@ def claim_taken(keys: Keys, model: str, worker: str, job_ids: Sequence[str], *, 
     k: list[str] = []
     for job_id in job_ids:
         k += [keys.job(model, job_id), keys.events(model, job_id)]
-    return Call(CLAIM_TAKEN, k, [worker, now, max_failed, *_spans(1, CLAIM_TAKEN.key_groups, [len(job_ids)])])
+    return Call(CLAIM_TAKEN, k, [worker, now, max_failed, *_places(1, CLAIM_TAKEN.key_groups, [len(job_ids)])])
 
 
 TAKEOVER = Script("takeover.lua", keys=("queue",), argv=("group", "dead", "taker", "count"))
@@ -195,8 +195,8 @@ def renew(keys: Keys, model: str, worker: str, held: Sequence[tuple[str, bytes, 
     """``held``: (job id, queue entry id, attempt, level) per job."""
     k: list[str] = []
     args: list[Value] = [GROUP, worker, idle_ms, 1 if hand_back else 0,
-                         *_spans(1, RENEW.key_groups, [len(held)]),
-                         *_spans(len(RENEW.argv) + 1, RENEW.argv_groups, [len(held)])]
+                         *_places(1, RENEW.key_groups, [len(held)]),
+                         *_places(len(RENEW.argv) + 1, RENEW.argv_groups, [len(held)])]
     for job_id, entry, attempt, level in held:
         k += [keys.job(model, job_id), keys.queue(model, level)]
         args += [entry, attempt]
@@ -265,7 +265,7 @@ def expire(keys: Keys, model: str, job_id: str, *, day: str, now: float, grace_m
          *keys.fairs(model)]
     return Call(EXPIRE, k, [now, grace_ms, result_ttl, keys.live(model, job_id), event_tail, error, job_id,
                             "1" if at_once else "0", keys.tenant(model, ""), day_ttl, LEVELS,
-                            *_spans(len(EXPIRE.keys) + 1, EXPIRE.key_groups, [LEVELS])])
+                            *_places(len(EXPIRE.keys) + 1, EXPIRE.key_groups, [LEVELS])])
 
 
 FLUSH = Script(
@@ -323,8 +323,8 @@ def flush(keys: Keys, model: str, *, worker: str, result_ttl: int, now: float, d
     for level in range(LEVELS):
         k += [keys.queue(model, level), keys.fair(model, level)]
     args: list[Value] = [GROUP, worker, result_ttl, now, keys.live(model, ""), keys.tenant(model, ""), day_ttl,
-                         LEVELS, *_spans(len(FLUSH.keys) + 1, FLUSH.key_groups, [LEVELS, len(events)]),
-                         *_spans(_FLUSH_HEAD + 1, FLUSH.argv_groups, [len(events), len(extras)])]
+                         LEVELS, *_places(len(FLUSH.keys) + 1, FLUSH.key_groups, [LEVELS, len(events)]),
+                         *_places(_FLUSH_HEAD + 1, FLUSH.argv_groups, [len(events), len(extras)])]
     job_key, log_key = keys.job, keys.events
     for attempt, seq, event, job_id in events:
         k += [job_key(model, job_id), log_key(model, job_id)]

@@ -94,12 +94,19 @@ def test_a_tail_starts_right_after_the_fixed_values(script: Script):
 def test_each_script_calls_exactly_the_libraries_it_declares(unit):
     tables = {library.table for library in scripts.LIBRARIES}
     called = set(re.findall(r"\b(\w+)\.\w+\(", lua_code(unit.file))) & tables
-    own = getattr(unit, "table", None)
-    assert called - {own} == {library.table for library in unit.uses}
-    source = scripts.source(unit) if isinstance(unit, Script) else ""
-    for library in unit.uses:  # and each library comes before its callers
-        assert not isinstance(unit, Script) or source.index(f"local {library.table} = {{}}") < source.index(
-            scripts._read(unit.file))
+    assert called - {getattr(unit, "table", None)} == {library.table for library in unit.uses}
+
+
+@pytest.mark.parametrize("script", [s for s in scripts.SCRIPTS if s.uses], ids=lambda s: s.file)
+def test_a_scripts_source_puts_each_library_before_whatever_calls_it(script: Script):
+    source = scripts.source(script)
+    at = {library: source.index(scripts._read(library.file)) for library in scripts.LIBRARIES
+          if scripts._read(library.file) in source}
+    mine = source.index(scripts._read(script.file))
+    for library in script.uses:
+        assert at[library] < mine
+    for library, where in at.items():
+        assert all(at[used] < where for used in library.uses)
 
 
 # --- the packers fill their layouts -----------------------------------------------------------
