@@ -136,7 +136,7 @@ async def subscribe_job(svc: Services, model: str, job_id: str, stack: AsyncExit
     comes live and every earlier one is in the log."""
     channel = svc.relay_channel(model)
     messages = await stack.enter_async_context(svc.listener.follow(channel, job_id))
-    await svc.queue.relay_to(model, job_id, channel)
+    await svc.queue.add_follower(model, job_id, channel)
     return Live(model, job_id, stack, messages)
 
 

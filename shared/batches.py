@@ -17,9 +17,9 @@ from typing import Any, Literal
 import msgspec
 from redis.asyncio import Redis
 
+from shared import scripts
 from shared.codec import encode
 from shared.keys import Keys
-from shared.queue import lua
 from shared.schemas import GenerationRequest, JobError, JobResult
 
 __all__ = ["FileObject", "BatchCreate", "BatchObject", "BatchError", "RequestCounts", "InputLine", "StoredLine",
@@ -205,9 +205,7 @@ class BatchStore:
 
     def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis, self.keys = redis, keys
-        self._transition = redis.register_script(lua("batch_status.lua"))
-        self._create = redis.register_script(lua("batch_create.lua"))
-        self._rendered = redis.register_script(lua("file_rendered.lua"))
+        self.scripts = scripts.Scripts(redis)
 
     # --- files ----------------------------------------------------------------------------------
 
@@ -237,7 +235,7 @@ class BatchStore:
     async def put_rendered(self, meta: FileObject, content: bytes) -> bool:
         """Replace the file's outcomes with its rendered content and size; False when it was
         rendered already or deleted meanwhile (then nothing is written)."""
-        return bool(await self._rendered(keys=[self.keys.file(meta.id)], args=[encode(meta), content]))
+        return bool(await self.scripts.run(scripts.file_rendered(self.keys.file(meta.id), encode(meta), content)))
 
     async def delete_file(self, file_id: str) -> bool:
         await self.redis.zrem(self.keys.files(), file_id)
@@ -254,9 +252,9 @@ class BatchStore:
     # --- batches --------------------------------------------------------------------------------
 
     async def create(self, batch: BatchObject, lines: list[StoredLine], owner: str = "") -> None:
-        fields = [v for pair in {**self._fields(batch), "owner": owner, "next": "0"}.items() for v in pair]
-        await self._create(keys=[self.keys.batch(batch.id), self.keys.batch_lines(batch.id)],
-                           args=[len(fields), *fields, *(encode(line) for line in lines)])
+        await self.scripts.run(scripts.batch_create(self.keys.batch(batch.id), self.keys.batch_lines(batch.id),
+                                                    {**self._fields(batch), "owner": owner, "next": "0"},
+                                                    [encode(line) for line in lines]))
         await self.redis.zadd(self.keys.batches(), {batch.id: batch.created_at})
         if batch.status in ACTIVE:
             await self.redis.sadd(self.keys.batches_active(), batch.id)
@@ -305,10 +303,7 @@ class BatchStore:
                          **fields: str | int) -> bool:
         """Move the batch to ``status`` (stamping ``<status>_at``) only from one of ``allowed``,
         atomically, so a cancel and housekeeping's own moves never overwrite each other."""
-        args: list[str | int] = [status, f"{status}_at", at, ",".join(allowed)]
-        for name, value in fields.items():
-            args += [name, value]
-        moved = await self._transition(keys=[self.keys.batch(batch_id)], args=args)
+        moved = await self.scripts.run(scripts.batch_status(self.keys.batch(batch_id), status, at, allowed, fields))
         if moved and status not in ACTIVE:
             await self.redis.srem(self.keys.batches_active(), batch_id)
         return bool(moved)

@@ -1,29 +1,26 @@
 """Queue and event operations on Redis, used by both the API and the workers.
 
-The API enqueues and reads; a worker claims, publishes and finishes. Every write that must be
-all-or-nothing is one Lua script or one MULTI; every command here names keys through
-:class:`shared.keys.Keys` only.
+The API enqueues and reads; a worker picks, claims, publishes and finishes. Every write that must
+be all-or-nothing is one Lua script (called through its packer in shared/scripts.py) or one
+MULTI; every command here names keys through :class:`shared.keys.Keys` only. A worker's presence
+(heartbeat, control channel, peers) is shared/registry.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from importlib import resources
-from typing import TypeVar
+from typing import Literal, NamedTuple, TypeVar, get_args
 
 import msgspec
 import structlog
 from redis.asyncio import Redis
-from redis.asyncio.client import PubSub
 from redis.exceptions import ResponseError
 
-from shared import eventlog
-from shared.cluster import node_client, publish, sharded_pubsub, subscribers
+from shared import eventlog, scripts
+from shared.cluster import publish
 from shared.codec import decode_event, decode_request, encode, job_from_hash, job_to_hash
 from shared.errors import DeadlineExceeded, JobCancelled, Overloaded, RateLimited, ServiceError
 from shared.events import Done, Error, Event, Tokens
@@ -31,7 +28,7 @@ from shared.keys import GROUP, LEVELS, Keys
 from shared.schemas import GenerationRequest, JobError, JobGroup, JobRecord, JobResult, Usage, estimate_tokens
 from shared.tenants import DEFAULT_TENANT, TenantConfig, today
 
-__all__ = ["lua", "Queue", "Delivery", "Outbound", "Held", "now_ms", "level_of"]
+__all__ = ["Queue", "Delivery", "DeliveryState", "Picked", "Outbound", "Held", "now_ms", "level_of"]
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -71,36 +68,26 @@ async def _unless(stop: asyncio.Event, call: Callable[[], Awaitable[T]]) -> T | 
     return None
 
 
-@functools.cache
-def lua(name: str) -> str:
-    """The text of one of the scripts in shared/lua (read once per process), after the text of
-    each library (:data:`_LIBRARIES`) it calls: Redis scripts cannot include one another."""
-    text = resources.files("shared").joinpath("lua", name).read_text()
-    for library, namespace in _LIBRARIES.items():
-        if name != library and f"{namespace}." in text:
-            text = lua(library) + "\n" + text
-    return text
+DeliveryState = Literal["run", "cancelled", "dead", "expired", "missing", "finished", "invalid"]
+"""What a worker does with a delivered entry, as claim.lua decided (``invalid``: the record's
+request does not decode here):
 
-
-# Functions several scripts share, by the name of the table that holds them.
-_LIBRARIES = {"tenants.lua": "Fair", "claim.lua": "Claim"}
-
-
-def _sharded(source: str) -> str:
-    """A script's text with its live-channel PUBLISH made SPUBLISH (sharded pub/sub, Redis >= 7
-    Cluster). Legal inside the script: the channel carries the model's hash tag, the script's slot."""
-    sharded = source.replace("redis.call('PUBLISH',", "redis.call('SPUBLISH',")
-    assert sharded != source, "the script no longer publishes with redis.call('PUBLISH', ...)"
-    return sharded
+- ``run``: start it (the claim took ownership: attempt + 1, worker = us);
+- ``cancelled``, ``expired`` (its deadline passed), ``dead`` (out of deliveries), ``invalid``:
+  owned too, and ended at once with that error, never reaching the engine;
+- ``missing`` (no record: expired or never written), ``finished`` (the entry outlived its job):
+  nothing to own; the entry is only cleared."""
+_STATES: frozenset[str] = frozenset(get_args(DeliveryState))
+_OWNED: frozenset[str] = frozenset({"run", "cancelled", "dead", "expired"})  # states whose row holds the request
 
 
 @dataclass(slots=True)
 class Delivery:
-    """One queue entry handed to a worker, after the start script ran."""
+    """One queue entry handed to a worker, after it was claimed (claim.lua)."""
 
     entry_id: bytes
     job_id: str
-    state: str  # "run", "cancelled", "dead", "expired", "missing", "finished" (start.lua) or "invalid"
+    state: DeliveryState
     request: GenerationRequest | None
     queued_at: float
     attempt: int
@@ -155,6 +142,16 @@ class Held:
     level: int = 0
 
 
+class Picked(NamedTuple):
+    """What one pick (:meth:`Queue.pick`) gave a worker."""
+
+    deliveries: list[Delivery]
+    """The jobs picked, read and claimed (none: nobody waits)."""
+    tops: list[bytes]
+    """When nothing was picked, each level's newest waiting entry then: where
+    :meth:`Queue.wait_for_work` waits from, so a job queued since wakes it at once."""
+
+
 class Queue:
     def __init__(self, redis: Redis, keys: Keys, *, result_ttl_s: int = 3600, idempotency_ttl_s: int = 86400,
                  usage_days: int = 400):
@@ -163,33 +160,15 @@ class Queue:
         self.result_ttl_s = result_ttl_s
         self.idempotency_ttl_s = idempotency_ttl_s
         self.usage_ttl_s = usage_days * 86400
-        self._enqueue = redis.register_script(lua("enqueue.lua"))
-        self._start = redis.register_script(lua("start.lua"))
-        self._flush = redis.register_script(lua("flush.lua"))
-        self._renew = redis.register_script(lua("renew.lua"))
-        self._cancel = redis.register_script(lua("cancel.lua"))
-        self._read = redis.register_script(lua("read.lua"))
-        self._expire = redis.register_script(lua("expire.lua"))
-        self._ack = redis.register_script(lua("ack.lua"))
-        self._read_log = redis.register_script(lua("read_log.lua"))
-        self._relay = redis.register_script(lua("relay.lua"))
-        self.sharded: bool | None = None
-        """Whether live events go out with SPUBLISH; decided on first use (:meth:`_publishing`)."""
-        self._note = redis.register_script(lua("note.lua"))
-        self._takeover = redis.register_script(lua("takeover.lua"))
+        self.scripts = scripts.Scripts(redis)
         self._reclaim_from: dict[str, bytes | str] = {}  # per level queue: where the next scan resumes
 
-    # --- both sides ---------------------------------------------------------------------------
+    @property
+    def sharded(self) -> bool | None:
+        """Whether live events go out with SPUBLISH; decided on first use (shared/scripts.py)."""
+        return self.scripts.sharded
 
-    async def _publishing(self) -> None:
-        """Decide once, before the first script that publishes, between plain and sharded pub/sub
-        (shared/cluster.py). A standalone Redis decides without a round trip: plain."""
-        if self.sharded is None:
-            sharded = await sharded_pubsub(self.redis)
-            if sharded:
-                self._flush = self.redis.register_script(_sharded(lua("flush.lua")))
-                self._expire = self.redis.register_script(_sharded(lua("expire.lua")))
-            self.sharded = sharded
+    # --- both sides ---------------------------------------------------------------------------
 
     async def ensure_group(self, model: str) -> None:
         """Create every level's consumer group from the stream's start ('0'), so jobs queued
@@ -227,15 +206,14 @@ class Queue:
 
     async def note(self, model: str, job_id: str, fields: dict[str, str | int]) -> bool:
         """Set ``fields`` on the job record if it still exists (never recreates an expired one)."""
-        args = [v for pair in fields.items() for v in pair]
-        return bool(await self._note(keys=[self.keys.job(model, job_id)], args=args))
+        return bool(await self.scripts.run(scripts.set_if_exists(self.keys.job(model, job_id), fields)))
 
     async def read_events(self, model: str, job_id: str, after_seq: int = 0) -> list[Event]:
         """The job's logged events with sequence number > ``after_seq``, in order: from the
         stream while it runs, rebuilt from the compact log once it has ended (one script, so
         never half of each; the same events and bytes either way)."""
-        kind, *reply = await self._read_log(keys=[self.keys.events(model, job_id), self.keys.job(model, job_id)],
-                                            args=[after_seq + 1])
+        kind, *reply = await self.scripts.run(
+            scripts.read_log(self.keys.events(model, job_id), self.keys.job(model, job_id), after_seq + 1))
         if kind == b"s":
             return [decode_event(fields[1]) for _, fields in reply[0]]
         compact, result = reply
@@ -257,25 +235,19 @@ class Queue:
         config = tenant or TenantConfig()
         if not record.tenant or not record.estimate:  # a record not made by JobRecord.new
             record = msgspec.structs.replace(record, tenant=name, estimate=estimate_tokens(record.request))
-        keys = [self.keys.job(model, record.id), self.keys.tenant(model, name), self.keys.tenants(model),
-                self.keys.fair_clock(model)]
-        for level in range(LEVELS):
-            keys += [self.keys.queue(model, level), self.keys.waiting(model, level), self.keys.fair(model, level)]
-        if idempotency_key:
-            keys.append(self.keys.idempotency(model, idempotency_key))
 
         def limit(value: int | None) -> int:
             return -1 if value is None else value
 
-        args: list[bytes | str | int | float] = [
-            record.id, self.idempotency_ttl_s, max_queued, LEVELS, level_of(record.request.priority), name,
-            repr(config.weight), limit(config.max_running), limit(config.max_queued),
-            limit(config.tokens_per_minute), now_ms()]
-        for field, value in job_to_hash(record).items():
-            args += [field, value]
+        fields = job_to_hash(record)
         if relay:
-            args += ["relay", relay]
-        owner = await self._enqueue(keys=keys, args=args)
+            fields["relay"] = relay
+        owner = await self.scripts.run(scripts.enqueue(
+            self.keys, model, record.id, name, idempotency=idempotency_key, idempotency_ttl=self.idempotency_ttl_s,
+            max_depth=max_queued, level=level_of(record.request.priority), weight=config.weight,
+            max_running=limit(config.max_running), max_queued=limit(config.max_queued),
+            tokens_per_minute=limit(config.tokens_per_minute), now=now_ms(),
+            record=[v for pair in fields.items() for v in pair]))
         match owner:
             case [b"full", depth]:
                 log.info("queue_full", model=model, depth=depth, limit=max_queued)
@@ -293,10 +265,10 @@ class Queue:
                                   retry_after_s=int(retry))
         return owner.decode()
 
-    async def relay_to(self, model: str, job_id: str, channel: str) -> bool:
-        """Publish the job's events from now on to relay ``channel`` too (relay.lua); False when
-        the job has no record."""
-        return bool(await self._relay(keys=[self.keys.job(model, job_id)], args=[channel]))
+    async def add_follower(self, model: str, job_id: str, channel: str) -> bool:
+        """Publish the job's events from now on to relay ``channel`` too (add_follower.lua); False
+        when the job has no record."""
+        return bool(await self.scripts.run(scripts.add_follower(self.keys.job(model, job_id), channel)))
 
     async def expire(self, model: str, job_id: str, *, grace_ms: int, now: ServiceError | None = None) -> bool:
         """End the job with ``deadline_exceeded`` if its deadline passed (plus ``grace_ms`` when it
@@ -307,24 +279,14 @@ class Queue:
         head = b'{"type":"error","seq":0,'
         assert event.startswith(head)  # expire.lua writes the same bytes with the real seq
         error = encode(JobError(code=exc.code, message=exc.message, status=exc.status))
-        await self._publishing()
-        ended = await self._expire(
-            keys=[self.keys.job(model, job_id), self.keys.events(model, job_id), self.keys.webhooks(model),
-                  *self._metering(model)],
-            args=[now_ms(), grace_ms, self.result_ttl_s, self.keys.live(model, job_id), event[len(head):], error,
-                  job_id, "1" if now is not None else "0", self.keys.tenant(model, ""), self.usage_ttl_s],
-        )
+        ended = await self.scripts.run(scripts.expire(
+            self.keys, model, job_id, day=today(), now=now_ms(), grace_ms=grace_ms, result_ttl=self.result_ttl_s,
+            event_tail=event[len(head):], error=error, at_once=now is not None, day_ttl=self.usage_ttl_s))
         return bool(ended)
-
-    def _metering(self, model: str) -> list[str]:
-        """The keys a job's end updates for its tenant (Fair.ended in tenants.lua): the fair sets,
-        the fair clock, today's usage, the usage since the start, the model's token window."""
-        return [*self.keys.fairs(model), self.keys.fair_clock(model), self.keys.usage(model, today()),
-                self.keys.usage(model), self.keys.tokens(model)]
 
     async def cancel(self, model: str, job_id: str) -> str | None:
         """Flag the job cancelled and tell its worker. Returns the status it had, or None."""
-        reply = await self._cancel(keys=[self.keys.job(model, job_id)])
+        reply = await self.scripts.run(scripts.cancel(self.keys.job(model, job_id)))
         if not reply:
             return None
         status, worker = (v.decode() for v in reply)
@@ -337,7 +299,7 @@ class Queue:
         """Forget a job (the Responses API's DELETE). One still unfinished is ended first, fenced,
         as ``cancelled`` (expire.lua: its followers get that event and end; its worker, told to
         stop, can write nothing more); then its record and its log are deleted, so every later read
-        is a 404. A queue entry left behind is acked by the worker that reads it (start.lua:
+        is a 404. A queue entry left behind is acked by the worker that reads it (claim.lua:
         missing). False when there was no record."""
         status = await self.cancel(model, job_id)
         if status is None:
@@ -349,55 +311,30 @@ class Queue:
 
     # --- worker side --------------------------------------------------------------------------
 
-    async def read_new(self, model: str, consumer: str, count: int, block_ms: int,
-                       max_deliveries: int = 3, *, admit: Callable[[int], int] | None = None,
-                       stop: asyncio.Event | None = None) -> list[Delivery]:
-        """Pick, read and claim up to ``count`` new jobs (never more than the engine has free
-        slots), the most urgent level first, by fair share between tenants within a level.
-
-        read.lua does all three in one script, without blocking; only when nothing waits does the
-        read block, on the waiting streams, and then pick once more. ``admit``, called before each
-        pick with ``count``, says how many the caller has room for now and holds that many slots
-        (its slots may have filled meanwhile: a takeover while the read blocked), so nothing is
-        claimed that could not start; called with 0 before blocking, it holds none. ``stop`` set
-        ends a blocked read at once, with nothing (a worker told to drain must not wait out
-        LLMQ_BLOCK_MS first)."""
-        room = admit(count) if admit is not None else count
-        if room <= 0:
-            return []
-        rows, tops = await self._pick(model, consumer, room, max_deliveries)
-        if not rows:
-            # Nobody waits: sleep until a job is queued after the newest waiting entry read.lua saw
-            # (so one queued meanwhile wakes us at once), then pick once more. Every idle worker
-            # wakes; the pick gives the job to one.
-            waiting = self.keys.waitings(model)
-            if admit is not None:
-                admit(0)  # hold no slot while blocked: a takeover meanwhile may need them all
-
-            def read() -> Awaitable[list]:
-                return self.redis.xread(dict(zip(waiting, tops, strict=True)), count=1, block=block_ms)
-
-            reply = await read() if stop is None else await _unless(stop, read)
-            room = admit(count) if admit is not None else count
-            if not reply or room <= 0:
-                return []
-            rows, _ = await self._pick(model, consumer, room, max_deliveries)
-        return self._deliveries([(int(level), entry_id, job.decode()) for level, entry_id, job, _ in rows],
-                                [state for *_, state in rows], reclaimed=False)
-
-    async def _pick(self, model: str, consumer: str, count: int, max_deliveries: int) -> tuple[list, list[bytes]]:
-        """read.lua: up to ``count`` jobs picked by fair share, read and claimed, as (level, entry
-        id, job id, start state) rows, and per level the newest waiting entry it saw."""
-        keys: list[str] = []
-        for level in range(LEVELS):
-            keys += [self.keys.queue(model, level), self.keys.waiting(model, level), self.keys.fair(model, level)]
-        keys.append(self.keys.fair_clock(model))
-        args = [consumer, count, self.keys.tenant(model, ""), self.keys.job(model, ""), self.keys.events(model, ""),
-                now_ms(), max_deliveries]
+    async def pick(self, model: str, consumer: str, count: int, max_deliveries: int = 3) -> Picked:
+        """Pick, read and claim up to ``count`` new jobs, the most urgent level first, by fair
+        share between tenants within a level: read.lua, one round trip, never blocking. Ask only
+        for as many as can start now (the engine's free slots): nothing is claimed that could not."""
+        call = scripts.read(self.keys, model, consumer, count, now=now_ms(), max_failed=max_deliveries)
         while True:  # again at once while it stops early on waiting jobs that had already ended
-            rows, tops, more = await self._read(keys=keys, args=args)
+            rows, tops, more = await self.scripts.run(call)
             if rows or not more:
-                return rows, tops
+                break
+        deliveries = self._deliveries([(int(level), entry_id, job.decode()) for level, entry_id, job, _ in rows],
+                                      [state for *_, state in rows], reclaimed=False)
+        return Picked(deliveries, tops)
+
+    async def wait_for_work(self, model: str, tops: list[bytes], block_ms: int,
+                            stop: asyncio.Event | None = None) -> bool:
+        """Block until a job is queued after ``tops`` (:attr:`Picked.tops`: so one queued since the
+        pick wakes this at once), for at most ``block_ms``, holding nothing; True when one was.
+        Every idle worker wakes; the next pick gives the job to one. ``stop`` set ends the wait at
+        once, with False (a worker told to drain must not wait out LLMQ_BLOCK_MS first)."""
+
+        def read() -> Awaitable[list]:
+            return self.redis.xread(dict(zip(self.keys.waitings(model), tops, strict=True)), count=1, block=block_ms)
+
+        return bool(await read() if stop is None else await _unless(stop, read))
 
     async def reclaim(self, model: str, consumer: str, count: int, lease_ms: int, *,
                       max_deliveries: int = 3, exclude: frozenset[str] = frozenset()) -> list[Delivery]:
@@ -436,74 +373,15 @@ class Queue:
         fresh = [t for t in taken if t[2] not in exclude]
         return await self._claim(model, consumer, fresh, max_deliveries, reclaimed=True)
 
-    async def holders(self, model: str, consumer: str) -> set[str]:
-        """The consumers other than ``consumer`` that hold entries (delivered, unanswered) at any
-        level: one round trip."""
-        pipe = self.redis.pipeline(transaction=False)
-        for queue in self.keys.queues(model):
-            pipe.xinfo_consumers(queue, GROUP)
-        return {c["name"].decode() for level in await pipe.execute() for c in level
-                if c["pending"] and c["name"].decode() != consumer}
-
-    async def subscribed(self, model: str, workers: list[str]) -> list[int]:
-        """How many subscribers each worker's control channel has, in order (0: its process is
-        gone, or its connection is). On a Cluster counted on the node the workers subscribe on
-        (shared/cluster.py)."""
-        channels = [self.keys.worker_control(w) for w in workers]
-        return await subscribers(self.redis, channels, self.keys.queue(model))
-
-    # --- a worker's presence (workers/presence.py) --------------------------------------------
-
-    async def beat(self, model: str, worker: str, fields: Mapping[str, str | int | float | bytes], ttl_s: float, *,
-                   advertise: bool) -> None:
-        """One heartbeat in one round trip: ``worker``'s hash set to ``fields``, expiring after
-        ``ttl_s`` (+1 s); with ``advertise`` the worker in the model's ready set and the model in
-        the set of models, each scored by that expiry, else the worker out of the ready set; then
-        the ready set's expired members dropped."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(self.keys.worker(worker), mapping=dict(fields))
-        pipe.expire(self.keys.worker(worker), int(ttl_s) + 1)
-        if advertise:
-            expiry = now_ms() + ttl_s * 1000
-            pipe.zadd(self.keys.workers(model), {worker: expiry})
-            pipe.zadd(self.keys.models(), {model: expiry}, gt=True)  # how APIs discover models
-        else:
-            pipe.zrem(self.keys.workers(model), worker)
-        pipe.zremrangebyscore(self.keys.workers(model), 0, now_ms())
-        await pipe.execute()
-
-    async def deregister(self, model: str, worker: str) -> None:
-        """Remove ``worker``'s hash and its place in the model's ready set."""
-        await self.redis.delete(self.keys.worker(worker))
-        await self.redis.zrem(self.keys.workers(model), worker)
-
-    @contextlib.asynccontextmanager
-    async def control_subscription(self, model: str, worker: str) -> AsyncIterator[PubSub]:
-        """A subscription to ``worker``'s control channel (cancel notices name a job id), closed on
-        exit. On a Cluster it is made on the master of the model's slot, where peers count its
-        subscribers (:meth:`subscribed`; PUBLISH reaches every node), looked up per call: after a
-        failover it moves."""
-        client = pubsub = None
-        try:
-            client = await node_client(self.redis, self.keys.queue(model))
-            pubsub = client.pubsub()
-            await pubsub.subscribe(self.keys.worker_control(worker))
-            yield pubsub
-        finally:
-            if pubsub is not None:
-                await pubsub.aclose()
-            if client is not None and client is not self.redis:
-                await client.aclose()
-
     async def take_over(self, model: str, dead: str, consumer: str, count: int, *,
                         max_deliveries: int = 3) -> list[Delivery]:
         """Move up to ``count`` entries that consumer ``dead`` holds to ``consumer``, the most
         urgent level first, and claim them (takeover.lua: atomic per level, so two takers never
-        share an entry; the claim bumps each job's attempt, the fence). A level where ``dead`` is
+        share an entry; claim_taken.lua bumps each job's attempt, the fence). A level where ``dead`` is
         left holding nothing loses the consumer too."""
         taken: list[tuple[int, bytes, str]] = []
         for level, queue in enumerate(self.keys.queues(model)):
-            rows = await self._takeover(keys=[queue], args=[dead, consumer, count - len(taken)])
+            rows = await self.scripts.run(scripts.takeover(queue, dead, consumer, count - len(taken)))
             taken += [(level, entry_id, job.decode()) for entry_id, job in rows]
         return await self._claim(model, consumer, taken, max_deliveries, reclaimed=True)
 
@@ -511,20 +389,19 @@ class Queue:
                      *, reclaimed: bool) -> list[Delivery]:
         if not entries:
             return []
-        keys: list[str] = []
-        for _, _, job_id in entries:
-            keys += [self.keys.job(model, job_id), self.keys.events(model, job_id)]
-        states = await self._start(keys=keys, args=[consumer, now_ms(), max_deliveries])
+        states = await self.scripts.run(scripts.claim_taken(self.keys, model, consumer, [job for _, _, job in entries],
+                                                            now=now_ms(), max_failed=max_deliveries))
         return self._deliveries(entries, states, reclaimed=reclaimed)
 
     def _deliveries(self, entries: list[tuple[int, bytes, str]], states: list, *, reclaimed: bool) -> list[Delivery]:
         """Deliveries from entries (level, entry id, job id) and their claim rows (claim.lua)."""
         deliveries = []
         for (level, entry_id, job_id), row in zip(entries, states, strict=True):
-            state, request, queued_at, attempt, last_seq, prompt_ids, deadline, trace, lost, lost_started, tenant = row
-            state = state.decode()
+            raw, request, queued_at, attempt, last_seq, prompt_ids, deadline, trace, lost, lost_started, tenant = row
+            state: DeliveryState = raw.decode()
+            assert state in _STATES, f"claim.lua returned an unknown state {state!r}"
             decoded = None
-            if state in ("run", "cancelled", "dead", "expired"):
+            if state in _OWNED:
                 try:
                     decoded = decode_request(request)
                 except msgspec.ValidationError as exc:
@@ -554,7 +431,7 @@ class Queue:
     async def ack(self, model: str, entry_id: bytes, level: int = 0) -> None:
         """Ack and delete one delivered entry that needs no answer (its job is gone or finished)."""
         # One script rather than MULTI: as atomic, and redis-py's Cluster pipeline has no MULTI.
-        await self._ack(keys=[self.keys.queue(model, level)], args=[entry_id])
+        await self.scripts.run(scripts.ack(self.keys.queue(model, level), entry_id))
 
     async def renew(self, model: str, worker: str, held: list[Held], *, hand_back_idle_ms: int | None = None
                     ) -> list[str]:
@@ -563,12 +440,9 @@ class Queue:
         once. Returns the job ids this worker no longer owns."""
         if not held:
             return []
-        args: list[str | bytes | int] = [worker, hand_back_idle_ms or 0, 1 if hand_back_idle_ms else 0]
-        keys: list[str] = []
-        for h in held:
-            args += [h.entry_id, h.attempt]
-            keys += [self.keys.job(model, h.job_id), self.keys.queue(model, h.level)]
-        lost = await self._renew(keys=keys, args=args)
+        lost = await self.scripts.run(scripts.renew(
+            self.keys, model, worker, [(h.job_id, h.entry_id, h.attempt, h.level) for h in held],
+            idle_ms=hand_back_idle_ms or 0, hand_back=bool(hand_back_idle_ms)))
         return [held[int(i)].job_id for i in lost]
 
     async def flush(self, model: str, batch: list[Outbound], worker: str = "") -> list[str]:
@@ -581,31 +455,29 @@ class Queue:
 
         One script is atomic, and legal on Cluster: every key of one model shares its hash tag.
         """
-        keys = [self.keys.dead(model), self.keys.webhooks(model), *self.keys.queues(model), *self._metering(model)]
-        args: list[str | bytes | int | float] = [worker, self.result_ttl_s, now_ms(), self.keys.live(model, ""),
-                                                 LEVELS, self.keys.tenant(model, ""), self.usage_ttl_s]
-        job_key, log_key = self.keys.job, self.keys.events
-        for out in batch:
-            keys += [job_key(model, out.job_id), log_key(model, out.job_id)]
-            args += [out.attempt, out.event.seq, encode(out.event), out.job_id]
-            if out.first_token_at is None and out.prompt_ids is None and isinstance(out.event, Tokens):
-                args.append(0)  # the usual token event: nothing beyond the log and the live path
-            else:
-                args += self._more(out)
-        await self._publishing()
-        lost = await self._flush(keys=keys, args=args)
+        events: list[tuple[int, int, bytes, str]] = []
+        extras: list[tuple[int, scripts.Extra]] = []
+        for i, out in enumerate(batch):
+            events.append((out.attempt, out.event.seq, encode(out.event), out.job_id))
+            if out.first_token_at is not None or out.prompt_ids is not None or not isinstance(out.event, Tokens):
+                extras.append((i, self._extra(out)))  # the usual token event needs none
+        lost = await self.scripts.run(scripts.flush(
+            self.keys, model, worker=worker, result_ttl=self.result_ttl_s, now=now_ms(), day=today(),
+            day_ttl=self.usage_ttl_s, events=events, extras=extras))
         return sorted({batch[int(i)].job_id for i in lost})
 
     @classmethod
-    def _more(cls, out: Outbound) -> list[str | bytes | int | float]:
-        """What an event writes beyond the log and the live path: flush.lua's count, then the values."""
+    def _extra(cls, out: Outbound) -> scripts.Extra:
+        """What an event writes beyond the log and the live path."""
         status, field, payload = cls._terminal(out)
         # The tokens its tenant is charged: the result's usage, else what the worker counted (-1: unknown).
         usage = out.result.usage if out.result is not None else out.usage
-        return [11, "" if out.first_token_at is None else out.first_token_at,
-                encode(out.prompt_ids) if out.prompt_ids is not None else "",
-                status, field, payload, out.entry_id or "", out.level, "1" if out.dead else "", out.log or "",
-                usage.prompt_tokens if usage else -1, usage.completion_tokens if usage else -1]
+        return scripts.Extra(
+            first_token_at="" if out.first_token_at is None else out.first_token_at,
+            prompt_ids=encode(out.prompt_ids) if out.prompt_ids is not None else "",
+            status=status, field=field, payload=payload, entry=out.entry_id or "", entry_level=out.level,
+            dead="1" if out.dead else "", compact=out.log or "", prompt_tokens=usage.prompt_tokens if usage else -1,
+            generated_tokens=usage.completion_tokens if usage else -1)
 
     @staticmethod
     def _terminal(out: Outbound) -> tuple[str, str, bytes | str]:

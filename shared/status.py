@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import sys
 import time
-from collections.abc import AsyncIterator
 
 import msgspec
 from redis.asyncio import Redis
@@ -27,9 +26,10 @@ from shared.inspection import read_queue
 from shared.keys import Keys
 from shared.metrics import Sample, decode_samples
 from shared.redis import connect
+from shared.registry import Registry
 from shared.tenants import today, top_tenants
 
-__all__ = ["Status", "ModelStatus", "LevelStatus", "TenantUsage", "WorkerStatus", "snapshot", "heartbeats", "render",
+__all__ = ["Status", "ModelStatus", "LevelStatus", "TenantUsage", "WorkerStatus", "snapshot", "render",
            "main"]
 
 TOP_TENANTS = 5
@@ -111,17 +111,9 @@ async def _model(redis: Redis, keys: Keys, name: str, now: float, top: int) -> M
     )
 
 
-async def heartbeats(redis: Redis, keys: Keys) -> AsyncIterator[tuple[str, dict[str, str]]]:
-    """(worker id, heartbeat fields) of every worker whose heartbeat key has not expired."""
-    async for key in redis.scan_iter(match=keys.worker_pattern(), _type="hash", count=1000):
-        raw = {k.decode(): v.decode() for k, v in (await redis.hgetall(key)).items()}
-        if raw:  # else it expired between the scan and the read
-            yield keys.worker_id(key.decode()), raw
-
-
 async def _workers(redis: Redis, keys: Keys, now: float) -> list[WorkerStatus]:
     workers = []
-    async for worker_id, raw in heartbeats(redis, keys):
+    async for worker_id, raw in Registry(redis, keys).heartbeats():
         workers.append(WorkerStatus(
             id=worker_id, model=raw.get("model", "?"), status=raw.get("status", "?"),
             slots=int(raw.get("slots", 0)), running=int(raw.get("running", 0)), host=raw.get("host", "?"),

@@ -1,7 +1,7 @@
 """A worker's presence in Redis: its heartbeat key, its place in the ready set, its control
 channel, and the judgement of peers by theirs. One :class:`Presence` per worker, owned by
-:class:`workers.runner.Worker`; every Redis command it sends is a :class:`shared.queue.Queue`
-method.
+:class:`workers.runner.Worker`; every Redis command it sends is a
+:class:`shared.registry.Registry` method.
 
 The control channel is also the worker's sign of life. Its subscription lives exactly as long as
 its process (the kernel closes a dead process's sockets, and Redis drops their subscriptions at
@@ -30,7 +30,7 @@ from shared.redis import REDIS_DOWN
 if TYPE_CHECKING:
     from shared.config import Settings
     from shared.metrics import Recorder
-    from shared.queue import Queue
+    from shared.registry import Registry
 
 __all__ = ["Presence", "RECONNECT_MAX_S", "Status"]
 
@@ -49,10 +49,10 @@ class Presence:
     """The presence of worker ``worker_id`` of ``settings.model_name``. Its host says what to
     advertise at each :meth:`beat` and what a cancel notice does (:meth:`control`)."""
 
-    def __init__(self, settings: Settings, queue: Queue, worker_id: str, metrics: Recorder, *,
+    def __init__(self, settings: Settings, registry: Registry, worker_id: str, metrics: Recorder, *,
                  device: str = "") -> None:
         self.settings = settings
-        self.queue = queue
+        self.registry = registry
         self.model = settings.model_name
         self.worker_id = worker_id
         self.metrics = metrics
@@ -86,13 +86,13 @@ class Presence:
     async def beat(self, status: Status, running: int) -> None:
         """Renew the worker's key (TTL: three heartbeats) and, while ``ready``, its place in the
         ready set, from which the API answers health checks: only warm workers are in it."""
-        await self.queue.beat(self.model, self.worker_id, self._heartbeat_fields(status, running),
+        await self.registry.beat(self.model, self.worker_id, self._heartbeat_fields(status, running),
                               self.settings.heartbeat_s * 3, advertise=status == "ready")
 
     async def unregister(self) -> None:
         """Leave nothing behind (a clean stop); with Redis away the key's TTL does it instead."""
         try:
-            await self.queue.deregister(self.model, self.worker_id)
+            await self.registry.deregister(self.model, self.worker_id)
         except REDIS_DOWN:
             pass
 
@@ -107,7 +107,7 @@ class Presence:
         delay = 0.0
         while True:
             try:
-                async with self.queue.control_subscription(self.model, self.worker_id) as pubsub:
+                async with self.registry.control_subscription(self.model, self.worker_id) as pubsub:
                     while True:
                         message = await pubsub.get_message(timeout=1.0)
                         if message is None:
@@ -133,12 +133,12 @@ class Presence:
         """The peers holding jobs whose control channel has had no subscriber at every poll for
         ``LLMQ_TAKEOVER_S``: their process died. ``absent`` (peer -> when first seen without a
         subscriber) is the caller's memory between polls, updated here."""
-        holders = sorted(await self.queue.holders(self.model, self.worker_id))
+        holders = sorted(await self.registry.holders(self.model, self.worker_id))
         for gone in absent.keys() - set(holders):
             del absent[gone]
         if not holders:
             return []
-        ours, *theirs = await self.queue.subscribed(self.model, [self.worker_id, *holders])
+        ours, *theirs = await self.registry.subscribed(self.model, [self.worker_id, *holders])
         if not ours:
             # Our own subscription is down too: so may everyone's be (Redis restarted). Judge no
             # one until we are back and they had time to be back as well.

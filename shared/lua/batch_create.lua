@@ -1,14 +1,16 @@
 -- Record a batch and its lines together (one slot: the batch's keys share its hash tag), so a
 -- batch is never visible without its lines, nor lines left without a batch.
--- KEYS[1] batch hash   KEYS[2] lines list
--- ARGV[1] number of hash field/value arguments that follow   then those, then the lines
-local n = tonumber(ARGV[1])
-redis.call('HSET', KEYS[1], unpack(ARGV, 2, 1 + n))
+-- Slots: shared/scripts.py, BATCH_CREATE and batch_create(): after lines_at, the batch hash's
+-- field, value pairs, then from ARGV[lines_at] on the lines.
+local batch = KEYS[1]
+local lines = KEYS[2]
+local lines_at = tonumber(ARGV[1])
+redis.call('HSET', batch, unpack(ARGV, 2, lines_at - 1))
 -- In chunks: Lua's unpack refuses a few thousand values at once, and a batch has up to 50,000.
-local first = 2 + n
+local first = lines_at
 while first <= #ARGV do
   local last = math.min(first + 999, #ARGV)
-  redis.call('RPUSH', KEYS[2], unpack(ARGV, first, last))
+  redis.call('RPUSH', lines, unpack(ARGV, first, last))
   first = last + 1
 end
 return 1

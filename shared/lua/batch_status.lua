@@ -1,15 +1,20 @@
 -- Move a batch to a new status only from an allowed one (a compare-and-set on one hash).
--- KEYS[1] batch hash
--- ARGV[1] new status   ARGV[2] its timestamp field   ARGV[3] now (s)   ARGV[4] allowed, comma-separated
--- ARGV[5..] more field, value pairs to set with the move
+-- Slots: shared/scripts.py, BATCH_STATUS and batch_status(): allowed is comma-separated; more
+-- field, value pairs to set with the move follow the fixed values.
 -- Returns 1 when moved, 0 when the batch is missing or in another status.
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return 0 end
-local allowed = false
-for s in string.gmatch(ARGV[4], '[^,]+') do
-  if s == status then allowed = true end
+local batch = KEYS[1]
+local status = ARGV[1]
+local stamp_field = ARGV[2]
+local now = ARGV[3]
+local allowed = ARGV[4]
+local current = redis.call('HGET', batch, 'status')
+if not current then return 0 end
+local ok = false
+for s in string.gmatch(allowed, '[^,]+') do
+  if s == current then ok = true end
 end
-if not allowed then return 0 end
-redis.call('HSET', KEYS[1], 'status', ARGV[1], ARGV[2], ARGV[3])
-if #ARGV > 4 then redis.call('HSET', KEYS[1], unpack(ARGV, 5)) end
+if not ok then return 0 end
+redis.call('HSET', batch, 'status', status, stamp_field, now)
+local fields = {unpack(ARGV, 5)}
+if #fields > 0 then redis.call('HSET', batch, unpack(fields)) end
 return 1

@@ -1,5 +1,6 @@
--- Claiming one delivered job for a worker, shared by start.lua (new and reclaimed entries) and
--- read.lua (the jobs it picks, claimed in the same script): shared/queue.py puts this text first.
+-- Claiming one delivered job for a worker, shared by claim_taken.lua (entries taken over from
+-- another worker) and read.lua (the jobs it picks, claimed in the same script): a library,
+-- shared/scripts.py puts it before them.
 local Claim = {}
 
 -- key: the job hash; log: its event log; worker, now (epoch ms), max failed deliveries.
@@ -23,9 +24,7 @@ function Claim.start(key, log, worker, now, max_failed)
   elseif f[4] == 'done' or f[4] == 'failed' or f[4] == 'cancelled' then
     return {'finished', '', '0', 0, 0, '', '', '', '', '', ''}
   end
-  local last = redis.call('XREVRANGE', log, '+', '-', 'COUNT', 1)
-  local last_seq = 0
-  if last[1] then last_seq = tonumber(string.match(last[1][1], '^(%d+)')) end
+  local last_seq = Job.last_seq(log)
   -- Deliveries that ended without a hand-back: crashes or stalls.
   local failed = tonumber(f[5] or '0') - tonumber(f[6] or '0')
   local lost_worker, lost_started = '', ''

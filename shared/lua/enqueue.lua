@@ -1,35 +1,49 @@
 -- Atomically admit, record and queue a job (one round trip, one slot: all keys share the model tag).
--- KEYS[1] job hash   KEYS[2] the tenant's hash   KEYS[3] the model's tenants   KEYS[4] the fair clock
---   then per level (ARGV[4] of them), 3 keys: queue stream, waiting stream, fair set;
---   last, optional: idempotency key
--- ARGV[1] job id   ARGV[2] idempotency TTL (s)   ARGV[3] depth limit   ARGV[4] number of levels
--- ARGV[5] the job's level (0-based)   ARGV[6] tenant   ARGV[7] its weight   ARGV[8] max_running
---   ARGV[9] max_queued   ARGV[10] tokens_per_minute (-1: no limit for these three)
---   ARGV[11] now (epoch ms)   ARGV[12..] job hash field, value, ...
+-- Slots: shared/scripts.py, ENQUEUE and enqueue(): after the fixed keys, per level its queue
+-- stream, waiting stream and fair set, then (one or none) the idempotency key; after the fixed
+-- values, the job record's field, value pairs. -1 for max_running, max_queued or
+-- tokens_per_minute: no limit.
 -- Returns the job id that owns the request (ours, or the earlier one for a repeated key), or a
 -- refusal: {'full', depth} when the model holds the limit of unfinished jobs; {'queued', running,
 -- waiting} when the tenant may have no more jobs waiting; {'tokens', used, retry after (s)} when
 -- its last minute's tokens reached its limit.
 -- Checks and writes in one script, so concurrent submitters can never overshoot a limit.
+local job = KEYS[1]
+local tenant_key = KEYS[2]
+local tenants = KEYS[3]
+local clock = KEYS[4]
+local job_id = ARGV[1]
+local idempotency_ttl = ARGV[2]
+local max_depth = ARGV[3]
 local levels = tonumber(ARGV[4])
-local idem = KEYS[5 + 3 * levels]
-if idem then
-  local existing = redis.call('GET', idem)
+local level = tonumber(ARGV[5])
+local tenant = ARGV[6]
+local weight = ARGV[7]
+local max_running = tonumber(ARGV[8])
+local max_queued = tonumber(ARGV[9])
+local tokens_per_minute = tonumber(ARGV[10])
+local now = tonumber(ARGV[11])
+local levels_at = tonumber(ARGV[12])
+local levels_width = tonumber(ARGV[13])
+local idempotency_at = tonumber(ARGV[14])
+
+local idempotency = KEYS[idempotency_at]  -- nil: the request has no Idempotency-Key
+if idempotency then
+  local existing = redis.call('GET', idempotency)
   if existing then return existing end
 end
-local tkey, tenant = KEYS[2], ARGV[6]
-local fairs, depth, waiting = {}, 0, 0
+-- The model's unfinished jobs (both streams of every level) and the tenant's waiting ones.
+local depth, waiting, streams, fairs = 0, 0, {}, {}
 for l = 0, levels - 1 do
-  local k = 5 + 3 * l
-  depth = depth + redis.call('XLEN', KEYS[k]) + redis.call('XLEN', KEYS[k + 1])
-  waiting = waiting + redis.call('LLEN', Fair.waiting_list(tkey, l))
-  fairs[l + 1] = KEYS[k + 2]
+  local k = levels_at + l * levels_width
+  local queue, waiting_stream, fair = KEYS[k], KEYS[k + 1], KEYS[k + 2]
+  depth = depth + redis.call('XLEN', queue) + redis.call('XLEN', waiting_stream)
+  waiting = waiting + redis.call('LLEN', Fair.waiting_list(tenant_key, l))
+  streams[l + 1], fairs[l + 1] = waiting_stream, fair
 end
-if depth >= tonumber(ARGV[3]) then return {'full', depth} end
+if depth >= tonumber(max_depth) then return {'full', depth} end
 
-local max_running, max_queued = tonumber(ARGV[8]), tonumber(ARGV[9])
-local per_minute, now = tonumber(ARGV[10]), tonumber(ARGV[11])
-local running = redis.call('SCARD', tkey .. ':running')
+local running = redis.call('SCARD', Fair.running(tenant_key))
 if max_queued >= 0 then
   -- How many of the tenant's jobs would wait with this one: all of them, or, under a running
   -- limit, those beyond it (a job that can start at once under the limit never counts as waiting).
@@ -37,27 +51,26 @@ if max_queued >= 0 then
   if max_running > 0 then would_wait = running + waiting + 1 - max_running end
   if would_wait > max_queued then return {'queued', running, waiting} end
 end
-if per_minute >= 0 then
-  local seconds, used = Fair.window(tkey .. ':tokens', now)
-  if used >= per_minute then
+if tokens_per_minute >= 0 then
+  local seconds, used = Fair.window(Fair.tokens(tenant_key), now)
+  if used >= tokens_per_minute then
     -- Retry once enough of the window's oldest seconds have left it to bring it under the limit.
     table.sort(seconds, function(a, b) return a[1] < b[1] end)
     local left, retry = used, 60
     for _, s in ipairs(seconds) do
       left = left - s[2]
-      if left < per_minute then retry = s[1] + 60 - math.floor(now / 1000); break end
+      if left < tokens_per_minute then retry = s[1] + 60 - math.floor(now / 1000); break end
     end
     return {'tokens', used, math.max(1, retry)}
   end
 end
 
-if idem then redis.call('SET', idem, ARGV[1], 'EX', ARGV[2]) end
-redis.call('HSET', KEYS[1], unpack(ARGV, 12))
-local level = tonumber(ARGV[5])
-local entry = redis.call('XADD', KEYS[6 + 3 * level], '*', 'job', ARGV[1], 'tenant', tenant)
-redis.call('RPUSH', Fair.waiting_list(tkey, level), entry .. ' ' .. ARGV[1])
-redis.call('HSET', tkey, 'weight', ARGV[7], 'max_running', math.max(max_running, 0))
-redis.call('ZADD', KEYS[3], 'NX', now, tenant)
+if idempotency then redis.call('SET', idempotency, job_id, 'EX', idempotency_ttl) end
+redis.call('HSET', job, unpack(ARGV, 15))
+local entry = redis.call('XADD', streams[level + 1], '*', 'job', job_id, 'tenant', tenant)
+redis.call('RPUSH', Fair.waiting_list(tenant_key, level), entry .. ' ' .. job_id)
+redis.call('HSET', tenant_key, 'weight', weight, 'max_running', math.max(max_running, 0))
+redis.call('ZADD', tenants, 'NX', now, tenant)
 -- At its running limit it joins the fair set when one of its jobs ends (Fair.ended).
-if Fair.has_room(tkey) then Fair.join(tkey, fairs, KEYS[4], level, tenant) end
-return ARGV[1]
+if Fair.has_room(tenant_key) then Fair.join(tenant_key, fairs, clock, level, tenant) end
+return job_id

@@ -1,33 +1,45 @@
 -- Pick, read and claim new jobs for one consumer across the priority levels, most urgent first,
--- up to COUNT in total: one round trip from a free slot to a started job. Never blocks: the caller
+-- up to count in total: one round trip from a free slot to a started job. Never blocks: the caller
 -- blocks (on the waiting streams) only when this finds nothing.
 -- On each level the fair share picks: the tenant with the lowest counter in the level's fair set
 -- gives its oldest waiting job, which moves from the waiting stream to the level's queue stream
--- (charged to the tenant: Fair), until COUNT jobs are picked or nobody waits. Then one
+-- (charged to the tenant: Fair), until count jobs are picked or nobody waits. Then one
 -- XREADGROUP takes the queue stream's new entries: the picked ones, and any an older API queued
--- there directly; each is claimed as start.lua claims (Claim.start, claim.lua).
--- KEYS: per level 3 keys: queue stream, waiting stream, fair set; then the fair clock
--- ARGV[1] consumer   ARGV[2] how many entries at most   ARGV[3] the tenants' key prefix
---   ARGV[4] the job records' key prefix   ARGV[5] the event logs' key prefix   ARGV[6] now (epoch ms)
---   ARGV[7] max failed deliveries before dead letter
+-- there directly; each is claimed as claim_taken.lua claims (Claim.start, claim.lua).
+-- Slots: shared/scripts.py, READ and read().
 -- Returns {rows, tops, more}: rows = {level (0-based), entry id, job id, Claim.start's row} per
 -- entry, in reading order; tops = each waiting stream's newest entry id ('0-0' when empty), where
 -- the caller's blocking read starts; more = 1 when it stopped early on ended jobs (read again).
-local levels = (#KEYS - 1) / 3
-local clock = KEYS[#KEYS]
-local fairs = {}
-for l = 0, levels - 1 do fairs[l + 1] = KEYS[3 + 3 * l] end
+local clock = KEYS[1]
+local group = ARGV[1]
+local consumer = ARGV[2]
+local count = ARGV[3]
+local tenant_prefix = ARGV[4]
+local job_prefix = ARGV[5]
+local log_prefix = ARGV[6]
+local now = ARGV[7]
+local max_failed = ARGV[8]
+local levels = tonumber(ARGV[9])
+local levels_at = tonumber(ARGV[10])
+local levels_width = tonumber(ARGV[11])
+
+local queues, waitings, fairs = {}, {}, {}
+for l = 0, levels - 1 do
+  local k = levels_at + l * levels_width
+  local queue, waiting, fair = KEYS[k], KEYS[k + 1], KEYS[k + 2]
+  queues[l + 1], waitings[l + 1], fairs[l + 1] = queue, waiting, fair
+end
 local out, tops, more = {}, {}, 0
-local want = tonumber(ARGV[2])
+local want = tonumber(count)
 local skipped = 0
 for level = 0, levels - 1 do
-  local queue, waiting, fair = KEYS[1 + 3 * level], KEYS[2 + 3 * level], fairs[level + 1]
+  local queue, waiting, fair = queues[level + 1], waitings[level + 1], fairs[level + 1]
   local picked, last = 0, nil
   while picked < want and skipped < 100 do
     local top = redis.call('ZRANGE', fair, 0, 0, 'WITHSCORES')
     if not top[1] then break end
     local tenant = top[1]
-    local tkey = ARGV[3] .. tenant
+    local tkey = tenant_prefix .. tenant
     local list = Fair.waiting_list(tkey, level)
     local item = redis.call('LPOP', list)
     if redis.call('LLEN', list) == 0 then redis.call('ZREM', fair, tenant) end
@@ -35,7 +47,7 @@ for level = 0, levels - 1 do
       local space = string.find(item, ' ', 1, true)
       local entry, id = string.sub(item, 1, space - 1), string.sub(item, space + 1)
       redis.call('XDEL', waiting, entry)
-      local job = ARGV[4] .. id
+      local job = job_prefix .. id
       local f = redis.call('HMGET', job, 'status', 'estimate')
       if f[1] ~= 'queued' then
         skipped = skipped + 1  -- it ended while it waited (deadline, deleted) or expired: drop it
@@ -48,8 +60,8 @@ for level = 0, levels - 1 do
         Fair.set_vtc(tkey, fairs, tenant, tonumber(top[2]) + cost / weight)
         redis.call('HSET', job, 'charged', cost)
         -- At its running limit it leaves every fair set; it is back when one of its jobs ends.
-        if redis.call('SADD', tkey .. ':running', id) == 1 and cap > 0
-            and redis.call('SCARD', tkey .. ':running') >= cap then
+        local running = Fair.running(tkey)
+        if redis.call('SADD', running, id) == 1 and cap > 0 and redis.call('SCARD', running) >= cap then
           for _, other in ipairs(fairs) do redis.call('ZREM', other, tenant) end
         end
         redis.call('XADD', queue, '*', 'job', id)
@@ -60,23 +72,24 @@ for level = 0, levels - 1 do
   if last then redis.call('HSET', clock, tostring(level), last) end
   if skipped >= 100 then more = 1 end
   if want > 0 then
-    local reply = redis.call('XREADGROUP', 'GROUP', 'workers', ARGV[1], 'COUNT', want, 'STREAMS', queue, '>')
+    local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', want, 'STREAMS', queue, '>')
     if reply then
       for _, entry in ipairs(reply[1][2]) do
         local fields, job = entry[2], ''
         for j = 1, #fields, 2 do
           if fields[j] == 'job' then job = fields[j + 1] end
         end
-        table.insert(out, {level, entry[1], job, Claim.start(ARGV[4] .. job, ARGV[5] .. job, ARGV[1], ARGV[6], ARGV[7])})
+        table.insert(out, {level, entry[1], job,
+                           Claim.start(job_prefix .. job, log_prefix .. job, consumer, now, max_failed)})
         want = want - 1
       end
     end
   end
 end
 if #out == 0 then  -- only a reader about to block needs them
-  for level = 0, levels - 1 do
-    local newest = redis.call('XREVRANGE', KEYS[2 + 3 * level], '+', '-', 'COUNT', 1)
-    tops[level + 1] = newest[1] and newest[1][1] or '0-0'
+  for level = 1, levels do
+    local newest = redis.call('XREVRANGE', waitings[level], '+', '-', 'COUNT', 1)
+    tops[level] = newest[1] and newest[1][1] or '0-0'
   end
 end
 return {out, tops, more}

@@ -1,15 +1,28 @@
 -- Fair share between tenants (virtual token counters, VTC: Sheng et al., OSDI 2024), shared by
--- the scripts that queue, pick and end jobs: shared/queue.py puts this text before theirs.
+-- the scripts that queue, pick and end jobs (a library: shared/scripts.py puts it before them).
 -- A tenant's counter (field 'vtc' of its hash) grows by the tokens its jobs use divided by its
 -- weight: by an estimate when a job is picked, corrected to the real count when it ends. Each
 -- level's fair set holds, scored by that counter, the tenants with jobs waiting there and room to
--- run one; the pick takes the lowest. A tenant's own keys are its hash's name plus a suffix
--- (shared/keys.py names them the same way).
+-- run one; the pick takes the lowest. A tenant id is only known inside a script (from a waiting
+-- entry or a job record), so its own keys are built here, its hash's name plus a suffix, in the
+-- three functions below alone (shared/keys.py names them the same way; tests/unit/test_scripts.py
+-- holds the two together).
 local Fair = {}
 
+-- Keys.tenant_waiting: the tenant's waiting jobs on a level.
 function Fair.waiting_list(tkey, level)
   if tonumber(level) == 0 then return tkey .. ':waiting' end
   return tkey .. ':waiting:' .. level
+end
+
+-- Keys.tenant_running: the tenant's jobs picked and not ended.
+function Fair.running(tkey)
+  return tkey .. ':running'
+end
+
+-- Keys.tenant_tokens: the tenant's tokens by the second they ended in.
+function Fair.tokens(tkey)
+  return tkey .. ':tokens'
 end
 
 -- Store a tenant's counter and move it in every fair set it is in.
@@ -37,7 +50,7 @@ end
 -- Whether a tenant may have one more job running.
 function Fair.has_room(tkey)
   local cap = tonumber(redis.call('HGET', tkey, 'max_running') or '0')
-  return cap <= 0 or redis.call('SCARD', tkey .. ':running') < cap
+  return cap <= 0 or redis.call('SCARD', Fair.running(tkey)) < cap
 end
 
 -- A job ended (in the script that ends it, once): meter it, and if it was picked (running),
@@ -51,7 +64,7 @@ function Fair.ended(job, id, m, prompt, generated)
   local tkey = m.tprefix .. tenant
   local known = prompt >= 0
   local engine_ms = 0
-  if redis.call('SREM', tkey .. ':running', id) == 1 then
+  if redis.call('SREM', Fair.running(tkey), id) == 1 then
     local t = redis.call('HMGET', tkey, 'vtc', 'weight')
     local weight = tonumber(t[2] or '1')
     if weight <= 0 then weight = 1 end
@@ -81,7 +94,7 @@ function Fair.ended(job, id, m, prompt, generated)
   redis.call('HDEL', job, 'tenant', 'estimate', 'charged')
   if known and prompt + generated > 0 then
     local second = math.floor(m.now / 1000)
-    for _, window in ipairs({tkey .. ':tokens', m.tokens}) do
+    for _, window in ipairs({Fair.tokens(tkey), m.tokens}) do
       redis.call('HINCRBY', window, second, prompt + generated)
       redis.call('EXPIRE', window, 120)
       if redis.call('HLEN', window) > 90 then Fair.window(window, second * 1000) end

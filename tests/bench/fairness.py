@@ -4,9 +4,9 @@
 own redis-server (as llmq does) and, per tenants count N, a model whose level-0 backlog holds
 jobs of N tenants (t0..tN-1, ``--jobs-per-tenant`` each, equal weights and equal jobs), queued
 through ``Queue.enqueue`` as the API queues them. Then it picks as a worker does:
-``Queue.read_new(model, consumer, count, block_ms=1)`` with ``count`` = 1 and 8 (a worker asks
-for its free slots), which runs read.lua (the pick: the lowest virtual token counter in the
-level's fair set) and start.lua (the claim). After each call, every job picked is replaced by a
+``Queue.pick(model, consumer, count)`` with ``count`` = 1 and 8 (a worker asks for its free
+slots), which runs read.lua (the pick: the lowest virtual token counter in the level's fair set;
+and the claim, claim.lua). After each call, every job picked is replaced by a
 new one of the same tenant (``Queue.enqueue``, timed too), so the backlog stays at N tenants and
 its size through the run: what is measured is a pick among N waiting tenants, not a draining
 queue. Picked jobs stay claimed (running, never run): the same for every N.
@@ -165,8 +165,8 @@ async def fill(queue: Queue, server: Server, tenants: Tenants) -> None:
 async def call(queue: Queue, server: Server, target: Target, *, timed: bool) -> None:
     """One worker read: pick ``count`` jobs; then replace each by a new job of its tenant."""
     tenants, count = target.tenants, target.count
-    deliveries, wall, cpu, script = await server.measure(
-        lambda: queue.read_new(tenants.model, CONSUMER, count, block_ms=1))
+    picked, wall, cpu, script = await server.measure(lambda: queue.pick(tenants.model, CONSUMER, count))
+    deliveries = picked.deliveries
     if timed:
         target.wall_us.append(wall)
         target.cpu_us_per_pick.append(cpu / count)
@@ -297,7 +297,7 @@ def report(args, configs: list[Tenants], targets: list[Target], loads: list[list
     fairness = {str(c.n): {**rotation(c), "short_calls": c.short, "foreign_picks": c.foreign, "not_run": c.not_run,
                            "jobs_waiting_at_start": c.n * c.per_tenant, **depths[c.n]} for c in configs}
     return {
-        **report_head("fairness", "Queue.read_new (read.lua's fair-share pick + start.lua's claim) per call with N "
+        **report_head("fairness", "Queue.pick (read.lua's fair-share pick + claim.lua's claim) per call with N "
                                   "tenants waiting at level 0: client wall µs, redis-server main-thread CPU µs per "
                                   "job picked (/proc schedstat), EVALSHA usec per job picked (INFO commandstats); "
                                   "Queue.enqueue per job; each the median across rounds of the round's figure", loads),

@@ -49,8 +49,10 @@ class _StreamingWorker(Worker):
     """The worker as before the compaction: every log stays a per-event stream."""
 
     @staticmethod
-    def _compacted(*args, **kwargs) -> None:
-        return None
+    def _attempt(d):
+        attempt = Worker._attempt(d)
+        attempt.whole_log = False  # its end never compacts the log
+        return attempt
 
 
 async def _used_memory(redis: Redis) -> int:

@@ -8,12 +8,12 @@ order rotated), each after a random gap so a polling queue is sampled at a rando
 
 - ``llmq``: ``Queue.enqueue`` (the API's call). Pickup = the record's ``started_at - queued_at``:
   ``queued_at`` is taken right before the enqueue script, ``started_at`` by the worker's claim
-  (start.lua's caller); both are ``now_ms()`` (``time.time()``) on the same host, so one clock.
+  (the pick's, read.lua); both are ``now_ms()`` (``time.time()``) on the same host, so one clock.
 - ``llmq, 10k held``: the same on a model that already holds 10,000 unfinished jobs, delivered to
   other consumers of the group with live leases (its PEL holds 10,000 entries, its depth is
   10,000). A backlog *ahead* of the job would measure the service time of the backlog, not the
   queue; these are the jobs a busy deployment holds while a new one arrives. Those consumers
-  look alive as live workers do: their control channels have a subscriber (else the worker's
+  look alive as     live workers do: their control channels have a subscriber (else the worker's
   watcher would take their jobs over as a dead worker's; workers/runner.py).
 - ``arq``: ``ArqRedis.enqueue_job`` of a function that records ``time.time()`` when it starts;
   pickup = that - the time taken right before the enqueue. At arq's default ``poll_delay`` (0.5 s)
@@ -114,7 +114,9 @@ def serve_arq_worker(redis_url: str, queue_name: str, poll_delay: float | None) 
 async def subscribe_holders(redis, queue, model: str):
     """Subscribe the control channel of every consumer that holds entries of ``model``, as each
     live worker does its own, and return the subscription once Redis confirmed every channel."""
-    names = await queue.holders(model, "")
+    from shared.registry import Registry
+
+    names = await Registry(redis, queue.keys).holders(model, "")
     pubsub = redis.pubsub()
     await pubsub.subscribe(*(queue.keys.worker_control(name) for name in names))
     confirmed = 0

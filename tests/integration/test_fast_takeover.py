@@ -225,7 +225,8 @@ async def test_a_dropped_control_connection_reconnects_and_keeps_its_jobs(make_w
         [a_conn] = await _pubsub_ids(redis) - others  # A's current connection
         assert await redis.client_kill_filter(_id=a_conn) == 1
         await asyncio.sleep(TAKEOVER_S * 1.5)
-        assert (await a.queue.subscribed(MODEL, [a.worker.worker_id])) == [1], "A re-subscribed"
+        subscribed = await a.worker.presence.registry.subscribed(MODEL, [a.worker.worker_id])
+        assert subscribed == [1], "A re-subscribed"
     events = await client.finish()
 
     assert_seamless(events, "blip", 200)
@@ -241,7 +242,7 @@ async def held_by_ghost(redis, keys: Keys, prompt: str, max_tokens: int):
     await queue.ensure_group(MODEL)
     job_id = await submit(queue, prompt, max_tokens)
     pubsub = await subscribe_confirmed(redis, keys.worker_control("ghost"))
-    [held] = await queue.read_new(MODEL, "ghost", 1, 50)
+    [held] = (await queue.pick(MODEL, "ghost", 1)).deliveries
     return queue, job_id, held, pubsub
 
 
@@ -284,31 +285,32 @@ async def test_a_subscription_gone_for_less_than_the_window_keeps_the_job_and_go
 
 async def test_a_takeover_never_puts_more_jobs_into_the_engine_than_its_slots(redis, keys, monkeypatch):
     """The watcher fills both free slots of B with a dead consumer's jobs while B's reader blocks
-    in XREADGROUP (for 60 s: still blocked whatever the machine's pace) counting those slots
-    free; new jobs then arrive and wake that read while both taken-over jobs still run (3 s
-    each). They are handed back (to the next reclaim), not started beside the taken-over ones."""
+    waiting for work (for 60 s: still blocked whatever the machine's pace), holding no slot; new
+    jobs then arrive and wake that read while both taken-over jobs still run (3 s each). They are
+    left waiting (picked once a slot frees), not started beside the taken-over ones."""
     queue = Queue(redis, keys)
     await queue.ensure_group(MODEL)
     ghost_jobs = [await submit(queue, f"ghost{i}", 150) for i in range(2)]
     pubsub = await subscribe_confirmed(redis, keys.worker_control("ghost"))
-    assert len(await queue.read_new(MODEL, "ghost", 2, 50)) == 2
-    # Every read B's reader makes, from its first: how many entries arrived, how many it kept.
-    admitted: list[tuple[int, int]] = []
-    read_new = Queue.read_new
+    assert len((await queue.pick(MODEL, "ghost", 2)).deliveries) == 2
+    # Every blocking read B's reader makes, from its first: whether new entries woke it, and how
+    # many slots it had for them then (its pick follows at once, reserving what is available).
+    admitted: list[tuple[bool, int]] = []
+    wait_for_work = Queue.wait_for_work
 
-    async def recording(self, *args, admit=None, **kwargs):
-        def counted(arrived: int) -> int:
-            admitted.append((arrived, kept := admit(arrived)))
-            return kept
-        return await read_new(self, *args, admit=counted if admit else None, **kwargs)
+    async def recording(self, *args, **kwargs):
+        arrived = await wait_for_work(self, *args, **kwargs)
+        [worker] = [o.worker for o in own if o.queue is self]
+        admitted.append((arrived, worker.slots.available))
+        return arrived
 
-    monkeypatch.setattr(Queue, "read_new", recording)
+    monkeypatch.setattr(Queue, "wait_for_work", recording)
     engine = ScriptedEngine(delay_s=0.02)  # 150 tokens: three seconds a job
     own: list[_Own] = []
     try:
         b = await _own_worker(redis, keys, own, engine, prefix=keys.prefix, lease_s=LEASE_S, max_num_seqs=2,
                               block_ms=60_000)
-        await judging(b.worker)  # meanwhile B's reader blocks, counting 2 slots free
+        await judging(b.worker)  # meanwhile B's reader blocks, holding none of its 2 slots
         await pubsub.aclose()
 
         async def both_taken() -> bool:
@@ -412,15 +414,15 @@ async def test_a_worker_reads_no_job_before_its_control_subscription_is_confirme
                                                                                  monkeypatch):
     """Peers would take a consumer holding jobs without a subscription for a dead worker's, so a
     worker starting up reads nothing until Redis confirmed its subscription (here delayed 1 s)."""
-    from shared import queue as queue_module
+    from shared import registry as registry_module
 
-    real = queue_module.node_client
+    real = registry_module.node_client
 
     async def slow(*args, **kwargs):
         await asyncio.sleep(1.0)
         return await real(*args, **kwargs)
 
-    monkeypatch.setattr(queue_module, "node_client", slow)  # what Queue.control_subscription connects with
+    monkeypatch.setattr(registry_module, "node_client", slow)  # what Registry.control_subscription connects with
     queue = Queue(redis, keys)
     await queue.ensure_group(MODEL)
     job_id = await submit(queue, "early", 5)

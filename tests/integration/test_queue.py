@@ -45,7 +45,10 @@ async def test_enqueue_is_atomic_for_a_concurrent_reader(redis, keys):
 
     async def reader() -> None:
         while len(seen) < len(records):
-            for d in await queue.read_new(MODEL, "reader", 50, 100):
+            picked = await queue.pick(MODEL, "reader", 50)
+            if not picked.deliveries:  # as a worker does: wait for work, then pick again
+                await queue.wait_for_work(MODEL, picked.tops, 100)
+            for d in picked.deliveries:
                 assert d.state == "run", d
                 seen.append(d.job_id)
 
@@ -76,7 +79,7 @@ async def test_two_consumers_share_jobs_without_duplicates(redis, keys):
 
     async def consume(name: str) -> None:
         while True:
-            batch = await queue.read_new(MODEL, name, 7, 50)
+            batch = (await queue.pick(MODEL, name, 7)).deliveries
             if not batch:
                 return
             got[name].extend(d.job_id for d in batch)
@@ -93,7 +96,25 @@ async def test_jobs_queued_before_the_group_exists_are_delivered(redis, keys):
     rec = record()
     await queue.enqueue(rec)
     await queue.ensure_group(MODEL)
-    assert [d.job_id for d in await queue.read_new(MODEL, "w", 10, 50)] == [rec.id]
+    assert [d.job_id for d in (await queue.pick(MODEL, "w", 10)).deliveries] == [rec.id]
+
+
+async def test_waiting_for_work_wakes_on_a_job_queued_after_the_pick_and_ends_at_once_on_stop(redis, keys):
+    queue = Queue(redis, keys)
+    await queue.ensure_group(MODEL)
+    picked = await queue.pick(MODEL, "w", 1)
+    assert picked.deliveries == [] and len(picked.tops) == 3
+    rec = record()
+    await queue.enqueue(rec)  # after the pick, before the wait: the wait still sees it
+    assert await queue.wait_for_work(MODEL, picked.tops, 5_000)
+    assert [d.job_id for d in (await queue.pick(MODEL, "w", 1)).deliveries] == [rec.id]
+    stop = asyncio.Event()
+    picked = await queue.pick(MODEL, "w", 1)
+    waiting = asyncio.create_task(queue.wait_for_work(MODEL, picked.tops, 5_000, stop))
+    await asyncio.sleep(0.05)
+    stop.set()
+    assert await asyncio.wait_for(waiting, 1) is False
+    assert not await queue.wait_for_work(MODEL, picked.tops, 50)  # nothing queued: it times out
 
 
 async def test_event_log_resumes_by_sequence_and_finish_acks_the_entry(redis, keys):
@@ -101,7 +122,7 @@ async def test_event_log_resumes_by_sequence_and_finish_acks_the_entry(redis, ke
     await queue.ensure_group(MODEL)
     rec = record()
     await queue.enqueue(rec)
-    [delivery] = await queue.read_new(MODEL, "w", 1, 50)
+    [delivery] = (await queue.pick(MODEL, "w", 1)).deliveries
     assert delivery.attempt == 1
     running = await queue.get_job(MODEL, rec.id)
     assert running.status == "running" and running.worker == "w" and running.started_at
@@ -158,7 +179,7 @@ async def test_cancel_before_delivery_is_seen_by_the_worker(redis, keys):
     rec = record()
     await queue.enqueue(rec)
     assert await queue.cancel(MODEL, rec.id) == "queued"
-    [delivery] = await queue.read_new(MODEL, "w", 1, 50)
+    [delivery] = (await queue.pick(MODEL, "w", 1)).deliveries
     assert delivery.state == "cancelled"
     assert await queue.cancel(MODEL, "no-such-job") is None
 

@@ -89,7 +89,7 @@ async def test_jobs_go_to_the_dead_letter_stream_after_n_failed_deliveries(make_
     await queue.ensure_group(MODEL)
     job_id = await submit(queue, "poison", 50)
     # Two deliveries to consumers that die without a word (max_deliveries=2 below).
-    [first] = await queue.read_new(MODEL, "ghost-1", 1, 50, max_deliveries=2)
+    [first] = (await queue.pick(MODEL, "ghost-1", 1, max_deliveries=2)).deliveries
     await queue.flush(MODEL, [Outbound(job_id=job_id, attempt=first.attempt,
                                        event=Tokens(seq=1, deltas=[TokenDelta(token_ids=[1], text="a")]))], "ghost-1")
     await asyncio.sleep(0.25)
@@ -213,7 +213,7 @@ async def test_housekeeping_reports_orphans_and_removes_only_empty_dead_consumer
     queue = Queue(redis, keys)
     await queue.ensure_group(MODEL)
     await submit(queue, "orphan", 5)
-    await queue.read_new(MODEL, "dead-with-job", 1, 50)  # delivered, never answered
+    await queue.pick(MODEL, "dead-with-job", 1)  # delivered, never answered
     await redis.xgroup_createconsumer(keys.queue(MODEL), GROUP, "dead-empty")  # holds nothing
     await asyncio.sleep(0.3)
     monkeypatch.setattr(housekeeping, "STALE_CONSUMER_MS", 100)

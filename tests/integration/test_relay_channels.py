@@ -53,9 +53,9 @@ async def test_one_publish_per_relay_channel_per_flush_with_exact_lines(redis_ur
         await queue.enqueue(_record("j1"), relay=a)
         await queue.enqueue(_record("j2"), relay=a)
         await queue.enqueue(_record("j3"))  # queued without a follower (fire-and-poll)
-        assert await queue.relay_to(MODEL, "j2", b)
-        assert await queue.relay_to(MODEL, "j2", b)  # named once, however often it is asked
-        assert not await queue.relay_to(MODEL, "missing", b)  # no record: nothing is written
+        assert await queue.add_follower(MODEL, "j2", b)
+        assert await queue.add_follower(MODEL, "j2", b)  # named once, however often it is asked
+        assert not await queue.add_follower(MODEL, "missing", b)  # no record: nothing is written
         assert await redis.hget(keys.job(MODEL, "j2"), "relay") == f"{a} {b}".encode()
         assert not await redis.exists(keys.job(MODEL, "missing"))
 

@@ -61,8 +61,8 @@ async def test_a_worker_subscribes_on_its_models_master_and_judges_peers_on_ever
     # "old" subscribed on another master, as workers did before; "dead" where workers do now.
     old = await subscribed_on(cluster.node_url(elsewhere), keys.worker_control("old"))
     dead = await subscribed_on(cluster.node_url(home), keys.worker_control("dead"))
-    [got_old] = await queue.read_new(MODEL, "old", 1, 50)
-    [got_dead] = await queue.read_new(MODEL, "dead", 1, 50)
+    [got_old] = (await queue.pick(MODEL, "old", 1)).deliveries
+    [got_dead] = (await queue.pick(MODEL, "dead", 1)).deliveries
     assert (got_old.job_id, got_dead.job_id) == (old_job, dead_job)
     settings = load_settings({}, redis_url=cluster.url, prefix=prefix, served_model_name=MODEL, block_ms=100,
                              heartbeat_s=0.2, lease_s=30.0)

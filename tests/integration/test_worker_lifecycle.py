@@ -151,12 +151,14 @@ async def test_a_cancel_that_arrives_before_its_job_task_starts_still_ends_the_j
     record = JobRecord(id=uuid.uuid4().hex, model="m", queued_at=now_ms(),
                        request=GenerationRequest(prompt="x", sampling=SamplingParams(max_tokens=50)))
     await queue.enqueue(record)
-    [delivery] = await queue.read_new("m", worker.worker_id, 1, 50)
-    await worker._accept(delivery)
-    assert worker.cancel_job(record.id, JobCancelled("job was cancelled"))  # before the task's first step
-    for _ in range(3):
-        await asyncio.sleep(0)
-    assert record.id not in worker._running
+    [delivery] = (await queue.pick("m", worker.worker_id, 1)).deliveries
+    async with asyncio.TaskGroup() as worker._tasks:  # the run's task group, where job tasks start
+        with worker.slots.reserve(1) as slots:
+            await worker._accept(delivery, slots)
+        assert worker.cancel_job(record.id, JobCancelled("job was cancelled"))  # before the task's first step
+        for _ in range(3):
+            await asyncio.sleep(0)
+    assert record.id not in worker._running and worker.slots.available == worker.slots.total
     await worker._flush_once()
     stored = await queue.get_job("m", record.id)
     assert stored.status == "cancelled" and stored.error.code == "cancelled"

@@ -11,8 +11,8 @@ from redis.asyncio.connection import SSLConnection
 from redis.exceptions import RedisClusterException
 
 from api.listener import EventListener
+from shared import scripts
 from shared.cluster import sharded_pubsub
-from shared.queue import _sharded, lua
 from shared.redis import _handshake, _Retry, cluster_target, connect
 
 
@@ -66,10 +66,10 @@ async def test_a_single_server_always_uses_plain_pubsub_without_asking():
     assert await sharded_pubsub(Redis.from_url("redis://127.0.0.1:1/0")) is False
 
 
-@pytest.mark.parametrize("name", ["flush.lua", "expire.lua"])
-def test_sharded_scripts_publish_the_live_channel_with_spublish_and_change_nothing_else(name):
-    plain = lua(name)
-    sharded = _sharded(plain)
+@pytest.mark.parametrize("script", [s for s in scripts.SCRIPTS if s.publishes], ids=lambda s: s.file)
+def test_sharded_scripts_publish_the_live_channel_with_spublish_and_change_nothing_else(script):
+    plain = scripts.source(script)
+    sharded = scripts.sharded(plain)
     assert "redis.call('PUBLISH'" in plain and "redis.call('PUBLISH'" not in sharded
     assert sharded.replace("redis.call('SPUBLISH'", "redis.call('PUBLISH'") == plain
 

@@ -1,0 +1,69 @@
+-- A job's log, its live events and its end, shared by the scripts that write them (a library:
+-- shared/scripts.py puts it before them): flush.lua (a worker's events, its terminal one),
+-- expire.lua (an end the API writes: a deadline, a cold wait, a delete) and claim.lua.
+local Job = {}
+
+-- The seq of the newest event in a job's log stream (0: none yet). Its entry ids are its seqs.
+function Job.last_seq(log)
+  local last = redis.call('XREVRANGE', log, '+', '-', 'COUNT', 1)
+  if last[1] then return tonumber(string.match(last[1][1], '^(%d+)')) end
+  return 0
+end
+
+-- Live events on their way out, gathered by Job.relay and sent by Job.send: one message per
+-- relay channel (an API process following jobs), each event a line '<job id> <event>'.
+function Job.outbox()
+  return {lines = {}, channels = {}}
+end
+
+-- Send ``event`` of job ``id`` to every follower its record names (``followers``: its 'relay'
+-- field, channels separated by spaces), or, with none named, at once on its own ``live`` channel.
+function Job.relay(outbox, followers, live, id, event)
+  if not followers then
+    redis.call('PUBLISH', live, event)
+    return
+  end
+  for channel in string.gmatch(followers, '%S+') do
+    local lines = outbox.lines[channel]
+    if not lines then
+      lines = {}
+      outbox.lines[channel] = lines
+      table.insert(outbox.channels, channel)
+    end
+    table.insert(lines, id .. ' ' .. event)
+  end
+end
+
+-- One PUBLISH per channel, in first-seen order (a table's pairs() order is not defined).
+function Job.send(outbox)
+  for _, channel in ipairs(outbox.channels) do
+    redis.call('PUBLISH', channel, table.concat(outbox.lines[channel], '\n'))
+  end
+end
+
+-- End a job, once, in the script that logged its terminal event (seq ``seq``): the record's
+-- outcome (``outcome``: field, value pairs), its tenant's meter (Fair.ended: ``prompt`` and
+-- ``generated`` tokens, -1 when not known), its TTLs, its compact log, the webhook outbox.
+-- e: {ttl (s) of a finished job's keys, webhooks (the outbox stream), meter (Fair.ended's)}
+function Job.finish(job, log, id, e, outcome, seq, compact, prompt, generated)
+  redis.call('HSET', job, unpack(outcome))
+  Fair.ended(job, id, e.meter, prompt, generated)
+  -- The prompt's token ids only serve a continuation, and the relay channels only live events,
+  -- and a finished job has neither: for a long prompt the ids would outweigh the result for
+  -- LLMQ_RESULT_TTL_S.
+  redis.call('HDEL', job, 'prompt_ids', 'relay')
+  redis.call('EXPIRE', job, e.ttl)
+  -- The compact log replaces the per-event stream in this same script, so a reader
+  -- (read_log.lua) finds one or the other whole. Only when the stream holds exactly seqs
+  -- 1..this one (ids are seqs, so its length says so): what the writer compacted is then what
+  -- was logged. A retried flush finds a string here and its XADD fails: skipped.
+  if compact ~= '' and redis.call('XLEN', log) == tonumber(seq) then
+    redis.call('DEL', log)
+    redis.call('SET', log, compact)
+  end
+  redis.call('EXPIRE', log, e.ttl)  -- not SET's EX: that refuses a TTL <= 0, EXPIRE deletes
+  -- In the same script as the end, so a finished job's webhook can never be forgotten.
+  if redis.call('HEXISTS', job, 'webhook') == 1 then
+    redis.call('XADD', e.webhooks, '*', 'job', id)
+  end
+end

@@ -1,0 +1,431 @@
+"""The Lua scripts in shared/lua and how Python calls them: loading (with the libraries each
+uses), registering, the sharded variant, and per script its layout and its packer.
+
+Redis 6.2 has no Functions, so a library is text put before the script that uses it; which
+libraries a script uses is declared here (:class:`Script` ``uses``), not guessed from its text.
+
+**The layout is the contract.** Each :class:`Script` names its KEYS and ARGV slots in order; its
+script names the same slots as locals first, before any code (``local worker = ARGV[2]``), and
+reads no other slot. A group of slots repeated per item (a level, a job, an event) is read by
+offset from the item's start (``local job, log = KEYS[k], KEYS[k + 1]``); where it starts and how
+wide it is travel in the script's own fixed ARGV (``<group>_at``, ``<group>_width``), computed
+here from the group's names, so no count is written on both sides. A script whose ARGV ends in
+values of a variable number (field/value pairs) has a ``tail``. tests/unit/test_scripts.py holds
+each script's locals against its layout (names, order, offsets), every key suffix a script
+appends against :class:`shared.keys.Keys`, and every packer's output against its layout.
+
+**Packers.** Each script has one function here that builds its KEYS and ARGV (a :class:`Call`)
+from typed arguments: the only place that knows its positions. Callers (shared/queue.py,
+shared/batches.py) run it with :meth:`Scripts.run`. The consumer group's name travels in ARGV,
+never as a literal in Lua.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import NamedTuple
+
+from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
+
+from shared.cluster import sharded_pubsub
+from shared.keys import GROUP, LEVELS, Keys
+
+__all__ = ["Library", "Group", "Script", "Call", "Scripts", "SCRIPTS", "LIBRARIES", "source", "sharded",
+           "Extra"]
+
+Value = str | bytes | int | float
+
+
+# --- libraries, scripts and their layouts ------------------------------------------------------
+
+@dataclass(frozen=True, slots=True, eq=False)  # compared and hashed by identity: module constants
+class Library:
+    """Lua functions several scripts share, in one table (``Fair.ended``, ``Job.finish``)."""
+
+    file: str
+    table: str
+    uses: tuple[Library, ...] = ()
+
+
+FAIR = Library("tenants.lua", "Fair")
+JOB = Library("job.lua", "Job", uses=(FAIR,))
+CLAIM = Library("claim.lua", "Claim", uses=(JOB,))
+LIBRARIES = (FAIR, JOB, CLAIM)
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """Slots repeated per item, read by offset from the item's start. Its start and width are
+    the fixed ARGV slots ``<name>_at`` and ``<name>_width`` (a group of one item or none, an
+    optional key, needs no width)."""
+
+    name: str
+    slots: tuple[str, ...]
+
+    @property
+    def width(self) -> int:
+        return len(self.slots)
+
+
+@dataclass(frozen=True, slots=True, eq=False)  # compared and hashed by identity: module constants
+class Script:
+    """One script: its file, the libraries it calls, and its slots by name."""
+
+    file: str
+    keys: tuple[str, ...] = ()
+    """KEYS[1 ..]: the fixed keys."""
+    argv: tuple[str, ...] = ()
+    """ARGV[1 ..]: the fixed values (a group's ``_at`` and ``_width`` among them)."""
+    key_groups: tuple[Group, ...] = ()
+    """Then, in order, each group's keys per item."""
+    argv_groups: tuple[Group, ...] = ()
+    """Then, in order, each group's values per item."""
+    tail: bool = False
+    """ARGV goes on after the fixed values with values of a variable number."""
+    uses: tuple[Library, ...] = ()
+    publishes: bool = False
+    """It publishes live events: on a Cluster with sharded pub/sub it runs as :func:`sharded`."""
+
+    def slot(self, name: str) -> int:
+        """The 1-based ARGV index of a fixed value."""
+        return self.argv.index(name) + 1
+
+
+class Call(NamedTuple):
+    """A script and the KEYS and ARGV for one call of it."""
+
+    script: Script
+    keys: list[str]
+    args: list[Value]
+
+
+def _places(first: int, groups: Sequence[Group], counts: Sequence[int]) -> list[int]:
+    """``<group>_at, <group>_width`` for groups laid out one after another from index ``first``,
+    ``counts[i]`` items of group i."""
+    out: list[int] = []
+    for group, count in zip(groups, counts, strict=True):
+        out += [first, group.width]
+        first += group.width * count
+    return out
+
+
+# --- queue and job scripts --------------------------------------------------------------------
+
+ENQUEUE = Script(
+    "enqueue.lua",
+    keys=("job", "tenant_key", "tenants", "clock"),
+    key_groups=(Group("levels", ("queue", "waiting_stream", "fair")), Group("idempotency", ("idempotency",))),
+    argv=("job_id", "idempotency_ttl", "max_depth", "levels", "level", "tenant", "weight", "max_running",
+          "max_queued", "tokens_per_minute", "now", "levels_at", "levels_width", "idempotency_at"),
+    tail=True,  # the job record's field, value pairs
+    uses=(FAIR,),
+)
+
+
+def enqueue(keys: Keys, model: str, job_id: str, tenant: str, *, idempotency: str | None, idempotency_ttl: int,
+            max_depth: int, level: int, weight: float, max_running: int, max_queued: int, tokens_per_minute: int,
+            now: float, record: Iterable[Value]) -> Call:
+    """``max_running``, ``max_queued``, ``tokens_per_minute``: -1 for no limit. ``record``: the
+    job hash's field, value pairs."""
+    k = [keys.job(model, job_id), keys.tenant(model, tenant), keys.tenants(model), keys.fair_clock(model)]
+    for lvl in range(LEVELS):
+        k += [keys.queue(model, lvl), keys.waiting(model, lvl), keys.fair(model, lvl)]
+    if idempotency:
+        k.append(keys.idempotency(model, idempotency))
+    levels_at, levels_width, idempotency_at, _ = _places(len(ENQUEUE.keys) + 1, ENQUEUE.key_groups,
+                                                        [LEVELS, 1 if idempotency else 0])
+    return Call(ENQUEUE, k, [job_id, idempotency_ttl, max_depth, LEVELS, level, tenant, repr(weight), max_running,
+                             max_queued, tokens_per_minute, now, levels_at, levels_width, idempotency_at, *record])
+
+
+READ = Script(
+    "read.lua",
+    keys=("clock",),
+    key_groups=(Group("levels", ("queue", "waiting", "fair")),),
+    argv=("group", "consumer", "count", "tenant_prefix", "job_prefix", "log_prefix", "now", "max_failed", "levels",
+          "levels_at", "levels_width"),
+    uses=(FAIR, CLAIM),
+)
+
+
+def read(keys: Keys, model: str, consumer: str, count: int, *, now: float, max_failed: int) -> Call:
+    k = [keys.fair_clock(model)]
+    for lvl in range(LEVELS):
+        k += [keys.queue(model, lvl), keys.waiting(model, lvl), keys.fair(model, lvl)]
+    return Call(READ, k, [GROUP, consumer, count, keys.tenant(model, ""), keys.job(model, ""), keys.events(model, ""),
+                          now, max_failed, LEVELS, *_places(len(READ.keys) + 1, READ.key_groups, [LEVELS])])
+
+
+CLAIM_TAKEN = Script(
+    "claim_taken.lua",
+    key_groups=(Group("jobs", ("job", "log")),),
+    argv=("worker", "now", "max_failed", "jobs_at", "jobs_width"),
+    uses=(CLAIM,),
+)
+
+
+def claim_taken(keys: Keys, model: str, worker: str, job_ids: Sequence[str], *, now: float, max_failed: int) -> Call:
+    k: list[str] = []
+    for job_id in job_ids:
+        k += [keys.job(model, job_id), keys.events(model, job_id)]
+    return Call(CLAIM_TAKEN, k, [worker, now, max_failed, *_places(1, CLAIM_TAKEN.key_groups, [len(job_ids)])])
+
+
+TAKEOVER = Script("takeover.lua", keys=("queue",), argv=("group", "dead", "taker", "count"))
+
+
+def takeover(queue: str, dead: str, taker: str, count: int) -> Call:
+    return Call(TAKEOVER, [queue], [GROUP, dead, taker, count])
+
+
+RENEW = Script(
+    "renew.lua",
+    key_groups=(Group("job_keys", ("job", "queue")),),
+    argv=("group", "worker", "idle", "hand_back", "job_keys_at", "job_keys_width", "jobs_at", "jobs_width"),
+    argv_groups=(Group("jobs", ("entry", "attempt")),),
+)
+
+
+def renew(keys: Keys, model: str, worker: str, held: Sequence[tuple[str, bytes, int, int]], *, idle_ms: int,
+          hand_back: bool) -> Call:
+    """``held``: (job id, queue entry id, attempt, level) per job."""
+    k: list[str] = []
+    args: list[Value] = [GROUP, worker, idle_ms, 1 if hand_back else 0,
+                         *_places(1, RENEW.key_groups, [len(held)]),
+                         *_places(len(RENEW.argv) + 1, RENEW.argv_groups, [len(held)])]
+    for job_id, entry, attempt, level in held:
+        k += [keys.job(model, job_id), keys.queue(model, level)]
+        args += [entry, attempt]
+    return Call(RENEW, k, args)
+
+
+ACK = Script("ack.lua", keys=("queue",), argv=("group", "entry"))
+
+
+def ack(queue: str, entry: bytes) -> Call:
+    return Call(ACK, [queue], [GROUP, entry])
+
+
+CANCEL = Script("cancel.lua", keys=("job",))
+
+
+def cancel(job: str) -> Call:
+    return Call(CANCEL, [job], [])
+
+
+ADD_FOLLOWER = Script("add_follower.lua", keys=("job",), argv=("channel",))
+
+
+def add_follower(job: str, channel: str) -> Call:
+    return Call(ADD_FOLLOWER, [job], [channel])
+
+
+SET_IF_EXISTS = Script("set_if_exists.lua", keys=("hash",), tail=True)
+
+
+def set_if_exists(key: str, fields: dict[str, Value]) -> Call:
+    return Call(SET_IF_EXISTS, [key], [v for pair in fields.items() for v in pair])
+
+
+READ_LOG = Script("read_log.lua", keys=("log", "job"), argv=("from_seq",))
+
+
+def read_log(log: str, job: str, from_seq: int) -> Call:
+    return Call(READ_LOG, [log, job], [from_seq])
+
+
+# The keys a job's end meters its tenant in (Fair.ended): fixed ones, then per level the fair set.
+_METER_KEYS = ("clock", "usage_day", "usage_total", "tokens")
+
+
+def _meter_keys(keys: Keys, model: str, day: str) -> list[str]:
+    return [keys.fair_clock(model), keys.usage(model, day), keys.usage(model), keys.tokens(model)]
+
+
+EXPIRE = Script(
+    "expire.lua",
+    keys=("job", "log", "webhooks", *_METER_KEYS),
+    key_groups=(Group("levels", ("fair",)),),
+    argv=("now", "grace", "result_ttl", "live", "event_tail", "error_json", "job_id", "at_once", "tenant_prefix",
+          "day_ttl", "levels", "levels_at", "levels_width"),
+    uses=(JOB,),
+    publishes=True,
+)
+
+
+def expire(keys: Keys, model: str, job_id: str, *, day: str, now: float, grace_ms: int, result_ttl: int,
+           event_tail: bytes, error: bytes, at_once: bool, day_ttl: int) -> Call:
+    """``event_tail``: the error event's JSON after its seq (``"code":...}``), completed by the
+    script with the job's next seq."""
+    k = [keys.job(model, job_id), keys.events(model, job_id), keys.webhooks(model), *_meter_keys(keys, model, day),
+         *keys.fairs(model)]
+    return Call(EXPIRE, k, [now, grace_ms, result_ttl, keys.live(model, job_id), event_tail, error, job_id,
+                            "1" if at_once else "0", keys.tenant(model, ""), day_ttl, LEVELS,
+                            *_places(len(EXPIRE.keys) + 1, EXPIRE.key_groups, [LEVELS])])
+
+
+FLUSH = Script(
+    "flush.lua",
+    keys=("dead_letters", "webhooks", *_METER_KEYS),
+    key_groups=(Group("levels", ("queue", "fair")), Group("event_keys", ("job", "log"))),
+    argv=("group", "worker", "result_ttl", "now", "live_prefix", "tenant_prefix", "day_ttl", "levels",
+          "levels_at", "levels_width", "event_keys_at", "event_keys_width", "events_at", "events_width",
+          "extras_at", "extras_width"),
+    argv_groups=(
+        Group("events", ("attempt", "seq", "event", "job_id")),
+        # The few events that write more than the log and the live path (a first token, the
+        # first event of an attempt, a terminal event), after all events: ('' = none).
+        Group("extras", ("index", "first_token_at", "prompt_ids", "status", "field", "payload", "entry",
+                         "entry_level", "dead", "compact", "prompt_tokens", "generated_tokens")),
+    ),
+    uses=(JOB,),
+    publishes=True,
+)
+
+
+class Extra(NamedTuple):
+    """What one event writes beyond the log and the live path (flush.lua's ``extras`` group,
+    less its index)."""
+
+    first_token_at: Value = ""
+    prompt_ids: Value = ""
+    """The prompt's token ids, JSON."""
+    status: str = ""
+    """Terminal: the job's final status; with ``field`` ('result' or 'error') and its JSON."""
+    field: str = ""
+    payload: Value = ""
+    entry: Value = ""
+    """Terminal: the queue entry to ack and delete, and its level."""
+    entry_level: int = 0
+    dead: str = ""
+    """'1': also record the job in the dead-letter stream."""
+    compact: Value = ""
+    """The job's whole log in compact form, to replace its stream with."""
+    prompt_tokens: int = -1
+    """The tokens its tenant is charged (-1: not known)."""
+    generated_tokens: int = -1
+
+
+_EVENTS, _EXTRAS = FLUSH.argv_groups
+_FLUSH_HEAD = len(FLUSH.argv)
+
+
+def flush(keys: Keys, model: str, *, worker: str, result_ttl: int, now: float, day: str, day_ttl: int,
+          events: Sequence[tuple[int, int, bytes, str]], extras: Sequence[tuple[int, Extra]]) -> Call:
+    """``events``: (attempt, seq, event JSON, job id) each; ``extras``: (0-based index into
+    ``events``, what it writes besides). Few values per event on purpose: packing them was most
+    of a worker's own cost per token."""
+    k = [keys.dead(model), keys.webhooks(model), *_meter_keys(keys, model, day)]
+    for level in range(LEVELS):
+        k += [keys.queue(model, level), keys.fair(model, level)]
+    args: list[Value] = [GROUP, worker, result_ttl, now, keys.live(model, ""), keys.tenant(model, ""), day_ttl,
+                         LEVELS, *_places(len(FLUSH.keys) + 1, FLUSH.key_groups, [LEVELS, len(events)]),
+                         *_places(_FLUSH_HEAD + 1, FLUSH.argv_groups, [len(events), len(extras)])]
+    job_key, log_key = keys.job, keys.events
+    for attempt, seq, event, job_id in events:
+        k += [job_key(model, job_id), log_key(model, job_id)]
+        args += [attempt, seq, event, job_id]
+    for index, extra in extras:
+        args += [index, *extra]
+    return Call(FLUSH, k, args)
+
+
+# --- batches ----------------------------------------------------------------------------------
+
+BATCH_CREATE = Script("batch_create.lua", keys=("batch", "lines"), argv=("lines_at",), tail=True)
+
+
+def batch_create(batch: str, lines_key: str, fields: dict[str, Value], lines: Iterable[Value]) -> Call:
+    """The batch hash's ``fields``, and its lines (the tail: the field, value pairs, then the lines)."""
+    pairs = [v for pair in fields.items() for v in pair]
+    return Call(BATCH_CREATE, [batch, lines_key], [len(BATCH_CREATE.argv) + 1 + len(pairs), *pairs, *lines])
+
+
+BATCH_STATUS = Script("batch_status.lua", keys=("batch",), argv=("status", "stamp_field", "now", "allowed"),
+                      tail=True)
+
+
+def batch_status(batch: str, status: str, now: int, allowed: Iterable[str], fields: dict[str, Value]) -> Call:
+    """Move to ``status`` (stamping ``<status>_at``) from one of ``allowed``, setting ``fields`` too."""
+    return Call(BATCH_STATUS, [batch], [status, f"{status}_at", now, ",".join(allowed),
+                                        *(v for pair in fields.items() for v in pair)])
+
+
+FILE_RENDERED = Script("file_rendered.lua", keys=("file",), argv=("meta", "content"))
+
+
+def file_rendered(file: str, meta: bytes, content: bytes) -> Call:
+    return Call(FILE_RENDERED, [file], [meta, content])
+
+
+SCRIPTS = (ENQUEUE, READ, CLAIM_TAKEN, TAKEOVER, RENEW, ACK, CANCEL, ADD_FOLLOWER, SET_IF_EXISTS, READ_LOG,
+           EXPIRE, FLUSH, BATCH_CREATE, BATCH_STATUS, FILE_RENDERED)
+
+
+# --- loading and running ----------------------------------------------------------------------
+
+@functools.cache
+def _read(file: str) -> str:
+    """One file of shared/lua as it is (read once per process)."""
+    return resources.files("shared").joinpath("lua", file).read_text()
+
+
+def _libraries(uses: Iterable[Library]) -> list[Library]:
+    """``uses`` and what they use, each once, every library after those it calls."""
+    ordered: list[Library] = []
+
+    def add(library: Library) -> None:
+        if library not in ordered:
+            for dependency in library.uses:
+                add(dependency)
+            ordered.append(library)
+
+    for library in uses:
+        add(library)
+    return ordered
+
+
+@functools.cache
+def source(script: Script) -> str:
+    """The text Redis runs: the libraries the script uses, then the script itself."""
+    return "\n".join([*(_read(library.file) for library in _libraries(script.uses)), _read(script.file)])
+
+
+def sharded(source_text: str) -> str:
+    """A script's text with its live-channel PUBLISH made SPUBLISH (sharded pub/sub, Redis >= 7
+    Cluster). Legal inside the script: the channel carries the model's hash tag, the script's slot."""
+    out = source_text.replace("redis.call('PUBLISH',", "redis.call('SPUBLISH',")
+    assert out != source_text, "the script no longer publishes with redis.call('PUBLISH', ...)"
+    return out
+
+
+class Scripts:
+    """The scripts registered on one client. Those that publish are registered on first use, in
+    the variant the deployment needs (plain pub/sub, or sharded on a Redis >= 7 Cluster), which
+    is decided once then (shared/cluster.py; a standalone Redis decides without a round trip)."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self.sharded: bool | None = None
+        """Whether live events go out with SPUBLISH; None until a publishing script first ran."""
+        self._registered: dict[Script, AsyncScript] = {}
+
+    async def run(self, call: Call):
+        script = self._registered.get(call.script)
+        if script is None:
+            script = await self._register(call.script)
+        return await script(keys=call.keys, args=call.args)
+
+    async def _register(self, script: Script) -> AsyncScript:
+        text_ = source(script)
+        if script.publishes:
+            if self.sharded is None:
+                self.sharded = await sharded_pubsub(self.redis)
+            if self.sharded:
+                text_ = sharded(text_)
+        registered = self._registered[script] = self.redis.register_script(text_)
+        return registered
