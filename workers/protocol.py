@@ -36,7 +36,7 @@ class Step:
 
 class Engine(Protocol):
     """What the loop needs from an engine (``workers.engine.VllmEngine`` is the real one;
-    ``tests/scripted_engine.py`` holds the fakes)."""
+    ``tests/support/scripted_engine.py`` holds the fakes)."""
 
     def stream(self, job_id: str, req: GenerationRequest, parts: Sequence[Part] | None = None,
                trace_headers: Mapping[str, str] | None = None) -> AsyncIterator[Step]:
