@@ -21,9 +21,8 @@ from shared.schemas import ChatMessage, ChatOptions
 __all__ = ["Encoding", "TokenizerUnavailable", "Tokenizer"]
 
 
-class TokenizerUnavailable(ServiceError):
-    status = 404
-    code = "tokenizer_unavailable"
+class TokenizerUnavailable(ServiceError, status=404, code="tokenizer_unavailable"):
+    """The API has no tokenizer for the model (it holds LLMQ_MODEL's only)."""
 
 
 class Encoding(msgspec.Struct, frozen=True):

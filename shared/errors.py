@@ -1,10 +1,12 @@
 """Typed errors, defined once. No web framework here: ``api/errors.py`` maps them to HTTP once,
 in each dialect's shape, and the worker turns them into terminal ``error`` events.
 
-Every code llmq emits is a class: defining one registers it under its ``code`` (a second class
-with the same code is a mistake caught at import), so an error that crossed a process boundary
-as code + message is rebuilt by :func:`error_from_code` as the same class, and the rest of the
-code compares classes (``isinstance``), never code strings.
+Every code llmq emits is a class, which names its HTTP status and its stable code where it is
+declared (``class JobNotFound(ServiceError, status=404, code="job_not_found")``). Declaring one
+registers it under its code (a second class with the same code is a mistake caught at import),
+so an error that crossed a process boundary as code + message is rebuilt by
+:func:`error_from_code` as the same class, and the rest of the code compares classes
+(``isinstance``), never code strings.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ __all__ = [
     "RateLimited",
     "PayloadTooLarge",
     "DeadlineExceeded",
-    "error_class",
     "error_from_code",
 ]
 
@@ -41,18 +42,21 @@ _BY_CODE: dict[str, type[ServiceError]] = {}
 
 class ServiceError(Exception):
     """Base of every error llmq reports on purpose. ``code`` is stable; ``status`` is HTTP.
-    Raise a subclass: each names its own code."""
+    Raise a subclass: each declares its own code."""
 
     status: ClassVar[int] = 500
     code: ClassVar[str] = "internal_error"
 
-    def __init_subclass__(cls, **kwargs: object) -> None:
+    def __init_subclass__(cls, *, status: int | None = None, code: str | None = None, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
-        if "code" not in cls.__dict__:
+        if status is not None:
+            cls.status = status
+        if code is None:
             return  # shares its parent's code (and is rebuilt as the parent)
-        other = _BY_CODE.setdefault(cls.code, cls)
+        cls.code = code
+        other = _BY_CODE.setdefault(code, cls)
         if other is not cls:
-            raise TypeError(f"error code {cls.code!r} is taken by {other.__qualname__}")
+            raise TypeError(f"error code {code!r} is taken by {other.__qualname__}")
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -60,146 +64,97 @@ class ServiceError(Exception):
         self.param = param
 
 
-class InternalError(ServiceError):
+class InternalError(ServiceError, code="internal_error"):
     """Something llmq did not expect: a logged 500, never the client's fault."""
 
-    code = "internal_error"
 
-
-class UnknownError(ServiceError):
+class UnknownError(ServiceError, code="unknown_error"):
     """An error event whose code this process has no class for (a newer worker wrote it): kept
     with the code and status it came with."""
-
-    code = "unknown_error"
 
     def __init__(self, message: str, *, code: str, status: int, param: str | None = None) -> None:
         super().__init__(message, param=param)
         self.code, self.status = code, status  # type: ignore[misc]  # this one error's own
 
 
-class HttpError(ServiceError):
+class HttpError(ServiceError, code="http_error"):
     """The web framework's own refusal (a 405, a 404 of an unknown path): its status kept."""
-
-    code = "http_error"
 
     def __init__(self, message: str, *, status: int) -> None:
         super().__init__(message)
         self.status = status  # type: ignore[misc]  # the framework's, per instance
 
 
-class InvalidRequest(ServiceError):
-    status = 400
-    code = "invalid_request"
+class InvalidRequest(ServiceError, status=400, code="invalid_request"):
+    """The request cannot be served as it is: each dialect answers with its own 4xx."""
 
 
-class ModelNotFound(ServiceError):
-    status = 404
-    code = "model_not_found"
+class ModelNotFound(ServiceError, status=404, code="model_not_found"):
+    """The deployment does not know the model (not configured, and no worker ever served it)."""
 
 
-class JobNotFound(ServiceError):
-    status = 404
-    code = "job_not_found"
+class JobNotFound(ServiceError, status=404, code="job_not_found"):
+    """No such job for this caller (another key's job is reported the same way)."""
 
 
-class JobMissing(ServiceError):
+class JobMissing(ServiceError, status=404, code="job_missing"):
     """A queued entry whose job record was gone when a worker read it (it expired, or was never
     written): the entry is cleared with this error."""
 
-    status = 404
-    code = "job_missing"
 
-
-class QueueUnavailable(ServiceError):
+class QueueUnavailable(ServiceError, status=503, code="queue_unavailable"):
     """Redis is unreachable: a dependency failure, never the client's fault."""
 
-    status = 503
-    code = "queue_unavailable"
 
-
-class GenerationFailed(ServiceError):
+class GenerationFailed(ServiceError, code="generation_failed"):
     """The engine failed while generating this job (anything but its own death): the job ends,
     the worker goes on."""
 
-    status = 500
-    code = "generation_failed"
 
-
-class EngineDead(ServiceError):
+class EngineDead(ServiceError, status=503, code="engine_dead"):
     """The worker's engine is gone: the job fails, and the worker exits to be restarted."""
 
-    status = 503
-    code = "engine_dead"
+
+class JobCancelled(ServiceError, status=499, code="cancelled"):
+    """Cancelled by its client (a DELETE, or the client left before its answer)."""
 
 
-class JobCancelled(ServiceError):
-    status = 499
-    code = "cancelled"
-
-
-class DeadLetter(ServiceError):
+class DeadLetter(ServiceError, code="dead_letter"):
     """The job's deliveries kept ending without an answer (workers died or stalled running it)."""
 
-    status = 500
-    code = "dead_letter"
 
-
-class WorkerLost(ServiceError):
+class WorkerLost(ServiceError, status=503, code="worker_lost"):
     """The worker died after streaming part of a job that cannot be continued seamlessly."""
 
-    status = 503
-    code = "worker_lost"
 
-
-class LeaseLost(ServiceError):
+class LeaseLost(ServiceError, status=503, code="lease_lost"):
     """Internal: this worker no longer owns the job (a peer reclaimed it); it writes nothing more."""
 
-    status = 503
-    code = "lease_lost"
 
-
-class Unauthorized(ServiceError):
+class Unauthorized(ServiceError, status=401, code="unauthorized"):
     """API keys are on and the request carried none, or an unknown one."""
 
-    status = 401
-    code = "unauthorized"
 
-
-class Overloaded(ServiceError):
+class Overloaded(ServiceError, status=429, code="overloaded"):
     """The model's queue is at its depth limit: refused now (429 + Retry-After) rather than
     queued behind work it could not be served after."""
 
-    status = 429
-    code = "overloaded"
 
-
-class RateLimited(ServiceError):
+class RateLimited(ServiceError, status=429, code="rate_limited"):
     """The tenant is past one of its own limits (shared/tenants.py): refused with 429 and a
     Retry-After from the tenant's own figures."""
-
-    status = 429
-    code = "rate_limited"
 
     def __init__(self, message: str, *, retry_after_s: int = 1, param: str | None = None) -> None:
         super().__init__(message, param=param)
         self.retry_after_s = retry_after_s
 
 
-class PayloadTooLarge(ServiceError):
-    status = 413
-    code = "payload_too_large"
+class PayloadTooLarge(ServiceError, status=413, code="payload_too_large"):
+    """The body is over LLMQ_MAX_BODY_BYTES."""
 
 
-class DeadlineExceeded(ServiceError):
+class DeadlineExceeded(ServiceError, status=504, code="deadline_exceeded"):
     """The job's deadline passed: in the queue (it never started) or while running (aborted)."""
-
-    status = 504
-    code = "deadline_exceeded"
-
-
-def error_class(code: str) -> type[ServiceError] | None:
-    """The class that owns ``code``; None for a code no class in this process defines."""
-    return _BY_CODE.get(code)
 
 
 def error_from_code(code: str, message: str, status: int) -> ServiceError:

@@ -96,14 +96,12 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     stream: bool = False
 
 
-class IncompleteGeneration(ServiceError):
-    status = 500
-    code = "incomplete_generation"
+class IncompleteGeneration(ServiceError, code="incomplete_generation"):
+    """A finished job with no sequence to answer with (TGI's ``IncompleteGeneration``)."""
 
 
-class IncompleteGenerationStream(ServiceError):
-    status = 500
-    code = "incomplete_generation_stream"
+class IncompleteGenerationStream(ServiceError, code="incomplete_generation_stream"):
+    """A stream's events ended without its final one."""
 
 
 # --- responses: TGI's own objects (router/src/lib.rs), in its key order --------------------------
