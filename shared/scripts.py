@@ -5,8 +5,10 @@ Redis 6.2 has no Functions, so a library is text put before the script that uses
 libraries a script uses is declared here (:class:`Script` ``uses``), not guessed from its text.
 
 **The layout is the contract.** Each :class:`Script` names its KEYS and ARGV slots in order; its
-script names the same slots as locals first, before any code (``local worker = ARGV[2]``), and
-reads no other slot. A group of slots repeated per item (a level, a job, an event) is read by
+script names the same slots as locals first, before any code, in a few statements
+(``local group, worker, now = unpack(ARGV, 1, 3)``; a slot alone, ``local job = KEYS[1]``), makes
+numbers of those it uses as numbers right after (``at, width = tonumber(at), tonumber(width)``),
+and reads no other slot. A group of slots repeated per item (a level, a job, an event) is read by
 offset from the item's start (``local job, log = KEYS[k], KEYS[k + 1]``); where it starts and how
 wide it is travel in the script's own fixed ARGV (``<group>_at``, ``<group>_width``), computed
 here from the group's names, so no count is written on both sides. A script whose ARGV ends in

@@ -3,7 +3,6 @@
 -- Slots: shared/scripts.py, ACK and ack().
 -- Returns the number of entries deleted (0 or 1).
 local queue = KEYS[1]
-local group = ARGV[1]
-local entry = ARGV[2]
+local group, entry = unpack(ARGV, 1, 2)
 redis.call('XACK', queue, group, entry)
 return redis.call('XDEL', queue, entry)

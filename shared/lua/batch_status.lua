@@ -3,10 +3,7 @@
 -- field, value pairs to set with the move follow the fixed values.
 -- Returns 1 when moved, 0 when the batch is missing or in another status.
 local batch = KEYS[1]
-local status = ARGV[1]
-local stamp_field = ARGV[2]
-local now = ARGV[3]
-local allowed = ARGV[4]
+local status, stamp_field, now, allowed = unpack(ARGV, 1, 4)
 local current = redis.call('HGET', batch, 'status')
 if not current then return 0 end
 local ok = false

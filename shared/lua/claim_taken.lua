@@ -1,11 +1,8 @@
 -- Claim jobs taken over from another worker (entries whose lease lapsed, a dead peer's): one
 -- round trip per batch. Slots: shared/scripts.py, CLAIM_TAKEN and claim_taken().
 -- Returns, per job, Claim.start's row (claim.lua).
-local worker = ARGV[1]
-local now = ARGV[2]
-local max_failed = ARGV[3]
-local jobs_at = tonumber(ARGV[4])
-local jobs_width = tonumber(ARGV[5])
+local worker, now, max_failed, jobs_at, jobs_width = unpack(ARGV, 1, 5)
+jobs_at, jobs_width = tonumber(jobs_at), tonumber(jobs_width)
 
 local out = {}
 for k = jobs_at, #KEYS, jobs_width do

@@ -8,24 +8,13 @@
 -- waiting} when the tenant may have no more jobs waiting; {'tokens', used, retry after (s)} when
 -- its last minute's tokens reached its limit.
 -- Checks and writes in one script, so concurrent submitters can never overshoot a limit.
-local job = KEYS[1]
-local tenant_key = KEYS[2]
-local tenants = KEYS[3]
-local clock = KEYS[4]
-local job_id = ARGV[1]
-local idempotency_ttl = ARGV[2]
-local max_depth = ARGV[3]
-local levels = tonumber(ARGV[4])
-local level = tonumber(ARGV[5])
-local tenant = ARGV[6]
-local weight = ARGV[7]
-local max_running = tonumber(ARGV[8])
-local max_queued = tonumber(ARGV[9])
-local tokens_per_minute = tonumber(ARGV[10])
-local now = tonumber(ARGV[11])
-local levels_at = tonumber(ARGV[12])
-local levels_width = tonumber(ARGV[13])
-local idempotency_at = tonumber(ARGV[14])
+local job, tenant_key, tenants, clock = unpack(KEYS, 1, 4)
+local job_id, idempotency_ttl, max_depth, levels, level, tenant, weight, max_running, max_queued,
+      tokens_per_minute, now, levels_at, levels_width, idempotency_at = unpack(ARGV, 1, 14)
+level, max_running, max_queued = tonumber(level), tonumber(max_running), tonumber(max_queued)
+tokens_per_minute, now = tonumber(tokens_per_minute), tonumber(now)
+levels, levels_at, levels_width = tonumber(levels), tonumber(levels_at), tonumber(levels_width)
+idempotency_at = tonumber(idempotency_at)
 
 local idempotency = KEYS[idempotency_at]  -- nil: the request has no Idempotency-Key
 if idempotency then

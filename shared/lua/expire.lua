@@ -9,26 +9,10 @@
 -- and writes nothing. The stream entry stays until a worker reads or reclaims it and finds the
 -- job finished (claim.lua), which acks and deletes it.
 -- Returns 1 when this call ended the job, else 0.
-local job = KEYS[1]
-local log = KEYS[2]
-local webhooks = KEYS[3]
-local clock = KEYS[4]
-local usage_day = KEYS[5]
-local usage_total = KEYS[6]
-local tokens = KEYS[7]
-local now = ARGV[1]
-local grace = ARGV[2]
-local result_ttl = ARGV[3]
-local live = ARGV[4]
-local event_tail = ARGV[5]
-local error_json = ARGV[6]
-local job_id = ARGV[7]
-local at_once = ARGV[8]
-local tenant_prefix = ARGV[9]
-local day_ttl = ARGV[10]
-local levels = tonumber(ARGV[11])
-local levels_at = tonumber(ARGV[12])
-local levels_width = tonumber(ARGV[13])
+local job, log, webhooks, clock, usage_day, usage_total, tokens = unpack(KEYS, 1, 7)
+local now, grace, result_ttl, live, event_tail, error_json, job_id, at_once, tenant_prefix, day_ttl,
+      levels, levels_at, levels_width = unpack(ARGV, 1, 13)
+levels, levels_at, levels_width = tonumber(levels), tonumber(levels_at), tonumber(levels_width)
 
 local f = redis.call('HMGET', job, 'status', 'deadline', 'relay')
 if f[1] ~= 'queued' and f[1] ~= 'running' then return 0 end

@@ -4,8 +4,7 @@
 -- Slots: shared/scripts.py, FILE_RENDERED and file_rendered(): meta is JSON, with the rendered size.
 -- Returns 1 when stored, 0 when the file is gone or was rendered already.
 local file = KEYS[1]
-local meta = ARGV[1]
-local content = ARGV[2]
+local meta, content = unpack(ARGV, 1, 2)
 if redis.call('HEXISTS', file, 'outcomes') == 0 then return 0 end
 redis.call('HSET', file, 'meta', meta, 'content', content)
 redis.call('HDEL', file, 'outcomes')

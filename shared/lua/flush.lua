@@ -9,28 +9,14 @@
 -- 'relay'), one PUBLISH per channel for the whole batch (Job.relay); a job with no follower
 -- recorded is published on its own live channel, one event per message.
 -- Returns the (0-based) indexes of the events refused.
-local dead_letters = KEYS[1]
-local webhooks = KEYS[2]
-local clock = KEYS[3]
-local usage_day = KEYS[4]
-local usage_total = KEYS[5]
-local tokens = KEYS[6]
-local group = ARGV[1]
-local worker = ARGV[2]
-local result_ttl = ARGV[3]
-local now = ARGV[4]
-local live_prefix = ARGV[5]
-local tenant_prefix = ARGV[6]
-local day_ttl = ARGV[7]
-local levels = tonumber(ARGV[8])
-local levels_at = tonumber(ARGV[9])
-local levels_width = tonumber(ARGV[10])
-local event_keys_at = tonumber(ARGV[11])
-local event_keys_width = tonumber(ARGV[12])
-local events_at = tonumber(ARGV[13])
-local events_width = tonumber(ARGV[14])
-local extras_at = tonumber(ARGV[15])
-local extras_width = tonumber(ARGV[16])
+local dead_letters, webhooks, clock, usage_day, usage_total, tokens = unpack(KEYS, 1, 6)
+local group, worker, result_ttl, now, live_prefix, tenant_prefix, day_ttl,
+      levels, levels_at, levels_width, event_keys_at, event_keys_width, events_at, events_width,
+      extras_at, extras_width = unpack(ARGV, 1, 16)
+levels, levels_at, levels_width = tonumber(levels), tonumber(levels_at), tonumber(levels_width)
+event_keys_at, event_keys_width = tonumber(event_keys_at), tonumber(event_keys_width)
+events_at, events_width = tonumber(events_at), tonumber(events_width)
+extras_at, extras_width = tonumber(extras_at), tonumber(extras_width)
 
 local queues, fairs = {}, {}
 for l = 0, levels - 1 do

@@ -11,17 +11,9 @@
 -- entry, in reading order; tops = each waiting stream's newest entry id ('0-0' when empty), where
 -- the caller's blocking read starts; more = 1 when it stopped early on ended jobs (read again).
 local clock = KEYS[1]
-local group = ARGV[1]
-local consumer = ARGV[2]
-local count = ARGV[3]
-local tenant_prefix = ARGV[4]
-local job_prefix = ARGV[5]
-local log_prefix = ARGV[6]
-local now = ARGV[7]
-local max_failed = ARGV[8]
-local levels = tonumber(ARGV[9])
-local levels_at = tonumber(ARGV[10])
-local levels_width = tonumber(ARGV[11])
+local group, consumer, count, tenant_prefix, job_prefix, log_prefix, now, max_failed,
+      levels, levels_at, levels_width = unpack(ARGV, 1, 11)
+levels, levels_at, levels_width = tonumber(levels), tonumber(levels_at), tonumber(levels_width)
 
 local queues, waitings, fairs = {}, {}, {}
 for l = 0, levels - 1 do

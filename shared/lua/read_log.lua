@@ -5,8 +5,7 @@
 -- Slots: shared/scripts.py, READ_LOG and read_log().
 -- Returns {'s', entries} (XRANGE from that seq), or {'c', compact log, result} where result is
 -- the record's result JSON when the compact form is rebuilt from it (else ''), or {'s', {}}.
-local log = KEYS[1]
-local job = KEYS[2]
+local log, job = unpack(KEYS, 1, 2)
 local from_seq = ARGV[1]
 local kind = redis.call('TYPE', log)['ok']
 if kind == 'string' then

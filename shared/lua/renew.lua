@@ -4,14 +4,9 @@
 -- hands back (hand_back = '1': the job returns to 'queued' for a peer; not counted as a failure).
 -- XCLAIM ... JUSTID resets the entry's idle time without counting a delivery. Returns the
 -- (0-based) indexes of jobs this worker no longer owns: the caller aborts them.
-local group = ARGV[1]
-local worker = ARGV[2]
-local idle = ARGV[3]
-local hand_back = ARGV[4]
-local job_keys_at = tonumber(ARGV[5])
-local job_keys_width = tonumber(ARGV[6])
-local jobs_at = tonumber(ARGV[7])
-local jobs_width = tonumber(ARGV[8])
+local group, worker, idle, hand_back, job_keys_at, job_keys_width, jobs_at, jobs_width = unpack(ARGV, 1, 8)
+job_keys_at, job_keys_width = tonumber(job_keys_at), tonumber(job_keys_width)
+jobs_at, jobs_width = tonumber(jobs_at), tonumber(jobs_width)
 
 local lost = {}
 local i = 0

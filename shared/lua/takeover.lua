@@ -9,10 +9,7 @@
 -- in this stream it is deleted from the group (DELCONSUMER drops a consumer's pending entries,
 -- so never before).
 local queue = KEYS[1]
-local group = ARGV[1]
-local dead = ARGV[2]
-local taker = ARGV[3]
-local count = ARGV[4]
+local group, dead, taker, count = unpack(ARGV, 1, 4)
 
 local taken = {}
 local want = tonumber(count)

@@ -20,15 +20,24 @@ from shared.tenants import USAGE_FIELDS
 MODEL, KEYS = "m", Keys("llmq")
 
 _SLOT = re.compile(r"(?:tonumber\()?(KEYS|ARGV)\[(\w+)(?: \+ (\d+))?\]\)?")
-_NAMING = re.compile(r"^\s*local ([\w, ]+?) = (.+)$", re.MULTILINE)
+_UNPACK = re.compile(r"unpack\((KEYS|ARGV), (\d+), (\d+)\)")
+_NAMES = r"\w+(?:,\s*\w+)*"  # a statement may go on over lines
+_NAMING = re.compile(rf"^[ \t]*local ({_NAMES}) = (.+)$", re.MULTILINE)
+_NUMBERS = re.compile(rf"^({_NAMES}) = (tonumber\(\w+\)(?:,\s*tonumber\(\w+\))*)$", re.MULTILINE)
+
+
+def _names(text: str) -> list[str]:
+    return re.split(r",\s*", text.strip())
 
 
 @dataclass
 class Named:
-    """The slots a script names: fixed ones by index, grouped ones by (base variable, offset)."""
+    """The slots a script names: fixed ones by index, grouped ones by (base variable, offset);
+    and its code without the statements that name them."""
 
     fixed: dict[str, dict[int, str]] = field(default_factory=lambda: {"KEYS": {}, "ARGV": {}})
     groups: dict[tuple[str, str], dict[int, str]] = field(default_factory=dict)
+    rest: str = ""
 
     def ordered(self, array: str) -> tuple[str, ...]:
         by_index = self.fixed[array]
@@ -50,26 +59,46 @@ def lua_code(file: str) -> str:
 
 
 def named(file: str) -> Named:
-    """Every ``local <names> = KEYS[...] / ARGV[...]`` statement of a script; and no slot read
-    anywhere else."""
-    code, out, seen = lua_code(file), Named(), 0
+    """The statements of a script that name its slots: first, before any code, its fixed slots
+    (``local a, b, c = unpack(ARGV, 1, 3)``, or one alone, ``local a = KEYS[1]``); then, anywhere,
+    a group's slots by offset (``local job, log = KEYS[k], KEYS[k + 1]``). No slot is read
+    anywhere else (what ``rest`` reads by ``unpack(ARGV, ...)``, a tail, is checked on its own);
+    a fixed value used as a number is made one in place (``a, b = tonumber(a), tonumber(b)``)."""
+    code, out = lua_code(file), Named()
+    fixed_end, rest_at, rest = 0, 0, []
     for match in _NAMING.finditer(code):
-        names = [n.strip() for n in match.group(1).split(",")]
-        values = [v.strip() for v in match.group(2).split(", ")]
-        slots = [_SLOT.fullmatch(v) for v in values]
-        if not any(slots):
-            continue
-        assert all(slots) and len(names) == len(values), f"{file}: name each slot alone: {match.group(0)}"
-        for name, slot in zip(names, slots, strict=True):
-            array, index, offset = slot.groups()
-            seen += 1
-            if index.isdigit():
+        names, value = _names(match.group(1)), match.group(2).strip()
+        if unpacked := _UNPACK.fullmatch(value):
+            array, first, last = unpacked.group(1), int(unpacked.group(2)), int(unpacked.group(3))
+            assert last - first + 1 == len(names), f"{file}: {len(names)} names for {value}"
+            slots = [(array, str(first + i), None) for i in range(len(names))]
+        else:
+            values = [v.strip() for v in value.split(", ")]
+            found = [_SLOT.fullmatch(v) for v in values]
+            if not any(found):
+                continue
+            assert all(found) and len(names) == len(values), f"{file}: name each slot alone: {match.group(0)}"
+            slots = [slot.groups() for slot in found]
+        if fixed := slots[0][1].isdigit():
+            assert not code[fixed_end:match.start()].strip(), f"{file}: names a slot after code: {match.group(0)}"
+            fixed_end = match.end()
+        for name, (array, index, offset) in zip(names, slots, strict=True):
+            assert index.isdigit() == fixed, f"{file}: fixed and grouped slots together: {match.group(0)}"
+            if fixed:
                 assert offset is None
                 assert int(index) not in out.fixed[array], f"{file}: {array}[{index}] named twice"
                 out.fixed[array][int(index)] = name
             else:
                 out.groups.setdefault((array, index), {})[int(offset or 0)] = name
-    assert len(re.findall(r"\b(?:KEYS|ARGV)\[", code)) == seen, f"{file} reads a slot it did not name first"
+        rest.append(code[rest_at:match.start()])
+        rest_at = match.end()
+    out.rest = "".join(rest) + code[rest_at:]
+    assert not re.search(r"\b(?:KEYS|ARGV)\[|unpack\(KEYS\b", out.rest), f"{file} reads a slot it did not name first"
+    values = {*out.fixed["KEYS"].values(), *out.fixed["ARGV"].values()}
+    for match in _NUMBERS.finditer(out.rest):
+        names = _names(match.group(1))
+        assert _names(re.sub(r"tonumber\((\w+)\)", r"\1", match.group(2))) == names, f"{file}: {match.group(0)}"
+        assert set(names) <= values, f"{file}: {match.group(0)} converts what is not a fixed slot"
     return out
 
 
@@ -86,7 +115,7 @@ def test_each_script_names_the_slots_of_its_layout_in_order(script: Script):
 
 @pytest.mark.parametrize("script", scripts.SCRIPTS, ids=lambda s: s.file)
 def test_a_tail_starts_right_after_the_fixed_values(script: Script):
-    starts = {int(n) for n in re.findall(r"unpack\(ARGV, (\d+)", lua_code(script.file))}
+    starts = {int(n) for n in re.findall(r"unpack\(ARGV, (\d+)", named(script.file).rest)}
     assert starts == ({len(script.argv) + 1} if script.tail else set())
 
 
@@ -223,4 +252,4 @@ def test_the_consumer_group_is_never_a_lua_literal(file: str):
     code = lua_code(file)
     assert f"'{GROUP}'" not in code and f'"{GROUP}"' not in code
     if re.search(r"'(XACK|XREADGROUP|XCLAIM|XPENDING|XGROUP)'", code):
-        assert re.search(r"^local group = ARGV\[\d+\]$", code, re.MULTILINE)
+        assert "group" in named(file).fixed["ARGV"].values()
