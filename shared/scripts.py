@@ -252,7 +252,7 @@ EXPIRE = Script(
     "expire.lua",
     keys=("job", "log", "webhooks", *_METER_KEYS),
     key_groups=(Group("levels", ("fair",)),),
-    argv=("now", "grace", "result_ttl", "live", "event_tail", "error_json", "job_id", "at_once", "tenant_prefix",
+    argv=("now", "grace", "result_ttl", "live_prefix", "event_tail", "error_json", "job_id", "at_once", "tenant_prefix",
           "day_ttl", "levels", "levels_at", "levels_width"),
     uses=(JOB,),
     publishes=True,
@@ -265,7 +265,7 @@ def expire(keys: Keys, model: str, job_id: str, *, day: str, now: float, grace_m
     script with the job's next seq."""
     k = [keys.job(model, job_id), keys.events(model, job_id), keys.webhooks(model), *_meter_keys(keys, model, day),
          *keys.fairs(model)]
-    return Call(EXPIRE, k, [now, grace_ms, result_ttl, keys.live(model, job_id), event_tail, error, job_id,
+    return Call(EXPIRE, k, [now, grace_ms, result_ttl, keys.live(model, ""), event_tail, error, job_id,
                             "1" if at_once else "0", keys.tenant(model, ""), day_ttl, LEVELS,
                             *_places(len(EXPIRE.keys) + 1, EXPIRE.key_groups, [LEVELS])])
 

@@ -11,6 +11,7 @@ in the :class:`Emission`. Tested step by step like LMTP's ``TokenStream.feed``
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared import eventlog
@@ -70,8 +71,9 @@ class Attempt:
             # The first token's time was recorded by the first attempt, and the prompt's ids too.
             self.fresh, self._prompt_ids = False, None
 
-    def on_step(self, step: Step, now: float) -> Emission | None:
-        """The event one engine step makes, at ``now`` (epoch ms), if any."""
+    def on_step(self, step: Step, clock: Callable[[], float]) -> Emission | None:
+        """The event one engine step makes, if any. ``clock``: the time now (epoch ms), read only
+        for the first token and the end (not per step: this runs once per token)."""
         if self.fresh:
             self.usage.prompt_tokens = step.prompt_tokens or self.usage.prompt_tokens
         if self._prompt_ids == []:
@@ -81,9 +83,9 @@ class Attempt:
         self.usage.completion_tokens += tokens
         first_token_at = None
         if self.fresh and self.timings.first_token_at is None and self.usage.completion_tokens:
-            first_token_at = self.timings.first_token_at = now
+            first_token_at = self.timings.first_token_at = clock()
         if step.finished:
-            self.timings.finished_at = now
+            self.timings.finished_at = clock()
             done = self._add(Done(seq=self.seq + 1, deltas=deltas, prompt=step.prompt, usage=self.usage,
                                   timings=self.timings))
             self.result = self.builder.result()

@@ -401,7 +401,7 @@ class Worker:
         if not self.settings.engine_tracing:
             headers = None  # vLLM traces nothing: it would only warn of the headers
         async for step in self.engine.stream(d.job_id, plan.request, plan.parts, trace_headers=headers):
-            out = attempt.on_step(step, now_ms())
+            out = attempt.on_step(step, now_ms)
             if out is None:
                 continue
             self.metrics.inc("llmq_worker_tokens_total", out.tokens)

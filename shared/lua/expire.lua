@@ -10,7 +10,7 @@
 -- job finished (claim.lua), which acks and deletes it.
 -- Returns 1 when this call ended the job, else 0.
 local job, log, webhooks, clock, usage_day, usage_total, tokens = unpack(KEYS, 1, 7)
-local now, grace, result_ttl, live, event_tail, error_json, job_id, at_once, tenant_prefix, day_ttl,
+local now, grace, result_ttl, live_prefix, event_tail, error_json, job_id, at_once, tenant_prefix, day_ttl,
       levels, levels_at, levels_width = unpack(ARGV, 1, 13)
 levels, levels_at, levels_width = tonumber(levels), tonumber(levels_at), tonumber(levels_width)
 
@@ -38,6 +38,6 @@ Job.finish(job, log, job_id,
                      usage_total = usage_total, tokens = tokens, now = tonumber(now), day_ttl = day_ttl}},
            {'worker', '', 'status', 'failed', 'error', error_json, 'finished_at', now}, seq, '', -1, -1)
 local outbox = Job.outbox()
-Job.relay(outbox, f[3], live, job_id, event)
+Job.relay(outbox, f[3], live_prefix, job_id, event)
 Job.send(outbox)
 return 1

@@ -46,7 +46,7 @@ for a = events_at, extras_at - 1, events_width do
   -- above the top), as it does once the log is compacted (a string): the retry check costs no
   -- extra command per event.
   elseif not redis.pcall('XADD', log, seq .. '-0', 'e', event).err then
-    Job.relay(outbox, f[3], live_prefix .. job_id, job_id, event)
+    Job.relay(outbox, f[3], live_prefix, job_id, event)
     if seq == '1' then redis.call('EXPIRE', log, result_ttl) end
     local x = extra_of[i]
     if x then

@@ -17,10 +17,11 @@ function Job.outbox()
 end
 
 -- Send ``event`` of job ``id`` to every follower its record names (``followers``: its 'relay'
--- field, channels separated by spaces), or, with none named, at once on its own ``live`` channel.
-function Job.relay(outbox, followers, live, id, event)
+-- field, channels separated by spaces), or, with none named, at once on its own live channel
+-- (``live_prefix`` .. ``id``: built only then, as this runs once per event).
+function Job.relay(outbox, followers, live_prefix, id, event)
   if not followers then
-    redis.call('PUBLISH', live, event)
+    redis.call('PUBLISH', live_prefix .. id, event)
     return
   end
   for channel in string.gmatch(followers, '%S+') do
