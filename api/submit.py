@@ -34,7 +34,7 @@ from shared.framing import Keepalive
 from shared.schemas import GenerationRequest, JobRecord
 
 __all__ = ["Submission", "Live", "Following", "submit", "enqueue_detached", "admit", "subscribe_job", "follow_job",
-           "check_queueable", "part_key"]
+           "check_queueable", "check_tools", "part_key"]
 
 log = structlog.get_logger()
 
@@ -66,6 +66,14 @@ def check_queueable(req: GenerationRequest, max_model_len: int) -> None:
         raise InvalidRequest("Invalid request: numbers must be finite")
 
 
+def check_tools(req: GenerationRequest, tool_parser: str | None) -> None:
+    """``tool_choice: auto`` needs the model's tool parser (the worker turns text into calls with
+    it), as vLLM's server needs ``--tool-call-parser``; forced choices work without one."""
+    if req.tools is not None and req.tools.choice == "auto" and tool_parser is None:
+        raise InvalidRequest('"auto" tool choice requires a tool parser for this model: set LLMQ_TOOL_PARSER '
+                             "(vLLM's --tool-call-parser), or force a tool with tool_choice", param="tool_choice")
+
+
 async def admit(svc: Services, ctx: RequestContext, req: GenerationRequest) -> GenerationRequest:
     """Route the request to its model (the default when it names none) and fill in what the body
     left unset from the request's option headers; or refuse a model this deployment does not know
@@ -81,6 +89,7 @@ async def admit(svc: Services, ctx: RequestContext, req: GenerationRequest) -> G
     if changes:
         req = msgspec.structs.replace(req, **changes)
     check_queueable(req, svc.settings.max_model_len)
+    check_tools(req, svc.settings.tool_parser_name)
     model = await svc.models.resolve(req.model)
     return req if req.model == model else msgspec.structs.replace(req, model=model)
 

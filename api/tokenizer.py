@@ -16,7 +16,7 @@ import msgspec
 
 from shared.chat_template import chat_token_ids
 from shared.errors import ServiceError
-from shared.schemas import ChatMessage, ChatOptions
+from shared.schemas import ChatMessage, ChatOptions, ToolUse
 
 __all__ = ["Encoding", "TokenizerUnavailable", "Tokenizer"]
 
@@ -68,10 +68,11 @@ class Tokenizer:
         out = await asyncio.to_thread(tok, text, add_special_tokens=True, return_offsets_mapping=True)
         return Encoding(ids=list(out["input_ids"]), offsets=[(int(a), int(b)) for a, b in out["offset_mapping"]])
 
-    async def chat_ids(self, messages: list[ChatMessage], options: ChatOptions) -> list[int]:
+    async def chat_ids(self, messages: list[ChatMessage], options: ChatOptions,
+                       tools: ToolUse | None = None) -> list[int]:
         """A chat's prompt ids, rendered exactly as the worker renders it for the engine."""
         tok = await self._tokenizer()
-        return await asyncio.to_thread(chat_token_ids, tok, messages, options)
+        return await asyncio.to_thread(chat_token_ids, tok, messages, options, tools)
 
     async def special_ids(self) -> frozenset[int]:
         """The ids the tokenizer marks special (from ``tokenizer.json``); empty when the API cannot

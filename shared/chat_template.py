@@ -7,30 +7,63 @@ ids in both, so a count equals the ``input_tokens`` the job reports.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
 from shared.errors import InvalidRequest
-from shared.schemas import ChatMessage, ChatOptions
+from shared.schemas import ChatMessage, ChatOptions, ToolUse
 
 __all__ = ["chat_token_ids"]
 
 
-def chat_token_ids(tokenizer: Any, messages: Sequence[ChatMessage], options: ChatOptions) -> list[int]:
-    """``messages`` through ``tokenizer.apply_chat_template``, tokenised there so the template's
-    BOS is not doubled. A template that refuses them (a role it does not know, a bad kwarg) is the
-    client's 400."""
-    rendered = [msgspec.structs.asdict(m) for m in messages]
-    for m in rendered:
-        if m.get("name") is None:
-            m.pop("name", None)
+def chat_token_ids(tokenizer: Any, messages: Sequence[ChatMessage], options: ChatOptions,
+                   tools: ToolUse | None = None) -> list[int]:
+    """``messages`` (and ``tools``) through ``tokenizer.apply_chat_template``, tokenised there so
+    the template's BOS is not doubled. A template that refuses them (a role it does not know, a bad
+    kwarg) is the client's 400. Tools go to the template even with ``tool_choice: none``, as vLLM
+    sends them."""
     try:
         encoded = tokenizer.apply_chat_template(
-            rendered, tokenize=True, add_generation_prompt=options.add_generation_prompt,
+            [_template_message(m) for m in messages], tools=_template_tools(tools), tokenize=True,
+            add_generation_prompt=options.add_generation_prompt,
             continue_final_message=options.continue_final_message, **options.template_kwargs,
         )
     except Exception as exc:  # jinja errors: a role the template refuses, a bad kwarg, ...
         raise InvalidRequest(f"the chat template could not render these messages: {exc}") from None
     return list(encoded["input_ids"] if not isinstance(encoded, list) else encoded)
+
+
+def _template_message(m: ChatMessage) -> dict[str, Any]:
+    """A turn as chat templates take it (OpenAI's form). A call's arguments go as an object, as
+    vLLM's ``_postprocess_messages`` passes them ("how tool-use chat templates expect them"),
+    unless they are not a JSON object."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
+                             for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.reasoning is not None:
+        out["reasoning"] = m.reasoning
+    return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def _template_tools(tools: ToolUse | None) -> list[dict[str, Any]] | None:
+    if tools is None or not tools.tools:
+        return None
+    functions = ({k: v for k, v in msgspec.structs.asdict(t).items() if v is not None} for t in tools.tools)
+    return [{"type": "function", "function": {"parameters": {}} | f} for f in functions]

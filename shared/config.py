@@ -11,7 +11,7 @@ import os
 import re
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgspec
 
@@ -110,6 +110,23 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """LLMQ_MAX_NUM_SEQS: engine slots per worker; the consumer never holds more jobs than this."""
     max_model_len: int = 2048
     """LLMQ_MAX_MODEL_LEN: context length given to vLLM."""
+    tool_parser: str | None = None
+    """LLMQ_TOOL_PARSER: vLLM's tool-call parser for the model (its `--tool-call-parser`: `hermes`,
+    `llama3_json`, `mistral`, `qwen3_xml`, ...), which turns generated text into tool calls. Chats
+    with `tool_choice: auto` need one (without, they get the dialect's 400, as from vLLM without
+    `--enable-auto-tool-choice`); `required` and a named tool work without. Unset: `hermes` for the
+    tiny model, none otherwise; `none`: none."""
+    tool_strict_level: Literal["auto", "function", "parameter"] | None = None
+    """LLMQ_TOOL_STRICT_LEVEL: how far tool calls are constrained (vLLM's `--tool-strict-level`):
+    `auto` constrains a forced choice's call, and the arguments of tools marked `strict`;
+    `function` also constrains every call's envelope under `auto`; `parameter` also holds every
+    call's arguments to its tool's schema, as if every tool were strict. Unset: `parameter` for the
+    tiny model (its random weights follow no schema unless held to one), `auto` otherwise."""
+    reasoning_parser: str | None = None
+    """LLMQ_REASONING_PARSER: vLLM's reasoning parser for the model (its `--reasoning-parser`:
+    `qwen3`, `deepseek_r1`, ...), which returns the model's reasoning apart from its answer. Unset
+    or `none`: none, and reasoning options (`thinking`, `reasoning.effort`) are accepted and
+    change nothing but what the chat template does with them."""
     stream_interval: Annotated[int, msgspec.Meta(ge=1)] = 1
     """LLMQ_STREAM_INTERVAL: tokens the engine gathers per job before it hands them on (vLLM's
     --stream-interval; the first token always goes at once). 1 streams each token as it comes. Every
@@ -270,6 +287,22 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def json_compact(self) -> bool:
         return self.model == DEFAULT_MODEL if self.compact_json is None else self.compact_json
+
+    @property
+    def tool_parser_name(self) -> str | None:
+        if self.tool_parser is None:
+            return "hermes" if self.model == DEFAULT_MODEL else None
+        return None if self.tool_parser in ("", "none") else self.tool_parser
+
+    @property
+    def tool_strictness(self) -> str:
+        if self.tool_strict_level is None:
+            return "parameter" if self.model == DEFAULT_MODEL else "auto"
+        return self.tool_strict_level
+
+    @property
+    def reasoning_parser_name(self) -> str | None:
+        return None if self.reasoning_parser in (None, "", "none") else self.reasoning_parser
 
     @property
     def kv_cache_bytes(self) -> int | None:

@@ -13,11 +13,24 @@ import msgspec
 from shared.errors import ServiceError, error_from_code
 from shared.schemas import PromptInfo, TopLogprob, Usage
 
-__all__ = ["TokenDelta", "Tokens", "Timings", "Done", "Error", "Event", "is_terminal"]
+__all__ = ["ToolCallDelta", "TokenDelta", "Tokens", "Timings", "Done", "Error", "Event", "is_terminal"]
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A piece of one tool call: its first piece names it (``id`` and ``name``), later pieces add
+    to its ``arguments`` (JSON text, in fragments)."""
+
+    index: int
+    """The call's position among the choice's calls."""
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
 
 
 class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """New tokens of one choice since the previous event."""
+    """New tokens of one choice since the previous event. With a chat's output parsed (tools, or a
+    reasoning parser: workers/parsing.py), ``text`` is the content only, and the reasoning and tool
+    calls these tokens completed come apart."""
 
     index: int = 0
     token_ids: list[int] = []
@@ -28,9 +41,12 @@ class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: list[float] | None = None
     top_logprobs: list[list[TopLogprob]] | None = None
     finish_reason: str | None = None
-    """Set on the delta that ends this choice: vLLM's ``stop``, ``length`` or ``abort``."""
+    """Set on the delta that ends this choice: vLLM's ``stop``, ``length`` or ``abort``, or
+    ``tool_calls`` (the model called tools, and the choice was not a named tool's: vLLM's rule)."""
     stop_reason: str | int | None = None
     """The stop string or token id that matched; None when EOS (or the length) ended it."""
+    reasoning: str = ""
+    tool_calls: list[ToolCallDelta] = []
 
 
 class Tokens(msgspec.Struct, tag="tokens", kw_only=True, omit_defaults=True):

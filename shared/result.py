@@ -7,7 +7,7 @@ answer non-streaming requests from the events it relayed, so both always agree.
 from __future__ import annotations
 
 from shared.events import Done, Error, Event, Tokens
-from shared.schemas import Choice, JobResult, PromptInfo, Usage
+from shared.schemas import Choice, JobResult, PromptInfo, ToolCall, Usage
 
 __all__ = ["ResultBuilder"]
 
@@ -26,6 +26,8 @@ class ResultBuilder:
         self._choices: dict[int, Choice] = {}
         # Text arrives in many small pieces: join once at the end instead of re-concatenating.
         self._text_parts: dict[int, list[str]] = {}
+        self._reasoning_parts: dict[int, list[str]] = {}
+        self._calls: dict[int, dict[int, list[str]]] = {}  # choice -> call index -> [id, name, *arguments]
         self.usage = Usage()
         self.prompt: PromptInfo | None = None
 
@@ -52,6 +54,13 @@ class ResultBuilder:
         for delta in event.deltas:
             choice = self._choice(delta.index)
             self._text_parts[delta.index].append(delta.text)
+            if delta.reasoning:
+                self._reasoning_parts.setdefault(delta.index, []).append(delta.reasoning)
+            for call in delta.tool_calls:
+                parts = self._calls.setdefault(delta.index, {}).setdefault(call.index, ["", ""])
+                if call.id is not None:
+                    parts[0], parts[1] = call.id, call.name or ""
+                parts.append(call.arguments)
             choice.token_ids.extend(delta.token_ids)
             choice.token_texts = _extend(choice.token_texts, delta.token_texts)
             choice.logprobs = _extend(choice.logprobs, delta.logprobs)
@@ -65,5 +74,11 @@ class ResultBuilder:
         for index in sorted(self._choices):
             choice = self._choices[index]
             choice.text = "".join(self._text_parts[index])
+            if index in self._reasoning_parts:
+                choice.reasoning = "".join(self._reasoning_parts[index])
+            if index in self._calls:
+                calls = self._calls[index]
+                choice.tool_calls = [ToolCall(id=calls[i][0], name=calls[i][1], arguments="".join(calls[i][2:]))
+                                     for i in sorted(calls)]
             choices.append(choice)
         return JobResult(choices=choices, usage=self.usage, prompt=self.prompt)

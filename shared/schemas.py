@@ -18,6 +18,9 @@ __all__ = [
     "StructuredOutput",
     "SamplingParams",
     "ChatMessage",
+    "Tool",
+    "ToolCall",
+    "ToolUse",
     "PromptInfo",
     "OutputOptions",
     "Reported",
@@ -140,14 +143,55 @@ class OutputOptions(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     """The ``service_tier`` the request named (OpenAI's, Anthropic's), as the response reports it
     back; None: it named none (the response then says nothing of a tier where it can)."""
     reported: Reported | None = None
+    reasoning: bool = True
+    """The answer includes the model's reasoning (vLLM's ``include_reasoning``), where a reasoning
+    parser separated it."""
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    """A call the model made: in an assistant turn of the history, and in a result."""
+
+    id: str
+    name: str
+    arguments: str
+    """The arguments as JSON text (OpenAI's form; Anthropic's ``input`` object is dumped to it)."""
 
 
 class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """One chat turn. Dialects flatten multi-part content to text before queueing."""
+    """One chat turn. Dialects flatten multi-part content to text before queueing, and map their
+    tool history to OpenAI's form: an assistant turn's ``tool_calls``, then one ``tool`` turn per
+    result, naming its call."""
 
     role: str
     content: str = ""
     name: str | None = None
+    tool_calls: list[ToolCall] = []
+    tool_call_id: str | None = None
+    """A ``tool`` turn: the call it answers."""
+    reasoning: str | None = None
+    """An assistant turn's reasoning, sent back (templates with interleaved thinking render it)."""
+
+
+class Tool(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A function the model may call (every dialect's function tools map to this)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """Its arguments' JSON Schema."""
+    strict: bool | None = None
+
+
+class ToolUse(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The tools a chat offers and how the model must use them, as vLLM's OpenAI server takes them."""
+
+    tools: list[Tool] = []
+    choice: Literal["auto", "none", "required", "function"] = "auto"
+    """``auto``: the model decides (needs the worker's tool parser); ``required``: at least one
+    call; ``function``: exactly the tool ``function`` names; ``none``: no call."""
+    function: str | None = None
+    parallel: bool = True
+    """False: at most one call (OpenAI's ``parallel_tool_calls``, Anthropic's ``disable_parallel_tool_use``)."""
 
 
 class ChatOptions(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -176,6 +220,9 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     messages: list[ChatMessage] | None = None
     """A chat: the worker renders it with the model's chat template."""
     chat: ChatOptions = msgspec.field(default_factory=ChatOptions)
+    tools: ToolUse | None = None
+    """A chat's tools; the worker renders them with the chat template and parses the output into
+    content, reasoning and tool calls (workers/parsing.py)."""
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     output: OutputOptions = msgspec.field(default_factory=OutputOptions)
     dialect: DialectName = "jobs"
@@ -218,6 +265,9 @@ class Choice(msgspec.Struct, kw_only=True, omit_defaults=True):
     """vLLM's vocabulary: ``stop``, ``length``, ``abort``; dialects translate."""
     stop_reason: str | int | None = None
     """The stop string or token id that matched; None when EOS ended the sequence."""
+    reasoning: str | None = None
+    """With a reasoning parser: the reasoning, apart from ``text`` (the content)."""
+    tool_calls: list[ToolCall] | None = None
 
 
 class Usage(msgspec.Struct, kw_only=True):
@@ -301,8 +351,11 @@ def estimate_tokens(req: GenerationRequest) -> int:
     if req.prompt_token_ids is not None:
         prompt = len(req.prompt_token_ids)
     else:
-        text = req.prompt if req.prompt is not None else "".join(m.content for m in req.messages or ())
-        prompt = len(text.encode()) // 4 + 1
+        size = len(req.prompt.encode()) if req.prompt is not None else sum(
+            len(m.content.encode()) + sum(len(c.arguments) for c in m.tool_calls) for m in req.messages or ())
+        if req.tools is not None:  # the template renders each tool's schema into the prompt
+            size += len(msgspec.json.encode(req.tools.tools))
+        prompt = size // 4 + 1
     sampling = req.sampling
     return prompt + sampling.max_tokens * max(sampling.n, sampling.beam_width)
 

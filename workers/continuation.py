@@ -70,8 +70,8 @@ class Part:
     extended by the choice's published tokens, with the rest of its budget."""
     replay: tuple[int, ...] = ()
     """Output tokens the engine must force first: the choice's published tokens."""
-    replay_text: str = ""
-    """The text the client already holds for ``replay``."""
+    held: Published | None = None
+    """What the client already holds for ``replay``: its text per channel."""
 
 
 @dataclass(slots=True)
@@ -93,11 +93,15 @@ class Continuation:
 
 @dataclass(slots=True)
 class Published:
-    """What the client already holds of one choice."""
+    """What the client already holds of one choice: its tokens, and its text per channel (the
+    content; with a parsed chat also the reasoning and each tool call's arguments)."""
 
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finished: bool = False
+    reasoning: str = ""
+    calls: dict[int, str] = field(default_factory=dict)
+    """Per tool call index, its arguments so far (a call in here has had its id and name sent)."""
 
 
 def published(prior: Sequence[Event]) -> dict[int, Published]:
@@ -111,21 +115,28 @@ def published(prior: Sequence[Event]) -> dict[int, Published]:
             choice = choices.setdefault(delta.index, Published())
             choice.token_ids.extend(delta.token_ids)
             texts.setdefault(delta.index, []).append(delta.text)
+            choice.reasoning += delta.reasoning
+            for call in delta.tool_calls:
+                choice.calls[call.index] = choice.calls.get(call.index, "") + call.arguments
             choice.finished = choice.finished or delta.finish_reason is not None
     for index, parts in texts.items():
         choices[index].text = "".join(parts)
     return choices
 
 
-def needs_replay(s: SamplingParams) -> bool:
+def needs_replay(req: GenerationRequest, parsed: bool = False) -> bool:
     """Whether continuing after published output needs the output replayed (see the module
-    docstring): prompt extension would change what comes next."""
-    return (s.structured is not None or bool(s.stop) or s.presence_penalty != 0 or s.frequency_penalty != 0
-            or (s.seed is not None and s.temperature > 0))
+    docstring): prompt extension would change what comes next. A parsed chat (``parsed``: tools or
+    a reasoning parser, workers/parsing.py) is replayed too: its parser must see every token."""
+    s = req.sampling
+    return (parsed or s.structured is not None or bool(s.stop) or s.presence_penalty != 0
+            or s.frequency_penalty != 0 or (s.seed is not None and s.temperature > 0))
 
 
-def plan_continuation(req: GenerationRequest, prior: list[Event], prompt_ids: list[int] | None) -> Continuation:
-    """The continuation of ``req`` after the token events ``prior`` (all non-terminal, in order).
+def plan_continuation(req: GenerationRequest, prior: list[Event], prompt_ids: list[int] | None,
+                      parsed: bool = False) -> Continuation:
+    """The continuation of ``req`` after the token events ``prior`` (all non-terminal, in order);
+    ``parsed``: the engine parses its output (:func:`needs_replay`).
 
     Raises :class:`WorkerLost` when the job published tokens but cannot continue seamlessly.
     """
@@ -142,7 +153,7 @@ def plan_continuation(req: GenerationRequest, prior: list[Event], prompt_ids: li
     if prompt_ids is None:
         raise WorkerLost("the worker running this job stopped and its prompt tokens were not recorded")
     plan.prompt_tokens = len(prompt_ids)
-    replay = needs_replay(s)
+    replay = needs_replay(req, parsed)
     if s.n == 1 and not replay:
         plan.request = _extended(req, prompt_ids, choices[0].token_ids)
         return plan
@@ -156,7 +167,7 @@ def plan_continuation(req: GenerationRequest, prior: list[Event], prompt_ids: li
             s, n=1, seed=s.seed + index if s.seed is not None and s.n > 1 else s.seed))
         if replay:
             plan.parts.append(Part(index, _from_ids(one, prompt_ids, one.sampling), tuple(choice.token_ids),
-                                   choice.text))
+                                   choice))
         else:
             plan.parts.append(Part(index, _extended(one, prompt_ids, choice.token_ids)))
     return plan
@@ -178,13 +189,16 @@ def _extended(req: GenerationRequest, prompt_ids: list[int], emitted: list[int])
 
 
 class Replay:
-    """Drops from a forced replay's output what the client already holds (``tokens`` and
-    ``text``), checking that the replay reproduced it."""
+    """Drops from a forced replay's output what the client already holds (``held``: its tokens,
+    and its text per channel), checking that the replay reproduced it. Text is compared as
+    cumulative text per channel, since incremental detokenisation (and a parser) can hold back
+    text, so one token is not one piece of text."""
 
-    def __init__(self, tokens: Sequence[int], text: str) -> None:
-        self.tokens, self.text = tokens, text
+    def __init__(self, held: Published) -> None:
+        self.held = held
+        self.tokens = held.token_ids
         self.position = 0  # output tokens seen
-        self.chars = 0  # characters of ``text`` seen
+        self.seen: dict[object, int] = {}  # characters of each channel's held text seen so far
 
     def trim(self, delta: TokenDelta) -> TokenDelta | None:
         """``delta`` without the replayed part (None: nothing new in it)."""
@@ -195,18 +209,22 @@ class Replay:
         self.position += n
         if delta.finish_reason is not None and self.position <= len(self.tokens):
             raise WorkerLost("the continued job ended before reproducing the tokens already sent")
-        text = delta.text
-        if self.chars < len(self.text):
-            cut = min(len(text), len(self.text) - self.chars)
-            if text[:cut] != self.text[self.chars:self.chars + cut]:
-                raise WorkerLost("the continued job did not reproduce the text already sent")
-            self.chars += cut
-            text = text[cut:]
-        if not skip and text == delta.text:
+        text = self._cut("text", self.held.text, delta.text)
+        reasoning = self._cut("reasoning", self.held.reasoning, delta.reasoning)
+        calls = []
+        for call in delta.tool_calls:
+            if call.index not in self.held.calls:
+                calls.append(call)
+                continue
+            call.id = call.name = None  # the client has the call's opening piece
+            call.arguments = self._cut(call.index, self.held.calls[call.index], call.arguments)
+            if call.arguments:
+                calls.append(call)
+        if not skip and text == delta.text and reasoning == delta.reasoning and calls == delta.tool_calls:
             return delta
-        if not (n - skip or text or delta.finish_reason):
+        if not (n - skip or text or reasoning or calls or delta.finish_reason):
             return None
-        delta.token_ids, delta.text = delta.token_ids[skip:], text
+        delta.token_ids, delta.text, delta.reasoning, delta.tool_calls = delta.token_ids[skip:], text, reasoning, calls
         if delta.logprobs is not None:
             delta.logprobs = delta.logprobs[skip:]
         if delta.token_texts is not None:
@@ -214,6 +232,17 @@ class Replay:
         if delta.top_logprobs is not None:
             delta.top_logprobs = delta.top_logprobs[skip:]
         return delta
+
+    def _cut(self, channel: object, held: str, piece: str) -> str:
+        """``piece`` of ``channel`` without what the client holds of it (``held``)."""
+        seen = self.seen.get(channel, 0)
+        if seen >= len(held) or not piece:
+            return piece
+        cut = min(len(piece), len(held) - seen)
+        if piece[:cut] != held[seen:seen + cut]:
+            raise WorkerLost("the continued job did not reproduce the text already sent")
+        self.seen[channel] = seen + cut
+        return piece[cut:]
 
 
 _END = object()
@@ -226,7 +255,7 @@ async def run_parts(parts: Sequence[Part], run: Callable[[Part], AsyncIterator[S
     queue: asyncio.Queue[object] = asyncio.Queue()
 
     async def pump(part: Part) -> None:
-        replay = Replay(part.replay, part.replay_text) if part.replay else None
+        replay = Replay(part.held) if part.replay and part.held is not None else None
         try:
             async for step in run(part):
                 kept = []
@@ -263,9 +292,10 @@ async def run_parts(parts: Sequence[Part], run: Callable[[Part], AsyncIterator[S
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def plan_for(queue: Queue, model: str, d: Delivery, req: GenerationRequest) -> Continuation:
+async def plan_for(queue: Queue, model: str, d: Delivery, req: GenerationRequest, parsed: bool = False) -> Continuation:
     """A fresh start, or the continuation of what earlier attempts already published (the log
-    is read until Redis answers: the job cannot start without it)."""
+    is read until Redis answers: the job cannot start without it); ``parsed``: the engine parses
+    the job's output (:func:`needs_replay`)."""
     if not d.last_seq:
         return Continuation(request=req)
     delay = 0.1
@@ -277,7 +307,7 @@ async def plan_for(queue: Queue, model: str, d: Delivery, req: GenerationRequest
             log.warning("redis_read_failed", retry_in_s=delay, error=str(exc))
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
-    plan = plan_continuation(req, [e for e in prior if isinstance(e, Tokens)], d.prompt_ids)
+    plan = plan_continuation(req, [e for e in prior if isinstance(e, Tokens)], d.prompt_ids, parsed)
     log.info("job_continued", after_seq=plan.seq, emitted=plan.emitted,
              parts=None if plan.parts is None else [(p.index, len(p.replay)) for p in plan.parts])
     return plan

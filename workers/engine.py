@@ -31,6 +31,7 @@ from shared.schemas import GenerationRequest, PromptInfo, StructuredOutput, TopL
 from workers import forcing
 from workers.beam import beam_search
 from workers.continuation import Part, run_parts
+from workers.parsing import ChoiceParser, OutputParsers, Parsing
 from workers.protocol import Step
 
 __all__ = ["VllmEngine", "to_sampling_params", "engine_args"]
@@ -84,13 +85,15 @@ def _structured(so: StructuredOutput | None) -> StructuredOutputsParams | None:
     )
 
 
-def _structured_config(compact_json: bool) -> StructuredOutputsConfig:
+def _structured_config(compact_json: bool, reasoning_parser: str | None) -> StructuredOutputsConfig:
     """vLLM reads "no optional whitespace in JSON" engine-wide only (a per-request flag is ignored
     in 0.32), and only with the xgrammar or guidance backend; guidance handles every form llmq
-    sends (JSON schema, regex, choice, grammar)."""
+    sends (JSON schema, regex, choice, grammar). With a reasoning parser the engine applies a
+    grammar only after the reasoning, which it finds with that parser."""
     if compact_json:
-        return StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True)
-    return StructuredOutputsConfig()
+        return StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True,
+                                       reasoning_parser=reasoning_parser or "")
+    return StructuredOutputsConfig(reasoning_parser=reasoning_parser or "")
 
 
 def _top(position: dict, k: int) -> list[TopLogprob]:
@@ -146,7 +149,7 @@ def engine_args(settings: Settings, model_path: str, traces_endpoint: str | None
         # None: the engine sizes its KV cache itself (GPU memory utilisation, CPU default).
         kv_cache_memory_bytes=settings.kv_cache_bytes,
         enforce_eager=settings.eager,
-        structured_outputs_config=_structured_config(settings.json_compact),
+        structured_outputs_config=_structured_config(settings.json_compact, settings.reasoning_parser_name),
         # vLLM's request spans are built from its per-request stats: kept only with tracing on.
         disable_log_stats=traces_endpoint is None,
         otlp_traces_endpoint=traces_endpoint,
@@ -161,10 +164,13 @@ def engine_args(settings: Settings, model_path: str, traces_endpoint: str | None
 class VllmEngine:
     """One vLLM engine. ``stream`` yields a :class:`Step` per engine step for one job."""
 
-    def __init__(self, engine: AsyncLLM, max_model_len: int) -> None:
+    def __init__(self, engine: AsyncLLM, max_model_len: int, *, tool_parser: str | None = None,
+                 reasoning_parser: str | None = None, tool_strict_level: str = "auto") -> None:
         self.engine = engine
         self.max_model_len = max_model_len
         self.tokenizer = engine.get_tokenizer()
+        self.parsers = OutputParsers(self.tokenizer, tool_parser=tool_parser, reasoning_parser=reasoning_parser,
+                                     strict_level=tool_strict_level)
         self._requests: dict[str, list[str]] = {}  # job id -> its engine requests, when not just the job id
 
     @classmethod
@@ -175,13 +181,14 @@ class VllmEngine:
         config.model_config.logits_processors = [forcing.processor_for(config.use_v2_model_runner)]
         engine = AsyncLLM.from_vllm_config(config, enable_log_requests=args.enable_log_requests,
                                            disable_log_stats=args.disable_log_stats)
-        return cls(engine, settings.max_model_len)
+        return cls(engine, settings.max_model_len, tool_parser=settings.tool_parser_name,
+                   reasoning_parser=settings.reasoning_parser_name, tool_strict_level=settings.tool_strictness)
 
     def _prompt(self, req: GenerationRequest) -> TextPrompt | TokensPrompt:
         if req.prompt_token_ids is not None:
             return TokensPrompt(prompt_token_ids=list(req.prompt_token_ids))
         if req.messages is not None:
-            return TokensPrompt(prompt_token_ids=chat_token_ids(self.tokenizer, req.messages, req.chat))
+            return TokensPrompt(prompt_token_ids=chat_token_ids(self.tokenizer, req.messages, req.chat, req.tools))
         assert req.prompt is not None
         return TextPrompt(prompt=req.prompt)
 
@@ -207,53 +214,78 @@ class VllmEngine:
             info.token_texts = [self.tokenizer.decode([tid]) for tid in ids]
         return info
 
+    def parses(self, req: GenerationRequest) -> bool:
+        return self.parsers.parses(req)
+
     def stream(self, job_id: str, req: GenerationRequest, parts: Sequence[Part] | None = None,
                trace_headers: Mapping[str, str] | None = None) -> AsyncIterator[Step]:
         """The job's steps: ``req`` as one engine request, or (a continued job) each of ``parts``
         as its own, merged under the parts' choice indices. A plain job's steps come straight from
-        :meth:`_generate`, with no generator in between (one fewer resume per token)."""
+        :meth:`_generate`, with no generator in between (one fewer resume per token). A chat's
+        output is parsed per choice (workers/parsing.py), also in each part: a part replays the
+        choice's published tokens through a fresh parser."""
+        try:
+            parsing = self.parsers.plan(req)
+        except ValueError as exc:  # vLLM's checks of the tools (a schema it cannot constrain, ...)
+            raise InvalidRequest(str(exc)) from None
         if parts is None:
-            return self._generate(job_id, req, trace_headers=trace_headers)
-        return self._stream_parts(job_id, parts, trace_headers)
+            return self._generate(job_id, req, trace_headers=trace_headers, parsing=parsing, job_id=job_id)
+        return self._stream_parts(job_id, parts, trace_headers, parsing)
 
-    async def _stream_parts(self, job_id: str, parts: Sequence[Part],
-                            trace_headers: Mapping[str, str] | None) -> AsyncIterator[Step]:
+    async def _stream_parts(self, job_id: str, parts: Sequence[Part], trace_headers: Mapping[str, str] | None,
+                            parsing: Parsing | None) -> AsyncIterator[Step]:
         if not parts:  # every choice had finished: only the final event is missing
             yield Step(deltas=[], finished=True)
             return
         ids = {part.index: job_id if len(parts) == 1 else f"{job_id}-{part.index}" for part in parts}
         self._requests[job_id] = list(ids.values())
         try:
-            async for step in run_parts(parts, lambda part: self._generate(ids[part.index], part.request, part.replay,
-                                                                            trace_headers)):
+            async for step in run_parts(parts, lambda part: self._generate(
+                    ids[part.index], part.request, part.replay, trace_headers, parsing=parsing, job_id=job_id,
+                    choice=part.index)):
                 yield step
         finally:
             self._requests.pop(job_id, None)
 
     async def _generate(self, request_id: str, req: GenerationRequest, forced: Sequence[int] = (),
-                        trace_headers: Mapping[str, str] | None = None) -> AsyncIterator[Step]:
+                        trace_headers: Mapping[str, str] | None = None, *, parsing: Parsing | None = None,
+                        job_id: str = "", choice: int | None = None) -> AsyncIterator[Step]:
+        """One engine request's steps. ``parsing``: the chat's output parsers (built from the job's
+        own request: a part's request is its prompt ids); ``choice``: the job's choice this engine
+        request runs (a part), else each output's own index."""
         want_top = req.sampling.logprobs
         try:
             params = to_sampling_params(req, forced)
             prompt = self._prompt(req)
         except ValueError as exc:  # SamplingParams' own range checks
             raise InvalidRequest(str(exc)) from None
+        reasoning_ended = None
+        if parsing is not None:
+            parsing.constrain(params)
+            reasoning_ended = parsing.reasoning_ended(list(prompt.get("prompt_token_ids") or ()))
         try:
             if req.sampling.beam_width > 1:
                 yield await self._beam_search(request_id, req, prompt)
                 return
             first = True
             primed = self._primed_text(req)
+            parsers: dict[int, ChoiceParser] = {}
+            prompt_ids: list[int] | None = None
             async for out in self.engine.generate(prompt, params, request_id=request_id, priority=_priority(req),
-                                                  trace_headers=trace_headers):
+                                                  trace_headers=trace_headers, reasoning_ended=reasoning_ended):
                 step = _step(out, want_top)
                 if primed:
                     primed = _strip_primed(step, primed)
                 if first:
-                    step.prompt_token_ids = list(out.prompt_token_ids or ())
+                    prompt_ids = step.prompt_token_ids = list(out.prompt_token_ids or ())
                 if first and req.output.prompt_tokens:
                     step.prompt = self._prompt_info(out, req)
                 first = False
+                if parsing is not None:
+                    for delta in step.deltas:
+                        index = delta.index if choice is None else choice
+                        parser = parsers.get(index) or parsers.setdefault(index, parsing.choice(job_id, index))
+                        parser.feed(delta, prompt_ids)
                 yield step
         except VLLMValidationError as exc:  # the engine's checks: prompt too long, bad token ids, ...
             raise InvalidRequest(str(exc)) from None

@@ -44,4 +44,8 @@ class Engine(Protocol):
         part, merged under their choice indices, the last one ``finished``. ``trace_headers``: the
         W3C context the engine's own spans continue (tracing on)."""
 
+    def parses(self, req: GenerationRequest) -> bool:
+        """Whether ``req``'s output goes through the engine's output parsers (a chat with tools,
+        or a reasoning parser: workers/parsing.py), so a continuation must replay it."""
+
     async def abort(self, job_id: str) -> None: ...

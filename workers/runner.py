@@ -395,7 +395,7 @@ class Worker:
     async def _generate(self, d: Delivery, req: GenerationRequest, attempt: Attempt, spans: JobSpans | None) -> None:
         """Run the job in the engine (continued after what earlier attempts published), each step's
         event to the outbox, until its Done."""
-        plan = await plan_for(self.queue, self.model, d, req)
+        plan = await plan_for(self.queue, self.model, d, req, self.engine.parses(req))
         attempt.continues(plan.seq, plan.builder, prompt_tokens=plan.prompt_tokens, emitted=plan.emitted)
         headers = spans.engine_started() if spans is not None else None
         if not self.settings.engine_tracing:

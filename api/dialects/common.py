@@ -1,13 +1,14 @@
-"""What several dialects share: refusing a request in one line, and OpenAI's error object (vLLM's
-OpenAI server and the Responses API frame errors alike)."""
+"""What several dialects share: refusing a request in one line, the checks of a chat's tools, and
+OpenAI's error object (vLLM's OpenAI server and the Responses API frame errors alike)."""
 
 from __future__ import annotations
 
 import msgspec
 
 from shared.errors import InvalidRequest
+from shared.schemas import Tool, ToolUse
 
-__all__ = ["refuse", "ErrorObject", "ErrorResponse"]
+__all__ = ["refuse", "tool_use", "ErrorObject", "ErrorResponse"]
 
 
 def refuse(bad: bool, message: str, param: str | None = None) -> None:
@@ -15,6 +16,25 @@ def refuse(bad: bool, message: str, param: str | None = None) -> None:
     own shape) when ``bad``."""
     if bad:
         raise InvalidRequest(message, param=param)
+
+
+def tool_use(tools: list[Tool] | None, choice: str | None, function: str | None = None, *,
+             parallel: bool = True, param: str = "tool_choice") -> ToolUse | None:
+    """A chat's tools in the internal form, checked as vLLM checks them. ``choice``: ``auto``,
+    ``none``, ``required`` or ``function`` (then ``function`` names the tool); None: ``auto`` with
+    tools, else none. ``tools`` None (not given) refuses any choice but ``none``; no tools (None or
+    an empty list): None."""
+    if tools is None:
+        refuse(choice not in (None, "none"), "When using `tool_choice`, `tools` must be set.", param)
+    if not tools:
+        return None
+    names = {t.name for t in tools}
+    refuse(len(names) != len(tools), "tool names must be unique", "tools")
+    if choice == "function":
+        refuse(function not in names,
+               "The tool specified in `tool_choice` does not match any of the specified `tools`", param)
+    return ToolUse(tools=tools, choice=choice or "auto", function=function if choice == "function" else None,
+                   parallel=parallel)
 
 
 class ErrorObject(msgspec.Struct, kw_only=True):

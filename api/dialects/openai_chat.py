@@ -10,12 +10,12 @@ Errors have the OpenAI shape of :mod:`api.dialects.openai_completions`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-from api.dialects.common import refuse
+from api.dialects.common import refuse, tool_use
 from api.dialects.openai_completions import CompletionUsage, error_body, usage_body
 from api.dialects.openai_structured import ResponseFormat, StructuredOutputs, structured_output
 from api.dialects.stream import JSONLINES, SSE, StreamRenderer
@@ -31,6 +31,9 @@ from shared.schemas import (
     JobResult,
     OutputOptions,
     SamplingParams,
+    Tool,
+    ToolCall,
+    ToolUse,
 )
 
 __all__ = [
@@ -60,12 +63,47 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str = ""
+
+
+class MessageToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
 class Message(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning: str | None = None
+    """An assistant turn's reasoning, sent back (vLLM's field; ``reasoning_content`` was its old name)."""
+    reasoning_content: str | None = None
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(msgspec.Struct, kw_only=True):
+    type: str = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: str = "function"
+    function: NamedFunction
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -94,8 +132,12 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    reasoning_effort: str | None = None
+    """Reaches the chat template as ``reasoning_effort`` (as in vLLM); a template without it ignores it."""
+    include_reasoning: bool = True
     user: str | None = None
     # vLLM extras
     top_k: Annotated[int, Meta(ge=-1)] | None = None
@@ -132,8 +174,6 @@ _UNSUPPORTED = (
 
 
 def _unsupported(b: ChatRequest) -> None:
-    tools_asked = b.tools is not None or b.tool_choice not in (None, "none")
-    refuse(tools_asked, "tool calling (`tools`, `tool_choice`) is not supported by this server", "tools")
     for name, message in _UNSUPPORTED:
         refuse(bool(getattr(b, name)), message, name)
     continuous = bool(b.stream_options and b.stream_options.continuous_usage_stats)
@@ -174,15 +214,38 @@ def _content(m: Message, i: int) -> str:
 def _messages(b: ChatRequest) -> list[ChatMessage]:
     out = []
     for i, m in enumerate(b.messages):
-        refuse(bool(m.tool_calls), f"messages[{i}]: `tool_calls` are not supported by this server", "messages")
-        out.append(ChatMessage(role=m.role, content=_content(m, i), name=m.name))
+        calls = []
+        for call in m.tool_calls or ():
+            refuse(call.type != "function", f"messages[{i}]: tool calls of type `{call.type}` are not supported",
+                   "messages")
+            calls.append(ToolCall(id=call.id, name=call.function.name, arguments=call.function.arguments))
+        out.append(ChatMessage(role=m.role, content=_content(m, i), name=m.name, tool_calls=calls,
+                               tool_call_id=m.tool_call_id,
+                               reasoning=m.reasoning if m.reasoning is not None else m.reasoning_content))
     return out
+
+
+def _tools(b: ChatRequest) -> ToolUse | None:
+    if b.tools is None:
+        return tool_use(None, "function" if isinstance(b.tool_choice, NamedToolChoice) else b.tool_choice)
+    tools = []
+    for i, t in enumerate(b.tools):
+        refuse(t.type != "function", f"tools[{i}]: tools of type `{t.type}` are not supported (function only)",
+               "tools")
+        f = t.function
+        tools.append(Tool(name=f.name, description=f.description, parameters=f.parameters, strict=f.strict))
+    named = b.tool_choice if isinstance(b.tool_choice, NamedToolChoice) else None
+    return tool_use(tools, "function" if named is not None else b.tool_choice,
+                    named.function.name if named is not None else None,
+                    parallel=b.parallel_tool_calls is not False)
 
 
 def _template_kwargs(b: ChatRequest) -> dict[str, object]:
     kwargs = dict(b.chat_template_kwargs or {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
     refuse(bool(reserved), f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+    if b.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", b.reasoning_effort)
     return kwargs
 
 
@@ -232,8 +295,10 @@ def to_generation_request(body: ChatRequest, *, max_model_len: int) -> Generatio
         model=body.model or "",
         messages=_messages(body),
         chat=chat,
+        tools=_tools(body),
         sampling=sampling,
-        output=OutputOptions(include_usage=include_usage, service_tier=reported_tier(body.service_tier)),
+        output=OutputOptions(include_usage=include_usage, service_tier=reported_tier(body.service_tier),
+                             reasoning=body.include_reasoning),
         dialect=NAME,
         priority=body.priority if body.priority is not None else priority_of_tier(body.service_tier),
     )
@@ -270,9 +335,23 @@ class ChoiceLogprobs(msgspec.Struct, kw_only=True):
     content: list[ChatCompletionTokenLogprob]
 
 
+class ToolCallFunction(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str
+
+
+class ChatCompletionMessageToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: ToolCallFunction
+
+
 class ChatCompletionMessage(msgspec.Struct, kw_only=True):
     role: str
-    content: str
+    content: str | None
+    """None (null) when the model only called tools, as in vLLM."""
+    reasoning: str | UnsetType = UNSET  # vLLM 0.32's field, with a reasoning parser
+    tool_calls: list[ChatCompletionMessageToolCall] | UnsetType = UNSET
 
 
 class ChatCompletionChoice(msgspec.Struct, kw_only=True):
@@ -293,9 +372,25 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     service_tier: str | UnsetType = UNSET  # only when the request named one
 
 
+class ChoiceDeltaFunction(msgspec.Struct, kw_only=True):
+    name: str | UnsetType = UNSET  # only in a call's first piece
+    arguments: str
+
+
+class ChoiceDeltaToolCall(msgspec.Struct, kw_only=True):
+    """A piece of a call: the first carries ``id``, ``type`` and the name, later ones arguments."""
+
+    index: int
+    id: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
+    function: ChoiceDeltaFunction
+
+
 class ChoiceDelta(msgspec.Struct, kw_only=True):
     role: str | UnsetType = UNSET  # only in a choice's opening chunk
-    content: str
+    content: str | UnsetType = UNSET  # absent from a chunk that carries only reasoning or tool calls
+    reasoning: str | UnsetType = UNSET
+    tool_calls: list[ChoiceDeltaToolCall] | UnsetType = UNSET
 
 
 class ChunkChoice(msgspec.Struct, kw_only=True):
@@ -334,10 +429,20 @@ def _logprobs(src: Choice | TokenDelta) -> ChoiceLogprobs:
     return ChoiceLogprobs(content=content)
 
 
-def _choice(c: Choice, role: str, want_logprobs: bool) -> ChatCompletionChoice:
+def _message(c: Choice, role: str, with_reasoning: bool) -> ChatCompletionMessage:
+    calls = [ChatCompletionMessageToolCall(id=t.id, function=ToolCallFunction(name=t.name, arguments=t.arguments))
+             for t in c.tool_calls or ()]
+    return ChatCompletionMessage(
+        role=role, content=c.text if c.text or not calls else None,
+        reasoning=c.reasoning if c.reasoning is not None and with_reasoning else UNSET,
+        tool_calls=calls or UNSET,
+    )
+
+
+def _choice(c: Choice, role: str, want_logprobs: bool, with_reasoning: bool = True) -> ChatCompletionChoice:
     return ChatCompletionChoice(
         index=c.index,
-        message=ChatCompletionMessage(role=role, content=c.text),
+        message=_message(c, role, with_reasoning),
         logprobs=_logprobs(c) if want_logprobs else None,
         finish_reason=c.finish_reason or "stop",
         stop_reason=c.stop_reason,
@@ -354,18 +459,35 @@ def render_result(req: GenerationRequest, result: JobResult, job_id: str, create
         id=f"chatcmpl-{job_id}",
         created=created,
         model=req.model,
-        choices=[_choice(c, role, want_logprobs) for c in result.choices],
+        choices=[_choice(c, role, want_logprobs, req.output.reasoning) for c in result.choices],
         usage=usage_body(result.usage),
         service_tier=_tier(req),
     )
 
 
-def _delta_choice(d: TokenDelta, want_logprobs: bool) -> ChunkChoice | None:
-    if not d.text and not d.token_ids and d.finish_reason is None:
+def _delta(d: TokenDelta, with_reasoning: bool) -> ChoiceDelta | None:
+    """What a delta adds to the message (None: nothing, a parser holding text back)."""
+    reasoning = d.reasoning if with_reasoning else ""
+    if not (reasoning or d.tool_calls):
+        return ChoiceDelta(content=d.text)
+    calls = [ChoiceDeltaToolCall(index=t.index, id=UNSET if t.id is None else t.id,
+                                 type=UNSET if t.id is None else "function",
+                                 function=ChoiceDeltaFunction(name=UNSET if t.name is None else t.name,
+                                                              arguments=t.arguments))
+             for t in d.tool_calls]
+    return ChoiceDelta(content=d.text or UNSET, reasoning=reasoning or UNSET, tool_calls=calls or UNSET)
+
+
+def _delta_choice(d: TokenDelta, want_logprobs: bool, with_reasoning: bool = True,
+                  parsed: bool = False) -> ChunkChoice | None:
+    """``parsed``: the chat has tools, whose parser holds text back (tokens with no text then send
+    nothing, as in vLLM, unless their logprobs are asked for)."""
+    held = parsed and not want_logprobs
+    if not (d.text or d.reasoning or d.tool_calls or d.finish_reason is not None or (d.token_ids and not held)):
         return None  # nothing new (vLLM skips these too)
     return ChunkChoice(
         index=d.index,
-        delta=ChoiceDelta(content=d.text),
+        delta=_delta(d, with_reasoning),
         logprobs=_logprobs(d) if want_logprobs else None,
         finish_reason=d.finish_reason,
         stop_reason=UNSET if d.finish_reason is None else d.stop_reason,
@@ -397,7 +519,7 @@ class ChatStream(StreamRenderer[bytes]):
                 opening = ChoiceDelta(role=self.role, content="")
                 out.append(self._chunk([ChunkChoice(index=index, delta=opening, logprobs=None, finish_reason=None)]))
         for delta in event.deltas:
-            choice = _delta_choice(delta, self.want_logprobs)
+            choice = _delta_choice(delta, self.want_logprobs, self.req.output.reasoning, self.req.tools is not None)
             if choice is not None:
                 out.append(self._chunk([choice]))
         if isinstance(event, Done) and self.req.output.include_usage:

@@ -97,6 +97,9 @@ class ScriptedEngine:
             info = PromptInfo(token_ids=[ord(c) for c in prompt]) if i == 0 and req.output.prompt_tokens else None
             yield Step(deltas=[delta], finished=last, prompt_tokens=len(prompt), prompt=info)
 
+    def parses(self, req: GenerationRequest) -> bool:
+        return False  # scripted output is never parsed
+
     async def abort(self, job_id: str) -> None:
         self.aborted.append(job_id)
         self.log.append(("abort", job_id))

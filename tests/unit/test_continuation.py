@@ -12,7 +12,7 @@ import pytest
 from shared.errors import WorkerLost
 from shared.events import TokenDelta, Tokens
 from shared.schemas import GenerationRequest, OutputOptions, SamplingParams, StructuredOutput
-from workers.continuation import Part, Replay, needs_replay, plan_continuation, published, run_parts
+from workers.continuation import Part, Published, Replay, needs_replay, plan_continuation, published, run_parts
 from workers.protocol import Step
 
 PROMPT_IDS = [1, 2, 3]
@@ -53,7 +53,7 @@ def test_published_collects_each_choice_tokens_text_and_finish():
     ({"structured": StructuredOutput(choice=["a", "b"])}, True),
 ])
 def test_replay_is_needed_exactly_when_the_output_tokens_matter(sampling, replay):
-    assert needs_replay(SamplingParams(**sampling)) is replay
+    assert needs_replay(GenerationRequest(prompt="a", sampling=SamplingParams(**sampling))) is replay
 
 
 def test_greedy_plain_single_choice_keeps_the_one_prefill_prompt_extension():
@@ -72,7 +72,7 @@ def test_structured_output_continues_by_replaying_from_the_original_prompt():
     plan = plan_continuation(req, [event(1, d(0, [5, 6], "{\"")), event(2, d(0, [7], "a"))], PROMPT_IDS)
     assert plan.request is req and plan.seq == 2 and plan.emitted == 3 and plan.prompt_tokens == 3
     (part,) = plan.parts
-    assert (part.index, part.replay, part.replay_text) == (0, (5, 6, 7), "{\"a")
+    assert (part.index, part.replay, part.held.text) == (0, (5, 6, 7), "{\"a")
     r = part.request
     # The original prompt and budget: the replayed tokens count as output, as in the first run.
     assert r.prompt is None and r.messages is None and r.prompt_token_ids == PROMPT_IDS
@@ -120,7 +120,7 @@ def test_a_job_that_published_no_token_starts_afresh_and_one_without_prompt_ids_
 # --- what a replay drops ----------------------------------------------------------------------
 
 def test_replay_splits_a_delta_that_straddles_the_published_tokens():
-    replay = Replay([5, 6, 7], "xyz")
+    replay = Replay(Published(token_ids=[5, 6, 7], text="xyz"))
     assert replay.trim(d(0, [5, 6], "xy", logprobs=True)) is None
     kept = replay.trim(d(0, [7, 8, 9], "zuv", logprobs=True))
     assert (kept.token_ids, kept.text, kept.logprobs, kept.token_texts) == ([8, 9], "uv", [-8.0, -9.0], ["<8>", "<9>"])
@@ -132,7 +132,7 @@ def test_replay_counts_text_cumulatively_across_a_held_back_partial_character():
     """Token 3 is the first byte of 'é': the detokeniser held it back, so the client holds "ab"
     for three tokens. The replay's first new delta carries the whole character with token 4, as
     the uninterrupted run's did."""
-    replay = Replay([1, 2, 3], "ab")
+    replay = Replay(Published(token_ids=[1, 2, 3], text="ab"))
     assert [replay.trim(d(0, [t], s)) for t, s in ((1, "a"), (2, "b"), (3, ""))] == [None, None, None]
     kept = replay.trim(d(0, [4], "é"))
     assert (kept.token_ids, kept.text) == ([4], "é")
@@ -141,14 +141,14 @@ def test_replay_counts_text_cumulatively_across_a_held_back_partial_character():
 def test_replay_releases_text_held_back_for_a_stop_string_with_the_next_token():
     """With stop strings vLLM holds back the tail of the text: five tokens out, "abc" sent. The
     sixth token's delta releases the held "de" plus its own "f"; all of it is new to the client."""
-    replay = Replay([1, 2, 3, 4, 5], "abc")
+    replay = Replay(Published(token_ids=[1, 2, 3, 4, 5], text="abc"))
     assert replay.trim(d(0, [1, 2, 3, 4, 5], "abc")) is None
     kept = replay.trim(d(0, [6], "def"))
     assert (kept.token_ids, kept.text) == ([6], "def")
 
 
 def test_replay_text_arriving_with_later_tokens_is_cut_at_the_published_length():
-    replay = Replay([1, 2], "ab")
+    replay = Replay(Published(token_ids=[1, 2], text="ab"))
     assert replay.trim(d(0, [1], "")) is None  # all text held back so far
     kept = replay.trim(d(0, [2, 3], "abc", finish="length"))
     assert (kept.token_ids, kept.text, kept.finish_reason) == ([3], "c", "length")
@@ -161,7 +161,7 @@ def test_replay_text_arriving_with_later_tokens_is_cut_at_the_published_length()
 ])
 def test_a_replay_that_diverges_from_what_was_sent_fails_instead_of_corrupting_the_stream(delta):
     with pytest.raises(WorkerLost):
-        Replay([5, 6, 7], "xyz").trim(delta)
+        Replay(Published(token_ids=[5, 6, 7], text="xyz")).trim(delta)
 
 
 # --- merging parts ----------------------------------------------------------------------------
@@ -187,7 +187,7 @@ def fake_run(outputs: dict[int, list[tuple[list[int], str]]], delays: dict[int, 
 
 async def test_parts_merge_under_their_choice_indices_with_replays_dropped_and_one_final_step():
     req = GenerationRequest(prompt="p")
-    parts = [Part(0, req, replay=(1, 2), replay_text="ab"), Part(2, req)]
+    parts = [Part(0, req, replay=(1, 2), held=Published(token_ids=[1, 2], text="ab")), Part(2, req)]
     outputs = {0: [([1], "a"), ([2, 3], "bc"), ([4], "d")], 2: [([7], "x"), ([8], "y")]}
     run, _ = fake_run(outputs, {0: 0.001, 2: 0.003})
     steps = [s async for s in run_parts(parts, run)]

@@ -8,9 +8,9 @@ import pytest
 from api.dialects import openai_chat as chat
 from shared.codec import encode
 from shared.errors import InvalidRequest
-from shared.events import Done, Error, TokenDelta, Tokens
+from shared.events import Done, Error, TokenDelta, Tokens, ToolCallDelta
 from shared.framing import KEEPALIVE, SSE_DONE, Keepalive
-from shared.schemas import ChatMessage, Choice, JobResult, StructuredOutput, TopLogprob, Usage
+from shared.schemas import ChatMessage, Choice, JobResult, StructuredOutput, Tool, ToolCall, ToolUse, TopLogprob, Usage
 from tests.support.streams import frames as rendered
 
 MAX_LEN = 1024
@@ -54,7 +54,7 @@ def test_messages_keep_roles_and_names_and_flatten_text_parts_with_newlines():
         ChatMessage(role="system", content="be brief"),
         ChatMessage(role="user", content="a\nb", name="ann"),
         ChatMessage(role="assistant", content=""),
-        ChatMessage(role="tool", content="42"),
+        ChatMessage(role="tool", content="42", tool_call_id="call_1"),
     ]
 
 
@@ -138,10 +138,12 @@ def test_response_format_and_structured_outputs(extra, expected):
         ({"stop": ["a", ""]}, "stop cannot contain an empty string."),
         ({"logit_bias": {"abc": 1.0}}, "logit_bias keys must be token ids"),
         (
-            {"tools": [{"type": "function", "function": {"name": "f"}}]},
-            "tool calling (`tools`, `tool_choice`) is not supported by this server",
+            {"tools": [{"type": "function", "function": {"name": "f"}}],
+             "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "The tool specified in `tool_choice` does not match any of the specified `tools`",
         ),
-        ({"tool_choice": "auto"}, "tool calling (`tools`, `tool_choice`) is not supported by this server"),
+        ({"tool_choice": "auto"}, "When using `tool_choice`, `tools` must be set."),
+        ({"tool_choice": "required"}, "When using `tool_choice`, `tools` must be set."),
         ({"echo": True}, "`echo` is not supported by this server"),
         (
             {"chat_template": "{{ x }}"},
@@ -183,13 +185,10 @@ def test_structured_outputs_need_exactly_one_constraint():
     assert empty.message == "structured output `choice` must not be empty" and empty.param == "structured_outputs"
 
 
-def test_non_text_content_and_tool_calls_in_history_are_refused():
+def test_non_text_content_is_refused():
     image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
     err = refused({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, image]}]})
     assert err.message == "messages[0]: content parts of type `image_url` are not supported (text only)"
-    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
-    err = refused({"messages": [*HI, {"role": "assistant", "tool_calls": calls}]})
-    assert err.message == "messages[1]: `tool_calls` are not supported by this server"
 
 
 BAD_RANGES = [{"temperature": 2.5}, {"top_p": 0}, {"n": 0}, {"top_logprobs": 21, "logprobs": True}]
@@ -367,3 +366,81 @@ async def test_a_named_tier_is_in_the_response_and_in_every_chunk():
     assert all(c.startswith(head) for c in chunks[:-1]) and chunks[-1] == SSE_DONE
     # No tier named: no field, byte for byte as before.
     assert b"service_tier" not in encode(chat.render_result(req({"messages": HI, "model": "tiny"}), result, "j1", 7))
+
+
+# --- tools ----------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "w",
+                                            "parameters": {"type": "object"}, "strict": True}}
+
+
+def test_tools_choice_and_history_map_to_the_internal_form():
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"P\"}"}}]
+    messages = [*HI, {"role": "assistant", "content": None, "tool_calls": calls, "reasoning": "think"},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = req({"messages": messages, "tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False})
+    assert r.tools == ToolUse(tools=[Tool(name="get_weather", description="w", parameters={"type": "object"},
+                                          strict=True)], choice="required", parallel=False)
+    assert r.messages[1] == ChatMessage(role="assistant", content="", reasoning="think",
+                                        tool_calls=[ToolCall(id="call_1", name="get_weather", arguments='{"city":"P"}')])
+    assert r.messages[2] == ChatMessage(role="tool", content="sunny", tool_call_id="call_1")
+    named = req({"messages": HI, "tools": [WEATHER], "tool_choice": {"type": "function",
+                                                                      "function": {"name": "get_weather"}}})
+    assert (named.tools.choice, named.tools.function, named.tools.parallel) == ("function", "get_weather", True)
+    assert req({"messages": HI, "tools": [WEATHER]}).tools.choice == "auto"  # tools without a choice: auto
+
+
+def test_empty_tools_and_choice_none_are_accepted():
+    assert req({"messages": HI, "tools": [], "tool_choice": "none"}).tools is None
+    assert req({"messages": HI, "tool_choice": "none"}).tools is None
+    assert req({"messages": HI, "tools": [WEATHER], "tool_choice": "none"}).tools.choice == "none"
+
+
+def test_reasoning_effort_reaches_the_template():
+    assert req({"messages": HI, "reasoning_effort": "low"}).chat.template_kwargs == {"reasoning_effort": "low"}
+
+
+def test_result_with_tool_calls_has_null_content_and_the_calls():
+    r = req({"messages": HI, "model": "tiny", "tools": [WEATHER]})
+    call = ToolCall(id="call_j_0", name="get_weather", arguments='{"city":"Paris"}')
+    result = JobResult(choices=[Choice(text="", reasoning="plan", tool_calls=[call], finish_reason="tool_calls")])
+    body = encode(chat.render_result(r, result, "j", 1))
+    assert msgspec.json.decode(body)["choices"] == [{
+        "index": 0,
+        "message": {"role": "assistant", "content": None, "reasoning": "plan", "tool_calls": [
+            {"id": "call_j_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
+        "logprobs": None, "finish_reason": "tool_calls", "stop_reason": None}]
+
+
+async def test_stream_tool_call_first_piece_names_it_then_argument_fragments():
+    r = req({"messages": HI, "model": "tiny", "stream": True, "tools": [WEATHER]})
+    events = [
+        Tokens(seq=1, deltas=[TokenDelta(token_ids=[1], text="", reasoning="hmm")]),
+        Tokens(seq=2, deltas=[TokenDelta(token_ids=[2], text="")]),  # held back by the parser: nothing sent
+        Tokens(seq=3, deltas=[TokenDelta(token_ids=[3], tool_calls=[
+            ToolCallDelta(index=0, id="call_j1_0", name="get_weather", arguments="")])]),
+        Tokens(seq=4, deltas=[TokenDelta(token_ids=[4], tool_calls=[ToolCallDelta(index=0, arguments='{"city":')])]),
+        Done(seq=5, deltas=[TokenDelta(token_ids=[5], tool_calls=[ToolCallDelta(index=0, arguments='"Paris"}')],
+                                       finish_reason="tool_calls")]),
+    ]
+    assert await frames(r, events) == [
+        HEAD + b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
+        b'"finish_reason":null}]}\n\n',
+        HEAD + b'"choices":[{"index":0,"delta":{"reasoning":"hmm"},"logprobs":null,"finish_reason":null}]}\n\n',
+        HEAD + b'"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_j1_0","type":"function",'
+        b'"function":{"name":"get_weather","arguments":""}}]},"logprobs":null,"finish_reason":null}]}\n\n',
+        HEAD + b'"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\\"city\\":"}}]},'
+        b'"logprobs":null,"finish_reason":null}]}\n\n',
+        HEAD + b'"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"\\"Paris\\"}"}}]},'
+        b'"logprobs":null,"finish_reason":"tool_calls","stop_reason":null}]}\n\n',
+        SSE_DONE,
+    ]
+
+
+async def test_include_reasoning_false_leaves_reasoning_out():
+    r = req({"messages": HI, "model": "tiny", "stream": True, "include_reasoning": False})
+    out = await frames(r, [Done(seq=1, deltas=[TokenDelta(token_ids=[1], text="", reasoning="secret",
+                                                           finish_reason="stop")])])
+    assert b"secret" not in b"".join(out)
+    result = JobResult(choices=[Choice(text="a", reasoning="secret")])
+    assert b"secret" not in encode(chat.render_result(r, result, "j", 1))
