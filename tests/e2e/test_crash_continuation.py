@@ -152,9 +152,9 @@ class Killed:
     engine_pids: list[int] = field(default_factory=list)
 
 
-def stream_and_kill(small: Small, read: Callable[[Items], None]) -> Killed:
+def stream_and_kill(small: Small, read: Callable[[Items], None], after: int = KILL_AFTER_EVENTS) -> Killed:
     """Run ``read`` in a thread; once the job (the only running one on this prefix) has logged
-    KILL_AFTER_EVENTS events, SIGKILL its worker; return when the stream has ended. The job's log,
+    ``after`` events, SIGKILL its worker; return when the stream has ended. The job's log,
     not the client, says when: a client thread starved of CPU reads in bursts, and the job could
     finish before the kill."""
     items: Items = []
@@ -171,7 +171,7 @@ def stream_and_kill(small: Small, read: Callable[[Items], None]) -> Killed:
     deadline = time.monotonic() + 120
     job_id = worker = None
     logged = 0
-    while logged < KILL_AFTER_EVENTS and time.monotonic() < deadline:
+    while logged < after and time.monotonic() < deadline:
         if job_id is None:
             for key in small.redis.scan_iter(match=small.keys.job(small.model, "*")):
                 fields = small.redis.hgetall(key)
@@ -180,7 +180,7 @@ def stream_and_kill(small: Small, read: Callable[[Items], None]) -> Killed:
         if job_id is not None:
             logged = small.redis.xlen(small.keys.events(small.model, job_id))
         time.sleep(0.005)
-    assert job_id and logged >= KILL_AFTER_EVENTS, f"no running job found\n{small.tails()}"
+    assert job_id and logged >= after, f"no running job found\n{small.tails()}"
     pid = int(small.redis.hget(small.keys.worker(worker), "pid"))
     engine_pids = children(pid)  # vLLM's engine core, a forked child of the worker
     os.kill(pid, signal.SIGKILL)
@@ -325,3 +325,49 @@ def test_sigkill_mid_stream_of_three_choices_continues_each_on_a_peer(small, fig
     want, got = compare_completions(small, body, figures)
     assert sorted(got.tokens) == [0, 1, 2] and all(len(t) == 120 for t in got.tokens.values())
     assert len(set(want.text.values())) == 3, "three different samples, each continued from its own tokens"
+
+
+# --- agent turns: a tool call's arguments -------------------------------------------------------
+
+RECORD = {"type": "function", "function": {"name": "record_inventory", "description": "Store the inventory.",
+                                           "parameters": SCHEMA, "strict": True}}
+
+
+def normalized(items: Items, job_id: str) -> list[str]:
+    """A chat stream's chunks as sent, with what differs between two jobs (their id, in the chunk
+    and call ids, and the creation time) made equal."""
+    return [json.dumps({**chunk, "created": 0}).replace(job_id, "JOB") for _, chunk in items]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "record_inventory"}}],
+                         ids=["required", "named"])
+def test_sigkill_mid_tool_call_arguments_continues_the_call_on_a_peer(small, figures, choice):
+    """An agent's turn: the worker dies while the model is writing a tool call's arguments (under
+    the tools' grammar); the peer replays through a fresh parser and the client's chunks are those
+    of an uninterrupted run, the call's id included, with no error."""
+    small.two_workers()
+    url = f"{small.url}/v1/chat/completions"
+    body = {"model": small.model, "stream": True, "temperature": 0, "max_tokens": 400, "tools": [RECORD],
+            "tool_choice": choice, "messages": [{"role": "user", "content": "Take stock."}]}
+    with httpx.Client(timeout=120) as client:
+        reference: Items = []
+        sse_events(client, url, body, reference)
+        killed = stream_and_kill(small, lambda items: sse_events(client, url, body, items), after=60)
+    want_job = reference[0][1]["id"].removeprefix("chatcmpl-")
+    got_job = killed.items[0][1]["id"].removeprefix("chatcmpl-")
+    want, got = normalized(reference, want_job), normalized(killed.items, got_job)
+    calls = [c for _, chunk in killed.items for ch in chunk.get("choices", [])
+             for c in ch["delta"].get("tool_calls", [])]
+    arguments = "".join(c["function"].get("arguments", "") for c in calls)
+    figures.requests_sent, figures.completed = 1, int(got == want)
+    figures.seconds["recovery_s"] = killed.recovery_s
+    print(f"killed after {killed.logged} events; next chunk {killed.recovery_s:.2f} s later; "
+          f"{len(arguments)} characters of arguments")
+
+    assert not any("error" in chunk for _, chunk in killed.items), "no error event: the job continued"
+    assert [c["id"] for c in calls if "id" in c] == [f"call_{got_job}_0"], "one call, named once, with the job's id"
+    jsonschema.validate(json.loads(arguments), SCHEMA)
+    assert got == want, "chunk for chunk an uninterrupted run's"
+    finish = [ch["finish_reason"] for _, chunk in killed.items for ch in chunk.get("choices", []) if ch["finish_reason"]]
+    assert finish == ["tool_calls" if choice == "required" else "stop"]
+    check_taken_over(small, killed)
