@@ -165,12 +165,13 @@ class VllmEngine:
     """One vLLM engine. ``stream`` yields a :class:`Step` per engine step for one job."""
 
     def __init__(self, engine: AsyncLLM, max_model_len: int, *, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None, tool_strict_level: str = "auto") -> None:
+                 reasoning_parser: str | None = None, tool_strict_level: str = "auto",
+                 compact_json: bool = False) -> None:
         self.engine = engine
         self.max_model_len = max_model_len
         self.tokenizer = engine.get_tokenizer()
         self.parsers = OutputParsers(self.tokenizer, tool_parser=tool_parser, reasoning_parser=reasoning_parser,
-                                     strict_level=tool_strict_level)
+                                     strict_level=tool_strict_level, compact_json=compact_json)
         self._requests: dict[str, list[str]] = {}  # job id -> its engine requests, when not just the job id
 
     @classmethod
@@ -182,7 +183,8 @@ class VllmEngine:
         engine = AsyncLLM.from_vllm_config(config, enable_log_requests=args.enable_log_requests,
                                            disable_log_stats=args.disable_log_stats)
         return cls(engine, settings.max_model_len, tool_parser=settings.tool_parser_name,
-                   reasoning_parser=settings.reasoning_parser_name, tool_strict_level=settings.tool_strictness)
+                   reasoning_parser=settings.reasoning_parser_name, tool_strict_level=settings.tool_strictness,
+                   compact_json=settings.json_compact)
 
     def _prompt(self, req: GenerationRequest) -> TextPrompt | TokensPrompt:
         if req.prompt_token_ids is not None:

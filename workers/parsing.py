@@ -18,8 +18,9 @@ and the reasoning and tool-call pieces apart, and every dialect renders those.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vllm.entrypoints.generate.base.protocol import DeltaMessage, ExtractedToolCallInformation
@@ -58,8 +59,9 @@ class OutputParsers:
     """The worker's parsers, chosen by its settings, and a :class:`Parsing` per chat request."""
 
     def __init__(self, tokenizer: Any, *, tool_parser: str | None, reasoning_parser: str | None,
-                 strict_level: str = "auto") -> None:
+                 strict_level: str = "auto", compact_json: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.compact_json = compact_json
         self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
         # A bad name, or a tokenizer without the tokens a parser needs, fails the worker at start.
         reasoning_cls = ParserManager.get_reasoning_parser(reasoning_parser)
@@ -87,8 +89,28 @@ class OutputParsers:
         request = _vllm_request(req)
         # adjust_request constrains the output (structured outputs) the way vLLM's server does.
         request = parser_cls(self.tokenizer, request.tools).adjust_request(request)
+        so = request.structured_outputs
+        if self.compact_json and so is not None and so.structural_tag is not None:
+            request.structured_outputs = replace(so, structural_tag=_compact(so.structural_tag))
         return Parsing(request=request, parser_cls=parser_cls, tokenizer=self.tokenizer,
                        named=req.tools is not None and req.tools.choice == "function")
+
+
+def _compact(structural_tag: str) -> str:
+    """The structural tag with at most one whitespace character where its JSON allows any
+    (LLMQ_COMPACT_JSON, which vLLM applies to JSON schemas but not to the JSON inside a structural
+    tag; xgrammar takes no 0 here): a model that favours whitespace, as the tiny one does, would
+    otherwise pad a call's arguments until max_tokens."""
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            node = {k: walk(v) for k, v in node.items()}
+            if node.get("type") == "json_schema":
+                node["max_whitespace_cnt"] = 1
+            return node
+        return [walk(v) for v in node] if isinstance(node, list) else node
+
+    return json.dumps(walk(json.loads(structural_tag)))
 
 
 def _vllm_request(req: GenerationRequest) -> ChatCompletionRequest:

@@ -329,45 +329,76 @@ def test_sigkill_mid_stream_of_three_choices_continues_each_on_a_peer(small, fig
 
 # --- agent turns: a tool call's arguments -------------------------------------------------------
 
+LONG = {"type": "object", "properties": {"items": {
+    "type": "array", "items": {"enum": ["alpha", "beta", "gamma", "delta"]}, "minItems": 48, "maxItems": 48}},
+    "required": ["items"], "additionalProperties": False}
+"""~300 tokens of arguments: the kill lands inside them."""
 RECORD = {"type": "function", "function": {"name": "record_inventory", "description": "Store the inventory.",
-                                           "parameters": SCHEMA, "strict": True}}
+                                           "parameters": LONG, "strict": True}}
 
 
-def normalized(items: Items, job_id: str) -> list[str]:
-    """A chat stream's chunks as sent, with what differs between two jobs (their id, in the chunk
-    and call ids, and the creation time) made equal."""
-    return [json.dumps({**chunk, "created": 0}).replace(job_id, "JOB") for _, chunk in items]
+@dataclass
+class ChatTurn:
+    """A chat stream as the client assembles it: content, each call's id, name and arguments
+    (and how often it was named), the finish reasons, and the in-band errors."""
+
+    content: str = ""
+    calls: dict[int, dict] = field(default_factory=dict)
+    finish: list[str] = field(default_factory=list)
+    errors: int = 0
+
+    @classmethod
+    def of(cls, items: Items, job_id: str) -> ChatTurn:
+        out = cls()
+        for _, chunk in items:
+            if "error" in chunk:
+                out.errors += 1
+                continue
+            for choice in chunk["choices"]:
+                delta = choice["delta"]
+                out.content += delta.get("content") or ""
+                for piece in delta.get("tool_calls", []):
+                    call = out.calls.setdefault(piece["index"], {"ids": [], "name": None, "arguments": ""})
+                    if "id" in piece:  # the job's id made equal between two jobs
+                        call["ids"].append(piece["id"].replace(job_id, "JOB"))
+                        call["name"] = piece["function"]["name"]
+                    call["arguments"] += piece["function"].get("arguments", "")
+                if choice["finish_reason"]:
+                    out.finish.append(choice["finish_reason"])
+        return out
+
+
+def chat_job(items: Items) -> str:
+    return items[0][1]["id"].removeprefix("chatcmpl-")
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "record_inventory"}}],
                          ids=["required", "named"])
 def test_sigkill_mid_tool_call_arguments_continues_the_call_on_a_peer(small, figures, choice):
     """An agent's turn: the worker dies while the model is writing a tool call's arguments (under
-    the tools' grammar); the peer replays through a fresh parser and the client's chunks are those
-    of an uninterrupted run, the call's id included, with no error."""
+    the tools' grammar); the peer replays through a fresh parser, and the client assembles what an
+    uninterrupted run gives: the same call, named once with the same id, the same arguments, token
+    for token, and no error."""
     small.two_workers()
     url = f"{small.url}/v1/chat/completions"
-    body = {"model": small.model, "stream": True, "temperature": 0, "max_tokens": 400, "tools": [RECORD],
-            "tool_choice": choice, "messages": [{"role": "user", "content": "Take stock."}]}
+    body = {"model": small.model, "stream": True, "temperature": 0, "max_tokens": 600, "tools": [RECORD],
+            "tool_choice": choice, "parallel_tool_calls": False,
+            "messages": [{"role": "user", "content": "Take stock."}]}
     with httpx.Client(timeout=120) as client:
         reference: Items = []
         sse_events(client, url, body, reference)
-        killed = stream_and_kill(small, lambda items: sse_events(client, url, body, items), after=60)
-    want_job = reference[0][1]["id"].removeprefix("chatcmpl-")
-    got_job = killed.items[0][1]["id"].removeprefix("chatcmpl-")
-    want, got = normalized(reference, want_job), normalized(killed.items, got_job)
-    calls = [c for _, chunk in killed.items for ch in chunk.get("choices", [])
-             for c in ch["delta"].get("tool_calls", [])]
-    arguments = "".join(c["function"].get("arguments", "") for c in calls)
-    figures.requests_sent, figures.completed = 1, int(got == want)
+        killed = stream_and_kill(small, lambda items: sse_events(client, url, body, items), after=40)
+    want, got = ChatTurn.of(reference, chat_job(reference)), ChatTurn.of(killed.items, chat_job(killed.items))
+    figures.requests_sent, figures.completed = 1, int(got == want and not got.errors)
+    figures.ended_with_error = got.errors
     figures.seconds["recovery_s"] = killed.recovery_s
     print(f"killed after {killed.logged} events; next chunk {killed.recovery_s:.2f} s later; "
-          f"{len(arguments)} characters of arguments")
+          f"{len(got.calls.get(0, {}).get('arguments', ''))} characters of arguments")
 
-    assert not any("error" in chunk for _, chunk in killed.items), "no error event: the job continued"
-    assert [c["id"] for c in calls if "id" in c] == [f"call_{got_job}_0"], "one call, named once, with the job's id"
-    jsonschema.validate(json.loads(arguments), SCHEMA)
-    assert got == want, "chunk for chunk an uninterrupted run's"
-    finish = [ch["finish_reason"] for _, chunk in killed.items for ch in chunk.get("choices", []) if ch["finish_reason"]]
-    assert finish == ["tool_calls" if choice == "required" else "stop"]
+    assert not got.errors, "no error event: the job continued"
+    assert got.calls[0]["ids"] == ["call_JOB_0"] and got.calls[0]["name"] == "record_inventory", "named once"
+    jsonschema.validate(json.loads(got.calls[0]["arguments"]), LONG)
+    assert got == want, "what the client assembles equals an uninterrupted run's"
+    assert got.finish == ["tool_calls" if choice == "required" else "stop"]
+    assert result_ids(small, chat_job(killed.items)) == result_ids(small, chat_job(reference)), "token for token"
     check_taken_over(small, killed)
