@@ -48,7 +48,8 @@ faults: install
 # (bench-fast.json), then llmq vs `vllm serve` vs the engine in-process on this host's worker
 # engine (bench-results.json), interleaved rounds at C=1,16,64 with CPU per token by process;
 # the fast set's CPU per token as a capacity table; where llmq's added time to first token goes,
-# hop by hop; its CPU per request and per further token; then queue pickup vs arq, relay capacity
+# hop by hop; its CPU per request and per further token; CPU per chat request with and without
+# a tool call (llmq and vllm serve); then queue pickup vs arq, relay capacity
 # with one and two web processes, Redis memory per finished job, the fair-share pick, and what
 # tracing costs per request. bench-smoke: one short round
 # of the first two at C=1,4 on the real engines. BENCH_ARGS go to the first two,
@@ -59,6 +60,7 @@ bench: model
 	$(PY) -m tests.bench.scale
 	$(PY) -m tests.bench.ttft
 	$(PY) -m tests.bench.costs
+	$(PY) -m tests.bench.tools
 	$(PY) -m tests.bench.pickup
 	$(PY) -m tests.bench.relay --web-processes 1 2
 	$(PY) -m tests.bench.memory

@@ -32,7 +32,7 @@ from shared.config import otlp_protocol, traces_exporter
 
 __all__ = ["Tracing", "parent_context", "traceparent_of", "trace_id_of",
            "TRACEPARENT", "MODEL", "TENANT", "JOB_ID", "DIALECT", "INPUT_TOKENS", "OUTPUT_TOKENS",
-           "FINISH_REASONS", "ERROR_TYPE"]
+           "FINISH_REASONS", "TOOL_CALLS", "ERROR_TYPE"]
 
 TRACEPARENT = "traceparent"
 
@@ -42,6 +42,7 @@ INPUT_TOKENS = "gen_ai.usage.input_tokens"
 OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 FINISH_REASONS = "gen_ai.response.finish_reasons"
 ERROR_TYPE = "error.type"
+TOOL_CALLS = "llmq.tool_calls"
 JOB_ID = "llmq.job_id"
 DIALECT = "llmq.dialect"
 TENANT = "llmq.tenant"

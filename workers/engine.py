@@ -87,9 +87,10 @@ def _structured(so: StructuredOutput | None) -> StructuredOutputsParams | None:
 
 def _structured_config(compact_json: bool, reasoning_parser: str | None) -> StructuredOutputsConfig:
     """vLLM reads "no optional whitespace in JSON" engine-wide only (a per-request flag is ignored
-    in 0.32), and only with the xgrammar or guidance backend; guidance handles every form llmq
-    sends (JSON schema, regex, choice, grammar). With a reasoning parser the engine applies a
-    grammar only after the reasoning, which it finds with that parser."""
+    in 0.32), and only with the xgrammar or guidance backend. xgrammar, because it also compiles
+    the structural tags that hold tool calls to their schemas (guidance refuses them). With a
+    reasoning parser the engine applies a grammar only after the reasoning, which it finds with
+    that parser."""
     if compact_json:
         return StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True,
                                        reasoning_parser=reasoning_parser or "")

@@ -98,6 +98,8 @@ class JobSpans:
         span.set_attributes({**counts, "llmq.outcome": outcome})
         if result is not None:
             span.set_attribute(t.FINISH_REASONS, [c.finish_reason or "" for c in result.choices])
+            # How many calls, never their names or arguments (they can quote the conversation).
+            span.set_attribute(t.TOOL_CALLS, sum(len(c.tool_calls or ()) for c in result.choices))
         elif outcome != "released":
             span.set_attribute(t.ERROR_TYPE, outcome)
             span.set_status(Status(StatusCode.ERROR, outcome))

@@ -244,7 +244,13 @@ def vllm_server_args(settings: Settings, port: int) -> list[str]:
     if settings.stream_interval != 1:
         args += ["--stream-interval", str(settings.stream_interval)]
     if settings.json_compact:
-        args += ["--structured-outputs-config", '{"backend": "guidance", "disable_any_whitespace": true}']
+        args += ["--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
+    # The same output parsers as llmq's worker (workers/parsing.py).
+    if settings.tool_parser_name:
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", settings.tool_parser_name,
+                 "--tool-strict-level", settings.tool_strictness]
+    if settings.reasoning_parser_name:
+        args += ["--reasoning-parser", settings.reasoning_parser_name]
     return args
 
 

@@ -111,7 +111,7 @@ async def test_one_request_is_one_trace_from_its_traceparent_to_the_engine(redis
         "llmq.dialect": "openai_completions", "llmq.attempt": 1, "llmq.worker": f"w-{prefix}",
         "llmq.resumed_after_seq": 0,
         "gen_ai.usage.input_tokens": len(PROMPT), "gen_ai.usage.output_tokens": 12, "llmq.outcome": "done",
-        "gen_ai.response.finish_reasons": ("length",)}
+        "gen_ai.response.finish_reasons": ("length",), "llmq.tool_calls": 0}
     assert attempt.status.status_code == StatusCode.UNSET
     assert dict(engine_span.attributes) == {"gen_ai.request.model": "tiny", "gen_ai.usage.input_tokens": len(PROMPT),
                                             "gen_ai.usage.output_tokens": 12}

@@ -1,0 +1,136 @@
+"""What a tool call costs: CPU per chat request with and without tools, by process.
+
+``python -m tests.bench.tools`` starts the fast set's llmq and ``vllm serve`` (the same engine and
+the same output parsers: ``--enable-auto-tool-choice --tool-call-parser hermes``), then sends,
+in alternated rounds, non-streamed chat requests of two kinds at ``--concurrency``:
+
+- ``plain``: a chat, ``max_tokens`` tokens;
+- ``tools``: the same chat offering one strict function tool with ``tool_choice: required`` and
+  one call allowed: the template renders the tool, the engine compiles and follows the tools'
+  grammar, the worker parses the call with vLLM's parser, and the dialect renders it.
+
+Per target and role (api, worker, redis, engine; ``vllm serve``'s front end as its api) it
+reports the median CPU µs per request of each kind, and per request the completion tokens, so a
+difference in generated length is visible beside the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import httpx
+
+from shared.config import load_settings
+from tests.bench.cpu import CpuMeter
+from tests.bench.procs import load_average, markdown_table, report_head, save
+from tests.bench.serving import TARGET_SETS, HttpTarget, start_targets
+
+__all__ = ["main"]
+
+ROLES = ("api", "worker", "redis", "engine")
+TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.", "strict": True,
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+def body(model: str, kind: str, i: int, max_tokens: int) -> dict:
+    chat = {"model": model, "messages": [{"role": "user", "content": f"Weather in Paris? ({i})"}],
+            "max_tokens": max_tokens, "temperature": 0}
+    if kind == "tools":
+        chat |= {"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False}
+    return chat
+
+
+def _cpu_s(meter: CpuMeter) -> dict[str, float]:
+    out = dict.fromkeys(ROLES, 0.0)
+    for p in meter.sample():
+        role = "api" if p.role == "api-server" else p.role  # vllm serve's front end
+        if role in out:
+            out[role] += p.cpu_s
+    return out
+
+
+async def _run(target: HttpTarget, kind: str, n: int, concurrency: int, max_tokens: int) -> tuple[dict, float]:
+    """CPU µs per request of ``n`` requests of ``kind``, by role, and their median completion tokens."""
+    assert target.meter is not None
+    todo = iter(range(n))
+    tokens: list[int] = []
+    errors: list[str] = []
+
+    async def lane(client: httpx.AsyncClient) -> None:
+        for i in todo:
+            resp = await client.post(f"{target.url}/v1/chat/completions",
+                                     json=body(target.model, kind, i + int(time.time()), max_tokens))
+            if resp.status_code != 200:
+                errors.append(f"{resp.status_code} {resp.text[:150]}")
+                continue
+            answer = resp.json()
+            if kind == "tools" and not answer["choices"][0]["message"].get("tool_calls"):
+                errors.append(f"no tool call: {answer['choices'][0]}")
+            tokens.append(answer["usage"]["completion_tokens"])
+
+    before = _cpu_s(target.meter)
+    async with httpx.AsyncClient(timeout=300) as client:
+        await asyncio.gather(*(lane(client) for _ in range(concurrency)))
+    after = _cpu_s(target.meter)
+    if errors:
+        raise SystemExit(f"FAILED ({target.name}, {kind}): {errors[:3]}")
+    return {role: (after[role] - before[role]) / n * 1e6 for role in ROLES}, statistics.median(tokens)
+
+
+async def measure(rounds: int, concurrency: int, requests: int, max_tokens: int) -> dict:
+    fast = TARGET_SETS["fast"]
+    settings = load_settings({**os.environ, **fast.overlay})
+    out: dict = {}
+    async with AsyncExitStack() as stack:
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llmq-tools-")))
+        targets = await start_targets(stack, settings, logs, ["llmq", "vllm-serve"], fast.overlay)
+        samples = {(t.name, kind): {r: [] for r in (*ROLES, "tokens")} for t in targets for kind in ("plain", "tools")}
+        for t in targets:  # warm: the grammar compiler and the parser's first use
+            assert isinstance(t, HttpTarget)
+            await _run(t, "tools", concurrency, concurrency, max_tokens)
+        for r in range(rounds):  # alternated, so a noisy spell falls on both kinds and targets
+            order = [(t, kind) for t in targets for kind in ("plain", "tools")]
+            for t, kind in order if r % 2 == 0 else reversed(order):
+                cpu, tokens = await _run(t, kind, requests, concurrency, max_tokens)  # type: ignore[arg-type]
+                into = samples[(t.name, kind)]
+                for role, us in cpu.items():
+                    into[role].append(us)
+                into["tokens"].append(tokens)
+    for (name, kind), into in samples.items():
+        out.setdefault(name, {})[kind] = {k: round(statistics.median(v), 1) for k, v in into.items()}
+    return {"concurrency": concurrency, "requests_per_run": requests, "rounds": rounds, "max_tokens": max_tokens,
+            "cpu_us_per_request": out}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m tests.bench.tools", description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=4, help="runs of each kind, alternated (default 4)")
+    p.add_argument("--concurrency", type=int, default=16, help="requests at once (default 16)")
+    p.add_argument("--requests", type=int, default=128, help="requests per run (default 128)")
+    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each request (default 64)")
+    p.add_argument("--out", default="bench-tools.json")
+    a = p.parse_args(argv)
+    loads = [load_average()]
+    result = asyncio.run(measure(a.rounds, a.concurrency, a.requests, a.max_tokens))
+    loads.append(load_average())
+    report = {**report_head("tools", "CPU per chat request with and without a tool call, by process", loads),
+              **result}
+    rows = []
+    for name, kinds in result["cpu_us_per_request"].items():
+        for kind, figures in kinds.items():
+            rows.append([name, kind, *(figures[r] for r in ROLES), figures["tokens"]])
+    table = markdown_table(["target", "request", *(f"{r} µs" for r in ROLES), "tokens"], rows)
+    save(report, a.out, f"{table}\n\nC={a.concurrency}, non-streamed chat, max_tokens {a.max_tokens}")
+
+
+if __name__ == "__main__":
+    main()
