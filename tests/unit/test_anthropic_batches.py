@@ -12,6 +12,7 @@ from anthropic.types.messages import MessageBatch, MessageBatchIndividualRespons
 from hypothesis import HealthCheck, given, settings
 
 from api.dialects import anthropic_batches as ab
+from api.dialects import anthropic_messages as am
 from shared import json_input
 from shared.batches import MESSAGES, Answered, BatchObject, Failed, NotRun, Refused, RequestCounts
 from shared.codec import encode
@@ -144,6 +145,22 @@ def test_each_request_translates_as_post_v1_messages_would():
     assert [(m.role, m.content) for m in req.messages] == [("user", "hi")]
 
 
+TOOLS = (b'{"model":"tiny","max_tokens":3,"tools":[{"name":"f","input_schema":{"type":"object"}}],'
+         b'"tool_choice":{"type":"any","disable_parallel_tool_use":true},"thinking":{"type":"adaptive"},'
+         b'"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":[{"type":"thinking",'
+         b'"thinking":"t","signature":"s"},{"type":"tool_use","id":"toolu_1","name":"f","input":{"a":1}}]},'
+         b'{"role":"user","content":[{"type":"tool_result","tool_use_id":"toolu_1","content":"2"}]}]}')
+
+
+def test_a_request_with_tools_translates_as_post_v1_messages_would():
+    """A line with tools, tool history and thinking is the job its synchronous request would queue."""
+    req = ab.translate(_request(TOOLS))
+    assert req == am.to_generation_request(msgspec.json.decode(TOOLS, type=am.MessagesRequest))
+    assert (req.tools.choice, req.tools.parallel, [t.name for t in req.tools.tools]) == ("required", False, ["f"])
+    assert [m.role for m in req.messages] == ["user", "assistant", "tool"]
+    assert req.messages[1].tool_calls[0].arguments == '{"a":1}' and req.messages[2].tool_call_id == "toolu_1"
+
+
 @pytest.mark.parametrize(("params", "message"), [
     (b'"not an object"', "params: Expected `object`"),
     (b'{"model":"tiny","messages":[]}', "params: Object missing required field `max_tokens`"),
@@ -151,7 +168,7 @@ def test_each_request_translates_as_post_v1_messages_would():
     (b'{"model":"tiny","max_tokens":3,"stream":true,"messages":[{"role":"user","content":"x"}]}',
      "params.stream: streaming is not supported in a batch"),
     (b'{"model":"tiny","max_tokens":3,"tools":[{"name":"f"}],"messages":[{"role":"user","content":"x"}]}',
-     "tools: tool use is not supported"),
+     "tools.0.input_schema: Field required"),
 ])
 def test_a_request_the_endpoint_would_refuse_is_one_errored_line(params, message):
     with pytest.raises(ServiceError) as caught:

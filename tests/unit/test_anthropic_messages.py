@@ -26,7 +26,7 @@ from shared.errors import (
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.framing import KEEPALIVE, Keepalive
 from shared.queue import level_of
-from shared.schemas import ChatMessage, Choice, JobResult, StructuredOutput, Usage
+from shared.schemas import ChatMessage, Choice, JobResult, StructuredOutput, Tool, ToolCall, ToolUse, Usage
 from tests.support.dialect_bodies import anthropic_bodies
 from tests.support.streams import frames as rendered
 
@@ -113,24 +113,64 @@ def test_priority_of_tier():
     assert info.value.param == "service_tier" and "'scale'" in info.value.message
 
 
+def said(role: str, *blocks: dict) -> dict:
+    return {"role": role, "content": list(blocks)}
+
+
+TOOL_USE = {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
+FN = {"name": "f", "input_schema": {"type": "object"}}
+
+
 @pytest.mark.parametrize("fields,message", [
-    (dict(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]),
-     "messages.0.content.0: content blocks of type `image` are not supported by this server (text only)"),
-    (dict(messages=[{"role": "user", "content": [{"type": "document", "source": {}}]}]), "`document`"),
-    (dict(messages=[{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]),
-     "`tool_use`"),
-    (dict(messages=[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]), "`tool_result`"),
-    (dict(messages=[{"role": "user", "content": [{"type": "text"}]}]), "messages.0.content.0.text: Field required"),
+    (dict(messages=[said("user", {"type": "image", "source": {}})]),
+     "messages.0.content.0: content blocks of type `image` are not supported by this server "
+     "(text, tool use and thinking only)"),
+    (dict(messages=[said("user", {"type": "document", "source": {}})]), "`document`"),
+    (dict(messages=[said("user", TOOL_USE)]), "messages.0.content.0: `tool_use` blocks can only be in `assistant` "
+                                             "messages"),
+    (dict(messages=[*HI, said("assistant", {"type": "tool_result", "tool_use_id": "t"}), *HI]),
+     "messages.1.content.0: `tool_result` blocks can only be in `user` messages"),
+    (dict(messages=[said("user", {"type": "thinking", "thinking": "x", "signature": "s"})]),
+     "`thinking` blocks can only be in `assistant` messages"),
+    (dict(messages=[*HI, said("assistant", {"type": "tool_use", "id": "t", "name": "f"}), *HI]),
+     "messages.1.content.0.input: Field required"),
+    (dict(messages=[*HI, said("assistant", {"type": "tool_use", "name": "f", "input": {}}), *HI]),
+     "messages.1.content.0.id: Field required"),
+    (dict(messages=[said("user", {"type": "tool_result"})]), "messages.0.content.0.tool_use_id: Field required"),
+    (dict(messages=[said("user", {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]})]),
+     "messages.0.content.0.content.0: content blocks of type `image` are not supported in a tool_result"),
+    (dict(messages=[said("user", {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text"}]})]),
+     "messages.0.content.0.content.0.text: Field required"),
+    (dict(messages=[*HI, said("assistant", {"type": "thinking", "signature": "s"}), *HI]),
+     "messages.1.content.0.thinking: Field required"),
+    (dict(messages=[*HI, said("assistant", TOOL_USE)], tools=[FN]),
+     "messages.1: a final `assistant` turn with `tool_use` blocks cannot be continued"),
+    (dict(messages=[said("user", {"type": "text"})]), "messages.0.content.0.text: Field required"),
     (dict(system=[{"type": "image"}]), "system.0: content blocks of type `image`"),
-    (dict(tools=[{"name": "f", "input_schema": {}}]), "tools: tool use is not supported by this server"),
-    (dict(tool_choice={"type": "auto"}), "tool_choice: tool use is not supported"),
-    (dict(thinking={"type": "enabled", "budget_tokens": 1024}), "thinking: extended thinking is not supported"),
-    (dict(thinking={"type": "adaptive"}), "thinking: extended thinking is not supported"),
-    (dict(output_config={"effort": "high"}), "output_config.effort"),
+    (dict(tools=[{"name": "f"}]), "tools.0.input_schema: Field required"),
+    (dict(tools=[{"type": "custom", "input_schema": {}}]), "tools.0.name: Field required"),
+    (dict(tools=[FN, FN]), "tool names must be unique"),
+    (dict(tool_choice={"type": "auto"}), "When using `tool_choice`, `tools` must be set."),
+    (dict(tool_choice={"type": "any"}), "When using `tool_choice`, `tools` must be set."),
+    (dict(tools=[FN], tool_choice={"type": "required"}), "tool_choice.type: Input should be 'auto', 'any', 'tool' "
+                                                         "or 'none'"),
+    (dict(tools=[FN], tool_choice={"type": "tool"}), "tool_choice.name: Field required"),
+    (dict(tools=[FN], tool_choice={"type": "tool", "name": "g"}), "The tool specified in `tool_choice` does not "
+                                                                  "match any of the specified `tools`"),
+    (dict(tools=[FN, {"type": "web_search_20250305", "name": "web_search"}],
+          tool_choice={"type": "tool", "name": "web_search"}),
+     "tool_choice.name: `web_search` is an Anthropic-defined tool, which this server does not offer"),
+    (dict(thinking={"type": "on"}), "thinking.type: Input should be 'enabled', 'disabled' or 'adaptive'"),
+    (dict(thinking={"type": "enabled"}), "thinking.enabled.budget_tokens: Field required"),
+    (dict(thinking={"type": "enabled", "budget_tokens": 1023}, max_tokens=4096),
+     "thinking.enabled.budget_tokens: Input should be greater than or equal to 1024"),
+    (dict(thinking={"type": "enabled", "budget_tokens": 1024}, max_tokens=1024),
+     "max_tokens: `max_tokens` must be greater than `thinking.budget_tokens`"),
     (dict(output_config={"format": {"type": "xml"}}), "output_config.format.type: Input should be 'json_schema'"),
     (dict(output_config={"format": {"type": "json_schema"}}), "output_config.format.schema: Field required"),
     (dict(messages=[]), "messages: at least one message is required"),
-    (dict(messages=[{"role": "system", "content": "x"}]), "messages.0.role: Input should be 'user' or 'assistant'"),
+    (dict(messages=[{"role": "tool", "content": "x"}]),
+     "messages.0.role: Input should be 'user', 'assistant' or 'system'"),
     (dict(stop_sequences=[""]), "stop_sequences: each stop sequence must be a non-empty string"),
     (dict(service_tier="scale"), "service_tier must be one of"),
 ])
@@ -138,9 +178,11 @@ def test_refusals(fields, message):
     assert message in refused(**fields).message
 
 
-def test_harmless_forms_of_refused_fields_are_accepted():
+def test_harmless_forms_are_accepted():
     r = req(tools=[], tool_choice={"type": "none"}, thinking={"type": "disabled"}, container=None, speed="standard")
-    assert r.messages == [ChatMessage(role="user", content="hi")]
+    assert r.messages == [ChatMessage(role="user", content="hi")] and r.tools is None
+    assert r.chat.template_kwargs == {"enable_thinking": False}
+    assert req(tool_choice={"type": "none"}).tools is None
 
 
 @pytest.mark.parametrize("fields", [dict(temperature=1.5), dict(temperature=-0.1), dict(top_p=0), dict(top_p=1.1),
@@ -152,10 +194,165 @@ def test_ranges_and_required_fields_fail_validation(fields):
 
 def test_count_tokens_body_is_the_create_body_without_max_tokens():
     count = msgspec.convert({"model": "claude", "messages": HI, "system": "s"}, am.CountTokensRequest)
-    chat, options = am.chat_of(count)
+    chat, options, tools = am.chat_of(count)
     assert chat == [ChatMessage(role="system", content="s"), ChatMessage(role="user", content="hi")]
-    assert options.add_generation_prompt
+    assert options.add_generation_prompt and tools is None
     assert (chat, options) == (req(system="s").messages, req(system="s").chat)
+
+
+# --- tools, tool history and thinking ---------------------------------------------------------------
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}, "strict": True,
+           "cache_control": {"type": "ephemeral"}}
+WEATHER_TOOL = Tool(name="get_weather", description="The weather in a city",
+                    parameters={"type": "object", "properties": {"city": {"type": "string"}}}, strict=True)
+
+
+def test_custom_tools_are_the_chat_functions_and_the_default_choice_is_auto():
+    r = req(tools=[WEATHER, {"type": "custom", "name": "noop", "input_schema": {"type": "object"}}])
+    assert r.tools == ToolUse(tools=[WEATHER_TOOL, Tool(name="noop", parameters={"type": "object"})],
+                              choice="auto", parallel=True)
+
+
+@pytest.mark.parametrize("choice,expected", [
+    ({"type": "auto"}, ("auto", None, True)),
+    ({"type": "any"}, ("required", None, True)),
+    ({"type": "tool", "name": "get_weather"}, ("function", "get_weather", True)),
+    ({"type": "none"}, ("none", None, True)),
+    ({"type": "auto", "disable_parallel_tool_use": True}, ("auto", None, False)),
+    ({"type": "any", "disable_parallel_tool_use": True}, ("required", None, False)),
+    ({"type": "tool", "name": "get_weather", "disable_parallel_tool_use": False}, ("function", "get_weather", True)),
+])
+def test_tool_choice(choice, expected):
+    t = req(tools=[WEATHER], tool_choice=choice).tools
+    assert (t.choice, t.function, t.parallel) == expected and t.tools == [WEATHER_TOOL]
+
+
+def test_anthropic_defined_tools_are_left_out():
+    hosted = [{"type": "web_search_20250305", "name": "web_search", "max_uses": 5},
+              {"type": "bash_20250124", "name": "bash"}, {"type": "text_editor_20250728", "name": "str_replace"},
+              {"type": "computer_20250124", "name": "computer", "display_width_px": 1024},
+              {"type": "mcp_toolset", "mcp_server_name": "x"}]
+    assert req(tools=[*hosted, WEATHER]).tools == ToolUse(tools=[WEATHER_TOOL])
+    assert req(tools=hosted).tools is None  # nothing this server runs: a chat without tools
+    assert req(tools=hosted, tool_choice={"type": "any"}).tools is None
+
+
+def test_tool_history_maps_to_calls_and_tool_turns():
+    """Thinking, text and two parallel calls in the assistant turn; their results (a string, text
+    blocks, a failure) and the user's text in the next: the tool turns first, then the text."""
+    messages = [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        said("assistant", {"type": "thinking", "thinking": "Two cities.", "signature": "EqQBCkYI"},
+             {"type": "redacted_thinking", "data": "EmwKAhgB"},
+             {"type": "text", "text": "Checking both."},
+             {"type": "tool_use", "id": "toolu_j1_0", "name": "get_weather", "input": {"city": "Paris", "n": [1, 2]},
+              "cache_control": {"type": "ephemeral"}},
+             {"type": "tool_use", "id": "toolu_j1_1", "name": "get_weather", "input": {}}),
+        said("user", {"type": "tool_result", "tool_use_id": "toolu_j1_0", "content": "sunny",
+                      "cache_control": {"type": "ephemeral"}},
+             {"type": "text", "text": "Also:"},
+             {"type": "tool_result", "tool_use_id": "toolu_j1_1", "is_error": True,
+              "content": [{"type": "text", "text": "no such"}, {"type": "text", "text": "city"}]},
+             {"type": "text", "text": "thanks"}),
+    ]
+    r = req(messages=messages, tools=[WEATHER])
+    assert r.messages == [
+        ChatMessage(role="user", content="Weather in Paris and Rome?"),
+        ChatMessage(role="assistant", content="Checking both.", reasoning="Two cities.", tool_calls=[
+            ToolCall(id="toolu_j1_0", name="get_weather", arguments='{"city":"Paris","n":[1,2]}'),
+            ToolCall(id="toolu_j1_1", name="get_weather", arguments="{}")]),
+        ChatMessage(role="tool", content="sunny", tool_call_id="toolu_j1_0"),
+        ChatMessage(role="tool", content="Error: no such\ncity", tool_call_id="toolu_j1_1"),
+        ChatMessage(role="user", content="Also:\nthanks"),
+    ]
+    assert r.chat.add_generation_prompt and not r.chat.continue_final_message
+
+
+def test_tool_results_alone_are_tool_turns_only():
+    messages = [*HI, said("assistant", {"type": "tool_use", "id": "toolu_a", "name": "get_weather", "input": {}}),
+                said("user", {"type": "tool_result", "tool_use_id": "toolu_a"}),
+                said("user", {"type": "tool_result", "tool_use_id": "toolu_b", "content": [], "is_error": True})]
+    assert req(messages=messages, tools=[WEATHER]).messages[2:] == [
+        ChatMessage(role="tool", content="", tool_call_id="toolu_a"),
+        ChatMessage(role="tool", content="Error", tool_call_id="toolu_b")]
+
+
+def test_a_call_id_reaches_the_template_as_the_client_sent_it_back():
+    """Our response's ``toolu_<x>`` comes back as the call's id and its result's ``tool_use_id``:
+    both are passed through unchanged, so the template pairs them."""
+    call = ToolCall(id="call_j9_0", name="get_weather", arguments='{"city":"Oslo"}')
+    answer = am.render_result(req(), JobResult(choices=[Choice(tool_calls=[call], finish_reason="tool_calls")]),
+                              "j9", 1)
+    sent_back = msgspec.to_builtins(answer.content)
+    r = req(tools=[WEATHER], messages=[*HI, {"role": "assistant", "content": sent_back},
+                                       said("user", {"type": "tool_result", "tool_use_id": sent_back[0]["id"],
+                                                     "content": "cold"})])
+    assert r.messages[1].tool_calls[0].id == r.messages[2].tool_call_id == "toolu_j9_0"
+    assert r.messages[1].tool_calls[0].arguments == call.arguments
+
+
+def test_an_assistant_prefill_keeps_its_thinking():
+    r = req(messages=[*HI, said("assistant", {"type": "thinking", "thinking": "a", "signature": ""},
+                                {"type": "thinking", "thinking": "b", "signature": ""}, {"type": "text", "text": "{"})])
+    assert r.messages[-1] == ChatMessage(role="assistant", content="{", reasoning="a\nb")
+    assert r.chat.continue_final_message
+
+
+def test_system_forms_and_the_billing_header():
+    billing = {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.160; cch=9f2e;"}
+    cached = {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+    assert req(system=[billing, cached, {"type": "text", "text": "Be brief."}]).messages[0] == ChatMessage(
+        role="system", content="You are Claude Code.\nBe brief.")
+    assert req(system=[billing]).messages == [ChatMessage(role="user", content="hi")]
+    # A system turn inside messages (Claude Code 2.1.154+) stays in place; one saying nothing is no turn.
+    messages = [*HI, {"role": "system", "content": "reminder"}, {"role": "assistant", "content": "ok"},
+                said("system", billing), *HI, {"role": "system", "content": [cached]}]
+    assert req(system="top", messages=messages).messages == [
+        ChatMessage(role="system", content="top"), ChatMessage(role="user", content="hi"),
+        ChatMessage(role="system", content="reminder"), ChatMessage(role="assistant", content="ok"),
+        ChatMessage(role="user", content="hi"), ChatMessage(role="system", content="You are Claude Code.")]
+
+
+@pytest.mark.parametrize("fields,kwargs", [
+    (dict(), {}),
+    (dict(thinking={"type": "enabled", "budget_tokens": 1024}, max_tokens=2048), {"enable_thinking": True}),
+    (dict(thinking={"type": "adaptive", "budget_tokens": 0, "display": "omitted"}), {"enable_thinking": True}),
+    (dict(thinking={"type": "disabled"}), {"enable_thinking": False}),
+    (dict(output_config={"effort": "high"}), {"reasoning_effort": "high"}),
+    (dict(thinking={"type": "adaptive"}, output_config={"effort": "max"}),
+     {"enable_thinking": True, "reasoning_effort": "max"}),
+])
+def test_thinking_and_effort_are_template_kwargs(fields, kwargs):
+    assert req(**fields).chat.template_kwargs == kwargs
+
+
+def test_what_claude_code_adds_is_accepted_and_changes_nothing():
+    """cache_control on every kind of block and on tools, metadata, context_management, beta-era
+    fields and unknown ones: the same job as the plain request."""
+    uncached = {k: v for k, v in WEATHER.items() if k != "cache_control"}
+    plain = dict(system=[{"type": "text", "text": "s"}], tools=[uncached],
+                 messages=[said("user", {"type": "text", "text": "hi"})])
+    decorated = dict(
+        system=[{"type": "text", "text": "s", "cache_control": {"type": "ephemeral"}}], tools=[WEATHER],
+        messages=[said("user", {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}})],
+        metadata={"user_id": "user_abc_account_x_session_y"},
+        context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        mcp_servers=[], container=None, betas=["interleaved-thinking-2025-05-14"],
+    )
+    assert req(**decorated) == req(**plain)
+
+
+def test_count_tokens_has_the_tools_the_worker_renders():
+    fields = dict(tools=[WEATHER], tool_choice={"type": "any"}, thinking={"type": "adaptive"},
+                  messages=[*HI, said("assistant", {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                    "input": {}}),
+                            said("user", {"type": "tool_result", "tool_use_id": "toolu_1", "content": "x"})])
+    count = msgspec.convert({"model": "claude", **fields}, am.CountTokensRequest)
+    r = req(**fields)
+    assert am.chat_of(count) == (r.messages, r.chat, r.tools)
+
 
 
 # --- the message ----------------------------------------------------------------------------------
