@@ -13,11 +13,12 @@ from hypothesis import HealthCheck, given, settings
 
 from api.dialects import anthropic_batches as ab
 from api.dialects import anthropic_messages as am
+from api.dialects.anthropic_render import signature
 from shared import json_input
 from shared.batches import MESSAGES, Answered, BatchObject, Failed, NotRun, Refused, RequestCounts
 from shared.codec import encode
 from shared.errors import InvalidRequest, ServiceError
-from shared.schemas import Choice, JobError, JobResult, Usage
+from shared.schemas import Choice, JobError, JobResult, ToolCall, Usage
 from tests.support.dialect_bodies import message_batch_bodies
 
 CREATED = 1_700_000_000  # 2023-11-14T22:13:20Z
@@ -86,6 +87,14 @@ USAGE = ('"usage":{"input_tokens":2,"cache_creation_input_tokens":null,"cache_re
      '{"custom_id":"a","result":{"type":"succeeded","message":{"id":"msg_j1","type":"message","role":"assistant",'
      '"content":[{"type":"text","text":"hé"}],"model":"tiny","stop_reason":"max_tokens","stop_sequence":null,'
      f'{USAGE}}}}}}}'),
+    (Answered(custom_id="t", request_id="j2", created=CREATED, requests=[ab.translate(_request(GOOD))],
+              results=[JobResult(choices=[Choice(reasoning="r", finish_reason="tool_calls", tool_calls=[
+                  ToolCall(id="call_j2_0", name="f", arguments='{"a":1}')])],
+                  usage=Usage(prompt_tokens=2, completion_tokens=1))]),
+     '{"custom_id":"t","result":{"type":"succeeded","message":{"id":"msg_j2","type":"message","role":"assistant",'
+     '"content":[{"type":"thinking","thinking":"r","signature":"' + signature("j2", 0) + '"},'
+     '{"type":"tool_use","id":"toolu_j2_0","name":"f","input":{"a":1}}],"model":"tiny","stop_reason":"tool_use",'
+     f'"stop_sequence":null,{USAGE}}}}}}}'),
     (Failed(custom_id="c", request_id="j4", error=JobError(code="deadline_exceeded", message="too late", status=504)),
      '{"custom_id":"c","result":{"type":"errored","error":{"type":"error","error":{"type":"timeout_error",'
      '"message":"too late"}}}}'),

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from api.dialects import anthropic_messages as am
+from api.dialects.anthropic_render import signature, tool_use_id
 from api.dialects.tiers import priority_of_tier
 from api.submit import check_queueable
 from shared import json_input
@@ -23,9 +24,10 @@ from shared.errors import (
     ServiceError,
     Unauthorized,
 )
-from shared.events import Done, Error, TokenDelta, Tokens
+from shared.events import Done, Error, TokenDelta, Tokens, ToolCallDelta
 from shared.framing import KEEPALIVE, Keepalive
 from shared.queue import level_of
+from shared.result import ResultBuilder
 from shared.schemas import ChatMessage, Choice, JobResult, StructuredOutput, Tool, ToolCall, ToolUse, Usage
 from tests.support.dialect_bodies import anthropic_bodies
 from tests.support.streams import frames as rendered
@@ -492,6 +494,270 @@ async def test_the_sdk_accumulates_the_stream():
                                     json_bufs={})
     assert snapshot.content[0].text == "Hey" and snapshot.stop_reason == "max_tokens"
     assert (snapshot.usage.input_tokens, snapshot.usage.output_tokens) == (9, 2)
+
+
+# --- thinking and tool use in the answer ------------------------------------------------------------
+
+SIG_0 = "6lKyR/nV8a4i3xAu8oKjT/SFd2T4qfsPOIOWEAQMu4E="  # base64(sha256("llmq-thinking:j1:0"))
+PARIS = ToolCall(id="call_j1_0", name="get_weather", arguments='{"city": "Paris"}')
+ROME = ToolCall(id="call_j1_1", name="get_weather", arguments='{"city":"Rome"}')
+USAGE_BYTES = (b'"usage":{"input_tokens":12,"cache_creation_input_tokens":null,"cache_read_input_tokens":null,'
+               b'"cache_creation":null,"output_tokens":3,"output_tokens_details":null,"server_tool_use":null,'
+               b'"service_tier":"standard","inference_geo":null}}')
+
+
+def called(text: str = "", reasoning: str | None = None, calls=(), finish: str = "tool_calls",
+           stop_reason: str | None = None) -> JobResult:
+    return JobResult(choices=[Choice(text=text, reasoning=reasoning, tool_calls=list(calls) or None,
+                                     finish_reason=finish, stop_reason=stop_reason)],
+                     usage=Usage(prompt_tokens=12, completion_tokens=3))
+
+
+def test_signatures_and_ids_are_derived_from_the_job():
+    assert signature("j1", 0) == SIG_0 == signature("j1", 0) != signature("j1", 1) != signature("j2", 0)
+    assert (tool_use_id("call_j1_0"), tool_use_id("call_j1_2_0")) == ("toolu_j1_0", "toolu_j1_2_0")
+
+
+def test_render_result_bytes_with_thinking_text_and_two_calls():
+    r = msgspec.structs.replace(req(tools=[WEATHER]), model="tiny")
+    msg = am.render_result(r, called("Checking.", "Two cities.", [PARIS, ROME]), "j1", 7)
+    assert encode(msg) == (
+        b'{"id":"msg_j1","type":"message","role":"assistant","content":['
+        b'{"type":"thinking","thinking":"Two cities.","signature":"' + SIG_0.encode() + b'"},'
+        b'{"type":"text","text":"Checking."},'
+        b'{"type":"tool_use","id":"toolu_j1_0","name":"get_weather","input":{"city":"Paris"}},'
+        b'{"type":"tool_use","id":"toolu_j1_1","name":"get_weather","input":{"city":"Rome"}}],'
+        b'"model":"tiny","stop_reason":"tool_use","stop_sequence":null,' + USAGE_BYTES)
+
+
+def test_a_message_of_calls_only_has_no_text_block():
+    r = msgspec.structs.replace(req(tools=[WEATHER]), model="tiny")
+    assert encode(am.render_result(r, called(calls=[PARIS]), "j1", 7)) == (
+        b'{"id":"msg_j1","type":"message","role":"assistant","content":['
+        b'{"type":"tool_use","id":"toolu_j1_0","name":"get_weather","input":{"city":"Paris"}}],'
+        b'"model":"tiny","stop_reason":"tool_use","stop_sequence":null,' + USAGE_BYTES)
+    thinking_only = am.render_result(r, called(reasoning="hmm", finish="length"), "j1", 7)
+    assert [b["type"] for b in msgspec.to_builtins(thinking_only.content)] == ["thinking"]
+    assert thinking_only.stop_reason == "max_tokens"
+
+
+@pytest.mark.parametrize("calls,finish,stop_reason,expected", [
+    ([PARIS], "tool_calls", None, ("tool_use", None)),
+    ([PARIS], "stop", None, ("tool_use", None)),  # a forced (named) call finishes with `stop`: still tool_use
+    ([PARIS], "stop", 7, ("tool_use", None)),
+    ([PARIS, ROME], "stop", "END", ("tool_use", None)),  # a stop string after whole calls
+    ([ToolCall(id="call_j1_0", name="f", arguments='{"city": "Pa')], "stop", "END", ("stop_sequence", "END")),
+    ([ToolCall(id="call_j1_0", name="f", arguments='{"city": "Pa')], "length", None, ("max_tokens", None)),
+    # Only a stop string cuts a call short: after EOS its arguments are what the model said.
+    ([ToolCall(id="call_j1_0", name="f", arguments='{"city": "Pa')], "tool_calls", None, ("tool_use", None)),
+    ([PARIS], "length", None, ("max_tokens", None)),
+    ([], "tool_calls", None, ("end_turn", None)),  # no call came out: the message does not end with one
+])
+def test_stop_reason_with_calls(calls, finish, stop_reason, expected):
+    msg = am.render_result(req(tools=[WEATHER]), called("x", calls=calls, finish=finish, stop_reason=stop_reason),
+                           "j1", 7)
+    assert (msg.stop_reason, msg.stop_sequence) == expected
+
+
+def test_a_call_cut_short_has_an_empty_input():
+    cut = ToolCall(id="call_j1_0", name="get_weather", arguments='{"city": "Pa')
+    not_an_object = ToolCall(id="call_j1_1", name="get_weather", arguments="[1]")
+    msg = am.render_result(req(tools=[WEATHER]), called(calls=[cut, not_an_object], finish="length"), "j1", 7)
+    assert [b.input for b in msg.content] == [{}, {}]
+
+
+def test_the_sdk_parses_a_message_with_thinking_and_calls():
+    from anthropic.types import Message
+
+    msg = Message.model_validate_json(encode(am.render_result(req(), called("a", "b", [PARIS, ROME]), "j1", 7)))
+    assert [b.type for b in msg.content] == ["thinking", "text", "tool_use", "tool_use"]
+    assert (msg.content[0].signature, msg.content[2].input, msg.content[3].id) == (SIG_0, {"city": "Paris"},
+                                                                                   "toolu_j1_1")
+
+
+def frame(name: str, data: str) -> bytes:
+    return f"event: {name}\ndata: {data}\n\n".encode()
+
+
+def block_start(index: int, block: str) -> bytes:
+    return frame("content_block_start", f'{{"type":"content_block_start","index":{index},"content_block":{block}}}')
+
+
+def block_delta(index: int, delta: str) -> bytes:
+    return frame("content_block_delta", f'{{"type":"content_block_delta","index":{index},"delta":{delta}}}')
+
+
+def block_stop(index: int) -> bytes:
+    return frame("content_block_stop", f'{{"type":"content_block_stop","index":{index}}}')
+
+
+def tool_start(index: int, call: int) -> bytes:
+    return block_start(index, f'{{"type":"tool_use","id":"toolu_j1_{call}","name":"get_weather","input":{{}}}}')
+
+
+def json_delta(index: int, partial: str) -> bytes:
+    return block_delta(index, msgspec.json.encode({"type": "input_json_delta", "partial_json": partial}).decode())
+
+
+THINKING_START = block_start(0, '{"type":"thinking","thinking":"","signature":""}')
+SIGNATURE_0 = block_delta(0, f'{{"type":"signature_delta","signature":"{SIG_0}"}}')
+
+
+def calls(*pieces: ToolCallDelta) -> TokenDelta:
+    return TokenDelta(token_ids=[1], tool_calls=list(pieces))
+
+
+def piece(index: int, arguments: str = "", first: bool = False) -> ToolCallDelta:
+    if first:
+        return ToolCallDelta(index=index, id=f"call_j1_{index}", name="get_weather", arguments=arguments)
+    return ToolCallDelta(index=index, arguments=arguments)
+
+
+# Thinking, then text, then two calls whose pieces arrive across events (call 1 opens in the
+# event that finishes call 0); a keep-alive and a held-back token in between.
+FULL_EVENTS = [
+    Tokens(seq=1, deltas=[TokenDelta(token_ids=[1], reasoning="Two ")]),
+    Tokens(seq=2, deltas=[TokenDelta(token_ids=[2], reasoning="cities.")]),
+    Tokens(seq=3, deltas=[TokenDelta(token_ids=[3], text="Checking.")]),
+    Tokens(seq=4, deltas=[TokenDelta(token_ids=[4])]),  # the parser holds text back: nothing
+    Tokens(seq=5, deltas=[calls(piece(0, first=True))]),
+    Keepalive(),
+    Tokens(seq=6, deltas=[calls(piece(0, '{"city": '))]),
+    Tokens(seq=7, deltas=[calls(piece(0, '"Paris"}'), piece(1, '{"city":', first=True))]),
+    Done(seq=8, deltas=[TokenDelta(token_ids=[8], tool_calls=[piece(1, '"Rome"}')], finish_reason="tool_calls")],
+         usage=Usage(prompt_tokens=40, completion_tokens=8)),
+]
+
+
+async def test_stream_bytes_with_thinking_text_and_two_calls():
+    """Each block in the final content's order, its index that position; the thinking block's
+    signature_delta just before its stop; each argument piece one input_json_delta."""
+    r = msgspec.structs.replace(req(tools=[WEATHER]), model="tiny")
+    assert await frames(r, FULL_EVENTS) == [
+        MESSAGE_START, THINKING_START, PING,
+        block_delta(0, '{"type":"thinking_delta","thinking":"Two "}'),
+        block_delta(0, '{"type":"thinking_delta","thinking":"cities."}'),
+        SIGNATURE_0, block_stop(0),
+        block_start(1, '{"type":"text","text":""}'), block_delta(1, '{"type":"text_delta","text":"Checking."}'),
+        block_stop(1), tool_start(2, 0),
+        KEEPALIVE,
+        json_delta(2, '{"city": '),
+        json_delta(2, '"Paris"}'), block_stop(2), tool_start(3, 1), json_delta(3, '{"city":'),
+        json_delta(3, '"Rome"}'), block_stop(3),
+        message_delta(b'"tool_use"', b"null", 40, 8), MESSAGE_STOP,
+    ]
+
+
+async def test_stream_of_calls_only_in_one_event_each():
+    """A call-only message (a forced choice: finish ``stop``): no text block; two calls in one
+    event are two blocks."""
+    r = msgspec.structs.replace(req(tools=[WEATHER], tool_choice={"type": "any"}), model="tiny")
+    events = [Tokens(seq=1, deltas=[calls(piece(0, '{"city":"Paris"}', first=True),
+                                          piece(1, '{"city":"Rome"}', first=True))]),
+              Done(seq=2, deltas=[TokenDelta(token_ids=[2], finish_reason="stop")],
+                   usage=Usage(prompt_tokens=9, completion_tokens=2))]
+    assert await frames(r, events) == [
+        MESSAGE_START, tool_start(0, 0), PING, json_delta(0, '{"city":"Paris"}'), block_stop(0),
+        tool_start(1, 1), json_delta(1, '{"city":"Rome"}'), block_stop(1),
+        message_delta(b'"tool_use"', b"null", 9, 2), MESSAGE_STOP,
+    ]
+
+
+async def test_reasoning_and_text_in_one_delta_close_the_thinking_block_first():
+    r = msgspec.structs.replace(req(), model="tiny")
+    events = [Tokens(seq=1, deltas=[TokenDelta(token_ids=[1])]),  # nothing parsed yet: the message opens alone
+              Done(seq=2, deltas=[TokenDelta(token_ids=[2], reasoning="hm", text="Hi", finish_reason="stop")],
+                   usage=Usage(prompt_tokens=4, completion_tokens=2))]
+    assert await frames(r, events) == [
+        MESSAGE_START, PING, THINKING_START, block_delta(0, '{"type":"thinking_delta","thinking":"hm"}'),
+        SIGNATURE_0, block_stop(0), block_start(1, '{"type":"text","text":""}'),
+        block_delta(1, '{"type":"text_delta","text":"Hi"}'), block_stop(1),
+        message_delta(b'"end_turn"', b"null", 4, 2), MESSAGE_STOP,
+    ]
+
+
+async def test_a_stop_string_cutting_a_call_short_is_stop_sequence_in_the_stream_too():
+    r = msgspec.structs.replace(req(tools=[WEATHER]), model="tiny")
+    events = [Tokens(seq=1, deltas=[calls(piece(0, '{"city": "Pa', first=True))]),
+              Done(seq=2, deltas=[TokenDelta(token_ids=[2], finish_reason="stop", stop_reason="END")],
+                   usage=Usage(prompt_tokens=4, completion_tokens=2))]
+    assert (await frames(r, events))[-2] == message_delta(b'"stop_sequence"', b'"END"', 4, 2)
+
+
+@pytest.mark.parametrize("late", [
+    piece(0, '"x"}'),  # call 0's block already closed: call 1 opened
+    piece(2, '{}'),  # call 2 never opened
+    piece(0, '{}', first=True),  # call 0 opened twice
+])
+async def test_a_piece_for_a_closed_or_unknown_call_ends_the_stream_with_an_error(late):
+    """The worker sends each call's pieces in order, so this cannot happen; were it to, the stream
+    ends with an error event rather than arguments in the wrong block (or dropped)."""
+    r = msgspec.structs.replace(req(tools=[WEATHER]), model="tiny")
+    events = [Tokens(seq=1, deltas=[calls(piece(0, "{", first=True))]),
+              Tokens(seq=2, deltas=[calls(piece(0, "}"), piece(1, "{}", first=True))]),
+              Tokens(seq=3, deltas=[calls(late)]),
+              Done(seq=4, deltas=[TokenDelta(token_ids=[4], finish_reason="tool_calls")])]
+    out = await frames(r, events)
+    assert out[:-1] == [MESSAGE_START, tool_start(0, 0), PING, json_delta(0, "{"), json_delta(0, "}"),
+                        block_stop(0), tool_start(1, 1), json_delta(1, "{}")]
+    assert out[-1].startswith(b'event: error\ndata: {"type":"error","error":{"type":"api_error","message":"')
+
+
+def _accumulate(raw: bytes):
+    """The SDK's own SSE decoder and accumulator (strict types: each event validated) over ``raw``."""
+    from anthropic._streaming import SSEDecoder
+    from anthropic.lib.streaming._messages import accumulate_event
+    from anthropic.types import RawMessageStreamEvent
+    from pydantic import TypeAdapter
+
+    adapter, snapshot, bufs = TypeAdapter(RawMessageStreamEvent), None, {}
+    for sse in SSEDecoder().iter_bytes(iter([raw])):
+        if sse.event != "ping":
+            snapshot = accumulate_event(event=adapter.validate_python(sse.json()), current_snapshot=snapshot,
+                                        json_bufs=bufs)
+    return snapshot
+
+
+async def test_the_stream_accumulates_to_the_message_create_returns():
+    """The SDK's accumulation of the stream is the non-streamed message of the same events."""
+    r = msgspec.structs.replace(req(tools=[WEATHER]), model="tiny")
+    snapshot = _accumulate(b"".join(await frames(r, FULL_EVENTS)))
+    builder = ResultBuilder()
+    for e in FULL_EVENTS:
+        if not isinstance(e, Keepalive):
+            builder.add(e)
+    created = msgspec.to_builtins(am.render_result(r, builder.result(), "j1", 7))
+    streamed = snapshot.model_dump(mode="json", exclude_none=True)
+    assert [{k: v for k, v in b.items() if k != "caller"} for b in streamed["content"]] == created["content"]
+    assert (snapshot.stop_reason, snapshot.usage.input_tokens, snapshot.usage.output_tokens) == ("tool_use", 40, 8)
+
+
+async def test_the_sdk_client_streams_our_bytes_to_a_final_message():
+    """The real client (``messages.stream`` over an httpx transport that answers with our bytes):
+    the final message has the thinking block with its signature and the calls with parsed input."""
+    import anthropic
+    import httpx2
+
+    r = msgspec.structs.replace(req(tools=[WEATHER]), model="tiny")
+    raw = b"".join(await frames(r, FULL_EVENTS))
+
+    def answer(request: httpx2.Request) -> httpx2.Response:
+        assert request.url.path == "/v1/messages"
+        return httpx2.Response(200, headers={"content-type": "text/event-stream"}, content=raw)
+
+    client = anthropic.Anthropic(api_key="x", base_url="http://llmq", max_retries=0,
+                                 http_client=httpx2.Client(transport=httpx2.MockTransport(answer)))
+    with client.messages.stream(model="tiny", max_tokens=64, messages=[{"role": "user", "content": "hi"}],
+                                tools=[WEATHER]) as s:
+        final = s.get_final_message()
+    thinking, text, paris, rome = final.content
+    assert (thinking.type, thinking.thinking, thinking.signature) == ("thinking", "Two cities.", SIG_0)
+    assert (text.type, text.text) == ("text", "Checking.")
+    assert [(b.type, b.id, b.name, b.input) for b in (paris, rome)] == [
+        ("tool_use", "toolu_j1_0", "get_weather", {"city": "Paris"}),
+        ("tool_use", "toolu_j1_1", "get_weather", {"city": "Rome"})]
+    assert final.stop_reason == "tool_use" and final.usage.output_tokens == 8
+
 
 
 # --- errors ---------------------------------------------------------------------------------------
