@@ -233,10 +233,9 @@ def _turns(b: CountTokensRequest) -> list[tuple[str, list[Located]]]:
 
 
 def _tool_call(block: ContentBlock, where: str) -> ToolCall:
-    for name in ("id", "name", "input"):
-        refuse(getattr(block, name) is None, f"{where}.{name}: Field required", "messages")
-    assert block.id is not None and block.name is not None
-    return ToolCall(id=block.id, name=block.name, arguments=msgspec.json.encode(block.input).decode())
+    for field in ("id", "name", "input"):
+        refuse(getattr(block, field) is None, f"{where}.{field}: Field required", "messages")
+    return ToolCall(id=block.id or "", name=block.name or "", arguments=msgspec.json.encode(block.input).decode())
 
 
 def _tool_result(block: ContentBlock, where: str) -> ChatMessage:
@@ -304,13 +303,13 @@ def _tools(b: CountTokensRequest) -> ToolUse | None:
                 continue
             refuse(t.name is None, f"tools.{i}.name: Field required", "tools")
             refuse(t.input_schema is None, f"tools.{i}.input_schema: Field required", "tools")
-            assert t.name is not None
-            tools.append(Tool(name=t.name, description=t.description, parameters=t.input_schema, strict=t.strict))
+            tools.append(Tool(name=t.name or "", description=t.description, parameters=t.input_schema, strict=t.strict))
     c = b.tool_choice
     if c is None:
         return tool_use(tools, None)
     refuse(c.type not in CHOICES, "tool_choice.type: Input should be 'auto', 'any', 'tool' or 'none'", "tool_choice")
     refuse(c.type == "tool" and not c.name, "tool_choice.name: Field required", "tool_choice")
+    hosted -= {t.name for t in tools or ()}
     refuse(c.type == "tool" and c.name in hosted, f"tool_choice.name: `{c.name}` is an Anthropic-defined tool, "
            "which this server does not offer to the model", "tool_choice")
     return tool_use(tools, CHOICES[c.type], c.name, parallel=not c.disable_parallel_tool_use)

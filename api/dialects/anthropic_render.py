@@ -262,10 +262,13 @@ class MessageStream(SseKeepalive, StreamRenderer[bytes]):
     Each delta's pieces go out in the order of a message's content (reasoning, text, tool-call
     pieces), each into the block of its kind: a piece of another kind than the open block's closes
     that block and opens the next, so no delta ever lands in a block of another type (what Claude
-    Code's strict stream validator checks). A call's first piece (with its id) opens its block;
-    its argument fragments are ``input_json_delta``s, one per piece. The worker sends calls in
-    order, so a fragment for a call whose block already closed (or never opened) cannot happen:
-    it is an inconsistent stream, ended with an error event rather than a wrong message."""
+    Code's strict stream validator checks). Parsers send reasoning before content, so a message
+    has one thinking block; were reasoning to resume after text, the stream would open a second
+    one where the message folds all reasoning into the first. A call's first piece (with its id)
+    opens its block; its argument fragments are ``input_json_delta``s, one per piece. The worker
+    sends calls in order, so a fragment for a call whose block already closed (or never opened)
+    cannot happen: it is an inconsistent stream, ended with an error event rather than a wrong
+    message."""
 
     def __init__(self, req: GenerationRequest, job_id: str, created: int = 0) -> None:
         self.req, self.job_id = req, job_id
