@@ -1,18 +1,37 @@
 """Anthropic Messages: ``POST /v1/messages`` and ``/v1/messages/count_tokens``, as the anthropic
-SDK (2.x) parses them.
+SDK (2.x) and Claude Code send them. This module translates requests; the message, the stream and
+errors are rendered by :mod:`api.dialects.anthropic_render`.
 
-A request is a chat: ``system`` becomes the first message, text blocks are joined with newlines
-(as vLLM's own Anthropic endpoint does for text-only models), and a conversation that ends with
-an ``assistant`` turn is continued from that text (Anthropic's prefill). The worker renders it
-with the model's chat template, as for OpenAI chat. Anything llmq cannot honour (images,
-documents, tools, thinking, ``effort``) is refused with Anthropic's ``invalid_request_error``,
-never ignored.
+A request is a chat: ``system`` becomes the first message (its text blocks joined with newlines,
+as vLLM's own Anthropic endpoint does for text-only models, leaving out Claude Code's per-request
+``x-anthropic-billing-header`` block as vLLM does), consecutive turns of one role are one turn (as
+Anthropic combines them), and a conversation that ends with an ``assistant`` turn is continued
+from that text (Anthropic's prefill). The worker renders it with the model's chat template, as
+for OpenAI chat, with the tools.
 
-A stream is Anthropic's named SSE events, ``event: <name>\\ndata: <json>\\n\\n``: ``message_start``,
-``content_block_start``, ``ping``, one ``content_block_delta`` (``text_delta``) per token event,
-``content_block_stop``, ``message_delta`` (stop reason, usage), ``message_stop``. An error after
-the stream started is one ``event: error`` with the error body, which ends the stream. Quiet
-stretches are SSE comments, which every SSE parser drops (the SDK included).
+Tool use maps to the OpenAI form every dialect shares (shared/schemas.py), as vLLM's Anthropic
+server maps it (``vllm/entrypoints/anthropic/serving.py``):
+
+- ``tools``: custom tools (``type`` absent or ``custom``) are the chat's functions;
+  Anthropic-defined tools (a type with a date: ``web_search_20250305``, ``bash_20250124``,
+  ``text_editor_*``, ``computer_*``, ...) run on Anthropic's side or need Anthropic's own schema,
+  so they are left out (the model is not offered them) rather than failing the request.
+- ``tool_choice``: ``auto``, ``any`` (vLLM's ``required``), ``tool`` (a named function), ``none``;
+  ``disable_parallel_tool_use`` allows one call at most. With tools and no choice: ``auto``.
+- History: an assistant turn's ``tool_use`` blocks are its ``tool_calls`` (``input`` as JSON
+  text), its ``thinking`` blocks its ``reasoning`` (the signature is not checked), and
+  ``redacted_thinking`` is dropped (llmq cannot read it). A user turn's ``tool_result`` blocks are
+  ``tool`` turns (one per result, before the turn's text, which follows as a user turn); a result
+  with ``is_error`` reaches the model as ``Error: <content>``.
+- ``thinking`` (``enabled``, ``adaptive``, ``disabled``) is the template's ``enable_thinking``
+  (the Qwen3 convention) and ``output_config.effort`` its ``reasoning_effort``: what a template
+  does with them is the template's affair. A thinking budget is checked as Anthropic checks it,
+  and not enforced.
+
+Accepted and without effect: ``cache_control`` anywhere (llmq has no prompt cache to steer),
+``metadata``, ``context_management``, signatures, ``thinking.display``; unknown fields are ignored,
+as newer SDKs send fields older servers do not know. Anything llmq cannot honour (images,
+documents, other block types) is refused with Anthropic's ``invalid_request_error``, never ignored.
 """
 
 from __future__ import annotations
@@ -22,21 +41,31 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from api.dialects.common import refuse
-from api.dialects.stream import SseKeepalive, StreamRenderer
+from api.dialects.anthropic_render import (
+    ErrorObject,
+    ErrorResponse,
+    Message,
+    MessageStream,
+    TokenCount,
+    error_body,
+    event,
+    render_result,
+    reported_tier,
+    stop_of,
+    stream,
+)
+from api.dialects.common import refuse, tool_use
 from api.dialects.tiers import priority_of_tier
-from shared.errors import Overloaded, ServiceError
-from shared.events import Done, Tokens
-from shared.framing import sse
 from shared.schemas import (
     ChatMessage,
     ChatOptions,
-    Choice,
     GenerationRequest,
-    JobResult,
     OutputOptions,
     SamplingParams,
     StructuredOutput,
+    Tool,
+    ToolCall,
+    ToolUse,
 )
 
 __all__ = [
@@ -47,25 +76,49 @@ __all__ = [
     "render_result",
     "MessageStream",
     "stream",
+    "stop_of",
     "error_body",
     "event",
+    "reported_tier",
     "Message",
     "TokenCount",
+    "ErrorObject",
     "ErrorResponse",
 ]
 
 NAME = "anthropic_messages"
-ROLES = ("user", "assistant")
+ROLES = ("user", "assistant", "system")
+BILLING_HEADER = "x-anthropic-billing-header"
+"""How the system block Claude Code adds to every request begins: it changes per request (so it
+would defeat any prefix cache) and says nothing to the model, so it is left out, as vLLM does."""
+CHOICES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
+THINKING = ("enabled", "disabled", "adaptive")
+MIN_THINKING_BUDGET = 1024  # Anthropic's
 
 # --- request ------------------------------------------------------------------------------------
 
 
-class ContentBlock(msgspec.Struct, kw_only=True):
-    """An input block; only ``text`` is served. Its other fields (``cache_control``, ...) are
-    accepted and have no effect: llmq has no prompt cache to steer."""
+class ResultBlock(msgspec.Struct, kw_only=True):
+    """A block of a ``tool_result``'s content; only ``text`` is served."""
 
     type: str
     text: str | None = None
+
+
+class ContentBlock(msgspec.Struct, kw_only=True):
+    """An input block: ``text``, ``tool_use``, ``tool_result``, ``thinking`` or
+    ``redacted_thinking``, each with its own fields. Other fields (``cache_control``,
+    ``citations``, ...) are accepted and have no effect."""
+
+    type: str
+    text: str | None = None
+    id: str | None = None  # tool_use
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None  # tool_result
+    content: str | list[ResultBlock] | None = None
+    is_error: bool | None = None
+    thinking: str | None = None  # thinking (its signature is accepted and not checked)
 
 
 class InputMessage(msgspec.Struct, kw_only=True):
@@ -89,7 +142,23 @@ class OutputConfig(msgspec.Struct, kw_only=True):
 
 class Thinking(msgspec.Struct, kw_only=True):
     type: str
-    budget_tokens: int | None = None
+    budget_tokens: int | None = None  # enabled's; Claude Code sends it with adaptive too (ignored)
+
+
+class ToolDefinition(msgspec.Struct, kw_only=True):
+    """A custom tool, or an Anthropic-defined one (``type`` with a date), which is left out."""
+
+    name: str | None = None  # every custom tool has one; some Anthropic-defined ones (mcp_toolset) do not
+    type: str | None = None
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolChoice(msgspec.Struct, kw_only=True):
+    type: str
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
 
 
 class CountTokensRequest(msgspec.Struct, kw_only=True):
@@ -108,58 +177,180 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
     stream: bool | None = False
     service_tier: str | None = None
     output_config: OutputConfig | None = None
-    # Refused when used (_refusals), never silently ignored:
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    context_management: Any = None  # accepted and ignored: llmq never edits the context
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1)]
 
 
-def _refusals(b: CountTokensRequest) -> None:
-    refuse(bool(b.tools), "tools: tool use is not supported by this server", "tools")
-    no_tools = b.tool_choice is None or (isinstance(b.tool_choice, dict) and b.tool_choice.get("type") == "none")
-    refuse(not no_tools, "tool_choice: tool use is not supported by this server", "tool_choice")
-    thinking = b.thinking is not None and b.thinking.type != "disabled"
-    refuse(thinking, "thinking: extended thinking is not supported by this server", "thinking")
-    effort = b.output_config is not None and b.output_config.effort is not None
-    refuse(effort, "output_config.effort: effort levels are not supported by this server", "output_config")
+# --- translation --------------------------------------------------------------------------------
+
+Located = tuple[str, ContentBlock]
+"""A block and where the request has it (``messages.2.content.1``), for error messages."""
+_BLOCK_ROLE = {"tool_use": "assistant", "thinking": "assistant", "redacted_thinking": "assistant",
+               "tool_result": "user"}
 
 
-def _text(content: str | list[ContentBlock], where: str) -> str:
+def _text_blocks(content: str | list[ContentBlock], where: str) -> list[str]:
+    """Content that may only be text (``system``): its texts."""
     if isinstance(content, str):
-        return content
+        return [content]
     texts = []
     for i, block in enumerate(content):
         refuse(block.type != "text", f"{where}.{i}: content blocks of type `{block.type}` are not supported "
                 "by this server (text only)", where.split(".")[0])
         refuse(block.text is None, f"{where}.{i}.text: Field required", where.split(".")[0])
         texts.append(block.text)
-    return "\n".join(texts)
+    return texts
 
 
-def chat_of(b: CountTokensRequest) -> tuple[list[ChatMessage], ChatOptions]:
-    """The conversation as the worker renders it: what ``count_tokens`` counts, exactly. Consecutive
-    turns of one role are one turn (as Anthropic combines them); a last ``assistant`` turn is
-    continued rather than answered."""
-    _refusals(b)
-    refuse(not b.messages, "messages: at least one message is required", "messages")
-    out: list[ChatMessage] = []
-    if b.system is not None and (system := _text(b.system, "system")):
-        out.append(ChatMessage(role="system", content=system))
-    turns: list[tuple[str, str]] = []
+def _system_text(texts: list[str]) -> str:
+    """A system prompt: its texts joined with newlines, without Claude Code's billing header."""
+    return "\n".join(t for t in texts if not t.startswith(BILLING_HEADER))
+
+
+def _turns(b: CountTokensRequest) -> list[tuple[str, list[Located]]]:
+    """The conversation's turns, consecutive messages of one role joined into one (as Anthropic
+    combines them), each a role and its blocks (string content is one text block)."""
+    turns: list[tuple[str, list[Located]]] = []
     for i, m in enumerate(b.messages):
-        refuse(m.role not in ROLES, f"messages.{i}.role: Input should be 'user' or 'assistant'", "messages")
-        text = _text(m.content, f"messages.{i}.content")
-        if turns and turns[-1][0] == m.role:
-            turns[-1] = (m.role, turns[-1][1] + "\n" + text)
+        refuse(m.role not in ROLES, f"messages.{i}.role: Input should be 'user', 'assistant' or 'system'",
+               "messages")
+        where = f"messages.{i}.content"
+        if isinstance(m.content, str):
+            blocks = [(where, ContentBlock(type="text", text=m.content))]
         else:
-            turns.append((m.role, text))
-    out.extend(ChatMessage(role=role, content=text) for role, text in turns)
+            blocks = [(f"{where}.{j}", block) for j, block in enumerate(m.content)]
+        if turns and turns[-1][0] == m.role:
+            turns[-1][1].extend(blocks)
+        else:
+            turns.append((m.role, blocks))
+    return turns
+
+
+def _tool_call(block: ContentBlock, where: str) -> ToolCall:
+    for field in ("id", "name", "input"):
+        refuse(getattr(block, field) is None, f"{where}.{field}: Field required", "messages")
+    return ToolCall(id=block.id or "", name=block.name or "", arguments=msgspec.json.encode(block.input).decode())
+
+
+def _tool_result(block: ContentBlock, where: str) -> ChatMessage:
+    """One ``tool`` turn; a failed call's content is marked ``Error: `` for the model, whose chat
+    template has no other way to tell (OpenAI's form has no error flag)."""
+    refuse(block.tool_use_id is None, f"{where}.tool_use_id: Field required", "messages")
+    if block.content is None or isinstance(block.content, str):
+        text = block.content or ""
+    else:
+        texts = []
+        for k, part in enumerate(block.content):
+            refuse(part.type != "text", f"{where}.content.{k}: content blocks of type `{part.type}` are not "
+                   "supported in a tool_result by this server (text only)", "messages")
+            refuse(part.text is None, f"{where}.content.{k}.text: Field required", "messages")
+            texts.append(part.text)
+        text = "\n".join(texts)
+    if block.is_error:
+        text = f"Error: {text}" if text else "Error"
+    return ChatMessage(role="tool", content=text, tool_call_id=block.tool_use_id)
+
+
+def _turn(role: str, blocks: list[Located]) -> list[ChatMessage]:
+    """One turn as chat messages. An assistant turn is one message (text, reasoning, calls); a
+    user turn is its tool results, then its text (as vLLM orders them); a system turn is one
+    system message in place, none when it says nothing."""
+    texts: list[str] = []
+    reasoning: list[str] = []
+    calls: list[ToolCall] = []
+    results: list[ChatMessage] = []
+    for where, block in blocks:
+        if block.type == "text":
+            refuse(block.text is None, f"{where}.text: Field required", "messages")
+            texts.append(block.text or "")
+            continue
+        place = _BLOCK_ROLE.get(block.type)
+        refuse(place is None, f"{where}: content blocks of type `{block.type}` are not supported by this server "
+               "(text, tool use and thinking only)", "messages")
+        refuse(place != role, f"{where}: `{block.type}` blocks can only be in `{place}` messages", "messages")
+        if block.type == "tool_use":
+            calls.append(_tool_call(block, where))
+        elif block.type == "tool_result":
+            results.append(_tool_result(block, where))
+        elif block.type == "thinking":
+            refuse(block.thinking is None, f"{where}.thinking: Field required", "messages")
+            reasoning.append(block.thinking or "")
+        # redacted_thinking: accepted and dropped (its data is Anthropic's to read, not llmq's)
+    if role == "system":
+        text = _system_text(texts)
+        return [ChatMessage(role="system", content=text)] if text else []
+    if role == "assistant":
+        return [ChatMessage(role="assistant", content="\n".join(texts), tool_calls=calls,
+                            reasoning="\n".join(reasoning) if reasoning else None)]
+    return results + ([ChatMessage(role="user", content="\n".join(texts))] if texts or not results else [])
+
+
+def _tools(b: CountTokensRequest) -> ToolUse | None:
+    """The chat's tools: the custom ones (Anthropic-defined tools are left out), and the choice."""
+    tools: list[Tool] | None = None
+    hosted: set[str] = set()
+    if b.tools is not None:
+        tools = []
+        for i, t in enumerate(b.tools):
+            if t.type not in (None, "custom"):  # web_search_20250305, bash_20250124, ...: not ours to run
+                hosted.add(t.name or "")
+                continue
+            refuse(t.name is None, f"tools.{i}.name: Field required", "tools")
+            refuse(t.input_schema is None, f"tools.{i}.input_schema: Field required", "tools")
+            tools.append(Tool(name=t.name or "", description=t.description, parameters=t.input_schema, strict=t.strict))
+    c = b.tool_choice
+    if c is None:
+        return tool_use(tools, None)
+    refuse(c.type not in CHOICES, "tool_choice.type: Input should be 'auto', 'any', 'tool' or 'none'", "tool_choice")
+    refuse(c.type == "tool" and not c.name, "tool_choice.name: Field required", "tool_choice")
+    hosted -= {t.name for t in tools or ()}
+    refuse(c.type == "tool" and c.name in hosted, f"tool_choice.name: `{c.name}` is an Anthropic-defined tool, "
+           "which this server does not offer to the model", "tool_choice")
+    return tool_use(tools, CHOICES[c.type], c.name, parallel=not c.disable_parallel_tool_use)
+
+
+def _template_kwargs(b: CountTokensRequest) -> dict[str, object]:
+    """``thinking`` as ``enable_thinking`` and ``output_config.effort`` as ``reasoning_effort``,
+    the chat template's own arguments for them."""
+    kwargs: dict[str, object] = {}
+    if (t := b.thinking) is not None:
+        refuse(t.type not in THINKING, "thinking.type: Input should be 'enabled', 'disabled' or 'adaptive'",
+               "thinking")
+        if t.type == "enabled":
+            refuse(t.budget_tokens is None, "thinking.enabled.budget_tokens: Field required", "thinking")
+            refuse((t.budget_tokens or 0) < MIN_THINKING_BUDGET, "thinking.enabled.budget_tokens: Input should be "
+                   f"greater than or equal to {MIN_THINKING_BUDGET}", "thinking")
+        kwargs["enable_thinking"] = t.type != "disabled"
+    if b.output_config is not None and b.output_config.effort is not None:
+        kwargs["reasoning_effort"] = b.output_config.effort
+    return kwargs
+
+
+def chat_of(b: CountTokensRequest) -> tuple[list[ChatMessage], ChatOptions, ToolUse | None]:
+    """The conversation and its tools as the worker renders them: what ``count_tokens`` counts,
+    exactly. A last ``assistant`` turn is continued rather than answered."""
+    refuse(not b.messages, "messages: at least one message is required", "messages")
+    tools = _tools(b)
+    template_kwargs = _template_kwargs(b)
+    out: list[ChatMessage] = []
+    if b.system is not None and (system := _system_text(_text_blocks(b.system, "system"))):
+        out.append(ChatMessage(role="system", content=system))
+    turns = _turns(b)
+    for role, blocks in turns:
+        out += _turn(role, blocks)
     prefill = turns[-1][0] == "assistant"
-    return out, ChatOptions(add_generation_prompt=not prefill, continue_final_message=prefill)
+    refuse(prefill and bool(out[-1].tool_calls), f"messages.{len(b.messages) - 1}: a final `assistant` turn "
+           "with `tool_use` blocks cannot be continued: send their `tool_result` blocks in a `user` turn",
+           "messages")
+    chat = ChatOptions(add_generation_prompt=not prefill, continue_final_message=prefill,
+                       template_kwargs=template_kwargs)
+    return out, chat, tools
 
 
 def _structured(b: CountTokensRequest) -> StructuredOutput | None:
@@ -167,7 +358,7 @@ def _structured(b: CountTokensRequest) -> StructuredOutput | None:
     if fmt is None:
         return None
     refuse(fmt.type != "json_schema", f"output_config.format.type: Input should be 'json_schema', got {fmt.type!r}",
-            "output_config")
+           "output_config")
     refuse(fmt.schema is None, "output_config.format.schema: Field required", "output_config")
     return StructuredOutput(json=fmt.schema)
 
@@ -179,10 +370,13 @@ def _priority(tier: str | None) -> int | None:
 
 
 def to_generation_request(body: MessagesRequest) -> GenerationRequest:
-    messages, chat = chat_of(body)
+    messages, chat, tools = chat_of(body)
+    budget = body.thinking.budget_tokens if body.thinking is not None and body.thinking.type == "enabled" else None
+    refuse(budget is not None and budget >= body.max_tokens,
+           "max_tokens: `max_tokens` must be greater than `thinking.budget_tokens`", "max_tokens")
     stop = list(body.stop_sequences or [])
     refuse(any(not s for s in stop), "stop_sequences: each stop sequence must be a non-empty string",
-            "stop_sequences")
+           "stop_sequences")
     sampling = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -193,205 +387,5 @@ def to_generation_request(body: MessagesRequest) -> GenerationRequest:
     )
     # Kept with the job (not just this response): a poll of the stored job reports the same tier.
     output = OutputOptions(service_tier="priority" if body.service_tier == "priority" else None)
-    return GenerationRequest(model=body.model, messages=messages, chat=chat, sampling=sampling, output=output,
-                             dialect=NAME, priority=_priority(body.service_tier))
-
-
-def reported_tier(req: GenerationRequest) -> str:
-    """``usage.service_tier`` as Anthropic reports it: ``priority`` when asked for, else ``standard``."""
-    return req.output.service_tier or "standard"
-
-
-# --- response objects ---------------------------------------------------------------------------
-# Field order is the order on the wire. The usage fields llmq cannot fill honestly (prompt-cache
-# accounting, geography, tool use) are null, as the SDK's Usage type allows.
-
-
-class TextBlock(msgspec.Struct, kw_only=True):
-    type: str = "text"
-    text: str
-
-
-class Usage(msgspec.Struct, kw_only=True):
-    input_tokens: int
-    cache_creation_input_tokens: int | None = None
-    cache_read_input_tokens: int | None = None
-    cache_creation: None = None
-    output_tokens: int
-    output_tokens_details: None = None
-    server_tool_use: None = None
-    service_tier: str | None = None
-    inference_geo: str | None = None
-
-
-class Message(msgspec.Struct, kw_only=True):
-    id: str
-    type: str = "message"
-    role: str = "assistant"
-    content: list[TextBlock]
-    model: str
-    stop_reason: str | None
-    stop_sequence: str | None
-    usage: Usage
-
-
-class TokenCount(msgspec.Struct, kw_only=True):
-    input_tokens: int
-
-
-def stop_of(finish_reason: str | None, stop_reason: str | int | None) -> tuple[str, str | None]:
-    """``(stop_reason, stop_sequence)`` from vLLM's finish and stop reasons: a matched stop string
-    is ``stop_sequence``; EOS (or a stop token id) is ``end_turn``; the length is ``max_tokens``."""
-    if finish_reason == "length":
-        return "max_tokens", None
-    if isinstance(stop_reason, str):
-        return "stop_sequence", stop_reason
-    return "end_turn", None
-
-
-def render_result(req: GenerationRequest, result: JobResult, job_id: str, created: int) -> Message:
-    choice = result.choices[0] if result.choices else Choice()
-    stop_reason, stop_sequence = stop_of(choice.finish_reason, choice.stop_reason)
-    return Message(
-        id=f"msg_{job_id}",
-        content=[TextBlock(text=choice.text)],
-        model=req.model,
-        stop_reason=stop_reason,
-        stop_sequence=stop_sequence,
-        usage=Usage(input_tokens=result.usage.prompt_tokens, output_tokens=result.usage.completion_tokens,
-                    service_tier=reported_tier(req)),
-    )
-
-
-# --- stream events ------------------------------------------------------------------------------
-
-
-class MessageStart(msgspec.Struct, kw_only=True):
-    type: str = "message_start"
-    message: Message
-
-
-class ContentBlockStart(msgspec.Struct, kw_only=True):
-    type: str = "content_block_start"
-    index: int = 0
-    content_block: TextBlock
-
-
-class Ping(msgspec.Struct, kw_only=True):
-    type: str = "ping"
-
-
-class TextDelta(msgspec.Struct, kw_only=True):
-    type: str = "text_delta"
-    text: str
-
-
-class ContentBlockDelta(msgspec.Struct, kw_only=True):
-    type: str = "content_block_delta"
-    index: int = 0
-    delta: TextDelta
-
-
-class ContentBlockStop(msgspec.Struct, kw_only=True):
-    type: str = "content_block_stop"
-    index: int = 0
-
-
-class StopDelta(msgspec.Struct, kw_only=True):
-    stop_reason: str
-    stop_sequence: str | None
-
-
-class DeltaUsage(msgspec.Struct, kw_only=True):
-    """Cumulative counts: the SDK's accumulator overwrites its snapshot with them."""
-
-    input_tokens: int
-    output_tokens: int
-
-
-class MessageDelta(msgspec.Struct, kw_only=True):
-    type: str = "message_delta"
-    delta: StopDelta
-    usage: DeltaUsage
-
-
-class MessageStop(msgspec.Struct, kw_only=True):
-    type: str = "message_stop"
-
-
-def event(name: str, payload: msgspec.Struct) -> bytes:
-    """One named Server-Sent Event, as Anthropic frames them."""
-    return sse(payload, event=name)
-
-
-class MessageStream(SseKeepalive, StreamRenderer[bytes]):
-    """The message opens at the job's first token event; before it only keep-alive comments go
-    out. ``message_start`` has ``input_tokens`` 0: the prompt's length is known when the job ends,
-    and ``message_delta`` carries it (cumulative, so the SDK's final message has it)."""
-
-    def __init__(self, req: GenerationRequest, job_id: str, created: int = 0) -> None:
-        self.req, self.job_id = req, job_id
-        self.started, self.output_tokens = False, 0
-
-    def step(self, ev: Tokens | Done) -> list[bytes]:
-        out = []
-        new_tokens = sum(len(d.token_ids) for d in ev.deltas)
-        self.output_tokens += new_tokens
-        if not self.started:
-            self.started = True
-            opening = Message(id=f"msg_{self.job_id}", content=[], model=self.req.model, stop_reason=None,
-                              stop_sequence=None,
-                              usage=Usage(input_tokens=0, output_tokens=new_tokens,
-                                          service_tier=reported_tier(self.req)))
-            out += [event("message_start", MessageStart(message=opening)),
-                    event("content_block_start", ContentBlockStart(content_block=TextBlock(text=""))),
-                    event("ping", Ping())]
-        text = "".join(d.text for d in ev.deltas)
-        if text:
-            out.append(event("content_block_delta", ContentBlockDelta(delta=TextDelta(text=text))))
-        if isinstance(ev, Done):
-            last = ev.deltas[-1] if ev.deltas else None
-            finish = next((d for d in reversed(ev.deltas) if d.finish_reason is not None), last)
-            stop_reason, stop_sequence = stop_of(finish.finish_reason if finish else None,
-                                                 finish.stop_reason if finish else None)
-            usage = DeltaUsage(input_tokens=ev.usage.prompt_tokens, output_tokens=ev.usage.completion_tokens)
-            out += [event("content_block_stop", ContentBlockStop()),
-                    event("message_delta", MessageDelta(delta=StopDelta(stop_reason=stop_reason,
-                                                                        stop_sequence=stop_sequence), usage=usage)),
-                    event("message_stop", MessageStop())]
-        return out
-
-    def fail(self, exc: ServiceError) -> list[bytes]:
-        return [event("error", error_body(exc)[1])]
-
-
-def stream(req: GenerationRequest, job_id: str, created: int) -> MessageStream:
-    return MessageStream(req, job_id, created)
-
-
-# --- errors -------------------------------------------------------------------------------------
-
-
-class ErrorObject(msgspec.Struct, kw_only=True):
-    type: str
-    message: str
-
-
-class ErrorResponse(msgspec.Struct, kw_only=True):
-    type: str = "error"
-    error: ErrorObject
-
-
-OVERLOADED = 529  # Anthropic's status when it cannot take more work (the SDK's OverloadedError)
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 504: "timeout_error",
-          OVERLOADED: "overloaded_error"}
-
-
-def error_body(exc: ServiceError) -> tuple[int, ErrorResponse]:
-    """Anthropic's statuses and error types. A full queue is 529 ``overloaded_error`` (the server
-    is busy, not this client over a rate limit); other statuses keep their number, typed
-    ``invalid_request_error`` (4xx) or ``api_error`` (5xx) where Anthropic has no closer type."""
-    status = OVERLOADED if isinstance(exc, Overloaded) else exc.status
-    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return status, ErrorResponse(error=ErrorObject(type=kind, message=exc.message))
+    return GenerationRequest(model=body.model, messages=messages, chat=chat, tools=tools, sampling=sampling,
+                             output=output, dialect=NAME, priority=_priority(body.service_tier))

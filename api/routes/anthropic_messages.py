@@ -25,14 +25,15 @@ async def messages(request: Request, svc: Svc, ctx: Ctx) -> Response:
 
 @post("/v1/messages/count_tokens", opt=_OPT, status_code=200)
 async def count_tokens(request: Request, svc: Svc) -> Response:
-    """The prompt's tokens as the worker will render it: the same conversation (:func:`am.chat_of`)
-    through the same chat template, so the count equals a create's ``usage.input_tokens``."""
+    """The prompt's tokens as the worker will render it: the same conversation and tools
+    (:func:`am.chat_of`) through the same chat template, so the count equals a create's
+    ``usage.input_tokens``."""
     body = await decode_body(request, am.CountTokensRequest)
-    chat, options = am.chat_of(body)
+    chat, options, tools = am.chat_of(body)
     model = await svc.models.resolve(body.model)  # an unknown model is a 404 here too
     if model != svc.models.default:  # the API holds one tokenizer: LLMQ_MODEL's
         raise TokenizerUnavailable(f"No tokenizer for `{model}` here: count_tokens serves `{svc.models.default}`")
-    ids = await svc.tokenizer.chat_ids(chat, options)
+    ids = await svc.tokenizer.chat_ids(chat, options, tools)
     return json_response(am.TokenCount(input_tokens=len(ids)))
 
 

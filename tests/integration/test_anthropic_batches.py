@@ -56,7 +56,10 @@ async def test_a_message_batch_runs_through_the_sdk_and_its_results_match_direct
                 _request("a", "hello", 5),
                 _request("b", "xyz", 7, temperature=0, stop_sequences=["q"]),
                 _request("bad", "x", 0),  # POST /v1/messages would refuse it: errored, the rest runs
-                _request("tools", "x", 3, tools=[{"name": "f", "input_schema": {"type": "object"}}]),
+                # Tools work as in a direct call (the scripted engine never calls them).
+                _request("tools", "xy", 3, tools=[{"name": "f", "input_schema": {"type": "object"}}],
+                         tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                         thinking={"type": "disabled"}),
                 _request("c", "abc", 3),
             ])
             assert batch.id.startswith("msgbatch_") and batch.type == "message_batch"
@@ -69,13 +72,13 @@ async def test_a_message_batch_runs_through_the_sdk_and_its_results_match_direct
             assert all(b.request_counts.processing == 5 for b in seen[:-1])
             counts = done.request_counts
             assert (counts.processing, counts.succeeded, counts.errored, counts.canceled, counts.expired) == \
-                (0, 3, 2, 0, 0)
+                (0, 4, 1, 0, 0)
             assert done.ended_at >= done.created_at and done.cancel_initiated_at is None and done.archived_at is None
             assert done.results_url == f"/v1/messages/batches/{batch.id}/results"
 
             results = await _results(client, batch.id)
             assert sorted(results) == ["a", "b", "bad", "c", "tools"]
-            for custom_id, prompt, n in (("a", "hello", 5), ("b", "xyz", 7), ("c", "abc", 3)):
+            for custom_id, prompt, n in (("a", "hello", 5), ("b", "xyz", 7), ("c", "abc", 3), ("tools", "xy", 3)):
                 result = results[custom_id]
                 assert result.type == "succeeded", result
                 message = result.message
@@ -86,10 +89,12 @@ async def test_a_message_batch_runs_through_the_sdk_and_its_results_match_direct
                 assert direct.content[0].text == message.content[0].text
                 assert (direct.stop_reason, direct.usage.output_tokens, direct.usage.input_tokens) == \
                     (message.stop_reason, message.usage.output_tokens, message.usage.input_tokens)
-            for custom_id, param in (("bad", "max_tokens"), ("tools", "tools")):
-                result = results[custom_id]
-                assert result.type == "errored" and result.error.type == "error"
-                assert result.error.error.type == "invalid_request_error" and param in result.error.error.message
+            result = results["bad"]
+            assert result.type == "errored" and result.error.type == "error"
+            assert result.error.error.type == "invalid_request_error" and "max_tokens" in result.error.error.message
+            tools_job = next(r for r in s.worker.engine.requests if r.tools is not None)
+            assert (tools_job.tools.choice, tools_job.tools.parallel, tools_job.chat.template_kwargs) == (
+                "required", False, {"enable_thinking": False})
             # Read again: the same bytes (rendered once, then served as stored).
             first = await s.client.get(f"/v1/messages/batches/{batch.id}/results")
             again = await s.client.get(f"/v1/messages/batches/{batch.id}/results")

@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from api.dialects import anthropic_messages as am
-from shared.events import TokenDelta
-from shared.schemas import GenerationRequest
+from api.dialects.anthropic_render import signature
+from shared.events import TokenDelta, ToolCallDelta
+from shared.schemas import GenerationRequest, Tool, ToolUse
 from tests.support.dialect_bodies import anthropic_bodies
 from tests.support.fuzzing import malformed_bodies, struct_body
 from tests.support.scripted_engine import ScriptedEngine
@@ -42,6 +43,11 @@ class MessagesEngine(ScriptedEngine):
                 yield step
             return
         prompt = req.messages[-1].content or "a"
+        if prompt == CALL_TOOLS:
+            for step in _calls(job_id, len(prompt)):
+                await asyncio.sleep(self.delay_s)
+                yield step
+            return
         if prompt in ("fail", "break"):
             async for step in super().steps(job_id, msgspec.structs.replace(req, messages=None, prompt=prompt)):
                 yield step
@@ -64,6 +70,25 @@ class MessagesEngine(ScriptedEngine):
         if match is not None:  # the token that completed the stop string: no text of its own
             yield Step(deltas=[TokenDelta(token_ids=[0], text="", finish_reason="stop", stop_reason=match[1])],
                        finished=True, prompt_tokens=len(prompt))
+
+
+CALL_TOOLS = "call tools"  # a chat whose last message says this is answered as a parsed model would
+WEATHER = {"name": "get_weather", "description": "The weather in a city", "cache_control": {"type": "ephemeral"},
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+def _calls(job_id: str, prompt_tokens: int) -> list[Step]:
+    """What the worker publishes for a parsed answer (workers/parsing.py): reasoning, content, then
+    two calls with the worker's ids, their arguments in pieces across steps."""
+    def call(index: int, arguments: str = "", first: bool = False) -> ToolCallDelta:
+        return ToolCallDelta(index=index, id=f"call_{job_id}_{index}" if first else None,
+                             name="get_weather" if first else None, arguments=arguments)
+    deltas = [TokenDelta(token_ids=[1], reasoning="Two "), TokenDelta(token_ids=[2], reasoning="cities."),
+              TokenDelta(token_ids=[3], text="Checking."), TokenDelta(token_ids=[4], tool_calls=[call(0, first=True)]),
+              TokenDelta(token_ids=[5], tool_calls=[call(0, '{"city": ')]),
+              TokenDelta(token_ids=[6], tool_calls=[call(0, '"Paris"}'), call(1, '{"city":', first=True)]),
+              TokenDelta(token_ids=[7], tool_calls=[call(1, '"Rome"}')], finish_reason="tool_calls")]
+    return [Step(deltas=[d], finished=d.finish_reason is not None, prompt_tokens=prompt_tokens) for d in deltas]
 
 
 # One stack for the module: tests/integration/conftest.py
@@ -178,9 +203,10 @@ async def test_errors_before_the_stream_get_anthropic_statuses_and_sdk_classes(s
     assert nf.value.body["error"]["type"] == "not_found_error" and nf.value.body["type"] == "error"
     refusals = [
         dict(messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "x"}}]}]),
-        dict(messages=user, tools=[{"name": "t", "input_schema": {"type": "object"}}]),
-        dict(messages=user, thinking={"type": "enabled", "budget_tokens": 1024}),
-        dict(messages=[{"role": "system", "content": "x"}]),
+        dict(messages=user, tools=[{"name": "t"}]),  # a custom tool needs its input_schema
+        dict(messages=user, thinking={"type": "enabled", "budget_tokens": 1024}),  # not below max_tokens
+        dict(messages=[{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "t", "input": {}}]}]),
+        dict(messages=[{"role": "tool", "content": "x"}]),
     ]
     for extra in refusals:
         with pytest.raises(anthropic.BadRequestError) as bad:
@@ -214,7 +240,32 @@ async def test_count_tokens_renders_the_chat_template_as_the_worker_does(stack):
         await client.messages.count_tokens(model="nope", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(anthropic.BadRequestError):
         await client.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                           tools=[{"name": "t", "input_schema": {"type": "object"}}])
+                                           tools=[{"name": "t"}])
+
+
+async def test_count_tokens_with_tools_and_tool_history(stack):
+    """Tools and a tool round (``?beta=true``, as Claude Code calls it): the count is the template's
+    render of the same tools and the same turns in OpenAI's form, the result's failure marked."""
+    counted = await client_of(stack).beta.messages.count_tokens(
+        model="tiny", tools=[WEATHER], betas=["interleaved-thinking-2025-05-14"],
+        messages=[{"role": "user", "content": "weather?"},
+                  {"role": "assistant", "content": [
+                      {"type": "thinking", "thinking": "Paris.", "signature": "x"},
+                      {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+                  {"role": "user", "content": [
+                      {"type": "tool_result", "tool_use_id": "toolu_1", "content": "no network", "is_error": True},
+                      {"type": "text", "text": "and now?"}]}])
+    tok = AutoTokenizer.from_pretrained(stack.settings.model_path)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                               "parameters": WEATHER["input_schema"]}}]
+    expected = tok.apply_chat_template([
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "reasoning": "Paris.", "tool_calls": [{
+            "id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "Error: no network", "tool_call_id": "toolu_1"},
+        {"role": "user", "content": "and now?"}], tools=tools, tokenize=True, add_generation_prompt=True)
+    expected = expected["input_ids"] if not isinstance(expected, list) else expected
+    assert counted.input_tokens == len(expected) > 10
 
 
 async def test_respond_async_queues_a_job_to_poll(stack):
@@ -323,3 +374,113 @@ async def test_count_tokens_serves_the_model_whose_tokenizer_the_api_holds(redis
     async with scripted_stack(redis_url, prefix, MessagesEngine(delay_s=0.001), models="tiny,other") as s:
         with pytest.raises(anthropic.NotFoundError, match="No tokenizer for `other` here"):
             await client_of(s).messages.count_tokens(model="other", messages=[{"role": "user", "content": "x"}])
+
+
+# --- tool use and thinking ------------------------------------------------------------------------
+
+
+def _blocks(message) -> list[tuple]:
+    return [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None) or (b.id, b.name, b.input))
+            for b in message.content]
+
+
+def _expected(job_id: str) -> list[tuple]:
+    return [("thinking", "Two cities."), ("text", "Checking."),
+            ("tool_use", (f"toolu_{job_id}_0", "get_weather", {"city": "Paris"})),
+            ("tool_use", (f"toolu_{job_id}_1", "get_weather", {"city": "Rome"}))]
+
+
+async def test_create_with_tools_answers_thinking_text_and_calls(stack):
+    client = client_of(stack)
+    msg = await client.messages.create(model="tiny", max_tokens=64, tools=[WEATHER],
+                                       tool_choice={"type": "auto", "disable_parallel_tool_use": False},
+                                       messages=[{"role": "user", "content": CALL_TOOLS}])
+    job_id = msg.id.removeprefix("msg_")
+    assert _blocks(msg) == _expected(job_id) and msg.stop_reason == "tool_use"
+    assert msg.content[0].signature == signature(job_id, 0)
+    queued = stack.worker.engine.requests[-1]
+    assert queued.tools == ToolUse(tools=[Tool(name="get_weather", description="The weather in a city",
+                                               parameters=WEATHER["input_schema"])], choice="auto")
+    # The same job read back later (the stored result) is the same message, signature and ids included.
+    stored = (await stack.client.get(f"/v1/jobs/{job_id}")).json()["result"]
+    assert anthropic.types.Message.model_validate(stored) == msg
+
+
+async def test_stream_with_tools_in_anthropics_block_order(stack):
+    """The raw events: each block opened, filled and closed before the next, the signature last
+    in the thinking block; and the SDK's final message is the one ``create`` gives."""
+    body = {"model": "tiny", "max_tokens": 64, "stream": True, "tools": [WEATHER],
+            "messages": [{"role": "user", "content": CALL_TOOLS}]}
+    async with stack.client.stream("POST", "/v1/messages", json=body) as resp:
+        raw = await resp.aread()
+    datas = [json.loads(f.split(b"\n")[1].removeprefix(b"data: ")) for f in raw.split(b"\n\n")
+             if f and not f.startswith(b":")]
+    steps = [(d["type"], d.get("index"), (d.get("delta") or d.get("content_block") or {}).get("type")) for d in datas]
+    assert steps == [
+        ("message_start", None, None), ("content_block_start", 0, "thinking"), ("ping", None, None),
+        ("content_block_delta", 0, "thinking_delta"), ("content_block_delta", 0, "thinking_delta"),
+        ("content_block_delta", 0, "signature_delta"), ("content_block_stop", 0, None),
+        ("content_block_start", 1, "text"), ("content_block_delta", 1, "text_delta"), ("content_block_stop", 1, None),
+        ("content_block_start", 2, "tool_use"), ("content_block_delta", 2, "input_json_delta"),
+        ("content_block_delta", 2, "input_json_delta"), ("content_block_stop", 2, None),
+        ("content_block_start", 3, "tool_use"), ("content_block_delta", 3, "input_json_delta"),
+        ("content_block_delta", 3, "input_json_delta"), ("content_block_stop", 3, None),
+        ("message_delta", None, None), ("message_stop", None, None)]
+    assert datas[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    async with client_of(stack).messages.stream(**{k: v for k, v in body.items() if k != "stream"}) as s:
+        final = await s.get_final_message()
+    assert _blocks(final) == _expected(final.id.removeprefix("msg_")) and final.stop_reason == "tool_use"
+
+
+async def test_a_tool_round_trip_through_the_beta_endpoint(stack):
+    """Claude Code's loop: the answer's blocks sent back as the assistant turn with the results
+    (``/v1/messages?beta=true``, an ``anthropic-beta`` header): each call and its result reach
+    the template with the same id, the thinking as the turn's reasoning."""
+    client = client_of(stack)
+    first = await client.messages.create(model="tiny", max_tokens=64, tools=[WEATHER],
+                                         messages=[{"role": "user", "content": CALL_TOOLS}])
+    calls = [b for b in first.content if b.type == "tool_use"]
+    results = [{"type": "tool_result", "tool_use_id": c.id, "content": [{"type": "text", "text": "sunny"}],
+                "cache_control": {"type": "ephemeral"}} for c in calls]
+    again = await client.beta.messages.create(
+        model="tiny", max_tokens=3, tools=[WEATHER], betas=["interleaved-thinking-2025-05-14"],
+        thinking={"type": "adaptive"}, output_config={"effort": "low"},
+        messages=[{"role": "user", "content": CALL_TOOLS},
+                  {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                  {"role": "user", "content": results}])
+    assert again.content[0].text == "sun" and again.stop_reason == "max_tokens"
+    queued = stack.worker.engine.requests[-1]
+    assistant, *tool_turns = queued.messages[1:]
+    assert [c.id for c in assistant.tool_calls] == [m.tool_call_id for m in tool_turns] == [c.id for c in calls]
+    assert [c.arguments for c in assistant.tool_calls] == ['{"city":"Paris"}', '{"city":"Rome"}']
+    assert (assistant.content, assistant.reasoning) == ("Checking.", "Two cities.")
+    assert queued.chat.template_kwargs == {"enable_thinking": True, "reasoning_effort": "low"}
+
+
+async def test_a_claude_code_request(stack):
+    """What Claude Code sends (system blocks with the billing header and cache_control, a system
+    turn inside messages, adaptive thinking, context_management, metadata, its beta headers):
+    served, with the billing header left out."""
+    body = {
+        "model": "tiny", "max_tokens": 1024, "stream": True,
+        "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.160.a1b; cc_entrypoint=cli;"},
+                   {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi",
+                                                   "cache_control": {"type": "ephemeral"}}]},
+                     {"role": "system", "content": "<system-reminder>be brief</system-reminder>"},
+                     {"role": "user", "content": "ok"}],
+        "tools": [WEATHER], "thinking": {"type": "adaptive", "budget_tokens": 0},
+        "metadata": {"user_id": "user_1_account_2_session_3"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "medium"},
+    }
+    headers = {"anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27",
+               "anthropic-version": "2023-06-01", "user-agent": "claude-cli/2.1.160 (external, cli)"}
+    async with stack.client.stream("POST", "/v1/messages?beta=true", json=body, headers=headers) as resp:
+        raw = await resp.aread()
+    assert resp.status_code == 200, raw
+    assert raw.endswith(b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+    queued = stack.worker.engine.requests[-1]
+    assert [(m.role, m.content) for m in queued.messages] == [
+        ("system", "You are Claude Code."), ("user", "hi"), ("system", "<system-reminder>be brief</system-reminder>"),
+        ("user", "ok")]

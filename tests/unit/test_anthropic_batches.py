@@ -12,11 +12,13 @@ from anthropic.types.messages import MessageBatch, MessageBatchIndividualRespons
 from hypothesis import HealthCheck, given, settings
 
 from api.dialects import anthropic_batches as ab
+from api.dialects import anthropic_messages as am
+from api.dialects.anthropic_render import signature
 from shared import json_input
 from shared.batches import MESSAGES, Answered, BatchObject, Failed, NotRun, Refused, RequestCounts
 from shared.codec import encode
 from shared.errors import InvalidRequest, ServiceError
-from shared.schemas import Choice, JobError, JobResult, Usage
+from shared.schemas import Choice, JobError, JobResult, ToolCall, Usage
 from tests.support.dialect_bodies import message_batch_bodies
 
 CREATED = 1_700_000_000  # 2023-11-14T22:13:20Z
@@ -85,6 +87,14 @@ USAGE = ('"usage":{"input_tokens":2,"cache_creation_input_tokens":null,"cache_re
      '{"custom_id":"a","result":{"type":"succeeded","message":{"id":"msg_j1","type":"message","role":"assistant",'
      '"content":[{"type":"text","text":"hé"}],"model":"tiny","stop_reason":"max_tokens","stop_sequence":null,'
      f'{USAGE}}}}}}}'),
+    (Answered(custom_id="t", request_id="j2", created=CREATED, requests=[ab.translate(_request(GOOD))],
+              results=[JobResult(choices=[Choice(reasoning="r", finish_reason="tool_calls", tool_calls=[
+                  ToolCall(id="call_j2_0", name="f", arguments='{"a":1}')])],
+                  usage=Usage(prompt_tokens=2, completion_tokens=1))]),
+     '{"custom_id":"t","result":{"type":"succeeded","message":{"id":"msg_j2","type":"message","role":"assistant",'
+     '"content":[{"type":"thinking","thinking":"r","signature":"' + signature("j2", 0) + '"},'
+     '{"type":"tool_use","id":"toolu_j2_0","name":"f","input":{"a":1}}],"model":"tiny","stop_reason":"tool_use",'
+     f'"stop_sequence":null,{USAGE}}}}}}}'),
     (Failed(custom_id="c", request_id="j4", error=JobError(code="deadline_exceeded", message="too late", status=504)),
      '{"custom_id":"c","result":{"type":"errored","error":{"type":"error","error":{"type":"timeout_error",'
      '"message":"too late"}}}}'),
@@ -144,6 +154,22 @@ def test_each_request_translates_as_post_v1_messages_would():
     assert [(m.role, m.content) for m in req.messages] == [("user", "hi")]
 
 
+TOOLS = (b'{"model":"tiny","max_tokens":3,"tools":[{"name":"f","input_schema":{"type":"object"}}],'
+         b'"tool_choice":{"type":"any","disable_parallel_tool_use":true},"thinking":{"type":"adaptive"},'
+         b'"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":[{"type":"thinking",'
+         b'"thinking":"t","signature":"s"},{"type":"tool_use","id":"toolu_1","name":"f","input":{"a":1}}]},'
+         b'{"role":"user","content":[{"type":"tool_result","tool_use_id":"toolu_1","content":"2"}]}]}')
+
+
+def test_a_request_with_tools_translates_as_post_v1_messages_would():
+    """A line with tools, tool history and thinking is the job its synchronous request would queue."""
+    req = ab.translate(_request(TOOLS))
+    assert req == am.to_generation_request(msgspec.json.decode(TOOLS, type=am.MessagesRequest))
+    assert (req.tools.choice, req.tools.parallel, [t.name for t in req.tools.tools]) == ("required", False, ["f"])
+    assert [m.role for m in req.messages] == ["user", "assistant", "tool"]
+    assert req.messages[1].tool_calls[0].arguments == '{"a":1}' and req.messages[2].tool_call_id == "toolu_1"
+
+
 @pytest.mark.parametrize(("params", "message"), [
     (b'"not an object"', "params: Expected `object`"),
     (b'{"model":"tiny","messages":[]}', "params: Object missing required field `max_tokens`"),
@@ -151,7 +177,7 @@ def test_each_request_translates_as_post_v1_messages_would():
     (b'{"model":"tiny","max_tokens":3,"stream":true,"messages":[{"role":"user","content":"x"}]}',
      "params.stream: streaming is not supported in a batch"),
     (b'{"model":"tiny","max_tokens":3,"tools":[{"name":"f"}],"messages":[{"role":"user","content":"x"}]}',
-     "tools: tool use is not supported"),
+     "tools.0.input_schema: Field required"),
 ])
 def test_a_request_the_endpoint_would_refuse_is_one_errored_line(params, message):
     with pytest.raises(ServiceError) as caught:
