@@ -381,8 +381,8 @@ def test_tools_choice_and_history_map_to_the_internal_form():
     r = req({"messages": messages, "tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False})
     assert r.tools == ToolUse(tools=[Tool(name="get_weather", description="w", parameters={"type": "object"},
                                           strict=True)], choice="required", parallel=False)
-    assert r.messages[1] == ChatMessage(role="assistant", content="", reasoning="think",
-                                        tool_calls=[ToolCall(id="call_1", name="get_weather", arguments='{"city":"P"}')])
+    call = ToolCall(id="call_1", name="get_weather", arguments='{"city":"P"}')
+    assert r.messages[1] == ChatMessage(role="assistant", content="", reasoning="think", tool_calls=[call])
     assert r.messages[2] == ChatMessage(role="tool", content="sunny", tool_call_id="call_1")
     named = req({"messages": HI, "tools": [WEATHER], "tool_choice": {"type": "function",
                                                                       "function": {"name": "get_weather"}}})
@@ -408,7 +408,8 @@ def test_result_with_tool_calls_has_null_content_and_the_calls():
     assert msgspec.json.decode(body)["choices"] == [{
         "index": 0,
         "message": {"role": "assistant", "content": None, "reasoning": "plan", "tool_calls": [
-            {"id": "call_j_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
+            {"id": "call_j_0", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
         "logprobs": None, "finish_reason": "tool_calls", "stop_reason": None}]
 
 
