@@ -37,27 +37,28 @@ SEED = 1234
 VOCAB_SIZE = 1024
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
 
-# Added after training, so every trained token keeps its id (625 ..= 630 follow
-# the trained vocab), in Qwen2.5/Qwen3's order. Single tokens, as in Qwen: vLLM's
-# reasoning parsers look <think> and </think> up in the vocab (deepseek_r1
-# refuses a tokenizer without them; qwen3 turns them and <tool_call> into
-# token-id terminals). Not special, as in Qwen: the hermes parser reads tags
-# from the decoded text, and a special token vanishes from it under the default
-# skip_special_tokens=True (vLLM's parsers turn that off only for requests
-# they parse), so the tags show in every output, and no dialect flags them.
+# Added after training, so every trained token keeps its id (these take 625-630,
+# in Qwen2.5/Qwen3's order). Single tokens, as in Qwen: vLLM's reasoning parsers
+# look <think> and </think> up in the vocab (deepseek_r1 refuses a tokenizer
+# without them; qwen3 makes them and the tool-call tags token-id terminals).
+# Not special, as in Qwen: the hermes parser reads tags from the decoded text,
+# and a special token vanishes from it under the default skip_special_tokens=True
+# (vLLM's parsers turn that off only for requests they parse), so the tags show
+# in every output, and no dialect flags them as special.
 AGENT_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 
 # Zephyr-style role markers: plain text keeps the tokenizer simple (no extra
 # special tokens), and each turn ends with the EOS token, so a generated "</s>"
 # stops generation the way it does with real models. A chat without tools,
-# reasoning or template kwargs renders exactly as the first build's template
-# did. The rest is Qwen2.5/Qwen3's hermes format in those markers:
+# tool calls, reasoning, enable_thinking or reasoning_effort renders (and so
+# tokenizes) exactly as the first build's template did. The rest is
+# Qwen2.5/Qwen3's hermes format in those markers:
 # - `tools`: a system preamble (holding a leading system message) lists them
 #   as JSON in <tools></tools> and shows the <tool_call> answer format;
 # - an assistant turn's `tool_calls` become <tool_call> blocks, arguments as
 #   given (a JSON string) or as JSON (the dict vLLM's _postprocess_messages
-#   makes of them; none: {}); its `reasoning` (or `reasoning_content`) goes first, in
-#   <think></think> (interleaved thinking: every turn that carries it);
+#   makes of them; none: {}); its `reasoning` (or `reasoning_content`) goes
+#   first, in <think></think> (interleaved thinking: every turn that has it);
 # - `tool` results, consecutive ones grouped, become <tool_response> blocks in
 #   one user turn; a system message anywhere renders in place;
 # - `reasoning_effort` (vLLM passes it on; it also sets enable_thinking to
