@@ -33,6 +33,7 @@ __all__ = [
     "visible_gpus",
     "cpu_engine",
     "DEFAULT_MODEL",
+    "TINY_MODEL_DIR",
     "EMBEDDED_REDIS_URL",
     "SettingsError",
     "redact_url",
@@ -40,6 +41,10 @@ __all__ = [
 
 # The sentinel model name: the tiny model the project builds for itself (no download needed).
 DEFAULT_MODEL = "tiny-llama"
+# The tiny model's cache directory (Settings.model_path), named by its build: a build is kept once
+# made, so a workers/tiny_model.py that builds anything different takes the next version, and
+# machines and CI caches holding an older build build this one next to it rather than serve theirs.
+TINY_MODEL_DIR = f"{DEFAULT_MODEL}-v2"
 # Where the embedded development Redis listens when LLMQ_REDIS_URL is unset.
 EMBEDDED_REDIS_URL = "redis://127.0.0.1:6399/0"
 
@@ -315,7 +320,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     def model_path(self) -> str:
         """What the engine loads: the tiny model's cache directory, or the model as given."""
         if self.model == DEFAULT_MODEL:
-            return str(self.cache_path / "models" / DEFAULT_MODEL)
+            return str(self.cache_path / "models" / TINY_MODEL_DIR)
         return self.model
 
 

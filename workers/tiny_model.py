@@ -7,6 +7,15 @@ byte-level BPE tokenizer trained on a small embedded corpus. Its output is
 gibberish, but the whole serving path (tokenizer, chat template, sampling,
 logprobs, EOS, streaming) behaves like a real model.
 
+Tool calling and reasoning follow Qwen2.5/Qwen3's hermes format, so vLLM's
+own parsers read the tiny model's output as they read a real model's: serve it
+with the ``hermes`` tool parser and the ``qwen3`` reasoning parser. Its random
+weights never write those tags unprompted: tests script or force them.
+
+The directory's name carries a build version (``TINY_MODEL_DIR`` in
+shared/config.py): bump it whenever this module builds anything different, as
+``ensure_tiny_model`` keeps any build it finds.
+
 The build is byte-identical across runs (fixed seed, fixed corpus, no
 timestamps) and takes a few seconds.
 
@@ -28,16 +37,117 @@ SEED = 1234
 VOCAB_SIZE = 1024
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
 
-# Zephyr-style template: plain-text role markers keep the tokenizer simple
-# (no extra special tokens), and the assistant turn ends with the EOS token,
-# so a generated "</s>" stops generation the way it does with real models.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
+# Added after training, so every trained token keeps its id (these take 625-630,
+# in Qwen2.5/Qwen3's order). Single tokens, as in Qwen: vLLM's reasoning parsers
+# look <think> and </think> up in the vocab (deepseek_r1 refuses a tokenizer
+# without them; qwen3 makes them and the tool-call tags token-id terminals).
+# Not special, as in Qwen: the hermes parser reads tags from the decoded text,
+# and a special token vanishes from it under the default skip_special_tokens=True
+# (vLLM's parsers turn that off only for requests they parse), so the tags show
+# in every output, and no dialect flags them as special.
+AGENT_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+# Zephyr-style role markers: plain text keeps the tokenizer simple (no extra
+# special tokens), and each turn ends with the EOS token, so a generated "</s>"
+# stops generation the way it does with real models. A chat without tools,
+# tool calls, reasoning, enable_thinking or reasoning_effort renders (and so
+# tokenizes) exactly as the first build's template did. The rest is
+# Qwen2.5/Qwen3's hermes format in those markers:
+# - `tools`: a system preamble (holding a leading system message) lists them
+#   as JSON in <tools></tools> and shows the <tool_call> answer format;
+# - an assistant turn's `tool_calls` become <tool_call> blocks, arguments as
+#   given (a JSON string) or as JSON (the dict vLLM's _postprocess_messages
+#   makes of them; none: {}); its `reasoning` (or `reasoning_content`) goes
+#   first, in <think></think> (interleaved thinking: every turn that has it);
+# - `tool` results, consecutive ones grouped, become <tool_response> blocks in
+#   one user turn; a system message anywhere renders in place;
+# - `reasoning_effort` (vLLM passes it on; it also sets enable_thinking to
+#   effort != "none") is a line of the system preamble, so it shows in the
+#   prompt, and nothing more: random weights cannot think harder;
+# - `enable_thinking` false follows the generation prompt with an empty
+#   <think></think>, as Qwen3's template does; true opens <think> there, as
+#   DeepSeek-R1's and Qwen3-2507's thinking templates do. Unset is thinking on,
+#   as vLLM's qwen3 parser reads it: <think> is opened as for true when the
+#   prompt holds a <tool_call> or </think> (tools, tool calls or reasoning),
+#   while a plain chat renders as before and leaves <think> to the model
+#   (Qwen3's convention). The open <think> is what tells vLLM, from the prompt
+#   alone, that the answer starts in reasoning: without Qwen's <|im_start|>
+#   turn tokens, its backwards scan of the prompt (is_reasoning_end) runs on
+#   into those tags, which say reasoning has ended.
+CHAT_TEMPLATE = r"""
+{%- set preamble = tools or reasoning_effort %}
+{%- set merged_system = preamble and messages and messages[0]['role'] == 'system' %}
+{%- set seen = namespace(tags=tools) %}
+{{- bos_token }}
+{%- if preamble %}
+    {{- '<|system|>\n' }}
+    {%- if merged_system and messages[0]['content'] is string %}
+        {{- messages[0]['content'] + '\n\n' }}
+    {%- endif %}
+    {%- if reasoning_effort %}
+        {{- 'Reasoning effort: ' + reasoning_effort }}
+        {%- if tools %}
+            {{- '\n\n' }}
+        {%- endif %}
+    {%- endif %}
+    {%- if tools %}
+        {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' }}
+        {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
+        {%- for tool in tools %}
+            {{- '\n' + tool | tojson }}
+        {%- endfor %}
+        {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments '
+            'within <tool_call></tool_call> XML tags:\n<tool_call>\n'
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>' }}
+    {%- endif %}
+    {{- eos_token + '\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- set content = message['content'] if message['content'] is string else '' %}
+    {%- set reasoning = message['reasoning'] or message['reasoning_content'] %}
+    {%- if loop.first and merged_system %}
+        {#- in the preamble #}
+    {%- elif message['role'] == 'assistant' and (message['tool_calls'] or reasoning) %}
+        {%- set seen.tags = true %}
+        {{- '<|assistant|>\n' }}
+        {%- if reasoning and reasoning is string %}
+            {{- '<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' }}
+        {%- endif %}
+        {{- content }}
+        {%- for call in message['tool_calls'] or [] %}
+            {%- set call = call['function'] if call['function'] is defined else call %}
+            {%- if content or not loop.first %}
+                {{- '\n' }}
+            {%- endif %}
+            {{- '<tool_call>\n{"name": "' + call['name'] + '", "arguments": ' }}
+            {%- if call['arguments'] is string and call['arguments'] %}
+                {{- call['arguments'] }}
+            {%- else %}
+                {{- (call['arguments'] or {}) | tojson }}
+            {%- endif %}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- eos_token + '\n' }}
+    {%- elif message['role'] == 'tool' %}
+        {%- if loop.first or loop.previtem['role'] != 'tool' %}
+            {{- '<|user|>' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
+        {%- if loop.last or loop.nextitem['role'] != 'tool' %}
+            {{- eos_token + '\n' }}
+        {%- endif %}
+    {%- else %}
+        {{- '<|' + message['role'] + '|>\n' + content + eos_token + '\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|assistant|>\n' }}
+    {%- if enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- elif enable_thinking is true or (enable_thinking is not boolean and seen.tags) %}
+        {{- '<think>\n' }}
+    {%- endif %}
+{%- endif %}"""
 
 # Training text for the tokenizer. Its only job is to produce a stable set of
 # English-ish merges, so a few paragraphs repeated are enough.
@@ -58,9 +168,9 @@ Please summarize the following document in three sentences. Thank you!
 """
 
 
-def _train_tokenizer():
-    """Train a byte-level BPE and wrap it as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+def build_tokenizer():
+    """Train a byte-level BPE, add :data:`AGENT_TOKENS`, and wrap it as a transformers fast tokenizer."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -80,6 +190,7 @@ def _train_tokenizer():
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
     )
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in AGENT_TOKENS])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<s>",
@@ -98,11 +209,13 @@ def build_tiny_model(path: Path) -> Path:
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer()
+    tokenizer = build_tokenizer()
+    trained = len(tokenizer) - len(AGENT_TOKENS)
 
     config = LlamaConfig(
-        # Match the tokenizer exactly: ids without a token would break detokenizing.
-        vocab_size=len(tokenizer),
+        # The trained tokens only, as the first build had: the seed then draws
+        # the first build's weights, and the agent tokens' rows come below.
+        vocab_size=trained,
         hidden_size=128,
         num_attention_heads=4,  # head_dim 32: vLLM's CPU attention rejects 16
         num_key_value_heads=4,
@@ -121,6 +234,15 @@ def build_tiny_model(path: Path) -> Path:
     )
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config).to(torch.float32).eval()
+    # Grow the (tied) embeddings to the whole tokenizer: ids without a token
+    # would break detokenizing, and a token without a row cannot be forced.
+    # The trained rows keep their weights; the added ones are zero, so their
+    # logit is 0 at every step, below the best trained token's, and greedy
+    # output stays the first build's (sampling and logprobs shift a little, as
+    # the softmax has six more terms).
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[trained:] = 0
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -36,7 +36,7 @@ async def _ready(client: httpx.AsyncClient) -> bool:
     except httpx.TransportError:
         return False
 
-TINY_DIR = str(load_settings({}).cache_path / "models" / "tiny-llama")
+TINY_DIR = load_settings({}).model_path
 WORKER_AFTER_S = 15
 KEEPALIVE_S = 2
 TOKENS = 24

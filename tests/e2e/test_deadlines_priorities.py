@@ -52,7 +52,7 @@ def test_a_token_prompt_ending_inside_a_character_does_not_echo_the_prompt(stack
 
     from shared.config import load_settings
 
-    tok = AutoTokenizer.from_pretrained(str(load_settings({}).cache_path / "models" / "tiny-llama"))
+    tok = AutoTokenizer.from_pretrained(load_settings({}).model_path)
     ids = tok.encode("hello €uro", add_special_tokens=False)
     cut = next(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
     prompt = ids[:cut]  # "hello " + the first byte(s) of "€"

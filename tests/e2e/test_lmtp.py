@@ -26,7 +26,7 @@ from shared.keys import Keys
 
 pytestmark = pytest.mark.e2e
 
-TINY_DIR = str(load_settings({}).cache_path / "models" / "tiny-llama")
+TINY_DIR = load_settings({}).model_path
 PROMPT = "The quick brown fox"
 
 

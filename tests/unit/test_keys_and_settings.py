@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.config import DEFAULT_MODEL, SettingsError, load_settings
+from shared.config import DEFAULT_MODEL, TINY_MODEL_DIR, SettingsError, load_settings
 from shared.keys import Keys
 
 
@@ -33,7 +33,8 @@ def test_settings_defaults():
     s = load_settings({})
     assert s.port == 8080 and s.prefix == "llmq" and s.model == DEFAULT_MODEL
     assert s.redis_dsn.startswith("redis://127.0.0.1:")
-    assert s.model_path.endswith(f"models/{DEFAULT_MODEL}")
+    # The tiny model is served by its name, loaded from its build's directory.
+    assert s.model_name == DEFAULT_MODEL and s.model_path.endswith(f"/models/{TINY_MODEL_DIR}")
 
 
 def test_lmi_option_output_formatter_is_honoured():
