@@ -19,9 +19,12 @@ pytestmark = pytest.mark.engine
 def _served(flags: list[str]) -> AsyncEngineArgs:
     """``vllm serve``'s engine flags read by vLLM's own parser (the server's front-end flags dropped)."""
     engine_flags = flags[flags.index("--model"):]
-    for flag, takes_value in (("--host", True), ("--port", True), ("--disable-uvicorn-access-log", False)):
-        i = engine_flags.index(flag)
-        del engine_flags[i:i + 1 + takes_value]
+    front_end = (("--host", True), ("--port", True), ("--disable-uvicorn-access-log", False),
+                 ("--enable-auto-tool-choice", False), ("--tool-call-parser", True), ("--tool-strict-level", True))
+    for flag, takes_value in front_end:
+        if flag in engine_flags:
+            i = engine_flags.index(flag)
+            del engine_flags[i:i + 1 + takes_value]
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
     return AsyncEngineArgs.from_cli_args(parser.parse_args(engine_flags))
 
