@@ -338,67 +338,173 @@ RECORD = {"type": "function", "function": {"name": "record_inventory", "descript
 
 
 @dataclass
-class ChatTurn:
-    """A chat stream as the client assembles it: content, each call's id, name and arguments
-    (and how often it was named), the finish reasons, and the in-band errors."""
+class Turn:
+    """An agent turn's stream as its client assembles it, in any of the three dialects: content,
+    reasoning, each call's id (with the job's id made equal between two jobs), name and
+    arguments (and how often it was opened), the finish reasons, and the in-band errors."""
 
     content: str = ""
+    reasoning: str = ""
     calls: dict[int, dict] = field(default_factory=dict)
     finish: list[str] = field(default_factory=list)
     errors: int = 0
 
+    def _call(self, index: int) -> dict:
+        return self.calls.setdefault(index, {"ids": [], "name": None, "arguments": ""})
+
+    def _opened(self, index: int, call_id: str, name: str, job_id: str) -> None:
+        call = self._call(index)
+        call["ids"].append(call_id.replace(job_id, "JOB"))
+        call["name"] = name
+
     @classmethod
-    def of(cls, items: Items, job_id: str) -> ChatTurn:
+    def of(cls, dialect: str, items: Items) -> Turn:
         out = cls()
-        for _, chunk in items:
-            if "error" in chunk:
+        job_id = JOB_OF[dialect](items)
+        for _, event in items:
+            if "error" in event or event.get("type") in ("error", "response.failed"):
                 out.errors += 1
-                continue
-            for choice in chunk["choices"]:
-                delta = choice["delta"]
-                out.content += delta.get("content") or ""
-                for piece in delta.get("tool_calls", []):
-                    call = out.calls.setdefault(piece["index"], {"ids": [], "name": None, "arguments": ""})
-                    if "id" in piece:  # the job's id made equal between two jobs
-                        call["ids"].append(piece["id"].replace(job_id, "JOB"))
-                        call["name"] = piece["function"]["name"]
-                    call["arguments"] += piece["function"].get("arguments", "")
-                if choice["finish_reason"]:
-                    out.finish.append(choice["finish_reason"])
+            elif dialect == "chat":
+                out._chat(event, job_id)
+            elif dialect == "responses":
+                out._responses(event, job_id)
+            else:
+                out._messages(event, job_id)
         return out
 
+    def _chat(self, chunk: dict, job_id: str) -> None:
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            self.content += delta.get("content") or ""
+            self.reasoning += delta.get("reasoning") or ""
+            for piece in delta.get("tool_calls", []):
+                if "id" in piece:
+                    self._opened(piece["index"], piece["id"], piece["function"]["name"], job_id)
+                self._call(piece["index"])["arguments"] += piece["function"].get("arguments", "")
+            if choice["finish_reason"]:
+                self.finish.append(choice["finish_reason"])
 
-def chat_job(items: Items) -> str:
-    return items[0][1]["id"].removeprefix("chatcmpl-")
+    def _responses(self, event: dict, job_id: str) -> None:
+        kind = event["type"]
+        if kind == "response.output_text.delta":
+            self.content += event["delta"]
+        elif kind == "response.reasoning_text.delta":
+            self.reasoning += event["delta"]
+        elif kind == "response.output_item.added" and event["item"]["type"] == "function_call":
+            self._opened(event["output_index"], event["item"]["call_id"], event["item"]["name"], job_id)
+        elif kind == "response.function_call_arguments.delta":
+            self._call(event["output_index"])["arguments"] += event["delta"]
+        elif kind == "response.completed":
+            self.finish.append(event["response"]["status"])
+
+    def _messages(self, event: dict, job_id: str) -> None:
+        kind = event["type"]
+        if kind == "content_block_start" and event["content_block"]["type"] == "tool_use":
+            block = event["content_block"]
+            self._opened(event["index"], block["id"], block["name"], job_id)
+        elif kind == "content_block_delta":
+            delta = event["delta"]
+            if delta["type"] == "text_delta":
+                self.content += delta["text"]
+            elif delta["type"] == "thinking_delta":
+                self.reasoning += delta["thinking"]
+            elif delta["type"] == "input_json_delta":
+                self._call(event["index"])["arguments"] += delta["partial_json"]
+        elif kind == "message_delta":
+            self.finish.append(event["delta"]["stop_reason"])
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "record_inventory"}}],
-                         ids=["required", "named"])
-def test_sigkill_mid_tool_call_arguments_continues_the_call_on_a_peer(small, figures, choice):
-    """An agent's turn: the worker dies while the model is writing a tool call's arguments (under
-    the tools' grammar); the peer replays through a fresh parser, and the client assembles what an
-    uninterrupted run gives: the same call, named once with the same id, the same arguments, token
-    for token, and no error."""
+JOB_OF = {
+    "chat": lambda items: items[0][1]["id"].removeprefix("chatcmpl-"),
+    "responses": lambda items: items[0][1]["response"]["id"].removeprefix("resp_"),
+    "messages": lambda items: items[0][1]["message"]["id"].removeprefix("msg_"),
+}
+ROUTES = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
+
+
+def agent_body(dialect: str, model: str, choice: str, tool: dict | None, *, thinking: bool = False) -> dict:
+    """One agent turn in ``dialect``: greedy, with ``tool`` offered under ``choice`` (``required``
+    or ``named``) and one call allowed; ``thinking``: the model reasons first."""
+    user = [{"role": "user", "content": "Take stock."}]
+    fn = tool["function"] if tool else None
+    if dialect == "chat":
+        body = {"messages": user, "max_tokens": 600}
+        if fn:
+            body |= {"tools": [tool], "parallel_tool_calls": False, "tool_choice": choice if choice == "required"
+                     else {"type": "function", "function": {"name": fn["name"]}}}
+        if thinking:
+            body["chat_template_kwargs"] = {"enable_thinking": True}
+    elif dialect == "responses":
+        body = {"input": user, "max_output_tokens": 600}
+        if fn:
+            body |= {"tools": [{"type": "function", **fn}], "parallel_tool_calls": False,
+                     "tool_choice": choice if choice == "required" else {"type": "function", "name": fn["name"]}}
+        if thinking:
+            body["reasoning"] = {"effort": "high"}
+    else:
+        body = {"messages": user, "max_tokens": 600}
+        if fn:
+            body |= {"tools": [{"name": fn["name"], "description": fn["description"],
+                                "input_schema": fn["parameters"], "strict": True}],
+                     "tool_choice": {"type": "any", "disable_parallel_tool_use": True} if choice == "required"
+                     else {"type": "tool", "name": fn["name"], "disable_parallel_tool_use": True}}
+        if thinking:
+            body["thinking"] = {"type": "enabled", "budget_tokens": 1024}
+    return {"model": model, "stream": True, "temperature": 0, **body}
+
+
+def compare_turns(small: Small, dialect: str, body: dict, figures: Figures, after: int) -> Turn:
+    """The same agent turn alone, uninterrupted, then with its worker killed after ``after``
+    events: what the client assembles must be equal, token for token, with no error."""
     small.two_workers()
-    url = f"{small.url}/v1/chat/completions"
-    body = {"model": small.model, "stream": True, "temperature": 0, "max_tokens": 600, "tools": [RECORD],
-            "tool_choice": choice, "parallel_tool_calls": False,
-            "messages": [{"role": "user", "content": "Take stock."}]}
+    url = small.url + ROUTES[dialect]
     with httpx.Client(timeout=120) as client:
         reference: Items = []
         sse_events(client, url, body, reference)
-        killed = stream_and_kill(small, lambda items: sse_events(client, url, body, items), after=40)
-    want, got = ChatTurn.of(reference, chat_job(reference)), ChatTurn.of(killed.items, chat_job(killed.items))
+        killed = stream_and_kill(small, lambda items: sse_events(client, url, body, items), after=after)
+    want, got = Turn.of(dialect, reference), Turn.of(dialect, killed.items)
     figures.requests_sent, figures.completed = 1, int(got == want and not got.errors)
     figures.ended_with_error = got.errors
     figures.seconds["recovery_s"] = killed.recovery_s
-    print(f"killed after {killed.logged} events; next chunk {killed.recovery_s:.2f} s later; "
-          f"{len(got.calls.get(0, {}).get('arguments', ''))} characters of arguments")
+    print(f"{dialect}: killed after {killed.logged} events; next event {killed.recovery_s:.2f} s later")
 
-    assert not got.errors, "no error event: the job continued"
-    assert got.calls[0]["ids"] == ["call_JOB_0"] and got.calls[0]["name"] == "record_inventory", "named once"
-    jsonschema.validate(json.loads(got.calls[0]["arguments"]), LONG)
+    assert not got.errors and not want.errors, "no error event: the job continued"
     assert got == want, "what the client assembles equals an uninterrupted run's"
-    assert got.finish == ["tool_calls" if choice == "required" else "stop"]
-    assert result_ids(small, chat_job(killed.items)) == result_ids(small, chat_job(reference)), "token for token"
+    got_job, want_job = JOB_OF[dialect](killed.items), JOB_OF[dialect](reference)
+    assert result_ids(small, got_job) == result_ids(small, want_job), "token for token"
     check_taken_over(small, killed)
+    return got
+
+
+@pytest.mark.parametrize("dialect", ["chat", "responses", "messages"])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_sigkill_mid_tool_call_arguments_continues_the_call_on_a_peer(small, figures, dialect, choice):
+    """An agent's turn: the worker dies while the model is writing a tool call's arguments (under
+    the tools' grammar); the peer replays through a fresh parser, and the client assembles what an
+    uninterrupted run gives: the same call, opened once with the same id, the same arguments, and
+    no error."""
+    got = compare_turns(small, dialect, agent_body(dialect, small.model, choice, RECORD), figures, after=40)
+    [call] = got.calls.values()
+    assert len(call["ids"]) == 1 and call["ids"][0].endswith("_JOB_0") and call["name"] == "record_inventory"
+    jsonschema.validate(json.loads(call["arguments"]), LONG)
+    finish = {"chat": "tool_calls" if choice == "required" else "stop", "responses": "completed",
+              "messages": "tool_use"}
+    assert got.finish == [finish[dialect]]
+
+
+@pytest.fixture(scope="module")
+def thinking_small(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Small]:
+    """The small stack with the tiny model's reasoning parser (qwen3) on its workers."""
+    with small_stack(redis_url, tmp_path_factory.mktemp("thinking-logs"), f"think-{uuid.uuid4().hex[:6]}",
+                     LLMQ_REASONING_PARSER="qwen3") as stack:
+        yield stack
+
+
+@pytest.mark.parametrize("dialect", ["chat", "responses", "messages"])
+def test_sigkill_mid_reasoning_continues_the_reasoning_on_a_peer(thinking_small, figures, dialect):
+    """The worker dies while the model reasons (the prompt opens <think>; vLLM's qwen3 parser
+    sends what follows as reasoning): the peer replays through a fresh parser and the client's
+    reasoning and content are an uninterrupted run's."""
+    body = agent_body(dialect, thinking_small.model, "required", None, thinking=True)
+    got = compare_turns(thinking_small, dialect, body, figures, after=40)
+    assert got.reasoning, "the turn reasoned"
