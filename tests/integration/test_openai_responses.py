@@ -190,10 +190,10 @@ async def test_deleting_a_running_response_ends_its_live_stream(client):
 
 
 async def test_error_classes(client, stack):
-    with pytest.raises(openai.BadRequestError) as info:
-        await client.responses.create(model="tiny", input="x", tools=[{"type": "function", "name": "f",
-                                                                         "parameters": {}, "strict": True}])
-    assert info.value.body["param"] == "tools" and info.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as info:  # a hosted tool cannot be forced: llmq cannot run it
+        await client.responses.create(model="tiny", input="x", tools=[{"type": "web_search_preview"}],
+                                      tool_choice={"type": "web_search_preview"})
+    assert info.value.body["param"] == "tool_choice" and info.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.NotFoundError) as gone:
         await client.responses.create(model="tiny", input="x", previous_response_id="resp_x")
     assert gone.value.body["param"] == "previous_response_id"

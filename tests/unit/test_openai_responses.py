@@ -15,6 +15,7 @@ from openai.types.responses.response_item_list import ResponseItemList
 
 from api.dialects import error_body as dialect_error_body
 from api.dialects import openai_responses as r
+from api.dialects import openai_responses_render as rr
 from api.dialects import render_result as dialect_render_result
 from api.dialects.tiers import priority_of_tier
 from api.submit import check_queueable
@@ -23,8 +24,10 @@ from shared.codec import decode_request, encode
 from shared.errors import GenerationFailed, InvalidRequest, JobNotFound, Overloaded, QueueUnavailable, ServiceError
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.framing import KEEPALIVE, Keepalive
+from shared.chat_template import chat_token_ids
 from shared.schemas import (
     ChatMessage,
+    ChatOptions,
     Choice,
     GenerationRequest,
     JobError,
@@ -32,6 +35,9 @@ from shared.schemas import (
     JobResult,
     Reported,
     StructuredOutput,
+    Tool,
+    ToolCall,
+    ToolUse,
     Usage,
 )
 from tests.support.dialect_bodies import responses_bodies
@@ -39,6 +45,14 @@ from tests.support.fuzzing import single_field_bodies
 from tests.support.streams import frames as rendered
 
 MAX_LEN = 1024
+# A function tool, a namespace (with a function and a custom tool) and hosted tools: what Codex sends.
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather", "strict": True,
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+         {"type": "namespace", "name": "crm", "description": "CRM", "tools": [
+             {"type": "function", "name": "lookup", "parameters": {"type": "object"}},
+             {"type": "custom", "name": "patch"}]},
+         {"type": "web_search"}, {"type": "mcp", "server_label": "docs", "server_url": "http://x"},
+         {"type": "local_shell"}]
 STREAM_EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
 
 
@@ -79,6 +93,7 @@ def test_a_string_input_is_one_user_message_with_openai_defaults():
 
 
 def test_instructions_come_first_and_message_items_keep_their_roles():
+    # developer stays developer: the chat template renders it as vLLM's does (shared/chat_template.py)
     items = [
         {"role": "user", "content": "a"},
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "b"}]},
@@ -87,7 +102,7 @@ def test_instructions_come_first_and_message_items_keep_their_roles():
     ]
     g = req(input=items, instructions="be brief")
     assert g.messages == [ChatMessage(role="system", content="be brief"), ChatMessage(role="user", content="a"),
-                          ChatMessage(role="assistant", content="b"), ChatMessage(role="system", content="c\nd"),
+                          ChatMessage(role="assistant", content="b"), ChatMessage(role="developer", content="c\nd"),
                           ChatMessage(role="system", content="e")]
 
 
@@ -119,28 +134,29 @@ def test_service_tier_sets_the_priority_level():
 
 def test_accepted_fields_that_change_nothing_the_worker_runs():
     g = req(metadata={"a": "b"}, store=False, user="u", stream=True, background=False, tool_choice="none",
-            parallel_tool_calls=True, reasoning={"effort": None}, truncation="disabled", include=[], tools=[])
+            parallel_tool_calls=True, reasoning={"effort": None, "summary": "auto"}, truncation="disabled",
+            include=["reasoning.encrypted_content"], tools=[])
     plain = req()
     # Only what the answers repeat differs: kept with the job for a later read.
-    assert g.output.reported == Reported(metadata={"a": "b"}, user="u", store=False)
+    assert g.output.reported == Reported(metadata={"a": "b"}, user="u", store=False, tool_choice="none",
+                                         parallel_tool_calls=True, reasoning_summary="auto")
     assert msgspec.structs.replace(g, output=plain.output) == plain
 
 
 def test_a_stored_job_reports_what_its_first_answer_did():
     fmt = {"type": "json_schema", "name": "ans", "schema": {"type": "object"}, "strict": True}
     fields = dict(model="m", instructions="be brief", metadata={"k": "v"}, user="u1", background=True,
-                  text={"format": fmt}, max_output_tokens=9, service_tier="flex")
+                  text={"format": fmt}, max_output_tokens=9, service_tier="flex", tools=TOOLS,
+                  tool_choice={"type": "function", "name": "lookup"}, parallel_tool_calls=False,
+                  reasoning={"effort": "high", "generate_summary": "concise"})
     g = req(**fields)
     stored = decode_request(encode(g))  # as a worker and a later poll read it back
     assert r.echo_of_request(stored) == r.echo_of_body(body(**fields), "m")
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
-    ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
-    ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"top_logprobs": 2}, "top_logprobs"),
@@ -148,7 +164,7 @@ def test_a_stored_job_reports_what_its_first_answer_did():
     ({"background": True, "store": False}, "background"),
     ({"input": None}, "input"),
     ({"input": []}, "input"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].type"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
      "input[0].content[0].type"),
@@ -161,6 +177,22 @@ def test_a_stored_job_reports_what_its_first_answer_did():
     ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"max_output_tokens": MAX_LEN}, "max_output_tokens"),
+    ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": [{"type": "namespace", "name": "n", "tools": [{"type": "function", "name": 3}]}]}, "tools[0].tools[0]"),
+    ({"tools": [{"type": "function", "name": "f"}, {"type": "function", "name": "f"}]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice.name"),
+    ({"tools": TOOLS, "tool_choice": {"type": "web_search"}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "custom", "name": "patch"}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
+    ({"tools": [{"type": "web_search"}], "tool_choice": "required"}, "tool_choice"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]}, "input[0].name"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image"}]}]},
+     "input[0].output[0].type"),
+    ({"input": [{"type": "reasoning", "summary": [], "content": [{"type": "image"}]}]}, "input[0].content[0].type"),
 ])
 def test_refusals_name_their_param(fields, param):
     exc = refused(**fields)
@@ -186,6 +218,138 @@ def test_a_chained_request_has_the_previous_conversation_without_its_instruction
 def test_out_of_range_or_mistyped_fields_fail_decoding(raw):
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"input": "x", **raw}, r.ResponsesRequest)
+
+
+# --- tools, tool history, reasoning -------------------------------------------------------------
+
+
+def test_function_tools_and_choices_map_onto_the_chats_tools():
+    weather = Tool(name="get_weather", description="Weather", strict=True,
+                   parameters={"type": "object", "properties": {"city": {"type": "string"}}})
+    lookup = Tool(name="crm__lookup", parameters={"type": "object"})
+    assert req(tools=TOOLS).tools == ToolUse(tools=[weather, lookup], choice="auto", parallel=True)
+    assert req(tools=TOOLS, tool_choice="required", parallel_tool_calls=False).tools == ToolUse(
+        tools=[weather, lookup], choice="required", parallel=False)
+    assert req(tools=TOOLS, tool_choice="none").tools.choice == "none"  # offered (as vLLM does), not called
+    named = req(tools=TOOLS, tool_choice={"type": "function", "name": "get_weather"}).tools
+    assert (named.choice, named.function) == ("function", "get_weather")
+    assert req(tools=[{"type": "function", "name": "f"}]).tools.tools == [Tool(name="f")]
+
+
+def test_a_namespaces_functions_are_offered_under_flat_names():
+    # The model sees <namespace>__<name> (vLLM's flat name); a choice may name the function alone
+    # when one namespace has it, with its namespace, or by the flat name.
+    for choice in ({"type": "function", "name": "lookup"}, {"type": "function", "name": "lookup", "namespace": "crm"},
+                   {"type": "function", "name": "crm__lookup"}):
+        assert req(tools=TOOLS, tool_choice=choice).tools.function == "crm__lookup"
+    twice = [*TOOLS, {"type": "namespace", "name": "erp", "description": "", "tools": [
+        {"type": "function", "name": "lookup"}]}]
+    assert [t.name for t in req(tools=twice).tools.tools] == ["get_weather", "crm__lookup", "erp__lookup"]
+    exc = refused(tools=twice, tool_choice={"type": "function", "name": "lookup"})
+    assert exc.param == "tool_choice" and "ambiguous" in exc.message
+
+
+def test_hosted_tools_are_left_out_and_never_fail_a_request():
+    hosted = [t for t in TOOLS if t["type"] not in ("function", "namespace")]
+    g = req(tools=hosted)
+    assert g.tools is None and req(tools=hosted, tool_choice="auto").tools is None
+    # ... but the response reports every tool as it was sent (a function in OpenAI's full form).
+    e = r.echo_of_request(req(tools=TOOLS))
+    assert e.tools[0] == {**TOOLS[0]} and e.tools[1:] == TOOLS[1:]
+    assert r.echo_of_request(req(tools=[{"type": "function", "name": "f"}])).tools == [
+        {"type": "function", "name": "f", "description": None, "parameters": None, "strict": None}]
+    assert (e.tool_choice, e.parallel_tool_calls) == ("auto", True)
+    assert (r.echo_of_request(req()).tool_choice, r.echo_of_request(req()).parallel_tool_calls) == ("none", False)
+
+
+def test_function_calls_and_their_outputs_become_tool_turns():
+    items = [
+        {"role": "user", "content": "weather?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "need it"}],
+         "encrypted_content": "opaque"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city":"Paris"}', "status": "completed"},
+        {"type": "function_call", "call_id": "call_2", "name": "lookup", "namespace": "crm", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "a"},
+                                                                         {"type": "input_text", "text": "b"}]},
+        {"role": "developer", "content": "be terse"},
+    ]
+    assert req(input=items).messages == [
+        ChatMessage(role="user", content="weather?"),
+        ChatMessage(role="assistant", content="Checking.", reasoning="need it", tool_calls=[
+            ToolCall(id="call_1", name="get_weather", arguments='{"city":"Paris"}'),
+            ToolCall(id="call_2", name="crm__lookup", arguments="{}")]),
+        ChatMessage(role="tool", content="sunny", tool_call_id="call_1"),
+        ChatMessage(role="tool", content="a\nb", tool_call_id="call_2"),
+        ChatMessage(role="developer", content="be terse"),
+    ]
+
+
+def test_reasoning_items_fill_an_assistant_turn_or_add_nothing():
+    # Only encrypted (from another server): nothing to say; the call makes its own turn.
+    only_encrypted = [{"type": "reasoning", "summary": [], "encrypted_content": "x"},
+                      {"type": "function_call", "call_id": "c", "name": "f", "arguments": ""}]
+    assert req(input=only_encrypted).messages == [ChatMessage(role="assistant", tool_calls=[
+        ToolCall(id="c", name="f", arguments="")])]
+    # A summary stands in for missing content; Codex's "text" parts are read as reasoning text.
+    summary = [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "short"}]}]
+    assert req(input=summary).messages == [ChatMessage(role="assistant", reasoning="short")]
+    codex = [{"type": "reasoning", "summary": [], "content": [{"type": "text", "text": "long"}]},
+             {"role": "assistant", "content": "done"}, {"role": "assistant", "content": "again"}]
+    assert req(input=codex).messages == [ChatMessage(role="assistant", content="done", reasoning="long"),
+                                         ChatMessage(role="assistant", content="again")]
+
+
+def test_reasoning_effort_reaches_the_chat_template_and_summaries_are_accepted():
+    g = req(reasoning={"effort": "low", "summary": "detailed"}, include=["reasoning.encrypted_content"])
+    assert g.chat.template_kwargs == {"reasoning_effort": "low", "enable_thinking": True}
+    assert req(reasoning={"effort": "none"}).chat.template_kwargs == {"reasoning_effort": "none",
+                                                                       "enable_thinking": False}
+    assert req(reasoning={"summary": "auto"}).chat.template_kwargs == {}
+    assert r.echo_of_request(g).reasoning == rr.Reasoning(effort="low", summary="detailed")
+    with pytest.raises(msgspec.ValidationError):
+        body(reasoning={"effort": "maximal"})
+
+
+def test_a_chain_carries_the_previous_calls_and_this_inputs_outputs():
+    first = req(input="weather?", tools=TOOLS)
+    calls = [ToolCall(id="call_j0_0", name="get_weather", arguments='{"city":"Paris"}')]
+    history = r.history_of(first, JobResult(choices=[Choice(text="", reasoning="think", tool_calls=calls,
+                                                            finish_reason="tool_calls")]))
+    assert history == [ChatMessage(role="user", content="weather?"),
+                       ChatMessage(role="assistant", reasoning="think", tool_calls=calls)]
+    second = r.to_generation_request(body(input=[{"type": "function_call_output", "call_id": "call_j0_0",
+                                                  "output": "sunny"}], previous_response_id="resp_j0", tools=TOOLS),
+                                     max_model_len=MAX_LEN, history=history)
+    assert second.messages == [*history, ChatMessage(role="tool", content="sunny", tool_call_id="call_j0_0")]
+
+
+class Template:
+    """A tokenizer as chat_token_ids uses it: what it was given, for a template text."""
+
+    def __init__(self, text: str) -> None:
+        self.chat_template, self.seen = text, None
+
+    def apply_chat_template(self, messages, **kwargs):
+        self.seen = messages
+        return [1]
+
+
+def test_developer_turns_render_as_vllms_do():
+    chat = [ChatMessage(role="system", content="sys"), ChatMessage(role="user", content="u"),
+            ChatMessage(role="developer", content="dev")]
+    plain = Template("{% for m in messages %}{{ m.content }}{% endfor %}")
+    chat_token_ids(plain, chat, ChatOptions())
+    # A template that does not name the role gets system turns, merged at the start (vLLM's rule).
+    assert plain.seen == [{"role": "system", "content": "sys\n\ndev"}, {"role": "user", "content": "u"}]
+    knows = Template("{% if m.role == 'developer' %}")
+    chat_token_ids(knows, chat, ChatOptions())
+    assert [m["role"] for m in knows.seen] == ["system", "user", "developer"]
+    late_system = [ChatMessage(role="user", content="u"), ChatMessage(role="system", content="s")]
+    chat_token_ids(plain, late_system, ChatOptions())
+    assert [m["role"] for m in plain.seen] == ["user", "system"]  # no developer: as it was
 
 
 # --- the response object ----------------------------------------------------------------------
@@ -219,7 +383,7 @@ def test_the_finished_object_exact_and_valid_for_the_sdk():
 def test_a_length_stop_is_incomplete_with_max_output_tokens():
     result = JobResult(choices=[Choice(text="ab", finish_reason="length")], usage=Usage(completion_tokens=2))
     resp = r.render_finished(echo(), result, "j1", 7)
-    assert resp.status == "incomplete" and resp.incomplete_details == r.IncompleteDetails(reason="max_output_tokens")
+    assert resp.status == "incomplete" and resp.incomplete_details == rr.IncompleteDetails(reason="max_output_tokens")
     assert resp.output[0].status == "incomplete"
     SdkResponse.model_validate_json(encode(resp), strict=True)
 
@@ -248,7 +412,7 @@ def test_a_record_renders_in_every_state():
     # What the record keeps is echoed back: tier level, sampling, the token budget.
     assert (done.service_tier, done.temperature, done.max_output_tokens, done.model) == ("flex", 0.3, 5, "m")
     failed = r.render_record(record("failed", error=JobError(code="engine_dead", message="boom", status=503)))
-    assert failed.status == "failed" and failed.error == r.ResponseError(code="server_error", message="boom")
+    assert failed.status == "failed" and failed.error == rr.ResponseError(code="server_error", message="boom")
     for resp in (done, failed, r.render_record(record("running"))):
         SdkResponse.model_validate_json(encode(resp), strict=True)
 
@@ -267,8 +431,8 @@ def test_response_ids_map_to_jobs():
 def test_input_items_list_newest_first():
     g = req(instructions="sys", input=[{"role": "user", "content": "a"}])
     raw = encode(r.render_input_items(g, "j1"))
-    assert raw == (b'{"object":"list","data":[{"id":"msg_j1_1","type":"message","role":"user","content":[{"type":'
-                   b'"input_text","text":"a"}],"status":"completed"},{"id":"msg_j1_0","type":"message","role":"system",'
+    assert raw == (b'{"object":"list","data":[{"type":"message","id":"msg_j1_1","role":"user","content":[{"type":'
+                   b'"input_text","text":"a"}],"status":"completed"},{"type":"message","id":"msg_j1_0","role":"system",'
                    b'"content":[{"type":"input_text","text":"sys"}],"status":"completed"}],"first_id":"msg_j1_1",'
                    b'"last_id":"msg_j1_0","has_more":false}')
     ResponseItemList.model_validate_json(raw)
@@ -342,12 +506,13 @@ async def test_every_event_validates_as_the_sdks_and_numbers_follow_the_job_seq(
         assert event.type == name and event.sequence_number == i
 
 
-async def test_each_job_event_is_one_delta_even_an_empty_one():
+async def test_events_with_no_new_text_send_nothing_and_numbers_stay_consecutive():
     events = [Tokens(seq=1, deltas=[]), Tokens(seq=2, deltas=[TokenDelta(text="a"), TokenDelta(text="b")]),
-              Done(seq=3, deltas=[TokenDelta(text="", finish_reason="length")])]
-    deltas = [parsed(f)[1] for f in await frames(events) if b"output_text.delta" in f[:40]]
-    assert [(d["sequence_number"], d["delta"]) for d in deltas] == [(4, ""), (5, "ab"), (6, "")]
-    assert r.delta_seq(1) == 4
+              Tokens(seq=3, deltas=[TokenDelta(token_ids=[5])]), Done(seq=4, deltas=[TokenDelta(finish_reason="length")])]
+    out = [parsed(f) for f in await frames(events)]
+    assert [d["sequence_number"] for _, d in out] == list(range(len(out)))
+    assert [(d["sequence_number"], d["delta"]) for name, d in out if name == "response.output_text.delta"] == [
+        (4, "a"), (5, "b")]
 
 
 async def test_a_length_stop_ends_incomplete():
@@ -381,7 +546,7 @@ async def test_keepalives_are_comments_and_a_broken_relay_is_an_error_event():
         raise QueueUnavailable("lost the queue")
 
     out = await rendered(r.ResponseStream(echo(), "j1", 7), broken())
-    assert out[4] == KEEPALIVE
+    assert out[2] == KEEPALIVE
     name, data = parsed(out[-1])
     assert name == "error" and data == {"type": "error", "sequence_number": 5, "code": "queue_unavailable",
                                         "message": "lost the queue", "param": None}
