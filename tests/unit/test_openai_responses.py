@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import msgspec
+import openai
 import pydantic
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -20,9 +22,9 @@ from api.dialects import render_result as dialect_render_result
 from api.dialects.tiers import priority_of_tier
 from api.submit import check_queueable
 from shared import json_input
-from shared.codec import decode_request, encode
+from shared.codec import decode_event, decode_request, encode
 from shared.errors import GenerationFailed, InvalidRequest, JobNotFound, Overloaded, QueueUnavailable, ServiceError
-from shared.events import Done, Error, TokenDelta, Tokens
+from shared.events import Done, Error, TokenDelta, Tokens, ToolCallDelta
 from shared.framing import KEEPALIVE, Keepalive
 from shared.chat_template import chat_token_ids
 from shared.schemas import (
@@ -561,6 +563,231 @@ async def test_starting_after_sends_exactly_the_later_events(after):
 async def test_a_background_stream_opens_queued():
     name, data = parsed((await frames(HEY, echo=echo(background=True)))[0])
     assert data["response"]["status"] == "queued" and data["response"]["background"] is True
+
+
+# --- tools and reasoning on the wire -----------------------------------------------------------
+
+AGENT_TOOLS = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}},
+               {"type": "namespace", "name": "crm", "description": "CRM", "tools": [
+                   {"type": "function", "name": "lookup", "description": "find one"}]},
+               {"type": "web_search"}]
+# Reasoning, then text (in the same delta as more reasoning), then two calls, the second one a
+# namespace's function; call pieces as the worker publishes them (the first names the call).
+AGENT = [
+    Tokens(seq=1, deltas=[TokenDelta(token_ids=[1], reasoning="Think")]),
+    Tokens(seq=2, deltas=[TokenDelta(token_ids=[2, 3], reasoning=" hard", text="Hi")]),
+    Tokens(seq=3, deltas=[TokenDelta(token_ids=[4], tool_calls=[
+        ToolCallDelta(index=0, id="call_j1_0", name="get_weather", arguments='{"city":')])]),
+    Tokens(seq=4, deltas=[TokenDelta(token_ids=[5], tool_calls=[
+        ToolCallDelta(index=0, arguments='"Paris"}'), ToolCallDelta(index=1, id="call_j1_1", name="crm__lookup")])]),
+    Done(seq=5, deltas=[TokenDelta(token_ids=[6], tool_calls=[ToolCallDelta(index=1, arguments="{}")],
+                                   finish_reason="tool_calls")], usage=Usage(prompt_tokens=3, completion_tokens=6)),
+]
+AGENT_RESULT = JobResult(choices=[Choice(text="Hi", reasoning="Think hard", finish_reason="tool_calls", tool_calls=[
+    ToolCall(id="call_j1_0", name="get_weather", arguments='{"city":"Paris"}'),
+    ToolCall(id="call_j1_1", name="crm__lookup", arguments="{}")])], usage=Usage(prompt_tokens=3, completion_tokens=6))
+AGENT_OBJ = (
+    b'"id":"resp_j1","object":"response","created_at":7,"status":"%s","background":false,"error":null,'
+    b'"incomplete_details":null,"instructions":null,"max_output_tokens":null,"max_tool_calls":null,"model":"m",'
+    b'"output":%s,"parallel_tool_calls":true,"previous_response_id":null,"reasoning":{"effort":"low",'
+    b'"summary":null},"service_tier":"default","store":true,"temperature":1.0,"text":{"format":{"type":"text"}},'
+    b'"tool_choice":"auto","tools":[{"type":"function","name":"get_weather","description":null,"parameters":'
+    b'{"type":"object"},"strict":null},{"type":"namespace","name":"crm","description":"CRM","tools":[{"type":'
+    b'"function","name":"lookup","description":"find one"}]},{"type":"web_search"}],"top_logprobs":0,"top_p":1.0,'
+    b'"truncation":"disabled","usage":%s,"user":null,"metadata":{}')
+AGENT_USAGE = (b'{"input_tokens":3,"input_tokens_details":{"cached_tokens":0,"cache_write_tokens":0},"output_tokens":6,'
+               b'"output_tokens_details":{"reasoning_tokens":0},"total_tokens":9}')
+RS = (b'{"type":"reasoning","id":"rs_j1","summary":[],"content":[{"type":"reasoning_text","text":"Think hard"}],'
+      b'"status":"completed"}')
+HI = (b'{"type":"message","id":"msg_j1","status":"completed","role":"assistant","content":[{"type":"output_text",'
+      b'"text":"Hi","annotations":[]}]}')
+FC0 = (b'{"type":"function_call","id":"fc_j1_0","call_id":"call_j1_0","name":"get_weather",'
+       b'"arguments":"{\\"city\\":\\"Paris\\"}","status":"completed"}')
+FC1 = (b'{"type":"function_call","id":"fc_j1_1","call_id":"call_j1_1","name":"lookup","namespace":"crm",'
+       b'"arguments":"{}","status":"completed"}')
+AGENT_OUTPUT = b"[" + b",".join([RS, HI, FC0, FC1]) + b"]"
+
+
+def agent_echo(**fields) -> r.Echo:
+    return r.echo_of_body(body(tools=AGENT_TOOLS, reasoning={"effort": "low"}, **fields), "m")
+
+
+def test_the_finished_agent_response_exact_and_valid_for_the_sdk():
+    raw = encode(r.render_finished(agent_echo(), AGENT_RESULT, "j1", 7))
+    assert raw == b"{" + AGENT_OBJ % (b"completed", AGENT_OUTPUT, AGENT_USAGE) + b"}"
+    sdk = SdkResponse.model_validate_json(raw, strict=True)
+    reasoning, message, weather, lookup = sdk.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "Think hard" and reasoning.summary == []
+    assert sdk.output_text == "Hi" and message.id == "msg_j1"
+    assert (weather.call_id, weather.name, weather.namespace, weather.arguments) == (
+        "call_j1_0", "get_weather", None, '{"city":"Paris"}')
+    assert (lookup.id, lookup.name, lookup.namespace) == ("fc_j1_1", "lookup", "crm")
+
+
+def test_only_calls_mean_no_message_and_a_length_stop_leaves_the_last_item_incomplete():
+    def output(**choice) -> list[tuple[str, str]]:
+        resp = r.render_finished(agent_echo(), JobResult(choices=[Choice(**choice)]), "j1", 7)
+        SdkResponse.model_validate_json(encode(resp), strict=True)
+        return [(i["type"], i["status"]) for i in msgspec.to_builtins(resp)["output"]]
+
+    calls = [ToolCall(id="call_j1_0", name="get_weather", arguments='{"ci')]
+    assert output(tool_calls=calls, finish_reason="length") == [("function_call", "incomplete")]
+    assert output(reasoning="hm", text="a", finish_reason="length") == [("reasoning", "completed"),
+                                                                        ("message", "incomplete")]
+    # It only thought: no empty message beside the reasoning. Nothing at all: one empty message.
+    assert output(reasoning="hm", finish_reason="stop") == [("reasoning", "completed")]
+    assert output(finish_reason="stop") == [("message", "completed")]
+
+
+def ev(name: str, n: int, rest: bytes) -> bytes:
+    return b"event: %s\ndata: {\"type\":\"%s\",\"sequence_number\":%d,%s}\n\n" % (name.encode(), name.encode(), n, rest)
+
+
+async def test_the_agent_stream_byte_for_byte():
+    opening = AGENT_OBJ % (b"in_progress", b"[]", b"null")
+    rs_at, hi_at = b'"item_id":"rs_j1","output_index":0', b'"item_id":"msg_j1","output_index":1'
+    fc0_at, fc1_at = b'"item_id":"fc_j1_0","output_index":2', b'"item_id":"fc_j1_1","output_index":3'
+    assert await frames(AGENT, echo=agent_echo()) == [
+        ev("response.created", 0, b'"response":{' + opening + b"}"),
+        ev("response.in_progress", 1, b'"response":{' + opening + b"}"),
+        ev("response.output_item.added", 2, b'"output_index":0,"item":{"type":"reasoning","id":"rs_j1","summary":[],'
+           b'"content":[],"status":"in_progress"}'),
+        ev("response.content_part.added", 3, rs_at + b',"content_index":0,"part":{"type":"reasoning_text","text":""}'),
+        ev("response.reasoning_text.delta", 4, rs_at + b',"content_index":0,"delta":"Think"'),
+        ev("response.reasoning_text.delta", 5, rs_at + b',"content_index":0,"delta":" hard"'),
+        ev("response.reasoning_text.done", 6, rs_at + b',"content_index":0,"text":"Think hard"'),
+        ev("response.content_part.done", 7, rs_at + b',"content_index":0,"part":{"type":"reasoning_text",'
+           b'"text":"Think hard"}'),
+        ev("response.output_item.done", 8, b'"output_index":0,"item":' + RS),
+        ev("response.output_item.added", 9, b'"output_index":1,"item":{"type":"message","id":"msg_j1","status":'
+           b'"in_progress","role":"assistant","content":[]}'),
+        ev("response.content_part.added", 10, hi_at + b',"content_index":0,"part":{"type":"output_text","text":"",'
+           b'"annotations":[]}'),
+        ev("response.output_text.delta", 11, hi_at + b',"content_index":0,"delta":"Hi","logprobs":[]'),
+        ev("response.output_text.done", 12, hi_at + b',"content_index":0,"text":"Hi","logprobs":[]'),
+        ev("response.content_part.done", 13, hi_at + b',"content_index":0,"part":{"type":"output_text","text":"Hi",'
+           b'"annotations":[]}'),
+        ev("response.output_item.done", 14, b'"output_index":1,"item":' + HI),
+        ev("response.output_item.added", 15, b'"output_index":2,"item":{"type":"function_call","id":"fc_j1_0",'
+           b'"call_id":"call_j1_0","name":"get_weather","arguments":"","status":"in_progress"}'),
+        ev("response.function_call_arguments.delta", 16, fc0_at + b',"delta":"{\\"city\\":"'),
+        ev("response.function_call_arguments.delta", 17, fc0_at + b',"delta":"\\"Paris\\"}"'),
+        ev("response.function_call_arguments.done", 18, fc0_at + b',"arguments":"{\\"city\\":\\"Paris\\"}"'),
+        ev("response.output_item.done", 19, b'"output_index":2,"item":' + FC0),
+        ev("response.output_item.added", 20, b'"output_index":3,"item":{"type":"function_call","id":"fc_j1_1",'
+           b'"call_id":"call_j1_1","name":"lookup","namespace":"crm","arguments":"","status":"in_progress"}'),
+        ev("response.function_call_arguments.delta", 21, fc1_at + b',"delta":"{}"'),
+        ev("response.function_call_arguments.done", 22, fc1_at + b',"arguments":"{}"'),
+        ev("response.output_item.done", 23, b'"output_index":3,"item":' + FC1),
+        ev("response.completed", 24, b'"response":{' + AGENT_OBJ % (b"completed", AGENT_OUTPUT, AGENT_USAGE) + b"}"),
+    ]
+
+
+async def test_the_agent_stream_validates_and_ends_as_the_response_reads_back():
+    out = [parsed(f) for f in await frames(AGENT, echo=agent_echo())]
+    for i, (name, data) in enumerate(out):
+        event = STREAM_EVENT.validate_python(data, strict=True)
+        assert event.type == name and event.sequence_number == i
+    later = encode(r.render_record(JobRecord(id="j1", model="m", status="done", request=req(
+        tools=AGENT_TOOLS, reasoning={"effort": "low"}, max_output_tokens=None), queued_at=7000.0,
+        result=AGENT_RESULT)))
+    assert msgspec.json.decode(later)["output"] == out[-1][1]["response"]["output"]
+
+
+async def test_the_stream_is_a_pure_function_of_the_events():
+    assert await frames(AGENT, echo=agent_echo()) == await frames(AGENT, echo=agent_echo())
+    # Re-rendered from a stored log (the event log is what a resume reads), the same bytes.
+    stored = [decode_event(encode(e)) for e in AGENT]
+    assert await frames(stored, echo=agent_echo()) == await frames(AGENT, echo=agent_echo())
+
+
+@pytest.mark.parametrize("after", range(-1, 26))
+async def test_a_resume_from_any_number_is_exactly_the_rest_of_the_agent_stream(after):
+    whole = await frames(AGENT, echo=agent_echo())
+    assert await frames(AGENT, echo=agent_echo(), starting_after=after) == whole[after + 1:]
+
+
+async def test_a_length_stop_inside_a_call_streams_it_incomplete():
+    events = [Tokens(seq=1, deltas=[TokenDelta(tool_calls=[ToolCallDelta(index=0, id="call_j1_0", name="f")])]),
+              Done(seq=2, deltas=[TokenDelta(tool_calls=[ToolCallDelta(index=0, arguments='{"a')],
+                                             finish_reason="length")])]
+    out = [parsed(f) for f in await frames(events, echo=agent_echo())]
+    assert [name for name, _ in out] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.incomplete"]
+    assert out[5][1]["item"]["status"] == "incomplete" and out[5][1]["item"]["arguments"] == '{"a'
+    assert out[-1][1]["response"]["output"] == [out[5][1]["item"]]
+
+
+async def test_a_piece_of_a_finished_item_is_not_streamed_again_but_the_response_has_it():
+    # No vLLM parser sends content after a call; if one did, the stream stays valid and whole.
+    events = [Tokens(seq=1, deltas=[TokenDelta(text="A")]),
+              Tokens(seq=2, deltas=[TokenDelta(tool_calls=[ToolCallDelta(index=0, id="call_j1_0", name="f")])]),
+              Done(seq=3, deltas=[TokenDelta(text="B", finish_reason="tool_calls")])]
+    out = [parsed(f) for f in await frames(events, echo=agent_echo())]
+    assert [d["delta"] for name, d in out if name == "response.output_text.delta"] == ["A"]
+    assert [i["type"] for i in out[-1][1]["response"]["output"]] == ["message", "function_call"]
+    assert out[-1][1]["response"]["output"][0]["content"][0]["text"] == "AB"
+    for _, data in out:
+        STREAM_EVENT.validate_python(data, strict=True)
+
+
+def sdk(raw: bytes, content_type: str) -> openai.OpenAI:
+    """The openai SDK, answered with ``raw``: what it makes of exactly these bytes."""
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=raw, headers={"content-type": content_type})
+
+    return openai.OpenAI(base_url="http://llmq.test/v1", api_key="x", max_retries=0,
+                         http_client=httpx.Client(transport=httpx.MockTransport(answer)))
+
+
+def check_agent_output(output) -> None:
+    reasoning, message, weather, lookup = output
+    assert (reasoning.type, reasoning.id, reasoning.content[0].text) == ("reasoning", "rs_j1", "Think hard")
+    assert (message.type, message.content[0].text) == ("message", "Hi")
+    assert (weather.type, weather.call_id, weather.name, weather.arguments) == (
+        "function_call", "call_j1_0", "get_weather", '{"city":"Paris"}')
+    assert (lookup.call_id, lookup.name, lookup.namespace, lookup.arguments) == ("call_j1_1", "lookup", "crm", "{}")
+
+
+async def test_the_sdk_accepts_the_exact_stream_bytes():
+    raw = b"".join(await frames(AGENT, echo=agent_echo()))
+    with sdk(raw, "text/event-stream").responses.stream(model="m", input="hi", tools=AGENT_TOOLS) as stream:
+        seen = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert seen[-1] == "response.completed" and final.id == "resp_j1" and final.usage.total_tokens == 9
+    check_agent_output(final.output)
+    # What Codex reads: each call whole in its output_item.done.
+    events = list(sdk(raw, "text/event-stream").responses.create(model="m", input="hi", stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    check_agent_output(done)
+    assert events[-1].type == "response.completed" and events[-1].response.usage.output_tokens == 6
+
+
+def test_the_sdk_accepts_the_exact_finished_bytes():
+    raw = encode(r.render_finished(agent_echo(), AGENT_RESULT, "j1", 7))
+    resp = sdk(raw, "application/json").responses.create(model="m", input="hi", tools=AGENT_TOOLS)
+    check_agent_output(resp.output)
+    assert resp.output_text == "Hi" and resp.tool_choice == "auto" and resp.parallel_tool_calls is True
+    assert [t.type for t in resp.tools] == ["function", "namespace", "web_search"]
+
+
+def test_input_items_list_tool_turns_as_items():
+    items = [{"role": "user", "content": "weather?"},
+             {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "need it"}]},
+             {"type": "function_call", "call_id": "call_1", "name": "lookup", "namespace": "crm", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "call_1", "output": "found"}]
+    raw = encode(r.render_input_items(req(input=items, tools=AGENT_TOOLS), "j1"))
+    assert raw == (
+        b'{"object":"list","data":[{"type":"function_call_output","id":"fco_j1_2","call_id":"call_1","output":"found",'
+        b'"status":"completed"},{"type":"function_call","id":"fc_j1_1_0","call_id":"call_1","name":"lookup",'
+        b'"namespace":"crm","arguments":"{}","status":"completed"},{"type":"reasoning","id":"rs_j1_1","summary":[],'
+        b'"content":[{"type":"reasoning_text","text":"need it"}],"status":"completed"},{"type":"message","id":'
+        b'"msg_j1_0","role":"user","content":[{"type":"input_text","text":"weather?"}],"status":"completed"}],'
+        b'"first_id":"fco_j1_2","last_id":"msg_j1_0","has_more":false}')
+    listed = ResponseItemList.model_validate_json(raw, strict=True)
+    assert [i.type for i in listed.data] == ["function_call_output", "function_call", "reasoning", "message"]
 
 
 # --- fuzzing: any body is a 4xx or a request the worker reads back exactly --------------------
