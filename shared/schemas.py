@@ -128,7 +128,7 @@ class Reported(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     store: bool = True
     previous_response_id: str | None = None
     tools: list[dict[str, Any]] | None = None
-    """The ``tools`` as sent, hosted ones included (the model sees only their functions: ``GenerationRequest.tools``)."""
+    """The ``tools`` as sent, hosted ones included (what the model is offered is ``GenerationRequest.tools``)."""
     tool_choice: str | dict[str, Any] | None = None
     """``tool_choice`` as sent."""
     parallel_tool_calls: bool | None = None

@@ -418,7 +418,8 @@ def _reported(body: ResponsesRequest) -> Reported:
                     background=bool(body.background), store=body.store is not False,
                     previous_response_id=body.previous_response_id, tools=body.tools or None,
                     tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
-                    reasoning_effort=reasoning.effort, reasoning_summary=reasoning.summary or reasoning.generate_summary)
+                    reasoning_effort=reasoning.effort,
+                    reasoning_summary=reasoning.summary or reasoning.generate_summary)
 
 
 def _chat_options(body: ResponsesRequest) -> ChatOptions:

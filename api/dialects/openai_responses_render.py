@@ -34,7 +34,7 @@ from msgspec import UNSET, UnsetType
 from api.dialects.stream import SseKeepalive, StreamRenderer
 from api.dialects.tiers import reported_tier
 from shared.errors import InternalError, InvalidRequest, JobCancelled, Overloaded, ServiceError
-from shared.events import Done, Error, ToolCallDelta, Tokens
+from shared.events import Done, Error, Tokens, ToolCallDelta
 from shared.framing import sse
 from shared.result import ResultBuilder
 from shared.schemas import (

@@ -22,11 +22,11 @@ from api.dialects import render_result as dialect_render_result
 from api.dialects.tiers import priority_of_tier
 from api.submit import check_queueable
 from shared import json_input
+from shared.chat_template import chat_token_ids
 from shared.codec import decode_event, decode_request, encode
 from shared.errors import GenerationFailed, InvalidRequest, JobNotFound, Overloaded, QueueUnavailable, ServiceError
 from shared.events import Done, Error, TokenDelta, Tokens, ToolCallDelta
 from shared.framing import KEEPALIVE, Keepalive
-from shared.chat_template import chat_token_ids
 from shared.schemas import (
     ChatMessage,
     ChatOptions,
@@ -510,7 +510,8 @@ async def test_every_event_validates_as_the_sdks_and_numbers_follow_the_job_seq(
 
 async def test_events_with_no_new_text_send_nothing_and_numbers_stay_consecutive():
     events = [Tokens(seq=1, deltas=[]), Tokens(seq=2, deltas=[TokenDelta(text="a"), TokenDelta(text="b")]),
-              Tokens(seq=3, deltas=[TokenDelta(token_ids=[5])]), Done(seq=4, deltas=[TokenDelta(finish_reason="length")])]
+              Tokens(seq=3, deltas=[TokenDelta(token_ids=[5])]),
+              Done(seq=4, deltas=[TokenDelta(finish_reason="length")])]
     out = [parsed(f) for f in await frames(events)]
     assert [d["sequence_number"] for _, d in out] == list(range(len(out)))
     assert [(d["sequence_number"], d["delta"]) for name, d in out if name == "response.output_text.delta"] == [
