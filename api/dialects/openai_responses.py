@@ -1,9 +1,9 @@
 """OpenAI's Responses API: ``POST /v1/responses`` and its background reads (``/v1/responses/{id}``).
 
 This module is the side of the wire coming in: the create body and its translation into a chat
-job, and OpenAI's error shape; :mod:`api.dialects.openai_responses_render` is the side going out
-(the response object, its items, the numbered stream), re-exported here, so this module is the
-dialect.
+job, and OpenAI's error shape; the side going out is :mod:`api.dialects.openai_responses_render`
+(the response object, its items) and :mod:`api.dialects.openai_responses_stream` (the numbered
+stream), re-exported here, so this module is the dialect.
 
 A response is one llmq job (``resp_`` + the job id). ``input`` becomes a chat (``instructions``
 first, as a system message), rendered with the model's chat template by the worker:
@@ -40,7 +40,6 @@ from api.dialects.openai_responses_render import (
     Echo,
     ItemList,
     Response,
-    ResponseStream,
     echo_of_request,
     echo_of_settings,
     flat_name,
@@ -52,9 +51,9 @@ from api.dialects.openai_responses_render import (
     render_response,
     render_result,
     response_id,
-    stream,
     tier_name,
 )
+from api.dialects.openai_responses_stream import ResponseStream, stream
 from api.dialects.openai_structured import JsonSchemaFormat, ResponseFormat, structured_output
 from api.dialects.tiers import priority_of_tier
 from shared.errors import InvalidRequest, ServiceError
