@@ -443,7 +443,7 @@ async def test_tool_calls_come_back_as_items_and_the_chain_answers_them(client, 
         "lookup", "crm", f"call_{job_id}_1", "found")
 
 
-async def test_a_streamed_agent_turn_resumes_exactly_from_any_event(client):
+async def test_a_streamed_agent_turn_resumes_exactly_from_any_event(client, stack):
     async with client.responses.stream(model="tiny", input="call live", tools=TOOLS) as stream:
         live = [event async for event in stream]
         final = await stream.get_final_response()
@@ -459,3 +459,9 @@ async def test_a_streamed_agent_turn_resumes_exactly_from_any_event(client):
     for n in range(len(whole)):
         later = [e async for e in await client.responses.retrieve(resp.id, stream=True, starting_after=n)]
         assert [e.model_dump() for e in later] == [e.model_dump() for e in whole[n + 1:]]
+    # The job's own event log (/v1/jobs/{id}/events) holds the pieces, and resumes as exactly.
+    job_events = f"/v1/jobs/{resp.id.removeprefix('resp_')}/events"
+    logged = [f for f in (await stack.client.get(job_events)).content.split(b"\n\n") if f.startswith(b"id: ")]
+    assert b'"reasoning":"plan"' in logged[0] and b'"name":"crm__lookup"' in logged[-1]
+    resumed = (await stack.client.get(job_events, headers={"Last-Event-ID": "2"})).content.split(b"\n\n")
+    assert [f for f in resumed if f.startswith(b"id: ")] == logged[2:]
