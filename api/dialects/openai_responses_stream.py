@@ -280,10 +280,8 @@ class ResponseStream(SseKeepalive, StreamRenderer[bytes]):
 
     def _closing(self) -> list[msgspec.Struct]:
         status = finished_status(self.finish_reason)
-        if self.items == 0:  # nothing came: the response is one empty message, as it reads back
-            events = self._start("message")
-        else:
-            events = []
+        # Nothing came: the response is one empty message, as it reads back.
+        events = self._start("message") if self.items == 0 else []
         events += self._finish("incomplete" if status == "incomplete" else "completed")
         final = render_finished(self.echo, self.result.result(), self.job_id, self.created)
         events.append(StreamResponse(type=f"response.{final.status}", sequence_number=self._number(), response=final))
