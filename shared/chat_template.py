@@ -27,13 +27,31 @@ def chat_token_ids(tokenizer: Any, messages: Sequence[ChatMessage], options: Cha
     sends them."""
     try:
         encoded = tokenizer.apply_chat_template(
-            [_template_message(m) for m in messages], tools=_template_tools(tools), tokenize=True,
+            _developer_roles(tokenizer, [_template_message(m) for m in messages]), tools=_template_tools(tools),
+            tokenize=True,
             add_generation_prompt=options.add_generation_prompt,
             continue_final_message=options.continue_final_message, **options.template_kwargs,
         )
     except Exception as exc:  # jinja errors: a role the template refuses, a bad kwarg, ...
         raise InvalidRequest(f"the chat template could not render these messages: {exc}") from None
     return list(encoded["input_ids"] if not isinstance(encoded, list) else encoded)
+
+
+def _developer_roles(tokenizer: Any, rendered: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``developer`` turns as vLLM renders them (``vllm/renderers/hf.py``): kept for a template that
+    names the role; else sent as ``system``, and then every system turn is merged into one at the
+    start (joined with a blank line), since many templates refuse a system turn anywhere else."""
+    if not any(m["role"] == "developer" for m in rendered) or _names_developer(tokenizer):
+        return rendered
+    system = [m["content"] for m in rendered if m["role"] in ("system", "developer") and m["content"]]
+    rest = [m for m in rendered if m["role"] not in ("system", "developer")]
+    return [{"role": "system", "content": "\n\n".join(system)}, *rest]
+
+
+def _names_developer(tokenizer: Any) -> bool:
+    template = getattr(tokenizer, "chat_template", None)
+    texts = template.values() if isinstance(template, dict) else [template or ""]
+    return any('"developer"' in t or "'developer'" in t for t in texts)
 
 
 def _template_message(m: ChatMessage) -> dict[str, Any]:

@@ -127,6 +127,13 @@ class Reported(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     background: bool = False
     store: bool = True
     previous_response_id: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    """The ``tools`` as sent, hosted ones included (what the model is offered is ``GenerationRequest.tools``)."""
+    tool_choice: str | dict[str, Any] | None = None
+    """``tool_choice`` as sent."""
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    reasoning_summary: str | None = None
 
 
 class OutputOptions(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -94,3 +94,44 @@ def test_vllms_own_benchmark_client_runs_against_responses_with_no_failures(stac
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["completed"] == 8 and result["failed"] == 0, out.stdout[-2000:]
     assert result["total_output_tokens"] > 0
+
+
+TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city.",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                         "required": ["city"], "additionalProperties": False}},
+         {"type": "namespace", "name": "crm", "description": "Customer records.", "tools": [
+             {"type": "function", "name": "lookup", "description": "Find a customer.",
+              "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}]},
+         {"type": "web_search"}]
+
+
+def test_a_required_tool_call_comes_back_as_function_call_items_and_the_chain_answers_it(client, stack):
+    """The real worker's parser and constraint: one call (``parallel_tool_calls: false``), its
+    ids from the job; streamed, the same call whole in its ``output_item.done``; then a
+    ``function_call_output`` item answers it in a chained turn. (The tiny model pads the call's
+    JSON with whitespace until the budget runs out, so the call may be cut: ``incomplete``.)"""
+    kwargs = dict(model=stack.model, input="What is the weather in Paris?", tools=TOOLS, tool_choice="required",
+                  parallel_tool_calls=False, temperature=0, max_output_tokens=48)
+    first = client.responses.create(**kwargs)
+    job_id = first.id.removeprefix("resp_")
+    assert first.status in ("completed", "incomplete") and [i.type for i in first.output] == ["function_call"]
+    call = first.output[0]
+    assert (call.id, call.call_id) == (f"fc_{job_id}_0", f"call_{job_id}_0")
+    assert call.status == first.status and (call.name, call.namespace) in (("get_weather", None), ("lookup", "crm"))
+    assert call.arguments.startswith("{")
+    assert [t.type for t in first.tools] == ["function", "namespace", "web_search"]
+
+    events = list(client.responses.create(**kwargs, stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(c.type, c.name, c.namespace, c.arguments) for c in done] == [
+        ("function_call", call.name, call.namespace, call.arguments)]  # greedy: the same call
+    assert events[-1].type == f"response.{first.status}"
+    assert [i.model_dump() for i in events[-1].response.output] == [c.model_dump() for c in done]
+
+    second = client.responses.create(model=stack.model, previous_response_id=first.id, tools=TOOLS, temperature=0,
+                                     max_output_tokens=8, tool_choice="none", input=[
+                                         {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}])
+    assert second.status in ("completed", "incomplete") and second.usage.input_tokens > first.usage.input_tokens
+    items = client.responses.input_items.list(second.id).data[::-1]
+    assert [i.type for i in items] == ["message", "function_call", "function_call_output"]
+    assert (items[1].call_id, items[2].call_id, items[2].output) == (call.call_id, call.call_id, "Sunny")

@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from api.dialects import openai_responses as r
-from shared.schemas import GenerationRequest
+from shared.events import TokenDelta, ToolCallDelta
+from shared.schemas import ChatMessage, GenerationRequest, ToolCall
 from tests.support.dialect_bodies import responses_bodies
 from tests.support.fuzzing import malformed_bodies, odd_bodies, struct_body
 from tests.support.scripted_engine import ScriptedEngine, expected_text
@@ -29,9 +30,28 @@ from workers.protocol import Step
 SLOW_S = 1.5
 
 
+def agent_steps(job_id: str, prompt_tokens: int) -> list[Step]:
+    """A model that reasons, then calls two tools (the second a namespace's function), as the
+    worker publishes a parsed chat: reasoning and call pieces apart, ids derived from the job."""
+    return [
+        Step(deltas=[TokenDelta(token_ids=[1], reasoning="plan")], prompt_tokens=prompt_tokens),
+        Step(deltas=[TokenDelta(token_ids=[2], tool_calls=[
+            ToolCallDelta(index=0, id=f"call_{job_id}_0", name="get_weather", arguments='{"city":')])]),
+        Step(deltas=[TokenDelta(token_ids=[3], tool_calls=[ToolCallDelta(index=0, arguments='"Paris"}')])]),
+        Step(deltas=[TokenDelta(token_ids=[4], tool_calls=[
+            ToolCallDelta(index=1, id=f"call_{job_id}_1", name="crm__lookup", arguments="{}")],
+            finish_reason="tool_calls")], finished=True),
+    ]
+
+
 class ResponsesEngine(ScriptedEngine):
     async def steps(self, job_id: str, req: GenerationRequest, replay: Sequence[int] = ()) -> AsyncIterator[Step]:
         prompt = req.messages[-1].content if req.messages else ""
+        if prompt.startswith("call"):  # the agent's turn: reasoning and tool calls, no text
+            for step in agent_steps(job_id, len(prompt)):
+                await asyncio.sleep(self.delay_s)
+                yield step
+            return
         # Fuzzed bodies ask for up to the whole context: a few dozen tokens tell the same story.
         req = msgspec.structs.replace(req, sampling=msgspec.structs.replace(
             req.sampling, max_tokens=min(req.sampling.max_tokens, 64)))
@@ -190,10 +210,10 @@ async def test_deleting_a_running_response_ends_its_live_stream(client):
 
 
 async def test_error_classes(client, stack):
-    with pytest.raises(openai.BadRequestError) as info:
-        await client.responses.create(model="tiny", input="x", tools=[{"type": "function", "name": "f",
-                                                                         "parameters": {}, "strict": True}])
-    assert info.value.body["param"] == "tools" and info.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as info:  # a hosted tool cannot be forced: llmq cannot run it
+        await client.responses.create(model="tiny", input="x", tools=[{"type": "web_search_preview"}],
+                                      tool_choice={"type": "web_search_preview"})
+    assert info.value.body["param"] == "tool_choice" and info.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.NotFoundError) as gone:
         await client.responses.create(model="tiny", input="x", previous_response_id="resp_x")
     assert gone.value.body["param"] == "previous_response_id"
@@ -374,3 +394,74 @@ async def test_a_chain_onto_an_unstored_or_unfinished_response_is_refused(client
         await client.responses.create(model="tiny", input="x", previous_response_id=running.id)
     assert info.value.body["param"] == "previous_response_id"
     await client.responses.cancel(running.id)
+
+
+# --- tools: the agent's turn, and the next one chained onto it -------------------------------
+
+TOOLS = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}},
+         {"type": "namespace", "name": "crm", "description": "CRM", "tools": [
+             {"type": "function", "name": "lookup", "parameters": {"type": "object"}}]},
+         {"type": "web_search"}]
+
+
+def agent_output(resp, job_id: str) -> None:
+    reasoning, weather, lookup = resp.output
+    assert (reasoning.type, reasoning.id, reasoning.content[0].text) == ("reasoning", f"rs_{job_id}", "plan")
+    assert (weather.type, weather.id, weather.call_id, weather.name, weather.arguments) == (
+        "function_call", f"fc_{job_id}_0", f"call_{job_id}_0", "get_weather", '{"city":"Paris"}')
+    assert (lookup.call_id, lookup.name, lookup.namespace, lookup.arguments) == (f"call_{job_id}_1", "lookup", "crm",
+                                                                                 "{}")
+
+
+async def test_tool_calls_come_back_as_items_and_the_chain_answers_them(client, stack):
+    first = await client.responses.create(model="tiny", input="call the tools", tools=TOOLS,
+                                          reasoning={"effort": "low"}, include=["reasoning.encrypted_content"])
+    job_id = first.id.removeprefix("resp_")
+    agent_output(first, job_id)
+    assert first.status == "completed" and first.output_text == "" and first.tool_choice == "auto"
+    assert [t.type for t in first.tools] == ["function", "namespace", "web_search"]  # echoed as sent
+    offered = stack.worker.engine.requests[-1]
+    assert [t.name for t in offered.tools.tools] == ["get_weather", "crm__lookup"]  # the hosted one left out
+    assert offered.chat.template_kwargs["reasoning_effort"] == "low"
+
+    outputs = [{"type": "function_call_output", "call_id": f"call_{job_id}_0", "output": "sunny"},
+               {"type": "function_call_output", "call_id": f"call_{job_id}_1", "output": "found"}]
+    second = await client.responses.create(model="tiny", input=outputs, previous_response_id=first.id, tools=TOOLS,
+                                           max_output_tokens=3)
+    assert second.output_text == "fou"  # the scripted model repeats the last turn: the last tool's output
+    calls = [ToolCall(id=f"call_{job_id}_0", name="get_weather", arguments='{"city":"Paris"}'),
+             ToolCall(id=f"call_{job_id}_1", name="crm__lookup", arguments="{}")]
+    assert stack.worker.engine.requests[-1].messages == [
+        ChatMessage(role="user", content="call the tools"),
+        ChatMessage(role="assistant", reasoning="plan", tool_calls=calls),
+        ChatMessage(role="tool", content="sunny", tool_call_id=f"call_{job_id}_0"),
+        ChatMessage(role="tool", content="found", tool_call_id=f"call_{job_id}_1")]
+    items = (await client.responses.input_items.list(second.id)).data[::-1]
+    assert [i.type for i in items] == ["message", "reasoning", "function_call", "function_call",
+                                       "function_call_output", "function_call_output"]
+    assert (items[3].name, items[3].namespace, items[5].call_id, items[5].output) == (
+        "lookup", "crm", f"call_{job_id}_1", "found")
+
+
+async def test_a_streamed_agent_turn_resumes_exactly_from_any_event(client, stack):
+    async with client.responses.stream(model="tiny", input="call live", tools=TOOLS) as stream:
+        live = [event async for event in stream]
+        final = await stream.get_final_response()
+    agent_output(final, final.id.removeprefix("resp_"))
+    assert [e.sequence_number for e in live] == list(range(len(live)))
+    done = [e.item for e in live if e.type == "response.output_item.done"]
+    assert [i.type for i in done] == ["reasoning", "function_call", "function_call"]  # what Codex builds calls from
+    # The background replay of the same kind of turn, cut anywhere, is the exact rest.
+    resp = await client.responses.create(model="tiny", input="call later", tools=TOOLS, background=True)
+    await until(client, resp.id, {"completed"})
+    whole = [e async for e in await client.responses.retrieve(resp.id, stream=True)]
+    assert [e.type for e in whole] == [e.type for e in live]
+    for n in range(len(whole)):
+        later = [e async for e in await client.responses.retrieve(resp.id, stream=True, starting_after=n)]
+        assert [e.model_dump() for e in later] == [e.model_dump() for e in whole[n + 1:]]
+    # The job's own event log (/v1/jobs/{id}/events) holds the pieces, and resumes as exactly.
+    job_events = f"/v1/jobs/{resp.id.removeprefix('resp_')}/events"
+    logged = [f for f in (await stack.client.get(job_events)).content.split(b"\n\n") if f.startswith(b"id: ")]
+    assert b'"reasoning":"plan"' in logged[0] and b'"name":"crm__lookup"' in logged[-1]
+    resumed = (await stack.client.get(job_events, headers={"Last-Event-ID": "2"})).content.split(b"\n\n")
+    assert [f for f in resumed if f.startswith(b"id: ")] == logged[2:]

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import msgspec
+import openai
 import pydantic
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -15,16 +17,19 @@ from openai.types.responses.response_item_list import ResponseItemList
 
 from api.dialects import error_body as dialect_error_body
 from api.dialects import openai_responses as r
+from api.dialects import openai_responses_render as rr
 from api.dialects import render_result as dialect_render_result
 from api.dialects.tiers import priority_of_tier
 from api.submit import check_queueable
 from shared import json_input
-from shared.codec import decode_request, encode
+from shared.chat_template import chat_token_ids
+from shared.codec import decode_event, decode_request, encode
 from shared.errors import GenerationFailed, InvalidRequest, JobNotFound, Overloaded, QueueUnavailable, ServiceError
-from shared.events import Done, Error, TokenDelta, Tokens
+from shared.events import Done, Error, TokenDelta, Tokens, ToolCallDelta
 from shared.framing import KEEPALIVE, Keepalive
 from shared.schemas import (
     ChatMessage,
+    ChatOptions,
     Choice,
     GenerationRequest,
     JobError,
@@ -32,6 +37,9 @@ from shared.schemas import (
     JobResult,
     Reported,
     StructuredOutput,
+    Tool,
+    ToolCall,
+    ToolUse,
     Usage,
 )
 from tests.support.dialect_bodies import responses_bodies
@@ -39,6 +47,14 @@ from tests.support.fuzzing import single_field_bodies
 from tests.support.streams import frames as rendered
 
 MAX_LEN = 1024
+# A function tool, a namespace (with a function and a custom tool) and hosted tools: what Codex sends.
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather", "strict": True,
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+         {"type": "namespace", "name": "crm", "description": "CRM", "tools": [
+             {"type": "function", "name": "lookup", "parameters": {"type": "object"}},
+             {"type": "custom", "name": "patch"}]},
+         {"type": "web_search"}, {"type": "mcp", "server_label": "docs", "server_url": "http://x"},
+         {"type": "local_shell"}]
 STREAM_EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
 
 
@@ -79,6 +95,7 @@ def test_a_string_input_is_one_user_message_with_openai_defaults():
 
 
 def test_instructions_come_first_and_message_items_keep_their_roles():
+    # developer stays developer: the chat template renders it as vLLM's does (shared/chat_template.py)
     items = [
         {"role": "user", "content": "a"},
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "b"}]},
@@ -87,7 +104,7 @@ def test_instructions_come_first_and_message_items_keep_their_roles():
     ]
     g = req(input=items, instructions="be brief")
     assert g.messages == [ChatMessage(role="system", content="be brief"), ChatMessage(role="user", content="a"),
-                          ChatMessage(role="assistant", content="b"), ChatMessage(role="system", content="c\nd"),
+                          ChatMessage(role="assistant", content="b"), ChatMessage(role="developer", content="c\nd"),
                           ChatMessage(role="system", content="e")]
 
 
@@ -119,28 +136,29 @@ def test_service_tier_sets_the_priority_level():
 
 def test_accepted_fields_that_change_nothing_the_worker_runs():
     g = req(metadata={"a": "b"}, store=False, user="u", stream=True, background=False, tool_choice="none",
-            parallel_tool_calls=True, reasoning={"effort": None}, truncation="disabled", include=[], tools=[])
+            parallel_tool_calls=True, reasoning={"effort": None, "summary": "auto"}, truncation="disabled",
+            include=["reasoning.encrypted_content"], tools=[])
     plain = req()
     # Only what the answers repeat differs: kept with the job for a later read.
-    assert g.output.reported == Reported(metadata={"a": "b"}, user="u", store=False)
+    assert g.output.reported == Reported(metadata={"a": "b"}, user="u", store=False, tool_choice="none",
+                                         parallel_tool_calls=True, reasoning_summary="auto")
     assert msgspec.structs.replace(g, output=plain.output) == plain
 
 
 def test_a_stored_job_reports_what_its_first_answer_did():
     fmt = {"type": "json_schema", "name": "ans", "schema": {"type": "object"}, "strict": True}
     fields = dict(model="m", instructions="be brief", metadata={"k": "v"}, user="u1", background=True,
-                  text={"format": fmt}, max_output_tokens=9, service_tier="flex")
+                  text={"format": fmt}, max_output_tokens=9, service_tier="flex", tools=TOOLS,
+                  tool_choice={"type": "function", "name": "lookup"}, parallel_tool_calls=False,
+                  reasoning={"effort": "high", "generate_summary": "concise"})
     g = req(**fields)
     stored = decode_request(encode(g))  # as a worker and a later poll read it back
     assert r.echo_of_request(stored) == r.echo_of_body(body(**fields), "m")
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
-    ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
-    ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"top_logprobs": 2}, "top_logprobs"),
@@ -148,7 +166,7 @@ def test_a_stored_job_reports_what_its_first_answer_did():
     ({"background": True, "store": False}, "background"),
     ({"input": None}, "input"),
     ({"input": []}, "input"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].type"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
      "input[0].content[0].type"),
@@ -161,6 +179,22 @@ def test_a_stored_job_reports_what_its_first_answer_did():
     ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"max_output_tokens": MAX_LEN}, "max_output_tokens"),
+    ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": [{"type": "namespace", "name": "n", "tools": [{"type": "function", "name": 3}]}]}, "tools[0].tools[0]"),
+    ({"tools": [{"type": "function", "name": "f"}, {"type": "function", "name": "f"}]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice.name"),
+    ({"tools": TOOLS, "tool_choice": {"type": "web_search"}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "custom", "name": "patch"}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
+    ({"tools": [{"type": "web_search"}], "tool_choice": "required"}, "tool_choice"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]}, "input[0].name"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image"}]}]},
+     "input[0].output[0].type"),
+    ({"input": [{"type": "reasoning", "summary": [], "content": [{"type": "image"}]}]}, "input[0].content[0].type"),
 ])
 def test_refusals_name_their_param(fields, param):
     exc = refused(**fields)
@@ -186,6 +220,138 @@ def test_a_chained_request_has_the_previous_conversation_without_its_instruction
 def test_out_of_range_or_mistyped_fields_fail_decoding(raw):
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"input": "x", **raw}, r.ResponsesRequest)
+
+
+# --- tools, tool history, reasoning -------------------------------------------------------------
+
+
+def test_function_tools_and_choices_map_onto_the_chats_tools():
+    weather = Tool(name="get_weather", description="Weather", strict=True,
+                   parameters={"type": "object", "properties": {"city": {"type": "string"}}})
+    lookup = Tool(name="crm__lookup", parameters={"type": "object"})
+    assert req(tools=TOOLS).tools == ToolUse(tools=[weather, lookup], choice="auto", parallel=True)
+    assert req(tools=TOOLS, tool_choice="required", parallel_tool_calls=False).tools == ToolUse(
+        tools=[weather, lookup], choice="required", parallel=False)
+    assert req(tools=TOOLS, tool_choice="none").tools.choice == "none"  # offered (as vLLM does), not called
+    named = req(tools=TOOLS, tool_choice={"type": "function", "name": "get_weather"}).tools
+    assert (named.choice, named.function) == ("function", "get_weather")
+    assert req(tools=[{"type": "function", "name": "f"}]).tools.tools == [Tool(name="f")]
+
+
+def test_a_namespaces_functions_are_offered_under_flat_names():
+    # The model sees <namespace>__<name> (vLLM's flat name); a choice may name the function alone
+    # when one namespace has it, with its namespace, or by the flat name.
+    for choice in ({"type": "function", "name": "lookup"}, {"type": "function", "name": "lookup", "namespace": "crm"},
+                   {"type": "function", "name": "crm__lookup"}):
+        assert req(tools=TOOLS, tool_choice=choice).tools.function == "crm__lookup"
+    twice = [*TOOLS, {"type": "namespace", "name": "erp", "description": "", "tools": [
+        {"type": "function", "name": "lookup"}]}]
+    assert [t.name for t in req(tools=twice).tools.tools] == ["get_weather", "crm__lookup", "erp__lookup"]
+    exc = refused(tools=twice, tool_choice={"type": "function", "name": "lookup"})
+    assert exc.param == "tool_choice" and "ambiguous" in exc.message
+
+
+def test_hosted_tools_are_left_out_and_never_fail_a_request():
+    hosted = [t for t in TOOLS if t["type"] not in ("function", "namespace")]
+    g = req(tools=hosted)
+    assert g.tools is None and req(tools=hosted, tool_choice="auto").tools is None
+    # ... but the response reports every tool as it was sent (a function in OpenAI's full form).
+    e = r.echo_of_request(req(tools=TOOLS))
+    assert e.tools[0] == {**TOOLS[0]} and e.tools[1:] == TOOLS[1:]
+    assert r.echo_of_request(req(tools=[{"type": "function", "name": "f"}])).tools == [
+        {"type": "function", "name": "f", "description": None, "parameters": None, "strict": None}]
+    assert (e.tool_choice, e.parallel_tool_calls) == ("auto", True)
+    assert (r.echo_of_request(req()).tool_choice, r.echo_of_request(req()).parallel_tool_calls) == ("none", False)
+
+
+def test_function_calls_and_their_outputs_become_tool_turns():
+    items = [
+        {"role": "user", "content": "weather?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "need it"}],
+         "encrypted_content": "opaque"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city":"Paris"}', "status": "completed"},
+        {"type": "function_call", "call_id": "call_2", "name": "lookup", "namespace": "crm", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "a"},
+                                                                         {"type": "input_text", "text": "b"}]},
+        {"role": "developer", "content": "be terse"},
+    ]
+    assert req(input=items).messages == [
+        ChatMessage(role="user", content="weather?"),
+        ChatMessage(role="assistant", content="Checking.", reasoning="need it", tool_calls=[
+            ToolCall(id="call_1", name="get_weather", arguments='{"city":"Paris"}'),
+            ToolCall(id="call_2", name="crm__lookup", arguments="{}")]),
+        ChatMessage(role="tool", content="sunny", tool_call_id="call_1"),
+        ChatMessage(role="tool", content="a\nb", tool_call_id="call_2"),
+        ChatMessage(role="developer", content="be terse"),
+    ]
+
+
+def test_reasoning_items_fill_an_assistant_turn_or_add_nothing():
+    # Only encrypted (from another server): nothing to say; the call makes its own turn.
+    only_encrypted = [{"type": "reasoning", "summary": [], "encrypted_content": "x"},
+                      {"type": "function_call", "call_id": "c", "name": "f", "arguments": ""}]
+    assert req(input=only_encrypted).messages == [ChatMessage(role="assistant", tool_calls=[
+        ToolCall(id="c", name="f", arguments="")])]
+    # A summary stands in for missing content; Codex's "text" parts are read as reasoning text.
+    summary = [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "short"}]}]
+    assert req(input=summary).messages == [ChatMessage(role="assistant", reasoning="short")]
+    codex = [{"type": "reasoning", "summary": [], "content": [{"type": "text", "text": "long"}]},
+             {"role": "assistant", "content": "done"}, {"role": "assistant", "content": "again"}]
+    assert req(input=codex).messages == [ChatMessage(role="assistant", content="done", reasoning="long"),
+                                         ChatMessage(role="assistant", content="again")]
+
+
+def test_reasoning_effort_reaches_the_chat_template_and_summaries_are_accepted():
+    g = req(reasoning={"effort": "low", "summary": "detailed"}, include=["reasoning.encrypted_content"])
+    assert g.chat.template_kwargs == {"reasoning_effort": "low", "enable_thinking": True}
+    assert req(reasoning={"effort": "none"}).chat.template_kwargs == {"reasoning_effort": "none",
+                                                                       "enable_thinking": False}
+    assert req(reasoning={"summary": "auto"}).chat.template_kwargs == {}
+    assert r.echo_of_request(g).reasoning == rr.Reasoning(effort="low", summary="detailed")
+    with pytest.raises(msgspec.ValidationError):
+        body(reasoning={"effort": "maximal"})
+
+
+def test_a_chain_carries_the_previous_calls_and_this_inputs_outputs():
+    first = req(input="weather?", tools=TOOLS)
+    calls = [ToolCall(id="call_j0_0", name="get_weather", arguments='{"city":"Paris"}')]
+    history = r.history_of(first, JobResult(choices=[Choice(text="", reasoning="think", tool_calls=calls,
+                                                            finish_reason="tool_calls")]))
+    assert history == [ChatMessage(role="user", content="weather?"),
+                       ChatMessage(role="assistant", reasoning="think", tool_calls=calls)]
+    second = r.to_generation_request(body(input=[{"type": "function_call_output", "call_id": "call_j0_0",
+                                                  "output": "sunny"}], previous_response_id="resp_j0", tools=TOOLS),
+                                     max_model_len=MAX_LEN, history=history)
+    assert second.messages == [*history, ChatMessage(role="tool", content="sunny", tool_call_id="call_j0_0")]
+
+
+class Template:
+    """A tokenizer as chat_token_ids uses it: what it was given, for a template text."""
+
+    def __init__(self, text: str) -> None:
+        self.chat_template, self.seen = text, None
+
+    def apply_chat_template(self, messages, **kwargs):
+        self.seen = messages
+        return [1]
+
+
+def test_developer_turns_render_as_vllms_do():
+    chat = [ChatMessage(role="system", content="sys"), ChatMessage(role="user", content="u"),
+            ChatMessage(role="developer", content="dev")]
+    plain = Template("{% for m in messages %}{{ m.content }}{% endfor %}")
+    chat_token_ids(plain, chat, ChatOptions())
+    # A template that does not name the role gets system turns, merged at the start (vLLM's rule).
+    assert plain.seen == [{"role": "system", "content": "sys\n\ndev"}, {"role": "user", "content": "u"}]
+    knows = Template("{% if m.role == 'developer' %}")
+    chat_token_ids(knows, chat, ChatOptions())
+    assert [m["role"] for m in knows.seen] == ["system", "user", "developer"]
+    late_system = [ChatMessage(role="user", content="u"), ChatMessage(role="system", content="s")]
+    chat_token_ids(plain, late_system, ChatOptions())
+    assert [m["role"] for m in plain.seen] == ["user", "system"]  # no developer: as it was
 
 
 # --- the response object ----------------------------------------------------------------------
@@ -219,7 +385,7 @@ def test_the_finished_object_exact_and_valid_for_the_sdk():
 def test_a_length_stop_is_incomplete_with_max_output_tokens():
     result = JobResult(choices=[Choice(text="ab", finish_reason="length")], usage=Usage(completion_tokens=2))
     resp = r.render_finished(echo(), result, "j1", 7)
-    assert resp.status == "incomplete" and resp.incomplete_details == r.IncompleteDetails(reason="max_output_tokens")
+    assert resp.status == "incomplete" and resp.incomplete_details == rr.IncompleteDetails(reason="max_output_tokens")
     assert resp.output[0].status == "incomplete"
     SdkResponse.model_validate_json(encode(resp), strict=True)
 
@@ -248,7 +414,7 @@ def test_a_record_renders_in_every_state():
     # What the record keeps is echoed back: tier level, sampling, the token budget.
     assert (done.service_tier, done.temperature, done.max_output_tokens, done.model) == ("flex", 0.3, 5, "m")
     failed = r.render_record(record("failed", error=JobError(code="engine_dead", message="boom", status=503)))
-    assert failed.status == "failed" and failed.error == r.ResponseError(code="server_error", message="boom")
+    assert failed.status == "failed" and failed.error == rr.ResponseError(code="server_error", message="boom")
     for resp in (done, failed, r.render_record(record("running"))):
         SdkResponse.model_validate_json(encode(resp), strict=True)
 
@@ -267,8 +433,8 @@ def test_response_ids_map_to_jobs():
 def test_input_items_list_newest_first():
     g = req(instructions="sys", input=[{"role": "user", "content": "a"}])
     raw = encode(r.render_input_items(g, "j1"))
-    assert raw == (b'{"object":"list","data":[{"id":"msg_j1_1","type":"message","role":"user","content":[{"type":'
-                   b'"input_text","text":"a"}],"status":"completed"},{"id":"msg_j1_0","type":"message","role":"system",'
+    assert raw == (b'{"object":"list","data":[{"type":"message","id":"msg_j1_1","role":"user","content":[{"type":'
+                   b'"input_text","text":"a"}],"status":"completed"},{"type":"message","id":"msg_j1_0","role":"system",'
                    b'"content":[{"type":"input_text","text":"sys"}],"status":"completed"}],"first_id":"msg_j1_1",'
                    b'"last_id":"msg_j1_0","has_more":false}')
     ResponseItemList.model_validate_json(raw)
@@ -342,12 +508,14 @@ async def test_every_event_validates_as_the_sdks_and_numbers_follow_the_job_seq(
         assert event.type == name and event.sequence_number == i
 
 
-async def test_each_job_event_is_one_delta_even_an_empty_one():
+async def test_events_with_no_new_text_send_nothing_and_numbers_stay_consecutive():
     events = [Tokens(seq=1, deltas=[]), Tokens(seq=2, deltas=[TokenDelta(text="a"), TokenDelta(text="b")]),
-              Done(seq=3, deltas=[TokenDelta(text="", finish_reason="length")])]
-    deltas = [parsed(f)[1] for f in await frames(events) if b"output_text.delta" in f[:40]]
-    assert [(d["sequence_number"], d["delta"]) for d in deltas] == [(4, ""), (5, "ab"), (6, "")]
-    assert r.delta_seq(1) == 4
+              Tokens(seq=3, deltas=[TokenDelta(token_ids=[5])]),
+              Done(seq=4, deltas=[TokenDelta(finish_reason="length")])]
+    out = [parsed(f) for f in await frames(events)]
+    assert [d["sequence_number"] for _, d in out] == list(range(len(out)))
+    assert [(d["sequence_number"], d["delta"]) for name, d in out if name == "response.output_text.delta"] == [
+        (4, "a"), (5, "b")]
 
 
 async def test_a_length_stop_ends_incomplete():
@@ -381,7 +549,7 @@ async def test_keepalives_are_comments_and_a_broken_relay_is_an_error_event():
         raise QueueUnavailable("lost the queue")
 
     out = await rendered(r.ResponseStream(echo(), "j1", 7), broken())
-    assert out[4] == KEEPALIVE
+    assert out[2] == KEEPALIVE
     name, data = parsed(out[-1])
     assert name == "error" and data == {"type": "error", "sequence_number": 5, "code": "queue_unavailable",
                                         "message": "lost the queue", "param": None}
@@ -396,6 +564,231 @@ async def test_starting_after_sends_exactly_the_later_events(after):
 async def test_a_background_stream_opens_queued():
     name, data = parsed((await frames(HEY, echo=echo(background=True)))[0])
     assert data["response"]["status"] == "queued" and data["response"]["background"] is True
+
+
+# --- tools and reasoning on the wire -----------------------------------------------------------
+
+AGENT_TOOLS = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}},
+               {"type": "namespace", "name": "crm", "description": "CRM", "tools": [
+                   {"type": "function", "name": "lookup", "description": "find one"}]},
+               {"type": "web_search"}]
+# Reasoning, then text (in the same delta as more reasoning), then two calls, the second one a
+# namespace's function; call pieces as the worker publishes them (the first names the call).
+AGENT = [
+    Tokens(seq=1, deltas=[TokenDelta(token_ids=[1], reasoning="Think")]),
+    Tokens(seq=2, deltas=[TokenDelta(token_ids=[2, 3], reasoning=" hard", text="Hi")]),
+    Tokens(seq=3, deltas=[TokenDelta(token_ids=[4], tool_calls=[
+        ToolCallDelta(index=0, id="call_j1_0", name="get_weather", arguments='{"city":')])]),
+    Tokens(seq=4, deltas=[TokenDelta(token_ids=[5], tool_calls=[
+        ToolCallDelta(index=0, arguments='"Paris"}'), ToolCallDelta(index=1, id="call_j1_1", name="crm__lookup")])]),
+    Done(seq=5, deltas=[TokenDelta(token_ids=[6], tool_calls=[ToolCallDelta(index=1, arguments="{}")],
+                                   finish_reason="tool_calls")], usage=Usage(prompt_tokens=3, completion_tokens=6)),
+]
+AGENT_RESULT = JobResult(choices=[Choice(text="Hi", reasoning="Think hard", finish_reason="tool_calls", tool_calls=[
+    ToolCall(id="call_j1_0", name="get_weather", arguments='{"city":"Paris"}'),
+    ToolCall(id="call_j1_1", name="crm__lookup", arguments="{}")])], usage=Usage(prompt_tokens=3, completion_tokens=6))
+AGENT_OBJ = (
+    b'"id":"resp_j1","object":"response","created_at":7,"status":"%s","background":false,"error":null,'
+    b'"incomplete_details":null,"instructions":null,"max_output_tokens":null,"max_tool_calls":null,"model":"m",'
+    b'"output":%s,"parallel_tool_calls":true,"previous_response_id":null,"reasoning":{"effort":"low",'
+    b'"summary":null},"service_tier":"default","store":true,"temperature":1.0,"text":{"format":{"type":"text"}},'
+    b'"tool_choice":"auto","tools":[{"type":"function","name":"get_weather","description":null,"parameters":'
+    b'{"type":"object"},"strict":null},{"type":"namespace","name":"crm","description":"CRM","tools":[{"type":'
+    b'"function","name":"lookup","description":"find one"}]},{"type":"web_search"}],"top_logprobs":0,"top_p":1.0,'
+    b'"truncation":"disabled","usage":%s,"user":null,"metadata":{}')
+AGENT_USAGE = (b'{"input_tokens":3,"input_tokens_details":{"cached_tokens":0,"cache_write_tokens":0},"output_tokens":6,'
+               b'"output_tokens_details":{"reasoning_tokens":0},"total_tokens":9}')
+RS = (b'{"type":"reasoning","id":"rs_j1","summary":[],"content":[{"type":"reasoning_text","text":"Think hard"}],'
+      b'"status":"completed"}')
+HI = (b'{"type":"message","id":"msg_j1","status":"completed","role":"assistant","content":[{"type":"output_text",'
+      b'"text":"Hi","annotations":[]}]}')
+FC0 = (b'{"type":"function_call","id":"fc_j1_0","call_id":"call_j1_0","name":"get_weather",'
+       b'"arguments":"{\\"city\\":\\"Paris\\"}","status":"completed"}')
+FC1 = (b'{"type":"function_call","id":"fc_j1_1","call_id":"call_j1_1","name":"lookup","namespace":"crm",'
+       b'"arguments":"{}","status":"completed"}')
+AGENT_OUTPUT = b"[" + b",".join([RS, HI, FC0, FC1]) + b"]"
+
+
+def agent_echo(**fields) -> r.Echo:
+    return r.echo_of_body(body(tools=AGENT_TOOLS, reasoning={"effort": "low"}, **fields), "m")
+
+
+def test_the_finished_agent_response_exact_and_valid_for_the_sdk():
+    raw = encode(r.render_finished(agent_echo(), AGENT_RESULT, "j1", 7))
+    assert raw == b"{" + AGENT_OBJ % (b"completed", AGENT_OUTPUT, AGENT_USAGE) + b"}"
+    sdk = SdkResponse.model_validate_json(raw, strict=True)
+    reasoning, message, weather, lookup = sdk.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "Think hard" and reasoning.summary == []
+    assert sdk.output_text == "Hi" and message.id == "msg_j1"
+    assert (weather.call_id, weather.name, weather.namespace, weather.arguments) == (
+        "call_j1_0", "get_weather", None, '{"city":"Paris"}')
+    assert (lookup.id, lookup.name, lookup.namespace) == ("fc_j1_1", "lookup", "crm")
+
+
+def test_only_calls_mean_no_message_and_a_length_stop_leaves_the_last_item_incomplete():
+    def output(**choice) -> list[tuple[str, str]]:
+        resp = r.render_finished(agent_echo(), JobResult(choices=[Choice(**choice)]), "j1", 7)
+        SdkResponse.model_validate_json(encode(resp), strict=True)
+        return [(i["type"], i["status"]) for i in msgspec.to_builtins(resp)["output"]]
+
+    calls = [ToolCall(id="call_j1_0", name="get_weather", arguments='{"ci')]
+    assert output(tool_calls=calls, finish_reason="length") == [("function_call", "incomplete")]
+    assert output(reasoning="hm", text="a", finish_reason="length") == [("reasoning", "completed"),
+                                                                        ("message", "incomplete")]
+    # It only thought: no empty message beside the reasoning. Nothing at all: one empty message.
+    assert output(reasoning="hm", finish_reason="stop") == [("reasoning", "completed")]
+    assert output(finish_reason="stop") == [("message", "completed")]
+
+
+def ev(name: str, n: int, rest: bytes) -> bytes:
+    return b"event: %s\ndata: {\"type\":\"%s\",\"sequence_number\":%d,%s}\n\n" % (name.encode(), name.encode(), n, rest)
+
+
+async def test_the_agent_stream_byte_for_byte():
+    opening = AGENT_OBJ % (b"in_progress", b"[]", b"null")
+    rs_at, hi_at = b'"item_id":"rs_j1","output_index":0', b'"item_id":"msg_j1","output_index":1'
+    fc0_at, fc1_at = b'"item_id":"fc_j1_0","output_index":2', b'"item_id":"fc_j1_1","output_index":3'
+    assert await frames(AGENT, echo=agent_echo()) == [
+        ev("response.created", 0, b'"response":{' + opening + b"}"),
+        ev("response.in_progress", 1, b'"response":{' + opening + b"}"),
+        ev("response.output_item.added", 2, b'"output_index":0,"item":{"type":"reasoning","id":"rs_j1","summary":[],'
+           b'"content":[],"status":"in_progress"}'),
+        ev("response.content_part.added", 3, rs_at + b',"content_index":0,"part":{"type":"reasoning_text","text":""}'),
+        ev("response.reasoning_text.delta", 4, rs_at + b',"content_index":0,"delta":"Think"'),
+        ev("response.reasoning_text.delta", 5, rs_at + b',"content_index":0,"delta":" hard"'),
+        ev("response.reasoning_text.done", 6, rs_at + b',"content_index":0,"text":"Think hard"'),
+        ev("response.content_part.done", 7, rs_at + b',"content_index":0,"part":{"type":"reasoning_text",'
+           b'"text":"Think hard"}'),
+        ev("response.output_item.done", 8, b'"output_index":0,"item":' + RS),
+        ev("response.output_item.added", 9, b'"output_index":1,"item":{"type":"message","id":"msg_j1","status":'
+           b'"in_progress","role":"assistant","content":[]}'),
+        ev("response.content_part.added", 10, hi_at + b',"content_index":0,"part":{"type":"output_text","text":"",'
+           b'"annotations":[]}'),
+        ev("response.output_text.delta", 11, hi_at + b',"content_index":0,"delta":"Hi","logprobs":[]'),
+        ev("response.output_text.done", 12, hi_at + b',"content_index":0,"text":"Hi","logprobs":[]'),
+        ev("response.content_part.done", 13, hi_at + b',"content_index":0,"part":{"type":"output_text","text":"Hi",'
+           b'"annotations":[]}'),
+        ev("response.output_item.done", 14, b'"output_index":1,"item":' + HI),
+        ev("response.output_item.added", 15, b'"output_index":2,"item":{"type":"function_call","id":"fc_j1_0",'
+           b'"call_id":"call_j1_0","name":"get_weather","arguments":"","status":"in_progress"}'),
+        ev("response.function_call_arguments.delta", 16, fc0_at + b',"delta":"{\\"city\\":"'),
+        ev("response.function_call_arguments.delta", 17, fc0_at + b',"delta":"\\"Paris\\"}"'),
+        ev("response.function_call_arguments.done", 18, fc0_at + b',"arguments":"{\\"city\\":\\"Paris\\"}"'),
+        ev("response.output_item.done", 19, b'"output_index":2,"item":' + FC0),
+        ev("response.output_item.added", 20, b'"output_index":3,"item":{"type":"function_call","id":"fc_j1_1",'
+           b'"call_id":"call_j1_1","name":"lookup","namespace":"crm","arguments":"","status":"in_progress"}'),
+        ev("response.function_call_arguments.delta", 21, fc1_at + b',"delta":"{}"'),
+        ev("response.function_call_arguments.done", 22, fc1_at + b',"arguments":"{}"'),
+        ev("response.output_item.done", 23, b'"output_index":3,"item":' + FC1),
+        ev("response.completed", 24, b'"response":{' + AGENT_OBJ % (b"completed", AGENT_OUTPUT, AGENT_USAGE) + b"}"),
+    ]
+
+
+async def test_the_agent_stream_validates_and_ends_as_the_response_reads_back():
+    out = [parsed(f) for f in await frames(AGENT, echo=agent_echo())]
+    for i, (name, data) in enumerate(out):
+        event = STREAM_EVENT.validate_python(data, strict=True)
+        assert event.type == name and event.sequence_number == i
+    later = encode(r.render_record(JobRecord(id="j1", model="m", status="done", request=req(
+        tools=AGENT_TOOLS, reasoning={"effort": "low"}, max_output_tokens=None), queued_at=7000.0,
+        result=AGENT_RESULT)))
+    assert msgspec.json.decode(later)["output"] == out[-1][1]["response"]["output"]
+
+
+async def test_the_stream_is_a_pure_function_of_the_events():
+    assert await frames(AGENT, echo=agent_echo()) == await frames(AGENT, echo=agent_echo())
+    # Re-rendered from a stored log (the event log is what a resume reads), the same bytes.
+    stored = [decode_event(encode(e)) for e in AGENT]
+    assert await frames(stored, echo=agent_echo()) == await frames(AGENT, echo=agent_echo())
+
+
+@pytest.mark.parametrize("after", range(-1, 26))
+async def test_a_resume_from_any_number_is_exactly_the_rest_of_the_agent_stream(after):
+    whole = await frames(AGENT, echo=agent_echo())
+    assert await frames(AGENT, echo=agent_echo(), starting_after=after) == whole[after + 1:]
+
+
+async def test_a_length_stop_inside_a_call_streams_it_incomplete():
+    events = [Tokens(seq=1, deltas=[TokenDelta(tool_calls=[ToolCallDelta(index=0, id="call_j1_0", name="f")])]),
+              Done(seq=2, deltas=[TokenDelta(tool_calls=[ToolCallDelta(index=0, arguments='{"a')],
+                                             finish_reason="length")])]
+    out = [parsed(f) for f in await frames(events, echo=agent_echo())]
+    assert [name for name, _ in out] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.incomplete"]
+    assert out[5][1]["item"]["status"] == "incomplete" and out[5][1]["item"]["arguments"] == '{"a'
+    assert out[-1][1]["response"]["output"] == [out[5][1]["item"]]
+
+
+async def test_a_piece_of_a_finished_item_is_not_streamed_again_but_the_response_has_it():
+    # No vLLM parser sends content after a call; if one did, the stream stays valid and whole.
+    events = [Tokens(seq=1, deltas=[TokenDelta(text="A")]),
+              Tokens(seq=2, deltas=[TokenDelta(tool_calls=[ToolCallDelta(index=0, id="call_j1_0", name="f")])]),
+              Done(seq=3, deltas=[TokenDelta(text="B", finish_reason="tool_calls")])]
+    out = [parsed(f) for f in await frames(events, echo=agent_echo())]
+    assert [d["delta"] for name, d in out if name == "response.output_text.delta"] == ["A"]
+    assert [i["type"] for i in out[-1][1]["response"]["output"]] == ["message", "function_call"]
+    assert out[-1][1]["response"]["output"][0]["content"][0]["text"] == "AB"
+    for _, data in out:
+        STREAM_EVENT.validate_python(data, strict=True)
+
+
+def sdk(raw: bytes, content_type: str) -> openai.OpenAI:
+    """The openai SDK, answered with ``raw``: what it makes of exactly these bytes."""
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=raw, headers={"content-type": content_type})
+
+    return openai.OpenAI(base_url="http://llmq.test/v1", api_key="x", max_retries=0,
+                         http_client=httpx.Client(transport=httpx.MockTransport(answer)))
+
+
+def check_agent_output(output) -> None:
+    reasoning, message, weather, lookup = output
+    assert (reasoning.type, reasoning.id, reasoning.content[0].text) == ("reasoning", "rs_j1", "Think hard")
+    assert (message.type, message.content[0].text) == ("message", "Hi")
+    assert (weather.type, weather.call_id, weather.name, weather.arguments) == (
+        "function_call", "call_j1_0", "get_weather", '{"city":"Paris"}')
+    assert (lookup.call_id, lookup.name, lookup.namespace, lookup.arguments) == ("call_j1_1", "lookup", "crm", "{}")
+
+
+async def test_the_sdk_accepts_the_exact_stream_bytes():
+    raw = b"".join(await frames(AGENT, echo=agent_echo()))
+    with sdk(raw, "text/event-stream").responses.stream(model="m", input="hi", tools=AGENT_TOOLS) as stream:
+        seen = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert seen[-1] == "response.completed" and final.id == "resp_j1" and final.usage.total_tokens == 9
+    check_agent_output(final.output)
+    # What Codex reads: each call whole in its output_item.done.
+    events = list(sdk(raw, "text/event-stream").responses.create(model="m", input="hi", stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    check_agent_output(done)
+    assert events[-1].type == "response.completed" and events[-1].response.usage.output_tokens == 6
+
+
+def test_the_sdk_accepts_the_exact_finished_bytes():
+    raw = encode(r.render_finished(agent_echo(), AGENT_RESULT, "j1", 7))
+    resp = sdk(raw, "application/json").responses.create(model="m", input="hi", tools=AGENT_TOOLS)
+    check_agent_output(resp.output)
+    assert resp.output_text == "Hi" and resp.tool_choice == "auto" and resp.parallel_tool_calls is True
+    assert [t.type for t in resp.tools] == ["function", "namespace", "web_search"]
+
+
+def test_input_items_list_tool_turns_as_items():
+    items = [{"role": "user", "content": "weather?"},
+             {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "need it"}]},
+             {"type": "function_call", "call_id": "call_1", "name": "lookup", "namespace": "crm", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "call_1", "output": "found"}]
+    raw = encode(r.render_input_items(req(input=items, tools=AGENT_TOOLS), "j1"))
+    assert raw == (
+        b'{"object":"list","data":[{"type":"function_call_output","id":"fco_j1_2","call_id":"call_1","output":"found",'
+        b'"status":"completed"},{"type":"function_call","id":"fc_j1_1_0","call_id":"call_1","name":"lookup",'
+        b'"namespace":"crm","arguments":"{}","status":"completed"},{"type":"reasoning","id":"rs_j1_1","summary":[],'
+        b'"content":[{"type":"reasoning_text","text":"need it"}],"status":"completed"},{"type":"message","id":'
+        b'"msg_j1_0","role":"user","content":[{"type":"input_text","text":"weather?"}],"status":"completed"}],'
+        b'"first_id":"fco_j1_2","last_id":"msg_j1_0","has_more":false}')
+    listed = ResponseItemList.model_validate_json(raw, strict=True)
+    assert [i.type for i in listed.data] == ["function_call_output", "function_call", "reasoning", "message"]
 
 
 # --- fuzzing: any body is a 4xx or a request the worker reads back exactly --------------------
