@@ -244,8 +244,9 @@ def _template_kwargs(b: ChatRequest) -> dict[str, object]:
     kwargs = dict(b.chat_template_kwargs or {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
     refuse(bool(reserved), f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
-    if b.reasoning_effort is not None:
+    if b.reasoning_effort is not None:  # as vLLM passes it: the effort, and thinking unless it is "none"
         kwargs.setdefault("reasoning_effort", b.reasoning_effort)
+        kwargs.setdefault("enable_thinking", b.reasoning_effort != "none")
     return kwargs
 
 

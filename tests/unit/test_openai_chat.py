@@ -397,7 +397,9 @@ def test_empty_tools_and_choice_none_are_accepted():
 
 
 def test_reasoning_effort_reaches_the_template():
-    assert req({"messages": HI, "reasoning_effort": "low"}).chat.template_kwargs == {"reasoning_effort": "low"}
+    assert req({"messages": HI, "reasoning_effort": "low"}).chat.template_kwargs == {"reasoning_effort": "low",
+                                                                                   "enable_thinking": True}
+    assert req({"messages": HI, "reasoning_effort": "none"}).chat.template_kwargs["enable_thinking"] is False
 
 
 def test_result_with_tool_calls_has_null_content_and_the_calls():
