@@ -449,7 +449,7 @@ def agent_body(dialect: str, model: str, choice: str, tool: dict | None, *, thin
                      "tool_choice": {"type": "any", "disable_parallel_tool_use": True} if choice == "required"
                      else {"type": "tool", "name": fn["name"], "disable_parallel_tool_use": True}}
         if thinking:
-            body["thinking"] = {"type": "enabled", "budget_tokens": 1024}
+            body["thinking"] = {"type": "adaptive"}  # Claude Code's; "enabled" needs a budget of 1024 or more
     return {"model": model, "stream": True, "temperature": 0, **body}
 
 
