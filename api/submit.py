@@ -89,7 +89,8 @@ def _record(svc: Services, ctx: RequestContext, req: GenerationRequest) -> JobRe
     if req.webhook and not svc.settings.webhook_secret:
         raise InvalidRequest("webhooks are not configured on this server (LLMQ_WEBHOOK_SECRET)", param="webhook")
     record = JobRecord.new(req, owner=ctx.owner, default_timeout_s=svc.settings.deadline_s, tenant=ctx.tenant,
-                           traceparent=ctx.span.traceparent if ctx.span is not None else None)
+                           traceparent=ctx.span.traceparent if ctx.span is not None else None,
+                           max_model_len=svc.settings.max_model_len)
     if ctx.span is not None:
         ctx.span.queued(record.id, record.model, ctx.tenant, req.dialect)
     if svc.settings.log_requests:  # LLMQ_LOG_REQUESTS: the only log line that holds a prompt, at debug

@@ -23,6 +23,7 @@ from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
+from shared.budget import generation_budget
 from shared.chat_template import chat_token_ids
 from shared.config import Settings
 from shared.errors import EngineDead, InvalidRequest
@@ -36,9 +37,11 @@ from workers.protocol import Step
 __all__ = ["VllmEngine", "to_sampling_params", "engine_args"]
 
 
-def to_sampling_params(req: GenerationRequest, forced: Sequence[int] = ()) -> VllmSamplingParams:
+def to_sampling_params(req: GenerationRequest, forced: Sequence[int] = (),
+                       max_tokens: int | None = None) -> VllmSamplingParams:
     """The one mapping from llmq's sampling parameters to vLLM's; ``forced``: output tokens the
-    engine must produce first (a continued job's replay, workers/forcing.py)."""
+    engine must produce first (a continued job's replay, workers/forcing.py); ``max_tokens``: the
+    request's, clamped to the context (:func:`shared.budget.generation_budget`)."""
     s = req.sampling
     return VllmSamplingParams(
         n=s.n,
@@ -50,7 +53,7 @@ def to_sampling_params(req: GenerationRequest, forced: Sequence[int] = ()) -> Vl
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
         seed=s.seed,
-        max_tokens=s.max_tokens,
+        max_tokens=s.max_tokens if max_tokens is None else max_tokens,
         min_tokens=s.min_tokens,
         stop=list(s.stop) or None,
         stop_token_ids=list(s.stop_token_ids) or None,
@@ -185,6 +188,14 @@ class VllmEngine:
         assert req.prompt is not None
         return TextPrompt(prompt=req.prompt)
 
+    def _budget(self, req: GenerationRequest, prompt: TextPrompt | TokensPrompt) -> int:
+        """``max_tokens`` clamped to what the context leaves after the prompt, as vLLM's server
+        does: exact for a prompt of token ids (a chat is rendered to ids here); a text prompt is
+        tokenised inside vLLM, so it counts as one token, and the engine ends the generation at
+        the context's end (``length``) all the same."""
+        ids = prompt.get("prompt_token_ids")
+        return generation_budget(req.sampling.max_tokens, None if ids is None else len(ids), self.max_model_len)
+
     def _prompt_info(self, out: RequestOutput, req: GenerationRequest) -> PromptInfo:
         ids = list(out.prompt_token_ids or ())
         info = PromptInfo(token_ids=ids)
@@ -234,8 +245,8 @@ class VllmEngine:
                         trace_headers: Mapping[str, str] | None = None) -> AsyncIterator[Step]:
         want_top = req.sampling.logprobs
         try:
-            params = to_sampling_params(req, forced)
             prompt = self._prompt(req)
+            params = to_sampling_params(req, forced, self._budget(req, prompt))
         except ValueError as exc:  # SamplingParams' own range checks
             raise InvalidRequest(str(exc)) from None
         try:
@@ -294,7 +305,8 @@ class VllmEngine:
             return {tid: (lp.logprob, lp.decoded_token or "") for tid, lp in position.items()}
 
         beams = await beam_search(
-            ids, next_tokens, width=s.beam_width, max_tokens=s.max_tokens,
+            ids, next_tokens, width=s.beam_width, max_tokens=generation_budget(s.max_tokens, len(ids),
+                                                                               self.max_model_len),
             eos_token_id=self.tokenizer.eos_token_id, ignore_eos=s.ignore_eos, length_penalty=s.length_penalty,
         )
         deltas = [
