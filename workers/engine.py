@@ -10,6 +10,7 @@ inside its engine core.
 from __future__ import annotations
 
 import gc
+import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 
 from vllm import SamplingParams as VllmSamplingParams
@@ -25,7 +26,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from shared.budget import generation_budget
 from shared.chat_template import chat_token_ids
-from shared.config import Settings
+from shared.config import Settings, SettingsError
 from shared.errors import EngineDead, InvalidRequest
 from shared.events import TokenDelta
 from shared.schemas import GenerationRequest, PromptInfo, StructuredOutput, TopLogprob
@@ -127,6 +128,23 @@ def _step(out: RequestOutput, want_top: int | None) -> Step:
     return Step(deltas=deltas, finished=out.finished, prompt_tokens=len(out.prompt_token_ids or ()))
 
 
+_DERIVED = re.compile(r"derived max_model_len \((\w+)=(\d+)")
+
+
+def _too_long(exc: ValueError, settings: Settings) -> SettingsError | None:
+    """vLLM's refusal of a context longer than the model's, as one line naming llmq's fixes (None:
+    another error). vLLM's own message names its variable, and ends in a traceback."""
+    if "VLLM_ALLOW_LONG_MAX_MODEL_LEN" not in str(exc):
+        return None
+    found = _DERIVED.search(str(exc))
+    own = f"{found[1]}={found[2]}" if found else "the length its config.json allows"
+    limit = found[2] if found else "that"
+    return SettingsError(
+        f"LLMQ_MAX_MODEL_LEN={settings.max_model_len} is longer than this model's context ({own}): set "
+        f"LLMQ_MAX_MODEL_LEN={limit} or less, or LLMQ_ALLOW_LONG_CONTEXT=true to run past it (output past the "
+        f"model's trained positions is garbage)")
+
+
 def _strip_primed(step: Step, primed: dict[int, str]) -> dict[int, str]:
     """Drop the prompt text from each choice's first non-empty text (see ``_primed_text``)."""
     for delta in step.deltas:
@@ -173,7 +191,12 @@ class VllmEngine:
     @classmethod
     def build(cls, settings: Settings, model_path: str, traces_endpoint: str | None = None) -> VllmEngine:
         args = engine_args(settings, model_path, traces_endpoint)
-        config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        try:
+            config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        except ValueError as exc:  # pydantic's ValidationError of vLLM's config is one
+            if (refused := _too_long(exc, settings)) is None:
+                raise
+            raise refused from None
         # The forcing processor's interface depends on the model runner this config chose.
         config.model_config.logits_processors = [forcing.processor_for(config.use_v2_model_runner)]
         engine = AsyncLLM.from_vllm_config(config, enable_log_requests=args.enable_log_requests,
@@ -247,7 +270,7 @@ class VllmEngine:
         try:
             prompt = self._prompt(req)
             params = to_sampling_params(req, forced, self._budget(req, prompt))
-        except ValueError as exc:  # SamplingParams' own range checks
+        except (ValueError, VLLMValidationError) as exc:  # SamplingParams' own checks (min_tokens past the budget)
             raise InvalidRequest(str(exc)) from None
         try:
             if req.sampling.beam_width > 1:
