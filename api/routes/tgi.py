@@ -116,7 +116,7 @@ def _version() -> str:
 
 @get("/info", opt=_OPT)
 async def info(svc: Svc) -> Response:
-    limit = svc.settings.max_model_len
+    limit = await svc.models.context_length(svc.model)
     return json_response(
         tgi.Info(
             model_id=svc.model,
