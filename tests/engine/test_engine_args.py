@@ -42,14 +42,26 @@ def test_a_context_past_the_models_own_is_refused_in_one_line_naming_llmqs_fixes
     from workers.tiny_model import ensure_tiny_model
 
     monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
-    settings = load_settings({"LLMQ_MAX_MODEL_LEN": "65536", "LLMQ_ALLOW_LONG_CONTEXT": "false"})
-    ensure_tiny_model(settings.model_path)
+    # The tiny model's directory named as a path: served as any model is, its positions not extended.
+    tiny = load_settings({}).model_path
+    ensure_tiny_model(tiny)
+    settings = load_settings({"LLMQ_MAX_MODEL_LEN": "65536", "LLMQ_MODEL": tiny})
     with pytest.raises(SettingsError) as refused:  # from vLLM's config, before any weight is loaded
         VllmEngine.build(settings, settings.model_path)
     assert str(refused.value) == (
         "LLMQ_MAX_MODEL_LEN=65536 is longer than this model's context (max_position_embeddings=2048): set "
         "LLMQ_MAX_MODEL_LEN=2048 or less, or LLMQ_ALLOW_LONG_CONTEXT=true to run past it (output past the "
         "model's trained positions is garbage)")
+
+
+def test_the_tiny_model_takes_any_context_without_the_allowance(monkeypatch):
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    settings = load_settings({"LLMQ_MAX_MODEL_LEN": "65536"})
+    config = engine_args(settings, settings.model_path).create_engine_config()
+    assert config.model_config.max_model_len == 65536
+    assert config.model_config.hf_text_config.max_position_embeddings == 65536  # RoPE tables for every position
+    assert load_settings({"LLMQ_MODEL": "/models/llama"}).hf_overrides == {}  # a real model's stay its own
+    assert _served(vllm_server_args(settings, 8000)).hf_overrides == settings.hf_overrides  # vllm serve too
 
 
 def test_the_engine_clamps_max_tokens_to_the_room_its_prompt_leaves():

@@ -59,12 +59,12 @@ def test_housekeeping_gives_arq_the_whole_redis_url():
 
 
 @pytest.mark.parametrize(("env", "allowed"), [
-    ({}, True),  # the tiny model: random weights lose nothing past its 2048 positions
-    ({"LLMQ_ALLOW_LONG_CONTEXT": "false"}, False),
+    ({}, False),  # the tiny model needs no allowance: its positions are extended instead (workers/engine.py)
+    ({"LLMQ_ALLOW_LONG_CONTEXT": "true"}, True),
     ({"LLMQ_MODEL": "Qwen/Qwen2.5-0.5B-Instruct"}, False),  # a real model: only when asked
     ({"LLMQ_MODEL": "Qwen/Qwen2.5-0.5B-Instruct", "LLMQ_ALLOW_LONG_CONTEXT": "true"}, True),
 ])
-def test_a_context_past_the_models_own_is_allowed_for_the_tiny_model_or_when_asked(env, allowed):
+def test_a_context_past_the_models_own_is_allowed_only_when_asked(env, allowed):
     from shared.config import apply_engine_environment
 
     engine_env: dict[str, str] = {}
