@@ -92,7 +92,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     seed: Int64 | None = None
-    max_tokens: Annotated[int, Meta(ge=1)] = 16
+    max_tokens: Annotated[int, Meta(ge=1, le=2**63 - 1)] = 16
+    """Any int64, however far past the context: the worker clamps it to the room the prompt leaves
+    (shared/budget.py). A larger number is refused (400), as no int64 field could carry it."""
     min_tokens: Annotated[int, Meta(ge=0)] = 0
     stop: list[Annotated[str, Meta(min_length=1)]] = []
     stop_token_ids: list[int] = []

@@ -41,3 +41,13 @@ def test_a_record_made_with_the_context_carries_the_cut_estimate():
     req = GenerationRequest(prompt="hello", sampling=SamplingParams(max_tokens=32000))
     assert JobRecord.new(req, owner="", default_timeout_s=None, max_model_len=2048).estimate == 2048
     assert JobRecord.new(req, owner="", default_timeout_s=None).estimate == 2 + 32000
+
+
+def test_any_int64_max_tokens_is_queued_and_a_larger_one_refused_with_the_dialects_400():
+    from api.submit import check_queueable
+    from shared.errors import InvalidRequest
+
+    check_queueable(GenerationRequest(prompt="hi", sampling=SamplingParams(max_tokens=2**63 - 1)))
+    with pytest.raises(InvalidRequest, match=r"max_tokens") as refused:
+        check_queueable(GenerationRequest(prompt="hi", sampling=SamplingParams(max_tokens=2**63)))
+    assert refused.value.status == 400
