@@ -44,6 +44,7 @@ class ModelRegistry:
         self._live_at = float("-inf")
         self._known: tuple[str, ...] = self.configured
         self._known_at = float("-inf")
+        self._context: dict[str, tuple[float, int]] = {}  # model -> (when read, its context length)
 
     async def live(self, *, fresh: bool = False) -> dict[str, int]:
         """Live model name -> number of warm workers; cached for ``cache_s`` (one read per second
@@ -101,9 +102,14 @@ class ModelRegistry:
             lengths[model] = min(known, default=self.max_model_len)
         return lengths
 
-    async def context_length(self, model: str) -> int:
-        """One model's :meth:`context_lengths`."""
-        return (await self.context_lengths([model]))[model]
+    async def context_length(self, model: str, *, cached: bool = False) -> int:
+        """One model's :meth:`context_lengths`; ``cached``: as read within ``cache_s`` (TGI checks
+        each request against it: one read per second per API process, whatever the rate)."""
+        at, length = self._context.get(model, (float("-inf"), 0))
+        if not cached or time.monotonic() - at >= self.cache_s:
+            length = (await self.context_lengths([model]))[model]
+            self._context[model] = (time.monotonic(), length)
+        return length
 
     async def resolve(self, name: str | None) -> str:
         """The model a request goes to (the default when it names none); raises ModelNotFound for

@@ -49,9 +49,9 @@ class Submission:
 
 def check_queueable(req: GenerationRequest) -> None:
     """The check of :func:`admit` that needs no Redis: a request the worker would not read back
-    exactly as queued. ``max_tokens`` is never refused, however far past the context: the worker
-    clamps it to what the context leaves after the prompt (shared/budget.py), and a prompt that
-    does not fit is the engine's 400."""
+    exactly as queued. ``max_tokens`` is never refused for its size (any int64, however far past
+    the context): the worker clamps it to what the context leaves after the prompt
+    (shared/budget.py), and a prompt that does not fit is the engine's 400."""
     try:
         # What the worker will read back: a dialect that let an out-of-range value through (or a
         # lenient "inf") is refused here with a 400, never queued for a worker that cannot run it.

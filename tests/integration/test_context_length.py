@@ -88,3 +88,11 @@ async def test_max_tokens_past_the_context_is_queued_as_asked_not_refused(stack,
     assert resp.status_code == 200, resp.text
     asked = next(v for k, v in body.items() if k.startswith("max_"))
     assert engine.requests[before].sampling.max_tokens == asked  # the worker's engine clamps it to the context
+
+
+async def test_tgi_checks_max_new_tokens_against_the_context_its_info_advertises(stack):
+    # TGI's router refuses max_new_tokens >= max_total_tokens; /info says 65536 here (the worker's).
+    resp = await stack.client.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 65536}})
+    assert resp.status_code == 422 and resp.json()["error"].endswith("`max_new_tokens` must be <= 65535. Given: 65536")
+    resp = await stack.client.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 65535}})
+    assert resp.status_code == 200  # past any prompt's room, but within TGI's own bound: clamped by the worker
