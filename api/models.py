@@ -9,6 +9,12 @@ unknown model gets the dialect's 404.
 
 A model is *live* while a warm worker serves it (the model's ``workers`` set, scored by heartbeat
 expiry). The health probes that load balancers use report that, and the cold wait watches it.
+
+A model's *context length* (``/v1/models``' ``max_model_len``, TGI's and happy_vllm's ``/info``,
+LMTP's model info) is what its warm workers report in their heartbeats: the least of them, as a
+request may go to any. With none warm it is this process's ``LLMQ_MAX_MODEL_LEN``, the length the
+next worker started with the same settings serves (a worker whose model cannot serve it stops at
+start), so no length is advertised that no worker serves.
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ __all__ = ["ModelRegistry"]
 
 class ModelRegistry:
     def __init__(self, redis: Redis, keys: Keys, default: str, configured: tuple[str, ...] = (), *,
-                 cache_s: float = 1.0) -> None:
+                 cache_s: float = 1.0, max_model_len: int = 2048) -> None:
         self.redis = redis
+        self.max_model_len = max_model_len
+        """LLMQ_MAX_MODEL_LEN: the context length of a model no warm worker reports one for."""
         self.keys = keys
         self.default = default
         self.configured = (default, *(m for m in configured if m != default))
@@ -36,6 +44,7 @@ class ModelRegistry:
         self._live_at = float("-inf")
         self._known: tuple[str, ...] = self.configured
         self._known_at = float("-inf")
+        self._context: dict[str, tuple[float, int]] = {}  # model -> (when read, its context length)
 
     async def live(self, *, fresh: bool = False) -> dict[str, int]:
         """Live model name -> number of warm workers; cached for ``cache_s`` (one read per second
@@ -72,6 +81,35 @@ class ModelRegistry:
         raw = (await self.redis.zrange(key, 0, -1) if since_ms is None
                else await self.redis.zrangebyscore(key, since_ms, "+inf"))
         return [n.decode() if isinstance(n, bytes) else n for n in raw]
+
+    async def context_lengths(self, models: list[str]) -> dict[str, int]:
+        """Each model's context length: the least its warm workers report (the ``max_model_len``
+        of their heartbeats), else :attr:`max_model_len`. Two round trips, whatever the count."""
+        now = now_ms()
+        pipe = self.redis.pipeline(transaction=False)
+        for model in models:
+            pipe.zrangebyscore(self.keys.workers(model), now, "+inf")
+        warm = await pipe.execute()
+        pipe = self.redis.pipeline(transaction=False)
+        for workers in warm:
+            for worker in workers:
+                pipe.hget(self.keys.worker(worker.decode() if isinstance(worker, bytes) else worker), "max_model_len")
+        reported = iter(await pipe.execute() if any(warm) else ())
+        lengths = {}
+        for model, workers in zip(models, warm, strict=True):
+            # A worker's hash may have expired since the read of the set, or predate the field.
+            known = [int(v) for v in (next(reported) for _ in workers) if v is not None]
+            lengths[model] = min(known, default=self.max_model_len)
+        return lengths
+
+    async def context_length(self, model: str, *, cached: bool = False) -> int:
+        """One model's :meth:`context_lengths`; ``cached``: as read within ``cache_s`` (TGI checks
+        each request against it: one read per second per API process, whatever the rate)."""
+        at, length = self._context.get(model, (float("-inf"), 0))
+        if not cached or time.monotonic() - at >= self.cache_s:
+            length = (await self.context_lengths([model]))[model]
+            self._context[model] = (time.monotonic(), length)
+        return length
 
     async def resolve(self, name: str | None) -> str:
         """The model a request goes to (the default when it names none); raises ModelNotFound for

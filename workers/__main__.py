@@ -18,6 +18,7 @@ import uvloop
 from shared.config import (
     DEFAULT_MODEL,
     Settings,
+    SettingsError,
     apply_engine_environment,
     apply_tracing_environment,
     cpu_engine,
@@ -71,7 +72,11 @@ async def serve(settings: Settings, tracing: Tracing | None = None) -> None:
 
         bind_children()  # a SIGKILLed worker takes its engine process with it
         log.info("engine_loading", model=model_path)
-        engine = VllmEngine.build(settings, model_path, traces_endpoint)
+        try:
+            engine = VllmEngine.build(settings, model_path, traces_endpoint)
+        except SettingsError as exc:  # the model refused them (a context longer than its own): one line, no traceback
+            log.error("engine_settings_invalid", error=str(exc))
+            raise SystemExit(1) from None
         stack.callback(engine.shutdown)
 
         queue = Queue(redis, Keys(settings.prefix), result_ttl_s=settings.result_ttl_s, usage_days=settings.usage_days)

@@ -11,6 +11,7 @@ in the :class:`Emission`. Tested step by step like LMTP's ``TokenStream.feed``
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,10 +20,50 @@ from shared.codec import encode
 from shared.errors import ServiceError
 from shared.events import Done, Error, Event, Timings, Tokens
 from shared.result import ResultBuilder
-from shared.schemas import JobResult, Usage
+from shared.schemas import JobResult, PromptInfo, TopLogprob, Usage
 from workers.protocol import Step
 
-__all__ = ["Attempt", "Emission"]
+__all__ = ["Attempt", "Emission", "LOGPROB_FLOOR", "finite_logprobs"]
+
+LOGPROB_FLOOR = -9999.0
+"""What a logprob that JSON cannot carry (NaN, +inf, -inf) is published as: vLLM's floor for
+``-inf`` and its value for "no logprob" (``ChatCompletionLogProbsContent.logprob``'s default;
+its token-in/token-out server sends NaN as this too). JSON has no NaN or infinity: msgspec
+writes them as ``null``, which the API's typed decode of the event refuses, and the client got
+a bare 500. A context past the model's positions makes NaN logprobs (LLMQ_ALLOW_LONG_CONTEXT)."""
+
+
+def _finite(values: list, floor: float = LOGPROB_FLOOR) -> list:
+    """``values`` (floats, or None for a prompt's first token) with every NaN and infinity as
+    ``floor``; the same list when all are finite, as nearly always."""
+    if all(v is None or math.isfinite(v) for v in values):
+        return values
+    return [v if v is None or math.isfinite(v) else floor for v in values]
+
+
+def _finite_tops(tops: list[list[TopLogprob]]) -> list[list[TopLogprob]]:
+    """Each position's alternatives, as :func:`_finite` (the same list when all are finite)."""
+    if all(math.isfinite(t.logprob) for position in tops for t in position):
+        return tops
+    return [[t if math.isfinite(t.logprob) else TopLogprob(t.id, t.text, LOGPROB_FLOOR) for t in position]
+            for position in tops]
+
+
+def finite_logprobs(step: Step) -> None:
+    """Make every logprob of ``step`` one JSON can carry (:data:`LOGPROB_FLOOR`), in place: the
+    sampled tokens', their alternatives', the prompt's. The one place every engine's logprobs pass
+    on their way into an event, so every dialect renders a number."""
+    for delta in step.deltas:
+        if delta.logprobs is not None:
+            delta.logprobs = _finite(delta.logprobs)
+        if delta.top_logprobs is not None:
+            delta.top_logprobs = _finite_tops(delta.top_logprobs)
+    prompt: PromptInfo | None = step.prompt
+    if prompt is not None:
+        if prompt.logprobs is not None:
+            prompt.logprobs = _finite(prompt.logprobs)
+        if prompt.top_logprobs is not None:
+            prompt.top_logprobs = _finite_tops(prompt.top_logprobs)
 
 
 @dataclass(slots=True)
@@ -74,6 +115,7 @@ class Attempt:
     def on_step(self, step: Step, clock: Callable[[], float]) -> Emission | None:
         """The event one engine step makes, if any. ``clock``: the time now (epoch ms), read only
         for the first token and the end (not per step: this runs once per token)."""
+        finite_logprobs(step)
         if self.fresh:
             self.usage.prompt_tokens = step.prompt_tokens or self.usage.prompt_tokens
         if self._prompt_ids == []:

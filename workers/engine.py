@@ -10,6 +10,7 @@ inside its engine core.
 from __future__ import annotations
 
 import gc
+import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 
 from vllm import SamplingParams as VllmSamplingParams
@@ -23,8 +24,9 @@ from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
+from shared.budget import generation_budget
 from shared.chat_template import chat_token_ids
-from shared.config import Settings
+from shared.config import Settings, SettingsError
 from shared.errors import EngineDead, InvalidRequest
 from shared.events import TokenDelta
 from shared.schemas import GenerationRequest, PromptInfo, StructuredOutput, TopLogprob
@@ -37,9 +39,11 @@ from workers.protocol import Step
 __all__ = ["VllmEngine", "to_sampling_params", "engine_args"]
 
 
-def to_sampling_params(req: GenerationRequest, forced: Sequence[int] = ()) -> VllmSamplingParams:
+def to_sampling_params(req: GenerationRequest, forced: Sequence[int] = (),
+                       max_tokens: int | None = None) -> VllmSamplingParams:
     """The one mapping from llmq's sampling parameters to vLLM's; ``forced``: output tokens the
-    engine must produce first (a continued job's replay, workers/forcing.py)."""
+    engine must produce first (a continued job's replay, workers/forcing.py); ``max_tokens``: the
+    request's, clamped to the context (:func:`shared.budget.generation_budget`)."""
     s = req.sampling
     return VllmSamplingParams(
         n=s.n,
@@ -51,7 +55,7 @@ def to_sampling_params(req: GenerationRequest, forced: Sequence[int] = ()) -> Vl
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
         seed=s.seed,
-        max_tokens=s.max_tokens,
+        max_tokens=s.max_tokens if max_tokens is None else max_tokens,
         min_tokens=s.min_tokens,
         stop=list(s.stop) or None,
         stop_token_ids=list(s.stop_token_ids) or None,
@@ -128,6 +132,23 @@ def _step(out: RequestOutput, want_top: int | None) -> Step:
     return Step(deltas=deltas, finished=out.finished, prompt_tokens=len(out.prompt_token_ids or ()))
 
 
+_DERIVED = re.compile(r"derived max_model_len \((\w+)=(\d+)")
+
+
+def _too_long(exc: ValueError, settings: Settings) -> SettingsError | None:
+    """vLLM's refusal of a context longer than the model's, as one line naming llmq's fixes (None:
+    another error). vLLM's own message names its variable, and ends in a traceback."""
+    if "VLLM_ALLOW_LONG_MAX_MODEL_LEN" not in str(exc):
+        return None
+    found = _DERIVED.search(str(exc))
+    own = f"{found[1]}={found[2]}" if found else "the length its config.json allows"
+    limit = found[2] if found else "that"
+    return SettingsError(
+        f"LLMQ_MAX_MODEL_LEN={settings.max_model_len} is longer than this model's context ({own}): set "
+        f"LLMQ_MAX_MODEL_LEN={limit} or less, or LLMQ_ALLOW_LONG_CONTEXT=true to run past it (output past the "
+        f"model's trained positions is garbage)")
+
+
 def _strip_primed(step: Step, primed: dict[int, str]) -> dict[int, str]:
     """Drop the prompt text from each choice's first non-empty text (see ``_primed_text``)."""
     for delta in step.deltas:
@@ -159,6 +180,8 @@ def engine_args(settings: Settings, model_path: str, traces_endpoint: str | None
         scheduling_policy="priority",
         # Tokens per output per request: every hop after the engine works per output.
         stream_interval=settings.stream_interval,
+        # The tiny model's positions, extended to its context (Settings.hf_overrides).
+        hf_overrides=settings.hf_overrides,
     )
 
 
@@ -178,7 +201,12 @@ class VllmEngine:
     @classmethod
     def build(cls, settings: Settings, model_path: str, traces_endpoint: str | None = None) -> VllmEngine:
         args = engine_args(settings, model_path, traces_endpoint)
-        config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        try:
+            config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        except ValueError as exc:  # pydantic's ValidationError of vLLM's config is one
+            if (refused := _too_long(exc, settings)) is None:
+                raise
+            raise refused from None
         # The forcing processor's interface depends on the model runner this config chose.
         config.model_config.logits_processors = [forcing.processor_for(config.use_v2_model_runner)]
         engine = AsyncLLM.from_vllm_config(config, enable_log_requests=args.enable_log_requests,
@@ -194,6 +222,14 @@ class VllmEngine:
             return TokensPrompt(prompt_token_ids=chat_token_ids(self.tokenizer, req.messages, req.chat, req.tools))
         assert req.prompt is not None
         return TextPrompt(prompt=req.prompt)
+
+    def _budget(self, req: GenerationRequest, prompt: TextPrompt | TokensPrompt) -> int:
+        """``max_tokens`` clamped to what the context leaves after the prompt, as vLLM's server
+        does: exact for a prompt of token ids (a chat is rendered to ids here); a text prompt is
+        tokenised inside vLLM, so it counts as one token, and the engine ends the generation at
+        the context's end (``length``) all the same."""
+        ids = prompt.get("prompt_token_ids")
+        return generation_budget(req.sampling.max_tokens, None if ids is None else len(ids), self.max_model_len)
 
     def _prompt_info(self, out: RequestOutput, req: GenerationRequest) -> PromptInfo:
         ids = list(out.prompt_token_ids or ())
@@ -258,9 +294,9 @@ class VllmEngine:
         request runs (a part), else each output's own index."""
         want_top = req.sampling.logprobs
         try:
-            params = to_sampling_params(req, forced)
             prompt = self._prompt(req)
-        except ValueError as exc:  # SamplingParams' own range checks
+            params = to_sampling_params(req, forced, self._budget(req, prompt))
+        except (ValueError, VLLMValidationError) as exc:  # SamplingParams' own checks (min_tokens past the budget)
             raise InvalidRequest(str(exc)) from None
         reasoning_ended = None
         if parsing is not None:
@@ -329,7 +365,8 @@ class VllmEngine:
             return {tid: (lp.logprob, lp.decoded_token or "") for tid, lp in position.items()}
 
         beams = await beam_search(
-            ids, next_tokens, width=s.beam_width, max_tokens=s.max_tokens,
+            ids, next_tokens, width=s.beam_width, max_tokens=generation_budget(s.max_tokens, len(ids),
+                                                                               self.max_model_len),
             eos_token_id=self.tokenizer.eos_token_id, ignore_eos=s.ignore_eos, length_penalty=s.length_penalty,
         )
         deltas = [

@@ -72,6 +72,8 @@ class Presence:
         return {
             "model": self.model,
             "slots": self.settings.max_num_seqs,
+            # Its engine's context: vLLM takes it as set or refuses to start. The API advertises it.
+            "max_model_len": self.settings.max_model_len,
             "running": running,
             "host": socket.gethostname(),
             "pid": os.getpid(),

@@ -431,12 +431,11 @@ def _chat_options(body: ResponsesRequest) -> ChatOptions:
 
 def to_generation_request(body: ResponsesRequest, *, max_model_len: int,
                           history: Sequence[ChatMessage] = ()) -> GenerationRequest:
-    """A null ``max_output_tokens`` means "up to the context", as chat's null ``max_tokens``.
-    ``history``: the conversation of ``previous_response_id`` (:func:`history_of`)."""
+    """A null ``max_output_tokens`` means "up to the context", as chat's null ``max_tokens``; a
+    larger one than the context holds is clamped by the worker, as every dialect's ``max_tokens``
+    (shared/budget.py). ``history``: the conversation of ``previous_response_id`` (:func:`history_of`)."""
     _refusals(body)
     asked = body.max_output_tokens
-    refuse(asked is not None and asked >= max_model_len, f"max_output_tokens must be below this model's context "
-            f"length ({max_model_len} tokens), got {asked}", "max_output_tokens")
     sampling = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,

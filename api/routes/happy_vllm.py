@@ -70,7 +70,7 @@ async def info(svc: Svc) -> Response:
             vllm_version=vllm_version,
             model_name=svc.model,
             truncation_side="right",
-            max_length=svc.settings.max_model_len,
+            max_length=await svc.models.context_length(svc.model),
         )
     )
 

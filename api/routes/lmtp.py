@@ -108,13 +108,14 @@ class Session:
             name = cmd.model_name() or self.svc.model
             live = await self.svc.models.live()
             await self.svc.models.resolve(name)  # a known model answers, warm worker or not
+            context = await self.svc.models.context_length(name)
         except ServiceError as exc:
             await self.send("MSG", lmtp.error_payload(frame.stream_id, exc.message))
             return
         except REDIS_DOWN:
             await self.send("MSG", lmtp.error_payload(frame.stream_id, "the queue is unavailable; try again shortly"))
             return
-        info = lmtp.model_info_payload(frame.stream_id, name, live.get(name, 0), self.svc.settings.max_model_len)
+        info = lmtp.model_info_payload(frame.stream_id, name, live.get(name, 0), context)
         await self.send("MSG", info)
 
     async def close(self) -> None:

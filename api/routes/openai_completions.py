@@ -27,11 +27,13 @@ async def completions(request: Request, svc: Svc, ctx: Ctx) -> Response:
 
 @get("/v1/models", opt={"dialect": oc.NAME})
 async def models(svc: Svc) -> Response:
-    """The models requests may name: served now, or queued for the next worker that serves them."""
+    """The models requests may name: served now, or queued for the next worker that serves them;
+    ``max_model_len`` as their warm workers report it (api/models.py)."""
+    names = list(await svc.models.known())
+    lengths = await svc.models.context_lengths(names)
     cards = [
-        oc.Model(id=name, root=svc.settings.model if name == svc.model else name,
-                 max_model_len=svc.settings.max_model_len)
-        for name in await svc.models.known()
+        oc.Model(id=name, root=svc.settings.model if name == svc.model else name, max_model_len=lengths[name])
+        for name in names
     ]
     return json_response(oc.ModelList(data=cards))
 

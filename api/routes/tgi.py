@@ -30,7 +30,9 @@ _OPT = {"dialect": tgi.NAME}
 
 
 async def _translate(svc: Services, body: tgi.GenerateRequest, *, stream: bool, compat: bool) -> GenerationRequest:
-    req = tgi.to_generation_request(body, stream=stream, max_total_tokens=svc.settings.max_model_len, compat=compat)
+    # TGI's own max_new_tokens check, against the max_total_tokens its /info advertises.
+    limit = await svc.models.context_length(svc.model, cached=True)
+    req = tgi.to_generation_request(body, stream=stream, max_total_tokens=limit, compat=compat)
     truncate = body.parameters.truncate if body.parameters is not None else None
     if truncate is not None:
         # TGI keeps the last `truncate` tokens of the input (special tokens included).
@@ -116,7 +118,7 @@ def _version() -> str:
 
 @get("/info", opt=_OPT)
 async def info(svc: Svc) -> Response:
-    limit = svc.settings.max_model_len
+    limit = await svc.models.context_length(svc.model)
     return json_response(
         tgi.Info(
             model_id=svc.model,

@@ -251,6 +251,8 @@ def vllm_server_args(settings: Settings, port: int) -> list[str]:
                  "--tool-strict-level", settings.tool_strictness]
     if settings.reasoning_parser_name:
         args += ["--reasoning-parser", settings.reasoning_parser_name]
+    if settings.hf_overrides:
+        args += ["--hf-overrides", json.dumps(settings.hf_overrides)]
     return args
 
 

@@ -79,6 +79,7 @@ async def test_heartbeat_reports_slots_and_running(make_worker, redis, keys):
     await asyncio.sleep(0.5)
     beat = await redis.hgetall(keys.worker(worker.worker_id))
     assert beat[b"model"] == b"m" and beat[b"slots"] == b"64" and beat[b"status"] == b"ready"
+    assert beat[b"max_model_len"] == b"2048"  # what the API advertises as the context (api/models.py)
     assert beat[b"running"] == b"1"
     assert 0 < await redis.ttl(keys.worker(worker.worker_id)) <= 2
 

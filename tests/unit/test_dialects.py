@@ -231,7 +231,7 @@ def test_a_negative_prompt_token_id_is_the_clients_400_not_an_engine_failure():
 
     (req,) = oc_reqs({"prompt": [5, -1]})
     with pytest.raises(InvalidRequest, match=r"prompt_token_ids\[1\]"):
-        check_queueable(req, 2048)
+        check_queueable(req)
 
 
 def test_openai_prompt_lists_become_one_job_each():

@@ -56,7 +56,7 @@ def decode(kind: type, body: bytes) -> Any:
 
 def admit(req: GenerationRequest) -> None:
     """The pure part of ``api.submit.admit``."""
-    check_queueable(req, MAX_MODEL_LEN)
+    check_queueable(req)
 
 
 class Violation(AssertionError):

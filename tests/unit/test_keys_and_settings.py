@@ -57,3 +57,20 @@ def test_housekeeping_gives_arq_the_whole_redis_url():
     assert (rs.ssl_ca_certs, rs.ssl_check_hostname, rs.ssl_cert_reqs) == ("/ca.pem", True, "required")
     plain = arq_redis_settings("redis://127.0.0.1:6399/0")
     assert (plain.ssl, plain.password, plain.ssl_ca_certs) == (False, None, None)
+
+
+@pytest.mark.parametrize(("env", "allowed"), [
+    ({}, False),  # the tiny model needs no allowance: its positions are extended instead (workers/engine.py)
+    ({"LLMQ_ALLOW_LONG_CONTEXT": "true"}, True),
+    ({"LLMQ_MODEL": "Qwen/Qwen2.5-0.5B-Instruct"}, False),  # a real model: only when asked
+    ({"LLMQ_MODEL": "Qwen/Qwen2.5-0.5B-Instruct", "LLMQ_ALLOW_LONG_CONTEXT": "true"}, True),
+])
+def test_a_context_past_the_models_own_is_allowed_only_when_asked(env, allowed):
+    from shared.config import apply_engine_environment
+
+    engine_env: dict[str, str] = {}
+    apply_engine_environment(load_settings({"LLMQ_MAX_MODEL_LEN": "65536", **env}), engine_env)
+    assert engine_env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") == ("1" if allowed else None)
+    operator = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "0"}  # the operator's own value wins, as for every default
+    apply_engine_environment(load_settings(env), operator)
+    assert operator["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] == "0"

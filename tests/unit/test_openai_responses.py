@@ -134,6 +134,14 @@ def test_service_tier_sets_the_priority_level():
         assert g.output.service_tier == tier and r.echo_of_request(g).service_tier == reported
 
 
+def test_max_output_tokens_past_the_context_is_queued_as_asked_for_the_worker_to_clamp():
+    # Agent clients ask for a fixed budget whatever the model; vLLM's server clamps to the room
+    # the prompt leaves, and so does llmq's worker (shared/budget.py). The echo repeats the ask.
+    g = req(max_output_tokens=32000)
+    assert g.sampling.max_tokens == 32000
+    assert r.echo_of_request(decode_request(encode(g))).max_output_tokens == 32000
+
+
 def test_accepted_fields_that_change_nothing_the_worker_runs():
     g = req(metadata={"a": "b"}, store=False, user="u", stream=True, background=False, tool_choice="none",
             parallel_tool_calls=True, reasoning={"effort": None, "summary": "auto"}, truncation="disabled",
@@ -178,7 +186,6 @@ def test_a_stored_job_reports_what_its_first_answer_did():
     ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
     ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
-    ({"max_output_tokens": MAX_LEN}, "max_output_tokens"),
     ({"tools": [{"type": "function"}]}, "tools[0]"),
     ({"tools": [{"type": "namespace", "name": "n", "tools": [{"type": "function", "name": 3}]}]}, "tools[0].tools[0]"),
     ({"tools": [{"type": "function", "name": "f"}, {"type": "function", "name": "f"}]}, "tools"),
@@ -802,7 +809,7 @@ def _translate(raw: bytes) -> GenerationRequest | None:
         return None  # decode_body's 400
     try:
         g = r.to_generation_request(decoded, max_model_len=MAX_LEN)
-        check_queueable(g, MAX_LEN)
+        check_queueable(g)
     except ServiceError as exc:
         assert 400 <= exc.status < 500, exc.message
         return None
