@@ -7,6 +7,7 @@ JSON-lines streaming, one configured for SSE). Tests talk to them over real sock
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -117,6 +118,22 @@ def stop_all(procs: list[tuple[subprocess.Popen, Path]]) -> None:
             p.wait(60)
         except subprocess.TimeoutExpired:
             p.kill()
+
+
+@contextlib.contextmanager
+def one_worker(env: dict[str, str], logs: Path, worker: tuple[str, ...] = ("-m", "workers")) -> Iterator[str]:
+    """One worker (``worker``: its ``python`` arguments) and one API with ``env`` on a free port,
+    for a module that needs settings of its own; yields the API's URL once the worker serves."""
+    port = free_port()
+    env = {**env, "LLMQ_PORT": str(port)}
+    procs = [(_spawn(list(worker), env, logs / "worker.log"), logs / "worker.log"),
+             (_spawn(["-m", "api"], env, logs / "api.log"), logs / "api.log")]
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, procs, 1)
+        yield url
+    finally:
+        stop_all(procs)
 
 
 @pytest.fixture(scope="session")

@@ -23,8 +23,7 @@ from redis import Redis
 
 from shared.config import load_settings
 from shared.keys import Keys
-from tests.conftest import free_port
-from tests.e2e.conftest import _spawn, stop_all, wait_ready
+from tests.e2e.conftest import one_worker
 from tests.support.agent_clis import (
     CLAUDE_CODE,
     CODEX,
@@ -68,17 +67,11 @@ def served(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     prefix = f"clis-{uuid.uuid4().hex[:6]}"
     env = {**os.environ, "LLMQ_REDIS_URL": redis_url, "LLMQ_PREFIX": prefix, "LLMQ_LOG_JSON": "true",
            "LLMQ_MAX_NUM_SEQS": "4", "LLMQ_MAX_MODEL_LEN": str(CONTEXT), "LLMQ_HEARTBEAT_S": "1"}
-    port = free_port()
-    procs: list[tuple[subprocess.Popen, Path]] = [(_spawn(["-m", "workers"], env, logs / "worker.log"),
-                                                   logs / "worker.log")]
-    procs.append((_spawn(["-m", "api"], {**env, "LLMQ_PORT": str(port)}, logs / "api.log"), logs / "api.log"))
-    url = f"http://127.0.0.1:{port}"
     redis = Redis.from_url(redis_url)
     try:
-        wait_ready(url, procs, 1)
-        yield Served(url, redis, Keys(prefix), load_settings({}).model_name)
+        with one_worker(env, logs) as url:
+            yield Served(url, redis, Keys(prefix), load_settings({}).model_name)
     finally:
-        stop_all(procs)
         redis.close()
 
 

@@ -21,8 +21,7 @@ import pytest
 from huggingface_hub import InferenceClient
 from huggingface_hub.errors import GenerationError
 
-from tests.conftest import free_port
-from tests.e2e.conftest import _spawn, stop_all, wait_ready
+from tests.e2e.conftest import one_worker
 from tests.support.fault_wrap import ENGINE_FAULT
 from tests.support.waiting import eventually_sync
 
@@ -35,18 +34,10 @@ PROMPT = f"Tell me about {ENGINE_FAULT} please"
 def faulty(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """An API and one worker whose vLLM fails the marked requests, on a queue of their own."""
     logs = tmp_path_factory.mktemp("engine-fault")
-    port = free_port()
     env = {**os.environ, "LLMQ_REDIS_URL": redis_url, "LLMQ_PREFIX": f"fault-{uuid.uuid4().hex[:6]}",
-           "LLMQ_PORT": str(port), "LLMQ_LOG_JSON": "true", "LLMQ_MAX_NUM_SEQS": "8", "LLMQ_MAX_MODEL_LEN": "512",
-           "LLMQ_HEARTBEAT_S": "1"}
-    procs = [(_spawn(["-m", "tests.support.fault_wrap", "engine"], env, logs / "worker.log"), logs / "worker.log"),
-             (_spawn(["-m", "api"], env, logs / "api.log"), logs / "api.log")]
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, procs, 1)
+           "LLMQ_LOG_JSON": "true", "LLMQ_MAX_NUM_SEQS": "8", "LLMQ_MAX_MODEL_LEN": "512", "LLMQ_HEARTBEAT_S": "1"}
+    with one_worker(env, logs, ("-m", "tests.support.fault_wrap", "engine")) as url:
         yield url
-    finally:
-        stop_all(procs)
 
 
 def test_tgi_answers_424_generation_and_its_client_raises_generation_error(faulty):

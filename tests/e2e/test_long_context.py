@@ -27,8 +27,8 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import REPO, free_port
-from tests.e2e.conftest import _spawn, stop_all, wait_ready
+from tests.conftest import REPO
+from tests.e2e.conftest import one_worker
 
 pytestmark = pytest.mark.e2e
 
@@ -55,16 +55,8 @@ def _env(redis_url: str, **settings: str) -> dict[str, str]:
 
 def _serve(redis_url: str, logs: Path, **settings: str) -> Iterator[str]:
     """One worker and one API on a queue of their own; yields the API's URL."""
-    port = free_port()
-    env = _env(redis_url, LLMQ_PORT=str(port), **settings)
-    procs = [(_spawn(["-m", "workers"], env, logs / "worker.log"), logs / "worker.log"),
-             (_spawn(["-m", "api"], env, logs / "api.log"), logs / "api.log")]
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, procs, 1)
+    with one_worker(_env(redis_url, **settings), logs) as url:
         yield url
-    finally:
-        stop_all(procs)
 
 
 @pytest.fixture(scope="module")
