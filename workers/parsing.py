@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import msgspec
 from vllm.entrypoints.generate.base.protocol import DeltaMessage, ExtractedToolCallInformation
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.parser.abstract_parser import DelegatingParser, Parser
@@ -123,6 +124,9 @@ def _vllm_request(req: GenerationRequest) -> ChatCompletionRequest:
         "include_reasoning": True,
         "skip_special_tokens": req.sampling.skip_special_tokens,
     }
+    so = req.sampling.structured
+    if so is not None:  # so that vLLM combines it with the tools' constraint (auto: either one), or drops it (forced)
+        body["structured_outputs"] = {k: v for k, v in msgspec.structs.asdict(so).items() if v not in (None, False)}
     if tools.tools:
         body["tools"] = [{"type": "function", "function": {k: v for k, v in (
             ("name", t.name), ("description", t.description), ("parameters", t.parameters or {}),

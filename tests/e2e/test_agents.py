@@ -123,3 +123,63 @@ def test_langchain_bind_tools_and_structured_output_by_function_calling(stack):
     assert call["id"].startswith("call_")
     answer = llm.with_structured_output(Weather, method="function_calling").invoke("Weather in Rome?")
     assert isinstance(answer, Weather)
+
+
+def test_openai_agents_runs_its_tool_loop_on_the_responses_api(stack):
+    """The Responses model, whose SDK treats a turn cut at its token budget as a failure: the
+    final answer is a typed output (a JSON schema the grammar brings to its end), which a random
+    model's free text would not reach."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from pydantic import BaseModel
+
+    set_tracing_disabled(True)
+    seen: list[str] = []
+
+    class Report(BaseModel):
+        city: Literal["Paris", "Rome", "Oslo"]
+        sky: Literal["sunny", "cloudy"]
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Rome", "Oslo"]) -> str:
+        """The weather in a city."""
+        seen.append(city)
+        return f"sunny in {city}"
+
+    async def run() -> object:
+        client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0)
+        agent = Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather],
+                      output_type=Report, model=OpenAIResponsesModel(model=stack.model, openai_client=client),
+                      model_settings=ModelSettings(tool_choice="required", max_tokens=200, temperature=0,
+                                                   parallel_tool_calls=False))
+        try:
+            return await Runner.run(agent, "Weather in Paris?", max_turns=6)
+        finally:
+            await client.close()
+
+    result = asyncio.run(run())
+    assert seen and seen[0] in ("Paris", "Rome", "Oslo"), "the tool ran with arguments that fit its schema"
+    outputs = [i for i in result.new_items if i.type == "tool_call_output_item"]
+    assert outputs and outputs[0].output == f"sunny in {seen[0]}"
+    assert isinstance(result.final_output, Report), "the run ended with an answer"
+
+
+def test_anthropic_sdk_tool_use_then_tool_result_then_a_final_message(stack):
+    import anthropic
+
+    tool = {"name": "get_weather", "description": "The weather in a city.", "input_schema": CITY, "strict": True}
+    with anthropic.Anthropic(base_url=stack.url, api_key="x", max_retries=0) as client:
+        ask = [{"role": "user", "content": "Weather in Paris?"}]
+        first = client.messages.create(model=stack.model, max_tokens=200, messages=ask, tools=[tool],
+                                       tool_choice={"type": "any", "disable_parallel_tool_use": True})
+        assert first.stop_reason == "tool_use"
+        [use] = [b for b in first.content if b.type == "tool_use"]
+        assert use.name == "get_weather" and use.id.startswith("toolu_")
+        jsonschema.validate(use.input, CITY)
+        history = [*ask, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                 "content": "sunny, 21 C"}]}]
+        with client.messages.stream(model=stack.model, max_tokens=16, messages=history, tools=[tool],
+                                    tool_choice={"type": "none"}) as stream:
+            final = stream.get_final_message()
+        assert final.stop_reason in ("end_turn", "max_tokens")
+        assert [b.type for b in final.content] == ["text"] and final.usage.input_tokens > first.usage.input_tokens

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import msgspec
 import pytest
 
 pytest.importorskip("vllm")  # the engine tier: collected everywhere, run where a worker extra is installed
@@ -16,7 +17,7 @@ from shared.config import load_settings
 from shared.errors import WorkerLost
 from shared.events import TokenDelta, Tokens
 from shared.result import ResultBuilder
-from shared.schemas import ChatMessage, GenerationRequest, SamplingParams, Tool, ToolUse
+from shared.schemas import ChatMessage, GenerationRequest, SamplingParams, StructuredOutput, Tool, ToolUse
 from workers.continuation import Replay, published
 from workers.parsing import OutputParsers
 from workers.tiny_model import ensure_tiny_model
@@ -132,3 +133,17 @@ def test_a_replay_that_does_not_reproduce_the_sent_arguments_fails_the_job(token
     with pytest.raises(WorkerLost):
         for d in parse(parsers, chat(), deltas(tokenizer, TEXT, 1)):
             replay.trim(d)
+
+
+def test_a_requests_own_json_schema_is_kept_beside_auto_tools_and_dropped_by_a_forced_one(tokenizer):
+    """An agent's typed answer (text.format / response_format) with tools under auto: the model may
+    call a tool or write the answer's JSON, as vLLM combines them; a forced choice wins alone."""
+    parsers = OutputParsers(tokenizer, tool_parser="hermes", reasoning_parser=None)
+    answer = {"type": "object", "properties": {"sky": {"enum": ["sunny", "cloudy"]}}, "required": ["sky"]}
+    typed = SamplingParams(structured=StructuredOutput(json=answer))
+    auto = msgspec.structs.replace(chat(), sampling=typed)
+    tag = parsers.plan(auto).request.structured_outputs.structural_tag
+    assert '"sunny"' in tag and 'get_weather' in tag, "either a call or the answer's JSON"
+    forced = msgspec.structs.replace(chat("required"), sampling=typed)
+    tag = parsers.plan(forced).request.structured_outputs.structural_tag
+    assert 'get_weather' in tag and '"sunny"' not in tag, "a forced call replaces the answer's format"
