@@ -11,8 +11,6 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-import msgspec
-
 from shared.errors import InvalidRequest
 from shared.schemas import ChatMessage, ChatOptions, ToolUse
 
@@ -83,5 +81,7 @@ def _arguments(text: str) -> Any:
 def _template_tools(tools: ToolUse | None) -> list[dict[str, Any]] | None:
     if tools is None or not tools.tools:
         return None
-    functions = ({k: v for k, v in msgspec.structs.asdict(t).items() if v is not None} for t in tools.tools)
-    return [{"type": "function", "function": {"parameters": {}} | f} for f in functions]
+    # OpenAI's order (name, description, parameters, strict): templates dump the dict as it is.
+    functions = ({"name": t.name, "description": t.description, "parameters": t.parameters or {}, "strict": t.strict}
+                 for t in tools.tools)
+    return [{"type": "function", "function": {k: v for k, v in f.items() if v is not None}} for f in functions]
