@@ -6,7 +6,7 @@ production modules have no hooks for this.
 
 - api: ``api.submit.admit(svc, ctx, req)``, which every generation route calls with the decoded
   body and the Services (holding the Settings) in its frames.
-- workers: ``workers.runner.plan_for(queue, model, delivery, req)``, the first call inside
+- workers: ``workers.runner.plan_for(queue, model, delivery, req, parsed)``, the first call inside
   ``Worker._run_job`` for a job, with the request in its frames.
 - housekeeping: ``workers.housekeeping._remove_dead_consumers(hk, reading)``, which the ``sweep``
   cron calls (at start-up, then every 30 s) with the Housekeeper (holding the Settings).
@@ -27,7 +27,7 @@ TARGETS: dict[str, tuple[str, str, str, Callable[..., str]]] = {
     "api": ("api.__main__", "api.submit", "admit", lambda svc, ctx, req: f"forced fault admitting {req!r} "
                                                                     f"with {svc.settings!r}"),
     "workers": ("workers.__main__", "workers.runner", "plan_for",
-                lambda queue, model, d, req: f"forced fault running {req!r}"),
+                lambda queue, model, d, req, parsed: f"forced fault running {req!r}"),
     "housekeeping": ("workers.housekeeping", "workers.housekeeping", "_remove_dead_consumers",
                      lambda hk, reading: f"forced fault sweeping with {hk.settings!r}"),
 }
