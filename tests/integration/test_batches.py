@@ -63,22 +63,27 @@ async def test_a_batch_runs_through_the_sdk_and_its_output_matches_direct_calls(
                 _chat_line("b", "xyz", 7, temperature=0),
                 _chat_line("bad", "x", -1),  # the endpoint would refuse it: a 400 in the error file
                 _chat_line("c", "abc", 3),
+                # An agent's line: tools reach the worker as in a direct request.
+                _chat_line("t", "tool", 3, tools=[{"type": "function", "function": {"name": "f"}}],
+                           tool_choice="required", parallel_tool_calls=False),
             ])), purpose="batch")
             assert upload.purpose == "batch" and upload.bytes > 0
             batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
                                                 completion_window="24h", metadata={"run": "1"})
-            assert batch.status == "in_progress" and batch.request_counts.total == 4
+            assert batch.status == "in_progress" and batch.request_counts.total == 5
             done, seen = await _until(client, batch.id, ("completed", "failed"))
 
             assert done.status == "completed", done
-            assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (4, 3, 1)
+            assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (5, 4, 1)
             assert done.metadata == {"run": "1"} and done.completed_at >= done.created_at
             progress = [b.request_counts.completed + b.request_counts.failed for b in seen]
             assert progress == sorted(progress)  # progress only moves forward
-            assert any(0 < p < 4 for p in progress)  # at 2 lines per second it was seen mid-way
+            assert any(0 < p < 5 for p in progress)  # at 2 lines per second it was seen mid-way
 
             output = _by_custom_id((await client.files.content(done.output_file_id)).text)
-            assert sorted(output) == ["a", "b", "c"]
+            assert sorted(output) == ["a", "b", "c", "t"]
+            [tools] = [r.tools for r in s.worker.engine.requests if r.tools is not None]
+            assert ([t.name for t in tools.tools], tools.choice, tools.parallel) == (["f"], "required", False)
             for custom_id, prompt, n in (("a", "hello", 5), ("b", "xyz", 7), ("c", "abc", 3)):
                 line = output[custom_id]
                 assert line["error"] is None and line["response"]["status_code"] == 200

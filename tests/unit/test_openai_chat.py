@@ -447,3 +447,12 @@ async def test_include_reasoning_false_leaves_reasoning_out():
     assert b"secret" not in b"".join(out)
     result = JobResult(choices=[Choice(text="a", reasoning="secret")])
     assert b"secret" not in encode(chat.render_result(r, result, "j", 1))
+
+
+async def test_lmi_chat_lines_carry_tool_calls_as_the_sse_chunks_do():
+    r = req({"messages": HI, "model": "tiny", "stream": True, "tools": [WEATHER]})
+    events = [Done(seq=1, deltas=[TokenDelta(token_ids=[1], tool_calls=[
+        ToolCallDelta(index=0, id="call_j1_0", name="get_weather", arguments="{}")], finish_reason="tool_calls")])]
+    lines, chunks = await frames(r, events, sse_format=False), await frames(r, events)
+    assert [b"data: " + line.rstrip(b"\n") + b"\n\n" for line in lines] == chunks[:-1]  # no [DONE] in JSON lines
+    assert b'"tool_calls":[{"index":0,"id":"call_j1_0","type":"function"' in lines[1]
