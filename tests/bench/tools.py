@@ -4,10 +4,11 @@
 the same output parsers: ``--enable-auto-tool-choice --tool-call-parser hermes``), then sends,
 in alternated rounds, non-streamed chat requests of two kinds at ``--concurrency``:
 
-- ``plain``: a chat, ``max_tokens`` tokens;
-- ``tools``: the same chat offering one strict function tool with ``tool_choice: required`` and
-  one call allowed: the template renders the tool, the engine compiles and follows the tools'
-  grammar, the worker parses the call with vLLM's parser, and the dialect renders it.
+- ``tools``: a chat offering one strict function tool with ``tool_choice: required`` and one
+  call allowed: the template renders the tool, the engine compiles and follows the tools'
+  grammar, the worker parses the call with vLLM's parser, and the dialect renders it;
+- ``plain``: the same chat without the tool, generating as many tokens as a tools request did
+  (the warm-up's median, ``ignore_eos``), so the two differ by the tool alone.
 
 Per target and role (api, worker, redis, engine; ``vllm serve``'s front end as its api) it
 reports the median CPU µs per request of each kind, and per request the completion tokens, so a
@@ -45,8 +46,8 @@ def body(model: str, kind: str, i: int, max_tokens: int) -> dict:
     chat = {"model": model, "messages": [{"role": "user", "content": f"Weather in Paris? ({i})"}],
             "max_tokens": max_tokens, "temperature": 0}
     if kind == "tools":
-        chat |= {"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False}
-    return chat
+        return chat | {"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False}
+    return chat | {"ignore_eos": True}
 
 
 def _cpu_s(meter: CpuMeter) -> dict[str, float]:
@@ -99,13 +100,17 @@ async def measure(rounds: int, concurrency: int, requests: int, max_tokens: int)
         targets = await start_targets(stack, settings, logs, ["llmq", "vllm-serve"], fast.overlay)
         samples = {(t.name, kind): {r: [] for r in (*ROLES, "tokens", "called")} for t in targets
                    for kind in ("plain", "tools")}
+        plain_tokens = max_tokens
         for t in targets:  # warm: the grammar compiler and the parser's first use
             assert isinstance(t, HttpTarget)
-            await _run(t, "tools", concurrency, concurrency, max_tokens)
+            _, tokens, _ = await _run(t, "tools", concurrency, concurrency, max_tokens)
+            if t.name == "llmq":
+                plain_tokens = max(1, round(tokens))
         for r in range(rounds):  # alternated, so a noisy spell falls on both kinds and targets
             order = [(t, kind) for t in targets for kind in ("plain", "tools")]
             for t, kind in order if r % 2 == 0 else reversed(order):
-                cpu, tokens, called = await _run(t, kind, requests, concurrency, max_tokens)  # type: ignore[arg-type]
+                budget = plain_tokens if kind == "plain" else max_tokens
+                cpu, tokens, called = await _run(t, kind, requests, concurrency, budget)  # type: ignore[arg-type]
                 into = samples[(t.name, kind)]
                 for role, us in cpu.items():
                     into[role].append(us)
