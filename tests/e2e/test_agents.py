@@ -75,8 +75,12 @@ def test_auto_tool_choice_without_a_parser_is_the_dialects_400(stack):
         assert forced.choices[0].message.tool_calls, "a forced choice needs no parser"
 
 
-def test_openai_agents_runs_its_tool_loop_on_chat_completions(stack):
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+def weather_agent_run(stack, model_class: str, output_type: type | None = None) -> tuple[object, list[str]]:
+    """An openai-agents run of an agent with one function tool, required on the first turn (the
+    SDK resets the choice to auto once a tool ran), on ``model_class`` (its chat or its Responses
+    model): the run's result and the cities the tool was called with."""
+    import agents
+    from agents import Agent, ModelSettings, Runner, function_tool, set_tracing_disabled
 
     set_tracing_disabled(True)  # no export to OpenAI's tracing service
     seen: list[str] = []
@@ -89,20 +93,25 @@ def test_openai_agents_runs_its_tool_loop_on_chat_completions(stack):
 
     async def run() -> object:
         client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0)
-        agent = Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather],
-                      model=OpenAIChatCompletionsModel(model=stack.model, openai_client=client),
-                      # Required on the first turn; the SDK resets it to auto after a tool ran.
+        model = getattr(agents, model_class)(model=stack.model, openai_client=client)
+        agent = Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather], model=model,
+                      output_type=output_type,
                       model_settings=ModelSettings(tool_choice="required", max_tokens=200, temperature=0,
                                                    parallel_tool_calls=False))
         try:
-            return await Runner.run(agent, "Weather in Paris?", max_turns=4)
+            return await Runner.run(agent, "Weather in Paris?", max_turns=6)
         finally:
             await client.close()
 
     result = asyncio.run(run())
     assert seen and seen[0] in ("Paris", "Rome", "Oslo"), "the tool ran with arguments that fit its schema"
-    outputs = [i for i in result.new_items if i.type == "tool_call_output_item"]
-    assert outputs and outputs[0].output == f"sunny in {seen[0]}"
+    outputs = [i for i in result.new_items if i.type == "tool_call_output_item"]  # type: ignore[attr-defined]
+    assert outputs and outputs[0].output == f"sunny in {seen[0]}", "its result went back"
+    return result, seen
+
+
+def test_openai_agents_runs_its_tool_loop_on_chat_completions(stack):
+    result, _ = weather_agent_run(stack, "OpenAIChatCompletionsModel")
     assert isinstance(result.final_output, str), "the run ended with an answer"
 
 
@@ -129,37 +138,13 @@ def test_openai_agents_runs_its_tool_loop_on_the_responses_api(stack):
     """The Responses model, whose SDK treats a turn cut at its token budget as a failure: the
     final answer is a typed output (a JSON schema the grammar brings to its end), which a random
     model's free text would not reach."""
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
     from pydantic import BaseModel
-
-    set_tracing_disabled(True)
-    seen: list[str] = []
 
     class Report(BaseModel):
         city: Literal["Paris", "Rome", "Oslo"]
         sky: Literal["sunny", "cloudy"]
 
-    @function_tool
-    def get_weather(city: Literal["Paris", "Rome", "Oslo"]) -> str:
-        """The weather in a city."""
-        seen.append(city)
-        return f"sunny in {city}"
-
-    async def run() -> object:
-        client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0)
-        agent = Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather],
-                      output_type=Report, model=OpenAIResponsesModel(model=stack.model, openai_client=client),
-                      model_settings=ModelSettings(tool_choice="required", max_tokens=200, temperature=0,
-                                                   parallel_tool_calls=False))
-        try:
-            return await Runner.run(agent, "Weather in Paris?", max_turns=6)
-        finally:
-            await client.close()
-
-    result = asyncio.run(run())
-    assert seen and seen[0] in ("Paris", "Rome", "Oslo"), "the tool ran with arguments that fit its schema"
-    outputs = [i for i in result.new_items if i.type == "tool_call_output_item"]
-    assert outputs and outputs[0].output == f"sunny in {seen[0]}"
+    result, _ = weather_agent_run(stack, "OpenAIResponsesModel", output_type=Report)
     assert isinstance(result.final_output, Report), "the run ended with an answer"
 
 
