@@ -14,7 +14,7 @@ from typing import Any
 from shared.errors import InvalidRequest
 from shared.schemas import ChatMessage, ChatOptions, ToolUse
 
-__all__ = ["chat_token_ids"]
+__all__ = ["chat_token_ids", "openai_tools"]
 
 
 def chat_token_ids(tokenizer: Any, messages: Sequence[ChatMessage], options: ChatOptions,
@@ -25,7 +25,7 @@ def chat_token_ids(tokenizer: Any, messages: Sequence[ChatMessage], options: Cha
     sends them."""
     try:
         encoded = tokenizer.apply_chat_template(
-            _developer_roles(tokenizer, [_template_message(m) for m in messages]), tools=_template_tools(tools),
+            _developer_roles(tokenizer, [_template_message(m) for m in messages]), tools=openai_tools(tools),
             tokenize=True,
             add_generation_prompt=options.add_generation_prompt,
             continue_final_message=options.continue_final_message, **options.template_kwargs,
@@ -78,7 +78,8 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
-def _template_tools(tools: ToolUse | None) -> list[dict[str, Any]] | None:
+def openai_tools(tools: ToolUse | None) -> list[dict[str, Any]] | None:
+    """The tools in OpenAI's chat form, as chat templates and vLLM's parsers take them."""
     if tools is None or not tools.tools:
         return None
     # OpenAI's order (name, description, parameters, strict): templates dump the dict as it is.

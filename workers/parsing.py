@@ -31,6 +31,7 @@ from vllm.parser.parser_manager import ParserManager
 from vllm.sampling_params import SamplingParams as VllmSamplingParams
 from vllm.tool_parsers.abstract_tool_parser import ToolParser
 
+from shared.chat_template import openai_tools
 from shared.errors import InvalidRequest
 from shared.events import TokenDelta, ToolCallDelta
 from shared.schemas import ChatMessage, GenerationRequest, ToolUse
@@ -63,7 +64,6 @@ class OutputParsers:
                  strict_level: str = "auto", compact_json: bool = False) -> None:
         self.tokenizer = tokenizer
         self.compact_json = compact_json
-        self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
         # A bad name, or a tokenizer without the tokens a parser needs, fails the worker at start.
         reasoning_cls = ParserManager.get_reasoning_parser(reasoning_parser)
         if tool_parser:
@@ -128,9 +128,7 @@ def _vllm_request(req: GenerationRequest) -> ChatCompletionRequest:
     if so is not None:  # so that vLLM combines it with the tools' constraint (auto: either one), or drops it (forced)
         body["structured_outputs"] = {k: v for k, v in msgspec.structs.asdict(so).items() if v not in (None, False)}
     if tools.tools:
-        body["tools"] = [{"type": "function", "function": {k: v for k, v in (
-            ("name", t.name), ("description", t.description), ("parameters", t.parameters or {}),
-            ("strict", t.strict)) if v is not None}} for t in tools.tools]
+        body["tools"] = openai_tools(tools)
         body["tool_choice"] = ({"type": "function", "function": {"name": tools.function}}
                                if tools.choice == "function" else tools.choice)
         body["parallel_tool_calls"] = tools.parallel
