@@ -13,7 +13,13 @@ import msgspec
 from shared.errors import ServiceError, error_from_code
 from shared.schemas import PromptInfo, TopLogprob, Usage
 
-__all__ = ["ToolCallDelta", "TokenDelta", "Tokens", "Timings", "Done", "Error", "Event", "is_terminal"]
+__all__ = ["LOGPROB_FLOOR", "ToolCallDelta", "TokenDelta", "Tokens", "Timings", "Done", "Error", "Event", "is_terminal"]
+
+LOGPROB_FLOOR = -9999.0
+"""The lowest logprob an event carries: the worker publishes NaN and infinities as this
+(workers/attempt.py: JSON has no NaN or infinity, msgspec writes them as ``null``, which the API's
+typed decode of the event refuses), and dialects floor -inf to it, as vLLM's server does (its
+value for "no logprob" too)."""
 
 
 class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -18,20 +18,12 @@ from dataclasses import dataclass
 from shared import eventlog
 from shared.codec import encode
 from shared.errors import ServiceError
-from shared.events import Done, Error, Event, Timings, Tokens
+from shared.events import LOGPROB_FLOOR, Done, Error, Event, Timings, Tokens
 from shared.result import ResultBuilder
 from shared.schemas import JobResult, PromptInfo, TopLogprob, Usage
 from workers.protocol import Step
 
-__all__ = ["Attempt", "Emission", "LOGPROB_FLOOR", "finite_logprobs"]
-
-LOGPROB_FLOOR = -9999.0
-"""What a logprob that JSON cannot carry (NaN, +inf, -inf) is published as: vLLM's floor for
-``-inf`` and its value for "no logprob" (``ChatCompletionLogProbsContent.logprob``'s default;
-its token-in/token-out server sends NaN as this too). JSON has no NaN or infinity: msgspec
-writes them as ``null``, which the API's typed decode of the event refuses, and the client got
-a bare 500. A context past the model's positions makes NaN logprobs (LLMQ_ALLOW_LONG_CONTEXT)."""
-
+__all__ = ["Attempt", "Emission", "finite_logprobs"]
 
 def _finite(values: list, floor: float = LOGPROB_FLOOR) -> list:
     """``values`` (floats, or None for a prompt's first token) with every NaN and infinity as
@@ -50,7 +42,7 @@ def _finite_tops(tops: list[list[TopLogprob]]) -> list[list[TopLogprob]]:
 
 
 def finite_logprobs(step: Step) -> None:
-    """Make every logprob of ``step`` one JSON can carry (:data:`LOGPROB_FLOOR`), in place: the
+    """Make every logprob of ``step`` one JSON can carry (``LOGPROB_FLOOR``), in place: the
     sampled tokens', their alternatives', the prompt's. The one place every engine's logprobs pass
     on their way into an event, so every dialect renders a number."""
     for delta in step.deltas:

@@ -21,7 +21,7 @@ from api.dialects.openai_structured import ResponseFormat, StructuredOutputs, st
 from api.dialects.stream import JSONLINES, SSE, StreamRenderer
 from api.dialects.tiers import priority_of_tier, reported_tier
 from shared.errors import InvalidRequest, ServiceError
-from shared.events import Done, TokenDelta, Tokens
+from shared.events import LOGPROB_FLOOR, Done, TokenDelta, Tokens
 from shared.framing import KEEPALIVE, SSE_DONE, jsonline, sse
 from shared.schemas import (
     ChatMessage,
@@ -50,7 +50,6 @@ __all__ = [
 NAME = "openai_chat"
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
-LOGPROB_FLOOR = -9999.0  # vLLM clamps -inf so the JSON stays valid
 # apply_chat_template's own arguments: a template kwarg must not override how the worker renders.
 RESERVED_TEMPLATE_KWARGS = frozenset(
     "conversation messages tools documents chat_template add_generation_prompt continue_final_message tokenize "
@@ -69,6 +68,8 @@ class FunctionCall(msgspec.Struct, kw_only=True):
 
 
 class MessageToolCall(msgspec.Struct, kw_only=True):
+    """A call in an assistant turn: sent back in history, and rendered in a result."""
+
     id: str
     type: str = "function"
     function: FunctionCall
@@ -336,23 +337,12 @@ class ChoiceLogprobs(msgspec.Struct, kw_only=True):
     content: list[ChatCompletionTokenLogprob]
 
 
-class ToolCallFunction(msgspec.Struct, kw_only=True):
-    name: str
-    arguments: str
-
-
-class ChatCompletionMessageToolCall(msgspec.Struct, kw_only=True):
-    id: str
-    type: str = "function"
-    function: ToolCallFunction
-
-
 class ChatCompletionMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | None
     """None (null) when the model only called tools, as in vLLM."""
     reasoning: str | UnsetType = UNSET  # vLLM 0.32's field, with a reasoning parser
-    tool_calls: list[ChatCompletionMessageToolCall] | UnsetType = UNSET
+    tool_calls: list[MessageToolCall] | UnsetType = UNSET
 
 
 class ChatCompletionChoice(msgspec.Struct, kw_only=True):
@@ -431,7 +421,7 @@ def _logprobs(src: Choice | TokenDelta) -> ChoiceLogprobs:
 
 
 def _message(c: Choice, role: str, with_reasoning: bool) -> ChatCompletionMessage:
-    calls = [ChatCompletionMessageToolCall(id=t.id, function=ToolCallFunction(name=t.name, arguments=t.arguments))
+    calls = [MessageToolCall(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments))
              for t in c.tool_calls or ()]
     return ChatCompletionMessage(
         role=role, content=c.text if c.text or not calls else None,

@@ -14,7 +14,7 @@ import pytest
 from api import dialects
 from shared import eventlog
 from shared.codec import decode_event, encode
-from shared.events import Done, Event, TokenDelta, Tokens
+from shared.events import LOGPROB_FLOOR, Done, Event, TokenDelta, Tokens
 from shared.result import ResultBuilder
 from shared.schemas import (
     ChatMessage,
@@ -26,7 +26,7 @@ from shared.schemas import (
     TopLogprob,
 )
 from tests.support.streams import frames
-from workers.attempt import LOGPROB_FLOOR, Attempt
+from workers.attempt import Attempt
 from workers.protocol import Step
 
 NAN, INF = float("nan"), float("inf")
