@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 import msgspec
 
 from shared import egress
+from shared.durability import replicas_of
 
 if TYPE_CHECKING:
     from shared.tracing import Tracing
@@ -82,9 +83,22 @@ class SettingsError(ValueError):
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
     redis_url: str | None = None
-    """LLMQ_REDIS_URL: Redis 6.2 or newer, as `redis://host:port/0` (`rediss://` for TLS), or a Redis Cluster as
-    `redis+cluster://host:port` (`rediss+cluster://`; any one node). Unset:
-    `redis://127.0.0.1:6399/0`, the embedded redis-server `make run` starts."""
+    """LLMQ_REDIS_URL: Redis 6.2 or newer, as `redis://host:port/0` (`rediss://` for TLS), a Redis Cluster as
+    `redis+cluster://host:port` (`rediss+cluster://`; any one node), or a primary found through Sentinel as
+    `redis+sentinel://[user:password@]h1:26379,h2:26379/mymaster[/db]` (`rediss+sentinel://`; see
+    docs/redis.md#sentinel). Unset: `redis://127.0.0.1:6399/0`, the embedded redis-server `make run` starts."""
+    durability: str = "none"
+    """LLMQ_DURABILITY: what a 200, 202 or first byte means. `none`: the job is in the primary's memory (and its
+    AOF within a second). `replicas:N`: N replicas also hold it (`WAIT N` on the connection that wrote it); fewer
+    within LLMQ_DURABILITY_TIMEOUT_MS is a 503 with Retry-After (docs/guarantees.md#redis-fails-over)."""
+    durability_timeout_ms: Annotated[int, msgspec.Meta(ge=1)] = 1000
+    """LLMQ_DURABILITY_TIMEOUT_MS: how long an admission waits for its replicas under `replicas:N`."""
+    redis_memory_watermark: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.85
+    """LLMQ_REDIS_MEMORY_WATERMARK: new jobs are refused (503 + Retry-After) once a Redis node that holds them uses
+    this share of its `maxmemory`, so the jobs already running can still write their tokens. 1: no watermark."""
+    redis_allow_eviction: bool = False
+    """LLMQ_REDIS_ALLOW_EVICTION: start even when a Redis node's `maxmemory-policy` is not `noeviction`. Off: the
+    web process and the worker refuse to start, naming the node, since an evicting Redis deletes jobs silently."""
     arq_redis_url: str | None = None
     """LLMQ_ARQ_REDIS_URL: the Redis of the housekeeping process's arq queue (webhook deliveries,
     cron). Unset: LLMQ_REDIS_URL. arq needs a single Redis server, so set it when that is a Cluster."""
@@ -372,6 +386,10 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: object)
         for field, choices in _CHOICES.items()
         if getattr(settings, field) not in choices
     ]
+    try:
+        replicas_of(settings.durability)
+    except ValueError as exc:
+        bad.append(str(exc))
     try:
         egress.policy(settings.webhook_allow)
     except ValueError as exc:  # at start-up, not at the first webhook
