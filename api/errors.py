@@ -1,8 +1,8 @@
 """Errors mapped to HTTP once, in the shape of the dialect the route speaks.
 
-Typed ServiceErrors keep their status; a Redis outage is 503; anything unexpected is a logged
-500, never a 400. A route that answers in another dialect than its own (LMI's ``/invocations``
-with an OpenAI body) says so explicitly with :func:`answered_in`.
+Typed ServiceErrors keep their status; a Redis outage or refusal (memory, failover) is 503;
+anything unexpected is a logged 500, never a 400. A route that answers in another dialect than
+its own (LMI's ``/invocations`` with an OpenAI body) says so explicitly with :func:`answered_in`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,16 @@ from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 
 from api import dialects
 from shared.codec import encode
-from shared.errors import HttpError, InternalError, PayloadTooLarge, QueueUnavailable, RateLimited, ServiceError
-from shared.redis import REDIS_DOWN
+from shared.errors import (
+    HttpError,
+    InternalError,
+    PayloadTooLarge,
+    QueueRefused,
+    QueueUnavailable,
+    RateLimited,
+    ServiceError,
+)
+from shared.redis import REDIS_DOWN, refusal
 
 __all__ = ["exception_handlers", "answered_in", "InDialect"]
 
@@ -51,6 +59,9 @@ def _dialect(request: Request) -> str:
 def _service_error(exc: Exception) -> ServiceError:
     if isinstance(exc, ServiceError):
         return exc
+    if (refused := refusal(exc)) is not None:
+        log.warning("redis_refused", error=str(refused))
+        return QueueRefused("the queue takes no new work right now; retry shortly with the same Idempotency-Key")
     if isinstance(exc, REDIS_DOWN):
         log.warning("redis_unavailable", error=str(exc))
         return QueueUnavailable("the queue is unavailable; try again shortly")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from typing import Any
 
 from litestar import Litestar
 from litestar.di import NamedDependency
+from redis.asyncio import Redis
 
 from api.auth import parse_keys
 from api.listener import EventListener, Listener
@@ -19,9 +21,11 @@ from api.shards import ClusterListener
 from api.tokenizer import Tokenizer
 from shared.cluster import is_cluster
 from shared.config import Settings
+from shared.durability import Durability
 from shared.keys import Keys
 from shared.queue import Queue
-from shared.redis import connect
+from shared.redis import REDIS_DOWN, connect, wait_for_redis
+from shared.redis_memory import EvictingRedis, MemoryGuard, check_policy
 from shared.tenants import ConfigCache
 
 __all__ = ["Services", "Svc", "lifespan"]
@@ -80,7 +84,9 @@ async def lifespan(app: Litestar) -> AsyncIterator[None]:
         settings=settings,
         keys=keys,
         queue=Queue(redis, keys, result_ttl_s=settings.result_ttl_s, idempotency_ttl_s=settings.idempotency_ttl_s,
-                    usage_days=settings.usage_days),
+                    usage_days=settings.usage_days,
+                    durability=Durability.of(settings.durability, settings.durability_timeout_ms),
+                    memory=MemoryGuard(redis, settings.redis_memory_watermark)),
         listener=listener,
         models=ModelRegistry(redis, keys, settings.model_name, settings.extra_models,
                              max_model_len=settings.max_model_len),
@@ -90,11 +96,15 @@ async def lifespan(app: Litestar) -> AsyncIterator[None]:
         instance=instance,
     )
     # The listener reconnects by itself, so the API starts (and answers 503) before Redis is up.
+    # Then the eviction policy is checked once Redis answers, and the process stops if it fails.
+    policy = await _check_policy(redis, settings)
     task = asyncio.create_task(listener.run(), name="event-listener")
     app.state.services = services
     try:
         yield
     finally:
+        if policy is not None:
+            policy.cancel()
         if services.background:  # cancels of disconnected requests: let them reach Redis
             await asyncio.wait(list(services.background), timeout=5)
         task.cancel()
@@ -105,3 +115,26 @@ async def lifespan(app: Litestar) -> AsyncIterator[None]:
         await redis.aclose()
 
 
+async def _check_policy(redis: Redis, settings: Settings) -> asyncio.Task[None] | None:
+    """Refuse to start on a Redis that may evict jobs (shared/redis_memory.py): at once when Redis
+    answers now; else a task that checks once it does, and stops the process (SIGTERM) if it must."""
+    try:
+        async with asyncio.timeout(2):
+            await check_policy(redis, allow_eviction=settings.redis_allow_eviction, process="web")
+        return None
+    except REDIS_DOWN:  # the builtin TimeoutError is an OSError
+        pass
+
+    async def later() -> None:
+        while True:
+            await wait_for_redis(redis, what="web")
+            try:
+                await check_policy(redis, allow_eviction=settings.redis_allow_eviction, process="web")
+                return
+            except EvictingRedis:  # logged, naming the nodes
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            except REDIS_DOWN:
+                await asyncio.sleep(1)
+
+    return asyncio.create_task(later(), name="redis-policy")

@@ -23,6 +23,8 @@ __all__ = [
     "JobNotFound",
     "JobMissing",
     "QueueUnavailable",
+    "QueueRefused",
+    "NotDurable",
     "GenerationFailed",
     "EngineDead",
     "JobCancelled",
@@ -104,6 +106,16 @@ class JobMissing(ServiceError, status=404, code="job_missing"):
 
 class QueueUnavailable(ServiceError, status=503, code="queue_unavailable"):
     """Redis is unreachable: a dependency failure, never the client's fault."""
+
+
+class QueueRefused(ServiceError, status=503, code="queue_refused"):
+    """Redis is up but takes no new job now: it is at its memory limit or LLMQ_REDIS_MEMORY_WATERMARK,
+    or a failover is under way (a demoted primary, too few replicas). Nothing was queued."""
+
+
+class NotDurable(ServiceError, status=503, code="not_durable"):
+    """LLMQ_DURABILITY=replicas:N, and fewer than N replicas confirmed the job in time. It may still
+    run: a retry with the same Idempotency-Key never runs it twice."""
 
 
 class GenerationFailed(ServiceError, code="generation_failed"):

@@ -22,9 +22,19 @@ from redis.exceptions import ResponseError
 from shared import eventlog, scripts
 from shared.cluster import publish
 from shared.codec import decode_event, decode_request, encode, job_from_hash, job_to_hash
-from shared.errors import DeadlineExceeded, JobCancelled, Overloaded, RateLimited, ServiceError
+from shared.durability import NOT_DURABLE, Durability
+from shared.errors import (
+    DeadlineExceeded,
+    JobCancelled,
+    NotDurable,
+    Overloaded,
+    QueueRefused,
+    RateLimited,
+    ServiceError,
+)
 from shared.events import Done, Error, Event, Tokens
 from shared.keys import GROUP, LEVELS, Keys
+from shared.redis_memory import MemoryGuard
 from shared.schemas import GenerationRequest, JobError, JobGroup, JobRecord, JobResult, Usage, estimate_tokens
 from shared.tenants import DEFAULT_TENANT, TenantConfig, today
 
@@ -154,9 +164,13 @@ class Picked(NamedTuple):
 
 class Queue:
     def __init__(self, redis: Redis, keys: Keys, *, result_ttl_s: int = 3600, idempotency_ttl_s: int = 86400,
-                 usage_days: int = 400):
+                 usage_days: int = 400, durability: Durability = NOT_DURABLE, memory: MemoryGuard | None = None):
         self.redis = redis
         self.keys = keys
+        self.durability = durability
+        """What an admission waits for before it is acknowledged (LLMQ_DURABILITY)."""
+        self.memory = memory
+        """Refuses admissions above LLMQ_REDIS_MEMORY_WATERMARK; None: Redis's own limit only."""
         self.result_ttl_s = result_ttl_s
         self.idempotency_ttl_s = idempotency_ttl_s
         self.usage_ttl_s = usage_days * 86400
@@ -242,12 +256,22 @@ class Queue:
         fields = job_to_hash(record)
         if relay:
             fields["relay"] = relay
-        owner = await self.scripts.run(scripts.enqueue(
+        job_key = self.keys.job(model, record.id)
+        if self.memory is not None and not await self.memory.admits(job_key):
+            log.info("redis_memory_watermark", model=model, watermark=self.memory.watermark)
+            raise QueueRefused(f"The queue is at its memory limit (over {self.memory.watermark:.0%} of Redis's "
+                               "maxmemory): no new jobs until running ones finish; retry shortly")
+        durable = self.durability.replicas > 0
+        call = scripts.enqueue(
             self.keys, model, record.id, name, idempotency=idempotency_key, idempotency_ttl=self.idempotency_ttl_s,
             max_depth=max_queued, level=level_of(record.request.priority), weight=config.weight,
             max_running=limit(config.max_running), max_queued=limit(config.max_queued),
             tokens_per_minute=limit(config.tokens_per_minute), now=now_ms(),
-            record=[v for pair in fields.items() for v in pair]))
+            record=[v for pair in fields.items() for v in pair], touch=durable)
+        if durable:
+            owner, acked = await self.scripts.run_and_wait(call, self.durability)
+        else:
+            owner, acked = await self.scripts.run(call), 0
         match owner:
             case [b"full", depth]:
                 log.info("queue_full", model=model, depth=depth, limit=max_queued)
@@ -263,6 +287,12 @@ class Queue:
                 raise RateLimited(f"Rate limit reached for this tenant on model {model}: {used} tokens used in the "
                                   f"last minute (limit {config.tokens_per_minute}); retry in {retry} s",
                                   retry_after_s=int(retry))
+        if acked < self.durability.replicas:
+            log.warning("not_durable", model=model, job_id=owner.decode(), replicas=acked,
+                        wanted=self.durability.replicas)
+            raise NotDurable(f"The job reached {acked} of the {self.durability.replicas} Redis replicas it needs "
+                             f"within {self.durability.timeout_ms} ms; it may still run: retry with the same "
+                             "Idempotency-Key")
         return owner.decode()
 
     async def add_follower(self, model: str, job_id: str, channel: str) -> bool:

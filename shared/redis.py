@@ -20,17 +20,50 @@ from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import AuthenticationError, ClusterDownError, ClusterError, RedisClusterException
+from redis.exceptions import (
+    AuthenticationError,
+    ClusterDownError,
+    ClusterError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisClusterException,
+    ResponseError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-__all__ = ["connect", "cluster_target", "wait_for_redis", "redis_server_binary", "redis_cli_binary", "REDIS_DOWN"]
+__all__ = ["connect", "cluster_target", "wait_for_redis", "redis_server_binary", "redis_cli_binary", "REDIS_DOWN",
+           "RedisRefused", "refusal"]
+
+
+class RedisRefused(RedisConnectionError):
+    """Redis is up and refused a write it cannot take now: at its memory limit (OOM), a primary
+    demoted by a failover (READONLY), or too few replicas (NOREPLICAS, min-replicas-to-write).
+    Like an outage it passes: callers wait and retry (a worker keeps its events), and the API
+    answers 503 with Retry-After. A ConnectionError, so every ``except REDIS_DOWN`` covers it."""
+
+
+# Redis's own words for a refusal. Inside a script, Redis 6.2 wraps them in a plain ResponseError
+# ("Error running script ... -OOM command not allowed ..."), so they are matched in the text.
+_REFUSALS = ("OOM command not allowed", "READONLY You can't write", "NOREPLICAS")
+
+
+def refusal(exc: BaseException) -> RedisRefused | None:
+    """``exc`` as a :class:`RedisRefused` when it is one of Redis's refusals, else None."""
+    if isinstance(exc, RedisRefused):
+        return exc
+    if isinstance(exc, (OutOfMemoryError, ReadOnlyError)) or (
+            isinstance(exc, ResponseError) and any(words in str(exc) for words in _REFUSALS)):
+        return RedisRefused(str(exc))
+    return None
+
 
 # What a Redis outage looks like to callers (mapped to 503 by the API). On a Cluster redis-py
 # also raises RedisClusterException when no node answers ("Redis Cluster cannot be connected"),
 # ClusterDownError while slots are unserved (a failover) and ClusterError when redirects run out.
+# A refusal raised by a plain command (scripts raise RedisRefused) passes like an outage too.
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError, RedisClusterException,
-              ClusterDownError, ClusterError)
+              ClusterDownError, ClusterError, OutOfMemoryError, ReadOnlyError)
 
 # URL schemes that ask for a Redis Cluster client, mapped to the plain scheme redis-py parses.
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}

@@ -28,13 +28,16 @@ import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
+from redis.exceptions import ResponseError
 
 from shared.cluster import sharded_pubsub
+from shared.durability import Durability, run_and_wait
 from shared.keys import GROUP, LEVELS, Keys
+from shared.redis import refusal
 
 __all__ = ["Library", "Group", "Script", "Call", "Scripts", "SCRIPTS", "LIBRARIES", "source", "sharded",
            "Extra"]
@@ -122,7 +125,7 @@ ENQUEUE = Script(
     keys=("job", "tenant_key", "tenants", "clock"),
     key_groups=(Group("levels", ("queue", "waiting_stream", "fair")), Group("idempotency", ("idempotency",))),
     argv=("job_id", "idempotency_ttl", "max_depth", "levels", "level", "tenant", "weight", "max_running",
-          "max_queued", "tokens_per_minute", "now", "levels_at", "levels_width", "idempotency_at"),
+          "max_queued", "tokens_per_minute", "now", "levels_at", "levels_width", "idempotency_at", "touch"),
     tail=True,  # the job record's field, value pairs
     uses=(FAIR,),
 )
@@ -130,9 +133,10 @@ ENQUEUE = Script(
 
 def enqueue(keys: Keys, model: str, job_id: str, tenant: str, *, idempotency: str | None, idempotency_ttl: int,
             max_depth: int, level: int, weight: float, max_running: int, max_queued: int, tokens_per_minute: int,
-            now: float, record: Iterable[Value]) -> Call:
+            now: float, record: Iterable[Value], touch: bool = False) -> Call:
     """``max_running``, ``max_queued``, ``tokens_per_minute``: -1 for no limit. ``record``: the
-    job hash's field, value pairs."""
+    job hash's field, value pairs. ``touch``: a repeated idempotency key is written again (its
+    TTL), so a WAIT after the script covers the earlier job too."""
     k = [keys.job(model, job_id), keys.tenant(model, tenant), keys.tenants(model), keys.fair_clock(model)]
     for lvl in range(LEVELS):
         k += [keys.queue(model, lvl), keys.waiting(model, lvl), keys.fair(model, lvl)]
@@ -141,7 +145,8 @@ def enqueue(keys: Keys, model: str, job_id: str, tenant: str, *, idempotency: st
     levels_at, levels_width, idempotency_at, _ = _places(len(ENQUEUE.keys) + 1, ENQUEUE.key_groups,
                                                         [LEVELS, 1 if idempotency else 0])
     return Call(ENQUEUE, k, [job_id, idempotency_ttl, max_depth, LEVELS, level, tenant, repr(weight), max_running,
-                             max_queued, tokens_per_minute, now, levels_at, levels_width, idempotency_at, *record])
+                             max_queued, tokens_per_minute, now, levels_at, levels_width, idempotency_at,
+                             int(touch), *record])
 
 
 READ = Script(
@@ -417,10 +422,21 @@ class Scripts:
         self._registered: dict[Script, AsyncScript] = {}
 
     async def run(self, call: Call):
-        script = self._registered.get(call.script)
-        if script is None:
-            script = await self._register(call.script)
-        return await script(keys=call.keys, args=call.args)
+        script = self._registered.get(call.script) or await self._register(call.script)
+        try:
+            return await script(keys=call.keys, args=call.args)
+        except ResponseError as exc:
+            raise refusal(exc) or exc from None
+
+    async def run_and_wait(self, call: Call, durability: Durability) -> tuple[Any, int]:
+        """Run ``call``, then WAIT for ``durability.replicas`` on the same connection
+        (shared/durability.py): the script's reply, and how many replicas hold its writes."""
+        script = self._registered.get(call.script) or await self._register(call.script)
+        text_ = script.script if isinstance(script.script, str) else script.script.decode()
+        try:
+            return await run_and_wait(self.redis, script.sha, text_, call.keys, call.args, durability)
+        except ResponseError as exc:
+            raise refusal(exc) or exc from None
 
     async def _register(self, script: Script) -> AsyncScript:
         text_ = source(script)

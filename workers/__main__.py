@@ -29,6 +29,7 @@ from shared.keys import Keys
 from shared.logging import configure_logging
 from shared.queue import Queue
 from shared.redis import connect, wait_for_redis
+from shared.redis_memory import EvictingRedis, check_policy
 from workers.claim import NoFreeDevice, claim_device
 from workers.lifeline import bind_children
 
@@ -66,6 +67,10 @@ async def serve(settings: Settings, tracing: Tracing | None = None) -> None:
         redis = connect(settings.redis_dsn, block_ms=settings.block_ms)
         stack.push_async_callback(redis.aclose)
         await wait_for_redis(redis, what="worker")
+        try:
+            await check_policy(redis, allow_eviction=settings.redis_allow_eviction, process="worker")
+        except EvictingRedis:  # logged, naming the nodes
+            raise SystemExit(1) from None
 
         from workers.engine import VllmEngine  # heavy import: only once Redis is known good
         from workers.runner import Worker

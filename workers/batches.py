@@ -45,9 +45,10 @@ from shared.batches import (
     StoredLine,
 )
 from shared.codec import encode
-from shared.errors import GenerationFailed, Overloaded
+from shared.errors import GenerationFailed, NotDurable, Overloaded, QueueRefused
 from shared.keys import LEVELS
 from shared.queue import now_ms
+from shared.redis import REDIS_DOWN
 from shared.schemas import TERMINAL_STATUSES, GenerationRequest, JobError, JobRecord
 from shared.tenants import DEFAULT_TENANT, TenantConfig, read_config
 
@@ -142,8 +143,10 @@ class Tick:
                 try:
                     job_ids = [await self._enqueue(batch, owner, line, part, req)
                                for part, req in enumerate(stored.requests)]
-                except Overloaded:
-                    break  # the model's queue is full: this line is queued again next tick
+                except (Overloaded, QueueRefused, NotDurable, *REDIS_DOWN):
+                    # The model's queue is full, or Redis takes no new job now (its memory, a
+                    # failover): this line is queued again next tick, under the same idempotency key.
+                    break
                 entry = encode((stored.requests[0].model, job_ids))
                 await self.redis.hset(self.keys.batch_jobs(batch.id), str(line), entry)
                 self.rate, self.window, queued = self.rate - 1, self.window - 1, queued + 1

@@ -32,11 +32,13 @@ from arq.worker import run_worker
 from redis.asyncio import Redis
 
 from shared.config import MASK, Settings, load_settings
+from shared.durability import Durability
 from shared.inspection import QueueReading, read_queue
 from shared.keys import GROUP, Keys
 from shared.logging import configure_logging
 from shared.queue import Queue, now_ms
 from shared.redis import connect, wait_for_redis
+from shared.redis_memory import MemoryGuard
 from workers.batches import advance_batches
 from workers.webhooks import DELIVER, deliver_webhook, drain_outbox
 
@@ -65,7 +67,9 @@ class Housekeeper:
     def open(cls, settings: Settings, arq: ArqRedis) -> Housekeeper:
         keys, redis = Keys(settings.prefix), connect(settings.redis_dsn)
         return cls(settings=settings, keys=keys, redis=redis, arq=arq,
-                   queue=Queue(redis, keys, result_ttl_s=settings.result_ttl_s, usage_days=settings.usage_days),
+                   queue=Queue(redis, keys, result_ttl_s=settings.result_ttl_s, usage_days=settings.usage_days,
+                               durability=Durability.of(settings.durability, settings.durability_timeout_ms),
+                               memory=MemoryGuard(redis, settings.redis_memory_watermark)),
                    http=httpx.AsyncClient(timeout=settings.webhook_timeout_s, follow_redirects=False))
 
     async def close(self) -> None:

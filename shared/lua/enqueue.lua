@@ -8,9 +8,13 @@
 -- waiting} when the tenant may have no more jobs waiting; {'tokens', used, retry after (s)} when
 -- its last minute's tokens reached its limit.
 -- Checks and writes in one script, so concurrent submitters can never overshoot a limit.
+-- Every check reads only, and the first write is the job record: Redis checks its memory limit at
+-- a script's first write, and lets the rest of the script run past it (atomicity). A first write
+-- that frees memory (an HDEL of old window seconds) would wave the whole script through at
+-- maxmemory; a refused HSET leaves nothing behind.
 local job, tenant_key, tenants, clock = unpack(KEYS, 1, 4)
 local job_id, idempotency_ttl, max_depth, levels, level, tenant, weight, max_running, max_queued,
-      tokens_per_minute, now, levels_at, levels_width, idempotency_at = unpack(ARGV, 1, 14)
+      tokens_per_minute, now, levels_at, levels_width, idempotency_at, touch = unpack(ARGV, 1, 15)
 level, max_running, max_queued = tonumber(level), tonumber(max_running), tonumber(max_queued)
 tokens_per_minute, now = tonumber(tokens_per_minute), tonumber(now)
 levels, levels_at, levels_width = tonumber(levels), tonumber(levels_at), tonumber(levels_width)
@@ -19,7 +23,12 @@ idempotency_at = tonumber(idempotency_at)
 local idempotency = KEYS[idempotency_at]  -- nil: the request has no Idempotency-Key
 if idempotency then
   local existing = redis.call('GET', idempotency)
-  if existing then return existing end
+  if existing then
+    -- Under LLMQ_DURABILITY the WAIT after this script counts this connection's last write (Redis
+    -- 7.2+): a write here makes it cover the earlier request's job, which may not be replicated yet.
+    if touch == '1' then redis.call('EXPIRE', idempotency, idempotency_ttl) end
+    return existing
+  end
 end
 -- The model's unfinished jobs (both streams of every level) and the tenant's waiting ones.
 local depth, waiting, streams, fairs = 0, 0, {}, {}
@@ -41,7 +50,7 @@ if max_queued >= 0 then
   if would_wait > max_queued then return {'queued', running, waiting} end
 end
 if tokens_per_minute >= 0 then
-  local seconds, used = Fair.window(Fair.tokens(tenant_key), now)
+  local seconds, used = Fair.window(Fair.tokens(tenant_key), now, false)
   if used >= tokens_per_minute then
     -- Retry once enough of the window's oldest seconds have left it to bring it under the limit.
     table.sort(seconds, function(a, b) return a[1] < b[1] end)
@@ -54,8 +63,8 @@ if tokens_per_minute >= 0 then
   end
 end
 
+redis.call('HSET', job, unpack(ARGV, 16))
 if idempotency then redis.call('SET', idempotency, job_id, 'EX', idempotency_ttl) end
-redis.call('HSET', job, unpack(ARGV, 15))
 local entry = redis.call('XADD', streams[level + 1], '*', 'job', job_id, 'tenant', tenant)
 redis.call('RPUSH', Fair.waiting_list(tenant_key, level), entry .. ' ' .. job_id)
 redis.call('HSET', tenant_key, 'weight', weight, 'max_running', math.max(max_running, 0))

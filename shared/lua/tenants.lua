@@ -97,20 +97,20 @@ function Fair.ended(job, id, m, prompt, generated)
     for _, window in ipairs({Fair.tokens(tkey), m.tokens}) do
       redis.call('HINCRBY', window, second, prompt + generated)
       redis.call('EXPIRE', window, 120)
-      if redis.call('HLEN', window) > 90 then Fair.window(window, second * 1000) end
+      if redis.call('HLEN', window) > 90 then Fair.window(window, second * 1000, true) end
     end
   end
 end
 
--- A token window's seconds of the last minute as {second, tokens}, and their sum; older seconds
--- are deleted on the way.
-function Fair.window(window, now)
+-- A token window's seconds of the last minute as {second, tokens}, and their sum; with ``prune``
+-- older seconds are deleted on the way (never in enqueue.lua, whose first write is its record).
+function Fair.window(window, now, prune)
   local since, used, seconds = math.floor(now / 1000) - 59, 0, {}
   local raw = redis.call('HGETALL', window)
   for i = 1, #raw, 2 do
     local second, tokens = tonumber(raw[i]), tonumber(raw[i + 1])
     if second < since then
-      redis.call('HDEL', window, raw[i])
+      if prune then redis.call('HDEL', window, raw[i]) end
     else
       used = used + tokens
       table.insert(seconds, {second, tokens})
