@@ -25,6 +25,8 @@ class Figures:
     jobs_lost: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
     """Named timings, e.g. ``slot_free_s`` or ``recovery_s``."""
+    counts: dict[str, int] = field(default_factory=dict)
+    """Named counts a scenario reports beyond the columns above, e.g. ``refused_503``."""
 
 
 FIGURES: list[Figures] = []
@@ -40,12 +42,13 @@ def lost_and_duplicated(expected: list, got: list) -> tuple[int, int]:
 def write_table(path: Path) -> str:
     rows = sorted(FIGURES, key=lambda f: f.scenario)
     path.write_text(json.dumps([asdict(f) for f in rows], indent=2) + "\n")
-    head = ("scenario", "sent", "completed", "errors", "tokens lost", "tokens dup", "jobs lost", "timings")
+    head = ("scenario", "sent", "completed", "errors", "tokens lost", "tokens dup", "jobs lost", "timings", "counts")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for f in rows:
         timings = ", ".join(f"{k}={v:.2f}" for k, v in f.seconds.items())
+        counts = ", ".join(f"{k}={v}" for k, v in f.counts.items())
         lines.append(" | ".join(str(x) for x in (f.scenario, f.requests_sent, f.completed, f.ended_with_error,
-                                                  f.tokens_lost, f.tokens_duplicated, f.jobs_lost, timings)))
+                                                  f.tokens_lost, f.tokens_duplicated, f.jobs_lost, timings, counts)))
     return "\n".join("| " + line + " |" for line in lines)
 
 

