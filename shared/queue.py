@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, TypeVar, get_args
+from typing import Any, Literal, NamedTuple, TypeVar, get_args
 
 import msgspec
 import structlog
@@ -268,10 +268,7 @@ class Queue:
             max_running=limit(config.max_running), max_queued=limit(config.max_queued),
             tokens_per_minute=limit(config.tokens_per_minute), now=now_ms(),
             record=[v for pair in fields.items() for v in pair], touch=durable)
-        if durable:
-            owner, acked = await self.scripts.run_and_wait(call, self.durability)
-        else:
-            owner, acked = await self.scripts.run(call), 0
+        owner, acked = await self._run(call)
         match owner:
             case [b"full", depth]:
                 log.info("queue_full", model=model, depth=depth, limit=max_queued)
@@ -347,12 +344,39 @@ class Queue:
         for as many as can start now (the engine's free slots): nothing is claimed that could not."""
         call = scripts.read(self.keys, model, consumer, count, now=now_ms(), max_failed=max_deliveries)
         while True:  # again at once while it stops early on waiting jobs that had already ended
-            rows, tops, more = await self.scripts.run(call)
+            (rows, tops, more), acked = await self._run(call)
             if rows or not more:
                 break
         deliveries = self._deliveries([(int(level), entry_id, job.decode()) for level, entry_id, job, _ in rows],
                                       [state for *_, state in rows], reclaimed=False)
+        if deliveries and acked < self.durability.replicas:
+            deliveries = await self._confirm(model, consumer, deliveries)
         return Picked(deliveries, tops)
+
+    async def _run(self, call: scripts.Call) -> tuple[Any, int]:
+        """Run a script; under LLMQ_DURABILITY with the WAIT after it: its reply, and the replicas
+        that hold its writes (the replicas wanted, when none are)."""
+        if self.durability.replicas:
+            return await self.scripts.run_and_wait(call, self.durability)
+        return await self.scripts.run(call), 0
+
+    async def _confirm(self, model: str, worker: str, deliveries: list[Delivery]) -> list[Delivery]:
+        """Hold jobs just claimed until their claims are on the replicas LLMQ_DURABILITY wants
+        (renewing their leases meanwhile, with a WAIT after each renewal); the jobs still ours.
+
+        A job is never started before then: a claim only the primary holds may be a job only the
+        primary holds, one whose admission was refused (503) for want of replicas. Were the primary
+        to die, the client's retry would queue it again on the new one, and it would run twice."""
+        log.warning("claims_not_durable", model=model, jobs=len(deliveries), wanted=self.durability.replicas)
+        while deliveries:
+            held = [Held(d.job_id, d.entry_id, d.attempt, d.level) for d in deliveries]
+            lost, acked = await self.scripts.run_and_wait(self._renewal(model, worker, held), self.durability)
+            gone = {held[int(i)].job_id for i in lost}
+            deliveries = [d for d in deliveries if d.job_id not in gone]
+            if acked >= self.durability.replicas:
+                log.info("claims_durable", model=model, jobs=len(deliveries), replicas=acked)
+                break
+        return deliveries
 
     async def wait_for_work(self, model: str, tops: list[bytes], block_ms: int,
                             stop: asyncio.Event | None = None) -> bool:
@@ -470,10 +494,13 @@ class Queue:
         once. Returns the job ids this worker no longer owns."""
         if not held:
             return []
-        lost = await self.scripts.run(scripts.renew(
-            self.keys, model, worker, [(h.job_id, h.entry_id, h.attempt, h.level) for h in held],
-            idle_ms=hand_back_idle_ms or 0, hand_back=bool(hand_back_idle_ms)))
+        lost = await self.scripts.run(self._renewal(model, worker, held, hand_back_idle_ms))
         return [held[int(i)].job_id for i in lost]
+
+    def _renewal(self, model: str, worker: str, held: list[Held], hand_back_idle_ms: int | None = None
+                 ) -> scripts.Call:
+        return scripts.renew(self.keys, model, worker, [(h.job_id, h.entry_id, h.attempt, h.level) for h in held],
+                             idle_ms=hand_back_idle_ms or 0, hand_back=bool(hand_back_idle_ms))
 
     async def flush(self, model: str, batch: list[Outbound], worker: str = "") -> list[str]:
         """Publish a batch of events in ONE round trip (flush.lua): per event XADD to the event

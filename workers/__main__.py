@@ -25,6 +25,7 @@ from shared.config import (
     load_settings,
     load_tracing,
 )
+from shared.durability import Durability
 from shared.keys import Keys
 from shared.logging import configure_logging
 from shared.queue import Queue
@@ -84,7 +85,8 @@ async def serve(settings: Settings, tracing: Tracing | None = None) -> None:
             raise SystemExit(1) from None
         stack.callback(engine.shutdown)
 
-        queue = Queue(redis, Keys(settings.prefix), result_ttl_s=settings.result_ttl_s, usage_days=settings.usage_days)
+        queue = Queue(redis, Keys(settings.prefix), result_ttl_s=settings.result_ttl_s, usage_days=settings.usage_days,
+                      durability=Durability.of(settings.durability, settings.durability_timeout_ms))
         worker = Worker(settings, queue, engine, device=claim.label, tracing=tracing)
         loop = asyncio.get_running_loop()
 

@@ -181,4 +181,8 @@ async def test_failover(topology: Topology, fault: str, durability: str, figures
         # The positive control: the replica promoted never had the last half second's jobs.
         assert result.acked_but_lost > 0, result
     if durability != "none":
-        assert result.run_twice == 0, f"run twice: {dict(list(result.twice.items())[:5])}: {result}"
+        # No Idempotency-Key ever ran as two jobs. One job may run again (run_again, in the row's
+        # counts): a worker's claim or end that the new primary never received is taken back, and
+        # the job is taken over once its lease lapses (docs/guarantees.md#redis-fails-over).
+        two = {k: result.twice[k] for k in result.two_jobs[:5]}
+        assert not result.two_jobs, f"one key, two jobs: {two}: {result}"

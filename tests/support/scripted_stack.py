@@ -18,6 +18,7 @@ from redis.asyncio import Redis
 
 from api.app import create_app
 from shared.config import Settings, load_settings
+from shared.durability import Durability
 from shared.keys import Keys
 from shared.queue import Queue
 from shared.redis import connect
@@ -81,7 +82,9 @@ async def scripted_stack(
     async with serve_api(settings, routes, tracing) as url:
         redis = connect(redis_url)
         engine = engine if engine is not None else ScriptedEngine(delay_s=0.001)
-        worker = Worker(settings, Queue(redis, Keys(prefix)), engine, worker_id=f"w-{prefix}", tracing=tracing)
+        durability = Durability.of(settings.durability, settings.durability_timeout_ms)  # as workers/__main__.py
+        worker = Worker(settings, Queue(redis, Keys(prefix), durability=durability), engine, worker_id=f"w-{prefix}",
+                        tracing=tracing)
         worker_task = asyncio.create_task(worker.run())
         try:
             # Registered in the model's worker set, not just warm: only then does the API route to it.

