@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
 from litestar import Litestar
 from litestar.di import NamedDependency
 from redis.asyncio import Redis
@@ -21,7 +22,7 @@ from api.shards import ClusterListener
 from api.tokenizer import Tokenizer
 from shared.cluster import is_cluster
 from shared.config import Settings
-from shared.durability import Durability
+from shared.durability import Durability, check_server
 from shared.keys import Keys
 from shared.queue import Queue
 from shared.redis import REDIS_DOWN, connect, wait_for_redis
@@ -68,6 +69,8 @@ class Services:
         return self.settings.model_name
 
 
+log = structlog.get_logger()
+
 # How handlers ask for the services: ``svc: Svc`` (injected by name).
 Svc = NamedDependency[Services]
 
@@ -97,7 +100,7 @@ async def lifespan(app: Litestar) -> AsyncIterator[None]:
     )
     # The listener reconnects by itself, so the API starts (and answers 503) before Redis is up.
     # Then the eviction policy is checked once Redis answers, and the process stops if it fails.
-    policy = await _check_policy(redis, settings)
+    policy = await _check_redis(redis, settings)
     task = asyncio.create_task(listener.run(), name="event-listener")
     app.state.services = services
     try:
@@ -115,12 +118,17 @@ async def lifespan(app: Litestar) -> AsyncIterator[None]:
         await redis.aclose()
 
 
-async def _check_policy(redis: Redis, settings: Settings) -> asyncio.Task[None] | None:
-    """Refuse to start on a Redis that may evict jobs (shared/redis_memory.py): at once when Redis
-    answers now; else a task that checks once it does, and stops the process (SIGTERM) if it must."""
+async def _check_redis(redis: Redis, settings: Settings) -> asyncio.Task[None] | None:
+    """Refuse to start on a Redis that may evict jobs (shared/redis_memory.py) or cannot give the
+    durability asked for (shared/durability.py): at once when Redis answers now; else a task that
+    checks once it does, and stops the process (SIGTERM) if it must."""
+    async def check() -> None:
+        await check_policy(redis, allow_eviction=settings.redis_allow_eviction, process="web")
+        await check_server(redis, Durability.of(settings.durability, settings.durability_timeout_ms))
+
     try:
         async with asyncio.timeout(2):
-            await check_policy(redis, allow_eviction=settings.redis_allow_eviction, process="web")
+            await check()
         return None
     except REDIS_DOWN:  # the builtin TimeoutError is an OSError
         pass
@@ -129,9 +137,10 @@ async def _check_policy(redis: Redis, settings: Settings) -> asyncio.Task[None] 
         while True:
             await wait_for_redis(redis, what="web")
             try:
-                await check_policy(redis, allow_eviction=settings.redis_allow_eviction, process="web")
+                await check()
                 return
-            except EvictingRedis:  # logged, naming the nodes
+            except (EvictingRedis, ValueError) as exc:
+                log.error("redis_unfit", error=str(exc))
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             except REDIS_DOWN:

@@ -20,32 +20,49 @@ from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.cluster import PipelineCommand
 from redis.exceptions import AskError, ClusterDownError, NoScriptError, SlotNotCoveredError, TryAgainError
 
-__all__ = ["Durability", "NOT_DURABLE", "replicas_of", "run_and_wait"]
+__all__ = ["Durability", "NOT_DURABLE", "check_server", "replicas_of", "run_and_wait"]
 
 _MODE = re.compile(r"replicas:([1-9][0-9]*)")
 
 
 def replicas_of(mode: str) -> int:
-    """The replicas an admission waits for under LLMQ_DURABILITY ``mode``: 0 for ``none``.
-    Raises ValueError for anything else."""
+    """The replicas an admission waits for under LLMQ_DURABILITY ``mode``: 0 for ``none`` and
+    ``fsync``. Raises ValueError for anything else."""
     mode = mode.strip().lower()
-    if mode == "none":
+    if mode in ("none", "fsync"):
         return 0
     if match := _MODE.fullmatch(mode):
         return int(match[1])
-    raise ValueError(f"LLMQ_DURABILITY={mode!r} (none, or replicas:N with N >= 1)")
+    raise ValueError(f"LLMQ_DURABILITY={mode!r} (none, fsync, or replicas:N with N >= 1)")
 
 
 class Durability(NamedTuple):
-    """The replicas that must hold a job before it is acknowledged (0: none), and how long to wait."""
+    """What must hold a job before it is acknowledged, and how long to wait for it: ``replicas``
+    replicas (WAIT), or with ``fsync`` the primary's own AOF on disk (WAITAOF 1 0, Redis 7.2+ and
+    Valkey); neither: the primary's memory."""
 
     replicas: int = 0
     timeout_ms: int = 1000
+    fsync: bool = False
 
     @classmethod
     def of(cls, mode: str, timeout_ms: int) -> Durability:
-        return cls(replicas_of(mode), timeout_ms)
+        return cls(replicas_of(mode), timeout_ms, mode.strip().lower() == "fsync")
 
+    @property
+    def wanted(self) -> int:
+        """The confirmations an acknowledgement needs (0: none is waited for)."""
+        return 1 if self.fsync else self.replicas
+
+    def command(self) -> tuple[Any, ...]:
+        """The command that waits, sent right after the write on the same connection."""
+        if self.fsync:
+            return ("WAITAOF", 1, 0, self.timeout_ms)
+        return ("WAIT", self.replicas, self.timeout_ms)
+
+
+WAITAOF_FROM = (7, 2)
+"""The first Redis version with WAITAOF."""
 
 NOT_DURABLE = Durability()
 """LLMQ_DURABILITY=none: acknowledged once the primary holds the job."""
@@ -57,9 +74,10 @@ _SLOT_MOVED = (AskError, ClusterDownError, SlotNotCoveredError, TryAgainError)
 
 async def run_and_wait(redis: Redis, sha: str, text: str, keys: Sequence[str], args: Sequence[Any],
                        durability: Durability) -> tuple[Any, int]:
-    """EVALSHA the script, then WAIT, pipelined on one connection (on a Cluster, to the primary of
-    ``keys``' slot). Returns the script's reply and the replicas that acknowledged its writes."""
-    commands = (("EVALSHA", sha, len(keys), *keys, *args), ("WAIT", durability.replicas, durability.timeout_ms))
+    """EVALSHA the script, then WAIT (or WAITAOF), pipelined on one connection (on a Cluster, to
+    the primary of ``keys``' slot). Returns the script's reply and the confirmations of its writes:
+    replicas, or 1 when the primary's AOF has them on disk."""
+    commands = (("EVALSHA", sha, len(keys), *keys, *args), durability.command())
     for attempt in (1, 2):
         if isinstance(redis, RedisCluster):
             reply, acked = await _on_slot_primary(redis, keys[0], commands)
@@ -74,7 +92,7 @@ async def run_and_wait(redis: Redis, sha: str, text: str, keys: Sequence[str], a
         for result in (reply, acked):
             if isinstance(result, Exception):
                 raise result
-        return reply, int(acked)
+        return reply, int(acked[0] if durability.fsync else acked)  # WAITAOF: [local, replicas]
     raise AssertionError("unreachable")
 
 
@@ -92,3 +110,23 @@ async def _on_slot_primary(cluster: RedisCluster, key: str, commands: Sequence[t
         await cluster.aclose()
         raise ClusterDownError(f"the slot of {key} moved (a failover): {results[0]}")
     return results
+
+
+async def check_server(redis: Redis, durability: Durability) -> None:
+    """Raise ValueError at start-up when the primaries cannot give what ``durability`` asks:
+    ``fsync`` needs WAITAOF (Redis 7.2+, Valkey) and the AOF on."""
+    if not durability.fsync:
+        return
+    if isinstance(redis, RedisCluster):
+        await redis.initialize()
+        nodes = redis.get_primaries()
+    else:
+        nodes = [None]
+    for node in nodes:
+        target = {"target_nodes": node} if node is not None else {}
+        name = node.name if node is not None else "the primary"
+        version = str((await redis.info("server", **target)).get("redis_version", "0"))  # Valkey says 7.2.4
+        if tuple(int(p) for p in version.split(".")[:2] if p.isdigit()) < WAITAOF_FROM:
+            raise ValueError(f"LLMQ_DURABILITY=fsync needs WAITAOF (Redis 7.2+ or Valkey): {name} runs {version}")
+        if str((await redis.info("persistence", **target)).get("aof_enabled")) != "1":
+            raise ValueError(f"LLMQ_DURABILITY=fsync needs the AOF on (appendonly yes): {name} has it off")

@@ -261,7 +261,7 @@ class Queue:
             log.info("redis_memory_watermark", model=model, watermark=self.memory.watermark)
             raise QueueRefused(f"The queue is at its memory limit (over {self.memory.watermark:.0%} of Redis's "
                                "maxmemory): no new jobs until running ones finish; retry shortly")
-        durable = self.durability.replicas > 0
+        durable = self.durability.wanted > 0
         call = scripts.enqueue(
             self.keys, model, record.id, name, idempotency=idempotency_key, idempotency_ttl=self.idempotency_ttl_s,
             max_depth=max_queued, level=level_of(record.request.priority), weight=config.weight,
@@ -284,12 +284,13 @@ class Queue:
                 raise RateLimited(f"Rate limit reached for this tenant on model {model}: {used} tokens used in the "
                                   f"last minute (limit {config.tokens_per_minute}); retry in {retry} s",
                                   retry_after_s=int(retry))
-        if acked < self.durability.replicas:
-            log.warning("not_durable", model=model, job_id=owner.decode(), replicas=acked,
-                        wanted=self.durability.replicas)
-            raise NotDurable(f"The job reached {acked} of the {self.durability.replicas} Redis replicas it needs "
-                             f"within {self.durability.timeout_ms} ms; it may still run: retry with the same "
-                             "Idempotency-Key")
+        if acked < self.durability.wanted:
+            log.warning("not_durable", model=model, job_id=owner.decode(), confirmed=acked,
+                        wanted=self.durability.wanted)
+            held = ("on disk" if self.durability.fsync
+                    else f"on {acked} of the {self.durability.replicas} replicas it needs")
+            raise NotDurable(f"The job was not {held} within {self.durability.timeout_ms} ms; it may still run: "
+                             "retry with the same Idempotency-Key")
         return owner.decode()
 
     async def add_follower(self, model: str, job_id: str, channel: str) -> bool:
@@ -349,14 +350,14 @@ class Queue:
                 break
         deliveries = self._deliveries([(int(level), entry_id, job.decode()) for level, entry_id, job, _ in rows],
                                       [state for *_, state in rows], reclaimed=False)
-        if deliveries and acked < self.durability.replicas:
+        if deliveries and acked < self.durability.wanted:
             deliveries = await self._confirm(model, consumer, deliveries)
         return Picked(deliveries, tops)
 
     async def _run(self, call: scripts.Call) -> tuple[Any, int]:
-        """Run a script; under LLMQ_DURABILITY with the WAIT after it: its reply, and the replicas
-        that hold its writes (the replicas wanted, when none are)."""
-        if self.durability.replicas:
+        """Run a script; under LLMQ_DURABILITY with the WAIT after it: its reply, and the
+        confirmations of its writes (0 when nothing is waited for)."""
+        if self.durability.wanted:
             return await self.scripts.run_and_wait(call, self.durability)
         return await self.scripts.run(call), 0
 
@@ -367,14 +368,14 @@ class Queue:
         A job is never started before then: a claim only the primary holds may be a job only the
         primary holds, one whose admission was refused (503) for want of replicas. Were the primary
         to die, the client's retry would queue it again on the new one, and it would run twice."""
-        log.warning("claims_not_durable", model=model, jobs=len(deliveries), wanted=self.durability.replicas)
+        log.warning("claims_not_durable", model=model, jobs=len(deliveries), wanted=self.durability.wanted)
         while deliveries:
             held = [Held(d.job_id, d.entry_id, d.attempt, d.level) for d in deliveries]
             lost, acked = await self.scripts.run_and_wait(self._renewal(model, worker, held), self.durability)
             gone = {held[int(i)].job_id for i in lost}
             deliveries = [d for d in deliveries if d.job_id not in gone]
-            if acked >= self.durability.replicas:
-                log.info("claims_durable", model=model, jobs=len(deliveries), replicas=acked)
+            if acked >= self.durability.wanted:
+                log.info("claims_durable", model=model, jobs=len(deliveries), confirmed=acked)
                 break
         return deliveries
 

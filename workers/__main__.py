@@ -25,7 +25,7 @@ from shared.config import (
     load_settings,
     load_tracing,
 )
-from shared.durability import Durability
+from shared.durability import Durability, check_server
 from shared.keys import Keys
 from shared.logging import configure_logging
 from shared.queue import Queue
@@ -68,9 +68,14 @@ async def serve(settings: Settings, tracing: Tracing | None = None) -> None:
         redis = connect(settings.redis_dsn, block_ms=settings.block_ms)
         stack.push_async_callback(redis.aclose)
         await wait_for_redis(redis, what="worker")
+        durability = Durability.of(settings.durability, settings.durability_timeout_ms)
         try:
             await check_policy(redis, allow_eviction=settings.redis_allow_eviction, process="worker")
+            await check_server(redis, durability)
         except EvictingRedis:  # logged, naming the nodes
+            raise SystemExit(1) from None
+        except ValueError as exc:
+            log.error("redis_unfit", error=str(exc))
             raise SystemExit(1) from None
 
         from workers.engine import VllmEngine  # heavy import: only once Redis is known good
@@ -86,7 +91,7 @@ async def serve(settings: Settings, tracing: Tracing | None = None) -> None:
         stack.callback(engine.shutdown)
 
         queue = Queue(redis, Keys(settings.prefix), result_ttl_s=settings.result_ttl_s, usage_days=settings.usage_days,
-                      durability=Durability.of(settings.durability, settings.durability_timeout_ms))
+                      durability=durability)
         worker = Worker(settings, queue, engine, device=claim.label, tracing=tracing)
         loop = asyncio.get_running_loop()
 

@@ -5,11 +5,12 @@ a connection's last *write* only (so a repeated key writes again: shared/lua/enq
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import pytest
 
-from shared.durability import Durability
+from shared.durability import Durability, check_server
 from shared.errors import NotDurable
 from shared.keys import Keys
 from shared.queue import Queue
@@ -107,3 +108,61 @@ async def test_a_retry_from_another_connection_waits_for_the_first_write(replica
     finally:
         await first.aclose()
         await second.aclose()
+
+
+async def test_a_worker_starts_a_job_only_once_the_replica_holds_its_claim(replicated, prefix):
+    engine = ScriptedEngine()
+    async with scripted_stack(replicated.url, prefix, engine, durability="replicas:1", durability_timeout_ms=200) as s:
+        plain = Queue(s.redis, Keys(prefix))  # a job queued without waiting (LLMQ_DURABILITY=none elsewhere)
+        req = GenerationRequest(model=MODEL, prompt="gated", sampling=SamplingParams(max_tokens=3))
+        replicated.pause(1)
+        try:
+            job_id = await plain.enqueue(JobRecord.new(req, owner="", default_timeout_s=None))
+            # Claimed, but held: its claim is only on the primary, which could still lose it.
+            await eventually(lambda: s.redis.hget(Keys(prefix).job(MODEL, job_id), "status"), what="the pick",
+                             timeout_s=5)
+            await asyncio.sleep(1.0)
+            assert job_id not in engine.started
+        finally:
+            replicated.resume(1)
+        await eventually(lambda: job_id in engine.started, what="the job to start once the replica confirms")
+    assert engine.started.count(job_id) == 1
+
+
+@pytest.mark.parametrize("appendonly", ["yes", "no"])
+async def test_fsync_waits_for_the_primarys_own_aof_where_the_server_has_waitaof(tmp_path, prefix, appendonly):
+    if "valkey-8.1" not in server_binaries():
+        pytest.skip("no server with WAITAOF here")
+    node = start_replicated(tmp_path, "valkey-8.1", replicas=0)
+    try:
+        client = connect(node.url)
+        await client.config_set("appendonly", appendonly)
+        durable = Durability.of("fsync", 1000)
+        if appendonly == "no":
+            with pytest.raises(ValueError, match="AOF on"):
+                await check_server(client, durable)
+        else:
+            await check_server(client, durable)
+            await client.config_set("appendfsync", "always")
+            queue = Queue(client, Keys(prefix), durability=durable)
+            req = GenerationRequest(model=MODEL, prompt="on disk", sampling=SamplingParams(max_tokens=3))
+            assert await queue.enqueue(JobRecord.new(req, owner="", default_timeout_s=None))
+            await client.config_set("appendfsync", "no")  # the kernel's flush, ~30 s: WAITAOF times out
+            with pytest.raises(NotDurable, match="on disk"):
+                await Queue(client, Keys(prefix), durability=Durability.of("fsync", 200)).enqueue(
+                    JobRecord.new(req, owner="", default_timeout_s=None))
+        await client.aclose()
+    finally:
+        node.stop()
+
+
+async def test_fsync_refuses_to_start_on_a_server_without_waitaof(tmp_path):
+    node = start_replicated(tmp_path, "redis-6.2", replicas=0)
+    try:
+        client = connect(node.url)
+        with pytest.raises(ValueError, match="needs WAITAOF"):
+            await check_server(client, Durability.of("fsync", 1000))
+        await check_server(client, Durability.of("replicas:1", 1000))  # WAIT is everywhere
+        await client.aclose()
+    finally:
+        node.stop()
