@@ -5,8 +5,8 @@
 replica on loopback (AOF everysec, as docs/operations.md recommends) and enqueues jobs with no
 worker: ``none`` (the script alone) against ``replicas:1`` (the script and ``WAIT 1`` pipelined on
 one connection), in interleaved rounds, sequentially (latency) and from concurrent producers
-(latency and jobs/s). It also probes ``WAITAOF 1 0`` after the script on Valkey, the fsync mode
-issue 27 asked to measure before offering (appendfsync everysec and always).
+(latency and jobs/s). On Valkey it also measures ``fsync`` (``WAITAOF 1 0`` after the script),
+sequentially, under appendfsync always and everysec.
 
 Loopback has no network: in production WAIT adds about one replica round trip to each admission.
 """
@@ -23,7 +23,6 @@ from pathlib import Path
 
 import uvloop
 
-from shared import scripts
 from shared.durability import NOT_DURABLE, Durability
 from shared.keys import Keys
 from shared.queue import Queue
@@ -59,27 +58,13 @@ async def _concurrent(queue: Queue, producers: int, n: int) -> tuple[list[float]
     return [ms for part in parts for ms in part], producers * n / (time.perf_counter() - start)
 
 
-async def _waitaof_ms(url: str, n: int, fsync: str) -> dict[str, float]:
-    """EVALSHA of the enqueue script then WAITAOF 1 0 on the same connection (the primary's own fsync)."""
+async def _fsync_ms(url: str, n: int, appendfsync: str) -> dict[str, float]:
+    """LLMQ_DURABILITY=fsync (WAITAOF 1 0 after the script) under the server's ``appendfsync``."""
     redis = connect(url)
     try:
-        await redis.config_set("appendfsync", fsync)
-        queue = Queue(redis, Keys(f"aof-{uuid.uuid4().hex[:6]}"))
-        times = []
-        for _ in range(n):
-            record = _record()
-            call = scripts.enqueue(queue.keys, MODEL, record.id, "default", idempotency=None, idempotency_ttl=60,
-                                   max_depth=2**40, level=0, weight=1.0, max_running=-1, max_queued=-1,
-                                   tokens_per_minute=-1, now=time.time() * 1000, record=["status", "queued"])
-            script = await queue.scripts._register(call.script)
-            start = time.perf_counter()
-            async with redis.pipeline(transaction=False) as pipe:
-                pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
-                pipe.execute_command("WAITAOF", 1, 0, 2000)
-                _, (local, _replicas) = await pipe.execute()
-            assert local == 1
-            times.append((time.perf_counter() - start) * 1000)
-        return stats_ms(times)
+        await redis.config_set("appendfsync", appendfsync)
+        queue = Queue(redis, Keys(f"aof-{uuid.uuid4().hex[:6]}"), durability=Durability.of("fsync", 2000))
+        return stats_ms(await _enqueue_ms(queue, n))
     finally:
         await redis.config_set("appendfsync", "everysec")
         await redis.aclose()
@@ -105,7 +90,7 @@ async def run(rounds: int, jobs: int, producers: int) -> dict:
             entry = {m: {"sequential": stats_ms(seq[m]), "concurrent": stats_ms(conc[m]),
                          "jobs_per_s_median": round(statistics.median(rate[m]), 1)} for m in MODES}
             if server.startswith("valkey"):
-                entry["waitaof"] = {fsync: await _waitaof_ms(node.url, 20, fsync) for fsync in ("always", "everysec")}
+                entry["fsync"] = {fsync: await _fsync_ms(node.url, 50, fsync) for fsync in ("always", "everysec")}
             result["servers"][server] = entry
             await redis.aclose()
         finally:
@@ -131,8 +116,8 @@ def main() -> None:
             rows.append([server, mode, e["sequential"]["p50_ms"], e["sequential"]["p99_ms"],
                          e["concurrent"]["p50_ms"], e["concurrent"]["p99_ms"], e["jobs_per_s_median"],
                          round(e["concurrent"]["p50_ms"] / base["concurrent"]["p50_ms"], 2)])
-        for fsync, s in entry.get("waitaof", {}).items():
-            rows.append([server, f"WAITAOF 1 0 (appendfsync {fsync}, probe)", s["p50_ms"], s["p99_ms"], "", "", "", ""])
+        for fsync, s in entry.get("fsync", {}).items():
+            rows.append([server, f"fsync (appendfsync {fsync})", s["p50_ms"], s["p99_ms"], "", "", "", ""])
     table = markdown_table(["server", "mode", "seq p50 ms", "seq p99 ms", f"{args.producers} producers p50 ms",
                             "p99 ms", "jobs/s", "p50 / none"], rows)
     save({**report_head("durability", "Queue.enqueue per LLMQ_DURABILITY mode", loads), **measured}, args.out, table)

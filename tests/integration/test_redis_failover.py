@@ -28,17 +28,19 @@ Sentinel later.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
+import httpx
 import pytest
 
 from shared.keys import Keys
 from tests.support.faults import Figures
 from tests.support.redis_cluster import LocalCluster, Node, start_cluster, valkey_binaries
 from tests.support.redis_load import Load, LoadResult, verify
-from tests.support.scripted_engine import ScriptedEngine
+from tests.support.scripted_engine import ScriptedEngine, expected_text
 from tests.support.scripted_stack import scripted_stack
 from tests.support.waiting import eventually
 
@@ -47,6 +49,8 @@ pytestmark = pytest.mark.faults
 MODEL = "tiny"  # scripted_stack's model: its slot is the one that fails over
 LOAD_BEFORE_S = 4.0
 ACKS_AFTER_S = 1.0
+STREAMS = 4
+"""Streaming clients whose answers span the failover."""
 RECOVERY_S = 60.0
 """The longest the service may take to acknowledge again after the kill."""
 
@@ -155,13 +159,38 @@ def record(figures: Figures, result: LoadResult) -> None:
                       "run_again": len(result.run_again), "not_terminal": result.not_terminal}
 
 
+STREAM_TOKENS = 400
+STREAM_PROMPT = "streamed across the failover "
+
+
+async def stream_text(client: httpx.AsyncClient, i: int) -> tuple[str, str | None]:
+    """A streaming completion that spans the failover: its text, and the error event that ended
+    it (None when it ended with [DONE])."""
+    body = {"model": MODEL, "prompt": f"{STREAM_PROMPT}{i}", "max_tokens": STREAM_TOKENS, "stream": True}
+    text, error = "", None
+    async with client.stream("POST", "/v1/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                error = chunk["error"].get("message", str(chunk["error"]))
+            else:
+                text += chunk["choices"][0]["text"]
+    return text, error
+
+
 @pytest.mark.parametrize(("topology", "fault", "durability"), ROWS, indirect=["topology"],
                          ids=["-".join(row) for row in ROWS])
 async def test_failover(topology: Topology, fault: str, durability: str, figures: Figures, prefix: str) -> None:
-    engine = ScriptedEngine()
+    # ~0.01 s a token: the streams below run across the fault; the load's one-token jobs barely wait.
+    engine = ScriptedEngine(delay_s=0.01)
     async with scripted_stack(topology.url, prefix, engine, durability=durability) as s:
         async with Load(s.url) as load:
-            await asyncio.sleep(LOAD_BEFORE_S)
+            await asyncio.sleep(LOAD_BEFORE_S - 1)
+            streams = [asyncio.create_task(stream_text(s.client, i)) for i in range(STREAMS)]
+            await asyncio.sleep(1)
             killed_at = await (topology.kill_primary() if fault == "F1" else topology.lagging_failover())
             switch_s = await topology.wait_for_switch()
             if topology.replicas < 2:  # else the other replica keeps replicas:1 writable meanwhile
@@ -169,9 +198,20 @@ async def test_failover(topology: Topology, fault: str, durability: str, figures
             await eventually(lambda: load.first_ack_after(killed_at) is not None, timeout_s=RECOVERY_S,
                              interval_s=0.1, what=lambda: f"an acknowledgement after the kill\n{topology.logs()}")
             await asyncio.sleep(ACKS_AFTER_S)
+        streamed = await asyncio.gather(*streams)
         result = await verify(load, s.client, s.redis, Keys(prefix), MODEL, engine)
     result.kill_to_switch_s, result.kill_to_next_ack_s = switch_s, load.first_ack_after(killed_at)
     record(figures, result)
+    whole = sum(text == expected_text(f"{STREAM_PROMPT}{i}", STREAM_TOKENS) and error is None
+                for i, (text, error) in enumerate(streamed))
+    figures.counts |= {"streams": STREAMS, "streams_whole": whole,
+                       "streams_ended_with_error": sum(error is not None for _, error in streamed)}
+
+    # A client streaming across the failover gets its whole answer: the worker's events wait in its
+    # outbox while Redis is away, the relay reads the gap from the new primary's log, and the
+    # scripted engine's tokens are the same when a job runs again. Never a truncated or spliced stream.
+    for i, (text, error) in enumerate(streamed):
+        assert (text, error) == (expected_text(f"{STREAM_PROMPT}{i}", STREAM_TOKENS), None), (i, error, len(text))
 
     assert result.errors_500 == 0 and not result.unexpected, result
     assert result.not_terminal == 0, f"acknowledged jobs that never finished: {result}"
