@@ -36,6 +36,11 @@ class LocalSentinel:
     root: Path
     server: str
     env: dict[str, str] | None = None
+    down_after_ms: int = 2000
+    """How long a Sentinel waits for a PING reply before it judges a node down. Not the reference
+    plan's 1000: a Sentinel PINGs every min(down-after, 1000) ms and starts that clock on a new
+    primary at the switch, so at 1000 a reply late by a few ms (a loaded 2-core box) had it judge
+    the primary it just promoted down and fail over again, in 1 of 3 runs here."""
     node_ports: list[int] = field(default_factory=list)
     """The data nodes' ports: the first primary first."""
     sentinel_ports: list[int] = field(default_factory=list)
@@ -73,7 +78,7 @@ class LocalSentinel:
         conf.write_text("\n".join([
             f"port {port}", "bind 127.0.0.1", f"dir {self.root}",
             f"sentinel monitor {SERVICE} 127.0.0.1 {primary} 2",
-            f"sentinel down-after-milliseconds {SERVICE} 1000",
+            f"sentinel down-after-milliseconds {SERVICE} {self.down_after_ms}",
             f"sentinel failover-timeout {SERVICE} 5000",
             f"sentinel parallel-syncs {SERVICE} 1",
         ]) + "\n")
@@ -149,6 +154,20 @@ class LocalSentinel:
         self._wait(switched, f"the Sentinels to name a primary other than {old_port}", timeout_s, interval_s=0.05)
         return time.monotonic() - start
 
+    def wait_for_demotion(self, port: int, *, timeout_s: float = 30) -> float:
+        """Seconds from this call until the node on ``port`` (a primary the Sentinels replaced while
+        it ran) reports itself a replica of the current primary. Until then it still takes writes
+        from the clients connected to it, and loses them when it resyncs from the new primary."""
+        start = time.monotonic()
+
+        def demoted() -> bool:
+            with SyncRedis.from_url(self.node_url(port), socket_timeout=2) as node:
+                info = node.info("replication")
+            return info["role"] == "slave" and info["master_port"] == self.primary_port()
+
+        self._wait(demoted, f"node {port} to become a replica", timeout_s, interval_s=0.05)
+        return time.monotonic() - start
+
     # --- faults ---------------------------------------------------------------------------------
 
     def kill_primary(self) -> int:
@@ -157,6 +176,14 @@ class LocalSentinel:
         proc = self.procs[port]
         proc.kill()
         proc.wait(10)
+        return port
+
+    def manual_failover(self) -> int:
+        """``SENTINEL FAILOVER``: a replica is promoted and the primary, still running, demoted
+        (its clients see READONLY or a closed connection). Returns the old primary's port."""
+        port = self.primary_port()
+        with self._sentinel(self.sentinel_ports[0]) as sentinel:
+            sentinel.execute_command("SENTINEL FAILOVER", SERVICE)
         return port
 
     def lagging_failover(self) -> dict[str, object]:
