@@ -20,14 +20,15 @@ from urllib.parse import unquote, urlsplit
 import structlog
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.connection import AbstractConnection, SSLConnection, parse_url
-from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import AuthenticationError, ClusterDownError, ClusterError, RedisClusterException
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-__all__ = ["connect", "cluster_target", "sentinel_target", "SentinelTarget", "wait_for_redis", "redis_server_binary", "redis_cli_binary", "REDIS_DOWN"]
+__all__ = ["connect", "cluster_target", "sentinel_target", "SentinelTarget", "wait_for_redis", "redis_server_binary",
+           "redis_cli_binary", "REDIS_DOWN"]
 
 # What a Redis outage looks like to callers (mapped to 503 by the API). On a Cluster redis-py
 # also raises RedisClusterException when no node answers ("Redis Cluster cannot be connected"),

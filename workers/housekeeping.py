@@ -148,7 +148,8 @@ def _arq_sentinel_settings(target: SentinelTarget) -> RedisSettings:
     Sentinels' addresses, the service, db, the data nodes' credentials and TLS on or off, and
     nothing else: a URL that needs more would connect without it, so it is refused at start-up."""
     options = target.node_options
-    dropped = [f"sentinel_{name}" for name in target.sentinel_options] + sorted(k for k in options if k.startswith("ssl_"))
+    dropped = [f"sentinel_{name}" for name in target.sentinel_options]
+    dropped += sorted(name for name in options if name.startswith("ssl_"))
     if dropped:
         raise ValueError(f"LLMQ_ARQ_REDIS_URL (LLMQ_REDIS_URL when unset): arq's Sentinel client cannot pass on "
                          f"{', '.join(dropped)}; give housekeeping a URL without them in LLMQ_ARQ_REDIS_URL")

@@ -14,12 +14,13 @@ import pytest
 from redis import Redis as SyncRedis
 
 from shared.keys import Keys
+from shared.redis import connect
 from tests.conftest import REPO
 from tests.support.redis_cluster import redis7_binaries
-from tests.support.redis_sentinel import LocalSentinel, start_sentinel
+from tests.support.redis_sentinel import SERVICE, LocalSentinel, start_sentinel
 from tests.support.scripted_engine import ScriptedEngine, expected_text
 from tests.support.scripted_stack import ScriptedStack, scripted_stack
-from tests.support.waiting import job_status
+from tests.support.waiting import eventually, job_status
 
 pytestmark = pytest.mark.faults
 
@@ -141,3 +142,28 @@ async def test_every_process_goes_on_with_the_new_primary_after_a_failover(senti
     figures.requests_sent = 2 + 1 + len(ids) + 1  # streams, jobs: every one answered exactly
     figures.completed = figures.requests_sent
     figures.seconds.update(fault_to_switch_s=round(switch_s, 2), fault_to_accept_s=round(accept_s, 2))
+
+
+@pytest.mark.parametrize("sentinel", ["redis-6.2"], indirect=True)
+async def test_a_write_refused_by_a_demoted_primary_is_retried_on_the_new_one(sentinel):
+    # redis-py turns READONLY into a ConnectionError and drops the connection; llmq's retry policy
+    # then reconnects, asking the Sentinels again. The test demotes the old primary itself, without
+    # the CLIENT KILL the Sentinels send along, so the client's connection is still open to it.
+    client = connect(sentinel.url)
+    try:
+        await client.set("before", "1")
+        old = sentinel.manual_failover()
+        await asyncio.to_thread(sentinel.wait_for_switch, old)
+        new = sentinel.primary_port()
+
+        async def failover_over() -> bool:  # redis-py reads SENTINEL MASTERS, which names the new
+            masters = [(await s.sentinel_masters())[SERVICE] for s in client.connection_pool.sentinel_manager.sentinels]
+            return all(m["port"] == new and "failover_in_progress" not in m["flags"] for m in masters)
+        await eventually(failover_over, timeout_s=30, what="every Sentinel to end the failover")
+        with SyncRedis(port=old, socket_timeout=5) as demoted:
+            demoted.execute_command("REPLICAOF", "127.0.0.1", new)
+        assert await client.set("after", "2") is True
+        with SyncRedis(port=new, socket_timeout=5) as primary:
+            assert primary.get("after") == b"2"
+    finally:
+        await client.aclose()

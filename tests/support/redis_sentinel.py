@@ -61,7 +61,8 @@ class LocalSentinel:
     def _spawn(self, port: int, args: list[str], name: str) -> None:
         log = open(self.root / f"{name}-{port}.log", "ab")  # noqa: SIM115 - the child holds it open
         try:
-            self.procs[port] = subprocess.Popen([self.server, *args], stdout=log, stderr=subprocess.STDOUT, env=self.env)
+            self.procs[port] = subprocess.Popen([self.server, *args], stdout=log, stderr=subprocess.STDOUT,
+                                                env=self.env)
         finally:
             log.close()
 

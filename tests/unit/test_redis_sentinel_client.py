@@ -95,7 +95,8 @@ def test_a_sentinel_url_builds_a_client_with_the_same_timeouts_retry_and_handsha
     assert isinstance(pool, SentinelConnectionPool) and pool.is_master and pool.service_name == "mymaster"
     assert pool.connection_class is SentinelManagedSSLConnection
     kwargs = pool.connection_kwargs
-    assert (kwargs["socket_timeout"], kwargs["socket_connect_timeout"], kwargs["health_check_interval"]) == (13.0, 5, 30)
+    timeouts = (kwargs["socket_timeout"], kwargs["socket_connect_timeout"], kwargs["health_check_interval"])
+    assert timeouts == (13.0, 5, 30)
     assert (kwargs["username"], kwargs["password"], kwargs["db"]) == ("app", "s3cret", 2)
     assert isinstance(kwargs["retry"], _Retry) and kwargs["redis_connect_func"] is _handshake
     sentinels = [s.connection_pool.connection_kwargs for s in pool.sentinel_manager.sentinels]
