@@ -12,13 +12,16 @@ import importlib.util
 import os
 import shutil
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import unquote, urlsplit
 
 import structlog
 from redis.asyncio import Redis, RedisCluster
-from redis.asyncio.connection import AbstractConnection
+from redis.asyncio.connection import AbstractConnection, SSLConnection, parse_url
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import (
     AuthenticationError,
@@ -32,8 +35,8 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-__all__ = ["connect", "cluster_target", "wait_for_redis", "redis_server_binary", "redis_cli_binary", "REDIS_DOWN",
-           "RedisRefused", "refusal"]
+__all__ = ["connect", "cluster_target", "sentinel_target", "SentinelTarget", "wait_for_redis", "redis_server_binary",
+           "redis_cli_binary", "REDIS_DOWN", "RedisRefused", "refusal"]
 
 
 class RedisRefused(RedisConnectionError):
@@ -67,6 +70,12 @@ REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError,
 
 # URL schemes that ask for a Redis Cluster client, mapped to the plain scheme redis-py parses.
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+# URL schemes that ask for the primary a set of Sentinels names (the prefect-redis / RedisVL
+# grammar), mapped to the plain scheme whose options the data nodes take: TLS is to the data nodes.
+SENTINEL_SCHEMES = {"redis+sentinel": "redis", "rediss+sentinel": "rediss"}
+SENTINEL_PORT = 26379
+SENTINEL_FORM = "redis+sentinel://[user:password@]host[:port],host[:port],.../service[/db]"
 
 T = TypeVar("T")
 
@@ -115,6 +124,75 @@ def cluster_target(url: str) -> str | None:
     return f"{plain}://{rest}" if plain else None
 
 
+@dataclass(frozen=True)
+class SentinelTarget:
+    """What a ``redis+sentinel://`` URL names (:func:`sentinel_target`)."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    """The name the Sentinels monitor the primary under (``sentinel monitor <service> ...``)."""
+    node_options: dict[str, Any] = field(repr=False)
+    """redis-py's connection options for the data nodes, read by redis-py from the same URL in its
+    plain form: the URL's user and password, db, ``ssl`` (``rediss+sentinel://``), query options."""
+    sentinel_options: dict[str, Any] = field(repr=False)
+    """The Sentinels' own credentials (query ``sentinel_username``, ``sentinel_password``); none by
+    default: the URL's user and password are the data nodes'."""
+
+
+def _sentinel_error(what: str) -> ValueError:
+    # Never quotes the URL: its credentials would go wherever the error is shown.
+    return ValueError(f"LLMQ_REDIS_URL: a Sentinel URL {what}; expected {SENTINEL_FORM}")
+
+
+def sentinel_target(url: str) -> SentinelTarget | None:
+    """What ``url`` names when its scheme is ``redis+sentinel://`` or ``rediss+sentinel://``
+    (ports default to 26379, db to 0), else None. Raises ValueError for such a URL without a
+    Sentinel address or a service name, or with a db that is no number."""
+    scheme, sep, rest = url.partition("://")
+    plain = SENTINEL_SCHEMES.get(scheme.lower()) if sep else None
+    if plain is None:
+        return None
+    rest, _, query = rest.partition("?")
+    netloc, _, path = rest.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")  # the last "@" ends the user part, as in redact_url
+    sentinels = []
+    for address in filter(None, (part.strip() for part in hosts.split(","))):
+        try:
+            parsed = urlsplit(f"//{address}")  # the standard reading of host, [IPv6] and port
+            host, port = parsed.hostname, parsed.port or SENTINEL_PORT
+        except ValueError:
+            host = None
+        if not host:
+            raise _sentinel_error(f"has a bad Sentinel address {address!r}")
+        sentinels.append((host, port))
+    if not sentinels:
+        raise _sentinel_error("names no Sentinel")
+    segments = path.strip("/").split("/") if path.strip("/") else []
+    if not segments or len(segments) > 2:
+        raise _sentinel_error("names no service" if not segments else "has a path beyond /service/db")
+    service, db = unquote(segments[0]), segments[1] if len(segments) == 2 else "0"
+    if not db.isdigit():
+        raise _sentinel_error(f"has a db that is no number ({db!r})")
+    # redis-py reads credentials, db and query options from the plain form with no host.
+    options: dict[str, Any] = dict(parse_url(f"{plain}://{userinfo}{at}/{db}" + (f"?{query}" if query else "")))
+    sentinel_options = {key: options.pop(f"sentinel_{key}") for key in ("username", "password")
+                        if f"sentinel_{key}" in options}
+    # SentinelConnectionPool picks its TLS connection class from ``ssl``, not connection_class.
+    options["ssl"] = options.pop("connection_class", None) is SSLConnection
+    return SentinelTarget(tuple(sentinels), service, options, sentinel_options)
+
+
+class _SentinelPool(SentinelConnectionPool):
+    """redis-py's pool of connections to the primary the Sentinels name. Closing the client closes
+    the Sentinel clients too: redis-py leaves them open (a ResourceWarning once collected)."""
+
+    async def disconnect(self, inuse_connections: bool = True) -> None:
+        await super().disconnect(inuse_connections)
+        if inuse_connections:  # the client closing (a new primary drops only the idle connections)
+            for sentinel in self.sentinel_manager.sentinels:
+                await sentinel.aclose()
+
+
 def connect(url: str, *, block_ms: int = 2000) -> Redis:
     """A client for ``url``:
 
@@ -123,8 +201,13 @@ def connect(url: str, *, block_ms: int = 2000) -> Redis:
     - ``redis+cluster://[[user]:password@]host:port`` or ``rediss+cluster://`` (TLS, same query
       options): a Redis Cluster, discovered from that one seed node; db must be 0 (or absent).
       The result is a :class:`redis.asyncio.RedisCluster`, which every caller uses like a Redis.
+    - ``redis+sentinel://[[user]:password@]h1[:26379],h2[:26379]/service[/db]`` or
+      ``rediss+sentinel://`` (TLS to the data nodes, same query options; ``sentinel_username=``,
+      ``sentinel_password=`` for the Sentinels): the primary the Sentinels name for ``service``,
+      through redis-py's Sentinel support. Its connections ask the Sentinels for the primary on
+      every (re)connect and drop a demoted one (READONLY), so a failover needs no restart.
 
-    Both get the same timeouts, retry policy and connection handshake.
+    All get the same timeouts, retry policy and connection handshake.
     """
     options = dict(
         socket_timeout=block_ms / 1000 + 10,
@@ -133,6 +216,14 @@ def connect(url: str, *, block_ms: int = 2000) -> Redis:
         retry=_Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=3),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )
+    sentinel = sentinel_target(url)
+    if sentinel is not None:
+        # The Sentinels answer small commands only: no BLOCK to outlast, no retry of their own
+        # (redis-py asks the next Sentinel, and a connect that found no primary is retried).
+        sentinels = Sentinel(sentinel.sentinels, sentinel_kwargs={
+            "socket_timeout": 5, "socket_connect_timeout": 5, **sentinel.sentinel_options})
+        return sentinels.master_for(sentinel.service, redis_class=Redis, connection_pool_class=_SentinelPool,
+                                    redis_connect_func=_handshake, **options, **sentinel.node_options)
     seed = cluster_target(url)
     if seed is None:
         return Redis.from_url(url, redis_connect_func=_handshake, **options)

@@ -37,7 +37,7 @@ from shared.inspection import QueueReading, read_queue
 from shared.keys import GROUP, Keys
 from shared.logging import configure_logging
 from shared.queue import Queue, now_ms
-from shared.redis import connect, wait_for_redis
+from shared.redis import SentinelTarget, connect, sentinel_target, wait_for_redis
 from shared.redis_memory import MemoryGuard
 from workers.batches import advance_batches
 from workers.webhooks import DELIVER, deliver_webhook, drain_outbox
@@ -126,9 +126,13 @@ class _RedisSettings(RedisSettings):
 
 
 def arq_redis_settings(dsn: str) -> RedisSettings:
-    """arq's connection settings for the same URL llmq's own clients use. arq's ``from_dsn``
+    """arq's connection settings for the same URL llmq's own clients use (a Sentinel URL too:
+    :func:`_arq_sentinel_settings`). arq's ``from_dsn``
     drops the query (a private CA's ``ssl_ca_certs``, ``ssl_check_hostname``, ...) and keeps a
     percent-encoded password encoded; redis-py reads both, so llmq does too."""
+    sentinel = sentinel_target(dsn)
+    if sentinel is not None:
+        return _arq_sentinel_settings(sentinel)
     from_dsn = RedisSettings.from_dsn(dsn)
     base = _RedisSettings(**{f.name: getattr(from_dsn, f.name) for f in dataclasses.fields(from_dsn)})
     url = urlparse(dsn)
@@ -141,6 +145,21 @@ def arq_redis_settings(dsn: str) -> RedisSettings:
     if "ssl_check_hostname" in query:
         changes["ssl_check_hostname"] = query["ssl_check_hostname"].lower() in ("1", "true", "yes", "on")
     return dataclasses.replace(base, **changes)
+
+
+def _arq_sentinel_settings(target: SentinelTarget) -> RedisSettings:
+    """arq's settings for a Sentinel URL. arq's Sentinel client (``create_pool``) passes on the
+    Sentinels' addresses, the service, db, the data nodes' credentials and TLS on or off, and
+    nothing else: a URL that needs more would connect without it, so it is refused at start-up."""
+    options = target.node_options
+    dropped = [f"sentinel_{name}" for name in target.sentinel_options]
+    dropped += sorted(name for name in options if name.startswith("ssl_"))
+    if dropped:
+        raise ValueError(f"LLMQ_ARQ_REDIS_URL (LLMQ_REDIS_URL when unset): arq's Sentinel client cannot pass on "
+                         f"{', '.join(dropped)}; give housekeeping a URL without them in LLMQ_ARQ_REDIS_URL")
+    return _RedisSettings(host=list(target.sentinels), sentinel=True, sentinel_master=target.service,
+                          database=options["db"], username=options.get("username"),
+                          password=options.get("password"), ssl=options["ssl"])
 
 
 # --- arq's entry points: each takes the Housekeeper out of ctx once ---------------------------------

@@ -30,6 +30,11 @@ SECRETS = (API_KEY, PASSWORD, WEBHOOK_SECRET)
     ("rediss://llmq:PLANTED%40pw@h:6380/0?ssl_ca_certs=/ca.pem", "rediss://llmq:***@h:6380/0?ssl_ca_certs=/ca.pem"),
     ("redis+cluster://:PLANTEDpw@n1:7000", "redis+cluster://:***@n1:7000"),
     ("rediss+cluster://llmq:PLANTEDpw@n1:7000", "rediss+cluster://llmq:***@n1:7000"),
+    ("redis+sentinel://llmq:PLANTEDpw@s1:26379,s2:26379/mymaster/0",
+     "redis+sentinel://llmq:***@s1:26379,s2:26379/mymaster/0"),
+    ("rediss+sentinel://:PLANTEDpw@s1,s2/mymaster?sentinel_username=w&sentinel_password=PLANTEDpw&ssl_ca_certs=/ca",
+     "rediss+sentinel://:***@s1,s2/mymaster?sentinel_username=w&sentinel_password=***&ssl_ca_certs=/ca"),
+    ("redis+sentinel://s1,s2/mymaster?sentinel_password=PLANTEDpw", "redis+sentinel://s1,s2/mymaster?sentinel_password=***"),
     ("redis://:PLANTED@pw@h/0", "redis://:***@h/0"),  # a raw "@" in the password: the last one ends it
     ("redis://h/0?db=1&password=PLANTEDpw", "redis://h/0?db=1&password=***"),
     ("redis://:PLANTED/pw@h/0", "redis://***"),  # no clean URL: nothing of it is shown
