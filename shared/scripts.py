@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, NamedTuple
 
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import ResponseError
 
@@ -426,7 +426,7 @@ class Scripts:
         try:
             return await script(keys=call.keys, args=call.args)
         except ResponseError as exc:
-            raise refusal(exc) or exc from None
+            raise await self._refused(exc) from None
 
     async def run_and_wait(self, call: Call, durability: Durability) -> tuple[Any, int]:
         """Run ``call``, then WAIT for ``durability.replicas`` on the same connection
@@ -436,7 +436,20 @@ class Scripts:
         try:
             return await run_and_wait(self.redis, script.sha, text_, call.keys, call.args, durability)
         except ResponseError as exc:
-            raise refusal(exc) or exc from None
+            raise await self._refused(exc) from None
+
+    async def _refused(self, exc: ResponseError) -> Exception:
+        """What a script's error reply is to its caller: a :class:`RedisRefused` when Redis refused
+        the write, else the error itself."""
+        refused = refusal(exc)
+        if refused is None:
+            return exc
+        if "READONLY" in str(exc) and not isinstance(self.redis, RedisCluster):
+            # A primary demoted by a failover. redis-py drops the connection and asks Sentinel again
+            # only for a bare READONLY reply; Redis 6.2 wraps a script's ("Error running script ...
+            # -READONLY"), so the idle connections are dropped here: the next command reconnects.
+            await self.redis.connection_pool.disconnect(inuse_connections=False)
+        return refused
 
     async def _register(self, script: Script) -> AsyncScript:
         text_ = source(script)
