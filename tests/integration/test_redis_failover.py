@@ -21,14 +21,15 @@ and have run once. No answer is ever a 500.
 
 Each row prints its figures in the fault table (``make faults``): acked, lost, refused, the seconds
 from the kill to the new primary and to the next acknowledgement, and the enqueue latency.
-Topologies share one body through :class:`Topology`: Redis Cluster on valkey-server 8.1 now,
-Sentinel later.
+Topologies share one body through :class:`Topology`: Sentinel on redis-server 6.2 (a primary, two
+replicas, three Sentinels) and Redis Cluster on valkey-server 8.1.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
@@ -40,6 +41,7 @@ from shared.keys import Keys
 from tests.support.faults import Figures
 from tests.support.redis_cluster import LocalCluster, Node, start_cluster, valkey_binaries
 from tests.support.redis_load import Load, LoadResult, verify
+from tests.support.redis_sentinel import LocalSentinel, start_sentinel
 from tests.support.scripted_engine import ScriptedEngine, expected_text
 from tests.support.scripted_stack import scripted_stack
 from tests.support.waiting import eventually
@@ -121,14 +123,53 @@ class ClusterTopology:
         self.cluster.stop()
 
 
+class SentinelTopology:
+    """A primary with two replicas and three Sentinels (redis-server 6.2): the other replica keeps
+    ``replicas:1`` writable after a failover, as docs/operations.md recommends."""
+
+    replicas = 2
+
+    def __init__(self, data_dir: Path) -> None:
+        self.sentinel: LocalSentinel = start_sentinel(data_dir)
+        self.url = self.sentinel.url
+        self.old = 0
+        self.killed_at = 0.0
+
+    async def kill_primary(self) -> float:
+        return await self._fail(self.sentinel.kill_primary)
+
+    async def lagging_failover(self) -> float:
+        return await self._fail(lambda: int(self.sentinel.lagging_failover()["killed"]))  # type: ignore[call-overload]
+
+    async def _fail(self, fault: Callable[[], int]) -> float:
+        self.old = await asyncio.to_thread(fault)
+        self.killed_at = time.monotonic()
+        return self.killed_at
+
+    async def wait_for_switch(self) -> float:
+        await asyncio.to_thread(self.sentinel.wait_for_switch, self.old)
+        return time.monotonic() - self.killed_at
+
+    async def restart_old_primary(self) -> None:
+        await asyncio.to_thread(self.sentinel.restart_old_primary, self.old)
+
+    def logs(self) -> str:
+        return self.sentinel.logs()
+
+    def stop(self) -> None:
+        self.sentinel.stop()
+
+
 TOPOLOGIES = {
+    "sentinel": SentinelTopology,
     "cluster": lambda data_dir: ClusterTopology(data_dir, replicas=1),
     "cluster-2-replicas": lambda data_dir: ClusterTopology(data_dir, replicas=2),
 }
 # Every fault under every mode on the smallest replicated topology; with two replicas per primary,
 # the row that shows replicas:1 admitting again without waiting for the old primary.
 ROWS = [
-    *(("cluster", fault, durability) for fault in ("F1", "F2") for durability in ("none", "replicas:1")),
+    *((topology, fault, durability) for topology in ("sentinel", "cluster") for fault in ("F1", "F2")
+      for durability in ("none", "replicas:1")),
     ("cluster-2-replicas", "F2", "replicas:1"),
 ]
 
