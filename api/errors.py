@@ -28,7 +28,7 @@ from shared.errors import (
 )
 from shared.redis import REDIS_DOWN, refusal
 
-__all__ = ["exception_handlers", "answered_in", "InDialect"]
+__all__ = ["exception_handlers", "answered_in", "InDialect", "service_error"]
 
 log = structlog.get_logger()
 
@@ -56,7 +56,8 @@ def _dialect(request: Request) -> str:
     return handler.opt.get("dialect", "jobs") if handler is not None else "jobs"
 
 
-def _service_error(exc: Exception) -> ServiceError:
+def service_error(exc: Exception) -> ServiceError:
+    """The ServiceError an exception answers as (logged when it is no client's fault)."""
     if isinstance(exc, ServiceError):
         return exc
     if (refused := refusal(exc)) is not None:
@@ -77,7 +78,7 @@ def handle(request: Request, exc: Exception) -> Response:
     dialect = _dialect(request)
     if isinstance(exc, InDialect):
         dialect, exc = exc.dialect, exc.error
-    err = _service_error(exc)
+    err = service_error(exc)
     status, body = dialects.error_body(dialect, err)
     services = getattr(request.app.state, "services", None)  # None before the lifespan ran
     if services is not None:

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import structlog
+from redis._parsers.base import BaseParser
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.connection import AbstractConnection, SSLConnection, parse_url
 from redis.asyncio.retry import Retry
@@ -36,7 +37,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 __all__ = ["connect", "cluster_target", "sentinel_target", "SentinelTarget", "wait_for_redis", "redis_server_binary",
-           "redis_cli_binary", "REDIS_DOWN", "RedisRefused", "refusal"]
+           "redis_cli_binary", "REDIS_DOWN", "RedisRefused", "NoReplicasError", "refusal"]
 
 
 class RedisRefused(RedisConnectionError):
@@ -45,6 +46,16 @@ class RedisRefused(RedisConnectionError):
     Like an outage it passes: callers wait and retry (a worker keeps its events), and the API
     answers 503 with Retry-After. A ConnectionError, so every ``except REDIS_DOWN`` covers it."""
 
+
+class NoReplicasError(ResponseError):
+    """NOREPLICAS: a primary with ``min-replicas-to-write`` has too few replicas in touch. redis-py
+    has no class for it, so it is registered below, as OOM and READONLY are by redis-py itself:
+    a plain command's NOREPLICAS is then one of :data:`REDIS_DOWN`, like theirs, instead of a
+    ResponseError that ends the loop that sent it (the API's metrics push, a worker's heartbeat)."""
+
+
+# Every parser (hiredis's too) reads this table; redis-py strips the code from the message.
+BaseParser.EXCEPTION_CLASSES.setdefault("NOREPLICAS", NoReplicasError)
 
 # Redis's own words for a refusal. Inside a script, Redis 6.2 wraps them in a plain ResponseError
 # ("Error running script ... -OOM command not allowed ..."), so they are matched in the text.
@@ -55,7 +66,7 @@ def refusal(exc: BaseException) -> RedisRefused | None:
     """``exc`` as a :class:`RedisRefused` when it is one of Redis's refusals, else None."""
     if isinstance(exc, RedisRefused):
         return exc
-    if isinstance(exc, (OutOfMemoryError, ReadOnlyError)) or (
+    if isinstance(exc, (OutOfMemoryError, ReadOnlyError, NoReplicasError)) or (
             isinstance(exc, ResponseError) and any(words in str(exc) for words in _REFUSALS)):
         return RedisRefused(str(exc))
     return None
@@ -66,7 +77,7 @@ def refusal(exc: BaseException) -> RedisRefused | None:
 # ClusterDownError while slots are unserved (a failover) and ClusterError when redirects run out.
 # A refusal raised by a plain command (scripts raise RedisRefused) passes like an outage too.
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError, RedisClusterException,
-              ClusterDownError, ClusterError, OutOfMemoryError, ReadOnlyError)
+              ClusterDownError, ClusterError, OutOfMemoryError, ReadOnlyError, NoReplicasError)
 
 # URL schemes that ask for a Redis Cluster client, mapped to the plain scheme redis-py parses.
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}

@@ -18,6 +18,7 @@ from api import jobs
 from api.context import Ctx, RequestContext
 from api.dialects import lmtp
 from api.dialects.stream import drive
+from api.errors import service_error
 from api.jobs import Submission
 from api.services import Services, Svc
 from shared.errors import ServiceError
@@ -93,8 +94,8 @@ class Session:
                 await sub.events.aclose()  # type: ignore[attr-defined]
         except ServiceError as exc:
             await self.send("TOKEN", lmtp.error_payload(frame.stream_id, exc.message))
-        except REDIS_DOWN:
-            await self.send("TOKEN", lmtp.error_payload(frame.stream_id, "the queue is unavailable; try again shortly"))
+        except REDIS_DOWN as exc:  # an outage, or a refusal (memory, failover): as a status would say
+            await self.send("TOKEN", lmtp.error_payload(frame.stream_id, service_error(exc).message))
         except Exception:
             if self.closed:  # a send to the socket that just closed: nobody to tell
                 raise

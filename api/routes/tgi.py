@@ -18,9 +18,10 @@ from api import jobs
 from api.context import Ctx, RequestContext
 from api.dialects import tgi
 from api.dialects.stream import SSE
+from api.errors import service_error
 from api.http import EventStream, decode_body, json_response, stream_frames
 from api.services import Services, Svc
-from shared.errors import QueueUnavailable, ServiceError
+from shared.errors import ServiceError
 from shared.redis import REDIS_DOWN
 from shared.schemas import GenerationRequest, JobResult
 
@@ -71,8 +72,8 @@ async def _stream(svc: Services, ctx: RequestContext, body: tgi.GenerateRequest,
         sub = await jobs.submit(svc, ctx, req, keepalive=True)
     except ServiceError as exc:
         return stream_frames([tgi.error_frame(exc)], SSE)
-    except REDIS_DOWN:
-        return stream_frames([tgi.error_frame(QueueUnavailable("the queue is unavailable; try again shortly"))], SSE)
+    except REDIS_DOWN as exc:  # an outage, or a refusal (memory, failover): as a status would say
+        return stream_frames([tgi.error_frame(service_error(exc))], SSE)
     # Started at once, not held for the first event: every error from here on is in-band too.
     return EventStream(sub.events, tgi.TgiStream(sub.request, inputs=body.inputs, special=special))
 

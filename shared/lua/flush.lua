@@ -40,12 +40,20 @@ for a = events_at, extras_at - 1, events_width do
   local job, log = KEYS[j], KEYS[j + 1]
   local attempt, seq, event, job_id = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
   local f = redis.call('HMGET', job, 'worker', 'attempt', 'relay')
-  if attempt ~= '0' and (f[1] ~= worker or f[2] ~= attempt) then
-    table.insert(lost, i)
+  local fenced = attempt ~= '0' and (f[1] ~= worker or f[2] ~= attempt)
   -- The entry id is the seq, so XADD itself refuses an event already logged (its id would not be
   -- above the top), as it does once the log is compacted (a string): the retry check costs no
-  -- extra command per event.
-  elseif not redis.pcall('XADD', log, seq .. '-0', 'e', event).err then
+  -- extra command per event. Any other error is Redis refusing writes (OOM, READONLY, NOREPLICAS),
+  -- which it does only at a script's first write, so nothing is written yet: the script fails,
+  -- and the worker keeps the batch and retries it (skipping an event as logged would drop it).
+  local added = not fenced and redis.pcall('XADD', log, seq .. '-0', 'e', event)
+  if added and added.err and not (string.find(added.err, 'equal or smaller than the target stream top', 1, true)
+                                  or string.find(added.err, 'WRONGTYPE', 1, true)) then
+    return redis.error_reply(added.err)
+  end
+  if fenced then
+    table.insert(lost, i)
+  elseif not added.err then
     Job.relay(outbox, f[3], live_prefix, job_id, event)
     if seq == '1' then redis.call('EXPIRE', log, result_ttl) end
     local x = extra_of[i]
