@@ -18,7 +18,7 @@ from redis.exceptions import (
     ResponseError,
 )
 
-from shared.durability import replicas_of
+from shared.durability import Durability, replicas_of
 from shared.redis import REDIS_DOWN, NoReplicasError, RedisRefused, refusal
 from shared.redis_memory import SAMPLE_EVERY_S, MemoryGuard
 
@@ -74,14 +74,23 @@ def test_other_errors_are_no_refusal(exc):
 
 
 @pytest.mark.parametrize(("mode", "replicas"), [
-    ("none", 0), ("NONE", 0), (" none ", 0), ("replicas:1", 1), ("replicas:2", 2), ("Replicas:12", 12),
+    ("none", 0), ("NONE", 0), (" none ", 0), ("fsync", 0), ("replicas:1", 1), ("replicas:2", 2), ("Replicas:12", 12),
 ])
 def test_replicas_of_good_modes(mode, replicas):
     assert replicas_of(mode) == replicas
 
 
+@pytest.mark.parametrize(("mode", "command"), [
+    ("none", ("WAIT", 0, 500)), ("replicas:2", ("WAIT", 2, 500)), ("fsync", ("WAITAOF", 1, 0, 500)),
+])
+def test_each_mode_waits_with_its_own_command(mode, command):
+    durability = Durability.of(mode, 500)
+    assert durability.command() == command
+    assert durability.wanted == (0 if mode == "none" else command[1])
+
+
 @pytest.mark.parametrize("mode", [
-    "", "fsync", "replicas", "replicas:", "replicas:0", "replicas:-1", "replicas:01", "replicas:1.5",
+    "", "fsync:1", "replicas", "replicas:", "replicas:0", "replicas:-1", "replicas:01", "replicas:1.5",
     "replicas: 1", "replicas:x", "replica:1", "none,replicas:1",
 ])
 def test_replicas_of_bad_modes(mode):
