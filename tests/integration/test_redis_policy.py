@@ -22,6 +22,7 @@ from shared.redis_memory import EvictingRedis, check_policy, node_policies
 from tests.conftest import REPO, free_port
 from tests.support.processes import spawn_logged
 from tests.support.redis_cluster import start_cluster
+from tests.support.redis_sentinel import start_sentinel
 from tests.support.redis_servers import BINARIES, servers
 
 NOEVICTION = ("--maxmemory-policy", "noeviction")
@@ -78,6 +79,26 @@ async def test_a_replica_on_another_policy_is_named(tmp_path, binary):
         message = str(refused.value)
         assert f"{bad.node} has maxmemory-policy allkeys-lru" in message
         assert primary.node not in message and good.node not in message
+
+
+async def test_a_sentinel_replica_on_another_policy_is_named(tmp_path):
+    topology = start_sentinel(tmp_path / "sentinel")
+    try:
+        primary = topology.primary_port()
+        replica = next(port for port in topology.node_ports if port != primary)
+        with SyncRedis(port=replica) as client:
+            client.config_set("maxmemory-policy", "allkeys-lru")
+        redis = connect(topology.url)
+        try:
+            policies = await node_policies(redis)
+        finally:
+            await redis.aclose()
+        assert policies == {f"127.0.0.1:{port}": "allkeys-lru" if port == replica else "noeviction"
+                            for port in topology.node_ports}
+        with pytest.raises(EvictingRedis, match=f"127.0.0.1:{replica} has maxmemory-policy allkeys-lru"):
+            await _check(topology.url)
+    finally:
+        topology.stop()
 
 
 async def test_a_server_without_config_is_still_checked_through_info(tmp_path):
