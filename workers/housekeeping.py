@@ -28,7 +28,7 @@ import httpx
 import structlog
 from arq import ArqRedis, cron, func
 from arq.connections import RedisSettings
-from arq.worker import run_worker
+from arq.worker import Worker, get_kwargs
 from redis.asyncio import Redis
 
 from shared.config import MASK, Settings, load_settings
@@ -37,7 +37,7 @@ from shared.inspection import QueueReading, read_queue
 from shared.keys import GROUP, Keys
 from shared.logging import configure_logging
 from shared.queue import Queue, now_ms
-from shared.redis import SentinelTarget, connect, sentinel_target, wait_for_redis
+from shared.redis import REDIS_DOWN, SentinelTarget, connect, sentinel_target, wait_for_redis
 from shared.redis_memory import MemoryGuard
 from workers.batches import advance_batches
 from workers.webhooks import DELIVER, deliver_webhook, drain_outbox
@@ -205,6 +205,27 @@ class WorkerSettings:
     max_jobs = 64  # webhook deliveries mostly wait on the network
 
 
+class _Worker(Worker):
+    """arq's worker, whose poll loop outlasts a Redis outage. arq's own loop lets any error of a
+    poll (its queue read, its cron enqueues, a job's failed bookkeeping re-raised) end the
+    process, and arq's Sentinel client retries nothing: a primary killed, the few seconds before
+    the Sentinels name another, stopped housekeeping for good. Here a poll that finds Redis away
+    logs it and waits (backing off, at most 5 s); the next one reconnects, and a Sentinel client
+    asks the Sentinels for the primary again."""
+
+    _down_delay_s = 0.0
+
+    async def _poll_iteration(self) -> None:
+        try:
+            await super()._poll_iteration()
+        except REDIS_DOWN as exc:
+            self._down_delay_s = min(max(self._down_delay_s * 2, 0.1), 5.0)
+            log.warning("redis_unreachable", process="housekeeping", retry_in_s=self._down_delay_s, error=str(exc))
+            await asyncio.sleep(self._down_delay_s)
+        else:
+            self._down_delay_s = 0.0
+
+
 # arq logs every job's start and finish at info: with the crons that run every second, an idle
 # housekeeper printed four lines a second. Here they are debug lines; arq's failures and llmq's
 # own lines (webhook_delivered, webhook_retry, batch_finished) stay at info.
@@ -229,13 +250,13 @@ def main() -> None:
         await redis.aclose()
 
     asyncio.run(ready())
-    run_worker(
-        WorkerSettings,  # type: ignore[arg-type]
-        functions=[func(_deliver_webhook, name=DELIVER, max_tries=settings.webhook_max_tries)],
-        redis_settings=arq_redis_settings(settings.arq_redis_dsn),
-        queue_name=Keys(settings.prefix).arq_queue(),
-        ctx={"settings": settings},
-    )
+    _Worker(**{  # arq's run_worker(), with the worker above
+        **get_kwargs(WorkerSettings),  # type: ignore[arg-type]
+        "functions": [func(_deliver_webhook, name=DELIVER, max_tries=settings.webhook_max_tries)],
+        "redis_settings": arq_redis_settings(settings.arq_redis_dsn),
+        "queue_name": Keys(settings.prefix).arq_queue(),
+        "ctx": {"settings": settings},
+    }).run()
 
 
 if __name__ == "__main__":
