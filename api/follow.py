@@ -88,12 +88,16 @@ async def follow(
     of the terminal event and of the end (a hook here rather than a wrapping generator: no extra
     layer per event).
     """
-    async def read_log(after: int) -> list[Event]:
-        return await _relaying(queue.read_events(model, job_id, after))
+    outage = _Outage()
+
+    async def read_log(after: int) -> list[Event] | None:
+        """The log's events after ``after``; None while Redis is away (read it again soon)."""
+        return await outage.ride(queue.read_events(model, job_id, after))
 
     async def expire() -> float:
         """End the job if it is overdue; returns when to check again (epoch ms)."""
-        await _relaying(queue.expire(model, job_id, grace_ms=DEADLINE_GRACE_MS))
+        if await outage.ride(queue.expire(model, job_id, grace_ms=DEADLINE_GRACE_MS)) is None:
+            return now_ms() + RETRY_LOG_S * 1000
         return now_ms() + DEADLINE_GRACE_MS
 
     # When the cold wait runs out (epoch ms), unless a warm worker is seen by then; None while one is.
@@ -113,16 +117,18 @@ async def follow(
             cold_at = now_ms() + cold.wait_s * 1000
         if now_ms() >= cold_at:
             # Still no worker: end the job (fenced, as a deadline does); its error event follows.
-            await _relaying(queue.expire(model, job_id, grace_ms=0, now=cold.error()))
-            cold = cold_at = None
+            if await outage.ride(queue.expire(model, job_id, grace_ms=0, now=cold.error())) is not None:
+                cold = cold_at = None
 
     try:
         last = after_seq
         base_wait_s = min(check_log_s, keepalive_s) if keepalive_s else check_log_s
         idle_s = 0.0
         check_at = deadline
-        pending: list[Event] = await read_log(last) if backfill else []
+        pending: list[Event] | None = await read_log(last) if backfill else []
         while True:
+            log_due = pending is None  # Redis was away: the log is read again soon, not in check_log_s
+            pending = pending or []
             for event in pending:
                 if event.seq <= last:
                     continue  # a duplicate: already delivered live or from the log
@@ -133,7 +139,7 @@ async def follow(
                     yield event
                     return
                 yield event
-            wait_s = base_wait_s
+            wait_s = min(base_wait_s, RETRY_LOG_S) if log_due else base_wait_s
             if check_at is not None:
                 if time.time() * 1000 >= check_at:  # once per event: the bare clock, not now_ms's rounding
                     check_at = await expire()
@@ -159,7 +165,7 @@ async def follow(
                 idle_s += wait_s
                 if keepalive_s:
                     yield KEEPALIVE_TICK
-                if idle_s >= check_log_s:
+                if idle_s >= check_log_s or log_due:
                     idle_s = 0.0
                     pending = await read_log(last)
                 else:
@@ -177,12 +183,31 @@ async def follow(
             await watcher.closed()
 
 
-async def _relaying(call: Awaitable[T]) -> T:
-    """A queue call made while relaying: Redis going away is the client's 503, not a 500."""
-    try:
-        return await call
-    except REDIS_DOWN:
-        raise QueueUnavailable("lost the connection to the queue while relaying the job") from None
+# How long a relay rides out Redis being away (a restart, a Sentinel or Cluster failover: seconds)
+# before it ends the client's stream with a 503; and how soon it reads the log again meanwhile.
+RELAY_OUTAGE_S = 30.0
+RETRY_LOG_S = 0.25
+
+
+class _Outage:
+    """Redis going away while a job is relayed: a pause for the client (the worker keeps its events,
+    the log has them once Redis is back), and past :data:`RELAY_OUTAGE_S` the client's 503."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+    async def ride(self, call: Awaitable[T]) -> T | None:
+        """``call``'s result, or None while Redis is away (for at most RELAY_OUTAGE_S)."""
+        try:
+            result = await call
+        except REDIS_DOWN:
+            now = time.monotonic()
+            self.since = self.since if self.since is not None else now
+            if now - self.since > RELAY_OUTAGE_S:
+                raise QueueUnavailable("lost the connection to the queue while relaying the job") from None
+            return None
+        self.since = None
+        return result
 
 
 async def prefetch(events: AsyncIterator[Event | Keepalive], wait_s: float) -> AsyncIterator[Event | Keepalive]:
