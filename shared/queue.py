@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, TypeVar, get_args
 
@@ -38,7 +38,7 @@ from shared.redis_memory import MemoryGuard
 from shared.schemas import GenerationRequest, JobError, JobGroup, JobRecord, JobResult, Usage, estimate_tokens
 from shared.tenants import DEFAULT_TENANT, TenantConfig, today
 
-__all__ = ["Queue", "Delivery", "DeliveryState", "Picked", "Outbound", "Held", "now_ms", "level_of"]
+__all__ = ["Queue", "Delivery", "DeliveryState", "Picked", "Outbound", "Flushed", "Held", "now_ms", "level_of"]
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -140,6 +140,20 @@ class Outbound:
     """Terminal only: the job's whole event log, this event included, in compact form
     (shared/eventlog.py), to replace the per-event stream once the job has ended; None keeps
     the stream (its writer does not hold every event of the job)."""
+    history: Sequence[Event] = ()
+    """The writer's attempt's events so far (this one among them): what it writes again when a
+    failover took some back from the log (:attr:`Flushed.gaps`)."""
+
+
+class Flushed(NamedTuple):
+    """What a flush (:meth:`Queue.flush`) could not write."""
+
+    lost: list[str]
+    """Jobs whose events were refused: the worker lost them (a peer owns them now)."""
+    gaps: dict[str, int]
+    """Jobs whose log holds fewer events than came before their first one in the batch (a
+    failover took the last ones back), with how many it holds: none of their events in the batch
+    was written."""
 
 
 @dataclass(slots=True)
@@ -503,13 +517,14 @@ class Queue:
         return scripts.renew(self.keys, model, worker, [(h.job_id, h.entry_id, h.attempt, h.level) for h in held],
                              idle_ms=hand_back_idle_ms or 0, hand_back=bool(hand_back_idle_ms))
 
-    async def flush(self, model: str, batch: list[Outbound], worker: str = "") -> list[str]:
+    async def flush(self, model: str, batch: list[Outbound], worker: str = "") -> Flushed:
         """Publish a batch of events in ONE round trip (flush.lua): per event XADD to the event
         log, and one PUBLISH per following API process's relay channel (or per event to the job's
         own live channel when none is recorded); per terminal event also the record update, the
         compact log and XACK + XDEL. Each event is written only while ``worker`` still owns its
-        job at the event's attempt. Returns the ids of jobs whose events were refused: the worker
-        lost them.
+        job at the event's attempt, and only right after the event before it: a job whose log
+        lacks events before its first one here (a failover took them back) writes none of them
+        (:attr:`Flushed.gaps`).
 
         One script is atomic, and legal on Cluster: every key of one model shares its hash tag.
         """
@@ -519,10 +534,11 @@ class Queue:
             events.append((out.attempt, out.event.seq, encode(out.event), out.job_id))
             if out.first_token_at is not None or out.prompt_ids is not None or not isinstance(out.event, Tokens):
                 extras.append((i, self._extra(out)))  # the usual token event needs none
-        lost = await self.scripts.run(scripts.flush(
+        lost, gaps = await self.scripts.run(scripts.flush(
             self.keys, model, worker=worker, result_ttl=self.result_ttl_s, now=now_ms(), day=today(),
             day_ttl=self.usage_ttl_s, events=events, extras=extras))
-        return sorted({batch[int(i)].job_id for i in lost})
+        return Flushed(sorted({batch[int(i)].job_id for i in lost}),
+                       {batch[int(i)].job_id: int(logged) for i, logged in zip(gaps[::2], gaps[1::2], strict=True)})
 
     @classmethod
     def _extra(cls, out: Outbound) -> scripts.Extra:

@@ -409,10 +409,11 @@ class Worker:
                 self.metrics.observe("llmq_ttft_seconds", (out.first_token_at - d.queued_at) / 1000)
             if isinstance(out.event, Done):
                 self._emit(d, out.event, entry_id=d.entry_id, result=out.result, first_token_at=out.first_token_at,
-                           log=out.log)
+                           log=out.log, history=attempt.events)
                 self._log_finished(attempt.timings, attempt.usage, out.result)
                 return
-            self._emit(d, out.event, first_token_at=out.first_token_at, prompt_ids=out.prompt_ids)
+            self._emit(d, out.event, first_token_at=out.first_token_at, prompt_ids=out.prompt_ids,
+                       history=attempt.events)
         raise GenerationFailed("the engine ended the job without a final output")
 
     @staticmethod
@@ -435,7 +436,7 @@ class Worker:
         # error); the client and the job record get it.
         log.info("job_ended", job_id=d.job_id, code=exc.code)
         out = attempt.end(exc)
-        self._emit(d, out.event, entry_id=d.entry_id, log=out.log, usage=attempt.usage)
+        self._emit(d, out.event, entry_id=d.entry_id, log=out.log, usage=attempt.usage, history=attempt.events)
 
     def _cancel_requested(self, job_id: str) -> bool:
         """A cancel notice on the control channel (DELETE /v1/jobs/{id})."""
@@ -486,16 +487,37 @@ class Worker:
             if not batch:
                 return
             delay = 0.1
-            while True:
+            while batch:
                 try:
-                    self._lose(await self.queue.flush(self.model, batch, self.worker_id))
-                    return
+                    flushed = await self.queue.flush(self.model, batch, self.worker_id)
+                    self._lose(flushed.lost)
+                    batch = self._refill(batch, flushed.gaps)
                 except REDIS_DOWN as exc:
                     # Keep the batch: events are never dropped, only delayed until Redis is back.
                     # (flush.lua skips events already logged, so a retried batch writes nothing twice.)
                     log.warning("redis_flush_failed", events=len(batch), retry_in_s=delay, error=str(exc))
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 5.0)
+
+    def _refill(self, batch: list[Outbound], gaps: dict[str, int]) -> list[Outbound]:
+        """The events to flush again for jobs whose log lacks events a failover took back (its
+        replica never received them): those events first, from the attempt's own record, then
+        the job's events of ``batch``, none of which was written. A job whose missing events came
+        before this attempt cannot be mended here: it is let go, and a successor continues it from
+        what the log holds, as a crashed worker's job."""
+        again: list[Outbound] = []
+        for job_id, logged in gaps.items():
+            own = [out for out in batch if out.job_id == job_id]
+            first = own[0]
+            missing = [e for e in first.history if logged < e.seq < first.event.seq]
+            if len(missing) != first.event.seq - 1 - logged:
+                log.warning("event_log_gap", job_id=job_id, logged=logged, next_seq=first.event.seq, mended=False)
+                self._lose([job_id])
+                continue
+            log.warning("event_log_gap", job_id=job_id, logged=logged, next_seq=first.event.seq, mended=True)
+            again += [Outbound(job_id=job_id, event=e, attempt=first.attempt, level=first.level, history=first.history)
+                      for e in missing] + own
+        return again
 
     # --- drain, heartbeat, control -------------------------------------------------------------
 

@@ -8,7 +8,8 @@
 -- Live events go to the relay channel of every API process the job's record names (field
 -- 'relay'), one PUBLISH per channel for the whole batch (Job.relay); a job with no follower
 -- recorded is published on its own live channel, one event per message.
--- Returns the (0-based) indexes of the events refused.
+-- Returns the (0-based) indexes of the events refused, and per event not written after a gap in
+-- its log its index and the number of events its log holds (flat pairs).
 local dead_letters, webhooks, clock, usage_day, usage_total, tokens = unpack(KEYS, 1, 6)
 local group, worker, result_ttl, now, live_prefix, tenant_prefix, day_ttl,
       levels, levels_at, levels_width, event_keys_at, event_keys_width, events_at, events_width,
@@ -33,7 +34,13 @@ for x = extras_at, #ARGV, extras_width do
   extra_of[tonumber(index)] = x
 end
 
-local lost, outbox = {}, Job.outbox()
+local lost, gaps, outbox = {}, {}, Job.outbox()
+-- Per log: how many events it holds when that is fewer than the seq before this batch's first event
+-- of it (a gap), else false. Ids are seqs 1..n with none deleted, so its length is its top. A gap
+-- is what a Redis failover leaves when it takes back the last events a worker wrote: its later
+-- events are not written after it (a reader would skip the missing ones); the worker writes the
+-- missing ones again first (workers/runner.py).
+local logged_before = {}
 local i = 0
 for a = events_at, extras_at - 1, events_width do
   local j = event_keys_at + i * event_keys_width
@@ -46,13 +53,21 @@ for a = events_at, extras_at - 1, events_width do
   -- extra command per event. Any other error is Redis refusing writes (OOM, READONLY, NOREPLICAS),
   -- which it does only at a script's first write, so nothing is written yet: the script fails,
   -- and the worker keeps the batch and retries it (skipping an event as logged would drop it).
-  local added = not fenced and redis.pcall('XADD', log, seq .. '-0', 'e', event)
+  if not fenced and logged_before[log] == nil then
+    local n = redis.pcall('XLEN', log)  -- a compact log (a string): the job has ended, XADD refuses
+    logged_before[log] = type(n) == 'number' and n < tonumber(seq) - 1 and n
+  end
+  local gap = not fenced and logged_before[log]
+  local added = not fenced and not gap and redis.pcall('XADD', log, seq .. '-0', 'e', event)
   if added and added.err and not (string.find(added.err, 'equal or smaller than the target stream top', 1, true)
                                   or string.find(added.err, 'WRONGTYPE', 1, true)) then
     return redis.error_reply(added.err)
   end
   if fenced then
     table.insert(lost, i)
+  elseif gap then
+    table.insert(gaps, i)
+    table.insert(gaps, gap)
   elseif not added.err then
     Job.relay(outbox, f[3], live_prefix, job_id, event)
     if seq == '1' then redis.call('EXPIRE', log, result_ttl) end
@@ -83,4 +98,4 @@ for a = events_at, extras_at - 1, events_width do
   i = i + 1
 end
 Job.send(outbox)
-return lost
+return {lost, gaps}

@@ -19,7 +19,7 @@ from shared.codec import encode
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.framing import KEEPALIVE
 from shared.keys import Keys
-from shared.queue import Outbound, Queue
+from shared.queue import Flushed, Outbound, Queue
 from shared.result import ResultBuilder
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams, Usage
 from tests.support import inprocess_workers
@@ -134,27 +134,54 @@ async def test_a_retried_terminal_flush_leaves_the_compact_log_as_it_was(redis, 
     compact = eventlog.compact(encode([*tokens, done]), encode(result))
     batch = [*(Outbound(job_id="j1", event=e) for e in tokens),
              Outbound(job_id="j1", event=done, result=result, log=compact)]
-    assert await queue.flush(MODEL, batch) == []
+    assert await queue.flush(MODEL, batch) == Flushed([], {})
     assert await redis.get(keys.events(MODEL, "j1")) == compact
-    assert await queue.flush(MODEL, batch) == []  # the retry
+    assert await queue.flush(MODEL, batch) == Flushed([], {})  # the retry
     assert await redis.get(keys.events(MODEL, "j1")) == compact
     assert await queue.read_events(MODEL, "j1") == [*tokens, done]
     assert await queue.read_events(MODEL, "j1", after_seq=2) == [tokens[2], done]
     assert await queue.read_events(MODEL, "j1", after_seq=4) == []
 
 
-async def test_a_compact_log_that_does_not_match_the_stream_is_not_stored(redis, keys):
-    """The worker compacts what it wrote; if the stream holds anything else (say, events of an
-    earlier attempt), flush.lua keeps the stream: its length must be the terminal event's seq."""
+async def test_an_event_after_a_gap_in_its_log_is_not_written(redis, keys):
+    """Ids are seqs with none deleted, so a log's length is its top: an event whose log holds fewer
+    than the events before it (a failover took the last ones back) is not written, nor its job's
+    later events in the batch, and the flush says how many the log holds."""
     queue = Queue(redis, keys)
     rec = JobRecord(id="j2", model=MODEL, request=GenerationRequest(prompt="x", sampling=SamplingParams()))
     await queue.enqueue(rec)
-    await queue.flush(MODEL, [Outbound(job_id="j2", event=Tokens(seq=2, deltas=[TokenDelta(token_ids=[2])]))])
-    done = Done(seq=3, usage=Usage())
-    await queue.flush(MODEL, [Outbound(job_id="j2", event=done, result=ResultBuilder().result(),
-                                       log=eventlog.compact(encode([done])))])
-    assert await redis.type(keys.events(MODEL, "j2")) == b"stream"
-    assert [e.seq for e in await queue.read_events(MODEL, "j2")] == [2, 3]
+    tokens = [Tokens(seq=n, deltas=[TokenDelta(token_ids=[n])]) for n in (1, 2, 3)]
+    assert await queue.flush(MODEL, [Outbound(job_id="j2", event=e) for e in tokens[1:]]) == Flushed([], {"j2": 0})
+    assert await redis.exists(keys.events(MODEL, "j2")) == 0
+    assert await queue.flush(MODEL, [Outbound(job_id="j2", event=e) for e in tokens]) == Flushed([], {})
+    assert [e.seq for e in await queue.read_events(MODEL, "j2")] == [1, 2, 3]
+
+
+# What a failover does to a log whose last events its replica never received: the new primary holds
+# the stream without them (its top id is the last one kept, so they can be written again).
+TAKE_BACK = """
+local keep = redis.call('XLEN', KEYS[1]) - tonumber(ARGV[1])
+local entries = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', keep)
+redis.call('DEL', KEYS[1])
+for _, e in ipairs(entries) do redis.call('XADD', KEYS[1], e[1], unpack(e[2])) end
+return keep
+"""
+
+
+async def test_events_a_failover_took_back_are_written_again_by_their_worker(make_worker, redis, keys):
+    """The client had them live; the log must have them too, or a resume would skip them. The
+    worker writes them again from its attempt's record before its next ones, so the log, and the
+    compact log the job's end leaves, are whole."""
+    a = await make_worker(delay_s=0.02)
+    client = Client(redis, a.queue)
+    job_id = await client.start("taken back", 60)
+    await running_on(a.queue, job_id, a.worker, min_tokens=10)
+    kept = await redis.eval(TAKE_BACK, 1, keys.events(MODEL, job_id), 3)
+    events = await client.finish()
+    assert_seamless(events, "taken back", 60)
+    assert kept >= 7
+    assert await redis.type(keys.events(MODEL, job_id)) == b"string"  # compacted: the stream was whole
+    assert [encode(e) for e in await a.queue.read_events(MODEL, job_id)] == [encode(e) for e in events]
 
 
 @pytest.mark.faults

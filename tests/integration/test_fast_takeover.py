@@ -279,7 +279,7 @@ async def test_a_subscription_gone_for_less_than_the_window_keeps_the_job_and_go
     logged = await queue.read_events(MODEL, job_id)
     late = Outbound(job_id=job_id, event=Tokens(seq=len(logged) + 1, deltas=[TokenDelta(token_ids=[1], text="x")]),
                     attempt=held.attempt)
-    assert await queue.flush(MODEL, [late], "ghost") == [job_id]
+    assert (await queue.flush(MODEL, [late], "ghost")).lost == [job_id]
     assert await queue.read_events(MODEL, job_id) == logged
 
 

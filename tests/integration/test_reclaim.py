@@ -79,8 +79,8 @@ async def test_a_stalled_worker_loses_its_job_and_its_late_writes_are_refused(ma
     # A write with A's old (worker, attempt) is refused outright: nothing reaches channel or log.
     logged = await a.queue.read_events(MODEL, job_id)
     stale = Tokens(seq=len(logged) + 1, deltas=[TokenDelta(token_ids=[1], text="x")])
-    assert await a.queue.flush(MODEL, [Outbound(job_id=job_id, event=stale, attempt=attempt)],
-                               a.worker.worker_id) == [job_id]
+    assert (await a.queue.flush(MODEL, [Outbound(job_id=job_id, event=stale, attempt=attempt)],
+                                a.worker.worker_id)).lost == [job_id]
     assert await a.queue.read_events(MODEL, job_id) == logged
 
 

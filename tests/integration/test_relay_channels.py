@@ -21,7 +21,7 @@ from api.listener import EventListener
 from shared.codec import encode
 from shared.events import Done, TokenDelta, Tokens
 from shared.keys import Keys
-from shared.queue import Outbound, Queue, now_ms
+from shared.queue import Flushed, Outbound, Queue, now_ms
 from shared.redis import connect
 from shared.schemas import GenerationRequest, JobRecord
 from tests.support.scripted_engine import ScriptedEngine, expected_text
@@ -63,7 +63,7 @@ async def test_one_publish_per_relay_channel_per_flush_with_exact_lines(redis_ur
         await pubsub.subscribe(a, b, keys.live(MODEL, "j1"), keys.live(MODEL, "j2"), keys.live(MODEL, "j3"))
         batch = [Outbound(job_id=j, event=Tokens(seq=s, deltas=[TokenDelta(token_ids=[96 + s], text=chr(96 + s))]))
                  for s in (1, 2) for j in ("j1", "j2", "j3")]
-        assert await queue.flush(MODEL, batch) == []
+        assert await queue.flush(MODEL, batch) == Flushed([], {})
         line = {(o.job_id, o.event.seq): o.job_id.encode() + b" " + encode(o.event) for o in batch}
         got = await _messages(pubsub, 4)
         # Relay channels in the order their first event appeared, after the per-job publishes made
