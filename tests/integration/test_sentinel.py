@@ -19,7 +19,7 @@ from shared.redis import RedisRefused, connect
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams
 from tests.conftest import REPO
 from tests.support.redis_cluster import redis7_binaries
-from tests.support.redis_sentinel import SERVICE, LocalSentinel, start_sentinel
+from tests.support.redis_sentinel import SENTINEL_CLIENT_LEAK, SERVICE, LocalSentinel, start_sentinel
 from tests.support.scripted_engine import ScriptedEngine, expected_text
 from tests.support.scripted_stack import ScriptedStack, scripted_stack
 from tests.support.waiting import eventually, job_status
@@ -82,6 +82,7 @@ async def _cli(*args: str) -> str:
 
 @pytest.mark.parametrize(("sentinel", "fault"), [("redis-6.2", "kill"), ("redis-6.2", "sentinel-failover"),
                                                  ("valkey-8.1", "kill")], indirect=["sentinel"])
+@SENTINEL_CLIENT_LEAK
 async def test_every_process_goes_on_with_the_new_primary_after_a_failover(sentinel, fault, prefix, figures):
     keys = Keys(prefix)
     async with scripted_stack(sentinel.url, prefix, ScriptedEngine(delay_s=0.01), heartbeat_s=0.2) as s:
