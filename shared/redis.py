@@ -122,9 +122,19 @@ async def _handshake(conn: AbstractConnection) -> None:
     new connection). If that PING fails (NOAUTH from a URL without the password; "max clients"),
     its retry reconnects, whose handshake PINGs again: a RecursionError after ~11 s instead of
     the server's error (redis/redis-py#3745). A connection opened this instant needs no check.
+
+    A Cluster client closes every connection (``aclose()``) to re-read its slots after a node
+    fails, those being opened by other commands too: one closed between its open and its
+    handshake's write fails inside redis-py with an AttributeError (its writer is gone), seen as
+    a 500 in a Cluster failover. That is a lost connection, and is raised as one.
     """
     conn.next_health_check = asyncio.get_running_loop().time() + conn.health_check_interval
-    await conn.on_connect()
+    try:
+        await conn.on_connect()
+    except AttributeError as exc:
+        if conn.is_connected:
+            raise
+        raise RedisConnectionError("the connection was closed while it was being opened") from exc
 
 
 def cluster_target(url: str) -> str | None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from urllib.parse import urlparse
 
 import pytest
 from redis._parsers.base import BaseParser
+from redis.asyncio.connection import Connection
 from redis.exceptions import (
     ConnectionError as RedisConnectionError,
 )
@@ -19,7 +21,7 @@ from redis.exceptions import (
 )
 
 from shared.durability import Durability, replicas_of
-from shared.redis import REDIS_DOWN, NoReplicasError, RedisRefused, refusal
+from shared.redis import REDIS_DOWN, NoReplicasError, RedisRefused, _handshake, refusal
 from shared.redis_memory import SAMPLE_EVERY_S, MemoryGuard
 
 # The texts Redis sends (redis-py strips the leading '-' and, for a known error code, the class
@@ -139,3 +141,24 @@ async def test_memory_guard_samples_at_most_every_half_second(redis, prefix):
     finally:
         await redis.delete(filler)
         await redis.config_set("maxmemory", before)
+
+
+async def test_a_connection_closed_during_its_handshake_is_a_lost_connection(redis_url):
+    """A Cluster client closing every connection to re-read its slots can close one between its
+    open and its handshake's first write: redis-py then fails with an AttributeError (a 500 in a
+    Cluster failover); llmq's handshake raises it as the lost connection it is."""
+
+    class ClosedUnderfoot(Connection):
+        closed = False
+
+        async def _send_packed_command(self, command):  # the first write of the handshake
+            if not self.closed:
+                self.closed = True
+                await self.disconnect()
+            await super()._send_packed_command(command)
+
+    url = urlparse(redis_url)
+    conn = ClosedUnderfoot(host=url.hostname, port=url.port, redis_connect_func=_handshake, socket_timeout=5)
+    with pytest.raises(RedisConnectionError, match="closed while it was being opened"):
+        await conn.connect()
+    await conn.disconnect()
