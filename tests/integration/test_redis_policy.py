@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -26,6 +27,21 @@ from tests.support.redis_sentinel import start_sentinel
 from tests.support.redis_servers import BINARIES, servers
 
 NOEVICTION = ("--maxmemory-policy", "noeviction")
+
+
+async def _serving(proc: subprocess.Popen, port: int, log: Path) -> None:
+    """Until the web process on ``port`` answers /livez (it must not exit meanwhile)."""
+    deadline = time.monotonic() + 30
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if (await client.get("/livez")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            await asyncio.sleep(0.1)
 
 
 async def _check(url: str, *, allow: bool = False) -> dict[str, str]:
@@ -190,17 +206,7 @@ async def test_the_web_process_exits_naming_the_node_unless_allowed(tmp_path):
         proc = spawn_logged([sys.executable, "-m", "api"], log, cwd=REPO,
                             env=_env(primary.url, tmp_path, LLMQ_PORT=str(port), LLMQ_REDIS_ALLOW_EVICTION="true"))
         try:
-            deadline = time.monotonic() + 30
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-                while True:
-                    assert proc.poll() is None, log.read_text()
-                    try:
-                        if (await client.get("/livez")).status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    assert time.monotonic() < deadline, log.read_text()
-                    await asyncio.sleep(0.1)
+            await _serving(proc, port, log)
             [warning] = [line for line in _json_lines(log.read_text()) if line.get("event") == "redis_may_evict_jobs"]
             assert warning["level"] == "warning" and warning["allowed_by"] == "LLMQ_REDIS_ALLOW_EVICTION"
             assert warning["nodes"] == f"{replica.node} has maxmemory-policy allkeys-lru", warning
@@ -219,17 +225,7 @@ async def test_the_web_process_started_before_redis_stops_once_redis_answers_evi
                         env=_env(f"redis://127.0.0.1:{redis_port}/0", tmp_path, LLMQ_PORT=str(port)))
     try:
         with servers(tmp_path) as s:
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-                deadline = time.monotonic() + 30
-                while True:
-                    assert proc.poll() is None, log.read_text()
-                    try:
-                        if (await client.get("/livez")).status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    assert time.monotonic() < deadline, log.read_text()
-                    await asyncio.sleep(0.1)
+            await _serving(proc, port, log)
             s.start_on(redis_port, "redis-6.2", "--maxmemory-policy", "allkeys-lru")
             code = await asyncio.to_thread(proc.wait, 30)
         assert code != 0, log.read_text()
