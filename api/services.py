@@ -22,7 +22,7 @@ from api.shards import ClusterListener
 from api.tokenizer import Tokenizer
 from shared.cluster import is_cluster
 from shared.config import Settings
-from shared.durability import Durability, check_server
+from shared.durability import check_server
 from shared.keys import Keys
 from shared.queue import Queue
 from shared.redis import REDIS_DOWN, connect, wait_for_redis
@@ -88,7 +88,7 @@ async def lifespan(app: Litestar) -> AsyncIterator[None]:
         keys=keys,
         queue=Queue(redis, keys, result_ttl_s=settings.result_ttl_s, idempotency_ttl_s=settings.idempotency_ttl_s,
                     usage_days=settings.usage_days,
-                    durability=Durability.of(settings.durability, settings.durability_timeout_ms),
+                    durability=settings.acknowledgement,
                     memory=MemoryGuard(redis, settings.redis_memory_watermark)),
         listener=listener,
         models=ModelRegistry(redis, keys, settings.model_name, settings.extra_models,
@@ -124,7 +124,7 @@ async def _check_redis(redis: Redis, settings: Settings) -> asyncio.Task[None] |
     checks once it does, and stops the process (SIGTERM) if it must."""
     async def check() -> None:
         await check_policy(redis, allow_eviction=settings.redis_allow_eviction, process="web")
-        await check_server(redis, Durability.of(settings.durability, settings.durability_timeout_ms))
+        await check_server(redis, settings.acknowledgement)
 
     try:
         async with asyncio.timeout(2):

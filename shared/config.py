@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 import msgspec
 
 from shared import egress
-from shared.durability import replicas_of
+from shared.durability import Durability, replicas_of
 
 if TYPE_CHECKING:
     from shared.tracing import Tracing
@@ -291,6 +291,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def redis_dsn(self) -> str:
         return self.redis_url or EMBEDDED_REDIS_URL
+
+    @property
+    def acknowledgement(self) -> Durability:
+        """What an admission waits for (LLMQ_DURABILITY and its timeout), as the queue applies it."""
+        return Durability.of(self.durability, self.durability_timeout_ms)
 
     @property
     def arq_redis_dsn(self) -> str:

@@ -25,7 +25,7 @@ from shared.config import (
     load_settings,
     load_tracing,
 )
-from shared.durability import Durability, check_server
+from shared.durability import check_server
 from shared.keys import Keys
 from shared.logging import configure_logging
 from shared.queue import Queue
@@ -68,7 +68,7 @@ async def serve(settings: Settings, tracing: Tracing | None = None) -> None:
         redis = connect(settings.redis_dsn, block_ms=settings.block_ms)
         stack.push_async_callback(redis.aclose)
         await wait_for_redis(redis, what="worker")
-        durability = Durability.of(settings.durability, settings.durability_timeout_ms)
+        durability = settings.acknowledgement
         try:
             await check_policy(redis, allow_eviction=settings.redis_allow_eviction, process="worker")
             await check_server(redis, durability)

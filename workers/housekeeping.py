@@ -32,7 +32,6 @@ from arq.worker import Worker, get_kwargs
 from redis.asyncio import Redis
 
 from shared.config import MASK, Settings, load_settings
-from shared.durability import Durability
 from shared.inspection import QueueReading, read_queue
 from shared.keys import GROUP, Keys
 from shared.logging import configure_logging
@@ -68,7 +67,7 @@ class Housekeeper:
         keys, redis = Keys(settings.prefix), connect(settings.redis_dsn)
         return cls(settings=settings, keys=keys, redis=redis, arq=arq,
                    queue=Queue(redis, keys, result_ttl_s=settings.result_ttl_s, usage_days=settings.usage_days,
-                               durability=Durability.of(settings.durability, settings.durability_timeout_ms),
+                               durability=settings.acknowledgement,
                                memory=MemoryGuard(redis, settings.redis_memory_watermark)),
                    http=httpx.AsyncClient(timeout=settings.webhook_timeout_s, follow_redirects=False))
 

@@ -18,7 +18,6 @@ from redis.asyncio import Redis
 
 from api.app import create_app
 from shared.config import Settings, load_settings
-from shared.durability import Durability
 from shared.keys import Keys
 from shared.queue import Queue
 from shared.redis import connect
@@ -82,7 +81,7 @@ async def scripted_stack(
     async with serve_api(settings, routes, tracing) as url:
         redis = connect(redis_url)
         engine = engine if engine is not None else ScriptedEngine(delay_s=0.001)
-        durability = Durability.of(settings.durability, settings.durability_timeout_ms)  # as workers/__main__.py
+        durability = settings.acknowledgement
         worker = Worker(settings, Queue(redis, Keys(prefix), durability=durability), engine, worker_id=f"w-{prefix}",
                         tracing=tracing)
         worker_task = asyncio.create_task(worker.run())
