@@ -32,6 +32,7 @@ from pathlib import Path
 from shared.config import load_settings
 from tests.bench.report import build_report, render
 from tests.bench.serving import TARGET_SETS, HttpTarget, Target, engine_env, measure, start_targets
+from tests.bench.vllm_client import INPUT_TOKENS, vllm_client
 from tests.conftest import REPO
 
 # The engine environment the report records: what moves the engine's speed on a CPU host.
@@ -58,6 +59,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None,
                    help="JSON report (default at the repo root: bench-results.json, bench-fast.json with "
                         "--config fast, bench-smoke.json or bench-smoke-fast.json with --smoke)")
+    p.add_argument("--client", choices=("llmq", "vllm"), default="llmq",
+                   help="who sends the HTTP targets' requests: the project's client (httpx, tests/bench/workload.py) "
+                        "or vLLM's own `vllm bench serve` (random dataset, tests/bench/vllm_client.py)")
+    p.add_argument("--input-tokens", type=int, default=INPUT_TOKENS,
+                   help=f"with --client vllm: the random prompts' length in tokens (default {INPUT_TOKENS})")
+    p.add_argument("--tokenizer", help="with --client vllm and --url: the model's tokenizer (a path or name)")
     p.add_argument("--logs", type=Path, default=None, help="where the targets' logs go (default a temp dir)")
     a = p.parse_args(argv)
     if a.smoke:
@@ -107,10 +114,17 @@ async def _main(a: argparse.Namespace) -> int:
                       "stream_interval": settings.stream_interval,
                       "scheduling_policy": "priority",
                       "environment": {k: env.get(k) for k in ENGINE_VARIABLES}}
+        if a.client == "vllm":
+            client = vllm_client(a.tokenizer or settings.model_path, a.input_tokens)
+            for target in targets:
+                if isinstance(target, HttpTarget):
+                    target.client = client
         runs = await measure(targets, rounds=a.rounds, concurrencies=concurrencies, requests=a.requests or None,
                              max_tokens=a.max_tokens, per_lane=target_set.per_lane, least=target_set.least)
     report = build_report(runs, settings={
-        "config": a.config, **engine, "rounds": a.rounds, "concurrency": concurrencies, "max_tokens": a.max_tokens,
+        "config": a.config, **engine, "client": a.client,
+        **({"input_tokens": a.input_tokens} if a.client == "vllm" else {}),
+        "rounds": a.rounds, "concurrency": concurrencies, "max_tokens": a.max_tokens,
         "requests": a.requests or f"max({target_set.per_lane}*C, {target_set.least})",
         "itl": "per chunk (as vLLM's benchmark_serving); TPOT per token",
     })

@@ -95,15 +95,28 @@ class Target(Protocol):
     async def run(self, prompts: Sequence[str], concurrency: int, max_tokens: int) -> Summary: ...
 
 
+class Client(Protocol):
+    """What sends a run's requests to an HTTP target: the project's client (:func:`project_client`)
+    or vLLM's own (tests/bench/vllm_client.py)."""
+
+    async def __call__(self, url: str, model: str, prompts: Sequence[str], concurrency: int,
+                       max_tokens: int) -> Summary: ...
+
+
+async def project_client(url: str, model: str, prompts: Sequence[str], concurrency: int, max_tokens: int) -> Summary:
+    _, summary = await run_workload(url, model, prompts, concurrency=concurrency, max_tokens=max_tokens)
+    return summary
+
+
 class HttpTarget:
     """Any OpenAI-compatible server: llmq, ``vllm serve``, or a deployment given by URL."""
 
-    def __init__(self, name: str, url: str, model: str, meter: CpuMeter | None = None) -> None:
-        self.name, self.url, self.model, self.meter = name, url, model, meter
+    def __init__(self, name: str, url: str, model: str, meter: CpuMeter | None = None,
+                 client: Client = project_client) -> None:
+        self.name, self.url, self.model, self.meter, self.client = name, url, model, meter, client
 
     async def run(self, prompts: Sequence[str], concurrency: int, max_tokens: int) -> Summary:
-        _, summary = await run_workload(self.url, self.model, prompts, concurrency=concurrency, max_tokens=max_tokens)
-        return summary
+        return await self.client(self.url, self.model, prompts, concurrency, max_tokens)
 
 
 class InProcessTarget:
