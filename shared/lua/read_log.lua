@@ -11,7 +11,8 @@ local kind = redis.call('TYPE', log)['ok']
 if kind == 'string' then
   local compact = redis.call('GET', log)
   local result = ''
-  if string.sub(compact, 1, 1) == 'S' then result = redis.call('HGET', job, 'result') or '' end
+  local form = string.sub(compact, 1, 1)  -- shared/eventlog.py's SHAPE and SHAPE_V0 need the result
+  if form == 'D' or form == 'S' then result = redis.call('HGET', job, 'result') or '' end
   return {'c', compact, result}
 end
 if kind ~= 'stream' then return {'s', {}} end
