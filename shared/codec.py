@@ -106,6 +106,8 @@ def job_from_hash(raw: Mapping[bytes, bytes]) -> JobRecord:
     fields: dict[str, object] = {}
     for key, value in raw.items():
         name = key.decode()
+        if name not in _RECORD_DEFAULTS:
+            continue  # the scripts' own fields: the compact log (bytes, not text), relay, charged, ...
         decoder = _JSON_FIELDS.get(name)
         fields[name] = decoder.decode(value) if decoder else value.decode()
     # strict=False converts the hash's text back to ints, floats and bools.

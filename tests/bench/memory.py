@@ -10,7 +10,8 @@ each read to its ``[DONE]``. Two modes, on the same server one after the other:
 
 - ``stream``: the worker compacts nothing (its compact log is switched off), so the per-token
   stream is kept, as before the compaction (shared/eventlog.py).
-- ``compact``: as shipped: the script that ends a job replaces its stream with the compact log.
+- ``compact``: as shipped: the script that ends a job replaces its stream with the compact log,
+  a field of the job's record.
 
 Per mode, after a warm-up request and again once every job ended and the worker settled:
 ``INFO memory`` used_memory (the delta per job is *the* figure), and ``MEMORY USAGE key SAMPLES 0``
@@ -174,7 +175,11 @@ async def _report(redis: Redis, queue: Queue, keys: Keys, mode: str, jobs: int, 
     results = [len(raw or b"") for raw in await _pipelined(redis, "hget", [keys.job(MODEL, r.id) for r in mine],
                                                            "result")]
     record_sizes = await _pipelined(redis, "memory_usage", [keys.job(MODEL, r.id) for r in mine], samples=0)
-    log_sizes = await _pipelined(redis, "memory_usage", [keys.events(MODEL, r.id) for r in mine], samples=0)
+    # The log: a stream of its own, or (compacted) a field of the record.
+    log_sizes = [n or 0 for n in await _pipelined(redis, "memory_usage", [keys.events(MODEL, r.id) for r in mine],
+                                                  samples=0)]
+    compacts = await _pipelined(redis, "hget", [keys.job(MODEL, r.id) for r in mine], "log")
+    log_sizes = [n or len(c or b"") for n, c in zip(log_sizes, compacts, strict=True)]
     checked = 0
     for record in mine[:: max(1, jobs // 50)]:  # every log reads back whole: the text streamed, a token an event
         events = await queue.read_events(MODEL, record.id)
@@ -192,14 +197,14 @@ async def _report(redis: Redis, queue: Queue, keys: Keys, mode: str, jobs: int, 
     result = statistics.fmean(results)
     return {
         "mode": mode, "jobs": jobs, "tokens_per_job": tokens,
-        "log_type": (await redis.type(keys.events(MODEL, mine[0].id))).decode(),
+        "log_type": "stream" if await redis.exists(keys.events(MODEL, mine[0].id)) else "record field",
         "used_memory_delta_bytes_per_job": round(per_job),
         "used_memory_delta_bytes_per_token": round(per_job / tokens, 1),
         "result_bytes_per_job": round(result),
         "limit_bytes_per_job": round(result) + TARGET_OVER_RESULT,
         "within_limit": per_job <= result + TARGET_OVER_RESULT,
         "memory_usage_bytes_per_job": round(keys_total / jobs),
-        "record_bytes_per_job": round(statistics.fmean(record_sizes)),
+        "record_bytes_per_job": round(statistics.fmean(record_sizes)),  # with the compact log in it
         "log_bytes_per_job": round(statistics.fmean(log_sizes)),
         "log_bytes_max": max(log_sizes),
         "keys_per_job": round(new_keys / jobs, 2),
