@@ -3,8 +3,8 @@ exactly: real Redis, the real worker and API routes, a scripted engine.
 
 While a job runs, its log is a stream, one entry per event; the script that writes its end
 replaces the stream with one compact log, a field of the job's record, which costs a few hundred
-bytes (often under 100) where the stream cost ~150 bytes a token. A late reader (``Last-Event-ID``, ``/events`` after the end) must not
-be able to tell: same events, same bytes, same sequence numbers.
+bytes (often under 100) where the stream cost ~150 bytes a token. A late reader (``Last-Event-ID``,
+``/events`` after the end) must not be able to tell: same events, same bytes, same sequence numbers.
 """
 
 from __future__ import annotations
