@@ -28,11 +28,12 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["compact", "expand", "needs_result", "SHAPE", "SHAPE_WITH_BASE", "PACKED", "PLAIN"]
+__all__ = ["compact", "expand", "needs_result", "SHAPE", "SHAPE_WITH_BASE", "PACKED", "PLAIN", "SHAPE_V0"]
 
-SHAPE = b"S"
-"""Rebuilt from the job's stored result (the record's ``result`` field) and the shape. The one
-form that needs the record: shared/lua/read_log.lua fetches the result for this first byte."""
+SHAPE = b"D"
+"""Rebuilt from the job's stored result (the record's ``result`` field) and the shape, deflated
+with :data:`_DICTIONARY`. The forms that need the record (this and :data:`SHAPE_V0`):
+shared/lua/read_log.lua fetches the result for their first byte."""
 SHAPE_WITH_BASE = b"B"
 """Rebuilt from the shape and its own copy of the concatenated bulk (a job ended by an error
 has no stored result)."""
@@ -40,6 +41,25 @@ PACKED = b"Z"
 """The events' bytes, deflated: the fallback, always exact."""
 PLAIN = b"J"
 """The events' bytes as they are: for a log so small that deflate would not shrink it."""
+SHAPE_V0 = b"S"
+"""As :data:`SHAPE`, deflated without a dictionary: what workers wrote before it had one; still
+read (a log lives LLMQ_RESULT_TTL_S), never written."""
+
+# Deflate's preset dictionary for the shapes of jobs that ended with a result: the bytes most of
+# them hold (the usual templates, the template order and lengths of a job of one token per event),
+# which deflate then refers to instead of spelling out. It halves a 64-token job's log (~180 -> ~65 bytes), and a
+# finished job keeps that log for LLMQ_RESULT_TTL_S. Logs written with it are inflated with it:
+# never change these bytes; a better dictionary is a new kind.
+_DICTIONARY = (
+    b'"finish_reason":"stop","stop_reason":null,"logprobs":0,"top_logprobs":0,"token_texts":0,"prompt":0,'
+    b'"index":1,"token_ids":0,"text":0}]},'
+    b'{"type":"tokens","seq":0,"deltas":[{"token_ids":0}]},'
+    b'{"token_ids":[' + b"1," * 64 + b'1],"text":[' + b"1," * 64 + b'1]}'
+    b'],[' + b"0," * 64 + b'1],'
+    b'[1,[{"type":"tokens","seq":0,"deltas":[{"token_ids":0,"text":0}]},'
+    b'{"type":"done","seq":0,"deltas":[{"token_ids":0,"text":0,"finish_reason":"length"}],"usage":0,'
+    b'"timings":{"queued_at":17'
+)
 
 # Event fields whose values the result concatenates, per choice, in event order.
 _BULK = ("token_ids", "text", "token_texts", "logprobs", "top_logprobs")
@@ -47,18 +67,22 @@ _decode = msgspec.json.decode
 _encode = msgspec.json.Encoder().encode
 
 
-def _deflate(data: bytes) -> bytes:
-    c = zlib.compressobj(9, zlib.DEFLATED, -15)  # raw deflate: no zlib header or checksum to store
+def _deflate(data: bytes, dictionary: bytes = b"") -> bytes:
+    # Raw deflate: no zlib header or checksum to store.
+    c = zlib.compressobj(9, zlib.DEFLATED, -15, **({"zdict": dictionary} if dictionary else {}))
     return c.compress(data) + c.flush()
 
 
-def _inflate(data: bytes) -> bytes:
-    return zlib.decompress(data, -15)
+def _inflate(data: bytes, dictionary: bytes = b"") -> bytes:
+    if not dictionary:
+        return zlib.decompress(data, -15)
+    d = zlib.decompressobj(-15, zdict=dictionary)
+    return d.decompress(data) + d.flush()
 
 
 def needs_result(blob: bytes) -> bool:
     """Whether :func:`expand` needs the job's stored result for this compact log."""
-    return blob[:1] == SHAPE
+    return blob[:1] in (SHAPE, SHAPE_V0)
 
 
 def _fold(events: list[Any]) -> dict[str, Any]:
@@ -177,7 +201,7 @@ def compact(events: bytes, result: bytes | None = None) -> bytes:
         base = _decode(result) if result is not None else _fold(decoded)
         shape = _shape(decoded, base)
         body = _encode(shape if result is not None else [shape, base])
-        blob = (SHAPE if result is not None else SHAPE_WITH_BASE) + _deflate(body)
+        blob = SHAPE + _deflate(body, _DICTIONARY) if result is not None else SHAPE_WITH_BASE + _deflate(body)
         if expand(blob, result) == events:
             return min(blob, plain, key=len)  # deflating the events too would not beat the shape
     except (msgspec.DecodeError, AttributeError, TypeError, KeyError, StopIteration, IndexError):
@@ -193,10 +217,11 @@ def expand(blob: bytes, result: bytes | None = None) -> bytes:
         return body
     if kind == PACKED:
         return _inflate(body)
-    if kind == SHAPE:
+    if kind in (SHAPE, SHAPE_V0):
         if result is None:
             raise ValueError("this compact log is rebuilt from the job's result, and it has none")
-        return _encode(_rebuild(_decode(_inflate(body)), _decode(result)))
+        shape = _decode(_inflate(body, _DICTIONARY if kind == SHAPE else b""))
+        return _encode(_rebuild(shape, _decode(result)))
     if kind == SHAPE_WITH_BASE:
         shape, base = _decode(_inflate(body))
         return _encode(_rebuild(shape, base))

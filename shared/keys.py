@@ -112,12 +112,14 @@ class Keys:
         return f"{self._model(model)}:usage" + (f":{day}" if day else "")
 
     def job(self, model: str, job_id: str) -> str:
-        """Hash: the job record (status, request, timestamps, worker, attempt, result, error)."""
+        """Hash: the job record (status, request, timestamps, worker, attempt, result, error; once
+        ended, ``log``: its compact event log, bytes)."""
         return f"{self._model(model)}:job:{job_id}"
 
     def events(self, model: str, job_id: str) -> str:
-        """The job's event log: a stream while it runs (entry ids ``<seq>-0``, so XRANGE resumes
-        by sequence), then a string, the compact log its end leaves (shared/eventlog.py)."""
+        """The job's event log while it runs: a stream (entry ids ``<seq>-0``, so XRANGE resumes
+        by sequence). Its end replaces it by the compact log (shared/eventlog.py), kept in the
+        record's ``log`` field; a continued job's stream is kept instead, with the record's TTL."""
         return f"{self._model(model)}:events:{job_id}"
 
     def live(self, model: str, job_id: str) -> str:

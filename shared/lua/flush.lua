@@ -41,6 +41,7 @@ local lost, gaps, outbox = {}, {}, Job.outbox()
 -- events are not written after it (a reader would skip the missing ones); the worker writes the
 -- missing ones again first (workers/runner.py).
 local logged_before = {}
+local ended, ENDED = {}, {err = 'WRONGTYPE the job ended: its log is compact'}  -- skipped as logged
 local i = 0
 for a = events_at, extras_at - 1, events_width do
   local j = event_keys_at + i * event_keys_width
@@ -55,10 +56,12 @@ for a = events_at, extras_at - 1, events_width do
   -- and the worker keeps the batch and retries it (skipping an event as logged would drop it).
   if not fenced and logged_before[log] == nil then
     local n = redis.pcall('XLEN', log)  -- a compact log (a string): the job has ended, XADD refuses
+    -- No stream, and the record holds the compact log (Job.finish): ended too, nothing is added.
+    ended[log] = n == 0 and redis.call('HEXISTS', job, 'log') == 1
     logged_before[log] = type(n) == 'number' and n < tonumber(seq) - 1 and n
   end
-  local gap = not fenced and logged_before[log]
-  local added = not fenced and not gap and redis.pcall('XADD', log, seq .. '-0', 'e', event)
+  local gap = not fenced and not ended[log] and logged_before[log]
+  local added = not fenced and not gap and (ended[log] and ENDED or redis.pcall('XADD', log, seq .. '-0', 'e', event))
   if added and added.err and not (string.find(added.err, 'equal or smaller than the target stream top', 1, true)
                                   or string.find(added.err, 'WRONGTYPE', 1, true)) then
     return redis.error_reply(added.err)

@@ -57,12 +57,16 @@ function Job.finish(job, log, id, e, outcome, seq, compact, prompt, generated)
   -- The compact log replaces the per-event stream in this same script, so a reader
   -- (read_log.lua) finds one or the other whole. Only when the stream holds exactly seqs
   -- 1..this one (ids are seqs, so its length says so): what the writer compacted is then what
-  -- was logged. A retried flush finds a string here and its XADD fails: skipped.
+  -- was logged. It goes in the record's 'log' field, not a key of its own: a key costs Redis
+  -- ~200 bytes of bookkeeping (its name, entries in the keyspace and expiry tables) for
+  -- LLMQ_RESULT_TTL_S, as much as the log itself. A retried flush finds no stream and this
+  -- field, and adds nothing (flush.lua).
   if compact ~= '' and redis.call('XLEN', log) == tonumber(seq) then
     redis.call('DEL', log)
-    redis.call('SET', log, compact)
+    redis.call('HSET', job, 'log', compact)
+  else
+    redis.call('EXPIRE', log, e.ttl)  -- not XADD's: EXPIRE takes a TTL <= 0 (deletes)
   end
-  redis.call('EXPIRE', log, e.ttl)  -- not SET's EX: that refuses a TTL <= 0, EXPIRE deletes
   -- In the same script as the end, so a finished job's webhook can never be forgotten.
   if redis.call('HEXISTS', job, 'webhook') == 1 then
     redis.call('XADD', e.webhooks, '*', 'job', id)

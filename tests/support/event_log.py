@@ -21,11 +21,10 @@ def logged_events(redis: Redis, keys: Keys, model: str, job_id: str) -> list[tup
     pipe = redis.pipeline(transaction=True)
     pipe.type(log)
     pipe.xrange(log)
-    pipe.get(log)
-    pipe.hget(keys.job(model, job_id), "result")
-    kind, entries, compact, result = pipe.execute(raise_on_error=False)
+    pipe.hmget(keys.job(model, job_id), "log", "result")  # Job.finish keeps the compact log in the record
+    kind, entries, (compact, result) = pipe.execute(raise_on_error=False)
     if kind == b"stream":
         return [(int(entry_id.split(b"-")[0]), json.loads(fields[b"e"])) for entry_id, fields in entries]
-    if kind == b"string":
+    if compact is not None:
         return [(e["seq"], e) for e in json.loads(eventlog.expand(compact, result))]
     return []

@@ -32,6 +32,19 @@ def test_job_record_round_trips_through_a_redis_hash():
     assert job_from_hash(raw) == record
 
 
+def test_a_queued_record_stores_no_default_a_reader_would_assume():
+    """A finished job keeps its record for LLMQ_RESULT_TTL_S: a dialect that spells out every
+    sampling default (as the OpenAI ones do) stores no more than one that leaves them unset."""
+    spelled = SamplingParams(temperature=float("1.0"), top_p=float("1.0"), min_p=float("0"), max_tokens=64,
+                             presence_penalty=float("0"), repetition_penalty=float("1"), ignore_eos=True)
+    record = JobRecord(id="j1", model="m", request=GenerationRequest(prompt="hi", sampling=spelled), queued_at=1.5)
+    fields = job_to_hash(record)
+    assert fields["request"] == b'{"prompt":"hi","chat":{},"sampling":{"max_tokens":64,"ignore_eos":true},"output":{}}'
+    assert set(fields) == {"id", "model", "status", "request", "queued_at", "tenant", "estimate"}
+    raw = {k.encode(): (v if isinstance(v, bytes) else v.encode()) for k, v in fields.items()}
+    assert job_from_hash(raw) == record  # what was left out reads back as its default
+
+
 def test_result_builder_joins_deltas_per_choice_and_takes_finish_from_the_last():
     builder = ResultBuilder()
     builder.add(Tokens(seq=1, deltas=[TokenDelta(index=0, token_ids=[1], text="a"),

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
+import zlib
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -57,6 +59,33 @@ def test_a_finished_job_compacts_to_its_shape_in_a_few_hundred_bytes(n, logprobs
     # The target: the result plus at most 1 KB (here far less; the stream took ~150 bytes a token).
     assert len(blob) <= (400 if n == 64 else 1024), len(blob)
     assert len(blob) < len(raw) / 10
+
+
+def test_a_one_character_token_stream_compacts_to_under_a_hundred_bytes():
+    """The usual job (one token an event, each a character or so) is what the preset dictionary
+    holds: its log is the few bytes that differ from it, not its templates spelled out again."""
+    prompt = "Request 7: basket falcon canyon orbit harbor"
+    events: list[Event] = [Tokens(seq=i + 1, deltas=[TokenDelta(token_ids=[ord(c)], text=c)])
+                           for i, c in enumerate(prompt * 2)][:63]
+    events.append(Done(seq=64, deltas=[TokenDelta(token_ids=[ord("x")], text="x", finish_reason="length")],
+                       usage=Usage(prompt_tokens=12, completion_tokens=64),
+                       timings=Timings(queued_at=1795783430403.579, started_at=1795783430408.313)))
+    raw, result = encode(events), result_of(events)
+    blob = eventlog.compact(raw, result)
+    assert blob[:1] == eventlog.SHAPE and eventlog.expand(blob, result) == raw
+    assert len(blob) < 100, len(blob)
+
+
+def test_a_log_compacted_before_the_dictionary_still_reads_back():
+    """A log lives LLMQ_RESULT_TTL_S: one an older worker wrote (no preset dictionary) is read
+    by a newer API."""
+    events = job(64)
+    raw, result = encode(events), result_of(events)
+    new = zlib.decompressobj(-15, zdict=eventlog._DICTIONARY)
+    shape = msgspec.json.decode(new.decompress(eventlog.compact(raw, result)[1:]) + new.flush())
+    old = zlib.compressobj(9, zlib.DEFLATED, -15)
+    blob = eventlog.SHAPE_V0 + old.compress(msgspec.json.encode(shape)) + old.flush()
+    assert eventlog.needs_result(blob) and eventlog.expand(blob, result) == raw
 
 
 def test_a_job_ended_by_an_error_carries_its_own_bulk():
