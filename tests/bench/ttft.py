@@ -40,6 +40,7 @@ __all__ = ["main"]
 
 HOPS = ("send -> queued", "queued -> started", "started -> first token", "first token -> client")
 WARM_UP = 5
+MAX_TOKENS = 8
 
 
 def _redis_port(pid: int) -> int:
@@ -48,12 +49,12 @@ def _redis_port(pid: int) -> int:
     return int(title.split()[1].rsplit(":", 1)[1])
 
 
-async def _first_chunks(target: HttpTarget, prompts: list[str]) -> list[tuple[float, float, str]]:
+async def _first_chunks(target: HttpTarget, prompts: list[str], max_tokens: int) -> list[tuple[float, float, str]]:
     """Per request, in turn: (send, first token-bearing chunk) as epoch seconds, and its id."""
     out = []
     async with httpx.AsyncClient(timeout=60) as client:
         for prompt in prompts:
-            body = request_body(target.model, prompt, 8)
+            body = request_body(target.model, prompt, max_tokens)
             sent = time.time()
             first, chunk_id = 0.0, ""
             async with client.stream("POST", target.url + "/v1/completions", json=body) as resp:
@@ -77,7 +78,7 @@ async def _hops(redis: Redis, rows: list[tuple[float, float, str]]) -> dict[str,
     return hops
 
 
-async def measure(requests: int, rounds: int) -> dict:
+async def measure(requests: int, rounds: int, max_tokens: int = MAX_TOKENS) -> dict:
     fast = TARGET_SETS["fast"]
     settings = load_settings({**os.environ, **fast.overlay})
     async with AsyncExitStack() as stack:
@@ -92,7 +93,7 @@ async def measure(requests: int, rounds: int) -> dict:
         for r in range(rounds):  # interleaved, order alternated
             for target in targets if r % 2 == 0 else targets[::-1]:
                 assert isinstance(target, HttpTarget)
-                rows = await _first_chunks(target, prompts_for(requests + WARM_UP, f"ttft{r}"))
+                rows = await _first_chunks(target, prompts_for(requests + WARM_UP, f"ttft{r}"), max_tokens)
                 ttft[target.name] += [(first - sent) * 1000 for sent, first, _ in rows]
                 if target is llmq:
                     for hop, values in (await _hops(redis, rows)).items():
@@ -106,10 +107,13 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m tests.bench.ttft", description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=60, help="sequential requests per target and round (default 60)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
+    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
+                   help=f"tokens per request (default {MAX_TOKENS}); the next request is sent when one ends, so a "
+                        "longer one's end overlaps the next one's start as in the workload at C=1")
     p.add_argument("--out", default="bench-ttft.json")
     a = p.parse_args(argv)
     loads = [load_average()]
-    result = asyncio.run(measure(a.requests, a.rounds))
+    result = asyncio.run(measure(a.requests, a.rounds, a.max_tokens))
     loads.append(load_average())
     report = {**report_head("ttft", "time to first token at C=1, llmq's split at each hop", loads), **result}
     rows = [[f"TTFT, {name}", s["p50_ms"], s["p90_ms"], s["p99_ms"]] for name, s in result["ttft"].items()]

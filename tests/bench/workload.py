@@ -141,12 +141,14 @@ async def _one_http(client: httpx.AsyncClient, url: str, body: dict) -> RequestR
             await resp.aread()
             rec.error = f"HTTP {resp.status_code}: {resp.text[:150]}"
             return rec
+        # Read to the body's end, past [DONE]: a response closed before its end closes its
+        # connection too (httpx), and every request would pay a new one, as vLLM's client does not.
         async for line in resp.aiter_lines():
             if not line.startswith("data:"):
                 continue  # blank separators, keep-alive comments
             data = line[5:].strip()
             if data == "[DONE]":
-                break
+                continue
             now = time.perf_counter()
             chunk = _chunk_decoder.decode(data)
             if "error" in chunk:
