@@ -277,10 +277,16 @@ def expire(keys: Keys, model: str, job_id: str, *, day: str, now: float, grace_m
 
 FLUSH = Script(
     "flush.lua",
-    keys=("dead_letters", "webhooks", *_METER_KEYS),
-    key_groups=(Group("levels", ("queue", "fair")), Group("event_keys", ("job", "log"))),
+    key_groups=(
+        # What only a terminal event writes besides its job's keys (its tenant's meter, the webhook
+        # outbox, the dead letters, its queue entry): sent only with a batch that holds one, so
+        # the usual batch of tokens carries none of them (one item or none).
+        Group("ending", ("dead_letters", "webhooks", *_METER_KEYS)),
+        Group("levels", ("queue", "fair")),
+        Group("event_keys", ("job", "log")),
+    ),
     argv=("group", "worker", "result_ttl", "now", "live_prefix", "tenant_prefix", "day_ttl", "levels",
-          "levels_at", "levels_width", "event_keys_at", "event_keys_width", "events_at", "events_width",
+          "ending_at", "levels_at", "levels_width", "event_keys_at", "event_keys_width", "events_at", "events_width",
           "extras_at", "extras_width"),
     argv_groups=(
         Group("events", ("attempt", "seq", "event", "job_id")),
@@ -325,12 +331,17 @@ def flush(keys: Keys, model: str, *, worker: str, result_ttl: int, now: float, d
           events: Sequence[tuple[int, int, bytes, str]], extras: Sequence[tuple[int, Extra]]) -> Call:
     """``events``: (attempt, seq, event JSON, job id) each; ``extras``: (0-based index into
     ``events``, what it writes besides). Few values per event on purpose: packing them was most
-    of a worker's own cost per token."""
-    k = [keys.dead(model), keys.webhooks(model), *_meter_keys(keys, model, day)]
-    for level in range(LEVELS):
+    of a worker's own cost per token. The keys a job's end writes (its tenant's meter, today's
+    usage among them) go only with a batch that holds a terminal event (an extra with a
+    ``status``): ``levels`` is then LEVELS, else 0."""
+    ending = any(extra.status for _, extra in extras)
+    k = [keys.dead(model), keys.webhooks(model), *_meter_keys(keys, model, day)] if ending else []
+    levels = LEVELS if ending else 0
+    for level in range(levels):
         k += [keys.queue(model, level), keys.fair(model, level)]
+    ending_at, _, *key_places = _places(1, FLUSH.key_groups, [int(ending), levels, len(events)])
     args: list[Value] = [GROUP, worker, result_ttl, now, keys.live(model, ""), keys.tenant(model, ""), day_ttl,
-                         LEVELS, *_places(len(FLUSH.keys) + 1, FLUSH.key_groups, [LEVELS, len(events)]),
+                         levels, ending_at, *key_places,
                          *_places(_FLUSH_HEAD + 1, FLUSH.argv_groups, [len(events), len(extras)])]
     job_key, log_key = keys.job, keys.events
     for attempt, seq, event, job_id in events:

@@ -1,7 +1,10 @@
 -- Write a batch of events, fenced by (worker, attempt): one round trip, all-or-nothing per event.
--- Slots: shared/scripts.py, FLUSH and flush(). Per event: its job's record and log (KEYS) and
--- attempt, seq, event bytes, job id (ARGV); then, for the few events that write more than the log
--- and the live path, an extra each: the event's index and what it writes ('' = none).
+-- Slots: shared/scripts.py, FLUSH and flush(). With a terminal event in the batch (levels > 0),
+-- first the keys a job's end writes (the ending group: dead letters, webhooks, the tenant meter's)
+-- and per level its queue and fair set; a batch without one sends none of them. Per event: its
+-- job's record and log (KEYS) and attempt, seq, event bytes, job id (ARGV); then, for the few
+-- events that write more than the log and the live path, an extra each: the event's index and
+-- what it writes ('' = none).
 -- attempt 0 means unfenced (a delivery whose record is missing). An event whose job is now owned
 -- by someone else, or by a later attempt, is dropped and its job returned: the caller aborts it.
 -- An event already in the log (a retried script after a lost reply) is skipped, so retries are safe.
@@ -10,24 +13,31 @@
 -- recorded is published on its own live channel, one event per message.
 -- Returns the (0-based) indexes of the events refused, and per event not written after a gap in
 -- its log its index and the number of events its log holds (flat pairs).
-local dead_letters, webhooks, clock, usage_day, usage_total, tokens = unpack(KEYS, 1, 6)
 local group, worker, result_ttl, now, live_prefix, tenant_prefix, day_ttl,
-      levels, levels_at, levels_width, event_keys_at, event_keys_width, events_at, events_width,
-      extras_at, extras_width = unpack(ARGV, 1, 16)
-levels, levels_at, levels_width = tonumber(levels), tonumber(levels_at), tonumber(levels_width)
+      levels, ending_at, levels_at, levels_width, event_keys_at, event_keys_width, events_at, events_width,
+      extras_at, extras_width = unpack(ARGV, 1, 17)
+levels, ending_at = tonumber(levels), tonumber(ending_at)
+levels_at, levels_width = tonumber(levels_at), tonumber(levels_width)
 event_keys_at, event_keys_width = tonumber(event_keys_at), tonumber(event_keys_width)
 events_at, events_width = tonumber(events_at), tonumber(events_width)
 extras_at, extras_width = tonumber(extras_at), tonumber(extras_width)
 
-local queues, fairs = {}, {}
-for l = 0, levels - 1 do
-  local k = levels_at + l * levels_width
-  local queue, fair = KEYS[k], KEYS[k + 1]
-  queues[l], fairs[l + 1] = queue, fair
+-- The keys a job's end writes come only with a batch that ends a job (levels > 0); a batch of
+-- tokens reads none of them.
+local queues, ending = {}, nil
+if levels > 0 then
+  local fairs = {}
+  for l = 0, levels - 1 do
+    local k = levels_at + l * levels_width
+    local queue, fair = KEYS[k], KEYS[k + 1]
+    queues[l], fairs[l + 1] = queue, fair
+  end
+  local dead_letters, webhooks, clock = KEYS[ending_at], KEYS[ending_at + 1], KEYS[ending_at + 2]
+  local usage_day, usage_total, tokens = KEYS[ending_at + 3], KEYS[ending_at + 4], KEYS[ending_at + 5]
+  ending = {ttl = result_ttl, webhooks = webhooks, dead_letters = dead_letters,
+            meter = {tprefix = tenant_prefix, fairs = fairs, clock = clock, usage_day = usage_day,
+                     usage_total = usage_total, tokens = tokens, now = tonumber(now), day_ttl = day_ttl}}
 end
-local ending = {ttl = result_ttl, webhooks = webhooks,
-                meter = {tprefix = tenant_prefix, fairs = fairs, clock = clock, usage_day = usage_day,
-                         usage_total = usage_total, tokens = tokens, now = tonumber(now), day_ttl = day_ttl}}
 local extra_of = {}  -- event index -> where its extra starts
 for x = extras_at, #ARGV, extras_width do
   local index = ARGV[x]
@@ -84,7 +94,7 @@ for a = events_at, extras_at - 1, events_width do
         if entry ~= '' then
           if dead == '1' then
             -- The dead-letter stream is a record for operators, so it may be trimmed (never the queue).
-            redis.call('XADD', dead_letters, 'MAXLEN', '~', 10000, '*', 'job', job_id, 'entry', entry,
+            redis.call('XADD', ending.dead_letters, 'MAXLEN', '~', 10000, '*', 'job', job_id, 'entry', entry,
                        'attempts', attempt, 'at', now)
           end
           -- Only entries delivered to us get here: acked and deleted together (no PEL leak).
