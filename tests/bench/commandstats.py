@@ -22,20 +22,16 @@ import uuid
 
 from redis.asyncio import Redis
 
-from shared.config import load_settings
 from shared.keys import Keys
 from shared.logging import configure_logging
-from shared.queue import Queue, now_ms
 from shared.redis import connect
-from shared.schemas import GenerationRequest, JobRecord, SamplingParams
+from tests.bench.memory import run_jobs, start_worker
 from tests.bench.procs import load_average, markdown_table, report_head, save, start_redis, stop
 from tests.support.scripted_engine import ScriptedEngine
-from workers.runner import Worker
 
 __all__ = ["main", "measure"]
 
 MODEL = "stats"
-PROMPT = "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun"
 
 
 async def _commandstats(redis: Redis) -> dict[str, dict[str, float]]:
@@ -45,26 +41,9 @@ async def _commandstats(redis: Redis) -> dict[str, dict[str, float]]:
 
 async def _run(redis: Redis, url: str, jobs: int, tokens: int, delay_ms: float) -> dict:
     prefix = f"stats-{uuid.uuid4().hex[:6]}"
-    keys = Keys(prefix)
-    settings = load_settings({}, redis_url=url, prefix=prefix, served_model_name=MODEL, block_ms=100,
-                             max_num_seqs=64, log_level="warning")
-    queue = Queue(redis, keys)
-    worker = Worker(settings, queue, ScriptedEngine(delay_s=delay_ms / 1000), worker_id=f"bench-{prefix}")
-    task = asyncio.create_task(worker.run())
-    while not worker.ready:
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.3)
+    worker, task, queue = await start_worker(redis, url, prefix, MODEL, ScriptedEngine(delay_s=delay_ms / 1000))
     await redis.config_resetstat()
-    ids = []
-    for _ in range(jobs):
-        rec = JobRecord(id=uuid.uuid4().hex, model=MODEL, queued_at=now_ms(), request=GenerationRequest(
-            prompt=PROMPT, sampling=SamplingParams(max_tokens=tokens, temperature=0.0)))
-        ids.append(await queue.enqueue(rec, relay=keys.relay(MODEL, "bench-api")))
-    pending = set(ids)
-    while pending:
-        await asyncio.sleep(0.2)
-        records = await queue.get_jobs(MODEL, sorted(pending))
-        pending -= {r.id for r in records if r is not None and r.status not in ("queued", "running")}
+    await run_jobs(queue, MODEL, jobs, tokens, relay=Keys(prefix).relay(MODEL, "bench-api"))
     after = await _commandstats(redis)
     worker.stop()
     before = {"hgetall": after.get("hgetall", {})}  # the polling above is this benchmark's own

@@ -38,7 +38,7 @@ from tests.bench.procs import load_average, markdown_table, report_head, save, s
 from tests.support.scripted_engine import ScriptedEngine, expected_text
 from workers.runner import Worker
 
-__all__ = ["main", "measure"]
+__all__ = ["main", "measure", "start_worker", "run_jobs", "PROMPT"]
 
 MODEL = "mem"
 PROMPT = "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun"
@@ -59,31 +59,46 @@ async def _used_memory(redis: Redis) -> int:
     return int((await redis.info("memory"))["used_memory"])
 
 
-async def _run_mode(redis: Redis, url: str, mode: str, jobs: int, tokens: int) -> dict:
-    prefix = f"mem-{mode}-{tokens}-{uuid.uuid4().hex[:6]}"
-    keys = Keys(prefix)
-    settings = load_settings({}, redis_url=url, prefix=prefix, served_model_name=MODEL, block_ms=100,
+async def start_worker(redis: Redis, url: str, prefix: str, model: str, engine: ScriptedEngine,
+                       worker_cls: type[Worker] = Worker) -> tuple[Worker, asyncio.Task[None], Queue]:
+    """A real worker in this process on ``redis``, ready, with its group and presence written (what
+    follows is the jobs' own work): the worker, its task and its queue."""
+    settings = load_settings({}, redis_url=url, prefix=prefix, served_model_name=model, block_ms=100,
                              max_num_seqs=64, log_level="warning")
-    queue = Queue(redis, keys)
-    worker_cls = _StreamingWorker if mode == "stream" else Worker
-    worker = worker_cls(settings, queue, ScriptedEngine(delay_s=0.0), worker_id=f"bench-{prefix}")
+    queue = Queue(redis, Keys(prefix))
+    worker = worker_cls(settings, queue, engine, worker_id=f"bench-{prefix}")
     task = asyncio.create_task(worker.run())
     while not worker.ready:
         await asyncio.sleep(0.01)
-    await asyncio.sleep(0.3)  # its group and presence exist: what follows is the jobs' own memory
-    await redis.execute_command("MEMORY", "PURGE")
-    before = await _used_memory(redis)
-    cpu = time.process_time()
+    await asyncio.sleep(0.3)
+    return worker, task, queue
+
+
+async def run_jobs(queue: Queue, model: str, jobs: int, tokens: int, relay: str | None = None) -> list[str]:
+    """Queue ``jobs`` jobs of ``tokens`` tokens as the API does (followed on ``relay``), and wait
+    for every one to end; their ids."""
     ids = []
     for _ in range(jobs):
-        rec = JobRecord(id=uuid.uuid4().hex, model=MODEL, queued_at=now_ms(), request=GenerationRequest(
+        rec = JobRecord(id=uuid.uuid4().hex, model=model, queued_at=now_ms(), request=GenerationRequest(
             prompt=PROMPT, sampling=SamplingParams(max_tokens=tokens, temperature=0.0)))
-        ids.append(await queue.enqueue(rec))
+        ids.append(await queue.enqueue(rec, relay=relay))
     pending = set(ids)
     while pending:
         await asyncio.sleep(0.2)
-        records = await queue.get_jobs(MODEL, sorted(pending))
+        records = await queue.get_jobs(model, sorted(pending))
         pending -= {r.id for r in records if r is not None and r.status not in ("queued", "running")}
+    return ids
+
+
+async def _run_mode(redis: Redis, url: str, mode: str, jobs: int, tokens: int) -> dict:
+    prefix = f"mem-{mode}-{tokens}-{uuid.uuid4().hex[:6]}"
+    keys = Keys(prefix)
+    worker_cls = _StreamingWorker if mode == "stream" else Worker
+    worker, task, queue = await start_worker(redis, url, prefix, MODEL, ScriptedEngine(delay_s=0.0), worker_cls)
+    await redis.execute_command("MEMORY", "PURGE")
+    before = await _used_memory(redis)
+    cpu = time.process_time()
+    ids = await run_jobs(queue, MODEL, jobs, tokens)
     cpu = time.process_time() - cpu
     worker.stop()
     await asyncio.wait_for(task, 30)

@@ -192,7 +192,8 @@ def test_the_packers_fill_exactly_their_layouts(n: int):
     _layout_of(create, {}, tail=3 * n)
     assert create.args[create.script.slot("lines_at") - 1] == len(create.script.argv) + 1 + 2 * n
     for call in (scripts.takeover("q", "d", "w", n), scripts.ack("q", b"1-0"), scripts.cancel("k"),
-                 scripts.add_follower(KEYS, MODEL, "j", "c"), scripts.read_log("l", "k", n), scripts.file_rendered("f", b"", b"")):
+                 scripts.add_follower(KEYS, MODEL, "j", "c"), scripts.read_log("l", "k", n),
+                 scripts.file_rendered("f", b"", b"")):
         _layout_of(call, {})
 
 
