@@ -293,8 +293,9 @@ FLUSH = Script(
         Group("levels", ("queue", "fair")),
         Group("event_keys", ("job", "log")),
     ),
-    argv=("group", "result_ttl", "now", "live_prefix", "tenant_prefix", "day_ttl", "levels", "ending_at", "levels_at", "levels_width", "event_keys_at", "event_keys_width", "events_at", "events_width",
-          "extras_at", "extras_width"),
+    argv=("group", "result_ttl", "now", "live_prefix", "tenant_prefix", "day_ttl", "levels", "ending_at", "levels_at",
+          "levels_width", "event_keys_at", "event_keys_width", "events_at", "events_width", "extras_at",
+          "extras_width"),
     argv_groups=(
         Group("events", ("attempt", "seq", "event", "job_id")),
         # The few events that write more than the log and the live path (a first token, the
