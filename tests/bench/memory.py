@@ -120,8 +120,8 @@ async def _run_mode(redis: Redis, url: str, mode: str, jobs: int, tokens: int) -
         events = await queue.read_events(MODEL, job_id)
         text = "".join(d.text for e in events if isinstance(e, (Tokens, Done)) for d in e.deltas)
         token_ids = [t for e in events if isinstance(e, (Tokens, Done)) for d in e.deltas for t in d.token_ids]
-        assert text == want and len(token_ids) == tokens and [e.seq for e in events] == list(range(1, len(events) + 1)), \
-            job_id
+        assert text == want and len(token_ids) == tokens, job_id
+        assert [e.seq for e in events] == list(range(1, len(events) + 1)), job_id
         assert isinstance(events[-1], Done)
         checked += 1
     log_type = (await redis.type(keys.events(MODEL, ids[0]))).decode()
