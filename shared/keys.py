@@ -122,6 +122,14 @@ class Keys:
         record's ``log`` field; a continued job's stream is kept instead, with the record's TTL."""
         return f"{self._model(model)}:events:{job_id}"
 
+    def owned(self, model: str, worker_id: str) -> str:
+        """Hash: the jobs one worker owns on ``model``, job id -> ``<attempt>`` or ``<attempt>
+        <relay channels>`` (the record's ``attempt`` and ``relay``), so a flush checks the fence
+        and finds the followers of every job in its batch with one HMGET. Kept equal to the
+        records by every script that changes a job's owner, attempt or followers (claim, renew's
+        hand-back, expire, a job's end, add_follower); empty (gone) when the worker owns nothing."""
+        return f"{self._model(model)}:owned:{worker_id}"
+
     def live(self, model: str, job_id: str) -> str:
         """Pub/sub channel: the same events as the log, live."""
         return f"{self._model(model)}:live:{job_id}"

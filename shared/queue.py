@@ -310,7 +310,7 @@ class Queue:
     async def add_follower(self, model: str, job_id: str, channel: str) -> bool:
         """Publish the job's events from now on to relay ``channel`` too (add_follower.lua); False
         when the job has no record."""
-        return bool(await self.scripts.run(scripts.add_follower(self.keys.job(model, job_id), channel)))
+        return bool(await self.scripts.run(scripts.add_follower(self.keys, model, job_id, channel)))
 
     async def expire(self, model: str, job_id: str, *, grace_ms: int, now: ServiceError | None = None) -> bool:
         """End the job with ``deadline_exceeded`` if its deadline passed (plus ``grace_ms`` when it

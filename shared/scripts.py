@@ -151,35 +151,41 @@ def enqueue(keys: Keys, model: str, job_id: str, tenant: str, *, idempotency: st
 
 READ = Script(
     "read.lua",
-    keys=("clock",),
+    keys=("clock", "owned"),
     key_groups=(Group("levels", ("queue", "waiting", "fair")),),
-    argv=("group", "consumer", "count", "tenant_prefix", "job_prefix", "log_prefix", "now", "max_failed", "levels",
-          "levels_at", "levels_width"),
+    argv=("group", "consumer", "count", "tenant_prefix", "job_prefix", "log_prefix", "owned_prefix", "now",
+          "max_failed", "levels", "levels_at", "levels_width"),
     uses=(FAIR, CLAIM),
 )
 
 
 def read(keys: Keys, model: str, consumer: str, count: int, *, now: float, max_failed: int) -> Call:
-    k = [keys.fair_clock(model)]
+    k = [keys.fair_clock(model), keys.owned(model, consumer)]
     for lvl in range(LEVELS):
         k += [keys.queue(model, lvl), keys.waiting(model, lvl), keys.fair(model, lvl)]
     return Call(READ, k, [GROUP, consumer, count, keys.tenant(model, ""), keys.job(model, ""), keys.events(model, ""),
-                          now, max_failed, LEVELS, *_places(len(READ.keys) + 1, READ.key_groups, [LEVELS])])
+                          keys.owned(model, ""), now, max_failed, LEVELS,
+                          *_places(len(READ.keys) + 1, READ.key_groups, [LEVELS])])
 
 
 CLAIM_TAKEN = Script(
     "claim_taken.lua",
+    keys=("owned",),
     key_groups=(Group("jobs", ("job", "log")),),
-    argv=("worker", "now", "max_failed", "jobs_at", "jobs_width"),
+    argv=("worker", "now", "max_failed", "owned_prefix", "jobs_at", "jobs_width", "ids_at", "ids_width"),
+    argv_groups=(Group("ids", ("job_id",)),),
     uses=(CLAIM,),
 )
 
 
 def claim_taken(keys: Keys, model: str, worker: str, job_ids: Sequence[str], *, now: float, max_failed: int) -> Call:
-    k: list[str] = []
+    k = [keys.owned(model, worker)]
     for job_id in job_ids:
         k += [keys.job(model, job_id), keys.events(model, job_id)]
-    return Call(CLAIM_TAKEN, k, [worker, now, max_failed, *_places(1, CLAIM_TAKEN.key_groups, [len(job_ids)])])
+    return Call(CLAIM_TAKEN, k, [worker, now, max_failed, keys.owned(model, ""),
+                                 *_places(len(CLAIM_TAKEN.keys) + 1, CLAIM_TAKEN.key_groups, [len(job_ids)]),
+                                 *_places(len(CLAIM_TAKEN.argv) + 1, CLAIM_TAKEN.argv_groups, [len(job_ids)]),
+                                 *job_ids])
 
 
 TAKEOVER = Script("takeover.lua", keys=("queue",), argv=("group", "dead", "taker", "count"))
@@ -191,22 +197,23 @@ def takeover(queue: str, dead: str, taker: str, count: int) -> Call:
 
 RENEW = Script(
     "renew.lua",
+    keys=("owned",),
     key_groups=(Group("job_keys", ("job", "queue")),),
     argv=("group", "worker", "idle", "hand_back", "job_keys_at", "job_keys_width", "jobs_at", "jobs_width"),
-    argv_groups=(Group("jobs", ("entry", "attempt")),),
+    argv_groups=(Group("jobs", ("entry", "attempt", "job_id")),),
 )
 
 
 def renew(keys: Keys, model: str, worker: str, held: Sequence[tuple[str, bytes, int, int]], *, idle_ms: int,
           hand_back: bool) -> Call:
     """``held``: (job id, queue entry id, attempt, level) per job."""
-    k: list[str] = []
+    k = [keys.owned(model, worker)]
     args: list[Value] = [GROUP, worker, idle_ms, 1 if hand_back else 0,
-                         *_places(1, RENEW.key_groups, [len(held)]),
+                         *_places(len(RENEW.keys) + 1, RENEW.key_groups, [len(held)]),
                          *_places(len(RENEW.argv) + 1, RENEW.argv_groups, [len(held)])]
     for job_id, entry, attempt, level in held:
         k += [keys.job(model, job_id), keys.queue(model, level)]
-        args += [entry, attempt]
+        args += [entry, attempt, job_id]
     return Call(RENEW, k, args)
 
 
@@ -224,11 +231,11 @@ def cancel(job: str) -> Call:
     return Call(CANCEL, [job], [])
 
 
-ADD_FOLLOWER = Script("add_follower.lua", keys=("job",), argv=("channel",))
+ADD_FOLLOWER = Script("add_follower.lua", keys=("job",), argv=("channel", "job_id", "owned_prefix"))
 
 
-def add_follower(job: str, channel: str) -> Call:
-    return Call(ADD_FOLLOWER, [job], [channel])
+def add_follower(keys: Keys, model: str, job_id: str, channel: str) -> Call:
+    return Call(ADD_FOLLOWER, [keys.job(model, job_id)], [channel, job_id, keys.owned(model, "")])
 
 
 SET_IF_EXISTS = Script("set_if_exists.lua", keys=("hash",), tail=True)
@@ -258,7 +265,7 @@ EXPIRE = Script(
     keys=("job", "log", "webhooks", *_METER_KEYS),
     key_groups=(Group("levels", ("fair",)),),
     argv=("now", "grace", "result_ttl", "live_prefix", "event_tail", "error_json", "job_id", "at_once", "tenant_prefix",
-          "day_ttl", "levels", "levels_at", "levels_width"),
+          "day_ttl", "owned_prefix", "levels", "levels_at", "levels_width"),
     uses=(JOB,),
     publishes=True,
 )
@@ -271,17 +278,24 @@ def expire(keys: Keys, model: str, job_id: str, *, day: str, now: float, grace_m
     k = [keys.job(model, job_id), keys.events(model, job_id), keys.webhooks(model), *_meter_keys(keys, model, day),
          *keys.fairs(model)]
     return Call(EXPIRE, k, [now, grace_ms, result_ttl, keys.live(model, ""), event_tail, error, job_id,
-                            "1" if at_once else "0", keys.tenant(model, ""), day_ttl, LEVELS,
+                            "1" if at_once else "0", keys.tenant(model, ""), day_ttl, keys.owned(model, ""), LEVELS,
                             *_places(len(EXPIRE.keys) + 1, EXPIRE.key_groups, [LEVELS])])
 
 
 FLUSH = Script(
     "flush.lua",
-    keys=("dead_letters", "webhooks", *_METER_KEYS),
-    key_groups=(Group("levels", ("queue", "fair")), Group("event_keys", ("job", "log"))),
-    argv=("group", "worker", "result_ttl", "now", "live_prefix", "tenant_prefix", "day_ttl", "levels",
-          "levels_at", "levels_width", "event_keys_at", "event_keys_width", "events_at", "events_width",
-          "extras_at", "extras_width"),
+    keys=("owned",),
+    key_groups=(
+        # What only a terminal event writes besides its job's keys (its tenant's meter, the webhook
+        # outbox, the dead letters, its queue entry): sent only with a batch that holds one, so
+        # the usual batch of tokens carries none of them (one item or none).
+        Group("ending", ("dead_letters", "webhooks", *_METER_KEYS)),
+        Group("levels", ("queue", "fair")),
+        Group("event_keys", ("job", "log")),
+    ),
+    argv=("group", "result_ttl", "now", "live_prefix", "tenant_prefix", "day_ttl", "levels", "ending_at", "levels_at",
+          "levels_width", "event_keys_at", "event_keys_width", "events_at", "events_width", "extras_at",
+          "extras_width"),
     argv_groups=(
         Group("events", ("attempt", "seq", "event", "job_id")),
         # The few events that write more than the log and the live path (a first token, the
@@ -325,12 +339,19 @@ def flush(keys: Keys, model: str, *, worker: str, result_ttl: int, now: float, d
           events: Sequence[tuple[int, int, bytes, str]], extras: Sequence[tuple[int, Extra]]) -> Call:
     """``events``: (attempt, seq, event JSON, job id) each; ``extras``: (0-based index into
     ``events``, what it writes besides). Few values per event on purpose: packing them was most
-    of a worker's own cost per token."""
-    k = [keys.dead(model), keys.webhooks(model), *_meter_keys(keys, model, day)]
-    for level in range(LEVELS):
+    of a worker's own cost per token. The keys a job's end writes (its tenant's meter, today's
+    usage among them) go only with a batch that holds a terminal event (an extra with a
+    ``status``): ``levels`` is then LEVELS, else 0."""
+    ending = any(extra.status for _, extra in extras)
+    k = [keys.owned(model, worker)]
+    if ending:
+        k += [keys.dead(model), keys.webhooks(model), *_meter_keys(keys, model, day)]
+    levels = LEVELS if ending else 0
+    for level in range(levels):
         k += [keys.queue(model, level), keys.fair(model, level)]
-    args: list[Value] = [GROUP, worker, result_ttl, now, keys.live(model, ""), keys.tenant(model, ""), day_ttl,
-                         LEVELS, *_places(len(FLUSH.keys) + 1, FLUSH.key_groups, [LEVELS, len(events)]),
+    ending_at, _, *key_places = _places(len(FLUSH.keys) + 1, FLUSH.key_groups, [int(ending), levels, len(events)])
+    args: list[Value] = [GROUP, result_ttl, now, keys.live(model, ""), keys.tenant(model, ""), day_ttl,
+                         levels, ending_at, *key_places,
                          *_places(_FLUSH_HEAD + 1, FLUSH.argv_groups, [len(events), len(extras)])]
     job_key, log_key = keys.job, keys.events
     for attempt, seq, event, job_id in events:

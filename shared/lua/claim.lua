@@ -3,7 +3,9 @@
 -- shared/scripts.py puts it before them.
 local Claim = {}
 
--- key: the job hash; log: its event log; worker, now (epoch ms), max failed deliveries.
+-- key: the job hash; log: its event log; worker, now (epoch ms), max failed deliveries; id: the
+-- job's id; owned: the worker's owned-jobs hash (Keys.owned), owned_prefix: any worker's, less
+-- its id.
 -- Returns {state, request, queued_at, attempt, last_seq, prompt_ids, deadline, traceparent,
 --          lost_worker, lost_started, tenant}; state is
 --   'missing'   no record (expired or never written): the caller only acks the entry;
@@ -15,10 +17,12 @@ local Claim = {}
 -- for its trace ('' otherwise).
 -- Every state but missing/finished takes ownership: attempt += 1 and worker = us. That bump is
 -- the fence: any write of an earlier owner (flush.lua, renew.lua check worker and attempt) now
--- fails, so a worker that lost its lease can write nothing more about the job.
-function Claim.start(key, log, worker, now, max_failed)
+-- fails, so a worker that lost its lease can write nothing more about the job. The owned-jobs
+-- hashes follow: the job leaves its previous worker's (whose flushes are then refused) and enters
+-- ours with its new attempt and its followers (flush.lua reads it instead of the record).
+function Claim.start(key, log, worker, now, max_failed, id, owned, owned_prefix)
   local f = redis.call('HMGET', key, 'request', 'queued_at', 'cancel', 'status', 'attempt', 'handoffs', 'prompt_ids',
-                       'deadline', 'traceparent', 'worker', 'started_at', 'tenant')
+                       'deadline', 'traceparent', 'worker', 'started_at', 'tenant', 'relay')
   if not f[1] then
     return {'missing', '', '0', 0, 0, '', '', '', '', '', ''}
   elseif f[4] == 'done' or f[4] == 'failed' or f[4] == 'cancelled' then
@@ -33,6 +37,8 @@ function Claim.start(key, log, worker, now, max_failed)
   end
   local attempt = redis.call('HINCRBY', key, 'attempt', 1)
   redis.call('HSET', key, 'worker', worker)
+  if f[10] and f[10] ~= '' and f[10] ~= worker then redis.call('HDEL', owned_prefix .. f[10], id) end
+  redis.call('HSET', owned, id, f[13] and attempt .. ' ' .. f[13] or attempt)
   local state = 'run'
   if f[3] == '1' then
     state = 'cancelled'

@@ -5,16 +5,16 @@
 -- out (no warm worker served the model for LLMQ_COLD_WAIT_S), so no worker is running it either;
 -- or the job is being deleted.
 -- Slots: shared/scripts.py, EXPIRE and expire().
--- Bumping the attempt fences off the owner: its later writes are refused, so it aborts the job
--- and writes nothing. The stream entry stays until a worker reads or reclaims it and finds the
+-- Bumping the attempt, and taking the job out of its owner's owned-jobs hash (Job.finish), fences
+-- off the owner: its later writes are refused, so it aborts the job and writes nothing. The stream entry stays until a worker reads or reclaims it and finds the
 -- job finished (claim.lua), which acks and deletes it.
 -- Returns 1 when this call ended the job, else 0.
 local job, log, webhooks, clock, usage_day, usage_total, tokens = unpack(KEYS, 1, 7)
 local now, grace, result_ttl, live_prefix, event_tail, error_json, job_id, at_once, tenant_prefix, day_ttl,
-      levels, levels_at, levels_width = unpack(ARGV, 1, 13)
+      owned_prefix, levels, levels_at, levels_width = unpack(ARGV, 1, 14)
 levels, levels_at, levels_width = tonumber(levels), tonumber(levels_at), tonumber(levels_width)
 
-local f = redis.call('HMGET', job, 'status', 'deadline', 'relay')
+local f = redis.call('HMGET', job, 'status', 'deadline', 'relay', 'worker')
 if f[1] ~= 'queued' and f[1] ~= 'running' then return 0 end
 if at_once ~= '1' then
   if not f[2] then return 0 end
@@ -33,7 +33,7 @@ local event = '{"type":"error","seq":' .. seq .. ',' .. event_tail
 redis.call('HINCRBY', job, 'attempt', 1)
 redis.call('XADD', log, seq .. '-0', 'e', event)
 Job.finish(job, log, job_id,
-           {ttl = result_ttl, webhooks = webhooks,
+           {ttl = result_ttl, webhooks = webhooks, owned = f[4] and f[4] ~= '' and owned_prefix .. f[4] or nil,
             meter = {tprefix = tenant_prefix, fairs = fairs, clock = clock, usage_day = usage_day,
                      usage_total = usage_total, tokens = tokens, now = tonumber(now), day_ttl = day_ttl}},
            {'worker', '', 'status', 'failed', 'error', error_json, 'finished_at', now}, seq, '', -1, -1)

@@ -1,37 +1,73 @@
 -- Write a batch of events, fenced by (worker, attempt): one round trip, all-or-nothing per event.
--- Slots: shared/scripts.py, FLUSH and flush(). Per event: its job's record and log (KEYS) and
--- attempt, seq, event bytes, job id (ARGV); then, for the few events that write more than the log
--- and the live path, an extra each: the event's index and what it writes ('' = none).
+-- Slots: shared/scripts.py, FLUSH and flush(). First the worker's owned-jobs hash (Keys.owned).
+-- With a terminal event in the batch (levels > 0), then the keys a job's end writes (the ending
+-- group: dead letters, webhooks, the tenant meter's) and per level its queue and fair set; a batch without one sends none of them. Per event: its
+-- job's record and log (KEYS) and attempt, seq, event bytes, job id (ARGV); then, for the few
+-- events that write more than the log and the live path, an extra each: the event's index and
+-- what it writes ('' = none).
 -- attempt 0 means unfenced (a delivery whose record is missing). An event whose job is now owned
 -- by someone else, or by a later attempt, is dropped and its job returned: the caller aborts it.
 -- An event already in the log (a retried script after a lost reply) is skipped, so retries are safe.
 -- Live events go to the relay channel of every API process the job's record names (field
--- 'relay'), one PUBLISH per channel for the whole batch (Job.relay); a job with no follower
+-- 'relay', read from the owned-jobs hash), one PUBLISH per channel for the whole batch (Job.relay); a job with no follower
 -- recorded is published on its own live channel, one event per message.
 -- Returns the (0-based) indexes of the events refused, and per event not written after a gap in
 -- its log its index and the number of events its log holds (flat pairs).
-local dead_letters, webhooks, clock, usage_day, usage_total, tokens = unpack(KEYS, 1, 6)
-local group, worker, result_ttl, now, live_prefix, tenant_prefix, day_ttl,
-      levels, levels_at, levels_width, event_keys_at, event_keys_width, events_at, events_width,
+local owned = KEYS[1]
+local group, result_ttl, now, live_prefix, tenant_prefix, day_ttl,
+      levels, ending_at, levels_at, levels_width, event_keys_at, event_keys_width, events_at, events_width,
       extras_at, extras_width = unpack(ARGV, 1, 16)
-levels, levels_at, levels_width = tonumber(levels), tonumber(levels_at), tonumber(levels_width)
+levels, ending_at = tonumber(levels), tonumber(ending_at)
+levels_at, levels_width = tonumber(levels_at), tonumber(levels_width)
 event_keys_at, event_keys_width = tonumber(event_keys_at), tonumber(event_keys_width)
 events_at, events_width = tonumber(events_at), tonumber(events_width)
 extras_at, extras_width = tonumber(extras_at), tonumber(extras_width)
 
-local queues, fairs = {}, {}
-for l = 0, levels - 1 do
-  local k = levels_at + l * levels_width
-  local queue, fair = KEYS[k], KEYS[k + 1]
-  queues[l], fairs[l + 1] = queue, fair
+-- The keys a job's end writes come only with a batch that ends a job (levels > 0); a batch of
+-- tokens reads none of them.
+local queues, ending = {}, nil
+if levels > 0 then
+  local fairs = {}
+  for l = 0, levels - 1 do
+    local k = levels_at + l * levels_width
+    local queue, fair = KEYS[k], KEYS[k + 1]
+    queues[l], fairs[l + 1] = queue, fair
+  end
+  local dead_letters, webhooks, clock = KEYS[ending_at], KEYS[ending_at + 1], KEYS[ending_at + 2]
+  local usage_day, usage_total, tokens = KEYS[ending_at + 3], KEYS[ending_at + 4], KEYS[ending_at + 5]
+  ending = {ttl = result_ttl, webhooks = webhooks, dead_letters = dead_letters, owned = owned,
+            meter = {tprefix = tenant_prefix, fairs = fairs, clock = clock, usage_day = usage_day,
+                     usage_total = usage_total, tokens = tokens, now = tonumber(now), day_ttl = day_ttl}}
 end
-local ending = {ttl = result_ttl, webhooks = webhooks,
-                meter = {tprefix = tenant_prefix, fairs = fairs, clock = clock, usage_day = usage_day,
-                         usage_total = usage_total, tokens = tokens, now = tonumber(now), day_ttl = day_ttl}}
 local extra_of = {}  -- event index -> where its extra starts
 for x = extras_at, #ARGV, extras_width do
   local index = ARGV[x]
   extra_of[tonumber(index)] = x
+end
+
+-- Who owns each job of the batch, read once for the whole batch: this worker's owned-jobs hash
+-- (Keys.owned) holds, per job it owns, its attempt and its followers, kept equal to the records by
+-- every script that changes a job's owner, attempt or followers (claim.lua, renew.lua's hand-back,
+-- expire.lua, Job.finish, add_follower.lua). A job not in it (taken by a peer, expired, ended) or
+-- there at another attempt is fenced, as a record naming another worker or attempt was. Unfenced
+-- events (attempt 0: a delivery whose record is missing) read their record's followers instead.
+local held, ids = {}, {}
+for a = events_at, extras_at - 1, events_width do
+  local attempt, job_id = ARGV[a], ARGV[a + 3]
+  if attempt ~= '0' and held[job_id] == nil then
+    held[job_id] = false
+    table.insert(ids, job_id)
+  end
+end
+for first = 1, #ids, 4000 do  -- one HMGET unless a batch names more jobs than unpack() takes
+  local chunk = {unpack(ids, first, math.min(first + 3999, #ids))}
+  local values = redis.call('HMGET', owned, unpack(chunk))
+  for n, job_id in ipairs(chunk) do
+    if values[n] then
+      local attempt, followers = string.match(values[n], '^(%d+) ?(.*)$')
+      held[job_id] = {attempt = attempt, relay = followers ~= '' and followers or false}
+    end
+  end
 end
 
 local lost, gaps, outbox = {}, {}, Job.outbox()
@@ -47,8 +83,8 @@ for a = events_at, extras_at - 1, events_width do
   local j = event_keys_at + i * event_keys_width
   local job, log = KEYS[j], KEYS[j + 1]
   local attempt, seq, event, job_id = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
-  local f = redis.call('HMGET', job, 'worker', 'attempt', 'relay')
-  local fenced = attempt ~= '0' and (f[1] ~= worker or f[2] ~= attempt)
+  local owner = held[job_id]
+  local fenced = attempt ~= '0' and not (owner and owner.attempt == attempt)
   -- The entry id is the seq, so XADD itself refuses an event already logged (its id would not be
   -- above the top), as it does once the log is compacted (a string): the retry check costs no
   -- extra command per event. Any other error is Redis refusing writes (OOM, READONLY, NOREPLICAS),
@@ -72,7 +108,8 @@ for a = events_at, extras_at - 1, events_width do
     table.insert(gaps, i)
     table.insert(gaps, gap)
   elseif not added.err then
-    Job.relay(outbox, f[3], live_prefix, job_id, event)
+    Job.relay(outbox, owner and owner.relay or (attempt == '0' and redis.call('HGET', job, 'relay')), live_prefix,
+              job_id, event)
     if seq == '1' then redis.call('EXPIRE', log, result_ttl) end
     local x = extra_of[i]
     if x then
@@ -87,7 +124,7 @@ for a = events_at, extras_at - 1, events_width do
         if entry ~= '' then
           if dead == '1' then
             -- The dead-letter stream is a record for operators, so it may be trimmed (never the queue).
-            redis.call('XADD', dead_letters, 'MAXLEN', '~', 10000, '*', 'job', job_id, 'entry', entry,
+            redis.call('XADD', ending.dead_letters, 'MAXLEN', '~', 10000, '*', 'job', job_id, 'entry', entry,
                        'attempts', attempt, 'at', now)
           end
           -- Only entries delivered to us get here: acked and deleted together (no PEL leak).

@@ -38,12 +38,13 @@ from shared.config import load_settings
 from shared.keys import GROUP, Keys
 from tests.conftest import free_port
 from tests.e2e.conftest import _spawn, _tail, stop_all, wait_ready
+from tests.support.event_log import logged_events
 from tests.support.faults import Figures, alive, children, lost_and_duplicated
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 
 LEASE_S = 3
-KILL_AFTER_EVENTS = 20  # one engine step each: ~20 tokens a choice
+KILL_AFTER_TOKENS = 20  # logged, over the job's choices (an event carries one step or several)
 MAX_TOKENS = 200
 BODY = {"inputs": "Once upon a time", "parameters": {"do_sample": False, "max_new_tokens": MAX_TOKENS,
                                                      "ignore_eos_token": True, "details": True}}
@@ -152,9 +153,10 @@ class Killed:
     engine_pids: list[int] = field(default_factory=list)
 
 
-def stream_and_kill(small: Small, read: Callable[[Items], None], after: int = KILL_AFTER_EVENTS) -> Killed:
+def stream_and_kill(small: Small, read: Callable[[Items], None], after: int = KILL_AFTER_TOKENS) -> Killed:
     """Run ``read`` in a thread; once the job (the only running one on this prefix) has logged
-    ``after`` events, SIGKILL its worker; return when the stream has ended. The job's log,
+    ``after`` tokens, SIGKILL its worker (an event carries every step its worker made while its
+    flusher was busy, so events are no count of tokens); return when the stream has ended. The job's log,
     not the client, says when: a client thread starved of CPU reads in bursts, and the job could
     finish before the kill."""
     items: Items = []
@@ -170,17 +172,19 @@ def stream_and_kill(small: Small, read: Callable[[Items], None], after: int = KI
     reader.start()
     deadline = time.monotonic() + 120
     job_id = worker = None
-    logged = 0
-    while logged < after and time.monotonic() < deadline:
+    logged = tokens = 0
+    while tokens < after and time.monotonic() < deadline:
         if job_id is None:
             for key in small.redis.scan_iter(match=small.keys.job(small.model, "*")):
                 fields = small.redis.hgetall(key)
                 if fields.get(b"status") == b"running":
                     job_id, worker = key.decode().rsplit(":", 1)[-1], fields[b"worker"].decode()
         if job_id is not None:
-            logged = small.redis.xlen(small.keys.events(small.model, job_id))
+            events = logged_events(small.redis, small.keys, small.model, job_id)  # a stream, or the compact log
+            logged = len(events)
+            tokens = sum(len(d.get("token_ids") or []) for _, e in events for d in e.get("deltas") or [])
         time.sleep(0.005)
-    assert job_id and logged >= after, f"no running job found\n{small.tails()}"
+    assert job_id and tokens >= after, f"no running job found\n{small.tails()}"
     pid = int(small.redis.hget(small.keys.worker(worker), "pid"))
     engine_pids = children(pid)  # vLLM's engine core, a forked child of the worker
     os.kill(pid, signal.SIGKILL)

@@ -44,7 +44,9 @@ def test_relay_delivers_every_token_to_every_client_in_order(tmp_path):
     for per_event, run in runs.items():
         assert run["errors"] == [] and run["complete"]
         assert run["tokens"] == 2 * 50
-        assert run["events"] == 2 * 50 // per_event  # one SSE data frame per worker event
+        # One SSE data frame per worker event: per_event tokens a step, or every step a job made
+        # while the emitter's flusher was busy (merged into one event).
+        assert 2 <= run["events"] <= 2 * 50 // per_event
         assert run["events_per_s"] > 0
         # Who the bottleneck was: every process's CPU share over the run is reported.
         assert set(run["cpu_pct"]) == {"redis", "api", "emitter", "clients"}

@@ -30,8 +30,9 @@ async def test_every_request_streams_exactly_max_tokens_and_is_timed(url):
     for r in records:
         assert not r.error
         assert r.tokens == MAX_TOKENS  # from the usage chunk
-        assert r.chunks == MAX_TOKENS  # the scripted engine yields one token per step
-        assert len(r.itl_s) == MAX_TOKENS - 1
+        # One token per scripted step; a chunk carries several when the worker's flusher lagged.
+        assert 1 <= r.chunks <= MAX_TOKENS
+        assert len(r.itl_s) == r.chunks - 1
         assert 0 < r.ttft_s <= r.e2e_s
     assert summary.ok and summary.completed == summary.requests == 12
     assert summary.concurrency == 4 and summary.max_tokens == MAX_TOKENS
@@ -39,7 +40,7 @@ async def test_every_request_streams_exactly_max_tokens_and_is_timed(url):
     assert summary.requests_per_s > 0
     assert 0 < summary.ttft_p50_ms <= summary.ttft_p99_ms
     assert 0 < summary.itl_p50_ms <= summary.itl_p99_ms
-    assert summary.tokens_per_chunk == 1.0
+    assert summary.tokens_per_chunk == pytest.approx(12 * MAX_TOKENS / sum(r.chunks for r in records), abs=0.001)
 
 
 async def test_interleaved_runs_give_medians_ratios_and_added_ttft(url):

@@ -17,14 +17,14 @@ from redis import Redis as SyncRedis
 from shared import eventlog
 from shared.codec import encode
 from shared.events import Done, Error, TokenDelta, Tokens
-from shared.framing import KEEPALIVE
 from shared.keys import Keys
 from shared.queue import Flushed, Outbound, Queue
 from shared.result import ResultBuilder
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams, Usage
 from tests.bench.workload import prompts_for
 from tests.support import inprocess_workers
-from tests.support.event_log import logged_events
+from tests.support.event_log import logged_events, read_job_sse
+from tests.support.event_log import sse_frames as frames
 from tests.support.inprocess_workers import MODEL, Client, assert_seamless, kill, running_on
 from tests.support.scripted_engine import ScriptedEngine
 from tests.support.waiting import job_status
@@ -93,16 +93,8 @@ async def test_finished_jobs_leave_one_key_each_within_their_result_plus_1kb(sta
         assert await stack.redis.memory_usage(key, samples=0) - len(result) <= 1024 - 200
 
 
-def frames(raw: bytes) -> list[bytes]:
-    """An SSE body's event frames, keep-alive comments dropped."""
-    return [f + b"\n\n" for f in raw.split(b"\n\n") if f and f + b"\n\n" != KEEPALIVE]
-
-
 async def read_sse(stack, job_id: str, after: int | None = None) -> bytes:
-    headers = {} if after is None else {"Last-Event-ID": str(after)}
-    async with stack.client.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers) as resp:
-        assert resp.status_code == 200
-        return await resp.aread()
+    return await read_job_sse(stack.client, job_id, after)
 
 
 @pytest.mark.parametrize("tokens", [64, 500])
@@ -112,13 +104,16 @@ async def test_a_resume_after_the_end_gets_the_live_streams_bytes_from_every_eve
     keys = Keys(stack.settings.prefix)
     assert await stack.redis.exists(keys.events(stack.settings.model_name, job_id)) == 0  # compacted
     sync = SyncRedis.from_url(stack.settings.redis_url)  # the e2e suites' reader (tests/support/event_log.py)
-    assert [seq for seq, _ in logged_events(sync, keys, stack.settings.model_name, job_id)] == list(
-        range(1, tokens + 1))
+    logged = logged_events(sync, keys, stack.settings.model_name, job_id)
     sync.close()
-    assert len(live) == tokens and live[0].startswith(b"id: 1\n") and b'"type":"done"' in live[-1]
+    # An event carries every token its step and the steps before it produced while the flusher
+    # was busy (merged before the flush): seqs still 1..n, every token once.
+    assert [seq for seq, _ in logged] == list(range(1, len(logged) + 1))
+    assert sum(len(d.get("token_ids", [])) for _, e in logged for d in e.get("deltas", [])) == tokens
+    assert len(live) == len(logged) and live[0].startswith(b"id: 1\n") and b'"type":"done"' in live[-1]
     # Every resume point that has an event after it. (One after the terminal event waits for
     # events that never come, compacted or not: the relay has nothing to end it with.)
-    for after in range(0, tokens):
+    for after in range(0, len(live)):
         assert frames(await read_sse(stack, job_id, after)) == live[after:], after
 
 

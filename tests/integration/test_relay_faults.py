@@ -58,7 +58,9 @@ class Received:
             self.max_gap_s = max(self.max_gap_s, now - self._last_at)
         self.first_token_at = self.first_token_at or now
         self._last_at = now
-        self.tokens.append(text)
+        # One character per scripted token; a chunk carries several when the worker's flusher
+        # lagged its engine (during a fault, say): counted token by token.
+        self.tokens.extend(text)
 
     def figures(self) -> tuple[int, int]:
         """(lost, duplicated) against the engine's known output."""

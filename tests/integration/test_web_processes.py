@@ -164,10 +164,11 @@ async def stream_completion(web: Web, client: httpx.AsyncClient, prompt: str, ma
 
 
 def assert_exact(s: Streamed, prompt: str, max_tokens: int) -> None:
-    """Every token once, in order, one per event, the finish reason on the last, then [DONE]."""
+    """Every token once, in order (a chunk carries one step, or every step its job made while the
+    worker's flusher was busy), the finish reason on the last, then [DONE]."""
     assert "".join(s.texts) == expected_text(prompt, max_tokens)
-    assert s.texts == list(expected_text(prompt, max_tokens))
-    assert s.finish_reasons == [None] * (max_tokens - 1) + ["length"]
+    assert all(s.texts)
+    assert s.finish_reasons == [None] * (len(s.texts) - 1) + ["length"]
     assert s.done and s.frames_after_done == 0
 
 

@@ -1,6 +1,7 @@
 """A job's event log read straight from Redis by a synchronous test (the e2e suites): the stream
 while the job runs, the compact log (shared/eventlog.py) once its worker ended it.
-``Queue.read_events`` is the asynchronous reader the services use."""
+``Queue.read_events`` is the asynchronous reader the services use. And the same log as the API
+serves it (``GET /v1/jobs/{id}/events``, from a seq on: the resume path), frame by frame."""
 
 from __future__ import annotations
 
@@ -9,9 +10,24 @@ import json
 from redis import Redis
 
 from shared import eventlog
+from shared.framing import KEEPALIVE
 from shared.keys import Keys
 
-__all__ = ["logged_events"]
+__all__ = ["logged_events", "sse_frames", "read_job_sse"]
+
+
+def sse_frames(raw: bytes) -> list[bytes]:
+    """An SSE body's event frames, keep-alive comments dropped."""
+    return [f + b"\n\n" for f in raw.split(b"\n\n") if f and f + b"\n\n" != KEEPALIVE]
+
+
+async def read_job_sse(client, job_id: str, after: int | None = None) -> bytes:
+    """A job's events as ``GET /v1/jobs/{id}/events`` streams them (``after``: resumed after that
+    seq, Last-Event-ID), read to the end through ``client`` (an httpx client of the API)."""
+    headers = {} if after is None else {"Last-Event-ID": str(after)}
+    async with client.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers) as resp:
+        assert resp.status_code == 200
+        return await resp.aread()
 
 
 def logged_events(redis: Redis, keys: Keys, model: str, job_id: str) -> list[tuple[int, dict]]:
