@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 from shared.keys import Keys
 from shared.redis import SERVER_OPTIONS, connect, redis_server_binary
 from tests.support.faults import FIGURES, Figures, write_table
-from tests.support.streams import name_unclosed_streams
+from tests.support.unclosed import name_unclosed_streams
 
 # A stream collected unclosed names who opened it (the collector may find it tests later).
 name_unclosed_streams()

@@ -1,43 +1,25 @@
-"""Where an unclosed asyncio stream was opened, in the warning that reports it.
-
-An ``asyncio.StreamWriter`` collected while its connection is open warns ``unclosed <StreamWriter
-...>`` (a ResourceWarning, an error in this suite), but says nothing of who opened it, and the
-collector may find it many tests after the one that dropped it. Each writer here remembers the
-stack that opened it (a few frames: this costs microseconds, and writers are few: redis-py's
-connections, the tests' raw sockets), and the warning names it, so a leak seen once can be found.
-"""
+"""A dialect's stream in a test: every frame its renderer makes from a list of events, through
+the one driver the API uses (:func:`api.dialects.stream.drive`)."""
 
 from __future__ import annotations
 
-import asyncio
-import traceback
-import warnings
+from collections.abc import AsyncIterator, Iterable
+from typing import TypeVar
 
-__all__ = ["name_unclosed_streams"]
+from api.dialects.stream import StreamRenderer, drive
+from shared.events import Event
+from shared.framing import Keepalive
 
-FRAMES = 16
+F = TypeVar("F")
 
 
-def name_unclosed_streams() -> None:
-    """Patch :class:`asyncio.StreamWriter` for the test session (idempotent)."""
-    writer = asyncio.StreamWriter
-    if getattr(writer, "_llmq_named", False):
-        return
-    init, collected = writer.__init__, writer.__del__
+async def events_of(events: Iterable[Event | Keepalive]) -> AsyncIterator[Event | Keepalive]:
+    for event in events:
+        yield event
 
-    def __init__(self, *args, **kwargs) -> None:
-        init(self, *args, **kwargs)
-        self._llmq_opened_at = traceback.extract_stack(limit=FRAMES)[:-1]
 
-    def __del__(self) -> None:
-        opened_at = getattr(self, "_llmq_opened_at", None)
-        if opened_at is None or self._transport.is_closing() or self._loop.is_closed():
-            collected(self)
-            return
-        self.close()
-        warnings.warn(f"unclosed {self!r}, opened at (most recent call last):\n"
-                      f"{''.join(traceback.format_list(opened_at))}", ResourceWarning, stacklevel=1)
-
-    writer.__init__ = __init__  # type: ignore[method-assign]
-    writer.__del__ = __del__  # type: ignore[attr-defined]
-    writer._llmq_named = True  # type: ignore[attr-defined]
+async def frames(renderer: StreamRenderer[F], events: Iterable[Event | Keepalive] | AsyncIterator[Event | Keepalive]
+                 ) -> list[F]:
+    """Every frame, in order (the driver's per-event lists flattened)."""
+    source = events if isinstance(events, AsyncIterator) else events_of(events)
+    return [frame async for chunk in drive(renderer, source) for frame in chunk]
