@@ -50,7 +50,8 @@ class Served:
         """Every job record on this stack's prefix, its request and result decoded."""
         out = []
         for key in self.redis.scan_iter(match=self.keys.job(self.model, "*")):
-            fields = {k.decode(): v.decode() for k, v in self.redis.hgetall(key).items()}
+            # Every field is text but a finished job's compact event log (``log``: deflated bytes).
+            fields = {k.decode(): v.decode() for k, v in self.redis.hgetall(key).items() if k != b"log"}
             if "request" not in fields:
                 continue
             for name in ("request", "result", "error"):

@@ -234,7 +234,8 @@ def _scenario(url, redis, keys, model, formation, extra, procs, figures) -> None
         # The text too: a continuation's prompt often ends inside a UTF-8 character, where vLLM
         # 0.32's detokenizer would repeat the prompt's text (workers/engine.py strips it).
         assert s.text == ref["text"], (s.prompt, s.text, ref["text"])
-        record = {k.decode(): v.decode() for k, v in redis.hgetall(keys.job(model, s.job_id)).items()}
+        record = {k.decode(): v.decode() for k, v in redis.hgetall(keys.job(model, s.job_id)).items()
+                  if k != b"log"}  # a finished job's compact event log is bytes, not text
         ids, seqs, types = _event_token_ids(redis, keys, model, s.job_id)
         ref_ids, _, _ = _event_token_ids(redis, keys, model, references[s.prompt]["id"].removeprefix("cmpl-"))
         assert ids == ref_ids and len(ids) == MAX_TOKENS, f"{s.prompt!r}: token ids differ from a greedy run"
