@@ -35,6 +35,7 @@ from tests.support.agent_clis import (
     require,
     run,
 )
+from tests.support.event_log import record_text
 
 pytestmark = pytest.mark.e2e
 
@@ -50,8 +51,7 @@ class Served:
         """Every job record on this stack's prefix, its request and result decoded."""
         out = []
         for key in self.redis.scan_iter(match=self.keys.job(self.model, "*")):
-            # Every field is text but a finished job's compact event log (``log``: deflated bytes).
-            fields = {k.decode(): v.decode() for k, v in self.redis.hgetall(key).items() if k != b"log"}
+            fields = record_text(self.redis.hgetall(key))
             if "request" not in fields:
                 continue
             for name in ("request", "result", "error"):

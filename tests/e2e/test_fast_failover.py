@@ -38,7 +38,7 @@ from shared.keys import GROUP, Keys
 from tests.conftest import free_port
 from tests.e2e.conftest import _tail, stop_all, wait_ready
 from tests.e2e.procfile import BIN, Stream, completion_body, kill_leftovers, log_events, start_honcho
-from tests.support.event_log import logged_events
+from tests.support.event_log import logged_events, record_text
 from tests.support.faults import Figures, alive, lost_and_duplicated
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(900)]
@@ -156,7 +156,7 @@ def check_identical(stack: Stack, mid: Mid, figures: Figures) -> dict[str, str]:
     assert stream.usage is not None and stream.usage["completion_tokens"] == MAX_TOKENS
     assert stream.job_id == mid.job_id
     raw = stack.redis.hgetall(stack.keys.job(stack.model, mid.job_id))
-    record = {k.decode(): v.decode() for k, v in raw.items()}
+    record = record_text(raw)
     assert record["status"] == "done", record
     assert stack.redis.xpending(stack.keys.queue(stack.model), GROUP)["pending"] == 0
     return record

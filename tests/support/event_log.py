@@ -13,7 +13,13 @@ from shared import eventlog
 from shared.framing import KEEPALIVE
 from shared.keys import Keys
 
-__all__ = ["logged_events", "sse_frames", "read_job_sse"]
+__all__ = ["logged_events", "sse_frames", "read_job_sse", "record_text"]
+
+
+def record_text(raw: dict[bytes, bytes]) -> dict[str, str]:
+    """A job record as ``HGETALL`` returns it, as text: every field but a finished job's compact
+    event log (``log``: deflated bytes, read by :func:`logged_events`)."""
+    return {k.decode(): v.decode() for k, v in raw.items() if k != b"log"}
 
 
 def sse_frames(raw: bytes) -> list[bytes]:
