@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from shared import eventlog
 from shared.codec import encode
 from shared.errors import ServiceError
-from shared.events import LOGPROB_FLOOR, Done, Error, Event, Timings, TokenDelta, Tokens, ToolCallDelta
+from shared.events import LOGPROB_FLOOR, Done, Error, Event, Timings, Tokens
 from shared.result import ResultBuilder
 from shared.schemas import JobResult, PromptInfo, TopLogprob, Usage
 from workers.protocol import Step
 
-__all__ = ["Attempt", "Emission", "finite_logprobs", "merge_tokens"]
+__all__ = ["Attempt", "Emission", "finite_logprobs"]
 
 def _finite(values: list, floor: float = LOGPROB_FLOOR) -> list:
     """``values`` (floats, or None for a prompt's first token) with every NaN and infinity as
@@ -58,81 +58,6 @@ def finite_logprobs(step: Step) -> None:
             prompt.top_logprobs = _finite_tops(prompt.top_logprobs)
 
 
-# What a delta holds, in the order every dialect renders one delta's parts (reasoning, then text,
-# then tool calls): a merge never puts a later step's part before an earlier step's.
-_REASONING, _TEXT, _CALLS = 0, 1, 2
-
-
-def _kinds(delta: TokenDelta) -> list[int]:
-    return [k for k, present in ((_REASONING, delta.reasoning), (_TEXT, delta.text), (_CALLS, delta.tool_calls))
-            if present]
-
-
-def _joined(first: list | None, then: list | None, first_tokens: int, then_tokens: int) -> tuple[bool, list | None]:
-    """A per-token list (logprobs, their texts, their alternatives) of two deltas as one: (False,
-    _) when one has it and the other does not for tokens of its own (they never differ in practice:
-    the same request asks for the same)."""
-    if first is None and then is None:
-        return True, None
-    if first is None:
-        return (True, then) if not first_tokens else (False, None)
-    if then is None:
-        return (True, first) if not then_tokens else (False, None)
-    return True, first + then
-
-
-def _mergeable(into: TokenDelta, then: TokenDelta) -> bool:
-    if into.finish_reason is not None:
-        return False  # its choice ended there
-    kinds = _kinds(into)
-    if kinds and any(k < kinds[-1] for k in _kinds(then)):
-        return False
-    n, m = len(into.token_ids), len(then.token_ids)
-    return all(_joined(a, b, n, m)[0] for a, b in ((into.token_texts, then.token_texts),
-                                                     (into.logprobs, then.logprobs),
-                                                     (into.top_logprobs, then.top_logprobs)))
-
-
-def _merge(into: TokenDelta, then: TokenDelta) -> None:
-    """``then`` (the next step's delta of the same choice) added to ``into``, in place, with new
-    lists: ``into``'s may be the engine's."""
-    n, m = len(into.token_ids), len(then.token_ids)
-    into.token_texts = _joined(into.token_texts, then.token_texts, n, m)[1]
-    into.logprobs = _joined(into.logprobs, then.logprobs, n, m)[1]
-    into.top_logprobs = _joined(into.top_logprobs, then.top_logprobs, n, m)[1]
-    into.token_ids = into.token_ids + then.token_ids
-    into.text += then.text
-    into.reasoning += then.reasoning
-    calls = list(into.tool_calls)
-    for call in then.tool_calls:
-        last = calls[-1] if calls else None
-        if last is not None and last.index == call.index and call.id is None:
-            # The same call's arguments go on: one piece, as the separate pieces read back joined.
-            calls[-1] = ToolCallDelta(index=last.index, id=last.id, name=last.name,
-                                      arguments=last.arguments + call.arguments)
-        else:
-            calls.append(call)
-    into.tool_calls = calls
-    into.finish_reason, into.stop_reason = then.finish_reason, then.stop_reason
-
-
-def merge_tokens(into: Tokens, deltas: list[TokenDelta]) -> bool:
-    """Add one engine step's ``deltas`` to the event ``into`` (its job's previous, still unsent),
-    in place, when the result reads back as the two events would (choice by choice: the same
-    tokens, texts, logprobs, reasoning and tool-call pieces, in order); False, changing nothing,
-    when it would not."""
-    by_index = {d.index: d for d in into.deltas}
-    if not all(d.index not in by_index or _mergeable(by_index[d.index], d) for d in deltas):
-        return False
-    for d in deltas:
-        if d.index in by_index:
-            _merge(by_index[d.index], d)
-        else:
-            into.deltas.append(d)
-            by_index[d.index] = d
-    return True
-
-
 @dataclass(slots=True)
 class Emission:
     """One event of an attempt, with what its write carries and what the worker records."""
@@ -149,8 +74,6 @@ class Emission:
     log: bytes | None = None
     """Terminal: the job's whole log in compact form (shared/eventlog.py), to replace its stream;
     None keeps the stream (the attempt did not write every event of the job)."""
-    merged: bool = False
-    """The step went into the unsent event ``event`` (:meth:`Attempt.on_step`'s ``into``): no new event."""
 
 
 class Attempt:
@@ -181,12 +104,9 @@ class Attempt:
             # The first token's time was recorded by the first attempt, and the prompt's ids too.
             self.fresh, self._prompt_ids = False, None
 
-    def on_step(self, step: Step, clock: Callable[[], float], into: Tokens | None = None) -> Emission | None:
+    def on_step(self, step: Step, clock: Callable[[], float]) -> Emission | None:
         """The event one engine step makes, if any. ``clock``: the time now (epoch ms), read only
-        for the first token and the end (not per step: this runs once per token). ``into``: this
-        attempt's last event when it is still unsent (the worker's flusher has not taken it): the
-        step's tokens are added to it (:func:`merge_tokens`) rather than making an event of their
-        own, so one log entry and one live line carry them, with seqs still 1..n."""
+        for the first token and the end (not per step: this runs once per token)."""
         finite_logprobs(step)
         if self.fresh:
             self.usage.prompt_tokens = step.prompt_tokens or self.usage.prompt_tokens
@@ -206,11 +126,6 @@ class Attempt:
             return Emission(done, tokens, first_token_at, result=self.result, log=self._log(self.result))
         if not deltas and step.prompt is None:
             return None
-        if into is not None and step.prompt is None:
-            assert self.events and self.events[-1] is into, "only the attempt's last event takes more tokens"
-            if merge_tokens(into, deltas):
-                self.builder.add(Tokens(seq=into.seq, deltas=deltas))
-                return Emission(into, tokens, first_token_at, merged=True)
         event = self._add(Tokens(seq=self.seq + 1, deltas=deltas, prompt=step.prompt))
         # The prompt's ids ride the first event, so whoever sees a token in the log can also
         # continue after it.

@@ -44,7 +44,7 @@ from shared.errors import (
     LeaseLost,
     ServiceError,
 )
-from shared.events import Done, Error, Event, Timings, Tokens, is_terminal
+from shared.events import Done, Error, Event, Timings, is_terminal
 from shared.metrics import Recorder
 from shared.queue import Delivery, Held, Outbound, Queue, now_ms
 from shared.redis import REDIS_DOWN
@@ -100,9 +100,6 @@ class Worker:
         self._running: dict[str, _Running] = {}
         self._tasks: asyncio.TaskGroup | None = None  # the run's: job tasks start in it
         self._outbox: list[Outbound] = []
-        self._unsent: dict[str, Outbound] = {}
-        """Per running job, its token event still in the outbox, which its next steps join
-        (Attempt.on_step's ``into``) until the flusher takes the outbox."""
         self._outbox_ready = asyncio.Event()
         self._stopping = asyncio.Event()
         self._closing = False  # set after the drain: the flusher exits once the outbox is empty
@@ -338,7 +335,6 @@ class Worker:
     def _release(self, job_id: str) -> None:
         """The job no longer runs here: its slot is free, its deadline timer off."""
         running = self._running.pop(job_id, None)
-        self._unsent.pop(job_id, None)
         if running is not None:
             if running.deadline is not None:
                 running.deadline.cancel()
@@ -405,29 +401,19 @@ class Worker:
         if not self.settings.engine_tracing:
             headers = None  # vLLM traces nothing: it would only warn of the headers
         async for step in self.engine.stream(d.job_id, plan.request, plan.parts, trace_headers=headers):
-            unsent = self._unsent.get(d.job_id)
-            into = unsent.event if unsent is not None else None
-            assert into is None or isinstance(into, Tokens)
-            out = attempt.on_step(step, now_ms, into)
+            out = attempt.on_step(step, now_ms)
             if out is None:
                 continue
             self.metrics.inc("llmq_worker_tokens_total", out.tokens)
             if out.first_token_at is not None:
                 self.metrics.observe("llmq_ttft_seconds", (out.first_token_at - d.queued_at) / 1000)
-            if out.merged:
-                # Its tokens joined the job's event still in the outbox (the flusher is behind the
-                # engine): one log entry and one live line for them all.
-                assert unsent is not None
-                if out.first_token_at is not None:
-                    unsent.first_token_at = out.first_token_at
-                continue
             if isinstance(out.event, Done):
                 self._emit(d, out.event, entry_id=d.entry_id, result=out.result, first_token_at=out.first_token_at,
                            log=out.log, history=attempt.events)
                 self._log_finished(attempt.timings, attempt.usage, out.result)
                 return
-            self._unsent[d.job_id] = self._emit(d, out.event, first_token_at=out.first_token_at,
-                                                prompt_ids=out.prompt_ids, history=attempt.events)
+            self._emit(d, out.event, first_token_at=out.first_token_at, prompt_ids=out.prompt_ids,
+                       history=attempt.events)
         raise GenerationFailed("the engine ended the job without a final output")
 
     @staticmethod
@@ -469,17 +455,15 @@ class Worker:
 
     # --- publishing ---------------------------------------------------------------------------
 
-    def _emit(self, d: Delivery, event: Event, **extra) -> Outbound:
+    def _emit(self, d: Delivery, event: Event, **extra) -> None:
         extra.setdefault("attempt", d.attempt)
         extra.setdefault("level", d.level)
         if is_terminal(event):
             self.metrics.inc("llmq_worker_jobs_ended_total", outcome="done" if isinstance(event, Done) else event.code)
             if d.queued_at:  # 0: a delivery whose record is missing
                 self.metrics.observe("llmq_e2e_seconds", (now_ms() - d.queued_at) / 1000)
-        out = Outbound(job_id=d.job_id, event=event, **extra)
-        self._outbox.append(out)
+        self._outbox.append(Outbound(job_id=d.job_id, event=event, **extra))
         self._outbox_ready.set()
-        return out
 
     def _lose(self, job_ids: list[str]) -> None:
         """Jobs a peer took over (our lease lapsed): stop them here without writing anything."""
@@ -500,9 +484,6 @@ class Worker:
     async def _flush_once(self) -> None:
         async with self._flush_lock:
             batch, self._outbox = self._outbox, []
-            # From here these events are being written (and may be written again, on a retry):
-            # no later step may add to them.
-            self._unsent.clear()
             if not batch:
                 return
             delay = 0.1
