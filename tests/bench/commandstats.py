@@ -38,14 +38,14 @@ MODEL = "stats"
 PROMPT = "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun"
 
 
-async def start_worker(redis: Redis, url: str, prefix: str, model: str, engine: ScriptedEngine,
-                       worker_cls: type[Worker] = Worker) -> tuple[Worker, asyncio.Task[None], Queue]:
+async def _start_worker(redis: Redis, url: str, prefix: str, model: str,
+                        engine: ScriptedEngine) -> tuple[Worker, asyncio.Task[None], Queue]:
     """A real worker in this process on ``redis``, ready, with its group and presence written (what
     follows is the jobs' own work): the worker, its task and its queue."""
     settings = load_settings({}, redis_url=url, prefix=prefix, served_model_name=model, block_ms=100,
                              max_num_seqs=64, log_level="warning")
     queue = Queue(redis, Keys(prefix))
-    worker = worker_cls(settings, queue, engine, worker_id=f"bench-{prefix}")
+    worker = Worker(settings, queue, engine, worker_id=f"bench-{prefix}")
     task = asyncio.create_task(worker.run())
     while not worker.ready:
         await asyncio.sleep(0.01)
@@ -53,7 +53,7 @@ async def start_worker(redis: Redis, url: str, prefix: str, model: str, engine: 
     return worker, task, queue
 
 
-async def run_jobs(queue: Queue, model: str, jobs: int, tokens: int, relay: str | None = None) -> list[str]:
+async def _run_jobs(queue: Queue, model: str, jobs: int, tokens: int, relay: str | None = None) -> list[str]:
     """Queue ``jobs`` jobs of ``tokens`` tokens as the API does (followed on ``relay``), and wait
     for every one to end; their ids."""
     ids = []
@@ -76,9 +76,9 @@ async def _commandstats(redis: Redis) -> dict[str, dict[str, float]]:
 
 async def _run(redis: Redis, url: str, jobs: int, tokens: int, delay_ms: float) -> dict:
     prefix = f"stats-{uuid.uuid4().hex[:6]}"
-    worker, task, queue = await start_worker(redis, url, prefix, MODEL, ScriptedEngine(delay_s=delay_ms / 1000))
+    worker, task, queue = await _start_worker(redis, url, prefix, MODEL, ScriptedEngine(delay_s=delay_ms / 1000))
     await redis.config_resetstat()
-    await run_jobs(queue, MODEL, jobs, tokens, relay=Keys(prefix).relay(MODEL, "bench-api"))
+    await _run_jobs(queue, MODEL, jobs, tokens, relay=Keys(prefix).relay(MODEL, "bench-api"))
     after = await _commandstats(redis)
     worker.stop()
     before = {"hgetall": after.get("hgetall", {})}  # the polling above is this benchmark's own
