@@ -58,6 +58,10 @@ class Listener:
     async def confirmed(self, channel: str, *, timeout_s: float = 2.0) -> None:
         raise NotImplementedError
 
+    async def keep(self, channel: str) -> None:
+        """Subscribe relay ``channel`` for the process's life, following no job yet."""
+        raise NotImplementedError
+
     def in_effect(self, channel: str) -> bool:
         raise NotImplementedError
 
@@ -240,6 +244,17 @@ class EventListener(Listener):
                 followers.discard(queue)
                 if not followers:
                     del jobs[job]
+
+    async def keep(self, channel: str) -> None:
+        """Subscribe relay ``channel`` as :meth:`follow` does, with no job followed yet: a model's
+        every token shard's channel is subscribed at its first job, so a job in another shard
+        later is followed live from its first event (no read of its log)."""
+        key = channel.encode()
+        if key in self._relays:
+            return
+        self._relays[key] = {}
+        self._confirmations.setdefault(key, asyncio.get_running_loop().create_future())
+        await self._send(self._sub, key)
 
     async def confirmed(self, channel: str, *, timeout_s: float = 2.0) -> None:
         """Return once the subscription to ``channel`` is in effect; QueueUnavailable after

@@ -23,7 +23,7 @@ from api.tokenizer import Tokenizer
 from shared.cluster import is_cluster
 from shared.config import Settings
 from shared.durability import check_server
-from shared.keys import Keys
+from shared.keys import SHARDS, Keys
 from shared.queue import Queue
 from shared.redis import REDIS_DOWN, connect, wait_for_redis
 from shared.redis_memory import EvictingRedis, MemoryGuard, check_policy
@@ -48,6 +48,8 @@ class Services:
     keys_on: bool = False
     """API keys are configured (``LLMQ_API_KEYS``): jobs record their owner's key hash."""
     background: set[asyncio.Task[Any]] = field(default_factory=set)
+    kept: set[str] = field(default_factory=set)
+    """Models whose every token shard's relay channel this process has subscribed (:meth:`keep_relays`)."""
     errors: dict[tuple[int, str], int] = field(default_factory=dict)
     """Error answers of this process by (status, code): ``llmq_api_errors_total`` (api/errors.py counts)."""
 
@@ -59,9 +61,17 @@ class Services:
         task.add_done_callback(self.background.discard)
         return task
 
-    def relay_channel(self, model: str) -> str:
-        """Where workers publish the events of ``model``'s jobs this process follows."""
-        return self.keys.relay(model, self.instance)
+    async def keep_relays(self, model: str) -> None:
+        """Subscribe the relay channel of each of ``model``'s token shards, once per process: the
+        first job of the model subscribes them all, so later ones are live from their first event."""
+        if model not in self.kept:
+            self.kept.add(model)
+            for shard in range(SHARDS):
+                await self.listener.keep(self.keys.relay_in(model, shard, self.instance))
+
+    def relay_channel(self, model: str, job_id: str) -> str:
+        """Where workers publish the events of ``job_id`` (and of every job of its token shard) to this process."""
+        return self.keys.relay(model, self.instance, job_id)
 
     @property
     def model(self) -> str:

@@ -109,6 +109,9 @@ class ClusterListener(Listener):
         async with listener.follow(channel, job_id, timeout_s=timeout_s, wait=wait) as queue:
             yield queue
 
+    async def keep(self, channel: str) -> None:
+        await (await self._route(channel, 2.0)).keep(channel)
+
     def in_effect(self, channel: str) -> bool:
         if not self._decided.is_set():
             return False

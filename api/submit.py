@@ -140,7 +140,7 @@ async def subscribe_job(svc: Services, model: str, job_id: str, stack: AsyncExit
     """Follow an existing job's events; the subscription lives as long as ``stack``. Its record
     names this process's relay channel once the subscription is in effect, so every later event
     comes live and every earlier one is in the log."""
-    channel = svc.relay_channel(model)
+    channel = svc.relay_channel(model, job_id)
     messages = await stack.enter_async_context(svc.listener.follow(channel, job_id))
     await svc.queue.add_follower(model, job_id, channel)
     return Live(model, job_id, stack, messages)
@@ -214,7 +214,8 @@ async def submit(svc: Services, ctx: RequestContext, req: GenerationRequest, *, 
     try:
         # Subscribed while the job is queued (a round trip less before it starts); the events
         # published before the subscription took effect are read from the log (backfill below).
-        channel = svc.relay_channel(model)
+        await svc.keep_relays(model)
+        channel = svc.relay_channel(model, record.id)
         messages = await stack.enter_async_context(svc.listener.follow(channel, record.id, wait=False))
         # Subscribed since before this job existed (the usual case: a process keeps its relay
         # channels), so every event of it comes live: reading its log first would only repeat them.

@@ -9,14 +9,24 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import zlib
 
-__all__ = ["Keys", "GROUP", "LEVELS", "new_job_id", "model_tag", "TAG_CHARS"]
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+
+__all__ = ["Keys", "GROUP", "LEVELS", "SHARDS", "new_job_id", "model_tag", "shard_of", "shard_tag", "TAG_CHARS"]
 
 # The consumer group every worker of a model reads the queue through.
 GROUP = "workers"
 # Priority levels: one queue stream per level, read in order (0 first). A constant, not a setting,
 # so an API and a worker can never disagree about which streams exist.
 LEVELS = 3
+
+# Token shards per model: a job's per-token traffic (its event log, its live and relay messages, the
+# fence its worker's writes pass) lives under one of these hash tags, not the model's, so a model's
+# token rate spreads over the masters of a Cluster. A constant, not a setting, like LEVELS: an API
+# and a worker can never disagree about where a job's events are. 12 splits evenly over 1, 2, 3,
+# 4 or 6 masters holding equal ranges of slots (shard_tag spreads the tags' slots evenly).
+SHARDS = 12
 
 # A job id is 32 hex digits whose first TAG_CHARS are its model's tag: every key of a job is under
 # its model (the Cluster hash tag), so a bare id from a client (a poll, a cancel) must say which
@@ -35,6 +45,26 @@ def new_job_id(model: str) -> str:
     return model_tag(model) + os.urandom(16).hex()[TAG_CHARS:]
 
 
+def shard_of(job_id: str) -> int:
+    """The token shard of a job: a function of its id only, so every process finds it alone."""
+    return zlib.crc32(job_id.encode()) % SHARDS
+
+
+@functools.cache  # SHARDS tags per model, each found in a few dozen CRC16s
+def shard_tag(model: str, shard: int) -> str:
+    """The Cluster hash tag of one token shard of ``model``: ``<model>/<shard>.<n>``, with the
+    smallest ``n`` that puts its slot in the shard's own 1/SHARDS of the slot space. The shards'
+    slots are then evenly spaced, so a Cluster whose masters hold equal contiguous ranges of slots
+    (``--cluster create``'s layout) holds equal numbers of shards on each; a model name alone
+    would place them at random."""
+    low = shard * REDIS_CLUSTER_HASH_SLOTS // SHARDS
+    high = (shard + 1) * REDIS_CLUSTER_HASH_SLOTS // SHARDS
+    n = 0
+    while not low <= key_slot(f"{model}/{shard}.{n}".encode()) < high:
+        n += 1
+    return f"{model}/{shard}.{n}"
+
+
 class Keys:
     """Key names under one prefix (default ``llmq``; tests use a fresh prefix per run)."""
 
@@ -45,6 +75,9 @@ class Keys:
 
     def _model(self, model: str) -> str:
         return f"{self.prefix}:{{{model}}}"
+
+    def _shard(self, model: str, shard: int) -> str:
+        return f"{self.prefix}:{{{shard_tag(model, shard)}}}"
 
     def queue(self, model: str, level: int = 0) -> str:
         """Stream: one entry per queued job, read through group ``workers``; level 0 (the default
@@ -119,8 +152,29 @@ class Keys:
     def events(self, model: str, job_id: str) -> str:
         """The job's event log while it runs: a stream (entry ids ``<seq>-0``, so XRANGE resumes
         by sequence). Its end replaces it by the compact log (shared/eventlog.py), kept in the
-        record's ``log`` field; a continued job's stream is kept instead, with the record's TTL."""
-        return f"{self._model(model)}:events:{job_id}"
+        record's ``log`` field; a continued job's stream is kept instead, with the record's TTL.
+        Under the job's token shard (:func:`shard_of`), not the model."""
+        return f"{self._shard(model, shard_of(job_id))}:events:{job_id}"
+
+    def fence(self, model: str, shard: int) -> str:
+        """Hash, under a token shard: job id -> ``<attempt>`` or ``<attempt> <relay channels>``,
+        for each job of the shard a writer holds: the fence a flush (flush.lua) checks, with one
+        HMGET for its batch, and the followers it publishes to. Installed by take.lua after the
+        claim (the record's attempt, monotonic: a later attempt replaces an earlier one), by
+        expire (an end the API writes), widened by add_follower; removed by settle.lua once the
+        job's end is in its record."""
+        return f"{self._shard(model, shard)}:fence"
+
+    def ending(self, model: str, job_id: str) -> str:
+        """Hash with a TTL, under the job's token shard: what the record must say of a job whose
+        terminal event is logged (status, result or error, usage, its queue entry), written with
+        that event; deleted once the record says it (settle.lua). Left behind by a writer that
+        died between the two: the job's next claimer ends the record from it (take.lua)."""
+        return self.ending_in(model, shard_of(job_id), job_id)
+
+    def ending_in(self, model: str, shard: int, job_id: str = "") -> str:
+        """:meth:`ending` given the shard (with no job id: the shard's prefix, for the scripts)."""
+        return f"{self._shard(model, shard)}:ending:{job_id}"
 
     def owned(self, model: str, worker_id: str) -> str:
         """Hash: the jobs one worker owns on ``model``, job id -> ``<attempt>`` or ``<attempt>
@@ -131,15 +185,24 @@ class Keys:
         return f"{self._model(model)}:owned:{worker_id}"
 
     def live(self, model: str, job_id: str) -> str:
-        """Pub/sub channel: the same events as the log, live."""
-        return f"{self._model(model)}:live:{job_id}"
+        """Pub/sub channel: the same events as the log, live (under the job's token shard)."""
+        return self.live_in(model, shard_of(job_id), job_id)
 
-    def relay(self, model: str, instance: str) -> str:
+    def live_in(self, model: str, shard: int, job_id: str = "") -> str:
+        """:meth:`live` given the shard (with no job id: the shard's prefix, for the scripts)."""
+        return f"{self._shard(model, shard)}:live:{job_id}"
+
+    def relay(self, model: str, instance: str, job_id: str) -> str:
         """Pub/sub channel: the live events of every job of ``model`` that one API process follows,
         many per message (``<job id> <event JSON>`` lines), so a worker publishes once per API
         process per flush rather than once per job. A job lists its followers' relay channels in
-        its record's ``relay`` field; a job with none is published on its own :meth:`live` channel."""
-        return f"{self._model(model)}:relay:{instance}"
+        its record's ``relay`` field; a job with none is published on its own :meth:`live` channel.
+        One per token shard: the channel of ``job_id``'s shard, where its events are published."""
+        return self.relay_in(model, shard_of(job_id), instance)
+
+    def relay_in(self, model: str, shard: int, instance: str) -> str:
+        """:meth:`relay` given the shard."""
+        return f"{self._shard(model, shard)}:relay:{instance}"
 
     def group(self, model: str, group_id: str) -> str:
         """String (JSON, with a TTL): the jobs of one request queued as one fire-and-poll job (a

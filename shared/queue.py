@@ -20,7 +20,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from shared import eventlog, scripts
-from shared.cluster import publish
+from shared.cluster import is_cluster, publish
 from shared.codec import decode_event, decode_request, encode, job_from_hash, job_to_hash
 from shared.durability import NOT_DURABLE, Durability
 from shared.errors import (
@@ -33,7 +33,7 @@ from shared.errors import (
     ServiceError,
 )
 from shared.events import Done, Error, Event, Tokens
-from shared.keys import GROUP, LEVELS, Keys
+from shared.keys import GROUP, LEVELS, Keys, shard_of
 from shared.redis_memory import MemoryGuard
 from shared.schemas import GenerationRequest, JobError, JobGroup, JobRecord, JobResult, Usage, estimate_tokens
 from shared.tenants import DEFAULT_TENANT, TenantConfig, today
@@ -116,6 +116,8 @@ class Delivery:
     lost_started: float = 0.0
     """When that lost attempt started (epoch ms)."""
     tenant: str = ""
+    relay: str = ""
+    """The relay channels its record named at the claim (take.lua puts them in its shard's fence)."""
 
 
 @dataclass(slots=True)
@@ -240,11 +242,17 @@ class Queue:
         """The job's logged events with sequence number > ``after_seq``, in order: from the
         stream while it runs, rebuilt from the compact log once it has ended (one script, so
         never half of each; the same events and bytes either way)."""
-        kind, *reply = await self.scripts.run(
-            scripts.read_log(self.keys.events(model, job_id), self.keys.job(model, job_id), after_seq + 1))
+        kind, *reply = await self.scripts.run(scripts.read_log(self.keys.events(model, job_id), after_seq + 1))
         if kind == b"s":
             return [decode_event(fields[1]) for _, fields in reply[0]]
-        compact, result = reply
+        # No stream in the shard: ended and settled (the compact log is in the record; settle.lua
+        # drops the stream only after finish.lua put it there), or an older worker's string.
+        compact, result = (reply[0], None) if kind == b"c" else (None, None)
+        if compact is None or eventlog.needs_result(compact):
+            held, result = await self.redis.hmget(self.keys.job(model, job_id), "log", "result")
+            compact = compact if compact is not None else held
+        if compact is None:
+            return []
         if eventlog.needs_result(compact) and not result:
             return []  # the record expired a moment before its log (same TTL): the job is gone
         return [e for e in _event_list.decode(eventlog.expand(compact, result or None)) if e.seq > after_seq]
@@ -310,7 +318,12 @@ class Queue:
     async def add_follower(self, model: str, job_id: str, channel: str) -> bool:
         """Publish the job's events from now on to relay ``channel`` too (add_follower.lua); False
         when the job has no record."""
-        return bool(await self.scripts.run(scripts.add_follower(self.keys, model, job_id, channel)))
+        if not await self.scripts.run(scripts.add_follower(self.keys, model, job_id, channel)):
+            return False
+        # Then in its token shard's fence, where its writer's flushes read the followers (a job not
+        # claimed yet has no entry: take.lua copies the record's followers at its claim).
+        await self.scripts.run(scripts.follow(self.keys, model, job_id, channel))
+        return True
 
     async def expire(self, model: str, job_id: str, *, grace_ms: int, now: ServiceError | None = None) -> bool:
         """End the job with ``deadline_exceeded`` if its deadline passed (plus ``grace_ms`` when it
@@ -321,10 +334,34 @@ class Queue:
         head = b'{"type":"error","seq":0,'
         assert event.startswith(head)  # expire.lua writes the same bytes with the real seq
         error = encode(JobError(code=exc.code, message=exc.message, status=exc.status))
-        ended = await self.scripts.run(scripts.expire(
-            self.keys, model, job_id, day=today(), now=now_ms(), grace_ms=grace_ms, result_ttl=self.result_ttl_s,
-            event_tail=event[len(head):], error=error, at_once=now is not None, day_ttl=self.usage_ttl_s))
-        return bool(ended)
+        taken = await self.scripts.run(scripts.expire(self.keys, model, job_id, now=now_ms(), grace_ms=grace_ms,
+                                                      at_once=now is not None))
+        if not taken:
+            return False
+        attempt, followers = int(taken[0]), taken[1].decode()
+        # Fence the job's token shard at the attempt just taken: its worker writes nothing more.
+        shard = shard_of(job_id)
+        [(state, last_seq, ending)] = await self.scripts.run(
+            scripts.take(self.keys, model, "", [shard], [(job_id, attempt, followers, 0)]))
+        if state == b"ended":  # its worker logged its end first: the record says that one
+            extra = scripts.Extra.from_ending(dict(zip(ending[::2], ending[1::2], strict=True)))
+            await self._finish(model, [(job_id, attempt, extra._replace(entry=""))], [(job_id, False)])
+            return False
+        if state != b"ok":
+            return False
+        seq = int(last_seq) + 1
+        event = b'{"type":"error","seq":%d,' % seq + event[len(head):]
+        # The queue entry stays until a worker reads or reclaims it and finds the job finished
+        # (claim.lua), which acks and deletes it.
+        extra = scripts.Extra(status="failed", field="error", payload=error)
+        flushed = await self.scripts.run(scripts.flush(self.keys, model, writer="", result_ttl=self.result_ttl_s,
+                                                       shards=[shard],
+                                                       events=[(attempt, seq, event, job_id, 0)],
+                                                       endings=[(0, extra)]))
+        if flushed[0] or flushed[1]:
+            return False
+        await self._finish(model, [(job_id, attempt, extra)], [(job_id, False)])
+        return True
 
     async def cancel(self, model: str, job_id: str) -> str | None:
         """Flag the job cancelled and tell its worker. Returns the status it had, or None."""
@@ -348,7 +385,8 @@ class Queue:
             return False
         if status in ("queued", "running"):
             await self.expire(model, job_id, grace_ms=0, now=JobCancelled("the response was deleted"))
-        await self.redis.delete(self.keys.job(model, job_id), self.keys.events(model, job_id))
+        await self.redis.delete(self.keys.job(model, job_id))
+        await self.redis.delete(self.keys.events(model, job_id))  # in its token shard: another slot
         return True
 
     # --- worker side --------------------------------------------------------------------------
@@ -362,8 +400,9 @@ class Queue:
             (rows, tops, more), acked = await self._run(call)
             if rows or not more:
                 break
-        deliveries = self._deliveries([(int(level), entry_id, job.decode()) for level, entry_id, job, _ in rows],
-                                      [state for *_, state in rows], reclaimed=False)
+        deliveries = await self._take(model, consumer, self._deliveries(
+            [(int(level), entry_id, job.decode()) for level, entry_id, job, _ in rows], [state for *_, state in rows],
+            reclaimed=False))
         if deliveries and acked < self.durability.wanted:
             deliveries = await self._confirm(model, consumer, deliveries)
         return Picked(deliveries, tops)
@@ -460,13 +499,85 @@ class Queue:
             return []
         states = await self.scripts.run(scripts.claim_taken(self.keys, model, consumer, [job for _, _, job in entries],
                                                             now=now_ms(), max_failed=max_deliveries))
-        return self._deliveries(entries, states, reclaimed=reclaimed)
+        return await self._take(model, consumer, self._deliveries(entries, states, reclaimed=reclaimed))
+
+    # --- token shards (Keys.fence): the second slot of every job --------------------------------
+
+    def _groups(self, job_ids: Sequence[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """How to split a call over jobs by token shard: per call (shards, [(item index, index into
+        shards)]). On a Cluster one call per shard (one slot each); a single Redis takes them all
+        in one call."""
+        calls: dict[int, tuple[list[int], list[tuple[int, int]]]] = {}
+        one = not is_cluster(self.redis)
+        for i, job_id in enumerate(job_ids):
+            shard = shard_of(job_id)
+            shards, items = calls.setdefault(0 if one else shard, ([], []))
+            if shard not in shards:
+                shards.append(shard)
+            items.append((i, shards.index(shard)))
+        return list(calls.values())
+
+    async def _each(self, calls: list[scripts.Call]) -> list[Any]:
+        """Run calls on different shards side by side (on a Cluster, different masters)."""
+        if not calls:
+            return []
+        if len(calls) == 1:
+            return [await self.scripts.run(calls[0])]
+        return list(await asyncio.gather(*(self.scripts.run(call) for call in calls)))
+
+    async def _take(self, model: str, worker: str, deliveries: list[Delivery]) -> list[Delivery]:
+        """Fence the token shards of jobs just claimed at their new attempt (take.lua), and learn
+        where each log ends (:attr:`Delivery.last_seq`). A job whose shard a later attempt holds
+        is dropped (a peer claimed it meanwhile); one whose terminal event is logged and whose
+        record was not ended (its writer died between the two) is ended now, from its ending, and
+        handed on as ``finished``."""
+        owned = [d for d in deliveries if d.state not in ("missing", "finished")]
+        if not owned:
+            return deliveries
+        groups = self._groups([d.job_id for d in owned])
+        replies = await self._each([
+            scripts.take(self.keys, model, worker, shards, [(owned[i].job_id, owned[i].attempt, owned[i].relay, at)
+                                                    for i, at in items])
+            for shards, items in groups])
+        lost: set[str] = set()
+        ended: list[tuple[str, int, scripts.Extra]] = []
+        for (_, items), reply in zip(groups, replies, strict=True):
+            for (i, _), (state, last_seq, ending) in zip(items, reply, strict=True):
+                d = owned[i]
+                d.last_seq = int(last_seq)
+                if state == b"lost":
+                    lost.add(d.job_id)
+                elif state == b"ended":
+                    extra = scripts.Extra.from_ending(dict(zip(ending[::2], ending[1::2], strict=True)))
+                    ended.append((d.job_id, d.attempt, extra._replace(entry=d.entry_id, entry_level=d.level)))
+                    d.state = "finished"
+        if ended:
+            log.warning("job_end_recovered", jobs=[job_id for job_id, _, _ in ended])
+            await self._finish(model, ended, [(job_id, False) for job_id, _, _ in ended])
+        return [d for d in deliveries if d.job_id not in lost]
+
+    async def _finish(self, model: str, items: list[tuple[str, int, scripts.Extra]],
+                      settle: list[tuple[str, bool]]) -> list[int]:
+        """Write what events say to their records (finish.lua), then settle the shards of the jobs
+        that ended (``settle``: job id, whether its record now holds its compact log). Returns the
+        indexes of the items refused."""
+        refused = await self.scripts.run(scripts.finish(
+            self.keys, model, result_ttl=self.result_ttl_s, now=now_ms(), day=today(), day_ttl=self.usage_ttl_s,
+            items=items))
+        gone = {items[int(i)][0] for i in refused}
+        settle = [(job_id, drop) for job_id, drop in settle if job_id not in gone]
+        if settle:
+            groups = self._groups([job_id for job_id, _ in settle])
+            await self._each([scripts.settle(self.keys, model, shards, [(settle[i][0], at, settle[i][1])
+                                                                        for i, at in items])
+                              for shards, items in groups])
+        return [int(i) for i in refused]
 
     def _deliveries(self, entries: list[tuple[int, bytes, str]], states: list, *, reclaimed: bool) -> list[Delivery]:
         """Deliveries from entries (level, entry id, job id) and their claim rows (claim.lua)."""
         deliveries = []
         for (level, entry_id, job_id), row in zip(entries, states, strict=True):
-            raw, request, queued_at, attempt, last_seq, prompt_ids, deadline, trace, lost, lost_started, tenant = row
+            raw, request, queued_at, attempt, prompt_ids, deadline, trace, lost, lost_started, tenant, relay = row
             state: DeliveryState = raw.decode()
             assert state in _STATES, f"claim.lua returned an unknown state {state!r}"
             decoded = None
@@ -485,7 +596,7 @@ class Queue:
                 request=decoded,
                 queued_at=float(queued_at),
                 attempt=int(attempt),
-                last_seq=int(last_seq),
+                relay=relay.decode() if relay else "",
                 prompt_ids=_ids.decode(prompt_ids) if prompt_ids else None,
                 reclaimed=reclaimed,
                 level=level,
@@ -510,7 +621,11 @@ class Queue:
         if not held:
             return []
         lost = await self.scripts.run(self._renewal(model, worker, held, hand_back_idle_ms))
-        return [held[int(i)].job_id for i in lost]
+        gone = [held[int(i)].job_id for i in lost]
+        if hand_back_idle_ms:  # and out of their token shards' fences: nothing more from us
+            await self._each([scripts.release(self.keys, model, h.job_id, worker, h.attempt) for h in held
+                              if h.job_id not in gone])
+        return gone
 
     def _renewal(self, model: str, worker: str, held: list[Held], hand_back_idle_ms: int | None = None
                  ) -> scripts.Call:
@@ -518,27 +633,59 @@ class Queue:
                              idle_ms=hand_back_idle_ms or 0, hand_back=bool(hand_back_idle_ms))
 
     async def flush(self, model: str, batch: list[Outbound], worker: str = "") -> Flushed:
-        """Publish a batch of events in ONE round trip (flush.lua): per event XADD to the event
-        log, and one PUBLISH per following API process's relay channel (or per event to the job's
-        own live channel when none is recorded); per terminal event also the record update, the
-        compact log and XACK + XDEL. Each event is written only while ``worker`` still owns its
-        job at the event's attempt, and only right after the event before it: a job whose log
-        lacks events before its first one here (a failover took them back) writes none of them
-        (:attr:`Flushed.gaps`).
+        """Publish a batch of events: per token shard, per event XADD to the event log and one
+        PUBLISH per following API process's relay channel (or per event to the job's own live
+        channel when none is recorded), in one script per shard (flush.lua; a single Redis runs one
+        for every shard); then what the events write to their records (a first token, the
+        prompt's ids, a job's end: the record update, its compact log, XACK + XDEL) in one script
+        in the model's slot (finish.lua), and the shards of the jobs that ended are settled
+        (settle.lua). Each event is written only while its attempt holds its job's shard fence
+        (take.lua), and only right after the event before it: a job whose log lacks events before
+        its first one here (a failover took them back) writes none of them (:attr:`Flushed.gaps`).
 
-        One script is atomic, and legal on Cluster: every key of one model shares its hash tag.
+        A terminal event is logged (with its ending, Keys.ending) before its record says so: a
+        writer that dies between leaves the record to the job's next claimer (Queue._take), and
+        every follower has the end from the log. ``worker``: the writer, whose fence entries (take.lua)
+        its events must find.
         """
-        events: list[tuple[int, int, bytes, str]] = []
-        extras: list[tuple[int, scripts.Extra]] = []
+        encoded = [encode(out.event) for out in batch]
+        groups = self._groups([out.job_id for out in batch])
+        calls = []
+        extras: dict[int, scripts.Extra] = {}
         for i, out in enumerate(batch):
-            events.append((out.attempt, out.event.seq, encode(out.event), out.job_id))
             if out.first_token_at is not None or out.prompt_ids is not None or not isinstance(out.event, Tokens):
-                extras.append((i, self._extra(out)))  # the usual token event needs none
-        lost, gaps = await self.scripts.run(scripts.flush(
-            self.keys, model, worker=worker, result_ttl=self.result_ttl_s, now=now_ms(), day=today(),
-            day_ttl=self.usage_ttl_s, events=events, extras=extras))
-        return Flushed(sorted({batch[int(i)].job_id for i in lost}),
-                       {batch[int(i)].job_id: int(logged) for i, logged in zip(gaps[::2], gaps[1::2], strict=True)})
+                extras[i] = self._extra(out)  # the usual token event needs none
+        for shards, items in groups:
+            order = {i: n for n, (i, _) in enumerate(items)}
+            calls.append(scripts.flush(
+                self.keys, model, writer=worker, result_ttl=self.result_ttl_s, shards=shards,
+                events=[(batch[i].attempt, batch[i].event.seq, encoded[i], batch[i].job_id, at) for i, at in items],
+                endings=[(order[i], extras[i]) for i, _ in items if i in extras and extras[i].status]))
+        lost_at: set[int] = set()
+        gaps: dict[str, int] = {}
+        whole: set[int] = set()
+        for (_, items), (lost, gap, complete) in zip(groups, await self._each(calls), strict=True):
+            lost_at.update(items[int(n)][0] for n in lost)
+            gaps.update({batch[items[int(n)][0]].job_id: int(logged) for n, logged in zip(gap[::2], gap[1::2],
+                                                                                          strict=True)})
+            whole.update(items[int(n)][0] for n in complete)
+        lost_jobs = {batch[i].job_id for i in lost_at}
+        notes = [i for i in extras if i not in lost_at and batch[i].job_id not in gaps]
+        if notes:
+            items = []
+            settle = []
+            for i in notes:
+                extra = extras[i]
+                if extra.status and i not in whole:
+                    extra = extra._replace(compact="")  # the log holds more than this writer knows of
+                items.append((batch[i].job_id, batch[i].attempt, extra))
+                if extra.status:
+                    settle.append((batch[i].job_id, bool(extra.compact)))
+            refused = await self._finish(model, items, settle)
+            lost_jobs.update(items[i][0] for i in refused if not items[i][2].status)
+            if refused:
+                log.info("flush_records_refused", worker=worker, jobs=[items[i][0] for i in refused])
+        return Flushed(sorted(lost_jobs), gaps)
 
     @classmethod
     def _extra(cls, out: Outbound) -> scripts.Extra:

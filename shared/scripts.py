@@ -36,7 +36,7 @@ from redis.exceptions import ResponseError
 
 from shared.cluster import sharded_pubsub
 from shared.durability import Durability, run_and_wait
-from shared.keys import GROUP, LEVELS, Keys
+from shared.keys import GROUP, LEVELS, Keys, shard_of
 from shared.redis import refusal
 
 __all__ = ["Library", "Group", "Script", "Call", "Scripts", "SCRIPTS", "LIBRARIES", "source", "sharded",
@@ -58,7 +58,7 @@ class Library:
 
 FAIR = Library("tenants.lua", "Fair")
 JOB = Library("job.lua", "Job", uses=(FAIR,))
-CLAIM = Library("claim.lua", "Claim", uses=(JOB,))
+CLAIM = Library("claim.lua", "Claim")
 LIBRARIES = (FAIR, JOB, CLAIM)
 
 
@@ -153,7 +153,7 @@ READ = Script(
     "read.lua",
     keys=("clock", "owned"),
     key_groups=(Group("levels", ("queue", "waiting", "fair")),),
-    argv=("group", "consumer", "count", "tenant_prefix", "job_prefix", "log_prefix", "owned_prefix", "now",
+    argv=("group", "consumer", "count", "tenant_prefix", "job_prefix", "owned_prefix", "now",
           "max_failed", "levels", "levels_at", "levels_width"),
     uses=(FAIR, CLAIM),
 )
@@ -163,7 +163,7 @@ def read(keys: Keys, model: str, consumer: str, count: int, *, now: float, max_f
     k = [keys.fair_clock(model), keys.owned(model, consumer)]
     for lvl in range(LEVELS):
         k += [keys.queue(model, lvl), keys.waiting(model, lvl), keys.fair(model, lvl)]
-    return Call(READ, k, [GROUP, consumer, count, keys.tenant(model, ""), keys.job(model, ""), keys.events(model, ""),
+    return Call(READ, k, [GROUP, consumer, count, keys.tenant(model, ""), keys.job(model, ""),
                           keys.owned(model, ""), now, max_failed, LEVELS,
                           *_places(len(READ.keys) + 1, READ.key_groups, [LEVELS])])
 
@@ -171,7 +171,7 @@ def read(keys: Keys, model: str, consumer: str, count: int, *, now: float, max_f
 CLAIM_TAKEN = Script(
     "claim_taken.lua",
     keys=("owned",),
-    key_groups=(Group("jobs", ("job", "log")),),
+    key_groups=(Group("jobs", ("job",)),),
     argv=("worker", "now", "max_failed", "owned_prefix", "jobs_at", "jobs_width", "ids_at", "ids_width"),
     argv_groups=(Group("ids", ("job_id",)),),
     uses=(CLAIM,),
@@ -181,7 +181,7 @@ CLAIM_TAKEN = Script(
 def claim_taken(keys: Keys, model: str, worker: str, job_ids: Sequence[str], *, now: float, max_failed: int) -> Call:
     k = [keys.owned(model, worker)]
     for job_id in job_ids:
-        k += [keys.job(model, job_id), keys.events(model, job_id)]
+        k.append(keys.job(model, job_id))
     return Call(CLAIM_TAKEN, k, [worker, now, max_failed, keys.owned(model, ""),
                                  *_places(len(CLAIM_TAKEN.keys) + 1, CLAIM_TAKEN.key_groups, [len(job_ids)]),
                                  *_places(len(CLAIM_TAKEN.argv) + 1, CLAIM_TAKEN.argv_groups, [len(job_ids)]),
@@ -245,11 +245,18 @@ def set_if_exists(key: str, fields: dict[str, Value]) -> Call:
     return Call(SET_IF_EXISTS, [key], [v for pair in fields.items() for v in pair])
 
 
-READ_LOG = Script("read_log.lua", keys=("log", "job"), argv=("from_seq",))
+READ_LOG = Script("read_log.lua", keys=("log",), argv=("from_seq",))
 
 
-def read_log(log: str, job: str, from_seq: int) -> Call:
-    return Call(READ_LOG, [log, job], [from_seq])
+def read_log(log: str, from_seq: int) -> Call:
+    return Call(READ_LOG, [log], [from_seq])
+
+
+FOLLOW = Script("follow.lua", keys=("fence",), argv=("job_id", "channel"))
+
+
+def follow(keys: Keys, model: str, job_id: str, channel: str) -> Call:
+    return Call(FOLLOW, [keys.fence(model, shard_of(job_id))], [job_id, channel])
 
 
 # The keys a job's end meters its tenant in (Fair.ended): fixed ones, then per level the fair set.
@@ -260,48 +267,30 @@ def _meter_keys(keys: Keys, model: str, day: str) -> list[str]:
     return [keys.fair_clock(model), keys.usage(model, day), keys.usage(model), keys.tokens(model)]
 
 
-EXPIRE = Script(
-    "expire.lua",
-    keys=("job", "log", "webhooks", *_METER_KEYS),
-    key_groups=(Group("levels", ("fair",)),),
-    argv=("now", "grace", "result_ttl", "live_prefix", "event_tail", "error_json", "job_id", "at_once", "tenant_prefix",
-          "day_ttl", "owned_prefix", "levels", "levels_at", "levels_width"),
-    uses=(JOB,),
-    publishes=True,
-)
+EXPIRE = Script("expire.lua", keys=("job",), argv=("now", "grace", "at_once", "job_id", "owned_prefix"))
 
 
-def expire(keys: Keys, model: str, job_id: str, *, day: str, now: float, grace_ms: int, result_ttl: int,
-           event_tail: bytes, error: bytes, at_once: bool, day_ttl: int) -> Call:
-    """``event_tail``: the error event's JSON after its seq (``"code":...}``), completed by the
-    script with the job's next seq."""
-    k = [keys.job(model, job_id), keys.events(model, job_id), keys.webhooks(model), *_meter_keys(keys, model, day),
-         *keys.fairs(model)]
-    return Call(EXPIRE, k, [now, grace_ms, result_ttl, keys.live(model, ""), event_tail, error, job_id,
-                            "1" if at_once else "0", keys.tenant(model, ""), day_ttl, keys.owned(model, ""), LEVELS,
-                            *_places(len(EXPIRE.keys) + 1, EXPIRE.key_groups, [LEVELS])])
+def expire(keys: Keys, model: str, job_id: str, *, now: float, grace_ms: int, at_once: bool) -> Call:
+    return Call(EXPIRE, [keys.job(model, job_id)], [now, grace_ms, "1" if at_once else "0", job_id,
+                                                    keys.owned(model, "")])
+
+
+def _shards(keys: Keys, model: str, shards: Sequence[int]) -> list[str]:
+    return [keys.fence(model, shard) for shard in shards]
 
 
 FLUSH = Script(
     "flush.lua",
-    keys=("owned",),
-    key_groups=(
-        # What only a terminal event writes besides its job's keys (its tenant's meter, the webhook
-        # outbox, the dead letters, its queue entry): sent only with a batch that holds one, so
-        # the usual batch of tokens carries none of them (one item or none).
-        Group("ending", ("dead_letters", "webhooks", *_METER_KEYS)),
-        Group("levels", ("queue", "fair")),
-        Group("event_keys", ("job", "log")),
-    ),
-    argv=("group", "result_ttl", "now", "live_prefix", "tenant_prefix", "day_ttl", "levels", "ending_at", "levels_at",
-          "levels_width", "event_keys_at", "event_keys_width", "events_at", "events_width", "extras_at",
-          "extras_width"),
+    key_groups=(Group("shards", ("fence",)), Group("event_keys", ("log",))),
+    argv=("writer", "result_ttl", "shards_at", "shards_width", "event_keys_at", "event_keys_width", "shard_args_at",
+          "shard_args_width", "events_at", "events_width", "endings_at", "endings_width"),
     argv_groups=(
-        Group("events", ("attempt", "seq", "event", "job_id")),
-        # The few events that write more than the log and the live path (a first token, the
-        # first event of an attempt, a terminal event), after all events: ('' = none).
-        Group("extras", ("index", "first_token_at", "prompt_ids", "status", "field", "payload", "entry",
-                         "entry_level", "dead", "compact", "prompt_tokens", "generated_tokens")),
+        Group("shard_args", ("live_prefix", "ending_prefix")),
+        Group("events", ("attempt", "seq", "event", "job_id", "shard")),
+        # Per terminal event, after all events: what its record must say once it has ended
+        # (Keys.ending, until finish.lua has written it).
+        Group("endings", ("index", "status", "field", "payload", "entry", "entry_level", "dead", "prompt_tokens",
+                          "generated_tokens")),
     ),
     uses=(JOB,),
     publishes=True,
@@ -309,8 +298,8 @@ FLUSH = Script(
 
 
 class Extra(NamedTuple):
-    """What one event writes beyond the log and the live path (flush.lua's ``extras`` group,
-    less its index)."""
+    """What one event writes beyond the log and the live path: to its record (finish.lua), and
+    for a terminal one its ending (flush.lua's ``endings`` group)."""
 
     first_token_at: Value = ""
     prompt_ids: Value = ""
@@ -325,41 +314,141 @@ class Extra(NamedTuple):
     dead: str = ""
     """'1': also record the job in the dead-letter stream."""
     compact: Value = ""
-    """The job's whole log in compact form, to replace its stream with."""
+    """The job's whole log in compact form, to keep in its record once it has ended."""
     prompt_tokens: int = -1
     """The tokens its tenant is charged (-1: not known)."""
     generated_tokens: int = -1
 
+    def ending(self) -> list[Value]:
+        """Its values in flush.lua's ``endings`` group (less the index) and in Keys.ending."""
+        return [self.status, self.field, self.payload, self.entry, self.entry_level, self.dead,
+                self.prompt_tokens, self.generated_tokens]
 
-_EVENTS, _EXTRAS = FLUSH.argv_groups
-_FLUSH_HEAD = len(FLUSH.argv)
+    @classmethod
+    def from_ending(cls, fields: dict[bytes, bytes]) -> Extra:
+        """The terminal extra kept in a job's ending (Keys.ending's fields, as take.lua returns them)."""
+        def get(name: str) -> bytes:
+            return fields.get(name.encode(), b"")
+
+        return cls(status=get("status").decode(), field=get("field").decode(), payload=get("payload"),
+                   entry=get("entry"), entry_level=int(get("entry_level") or 0), dead=get("dead").decode(),
+                   prompt_tokens=int(get("prompt_tokens") or -1), generated_tokens=int(get("generated_tokens") or -1))
 
 
-def flush(keys: Keys, model: str, *, worker: str, result_ttl: int, now: float, day: str, day_ttl: int,
-          events: Sequence[tuple[int, int, bytes, str]], extras: Sequence[tuple[int, Extra]]) -> Call:
-    """``events``: (attempt, seq, event JSON, job id) each; ``extras``: (0-based index into
-    ``events``, what it writes besides). Few values per event on purpose: packing them was most
-    of a worker's own cost per token. The keys a job's end writes (its tenant's meter, today's
-    usage among them) go only with a batch that holds a terminal event (an extra with a
-    ``status``): ``levels`` is then LEVELS, else 0."""
-    ending = any(extra.status for _, extra in extras)
-    k = [keys.owned(model, worker)]
+def flush(keys: Keys, model: str, *, writer: str, result_ttl: int, shards: Sequence[int],
+          events: Sequence[tuple[int, int, bytes, str, int]], endings: Sequence[tuple[int, Extra]]) -> Call:
+    """``shards``: the token shards of this call (one on a Cluster); ``events``: (attempt, seq,
+    event JSON, job id, index into ``shards``) each; ``endings``: (0-based index into ``events``,
+    its terminal extra). Few values per event on purpose: packing them was most of a worker's own
+    cost per token. ``writer``: the worker writing (its fence entries name it; '' for an API)."""
+    shard_args_at, shard_args_width, events_at, events_width, endings_at, endings_width = _places(
+        len(FLUSH.argv) + 1, FLUSH.argv_groups, [len(shards), len(events), len(endings)])
+    k = _shards(keys, model, shards)
+    shards_at, shards_width, event_keys_at, event_keys_width = _places(1, FLUSH.key_groups, [len(shards), len(events)])
+    args: list[Value] = [writer, result_ttl, shards_at, shards_width, event_keys_at, event_keys_width, shard_args_at,
+                         shard_args_width, events_at, events_width, endings_at, endings_width]
+    for shard in shards:
+        args += [keys.live_in(model, shard), keys.ending_in(model, shard)]
+    log_key = keys.events
+    for attempt, seq, event, job_id, shard in events:
+        k.append(log_key(model, job_id))
+        args += [attempt, seq, event, job_id, shard]
+    for index, extra in endings:
+        args += [index, *extra.ending()]
+    return Call(FLUSH, k, args)
+
+
+def _shard_jobs(script: Script, keys: Keys, model: str, shards: Sequence[int], jobs: Sequence[tuple[str, int]],
+                values: Sequence[Sequence[Value]], shard_args: Sequence[Value], fixed: Sequence[Value] = ()) -> Call:
+    """take.lua's and settle.lua's layout: per shard its fence and one value; per job its log and
+    (job id, shard index, ``values``)."""
+    k = _shards(keys, model, shards) + [keys.events(model, job_id) for job_id, _ in jobs]
+    args: list[Value] = [*_places(1, script.key_groups, [len(shards), len(jobs)]),
+                         *_places(len(script.argv) + 1, script.argv_groups, [len(shards), len(jobs)]), *fixed,
+                         *shard_args]
+    for (job_id, index), more in zip(jobs, values, strict=True):
+        args += [job_id, *more, index] if script is TAKE else [job_id, index, *more]
+    return Call(script, k, args)
+
+
+TAKE = Script(
+    "take.lua",
+    key_groups=(Group("shards", ("fence",)), Group("logs", ("log",))),
+    argv=("shards_at", "shards_width", "logs_at", "logs_width", "shard_args_at", "shard_args_width", "jobs_at",
+          "jobs_width", "worker"),
+    argv_groups=(Group("shard_args", ("ending_prefix",)), Group("jobs", ("job_id", "attempt", "followers", "shard"))),
+    uses=(JOB,),
+)
+
+
+def take(keys: Keys, model: str, worker: str, shards: Sequence[int], jobs: Sequence[tuple[str, int, str, int]]
+         ) -> Call:
+    """``jobs``: (job id, attempt, followers (the record's ``relay``), index into ``shards``) each;
+    ``worker``: the claimer ('' for an API ending a job)."""
+    return _shard_jobs(TAKE, keys, model, shards, [(j, i) for j, _, _, i in jobs], [(a, f) for _, a, f, _ in jobs],
+                       [keys.ending_in(model, shard) for shard in shards], [worker])
+
+
+RELEASE = Script("release.lua", keys=("fence",), argv=("job_id", "writer"))
+
+
+def release(keys: Keys, model: str, job_id: str, worker: str, attempt: int) -> Call:
+    return Call(RELEASE, [keys.fence(model, shard_of(job_id))], [job_id, f"{attempt}@{worker}"])
+
+
+SETTLE = Script(
+    "settle.lua",
+    key_groups=(Group("shards", ("fence",)), Group("logs", ("log",))),
+    argv=("shards_at", "shards_width", "logs_at", "logs_width", "shard_args_at", "shard_args_width", "jobs_at",
+          "jobs_width"),
+    argv_groups=(Group("shard_args", ("ending_prefix",)), Group("jobs", ("job_id", "shard", "drop"))),
+)
+
+
+def settle(keys: Keys, model: str, shards: Sequence[int], jobs: Sequence[tuple[str, int, bool]]) -> Call:
+    """``jobs``: (job id, index into ``shards``, whether its record holds its compact log now) each."""
+    return _shard_jobs(SETTLE, keys, model, shards, [(j, i) for j, i, _ in jobs], [("1" if d else "0",)
+                                                                                  for _, _, d in jobs],
+                       [keys.ending_in(model, shard) for shard in shards])
+
+
+FINISH = Script(
+    "finish.lua",
+    key_groups=(
+        # What only a terminal event writes besides its record (its tenant's meter, the webhook
+        # outbox, the dead letters, its queue entry): sent only with items that end a job.
+        Group("ending", ("dead_letters", "webhooks", *_METER_KEYS)),
+        Group("levels", ("queue", "fair")),
+        Group("jobs", ("job",)),
+    ),
+    argv=("group", "result_ttl", "now", "tenant_prefix", "day_ttl", "owned_prefix", "levels", "ending_at",
+          "levels_at", "levels_width", "jobs_at", "jobs_width", "items_at", "items_width"),
+    argv_groups=(Group("items", ("job_id", "attempt", "first_token_at", "prompt_ids", "status", "field", "payload",
+                                 "entry", "entry_level", "dead", "compact", "prompt_tokens", "generated_tokens")),),
+    uses=(JOB,),
+)
+
+
+def finish(keys: Keys, model: str, *, result_ttl: int, now: float, day: str, day_ttl: int,
+           items: Sequence[tuple[str, int, Extra]]) -> Call:
+    """``items``: (job id, attempt, what its event writes to its record) each. The keys a job's
+    end writes (its tenant's meter, today's usage among them) go only when an item ends one."""
+    ending = any(extra.status for _, _, extra in items)
+    k: list[str] = []
     if ending:
         k += [keys.dead(model), keys.webhooks(model), *_meter_keys(keys, model, day)]
     levels = LEVELS if ending else 0
     for level in range(levels):
         k += [keys.queue(model, level), keys.fair(model, level)]
-    ending_at, _, *key_places = _places(len(FLUSH.keys) + 1, FLUSH.key_groups, [int(ending), levels, len(events)])
-    args: list[Value] = [GROUP, result_ttl, now, keys.live(model, ""), keys.tenant(model, ""), day_ttl,
-                         levels, ending_at, *key_places,
-                         *_places(_FLUSH_HEAD + 1, FLUSH.argv_groups, [len(events), len(extras)])]
-    job_key, log_key = keys.job, keys.events
-    for attempt, seq, event, job_id in events:
-        k += [job_key(model, job_id), log_key(model, job_id)]
-        args += [attempt, seq, event, job_id]
-    for index, extra in extras:
-        args += [index, *extra]
-    return Call(FLUSH, k, args)
+    ending_at, _, levels_at, levels_width, jobs_at, jobs_width = _places(1, FINISH.key_groups,
+                                                                         [int(ending), levels, len(items)])
+    args: list[Value] = [GROUP, result_ttl, now, keys.tenant(model, ""), day_ttl, keys.owned(model, ""), levels,
+                         ending_at, levels_at, levels_width, jobs_at, jobs_width,
+                         *_places(len(FINISH.argv) + 1, FINISH.argv_groups, [len(items)])]
+    for job_id, attempt, extra in items:
+        k.append(keys.job(model, job_id))
+        args += [job_id, attempt, *extra[:2], *extra[2:]]
+    return Call(FINISH, k, args)
 
 
 # --- batches ----------------------------------------------------------------------------------
@@ -390,8 +479,8 @@ def file_rendered(file: str, meta: bytes, content: bytes) -> Call:
     return Call(FILE_RENDERED, [file], [meta, content])
 
 
-SCRIPTS = (ENQUEUE, READ, CLAIM_TAKEN, TAKEOVER, RENEW, ACK, CANCEL, ADD_FOLLOWER, SET_IF_EXISTS, READ_LOG,
-           EXPIRE, FLUSH, BATCH_CREATE, BATCH_STATUS, FILE_RENDERED)
+SCRIPTS = (ENQUEUE, READ, CLAIM_TAKEN, TAKEOVER, RENEW, ACK, CANCEL, ADD_FOLLOWER, FOLLOW, SET_IF_EXISTS, READ_LOG,
+           EXPIRE, FLUSH, TAKE, RELEASE, SETTLE, FINISH, BATCH_CREATE, BATCH_STATUS, FILE_RENDERED)
 
 
 # --- loading and running ----------------------------------------------------------------------
@@ -425,7 +514,8 @@ def source(script: Script) -> str:
 
 def sharded(source_text: str) -> str:
     """A script's text with its live-channel PUBLISH made SPUBLISH (sharded pub/sub, Redis >= 7
-    Cluster). Legal inside the script: the channel carries the model's hash tag, the script's slot."""
+    Cluster). Legal inside the script: the channel carries its token shard's hash tag, the
+    script's slot (flush.lua runs per shard on a Cluster)."""
     out = source_text.replace("redis.call('PUBLISH',", "redis.call('SPUBLISH',")
     assert out != source_text, "the script no longer publishes with redis.call('PUBLISH', ...)"
     return out

@@ -3,11 +3,11 @@
 -- shared/scripts.py puts it before them.
 local Claim = {}
 
--- key: the job hash; log: its event log; worker, now (epoch ms), max failed deliveries; id: the
+-- key: the job hash; worker, now (epoch ms), max failed deliveries; id: the
 -- job's id; owned: the worker's owned-jobs hash (Keys.owned), owned_prefix: any worker's, less
 -- its id.
--- Returns {state, request, queued_at, attempt, last_seq, prompt_ids, deadline, traceparent,
---          lost_worker, lost_started, tenant}; state is
+-- Returns {state, request, queued_at, attempt, prompt_ids, deadline, traceparent,
+--          lost_worker, lost_started, tenant, relay}; state is
 --   'missing'   no record (expired or never written): the caller only acks the entry;
 --   'finished'  already terminal (the entry outlived its job): the caller only acks it;
 --   'cancelled' cancelled before (re)start;   'dead' out of deliveries;
@@ -19,16 +19,17 @@ local Claim = {}
 -- the fence: any write of an earlier owner (flush.lua, renew.lua check worker and attempt) now
 -- fails, so a worker that lost its lease can write nothing more about the job. The owned-jobs
 -- hashes follow: the job leaves its previous worker's (whose flushes are then refused) and enters
--- ours with its new attempt and its followers (flush.lua reads it instead of the record).
-function Claim.start(key, log, worker, now, max_failed, id, owned, owned_prefix)
+-- ours with its new attempt and its followers. The job's log is in its token shard (Keys.events),
+-- another slot: the claimer fences the shard at the new attempt next (take.lua), which also says
+-- where its log ends.
+function Claim.start(key, worker, now, max_failed, id, owned, owned_prefix)
   local f = redis.call('HMGET', key, 'request', 'queued_at', 'cancel', 'status', 'attempt', 'handoffs', 'prompt_ids',
                        'deadline', 'traceparent', 'worker', 'started_at', 'tenant', 'relay')
   if not f[1] then
-    return {'missing', '', '0', 0, 0, '', '', '', '', '', ''}
+    return {'missing', '', '0', 0, '', '', '', '', '', '', ''}
   elseif f[4] == 'done' or f[4] == 'failed' or f[4] == 'cancelled' then
-    return {'finished', '', '0', 0, 0, '', '', '', '', '', ''}
+    return {'finished', '', '0', 0, '', '', '', '', '', '', ''}
   end
-  local last_seq = Job.last_seq(log)
   -- Deliveries that ended without a hand-back: crashes or stalls.
   local failed = tonumber(f[5] or '0') - tonumber(f[6] or '0')
   local lost_worker, lost_started = '', ''
@@ -49,6 +50,6 @@ function Claim.start(key, log, worker, now, max_failed, id, owned, owned_prefix)
   else
     redis.call('HSET', key, 'status', 'running', 'started_at', now)
   end
-  return {state, f[1], f[2] or '0', attempt, last_seq, f[7] or '', f[8] or '', f[9] or '', lost_worker, lost_started,
-          f[12] or ''}
+  return {state, f[1], f[2] or '0', attempt, f[7] or '', f[8] or '', f[9] or '', lost_worker, lost_started,
+          f[12] or '', f[13] or ''}
 end

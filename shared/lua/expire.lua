@@ -4,15 +4,16 @@
 -- With at_once = '1' the job ends now, whatever its deadline: a waiting client's cold wait ran
 -- out (no warm worker served the model for LLMQ_COLD_WAIT_S), so no worker is running it either;
 -- or the job is being deleted.
+-- This is the first of the steps (Queue.expire): it takes the job from its owner, as a claim does
+-- (attempt + 1, worker = ''; out of its owner's owned-jobs hash), so the owner's renewals fail;
+-- then the API fences the token shard at that attempt (take.lua), logs the error event (flush.lua)
+-- and ends the record (finish.lua). Should the API stop between, the job is left owned by nobody
+-- at a new attempt: its owner loses it at its next renewal and a peer reclaims it (claim.lua then
+-- finds its deadline passed, or runs it).
 -- Slots: shared/scripts.py, EXPIRE and expire().
--- Bumping the attempt, and taking the job out of its owner's owned-jobs hash (Job.finish), fences
--- off the owner: its later writes are refused, so it aborts the job and writes nothing. The stream entry stays until a worker reads or reclaims it and finds the
--- job finished (claim.lua), which acks and deletes it.
--- Returns 1 when this call ended the job, else 0.
-local job, log, webhooks, clock, usage_day, usage_total, tokens = unpack(KEYS, 1, 7)
-local now, grace, result_ttl, live_prefix, event_tail, error_json, job_id, at_once, tenant_prefix, day_ttl,
-      owned_prefix, levels, levels_at, levels_width = unpack(ARGV, 1, 14)
-levels, levels_at, levels_width = tonumber(levels), tonumber(levels_at), tonumber(levels_width)
+-- Returns {attempt, followers} when this call took the job, else 0.
+local job = KEYS[1]
+local now, grace, at_once, job_id, owned_prefix = unpack(ARGV, 1, 5)
 
 local f = redis.call('HMGET', job, 'status', 'deadline', 'relay', 'worker')
 if f[1] ~= 'queued' and f[1] ~= 'running' then return 0 end
@@ -22,22 +23,7 @@ if at_once ~= '1' then
   if f[1] == 'running' then due = due + tonumber(grace) end
   if tonumber(now) < due then return 0 end
 end
-local fairs = {}
-for l = 0, levels - 1 do
-  local k = levels_at + l * levels_width
-  local fair = KEYS[k]
-  fairs[l + 1] = fair
-end
-local seq = Job.last_seq(log) + 1
-local event = '{"type":"error","seq":' .. seq .. ',' .. event_tail
-redis.call('HINCRBY', job, 'attempt', 1)
-redis.call('XADD', log, seq .. '-0', 'e', event)
-Job.finish(job, log, job_id,
-           {ttl = result_ttl, webhooks = webhooks, owned = f[4] and f[4] ~= '' and owned_prefix .. f[4] or nil,
-            meter = {tprefix = tenant_prefix, fairs = fairs, clock = clock, usage_day = usage_day,
-                     usage_total = usage_total, tokens = tokens, now = tonumber(now), day_ttl = day_ttl}},
-           {'worker', '', 'status', 'failed', 'error', error_json, 'finished_at', now}, seq, '', -1, -1)
-local outbox = Job.outbox()
-Job.relay(outbox, f[3], live_prefix, job_id, event)
-Job.send(outbox)
-return 1
+local attempt = redis.call('HINCRBY', job, 'attempt', 1)
+redis.call('HSET', job, 'worker', '')
+if f[4] and f[4] ~= '' then redis.call('HDEL', owned_prefix .. f[4], job_id) end
+return {attempt, f[3] or ''}

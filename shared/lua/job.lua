@@ -1,6 +1,6 @@
 -- A job's log, its live events and its end, shared by the scripts that write them (a library:
--- shared/scripts.py puts it before them): flush.lua (a worker's events, its terminal one),
--- expire.lua (an end the API writes: a deadline, a cold wait, a delete) and claim.lua.
+-- shared/scripts.py puts it before them): flush.lua (a batch's events, in token shards), take.lua
+-- (a claimed job's last seq), finish.lua (the record's end).
 local Job = {}
 
 -- The seq of the newest event in a job's log stream (0: none yet). Its entry ids are its seqs.
@@ -42,14 +42,14 @@ function Job.send(outbox)
   end
 end
 
--- End a job, once, in the script that logged its terminal event (seq ``seq``): the record's
--- outcome (``outcome``: field, value pairs), its tenant's meter (Fair.ended: ``prompt`` and
--- ``generated`` tokens, -1 when not known), its TTLs, its compact log, the webhook outbox.
+-- End a job, once, in the script that writes its record's end (finish.lua; its terminal event is in
+-- its log already, flush.lua): the record's outcome (``outcome``: field, value pairs), its tenant's
+-- meter (Fair.ended: ``prompt`` and ``generated`` tokens, -1 when not known), its TTL, its compact
+-- log, the webhook outbox.
 -- e: {ttl (s) of a finished job's keys, webhooks (the outbox stream), meter (Fair.ended's),
 --     owned (its worker's owned-jobs hash, Keys.owned; nil: none)}
-function Job.finish(job, log, id, e, outcome, seq, compact, prompt, generated)
+function Job.finish(job, id, e, outcome, compact, prompt, generated)
   redis.call('HSET', job, unpack(outcome))
-  -- Owned by nobody now: any later write about it from its worker is refused (flush.lua).
   if e.owned then redis.call('HDEL', e.owned, id) end
   Fair.ended(job, id, e.meter, prompt, generated)
   -- The prompt's token ids only serve a continuation, and the relay channels only live events,
@@ -57,19 +57,13 @@ function Job.finish(job, log, id, e, outcome, seq, compact, prompt, generated)
   -- LLMQ_RESULT_TTL_S.
   redis.call('HDEL', job, 'prompt_ids', 'relay')
   redis.call('EXPIRE', job, e.ttl)
-  -- The compact log replaces the per-event stream in this same script, so a reader
-  -- (read_log.lua) finds one or the other whole. Only when the stream holds exactly seqs
-  -- 1..this one (ids are seqs, so its length says so): what the writer compacted is then what
-  -- was logged. It goes in the record's 'log' field, not a key of its own: a key costs Redis
+  -- The compact log goes in the record's 'log' field, not a key of its own: a key costs Redis
   -- ~200 bytes of bookkeeping (its name, entries in the keyspace and expiry tables) for
-  -- LLMQ_RESULT_TTL_S, as much as the log itself. A retried flush finds no stream and this
-  -- field, and adds nothing (flush.lua).
-  if compact ~= '' and redis.call('XLEN', log) == tonumber(seq) then
-    redis.call('DEL', log)
-    redis.call('HSET', job, 'log', compact)
-  else
-    redis.call('EXPIRE', log, e.ttl)  -- not XADD's: EXPIRE takes a TTL <= 0 (deletes)
-  end
+  -- LLMQ_RESULT_TTL_S, as much as the log itself. Given only when the writer holds the whole log
+  -- and its shard's stream held exactly seqs 1..the terminal one (flush.lua's 'whole'); the stream
+  -- is then dropped (settle.lua), and a reader (Queue.read_events) reads the stream while it exists,
+  -- else this field.
+  if compact ~= '' then redis.call('HSET', job, 'log', compact) end
   -- In the same script as the end, so a finished job's webhook can never be forgotten.
   if redis.call('HEXISTS', job, 'webhook') == 1 then
     redis.call('XADD', e.webhooks, '*', 'job', id)

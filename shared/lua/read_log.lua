@@ -1,21 +1,13 @@
--- Read a job's event log in whichever form it is: the stream of a running job (one entry per
--- event, the entry id = seq), or the compact log a finished job's worker made of it, in the
--- record's 'log' field (shared/eventlog.py; Job.finish swaps one for the other in the script that
--- ends the job, so a reader sees either every event so far or the whole compact log, never a mix).
--- Slots: shared/scripts.py, READ_LOG and read_log().
--- Returns {'s', entries} (XRANGE from that seq), or {'c', compact log, result} where result is
--- the record's result JSON when the compact form is rebuilt from it (else ''), or {'s', {}}.
-local log, job = unpack(KEYS, 1, 2)
+-- Read a job's event log in its token shard: the stream of a running job (one entry per event, the
+-- entry id = seq), or the compact string an older worker left in its place. Slots:
+-- shared/scripts.py, READ_LOG and read_log().
+-- Returns {'s', entries} (XRANGE from that seq), {'c', compact log} or {'n'}: no log in the shard
+-- (ended and settled, its compact form is in the record's 'log' field; or never written). The caller
+-- reads the record then (another slot): settle.lua drops the stream only after finish.lua wrote the
+-- compact form there, so a reader finds every event in one place or the other.
+local log = KEYS[1]
 local from_seq = ARGV[1]
 local kind = redis.call('TYPE', log)['ok']
 if kind == 'stream' then return {'s', redis.call('XRANGE', log, from_seq .. '-0', '+')} end
--- Ended: the compact log is in the record (Job.finish), or, written by an older worker, the
--- log's own string.
-local f = redis.call('HMGET', job, 'log', 'result')
-local compact = f[1]
-if kind == 'string' then compact = redis.call('GET', log) end
-if not compact then return {'s', {}} end
-local result = ''
-local form = string.sub(compact, 1, 1)  -- shared/eventlog.py's SHAPE and SHAPE_V0 need the result
-if form == 'D' or form == 'S' then result = f[2] or '' end
-return {'c', compact, result}
+if kind == 'string' then return {'c', redis.call('GET', log)} end
+return {'n'}

@@ -90,7 +90,7 @@ async def test_a_job_leaves_its_workers_hash_with_its_end(redis, keys):
 async def test_a_follower_added_mid_stream_gets_the_next_flush(redis, keys):
     queue = Queue(redis, keys)
     rec, d = await _picked(queue)
-    channel = keys.relay(MODEL, "api-late")
+    channel = keys.relay(MODEL, "api-late", rec.id)
     pubsub = redis.pubsub(ignore_subscribe_messages=True)
     await pubsub.subscribe(channel)
     await queue.flush(MODEL, [_tokens(rec.id, 1, d.attempt)], "w1")

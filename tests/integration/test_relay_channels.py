@@ -1,7 +1,8 @@
 """Relay channels: one PUBLISH per API process per flush carries every job it follows.
 
-A job's record names the relay channel of each API process following it (``relay``); flush.lua
-publishes one message per such channel per batch, a line ``<job id> <event JSON>`` per event, and
+A job's record names the relay channel of each API process following it (``relay``), one channel
+per token shard of the model (the job's shard's); flush.lua publishes one message per such channel
+per batch, a line ``<job id> <event JSON>`` per event, and
 the API's listener splits it back out by job id. These tests pin those bytes, the fallback to a
 job's own live channel, a second API process joining a running job, and the RESYNC after a lost
 pub/sub connection.
@@ -20,7 +21,7 @@ from api.follow import follow
 from api.listener import EventListener
 from shared.codec import encode
 from shared.events import Done, TokenDelta, Tokens
-from shared.keys import Keys
+from shared.keys import Keys, shard_of, shard_tag
 from shared.queue import Flushed, Outbound, Queue, now_ms
 from shared.redis import connect
 from shared.schemas import GenerationRequest, JobRecord
@@ -44,35 +45,45 @@ async def _messages(pubsub, n: int) -> list[tuple[bytes, bytes]]:
     return out
 
 
+def _one_shard(n: int) -> list[str]:
+    """``n`` job ids in one token shard (a relay channel carries one shard's jobs)."""
+    ids = [f"j{i}" for i in range(1000)]
+    return [j for j in ids if shard_of(j) == shard_of(ids[0])][:n]
+
+
 async def test_one_publish_per_relay_channel_per_flush_with_exact_lines(redis_url, prefix):
     redis = connect(redis_url)
     keys = Keys(prefix)
     queue = Queue(redis, keys)
-    a, b = keys.relay(MODEL, "a"), keys.relay(MODEL, "b")
+    j1, j2, j3 = _one_shard(3)
+    a, b = keys.relay(MODEL, "a", j1), keys.relay(MODEL, "b", j1)
     try:
-        await queue.enqueue(_record("j1"), relay=a)
-        await queue.enqueue(_record("j2"), relay=a)
-        await queue.enqueue(_record("j3"))  # queued without a follower (fire-and-poll)
-        assert await queue.add_follower(MODEL, "j2", b)
-        assert await queue.add_follower(MODEL, "j2", b)  # named once, however often it is asked
+        await queue.ensure_group(MODEL)
+        await queue.enqueue(_record(j1), relay=a)
+        await queue.enqueue(_record(j2), relay=a)
+        await queue.enqueue(_record(j3))  # queued without a follower (fire-and-poll)
+        assert await queue.add_follower(MODEL, j2, b)
+        assert await queue.add_follower(MODEL, j2, b)  # named once, however often it is asked
         assert not await queue.add_follower(MODEL, "missing", b)  # no record: nothing is written
-        assert await redis.hget(keys.job(MODEL, "j2"), "relay") == f"{a} {b}".encode()
+        assert await redis.hget(keys.job(MODEL, j2), "relay") == f"{a} {b}".encode()
         assert not await redis.exists(keys.job(MODEL, "missing"))
+        attempts = {d.job_id: d.attempt for d in (await queue.pick(MODEL, "w", 3)).deliveries}
 
         pubsub = redis.pubsub()
-        await pubsub.subscribe(a, b, keys.live(MODEL, "j1"), keys.live(MODEL, "j2"), keys.live(MODEL, "j3"))
-        batch = [Outbound(job_id=j, event=Tokens(seq=s, deltas=[TokenDelta(token_ids=[96 + s], text=chr(96 + s))]))
-                 for s in (1, 2) for j in ("j1", "j2", "j3")]
-        assert await queue.flush(MODEL, batch) == Flushed([], {})
+        await pubsub.subscribe(a, b, keys.live(MODEL, j1), keys.live(MODEL, j2), keys.live(MODEL, j3))
+        batch = [Outbound(job_id=j, event=Tokens(seq=s, deltas=[TokenDelta(token_ids=[96 + s], text=chr(96 + s))]),
+                          attempt=attempts[j])
+                 for s in (1, 2) for j in (j1, j2, j3)]
+        assert await queue.flush(MODEL, batch, "w") == Flushed([], {})
         line = {(o.job_id, o.event.seq): o.job_id.encode() + b" " + encode(o.event) for o in batch}
         got = await _messages(pubsub, 4)
         # Relay channels in the order their first event appeared, after the per-job publishes made
         # while the batch was written; each one message, its events in batch order.
         assert sorted(got) == sorted([
-            (keys.live(MODEL, "j3").encode(), encode(batch[2].event)),
-            (keys.live(MODEL, "j3").encode(), encode(batch[5].event)),
-            (a.encode(), b"\n".join([line["j1", 1], line["j2", 1], line["j1", 2], line["j2", 2]])),
-            (b.encode(), b"\n".join([line["j2", 1], line["j2", 2]])),
+            (keys.live(MODEL, j3).encode(), encode(batch[2].event)),
+            (keys.live(MODEL, j3).encode(), encode(batch[5].event)),
+            (a.encode(), b"\n".join([line[j1, 1], line[j2, 1], line[j1, 2], line[j2, 2]])),
+            (b.encode(), b"\n".join([line[j2, 1], line[j2, 2]])),
         ])
         assert [c for c, _ in got][-2:] == [a.encode(), b.encode()]
         assert await _nothing_more(pubsub)
@@ -97,7 +108,8 @@ async def test_listener_splits_a_relay_message_by_job_and_resyncs_after_a_lost_c
     queue = Queue(redis, keys)
     listener = EventListener(redis, keys.api_home("t"))
     runner = asyncio.create_task(listener.run())
-    channel = keys.relay(MODEL, "t")
+    x, y, nobody = _one_shard(3)
+    channel = keys.relay(MODEL, "t", x)
     events = [Tokens(seq=1, deltas=[TokenDelta(token_ids=[97], text="a")]),
               Done(seq=2, deltas=[TokenDelta(token_ids=[98], text="b", finish_reason="length")])]
 
@@ -107,18 +119,18 @@ async def test_listener_splits_a_relay_message_by_job_and_resyncs_after_a_lost_c
         pipe.publish(channel, b"\n".join(job.encode() + b" " + encode(event) for job in jobs))
 
     try:
-        async with listener.follow(channel, "x") as live_x, listener.follow(channel, "y") as live_y:
+        async with listener.follow(channel, x) as live_x, listener.follow(channel, y) as live_y:
             assert listener.channels == 2
             streams = [follow(queue, live, MODEL, job, check_log_s=30.0)
-                       for live, job in ((live_x, "x"), (live_y, "y"))]
+                       for live, job in ((live_x, x), (live_y, y))]
             pipe = redis.pipeline(transaction=True)
-            log_and_publish(pipe, events[0], ["x", "y", "nobody"])
+            log_and_publish(pipe, events[0], [x, y, nobody])
             await pipe.execute()
             first = [await asyncio.wait_for(anext(s), 5) for s in streams]
             assert [e.seq for e in first] == [1, 1]
             pipe = redis.pipeline(transaction=True)
             pipe.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
-            log_and_publish(pipe, events[1], ["x", "y"])
+            log_and_publish(pipe, events[1], [x, y])
             replies = await pipe.execute()
             assert replies[0] >= 1 and replies[-1] == 0, replies  # killed; nobody heard seq 2
             started = time.monotonic()
@@ -150,7 +162,8 @@ async def test_streams_use_relay_channels_and_a_second_api_joins_a_running_job(r
                     assert resumed.status_code == 200
                     relay = (await s.redis.hget(Keys(prefix).job(MODEL, job_id), "relay")).decode().split()
                     assert len(relay) == 2 and len(set(relay)) == 2, relay
-                    assert all(c.startswith(f"{prefix}:{{{MODEL}}}:relay:") for c in relay), relay
+                    shard = f"{prefix}:{{{shard_tag(MODEL, shard_of(job_id))}}}:relay:"  # the job's token shard's
+                    assert all(c.startswith(shard) for c in relay), relay
                     data += [line async for line in _data_lines(lines)]
                     replay = (await resumed.aread()).decode()
         text = "".join(json.loads(x)["choices"][0]["text"] for x in data if x != "[DONE]")

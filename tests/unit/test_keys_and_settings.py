@@ -1,21 +1,52 @@
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
+from redis.crc import key_slot
 
 from shared.config import DEFAULT_MODEL, TINY_MODEL_DIR, SettingsError, load_settings
-from shared.keys import Keys
+from shared.keys import SHARDS, Keys, new_job_id, shard_of, shard_tag
 
 
-def test_per_model_keys_share_one_cluster_hash_tag():
+def test_a_models_queue_keys_share_one_cluster_hash_tag():
     keys = Keys("llmq")
-    job_keys = [keys.queue("m"), keys.job("m", "j1"), keys.events("m", "j1"), keys.live("m", "j1"),
-                keys.idempotency("m", "k"), keys.dead("m"), keys.workers("m")]
-    assert job_keys[0] == "llmq:{m}:queue"
+    model_keys = [keys.queue("m"), keys.job("m", "j1"), keys.idempotency("m", "k"), keys.dead("m"), keys.workers("m"),
+                  keys.owned("m", "w"), keys.fair("m")]
+    assert model_keys[0] == "llmq:{m}:queue"
     assert keys.job("m", "j1") == "llmq:{m}:job:j1"
-    assert keys.events("m", "j1") == "llmq:{m}:events:j1"
-    assert keys.live("m", "j1") == "llmq:{m}:live:j1"
-    assert all(k.startswith("llmq:{m}:") for k in job_keys)
+    assert all(k.startswith("llmq:{m}:") for k in model_keys)
     assert keys.worker("w1") == "llmq:worker:w1"
+
+
+def test_a_jobs_token_keys_share_its_shards_hash_tag_found_from_its_id_alone():
+    keys = Keys("llmq")
+    shard = shard_of("j1")
+    tag = "{" + shard_tag("m", shard) + "}"
+    assert tag.startswith("{m/") and tag != "{m}"
+    token_keys = [keys.events("m", "j1"), keys.live("m", "j1"), keys.ending("m", "j1"), keys.fence("m", shard),
+                  keys.relay("m", "api-1", "j1")]
+    assert token_keys[0] == f"llmq:{tag}:events:j1"
+    assert all(k.startswith(f"llmq:{tag}:") for k in token_keys)
+    assert shard_of("j1") == shard_of("j1") and 0 <= shard < SHARDS
+
+
+def test_a_models_shard_tags_spread_evenly_over_masters_holding_equal_slot_ranges():
+    """The token shards' slots are evenly spaced, so every master of an evenly split Cluster of 1,
+    2, 3, 4 or 6 masters holds the same number of a model's shards, whatever the model's name."""
+    for model in ("m", "tiny-llama", "meta-llama/Llama-3.1-8B-Instruct"):
+        slots = [key_slot(shard_tag(model, s).encode()) for s in range(SHARDS)]
+        assert len(set(slots)) == SHARDS
+        for masters in (1, 2, 3, 4, 6):
+            # redis-cli --cluster create's split: master i holds slots [i*16384/n, (i+1)*16384/n).
+            held = Counter(slot * masters // 16384 for slot in slots)
+            assert sorted(held.values()) == [SHARDS // masters] * masters, (model, masters, held)
+
+
+def test_jobs_spread_over_the_shards():
+    counts = Counter(shard_of(new_job_id("m")) for _ in range(12000))
+    assert set(counts) == set(range(SHARDS))
+    assert max(counts.values()) < 1.15 * 12000 / SHARDS
 
 
 def test_prefix_isolates_runs():

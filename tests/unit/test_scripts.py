@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from shared import scripts
-from shared.keys import GROUP, LEVELS, Keys
+from shared.keys import GROUP, LEVELS, Keys, shard_of
 from shared.scripts import Call, Extra, Script
 from shared.tenants import USAGE_FIELDS
 
@@ -159,8 +159,8 @@ def _layout_of(call: Call, counts: dict[str, int], *, tail: int = 0) -> None:
         assert args[script.slot("group") - 1] == GROUP
 
 
-def _sample(i: int) -> tuple[int, int, bytes, str]:
-    return (1, i + 1, b'{"type":"tokens"}', f"j{i}")
+def _sample(i: int) -> tuple[int, int, bytes, str, int]:
+    return (1, i + 1, b'{"type":"tokens"}', f"j{i}", 0)
 
 
 @pytest.mark.parametrize("n", [0, 1, 3])
@@ -178,42 +178,62 @@ def test_the_packers_fill_exactly_their_layouts(n: int):
     _layout_of(scripts.claim_taken(KEYS, MODEL, "w", jobs, now=1.0, max_failed=3), {"jobs": n, "ids": n})
     _layout_of(scripts.renew(KEYS, MODEL, "w", [(j, b"1-0", 1, 0) for j in jobs], idle_ms=0, hand_back=False),
                {"job_keys": n, "jobs": n})
-    _layout_of(scripts.expire(KEYS, MODEL, "j", day="2026-01-01", now=1.0, grace_ms=0, result_ttl=1,
-                              event_tail=b"}", error=b"{}", at_once=False, day_ttl=1), levels)
-    flush = scripts.flush(KEYS, MODEL, worker="w", result_ttl=1, now=1.0, day="2026-01-01", day_ttl=1,
-                          events=[_sample(i) for i in range(n)], extras=[(i, Extra()) for i in range(n) if i % 2])
-    _layout_of(flush, {"ending": 0, "levels": 0, "event_keys": n, "events": n, "extras": n // 2})
-    ending = scripts.flush(KEYS, MODEL, worker="w", result_ttl=1, now=1.0, day="2026-01-01", day_ttl=1,
-                           events=[_sample(i) for i in range(n + 1)], extras=[(n, Extra(status="done"))])
-    _layout_of(ending, {"ending": 1, "levels": LEVELS, "event_keys": n + 1, "events": n + 1, "extras": 1})
+    _layout_of(scripts.expire(KEYS, MODEL, "j", now=1.0, grace_ms=0, at_once=False), {})
+    shards = list(range(min(n, 2)))
+    flush = scripts.flush(KEYS, MODEL, writer="w", result_ttl=1, shards=shards, events=[_sample(i) for i in range(n)],
+                          endings=[(i, Extra(status="done")) for i in range(n) if i % 2])
+    _layout_of(flush, {"shards": len(shards), "shard_args": len(shards), "event_keys": n, "events": n,
+                       "endings": n // 2})
+    tokens = [(1, Extra(first_token_at=1.0))] * n
+    _layout_of(scripts.finish(KEYS, MODEL, result_ttl=1, now=1.0, day="d", day_ttl=1,
+                              items=[(j, 1, extra) for j, (_, extra) in zip(jobs, tokens, strict=True)]),
+               {"ending": 0, "levels": 0, "jobs": n, "items": n})
+    _layout_of(scripts.finish(KEYS, MODEL, result_ttl=1, now=1.0, day="d", day_ttl=1,
+                              items=[(j, 1, Extra(status="done")) for j in [*jobs, "x"]]),
+               {"ending": 1, "levels": LEVELS, "jobs": n + 1, "items": n + 1})
+    _layout_of(scripts.take(KEYS, MODEL, "w", shards, [(j, 1, "", 0) for j in jobs]),
+               {"shards": len(shards), "shard_args": len(shards), "logs": n, "jobs": n})
+    _layout_of(scripts.settle(KEYS, MODEL, shards, [(j, 0, True) for j in jobs]),
+               {"shards": len(shards), "shard_args": len(shards), "logs": n, "jobs": n})
     _layout_of(scripts.set_if_exists("k", pairs), {}, tail=2 * n)
     _layout_of(scripts.batch_status("b", "done", 1, ["x"], pairs), {}, tail=2 * n)
     create = scripts.batch_create("b", "l", pairs, [b"line"] * n)
     _layout_of(create, {}, tail=3 * n)
     assert create.args[create.script.slot("lines_at") - 1] == len(create.script.argv) + 1 + 2 * n
     for call in (scripts.takeover("q", "d", "w", n), scripts.ack("q", b"1-0"), scripts.cancel("k"),
-                 scripts.add_follower(KEYS, MODEL, "j", "c"), scripts.read_log("l", "k", n),
+                 scripts.add_follower(KEYS, MODEL, "j", "c"), scripts.read_log("l", n),
+                 scripts.follow(KEYS, MODEL, "j", "c"), scripts.release(KEYS, MODEL, "j", "w", 1),
                  scripts.file_rendered("f", b"", b"")):
         _layout_of(call, {})
 
 
-def test_a_flush_sends_the_keys_a_jobs_end_writes_only_with_a_terminal_event():
-    """A batch of tokens (a first token's extra among them) sends no meter key, no usage day and
-    no queue; the batch that ends a job sends them all."""
-    tokens = scripts.flush(KEYS, MODEL, worker="w", result_ttl=1, now=1.0, day="2026-01-01", day_ttl=1,
-                           events=[_sample(0), _sample(1)], extras=[(0, Extra(first_token_at=1.0, prompt_ids=b"[1]"))])
-    assert tokens.keys == [KEYS.owned(MODEL, "w"), KEYS.job(MODEL, "j0"), KEYS.events(MODEL, "j0"),
-                           KEYS.job(MODEL, "j1"), KEYS.events(MODEL, "j1")]
+def test_a_records_write_sends_the_keys_a_jobs_end_writes_only_with_a_terminal_event():
+    """Items of a first token and its prompt send no meter key, no usage day and no queue; the
+    items that end a job send them all."""
+    tokens = scripts.finish(KEYS, MODEL, result_ttl=1, now=1.0, day="2026-01-01", day_ttl=1,
+                            items=[("j0", 1, Extra(first_token_at=1.0, prompt_ids=b"[1]"))])
+    assert tokens.keys == [KEYS.job(MODEL, "j0")]
     assert not any("2026-01-01" in str(v) for v in tokens.args)
-    ending = scripts.flush(KEYS, MODEL, worker="w", result_ttl=1, now=1.0, day="2026-01-01", day_ttl=1,
-                           events=[_sample(0)], extras=[(0, Extra(status="failed", field="error", payload=b"{}"))])
+    ending = scripts.finish(KEYS, MODEL, result_ttl=1, now=1.0, day="2026-01-01", day_ttl=1,
+                            items=[("j0", 1, Extra(status="failed", field="error", payload=b"{}"))])
     assert {KEYS.usage(MODEL, "2026-01-01"), KEYS.usage(MODEL), KEYS.tokens(MODEL), KEYS.fair_clock(MODEL),
             KEYS.webhooks(MODEL), KEYS.dead(MODEL), *KEYS.queues(MODEL), *KEYS.fairs(MODEL)} <= set(ending.keys)
 
 
-def test_an_extra_is_the_extras_group_after_its_index():
-    [_, extras] = scripts.FLUSH.argv_groups
-    assert ("index", *Extra._fields) == extras.slots
+def test_a_flush_names_only_token_shard_keys():
+    """A flush writes nothing in the model's slot: every key it sends is under a token shard's tag."""
+    events = [_sample(i) for i in range(4)]
+    call = scripts.flush(KEYS, MODEL, writer="w", result_ttl=1, shards=[3], events=[(*e[:4], 0) for e in events],
+                         endings=[(3, Extra(status="done"))])
+    assert call.keys == [KEYS.fence(MODEL, 3), *(KEYS.events(MODEL, e[3]) for e in events)]
+    assert all(f"{{{MODEL}}}" not in key for key in call.keys)
+
+
+def test_an_extra_is_the_finish_items_group_after_its_job_and_attempt():
+    [items] = scripts.FINISH.argv_groups
+    assert ("job_id", "attempt", *Extra._fields) == items.slots
+    [_, _, endings] = scripts.FLUSH.argv_groups
+    assert ("index", *(f for f in Extra._fields if f not in ("first_token_at", "prompt_ids", "compact"))) == endings.slots
 
 
 def test_every_packer_is_listed_with_its_script():
@@ -225,16 +245,19 @@ def test_every_packer_is_listed_with_its_script():
 
 def test_the_prefixes_a_script_appends_an_id_to_build_the_same_keys_as_keys_py():
     read = scripts.read(KEYS, MODEL, "w", 1, now=1.0, max_failed=3)
-    flush = scripts.flush(KEYS, MODEL, worker="w", result_ttl=1, now=1.0, day="d", day_ttl=1, events=[], extras=[])
+    flush = scripts.flush(KEYS, MODEL, writer="w", result_ttl=1, shards=[5], events=[], endings=[])
+    finish = scripts.finish(KEYS, MODEL, result_ttl=1, now=1.0, day="d", day_ttl=1, items=[])
 
     def value(call: Call, name: str) -> str:
         return call.args[call.script.slot(name) - 1]
 
     for prefix, build in ((value(read, "tenant_prefix"), KEYS.tenant), (value(read, "job_prefix"), KEYS.job),
-                          (value(read, "log_prefix"), KEYS.events), (value(flush, "live_prefix"), KEYS.live),
-                          (value(read, "owned_prefix"), KEYS.owned),
-                          (value(flush, "tenant_prefix"), KEYS.tenant)):
+                          (value(read, "owned_prefix"), KEYS.owned), (value(finish, "tenant_prefix"), KEYS.tenant)):
         assert prefix + "x1" == build(MODEL, "x1")
+    job = next(j for j in (f"x{i}" for i in range(1000)) if shard_of(j) == 5)
+    assert flush.args[flush.script.slot("shard_args_at") - 1] == len(flush.script.argv) + 1
+    live_prefix, ending_prefix = flush.args[len(flush.script.argv):len(flush.script.argv) + 2]
+    assert live_prefix + job == KEYS.live(MODEL, job) and ending_prefix + job == KEYS.ending(MODEL, job)
 
 
 def _suffix_functions() -> dict[str, list[str]]:
