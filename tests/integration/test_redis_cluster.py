@@ -26,8 +26,8 @@ from redis.asyncio import RedisCluster
 
 from api.shards import ClusterListener
 from shared.codec import decode_event
-from shared.events import Error
-from shared.keys import GROUP, Keys
+from shared.events import Done, Error
+from shared.keys import GROUP, Keys, shard_of, shard_tag
 from shared.queue import Queue, now_ms
 from shared.schemas import GenerationRequest, JobRecord
 from shared.status import snapshot
@@ -101,16 +101,25 @@ def live_subscribers(cluster: LocalCluster, channel: str) -> tuple[int, int]:
     return plain, sharded
 
 
-async def test_each_model_keeps_every_key_in_one_slot_on_its_own_master(cluster, models):
-    keys = models.keys
+def _slot(cluster: LocalCluster, key: str) -> int:
     with SyncRedis.from_url(cluster.node_url(0)) as node:
-        def slot(key: str) -> int:
-            return int(node.execute_command("CLUSTER KEYSLOT", key))
+        return int(node.execute_command("CLUSTER KEYSLOT", key))
 
-        for model in (MODEL, OTHER):
-            per_model = [*keys.queues(model), keys.job(model, "j"), keys.events(model, "j"), keys.live(model, "j"),
-                         keys.dead(model), keys.workers(model), keys.idempotency(model, "k"), keys.webhooks(model)]
-            assert len({slot(k) for k in per_model}) == 1, model
+
+async def test_each_model_keeps_its_queue_and_records_in_one_slot_on_its_own_master(cluster, models):
+    keys = models.keys
+
+    def slot(key: str) -> int:
+        return _slot(cluster, key)
+
+    for model in (MODEL, OTHER):
+        per_model = [*keys.queues(model), keys.job(model, "j"), keys.dead(model), keys.workers(model),
+                     keys.idempotency(model, "k"), keys.webhooks(model), *keys.fairs(model), keys.owned(model, "w")]
+        assert len({slot(k) for k in per_model}) == 1, model
+        # A job's token keys share its token shard's slot, another one.
+        token = [keys.events(model, "j"), keys.live(model, "j"), keys.ending(model, "j"),
+                 keys.fence(model, shard_of("j")), keys.relay(model, "api", "j")]
+        assert len({slot(k) for k in token}) == 1 and slot(token[0]) != slot(per_model[0]), model
     owners = {m: cluster.owner_port(keys.queue(m)) for m in (MODEL, OTHER)}
     assert owners[MODEL] != owners[OTHER]
     # A job really lands on its model's master, and nowhere else.
@@ -121,9 +130,41 @@ async def test_each_model_keeps_every_key_in_one_slot_on_its_own_master(cluster,
         with SyncRedis.from_url(f"redis://127.0.0.1:{port}/0") as node:
             in_slot = node.execute_command("CLUSTER COUNTKEYSINSLOT", slot(keys.job(OTHER, job_id)))
             if port == owners[OTHER]:
-                assert node.exists(keys.job(OTHER, job_id)) and in_slot >= 3  # record, log, queue (+ more)
+                assert node.exists(keys.job(OTHER, job_id)) and in_slot >= 2  # record, queue (+ more)
             else:
                 assert in_slot == 0
+
+
+def _xadds(cluster: LocalCluster) -> dict[int, int]:
+    """XADD calls so far per master (a script's commands count in INFO commandstats)."""
+    out = {}
+    for port in cluster.ports:
+        with SyncRedis.from_url(f"redis://127.0.0.1:{port}/0") as node:
+            out[port] = int(node.info("commandstats").get("cmdstat_xadd", {}).get("calls", 0))
+    return out
+
+
+async def test_a_models_token_writes_land_on_the_masters_of_their_jobs_shards(cluster, models):
+    """Each event of a job is logged on the master owning its token shard's slot, not its model's:
+    XADDs counted per master come to exactly each master's jobs' events (plus, on the model's
+    master, the two queue entries of each job: waiting, then picked). Twelve jobs span more than
+    one master (all on one: a chance of 3 in 3^12)."""
+    jobs = 12
+    before = _xadds(cluster)
+    bodies = [{"model": MODEL, "prompt": f"spread {i}", "sampling": {"max_tokens": 20}} for i in range(jobs)]
+    ids = [(await models.client.post("/v1/jobs", json=body)).json()["id"] for body in bodies]
+    for job_id in ids:
+        assert (await job_status(models.client, job_id))["status"] == "done"
+    after = _xadds(cluster)
+    queue = Queue(models.redis, models.keys)
+    expected = dict.fromkeys(cluster.ports, 0)
+    expected[cluster.owner_port(models.keys.queue(MODEL))] += 2 * jobs
+    for job_id in ids:
+        events = await queue.read_events(MODEL, job_id)
+        assert [e.seq for e in events] == list(range(1, len(events) + 1)) and isinstance(events[-1], Done)
+        expected[cluster.owner_port(models.keys.events(MODEL, job_id))] += len(events)
+    assert {port: after[port] - before[port] for port in cluster.ports} == expected
+    assert len({cluster.owner_port(models.keys.events(MODEL, job_id)) for job_id in ids}) > 1
 
 
 @pytest.mark.parametrize("model", [MODEL, OTHER])
@@ -160,7 +201,8 @@ async def test_live_events_use_the_pubsub_the_servers_support(cluster, models):
         unused = await asyncio.to_thread(live_subscribers, cluster, models.keys.live(OTHER, job_id))
         rest = [line async for line in lines]
     sharded = cluster.version >= (7,)
-    assert relay.startswith(f"{models.prefix}:{{{OTHER}}}:relay:")  # the model's slot: legal in flush.lua
+    # The job's token shard's slot, where its flushes run: legal in flush.lua.
+    assert relay.startswith(f"{models.prefix}:{{{shard_tag(OTHER, shard_of(job_id))}}}:relay:")
     assert seen == ((0, 1) if sharded else (1, 0)) and unused == (0, 0)
     assert models.workers[OTHER].queue.sharded is sharded
     chunks = [json.loads(x.removeprefix("data: ")) for x in [first, *rest] if x.startswith("data: {")]
