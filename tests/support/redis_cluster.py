@@ -272,7 +272,7 @@ def redis7_binaries() -> tuple[str, str, dict[str, str]] | None:
 def start_cluster(data_dir: Path, *, masters: int = 3, replicas: int = 0, server: str | None = None,
                   cli: str | None = None, env: dict[str, str] | None = None) -> LocalCluster:
     """Start ``masters`` cluster-enabled servers and ``replicas`` replicas for each, join them with
-    ``redis-cli --cluster create`` and wait until every node reports ``cluster_state:ok`` and
+    ``redis-cli --cluster create`` (one master alone: it adds every slot itself) and wait until every node reports ``cluster_state:ok`` and
     every replica has synced with its primary. Each node's files and log are in
     ``data_dir/<port>``."""
     server = server or redis_server_binary()
@@ -289,11 +289,17 @@ def start_cluster(data_dir: Path, *, masters: int = 3, replicas: int = 0, server
             cluster.procs.append(cluster._spawn(i))
         for i in range(len(ports)):
             _wait(lambda i=i: _ping(cluster.node_url(i)), what="node PING")
-        subprocess.run(
-            [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas", str(replicas),
-             "--cluster-yes"],
-            check=True, capture_output=True, env=env, timeout=60, stdin=subprocess.DEVNULL,
-        )
+        if masters == 1 and not replicas:
+            # --cluster create wants three masters: one node takes every slot itself (a baseline
+            # for what three masters add; tests/bench/relay_shards.py).
+            with SyncRedis.from_url(cluster.node_url(0)) as node:
+                node.execute_command("CLUSTER", "ADDSLOTS", *range(16384))
+        else:
+            subprocess.run(
+                [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas",
+                 str(replicas), "--cluster-yes"],
+                check=True, capture_output=True, env=env, timeout=60, stdin=subprocess.DEVNULL,
+            )
         cluster.wait_ready()
     except BaseException:
         cluster.stop()
