@@ -54,13 +54,13 @@ async def _start_worker(redis: Redis, url: str, prefix: str, model: str,
 
 
 async def _run_jobs(queue: Queue, model: str, jobs: int, tokens: int, relay: str | None = None) -> list[str]:
-    """Queue ``jobs`` jobs of ``tokens`` tokens as the API does (followed on ``relay``), and wait
-    for every one to end; their ids."""
+    """Queue ``jobs`` jobs of ``tokens`` tokens as the API does (followed by API process ``relay``
+    on the relay channel of each job's token shard), and wait for every one to end; their ids."""
     ids = []
     for _ in range(jobs):
         rec = JobRecord(id=uuid.uuid4().hex, model=model, queued_at=now_ms(), request=GenerationRequest(
             prompt=PROMPT, sampling=SamplingParams(max_tokens=tokens, temperature=0.0)))
-        ids.append(await queue.enqueue(rec, relay=relay))
+        ids.append(await queue.enqueue(rec, relay=queue.keys.relay(model, relay, rec.id) if relay else None))
     pending = set(ids)
     while pending:
         await asyncio.sleep(0.2)
@@ -78,7 +78,7 @@ async def _run(redis: Redis, url: str, jobs: int, tokens: int, delay_ms: float) 
     prefix = f"stats-{uuid.uuid4().hex[:6]}"
     worker, task, queue = await _start_worker(redis, url, prefix, MODEL, ScriptedEngine(delay_s=delay_ms / 1000))
     await redis.config_resetstat()
-    await _run_jobs(queue, MODEL, jobs, tokens, relay=Keys(prefix).relay(MODEL, "bench-api"))
+    await _run_jobs(queue, MODEL, jobs, tokens, relay="bench-api")
     after = await _commandstats(redis)
     worker.stop()
     before = {"hgetall": after.get("hgetall", {})}  # the polling above is this benchmark's own

@@ -272,9 +272,9 @@ def redis7_binaries() -> tuple[str, str, dict[str, str]] | None:
 def start_cluster(data_dir: Path, *, masters: int = 3, replicas: int = 0, server: str | None = None,
                   cli: str | None = None, env: dict[str, str] | None = None) -> LocalCluster:
     """Start ``masters`` cluster-enabled servers and ``replicas`` replicas for each, join them with
-    ``redis-cli --cluster create`` (one master alone: it adds every slot itself) and wait until every node reports ``cluster_state:ok`` and
-    every replica has synced with its primary. Each node's files and log are in
-    ``data_dir/<port>``."""
+    ``redis-cli --cluster create`` (one master alone: it adds every slot itself) and wait until
+    every node reports ``cluster_state:ok`` and every replica has synced with its primary. Each
+    node's files and log are in ``data_dir/<port>``."""
     server = server or redis_server_binary()
     cli = cli or redis_cli_binary()
     flags = _FAILOVER_FLAGS if replicas else _SHARD_FLAGS
