@@ -154,7 +154,11 @@ class Keys:
         by sequence). Its end replaces it by the compact log (shared/eventlog.py), kept in the
         record's ``log`` field; a continued job's stream is kept instead, with the record's TTL.
         Under the job's token shard (:func:`shard_of`), not the model."""
-        return f"{self._shard(model, shard_of(job_id))}:events:{job_id}"
+        return self.events_in(model, shard_of(job_id), job_id)
+
+    def events_in(self, model: str, shard: int, job_id: str = "") -> str:
+        """:meth:`events` given the shard (with no job id: the shard's prefix)."""
+        return f"{self._shard(model, shard)}:events:{job_id}"
 
     def fence(self, model: str, shard: int) -> str:
         """Hash, under a token shard: job id -> ``<attempt>`` or ``<attempt> <relay channels>``,

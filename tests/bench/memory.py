@@ -39,7 +39,7 @@ from redis.asyncio import Redis
 from shared.codec import job_from_hash
 from shared.config import load_settings
 from shared.events import Done, Tokens
-from shared.keys import LEVELS, Keys
+from shared.keys import LEVELS, SHARDS, Keys
 from shared.logging import configure_logging
 from shared.queue import Queue
 from shared.redis import connect
@@ -70,13 +70,16 @@ class _StreamingWorker(Worker):
 
 def key_kinds(keys: Keys, model: str) -> list[tuple[str, str]]:
     """(kind, key name prefix) for every key llmq makes, longest prefix first, from shared/keys.py."""
-    kinds = [("job record", keys.job(model, "")), ("event log", keys.events(model, "")),
+    kinds = [("job record", keys.job(model, "")),
              ("idempotency", keys.idempotency(model, "")), ("usage", keys.usage(model)),
              ("tenant", keys.tenant(model, "")), ("tokens window", keys.tokens(model)),
              ("tenants", keys.tenants(model)), ("fair share", keys.fair(model)), ("fair share", keys.fair_clock(model)),
              ("group", keys.group(model, "")), ("dead letters", keys.dead(model)), ("webhooks", keys.webhooks(model)),
              ("workers", keys.workers(model)), ("presence", keys.worker("")), ("presence", keys.models()),
              ("presence", keys.apis()), ("presence", keys.api_home(""))]
+    for shard in range(SHARDS):  # a job's token keys, under its token shard's tag
+        kinds += [("event log", keys.events_in(model, shard)), ("token fence", keys.fence(model, shard)),
+                  ("ending", keys.ending_in(model, shard))]
     kinds += [("queue stream", keys.queue(model, level)) for level in range(LEVELS)]
     kinds += [("waiting stream", keys.waiting(model, level)) for level in range(LEVELS)]
     return sorted(kinds, key=lambda kind: -len(kind[1]))
