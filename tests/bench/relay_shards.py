@@ -33,6 +33,7 @@ from pathlib import Path
 from redis import Redis as SyncRedis
 
 from shared.keys import Keys
+from tests.bench.cpu import cpu_seconds
 from tests.bench.procs import REPO, load_average, markdown_table, report_head, save
 from tests.bench.relay import MODEL, Stack
 
@@ -70,13 +71,14 @@ class ShardStack(Stack):
         return out
 
     def measured(self, clients: int, tokens: int, client_procs: int) -> dict:
-        before = self.xadds()
+        masters = [f"redis{i}" for i in range(self.masters)]
+        before, cpu0 = self.xadds(), {m: cpu_seconds(self.procs[m].pid) or 0.0 for m in masters}
         run = self.run(clients, tokens, 1, client_procs)
+        # The server's own CPU seconds (run's percentages are rounded to 1 % of the wall time).
+        cpu_s = {m: (cpu_seconds(self.procs[m].pid) or 0.0) - cpu0[m] for m in masters}
         xadds = [b - a for a, b in zip(before, self.xadds(), strict=True)]
         # Token events only: the model's master also logs each job's two queue entries.
         xadds[self._cluster.ports.index(self._cluster.owner_port(Keys().queue(MODEL)))] -= 2 * clients
-        masters = [f"redis{i}" for i in range(self.masters)]
-        cpu_s = {m: run["cpu_pct"][m] * run["wall_s"] / 100 for m in masters}
         busiest = max(cpu_s.values())
         mean = statistics.mean(xadds)
         return {**run, "masters": self.masters, "xadds": xadds,
