@@ -1,7 +1,8 @@
-"""The fence a flush checks with one read (Keys.owned): each way a job leaves its worker (a peer's
+"""The fence a flush checks with one read (Keys.fence, in the job's token shard), and the worker's
+owned-jobs hash the model's scripts keep (Keys.owned): each way a job leaves its worker (a peer's
 claim, a hand-back, an expiry, its end) refuses that worker's later events, as the record's
-(worker, attempt) did; a follower added mid-stream gets the next flush; the hash empties as jobs
-end. Each refusal has a control: the same event from the owner at its attempt is written."""
+(worker, attempt) did; a follower added mid-stream gets the next flush; both empty as jobs end.
+Each refusal has a control: the same event from the owner at its attempt is written."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import uuid
 
 from shared.errors import JobCancelled
 from shared.events import Done, Error, TokenDelta, Tokens
+from shared.keys import shard_of
 from shared.queue import Held, Outbound, Queue, now_ms
 from shared.result import ResultBuilder
 from shared.schemas import GenerationRequest, JobRecord
@@ -85,6 +87,7 @@ async def test_a_job_leaves_its_workers_hash_with_its_end(redis, keys):
                                        attempt=d.attempt)], "w1")
     assert (await queue.get_job(MODEL, rec.id)).status == "done"
     assert not await redis.exists(keys.owned(MODEL, "w1"))
+    assert await redis.hget(keys.fence(MODEL, shard_of(rec.id)), rec.id) is None
 
 
 async def test_a_follower_added_mid_stream_gets_the_next_flush(redis, keys):
@@ -96,6 +99,7 @@ async def test_a_follower_added_mid_stream_gets_the_next_flush(redis, keys):
     await queue.flush(MODEL, [_tokens(rec.id, 1, d.attempt)], "w1")
     assert await queue.add_follower(MODEL, rec.id, channel)
     assert await redis.hget(keys.owned(MODEL, "w1"), rec.id) == f"{d.attempt} {channel}".encode()
+    assert await redis.hget(keys.fence(MODEL, shard_of(rec.id)), rec.id) == f"{d.attempt}@w1 {channel}".encode()
     await queue.flush(MODEL, [_tokens(rec.id, 2, d.attempt)], "w1")
     lines = []
     for _ in range(30):
