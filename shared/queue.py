@@ -523,7 +523,13 @@ class Queue:
             return []
         if len(calls) == 1:
             return [await self.scripts.run(calls[0])]
-        return list(await asyncio.gather(*(self.scripts.run(call) for call in calls)))
+        # Every call answered before any error is raised: a retry of the batch never races a call
+        # of the try before it.
+        replies = await asyncio.gather(*(self.scripts.run(call) for call in calls), return_exceptions=True)
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
+        return list(replies)
 
     async def _take(self, model: str, worker: str, deliveries: list[Delivery]) -> list[Delivery]:
         """Fence the token shards of jobs just claimed at their new attempt (take.lua), and learn
