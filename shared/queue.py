@@ -645,7 +645,8 @@ class Queue:
         for every shard); then what the events write to their records (a first token, the
         prompt's ids, a job's end: the record update, its compact log, XACK + XDEL) in one script
         in the model's slot (finish.lua), and the shards of the jobs that ended are settled
-        (settle.lua). Each event is written only while its attempt holds its job's shard fence
+        (settle.lua); the prompt's ids and a first token's time go to the records first. Each event
+        is written only while its attempt holds its job's shard fence
         (take.lua), and only right after the event before it: a job whose log lacks events before
         its first one here (a failover took them back) writes none of them (:attr:`Flushed.gaps`).
 
@@ -661,6 +662,14 @@ class Queue:
         for i, out in enumerate(batch):
             if out.first_token_at is not None or out.prompt_ids is not None or not isinstance(out.event, Tokens):
                 extras[i] = self._extra(out)  # the usual token event needs none
+        lost_jobs: set[str] = set()
+        # The prompt's ids (and a first token's time) go to the record BEFORE the events are
+        # logged: a writer that dies between leaves a record a successor continues from (no log
+        # yet, or ids to extend), never a log of tokens without the ids to continue it.
+        notes = [i for i, extra in extras.items() if not extra.status]
+        if notes:
+            refused = await self._finish(model, [(batch[i].job_id, batch[i].attempt, extras[i]) for i in notes], [])
+            lost_jobs.update(batch[notes[n]].job_id for n in refused)
         for shards, items in groups:
             order = {i: n for n, (i, _) in enumerate(items)}
             calls.append(scripts.flush(
@@ -675,22 +684,20 @@ class Queue:
             gaps.update({batch[items[int(n)][0]].job_id: int(logged) for n, logged in zip(gap[::2], gap[1::2],
                                                                                           strict=True)})
             whole.update(items[int(n)][0] for n in complete)
-        lost_jobs = {batch[i].job_id for i in lost_at}
-        notes = [i for i in extras if i not in lost_at and batch[i].job_id not in gaps]
-        if notes:
+        lost_jobs.update(batch[i].job_id for i in lost_at)
+        ends = [i for i, extra in extras.items() if extra.status and i not in lost_at and batch[i].job_id not in gaps]
+        if ends:
             items = []
-            settle = []
-            for i in notes:
+            for i in ends:
                 extra = extras[i]
-                if extra.status and i not in whole:
+                if i not in whole:
                     extra = extra._replace(compact="")  # the log holds more than this writer knows of
                 items.append((batch[i].job_id, batch[i].attempt, extra))
-                if extra.status:
-                    settle.append((batch[i].job_id, bool(extra.compact)))
-            refused = await self._finish(model, items, settle)
-            lost_jobs.update(items[i][0] for i in refused if not items[i][2].status)
+            # A refusal here is a peer's claim between the two steps: that claimer ends the record
+            # from the logged ending (Queue._take), so the job is not lost to anyone.
+            refused = await self._finish(model, items, [(job_id, bool(extra.compact)) for job_id, _, extra in items])
             if refused:
-                log.info("flush_records_refused", worker=worker, jobs=[items[i][0] for i in refused])
+                log.info("flush_end_left_to_claimer", worker=worker, jobs=[items[n][0] for n in refused])
         return Flushed(sorted(lost_jobs), gaps)
 
     @classmethod

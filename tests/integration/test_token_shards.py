@@ -150,3 +150,27 @@ async def test_a_killed_workers_job_continues_on_a_peer_with_every_token_once(ma
     assert job.attempt == 2 and job.worker == b.worker.worker_id
     assert (await redis.xpending(keys.queue(MODEL), GROUP))["pending"] == 0
     assert await redis.hget(keys.fence(MODEL, shard_of(job_id)), job_id) is None
+
+
+async def test_the_prompts_ids_reach_the_record_before_its_first_events_are_logged(redis, keys, monkeypatch):
+    """A continuation needs the prompt's token ids of any job with tokens logged. They are written to
+    the record (the model's slot) before the events are logged (the shard): a writer that dies
+    between the two leaves ids and no tokens, never tokens without ids (which would fail the job)."""
+    queue = Queue(redis, keys, result_ttl_s=60)
+    await queue.ensure_group(MODEL)
+    job_id = await submit(queue, "ids first", 3)
+    [d] = (await queue.pick(MODEL, "w1", 1)).deliveries
+    first = Outbound(job_id=job_id, event=Tokens(seq=1, deltas=[TokenDelta(token_ids=[1], text="a")]),
+                     attempt=d.attempt, prompt_ids=[105, 100], first_token_at=now_ms())
+
+    async def dies(calls):
+        raise ConnectionError("the writer died before its shard step")
+
+    monkeypatch.setattr(queue, "_each", dies)
+    with pytest.raises(ConnectionError):
+        await queue.flush(MODEL, [first], "w1")
+    assert await redis.hget(keys.job(MODEL, job_id), "prompt_ids") == b"[105,100]"
+    assert await queue.read_events(MODEL, job_id) == []
+    monkeypatch.undo()
+    assert (await queue.flush(MODEL, [first], "w1")).lost == []  # the retry logs it
+    assert [e.seq for e in await queue.read_events(MODEL, job_id)] == [1]
