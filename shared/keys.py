@@ -1,7 +1,10 @@
 """Every Redis key and channel name llmq uses. Nothing else formats a key.
 
-Per-model keys carry the model in a Cluster hash tag (``{model}``), so the multi-key commands
-and transactions that touch one job (record + queue + event log) stay in one slot.
+Per-model keys carry the model in a Cluster hash tag (``{model}``), so the scripts that touch a
+model's queue, fair-share state and job records stay in one slot. A job's per-token keys (its
+event log, live and relay channels, ending, and its shard's fence) carry its token shard's tag
+instead (:func:`shard_tag`, :func:`shard_of`): one model's token traffic spreads over a Cluster's
+masters, and each script still touches one slot (docs/redis.md).
 """
 
 from __future__ import annotations
@@ -182,10 +185,10 @@ class Keys:
 
     def owned(self, model: str, worker_id: str) -> str:
         """Hash: the jobs one worker owns on ``model``, job id -> ``<attempt>`` or ``<attempt>
-        <relay channels>`` (the record's ``attempt`` and ``relay``), so a flush checks the fence
-        and finds the followers of every job in its batch with one HMGET. Kept equal to the
-        records by every script that changes a job's owner, attempt or followers (claim, renew's
-        hand-back, expire, a job's end, add_follower); empty (gone) when the worker owns nothing."""
+        <relay channels>`` (the record's ``attempt`` and ``relay``). Kept equal to the records by
+        every script that changes a job's owner, attempt or followers (claim, renew's hand-back,
+        expire, a job's end, add_follower); empty (gone) when the worker owns nothing. A flush
+        reads its job's token shard's :meth:`fence` instead."""
         return f"{self._model(model)}:owned:{worker_id}"
 
     def live(self, model: str, job_id: str) -> str:
