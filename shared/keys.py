@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import os
 import zlib
 
@@ -44,8 +45,19 @@ def model_tag(model: str) -> str:
     return hashlib.sha256(model.encode()).hexdigest()[:TAG_CHARS]
 
 
+# The token shard of this process's next job id: its ids take the shards in turn, so its jobs split
+# over them (and a Cluster's masters) evenly by count, not by chance (192 random ids over three
+# masters differ by 20 % at the median, 40 % one time in twenty).
+_next_shard = itertools.count()
+
+
 def new_job_id(model: str) -> str:
-    return model_tag(model) + os.urandom(16).hex()[TAG_CHARS:]
+    """A new job id of ``model`` (its tag, then random digits) in this process's next token shard."""
+    shard = next(_next_shard) % SHARDS
+    while True:  # about SHARDS draws: a few microseconds
+        job_id = model_tag(model) + os.urandom(16).hex()[TAG_CHARS:]
+        if shard_of(job_id) == shard:
+            return job_id
 
 
 def shard_of(job_id: str) -> int:

@@ -6,7 +6,7 @@ import pytest
 from redis.crc import key_slot
 
 from shared.config import DEFAULT_MODEL, TINY_MODEL_DIR, SettingsError, load_settings
-from shared.keys import SHARDS, Keys, new_job_id, shard_of, shard_tag
+from shared.keys import SHARDS, Keys, model_tag, new_job_id, shard_of, shard_tag
 
 
 def test_a_models_queue_keys_share_one_cluster_hash_tag():
@@ -43,10 +43,12 @@ def test_a_models_shard_tags_spread_evenly_over_masters_holding_equal_slot_range
             assert sorted(held.values()) == [SHARDS // masters] * masters, (model, masters, held)
 
 
-def test_jobs_spread_over_the_shards():
-    counts = Counter(shard_of(new_job_id("m")) for _ in range(12000))
-    assert set(counts) == set(range(SHARDS))
-    assert max(counts.values()) < 1.15 * 12000 / SHARDS
+def test_a_processs_new_jobs_take_the_shards_in_turn():
+    """Evenly by count, not by chance: any SHARDS ids in a row cover every shard once."""
+    ids = [new_job_id("m") for _ in range(5 * SHARDS + 7)]
+    for start in (0, 7, 3 * SHARDS):
+        assert sorted(shard_of(i) for i in ids[start:start + SHARDS]) == list(range(SHARDS))
+    assert all(i.startswith(model_tag("m")) and len(i) == 32 for i in ids) and len(set(ids)) == len(ids)
 
 
 def test_prefix_isolates_runs():
