@@ -123,7 +123,8 @@ class Outbound:
     """One event on its way out, with what a terminal event also writes to the record."""
 
     job_id: str
-    event: Event
+    event: Event | None = None
+    """The event; None for a token event that travels as ``data`` only (a worker's usual one)."""
     entry_id: bytes | None = None  # set on terminal events: the queue entry to ack and delete
     result: JobResult | None = None
     first_token_at: float | None = None
@@ -140,9 +141,24 @@ class Outbound:
     """Terminal only: the job's whole event log, this event included, in compact form
     (shared/eventlog.py), to replace the per-event stream once the job has ended; None keeps
     the stream (its writer does not hold every event of the job)."""
-    history: Sequence[Event] = ()
-    """The writer's attempt's events so far (this one among them): what it writes again when a
-    failover took some back from the log (:attr:`Flushed.gaps`)."""
+    history: Sequence[bytes] = ()
+    """The writer's attempt's events so far as JSON (this one among them), seqs ``history_from``
+    + 1 on: what it writes again when a failover took some back from the log (:attr:`Flushed.gaps`)."""
+    history_from: int = 0
+    data: bytes = b""
+    """The event's JSON, encoded once by its writer; empty: encoded here from ``event``."""
+    seq: int = 0
+    """The event's seq (read from ``event`` when it is given)."""
+
+    def __post_init__(self) -> None:
+        if self.event is not None:
+            self.seq = self.event.seq
+            if not self.data:
+                self.data = encode(self.event)
+
+    @property
+    def terminal(self) -> bool:
+        return self.event is not None and not isinstance(self.event, Tokens)
 
 
 class Flushed(NamedTuple):
@@ -528,14 +544,17 @@ class Queue:
 
         One script is atomic, and legal on Cluster: every key of one model shares its hash tag.
         """
-        events: list[tuple[int, int, bytes, str]] = []
+        events: list[Any] = []  # flat: the packer's four values per event, built in this one pass
         extras: list[tuple[int, scripts.Extra]] = []
+        ending = False
         for i, out in enumerate(batch):
-            events.append((out.attempt, out.event.seq, encode(out.event), out.job_id))
-            if out.first_token_at is not None or out.prompt_ids is not None or not isinstance(out.event, Tokens):
-                extras.append((i, self._extra(out)))  # the usual token event needs none
+            events += (out.attempt, out.seq, out.data, out.job_id)
+            if out.first_token_at is not None or out.prompt_ids is not None or out.terminal:
+                extra = self._extra(out)  # the usual token event needs none
+                extras.append((i, extra))
+                ending = ending or bool(extra.status)
         lost, gaps = await self.scripts.run(scripts.flush(
-            self.keys, model, worker=worker, result_ttl=self.result_ttl_s, now=now_ms(), day=today(),
+            self.keys, model, worker=worker, result_ttl=self.result_ttl_s, now=now_ms(), day=today() if ending else "",
             day_ttl=self.usage_ttl_s, events=events, extras=extras))
         return Flushed(sorted({batch[int(i)].job_id for i in lost}),
                        {batch[int(i)].job_id: int(logged) for i, logged in zip(gaps[::2], gaps[1::2], strict=True)})
@@ -561,5 +580,5 @@ class Queue:
             case Error(code=code, message=message, status=status) as error:
                 outcome = "cancelled" if isinstance(error.exception(), JobCancelled) else "failed"
                 return outcome, "error", encode(JobError(code=code, message=message, status=status))
-            case Tokens():
+            case Tokens() | None:
                 return "", "", ""

@@ -291,10 +291,9 @@ FLUSH = Script(
         # the usual batch of tokens carries none of them (one item or none).
         Group("ending", ("dead_letters", "webhooks", *_METER_KEYS)),
         Group("levels", ("queue", "fair")),
-        Group("event_keys", ("job", "log")),
     ),
-    argv=("group", "result_ttl", "now", "live_prefix", "tenant_prefix", "day_ttl", "levels", "ending_at", "levels_at",
-          "levels_width", "event_keys_at", "event_keys_width", "events_at", "events_width", "extras_at",
+    argv=("group", "result_ttl", "now", "live_prefix", "tenant_prefix", "job_prefix", "log_prefix", "day_ttl",
+          "levels", "ending_at", "levels_at", "levels_width", "events_at", "events_width", "extras_at",
           "extras_width"),
     argv_groups=(
         Group("events", ("attempt", "seq", "event", "job_id")),
@@ -336,12 +335,14 @@ _FLUSH_HEAD = len(FLUSH.argv)
 
 
 def flush(keys: Keys, model: str, *, worker: str, result_ttl: int, now: float, day: str, day_ttl: int,
-          events: Sequence[tuple[int, int, bytes, str]], extras: Sequence[tuple[int, Extra]]) -> Call:
-    """``events``: (attempt, seq, event JSON, job id) each; ``extras``: (0-based index into
-    ``events``, what it writes besides). Few values per event on purpose: packing them was most
-    of a worker's own cost per token. The keys a job's end writes (its tenant's meter, today's
-    usage among them) go only with a batch that holds a terminal event (an extra with a
-    ``status``): ``levels`` is then LEVELS, else 0."""
+          events: Sequence[Value], extras: Sequence[tuple[int, Extra]]) -> Call:
+    """``events``: flat, four values per event: attempt, seq, event JSON, job id (the job's record
+    and log are named in Lua from their prefixes, so an event costs four values and no key);
+    ``extras``: (0-based index into the events, what it writes besides). Few values per event on
+    purpose: packing and sending them was most of a worker's own cost per token. The keys a job's
+    end writes (its tenant's meter, today's usage among them) go only with a batch that holds a
+    terminal event (an extra with a ``status``): ``levels`` is then LEVELS, else 0, and ``day``
+    is read only then."""
     ending = any(extra.status for _, extra in extras)
     k = [keys.owned(model, worker)]
     if ending:
@@ -349,14 +350,12 @@ def flush(keys: Keys, model: str, *, worker: str, result_ttl: int, now: float, d
     levels = LEVELS if ending else 0
     for level in range(levels):
         k += [keys.queue(model, level), keys.fair(model, level)]
-    ending_at, _, *key_places = _places(len(FLUSH.keys) + 1, FLUSH.key_groups, [int(ending), levels, len(events)])
-    args: list[Value] = [GROUP, result_ttl, now, keys.live(model, ""), keys.tenant(model, ""), day_ttl,
-                         levels, ending_at, *key_places,
-                         *_places(_FLUSH_HEAD + 1, FLUSH.argv_groups, [len(events), len(extras)])]
-    job_key, log_key = keys.job, keys.events
-    for attempt, seq, event, job_id in events:
-        k += [job_key(model, job_id), log_key(model, job_id)]
-        args += [attempt, seq, event, job_id]
+    ending_at, _, *key_places = _places(len(FLUSH.keys) + 1, FLUSH.key_groups, [int(ending), levels])
+    count = len(events) // _EVENTS.width
+    args: list[Value] = [GROUP, result_ttl, now, keys.live(model, ""), keys.tenant(model, ""), keys.job(model, ""),
+                         keys.events(model, ""), day_ttl, levels, ending_at, *key_places,
+                         *_places(_FLUSH_HEAD + 1, FLUSH.argv_groups, [count, len(extras)])]
+    args += events
     for index, extra in extras:
         args += [index, *extra]
     return Call(FLUSH, k, args)

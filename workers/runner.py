@@ -407,13 +407,17 @@ class Worker:
             self.metrics.inc("llmq_worker_tokens_total", out.tokens)
             if out.first_token_at is not None:
                 self.metrics.observe("llmq_ttft_seconds", (out.first_token_at - d.queued_at) / 1000)
-            if isinstance(out.event, Done):
-                self._emit(d, out.event, entry_id=d.entry_id, result=out.result, first_token_at=out.first_token_at,
-                           log=out.log, history=attempt.events)
+            if out.terminal is not None:
+                self._emit(d, out.terminal, data=out.data, entry_id=d.entry_id, result=out.result,
+                           first_token_at=out.first_token_at, log=out.log, history=attempt.encoded,
+                           history_from=attempt.base)
                 self._log_finished(attempt.timings, attempt.usage, out.result)
                 return
-            self._emit(d, out.event, first_token_at=out.first_token_at, prompt_ids=out.prompt_ids,
-                       history=attempt.events)
+            # A token event: its bytes only, no event object (the outbox's usual entry).
+            self._outbox.append(Outbound(d.job_id, first_token_at=out.first_token_at, attempt=d.attempt,
+                                         prompt_ids=out.prompt_ids, level=d.level, history=attempt.encoded,
+                                         history_from=attempt.base, data=out.data, seq=out.seq))
+            self._outbox_ready.set()
         raise GenerationFailed("the engine ended the job without a final output")
 
     @staticmethod
@@ -436,7 +440,9 @@ class Worker:
         # error); the client and the job record get it.
         log.info("job_ended", job_id=d.job_id, code=exc.code)
         out = attempt.end(exc)
-        self._emit(d, out.event, entry_id=d.entry_id, log=out.log, usage=attempt.usage, history=attempt.events)
+        assert out.terminal is not None
+        self._emit(d, out.terminal, data=out.data, entry_id=d.entry_id, log=out.log, usage=attempt.usage,
+                   history=attempt.encoded, history_from=attempt.base)
 
     def _cancel_requested(self, job_id: str) -> bool:
         """A cancel notice on the control channel (DELETE /v1/jobs/{id})."""
@@ -509,14 +515,17 @@ class Worker:
         for job_id, logged in gaps.items():
             own = [out for out in batch if out.job_id == job_id]
             first = own[0]
-            missing = [e for e in first.history if logged < e.seq < first.event.seq]
-            if len(missing) != first.event.seq - 1 - logged:
-                log.warning("event_log_gap", job_id=job_id, logged=logged, next_seq=first.event.seq, mended=False)
+            # Mended only from this attempt's own events (an event made without them, a dead
+            # letter's, holds none): a missing one before them cannot be written here.
+            if logged < first.history_from or first.seq - 1 - first.history_from > len(first.history):
+                log.warning("event_log_gap", job_id=job_id, logged=logged, next_seq=first.seq, mended=False)
                 self._lose([job_id])
                 continue
-            log.warning("event_log_gap", job_id=job_id, logged=logged, next_seq=first.event.seq, mended=True)
-            again += [Outbound(job_id=job_id, event=e, attempt=first.attempt, level=first.level, history=first.history)
-                      for e in missing] + own
+            log.warning("event_log_gap", job_id=job_id, logged=logged, next_seq=first.seq, mended=True)
+            again += [Outbound(job_id=job_id, data=first.history[seq - first.history_from - 1], seq=seq,
+                               attempt=first.attempt, level=first.level, history=first.history,
+                               history_from=first.history_from)
+                      for seq in range(logged + 1, first.seq)] + own
         return again
 
     # --- drain, heartbeat, control -------------------------------------------------------------

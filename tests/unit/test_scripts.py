@@ -163,6 +163,11 @@ def _sample(i: int) -> tuple[int, int, bytes, str]:
     return (1, i + 1, b'{"type":"tokens"}', f"j{i}")
 
 
+def _events(n: int, first: int = 0) -> list:
+    """Events as the packer takes them: four values each, flat."""
+    return [v for i in range(first, first + n) for v in _sample(i)]
+
+
 @pytest.mark.parametrize("n", [0, 1, 3])
 def test_the_packers_fill_exactly_their_layouts(n: int):
     jobs = [f"j{i}" for i in range(n)]
@@ -181,11 +186,11 @@ def test_the_packers_fill_exactly_their_layouts(n: int):
     _layout_of(scripts.expire(KEYS, MODEL, "j", day="2026-01-01", now=1.0, grace_ms=0, result_ttl=1,
                               event_tail=b"}", error=b"{}", at_once=False, day_ttl=1), levels)
     flush = scripts.flush(KEYS, MODEL, worker="w", result_ttl=1, now=1.0, day="2026-01-01", day_ttl=1,
-                          events=[_sample(i) for i in range(n)], extras=[(i, Extra()) for i in range(n) if i % 2])
-    _layout_of(flush, {"ending": 0, "levels": 0, "event_keys": n, "events": n, "extras": n // 2})
+                          events=_events(n), extras=[(i, Extra()) for i in range(n) if i % 2])
+    _layout_of(flush, {"ending": 0, "levels": 0, "events": n, "extras": n // 2})
     ending = scripts.flush(KEYS, MODEL, worker="w", result_ttl=1, now=1.0, day="2026-01-01", day_ttl=1,
-                           events=[_sample(i) for i in range(n + 1)], extras=[(n, Extra(status="done"))])
-    _layout_of(ending, {"ending": 1, "levels": LEVELS, "event_keys": n + 1, "events": n + 1, "extras": 1})
+                           events=_events(n + 1), extras=[(n, Extra(status="done"))])
+    _layout_of(ending, {"ending": 1, "levels": LEVELS, "events": n + 1, "extras": 1})
     _layout_of(scripts.set_if_exists("k", pairs), {}, tail=2 * n)
     _layout_of(scripts.batch_status("b", "done", 1, ["x"], pairs), {}, tail=2 * n)
     create = scripts.batch_create("b", "l", pairs, [b"line"] * n)
@@ -199,14 +204,14 @@ def test_the_packers_fill_exactly_their_layouts(n: int):
 
 def test_a_flush_sends_the_keys_a_jobs_end_writes_only_with_a_terminal_event():
     """A batch of tokens (a first token's extra among them) sends no meter key, no usage day and
-    no queue; the batch that ends a job sends them all."""
+    no queue, and no key per event (its job's record and log are named in Lua from the prefixes);
+    the batch that ends a job sends them all."""
     tokens = scripts.flush(KEYS, MODEL, worker="w", result_ttl=1, now=1.0, day="2026-01-01", day_ttl=1,
-                           events=[_sample(0), _sample(1)], extras=[(0, Extra(first_token_at=1.0, prompt_ids=b"[1]"))])
-    assert tokens.keys == [KEYS.owned(MODEL, "w"), KEYS.job(MODEL, "j0"), KEYS.events(MODEL, "j0"),
-                           KEYS.job(MODEL, "j1"), KEYS.events(MODEL, "j1")]
+                           events=_events(2), extras=[(0, Extra(first_token_at=1.0, prompt_ids=b"[1]"))])
+    assert tokens.keys == [KEYS.owned(MODEL, "w")]
     assert not any("2026-01-01" in str(v) for v in tokens.args)
     ending = scripts.flush(KEYS, MODEL, worker="w", result_ttl=1, now=1.0, day="2026-01-01", day_ttl=1,
-                           events=[_sample(0)], extras=[(0, Extra(status="failed", field="error", payload=b"{}"))])
+                           events=_events(1), extras=[(0, Extra(status="failed", field="error", payload=b"{}"))])
     assert {KEYS.usage(MODEL, "2026-01-01"), KEYS.usage(MODEL), KEYS.tokens(MODEL), KEYS.fair_clock(MODEL),
             KEYS.webhooks(MODEL), KEYS.dead(MODEL), *KEYS.queues(MODEL), *KEYS.fairs(MODEL)} <= set(ending.keys)
 
@@ -232,7 +237,8 @@ def test_the_prefixes_a_script_appends_an_id_to_build_the_same_keys_as_keys_py()
 
     for prefix, build in ((value(read, "tenant_prefix"), KEYS.tenant), (value(read, "job_prefix"), KEYS.job),
                           (value(read, "log_prefix"), KEYS.events), (value(flush, "live_prefix"), KEYS.live),
-                          (value(read, "owned_prefix"), KEYS.owned),
+                          (value(read, "owned_prefix"), KEYS.owned), (value(flush, "job_prefix"), KEYS.job),
+                          (value(flush, "log_prefix"), KEYS.events),
                           (value(flush, "tenant_prefix"), KEYS.tenant)):
         assert prefix + "x1" == build(MODEL, "x1")
 
