@@ -190,6 +190,9 @@ class Picked(NamedTuple):
     tops: list[bytes]
     """When nothing was picked, each level's newest waiting entry then: where
     :meth:`Queue.wait_for_work` waits from, so a job queued since wakes it at once."""
+    unconfirmed: bool = False
+    """The claims are not yet on the replicas LLMQ_DURABILITY wants (a pick with ``confirm=False``):
+    the caller must :meth:`Queue.confirm` them before it writes anything about the jobs."""
 
 
 class Queue:
@@ -369,10 +372,14 @@ class Queue:
 
     # --- worker side --------------------------------------------------------------------------
 
-    async def pick(self, model: str, consumer: str, count: int, max_deliveries: int = 3) -> Picked:
+    async def pick(self, model: str, consumer: str, count: int, max_deliveries: int = 3, *,
+                   confirm: bool = True) -> Picked:
         """Pick, read and claim up to ``count`` new jobs, the most urgent level first, by fair
         share between tenants within a level: read.lua, one round trip, never blocking. Ask only
-        for as many as can start now (the engine's free slots): nothing is claimed that could not."""
+        for as many as can start now (the engine's free slots): nothing is claimed that could not.
+        Under LLMQ_DURABILITY the claims are held until the replicas have them (:meth:`confirm`);
+        ``confirm=False`` leaves that to the caller (:attr:`Picked.unconfirmed`), which may start
+        the engine meanwhile but must write nothing until then."""
         call = scripts.read(self.keys, model, consumer, count, now=now_ms(), max_failed=max_deliveries)
         while True:  # again at once while it stops early on waiting jobs that had already ended
             (rows, tops, more), acked = await self._run(call)
@@ -381,7 +388,9 @@ class Queue:
         deliveries = self._deliveries([(int(level), entry_id, job.decode()) for level, entry_id, job, _ in rows],
                                       [state for *_, state in rows], reclaimed=False)
         if deliveries and acked < self.durability.wanted:
-            deliveries = await self._confirm(model, consumer, deliveries)
+            if not confirm:
+                return Picked(deliveries, tops, unconfirmed=True)
+            deliveries = await self.confirm(model, consumer, deliveries)
         return Picked(deliveries, tops)
 
     async def _run(self, call: scripts.Call) -> tuple[Any, int]:
@@ -391,11 +400,12 @@ class Queue:
             return await self.scripts.run_and_wait(call, self.durability)
         return await self.scripts.run(call), 0
 
-    async def _confirm(self, model: str, worker: str, deliveries: list[Delivery]) -> list[Delivery]:
+    async def confirm(self, model: str, worker: str, deliveries: list[Delivery]) -> list[Delivery]:
         """Hold jobs just claimed until their claims are on the replicas LLMQ_DURABILITY wants
         (renewing their leases meanwhile, with a WAIT after each renewal); the jobs still ours.
 
-        A job is never started before then: a claim only the primary holds may be a job only the
+        Nothing is written about a job before then (its engine request may run meanwhile, its
+        events wait: workers/runner.py): a claim only the primary holds may be a job only the
         primary holds, one whose admission was refused (503) for want of replicas. Were the primary
         to die, the client's retry would queue it again on the new one, and it would run twice."""
         log.warning("claims_not_durable", model=model, jobs=len(deliveries), wanted=self.durability.wanted)
