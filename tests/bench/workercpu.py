@@ -29,6 +29,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
 
 from redis.asyncio import Redis
 
@@ -39,7 +40,6 @@ from shared.logging import configure_logging
 from shared.queue import Queue, now_ms
 from shared.redis import connect
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams
-from pathlib import Path
 from tests.bench.procs import load_average, markdown_table, report_head, save, start_redis, stop
 from workers.protocol import Step
 
