@@ -82,19 +82,24 @@ class Lane:
         self.last = 0  # the seq of the last event delivered (here or by follow)
         self.deliver: Callable[[Event], bool] | None = None
         self.at = 0.0  # when an event last went out here (loop time)
-        self.failure: ServiceError | None = None  # the renderer refused an event taken here
+        self.failure: Exception | None = None  # rendering an event taken here failed
 
     def take(self, data: bytes) -> bool:
+        """Called by the listener: whether ``data`` went out here. Raises nothing: this runs in the
+        listener's step, and one stream's failure is that stream's alone."""
         deliver = self.deliver
         if deliver is None or not data:  # no consumer, or RESYNC: follow reads the log
             return False
-        event = decode_event(data)
+        try:
+            event = decode_event(data)
+        except Exception:  # follow decodes it again, and fails in the request's task
+            return False
         if event.seq != self.last + 1 or is_terminal(event):
             return event.seq <= self.last  # a duplicate is dropped here; a gap or the end goes to follow
         try:
             if not deliver(event):
                 return False
-        except ServiceError as exc:  # follow raises it in the request's task: drive ends the stream with it
+        except Exception as exc:  # raised by follow in the request's task (drive renders a ServiceError)
             self.failure = exc
             self.last = event.seq
             return False

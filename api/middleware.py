@@ -209,7 +209,7 @@ class CoalescingSend:
     def flush_now(self) -> None:
         """Write the held chunks (the flusher, at the end of a turn); a write under way takes them."""
         self._due = False
-        if self._writing is None and self._parts:
+        if self._writing is None and self._parts and self._error is None:
             self._writing = run_eagerly(self._write_held())
 
     async def _write_held(self) -> None:
@@ -224,7 +224,7 @@ class CoalescingSend:
             self._writing = None
 
     async def _drain(self) -> None:
-        while self._writing is not None or self._parts:
+        while self._error is None and (self._writing is not None or self._parts):
             if self._writing is None:
                 self._writing = run_eagerly(self._write_held())
             if self._writing is not None:
