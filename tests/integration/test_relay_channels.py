@@ -21,6 +21,7 @@ from api.follow import Lane, follow
 from api.listener import EventListener
 from shared.codec import encode
 from shared.events import Done, TokenDelta, Tokens
+from shared.framing import Keepalive
 from shared.keys import Keys
 from shared.queue import Flushed, Outbound, Queue, now_ms
 from shared.redis import connect
@@ -293,6 +294,40 @@ async def test_events_in_sequence_go_out_in_the_listeners_step_and_the_rest_thro
             assert delivered == [1, 2, 3, 6, 8]
             with pytest.raises(StopAsyncIteration):
                 await anext(events)
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        await redis.aclose()
+
+
+async def test_a_stream_fed_through_its_lane_gets_a_keepalive_only_after_a_quiet_stretch(redis_url, prefix):
+    """Events that go out through the lane count as activity: no keep-alive while they flow,
+    one once the stream has been quiet for keepalive_s since the last of them."""
+    redis = connect(redis_url)
+    keys = Keys(prefix)
+    queue = Queue(redis, keys)
+    listener = EventListener(redis, keys.api_home("t"))
+    runner = asyncio.create_task(listener.run())
+    channel = keys.relay(MODEL, "t")
+    delivered: list[float] = []
+    loop = asyncio.get_running_loop()
+    try:
+        async with listener.follow(channel, "k") as live:
+            lane = Lane()
+            lane.deliver = lambda event: delivered.append(loop.time()) is None
+            events = follow(queue, live, MODEL, "k", check_log_s=30.0, keepalive_s=0.3, lane=lane)
+            step = asyncio.ensure_future(anext(events))
+            await asyncio.sleep(0.05)
+            for seq in range(1, 9):  # 0.8 s of events, 0.1 s apart: never quiet for 0.3 s
+                event = Tokens(seq=seq, deltas=[TokenDelta(token_ids=[97], text="a")])
+                await redis.publish(channel, b"k " + encode(event))
+                await asyncio.sleep(0.1)
+            assert len(delivered) == 8 and not step.done()
+            async with asyncio.timeout(5):
+                assert isinstance(await step, Keepalive)
+            quiet = loop.time() - delivered[-1]
+            assert 0.3 <= quiet < 0.45, quiet
+            await events.aclose()
     finally:
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)
