@@ -71,8 +71,12 @@ async def _unless(stop: asyncio.Event, call: Callable[[], Awaitable[T]]) -> T | 
         stopped.cancel()
     if work.done():
         return work.result()
-    work.cancel()
-    await asyncio.wait({work})
+    # Cancelled again until it ends: on Python 3.11 redis-py sends through asyncio.wait_for, which
+    # drops a cancel that arrives just as the send completes, and a blocking read would then wait
+    # out its whole block (seen in CI: a stopped worker still reading 20 s later).
+    while not work.done():
+        work.cancel()
+        await asyncio.wait({work}, timeout=0.1)
     if not work.cancelled():
         work.exception()  # it ended on its own meanwhile (say, Redis went away): nothing to report
     return None
