@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from api.dialects.stream import StreamRenderer, drive
+from api.listener import Inbox
 from shared.codec import decode_event
 from shared.errors import DeadlineExceeded, QueueUnavailable, ServiceError
 from shared.events import Done, Error, Event, Tokens, is_terminal
@@ -25,7 +26,7 @@ from shared.redis import REDIS_DOWN
 from shared.result import ResultBuilder
 from shared.schemas import JobResult
 
-__all__ = ["follow", "collect", "prefetch", "ColdWait", "Watcher", "DEADLINE_GRACE_MS"]
+__all__ = ["follow", "collect", "prefetch", "ColdWait", "Watcher", "Lane", "Relay", "DEADLINE_GRACE_MS"]
 
 T = TypeVar("T")
 
@@ -63,9 +64,73 @@ class Watcher(Protocol):
         """The relay ended, or its reader let it go."""
 
 
+class Lane:
+    """The way a followed job's events reach its client without waking the request's task.
+
+    While :func:`follow` waits for the next live message, the job's :class:`api.listener.Inbox`
+    hands each one to :meth:`take`, in the listener's step: the next event in sequence (never the
+    terminal one) goes to ``deliver``, the stream's consumer (:class:`api.http.EventStream`), which
+    renders it through the stream's renderer and writes its frames, or declines (say, its client
+    is not keeping up). Whatever is not taken here reaches :func:`follow` as before, which then
+    goes on from ``last``: the order, the gap fill from the log, the terminal event, keep-alives,
+    deadlines and the end all stay there.
+    """
+
+    __slots__ = ("last", "deliver", "at", "failure")
+
+    def __init__(self) -> None:
+        self.last = 0  # the seq of the last event delivered (here or by follow)
+        self.deliver: Callable[[Event], bool] | None = None
+        self.at = 0.0  # when an event last went out here (loop time)
+        self.failure: Exception | None = None  # rendering an event taken here failed
+
+    def take(self, data: bytes) -> bool:
+        """Called by the listener: whether ``data`` went out here. Raises nothing: this runs in the
+        listener's step, and one stream's failure is that stream's alone."""
+        deliver = self.deliver
+        if deliver is None or not data:  # no consumer, or RESYNC: follow reads the log
+            return False
+        try:
+            event = decode_event(data)
+        except Exception:  # follow decodes it again, and fails in the request's task
+            return False
+        if event.seq != self.last + 1 or is_terminal(event):
+            return event.seq <= self.last  # a duplicate is dropped here; a gap or the end goes to follow
+        try:
+            if not deliver(event):
+                return False
+        except Exception as exc:  # raised by follow in the request's task (drive renders a ServiceError)
+            self.failure = exc
+            self.last = event.seq
+            return False
+        self.last = event.seq
+        self.at = asyncio.get_running_loop().time()
+        return True
+
+
+class Relay:
+    """A followed job's events (what :func:`follow` yields), with the :class:`Lane` its consumer
+    may take them through instead."""
+
+    __slots__ = ("_events", "lane")
+
+    def __init__(self, events: AsyncIterator[Event | Keepalive], lane: Lane) -> None:
+        self._events, self.lane = events, lane
+
+    def __aiter__(self) -> Relay:
+        return self
+
+    def __anext__(self) -> Awaitable[Event | Keepalive]:
+        return self._events.__anext__()
+
+    async def aclose(self) -> None:
+        self.lane.deliver = None
+        await self._events.aclose()  # type: ignore[attr-defined]
+
+
 async def follow(
     queue: Queue,
-    live: asyncio.Queue[bytes],
+    live: Inbox,
     model: str,
     job_id: str,
     *,
@@ -76,6 +141,7 @@ async def follow(
     deadline: float | None = None,
     cold: ColdWait | None = None,
     watcher: Watcher | None = None,
+    lane: Lane | None = None,
 ) -> AsyncIterator[Event | Keepalive]:
     """Yield the job's events with seq > ``after_seq``, in order, ending with the terminal one.
 
@@ -86,9 +152,10 @@ async def follow(
     beyond its deadline for a job no worker reads. With ``cold``, the job is also ended once no
     warm worker has served its model for ``cold.wait_s`` while it was quiet. ``watcher`` hears
     of the terminal event and of the end (a hook here rather than a wrapping generator: no extra
-    layer per event).
+    layer per event). With a ``lane``, events may go out through it while this waits (see :class:`Lane`).
     """
     outage = _Outage()
+    loop = asyncio.get_running_loop()
 
     async def read_log(after: int) -> list[Event] | None:
         """The log's events after ``after``; None while Redis is away (read it again soon)."""
@@ -124,6 +191,7 @@ async def follow(
         last = after_seq
         base_wait_s = min(check_log_s, keepalive_s) if keepalive_s else check_log_s
         idle_s = 0.0
+        quiet_at: float | None = None  # when the lane last sent an event, if it did while this waited
         check_at = deadline
         pending: list[Event] | None = await read_log(last) if backfill else []
         while True:
@@ -146,19 +214,40 @@ async def follow(
                 wait_s = min(wait_s, max(0.001, (check_at - time.time() * 1000) / 1000))
             if cold_at is not None:
                 wait_s = min(wait_s, max(0.001, (cold_at - time.time() * 1000) / 1000))
+            if quiet_at is not None:  # events went out through the lane: quiet only since the last of them
+                wait_s = max(0.001, wait_s - (loop.time() - quiet_at))
+                quiet_at = None
+            parked_at = loop.time()
             try:
                 # Messages already queued are taken without waiting, so a burst of events flows through
                 # the whole chain in one task step and the response's writes coalesce (api.middleware.CoalescingSend).
                 # A wait arms a timer, not wait_for's extra task per event (and keeps an item that
                 # arrives as the timer fires: it stays queued).
                 if live.empty():
-                    async with asyncio.timeout(wait_s):
-                        data = await live.get()
+                    if lane is not None:
+                        lane.last = last
+                        live.sink = lane.take
+                    try:
+                        async with asyncio.timeout(wait_s):
+                            data = await live.get()
+                    finally:
+                        live.sink = None
+                        if lane is not None:
+                            last = lane.last
+                    if lane is not None and lane.failure is not None:
+                        raise lane.failure
                 else:
                     data = live.get_nowait()
             except TimeoutError:
                 if check_at is not None and now_ms() >= check_at:
                     pending = []
+                    continue
+                if lane is not None and lane.at > parked_at:
+                    # Not quiet: events went out through the lane (so a worker runs the job: a quiet
+                    # stretch from now on starts a fresh cold wait, as after any event).
+                    idle_s, quiet_at, pending = 0.0, lane.at, []
+                    if cold_at is not None:
+                        cold_at = None
                     continue
                 if cold is not None:  # quiet: is a worker there to run it?
                     await watch_cold()
@@ -248,13 +337,14 @@ class _Replay:
     """What :func:`prefetch` read, then the rest of ``events`` handed straight through: each later
     event costs one method call here, not a generator layer of its own."""
 
-    __slots__ = ("_first", "_events", "_ended")
+    __slots__ = ("_first", "_events", "_ended", "lane")
 
     def __init__(self, head: Event | None, waiting: asyncio.Future[Event | Keepalive] | None,
                  events: AsyncIterator[Event | Keepalive]) -> None:
         self._first = waiting if waiting is not None else head
         self._events = events
         self._ended = False
+        self.lane: Lane | None = events.lane if isinstance(events, Relay) else None
 
     def __aiter__(self) -> _Replay:
         return self

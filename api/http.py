@@ -3,6 +3,7 @@ streamed answer of a job's events (:class:`EventStream`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
@@ -14,8 +15,9 @@ from litestar.response.base import ASGIResponse
 from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import Receive, Scope, Send
 
-from api.dialects.stream import StreamRenderer, drive
-from api.follow import prefetch
+from api.dialects.stream import StreamRenderer, drive, render
+from api.follow import Lane, prefetch
+from api.middleware import OUT, CoalescingSend
 from shared import json_input
 from shared.codec import encode
 from shared.errors import InvalidRequest
@@ -107,13 +109,32 @@ class _Streamed(ASGIStreamingResponse):
             if stream.start_within_s is not None:
                 events = await prefetch(events, stream.start_within_s)
             await self.start_response(send)
-            chunks = drive(stream.renderer, events)
+            renderer = stream.renderer
+            chunks = drive(renderer, events)
+            lane: Lane | None = getattr(events, "lane", None)
+            out: CoalescingSend | None = scope.get(OUT)  # type: ignore[assignment]
+            if lane is not None and out is not None:
+                # The events that come in sequence are rendered and written in the listener's step.
+                lane.deliver = functools.partial(_deliver, renderer, out)
             try:
                 async for frames in chunks:
                     body = frames[0] if len(frames) == 1 else b"".join(frames)
                     await send({"type": "http.response.body", "body": body, "more_body": True})
             finally:
+                if lane is not None:
+                    lane.deliver = None
                 await chunks.aclose()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await events.aclose()  # type: ignore[attr-defined]
+
+
+def _deliver(renderer: StreamRenderer[bytes], out: CoalescingSend, event: Event) -> bool:
+    """One event taken in the listener's step (:class:`api.follow.Lane`): its frames are held for
+    this turn's write; False (nothing rendered) while the client is not keeping up."""
+    if not out.ready():
+        return False
+    frames = render(renderer, event)
+    if frames:
+        out.write(frames[0] if len(frames) == 1 else b"".join(frames))
+    return True

@@ -1,8 +1,9 @@
 """One pub/sub connection per API process, multiplexed across every in-flight request.
 
-A request follows its job through this process's relay channel for the job's model
-(``Keys.relay``): workers publish the events of every job this process follows in one message per
-flush, and :meth:`EventListener.follow` splits them out to per-request asyncio queues by job id.
+A request follows its job through this process's relay channel for the job's model and token
+shard (``Keys.relay``: one per shard, all of a model's kept subscribed from its first job):
+workers publish the events of every job this process follows in one message per flush, and
+:meth:`EventListener.follow` splits them out to per-request asyncio queues by job id.
 The channel is subscribed on first use and kept: the job's record names it, and the request reads
 the job's log only once Redis has confirmed the subscription, so no event falls between the two.
 Plain channels (:meth:`EventListener.subscribe`) carry one message per event, as a job's own live
@@ -17,7 +18,7 @@ runs one listener per such master, each with ``sharded=True`` (SSUBSCRIBE, ``sme
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import structlog
@@ -31,12 +32,29 @@ from shared.cluster import pubsub_connection
 from shared.errors import QueueUnavailable
 from shared.redis import REDIS_DOWN
 
-__all__ = ["Listener", "EventListener", "RESYNC"]
+__all__ = ["Listener", "EventListener", "Inbox", "RESYNC"]
 
 log = structlog.get_logger()
 
 # Put in a subscriber's queue when live messages may have been missed.
 RESYNC = b""
+
+
+class Inbox(asyncio.Queue[bytes]):
+    """A follower's queue of one job's relay messages, which a ``sink`` may take instead.
+
+    While ``sink`` is set (its follower waits on an empty queue), :meth:`put_nowait` hands each
+    message to it first, in the listener's own step: a sink that writes the message's frames
+    itself costs no wake-up of the follower's task. What it declines (a gap, the terminal event,
+    a stream under back-pressure) is queued as before, and so is everything after, in order."""
+
+    sink: Callable[[bytes], bool] | None = None
+
+    def put_nowait(self, item: bytes) -> None:
+        sink = self.sink
+        if sink is not None and self.empty() and sink(item):
+            return
+        super().put_nowait(item)
 
 
 class Listener:
@@ -52,7 +70,7 @@ class Listener:
         raise NotImplementedError
 
     def follow(self, channel: str, job_id: str, *, timeout_s: float = 2.0, wait: bool = True
-               ) -> AbstractAsyncContextManager[asyncio.Queue[bytes]]:
+               ) -> AbstractAsyncContextManager[Inbox]:
         raise NotImplementedError
 
     async def confirmed(self, channel: str, *, timeout_s: float = 2.0) -> None:
@@ -80,9 +98,10 @@ class EventListener(Listener):
         self._home = home_channel.encode()
         self._queues: dict[bytes, set[asyncio.Queue[bytes]]] = {}
         # Relay channels: per channel, job id -> its followers' queues. A channel stays subscribed
-        # for the process's life once used (one per model this process relays): a request then
-        # needs no SUBSCRIBE round trip, and a job's record never names a channel nobody reads.
-        self._relays: dict[bytes, dict[bytes, set[asyncio.Queue[bytes]]]] = {}
+        # for the process's life once used (one per token shard of each model this process relays):
+        # a request then needs no SUBSCRIBE round trip, and a job's record never names a channel
+        # nobody reads.
+        self._relays: dict[bytes, dict[bytes, set[Inbox]]] = {}
         self._confirmations: dict[bytes, asyncio.Future[None]] = {}
         self._conn: AbstractConnection | None = None
         self._reads = 0
@@ -219,12 +238,12 @@ class EventListener(Listener):
 
     @asynccontextmanager
     async def follow(self, channel: str, job_id: str, *, timeout_s: float = 2.0, wait: bool = True
-                     ) -> AsyncIterator[asyncio.Queue[bytes]]:
+                     ) -> AsyncIterator[Inbox]:
         """Yield a queue of job ``job_id``'s events from relay ``channel`` (subscribing to it the
         first time), once Redis has confirmed that subscription; ``wait=False`` as in :meth:`subscribe`.
         The job's record must name ``channel`` (Queue.enqueue / Queue.add_follower) for events to come."""
         key, job = channel.encode(), job_id.encode()
-        queue: asyncio.Queue[bytes] = asyncio.Queue()
+        queue = Inbox()
         jobs = self._relays.get(key)
         first = jobs is None
         if jobs is None:

@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager
 import structlog
 from redis.asyncio import RedisCluster
 
-from api.listener import EventListener, Listener
+from api.listener import EventListener, Inbox, Listener
 from shared.cluster import sharded_pubsub
 from shared.errors import QueueUnavailable
 from shared.redis import REDIS_DOWN
@@ -103,7 +103,7 @@ class ClusterListener(Listener):
 
     @asynccontextmanager
     async def follow(self, channel: str, job_id: str, *, timeout_s: float = 2.0, wait: bool = True
-                     ) -> AsyncIterator[asyncio.Queue[bytes]]:
+                     ) -> AsyncIterator[Inbox]:
         """:meth:`EventListener.follow` on the listener that receives ``channel``."""
         listener = await self._route(channel, timeout_s)
         async with listener.follow(channel, job_id, timeout_s=timeout_s, wait=wait) as queue:

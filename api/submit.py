@@ -14,7 +14,6 @@ Idempotency-Key, its watches) arrives in its :class:`api.context.RequestContext`
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
@@ -24,7 +23,8 @@ import msgspec
 import structlog
 
 from api.context import RequestContext, RequestTrace
-from api.follow import ColdWait, follow
+from api.follow import ColdWait, Lane, Relay, follow
+from api.listener import Inbox
 from api.services import Services
 from api.watches import JobWatch
 from shared.codec import decode_request, encode
@@ -133,7 +133,7 @@ class Live:
     model: str
     job_id: str
     stack: AsyncExitStack
-    messages: asyncio.Queue[bytes]
+    messages: Inbox
 
 
 async def subscribe_job(svc: Services, model: str, job_id: str, stack: AsyncExitStack) -> Live:
@@ -182,7 +182,7 @@ def follow_job(
     watch: JobWatch | None = None,
     deadline: float | None = None,
     span: RequestTrace | None = None,
-) -> AsyncIterator[Event | Keepalive]:
+) -> Relay:
     """The job's events; iterating to the end (or closing the iterator) closes the subscription.
     With a ``watch``, leaving before the terminal event (closed, cancelled, failed) cancels the job.
     ``span``: the request's span (tracing on), told how the job ended."""
@@ -191,9 +191,10 @@ def follow_job(
     cold = None
     if watch is not None and svc.settings.cold_wait_s > 0:
         cold = ColdWait(functools.partial(svc.models.warm, live.model), svc.settings.cold_wait_s)
-    return follow(svc.queue, live.messages, live.model, live.job_id, after_seq=after_seq, backfill=backfill,
-                  keepalive_s=svc.settings.sse_keepalive_s if keepalive else None, deadline=deadline, cold=cold,
-                  watcher=Following(live, watch, span))
+    lane = Lane()
+    return Relay(follow(svc.queue, live.messages, live.model, live.job_id, after_seq=after_seq, backfill=backfill,
+                        keepalive_s=svc.settings.sse_keepalive_s if keepalive else None, deadline=deadline,
+                        cold=cold, watcher=Following(live, watch, span), lane=lane), lane)
 
 
 async def submit(svc: Services, ctx: RequestContext, req: GenerationRequest, *, keepalive: bool = False,

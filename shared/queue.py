@@ -71,8 +71,12 @@ async def _unless(stop: asyncio.Event, call: Callable[[], Awaitable[T]]) -> T | 
         stopped.cancel()
     if work.done():
         return work.result()
-    work.cancel()
-    await asyncio.wait({work})
+    # Cancelled again until it ends: on Python 3.11 redis-py sends through asyncio.wait_for, which
+    # drops a cancel that arrives just as the send completes, and a blocking read would then wait
+    # out its whole block (seen in CI: a stopped worker still reading 20 s later).
+    while not work.done():
+        work.cancel()
+        await asyncio.wait({work}, timeout=0.1)
     if not work.cancelled():
         work.exception()  # it ended on its own meanwhile (say, Redis went away): nothing to report
     return None
@@ -125,7 +129,8 @@ class Outbound:
     """One event on its way out, with what a terminal event also writes to the record."""
 
     job_id: str
-    event: Event
+    event: Event | None = None
+    """The event; None for a token event that travels as ``data`` only (a worker's usual one)."""
     entry_id: bytes | None = None  # set on terminal events: the queue entry to ack and delete
     result: JobResult | None = None
     first_token_at: float | None = None
@@ -142,9 +147,24 @@ class Outbound:
     """Terminal only: the job's whole event log, this event included, in compact form
     (shared/eventlog.py), to replace the per-event stream once the job has ended; None keeps
     the stream (its writer does not hold every event of the job)."""
-    history: Sequence[Event] = ()
-    """The writer's attempt's events so far (this one among them): what it writes again when a
-    failover took some back from the log (:attr:`Flushed.gaps`)."""
+    history: Sequence[bytes] = ()
+    """The writer's attempt's events so far as JSON (this one among them), seqs ``history_from``
+    + 1 on: what it writes again when a failover took some back from the log (:attr:`Flushed.gaps`)."""
+    history_from: int = 0
+    data: bytes = b""
+    """The event's JSON, encoded once by its writer; empty: encoded here from ``event``."""
+    seq: int = 0
+    """The event's seq (read from ``event`` when it is given)."""
+
+    def __post_init__(self) -> None:
+        if self.event is not None:
+            self.seq = self.event.seq
+            if not self.data:
+                self.data = encode(self.event)
+
+    @property
+    def terminal(self) -> bool:
+        return self.event is not None and not isinstance(self.event, Tokens)
 
 
 class Flushed(NamedTuple):
@@ -176,6 +196,9 @@ class Picked(NamedTuple):
     tops: list[bytes]
     """When nothing was picked, each level's newest waiting entry then: where
     :meth:`Queue.wait_for_work` waits from, so a job queued since wakes it at once."""
+    unconfirmed: bool = False
+    """The claims are not yet on the replicas LLMQ_DURABILITY wants (a pick with ``confirm=False``):
+    the caller must :meth:`Queue.confirm` them before it writes anything about the jobs."""
 
 
 class Queue:
@@ -356,7 +379,7 @@ class Queue:
         extra = scripts.Extra(status="failed", field="error", payload=error)
         flushed = await self.scripts.run(scripts.flush(self.keys, model, writer="", result_ttl=self.result_ttl_s,
                                                        shards=[shard],
-                                                       events=[(attempt, seq, event, job_id, 0)],
+                                                       events=[attempt, seq, event, job_id, 0],
                                                        endings=[(0, extra)]))
         if flushed[0] or flushed[1]:
             return False
@@ -391,10 +414,14 @@ class Queue:
 
     # --- worker side --------------------------------------------------------------------------
 
-    async def pick(self, model: str, consumer: str, count: int, max_deliveries: int = 3) -> Picked:
+    async def pick(self, model: str, consumer: str, count: int, max_deliveries: int = 3, *,
+                   confirm: bool = True) -> Picked:
         """Pick, read and claim up to ``count`` new jobs, the most urgent level first, by fair
         share between tenants within a level: read.lua, one round trip, never blocking. Ask only
-        for as many as can start now (the engine's free slots): nothing is claimed that could not."""
+        for as many as can start now (the engine's free slots): nothing is claimed that could not.
+        Under LLMQ_DURABILITY the claims are held until the replicas have them (:meth:`confirm`);
+        ``confirm=False`` leaves that to the caller (:attr:`Picked.unconfirmed`), which may start
+        the engine meanwhile but must write nothing until then."""
         call = scripts.read(self.keys, model, consumer, count, now=now_ms(), max_failed=max_deliveries)
         while True:  # again at once while it stops early on waiting jobs that had already ended
             (rows, tops, more), acked = await self._run(call)
@@ -404,7 +431,9 @@ class Queue:
             [(int(level), entry_id, job.decode()) for level, entry_id, job, _ in rows], [state for *_, state in rows],
             reclaimed=False))
         if deliveries and acked < self.durability.wanted:
-            deliveries = await self._confirm(model, consumer, deliveries)
+            if not confirm:
+                return Picked(deliveries, tops, unconfirmed=True)
+            deliveries = await self.confirm(model, consumer, deliveries)
         return Picked(deliveries, tops)
 
     async def _run(self, call: scripts.Call) -> tuple[Any, int]:
@@ -414,11 +443,12 @@ class Queue:
             return await self.scripts.run_and_wait(call, self.durability)
         return await self.scripts.run(call), 0
 
-    async def _confirm(self, model: str, worker: str, deliveries: list[Delivery]) -> list[Delivery]:
+    async def confirm(self, model: str, worker: str, deliveries: list[Delivery]) -> list[Delivery]:
         """Hold jobs just claimed until their claims are on the replicas LLMQ_DURABILITY wants
         (renewing their leases meanwhile, with a WAIT after each renewal); the jobs still ours.
 
-        A job is never started before then: a claim only the primary holds may be a job only the
+        Nothing is written about a job before then (its engine request may run meanwhile, its
+        events wait: workers/runner.py): a claim only the primary holds may be a job only the
         primary holds, one whose admission was refused (503) for want of replicas. Were the primary
         to die, the client's retry would queue it again on the new one, and it would run twice."""
         log.warning("claims_not_durable", model=model, jobs=len(deliveries), wanted=self.durability.wanted)
@@ -567,9 +597,10 @@ class Queue:
         """Write what events say to their records (finish.lua), then settle the shards of the jobs
         that ended (``settle``: job id, whether its record now holds its compact log). Returns the
         indexes of the items refused."""
+        ending = any(extra.status for _, _, extra in items)  # today's date only for items that end a job
         refused = await self.scripts.run(scripts.finish(
-            self.keys, model, result_ttl=self.result_ttl_s, now=now_ms(), day=today(), day_ttl=self.usage_ttl_s,
-            items=items))
+            self.keys, model, result_ttl=self.result_ttl_s, now=now_ms(), day=today() if ending else "",
+            day_ttl=self.usage_ttl_s, items=items))
         gone = {items[int(i)][0] for i in refused}
         settle = [(job_id, drop) for job_id, drop in settle if job_id not in gone]
         if settle:
@@ -655,12 +686,11 @@ class Queue:
         every follower has the end from the log. ``worker``: the writer, whose fence entries (take.lua)
         its events must find.
         """
-        encoded = [encode(out.event) for out in batch]
         groups = self._groups([out.job_id for out in batch])
         calls = []
         extras: dict[int, scripts.Extra] = {}
         for i, out in enumerate(batch):
-            if out.first_token_at is not None or out.prompt_ids is not None or not isinstance(out.event, Tokens):
+            if out.first_token_at is not None or out.prompt_ids is not None or out.terminal:
                 extras[i] = self._extra(out)  # the usual token event needs none
         lost_jobs: set[str] = set()
         # The prompt's ids (and a first token's time) go to the record BEFORE the events are
@@ -671,11 +701,15 @@ class Queue:
             refused = await self._finish(model, [(batch[i].job_id, batch[i].attempt, extras[i]) for i in notes], [])
             lost_jobs.update(batch[notes[n]].job_id for n in refused)
         for shards, items in groups:
-            order = {i: n for n, (i, _) in enumerate(items)}
-            calls.append(scripts.flush(
-                self.keys, model, writer=worker, result_ttl=self.result_ttl_s, shards=shards,
-                events=[(batch[i].attempt, batch[i].event.seq, encoded[i], batch[i].job_id, at) for i, at in items],
-                endings=[(order[i], extras[i]) for i, _ in items if i in extras and extras[i].status]))
+            events: list[Any] = []  # flat: the packer's five values per event, built in this one pass
+            endings: list[tuple[int, scripts.Extra]] = []
+            for n, (i, at) in enumerate(items):
+                out = batch[i]
+                events += (out.attempt, out.seq, out.data, out.job_id, at)  # the bytes its writer encoded
+                if i in extras and extras[i].status:
+                    endings.append((n, extras[i]))
+            calls.append(scripts.flush(self.keys, model, writer=worker, result_ttl=self.result_ttl_s, shards=shards,
+                                       events=events, endings=endings))
         lost_at: set[int] = set()
         gaps: dict[str, int] = {}
         whole: set[int] = set()
@@ -721,5 +755,5 @@ class Queue:
             case Error(code=code, message=message, status=status) as error:
                 outcome = "cancelled" if isinstance(error.exception(), JobCancelled) else "failed"
                 return outcome, "error", encode(JobError(code=code, message=message, status=status))
-            case Tokens():
+            case Tokens() | None:
                 return "", "", ""

@@ -6,7 +6,7 @@ answer non-streaming requests from the events it relayed, so both always agree.
 
 from __future__ import annotations
 
-from shared.events import Done, Error, Event, Tokens
+from shared.events import Done, Error, Event, TokenDelta, Tokens
 from shared.schemas import Choice, JobResult, PromptInfo, ToolCall, Usage
 
 __all__ = ["ResultBuilder"]
@@ -51,7 +51,12 @@ class ResultBuilder:
     def _deltas(self, event: Tokens | Done) -> None:
         if event.prompt is not None:
             self.prompt = event.prompt
-        for delta in event.deltas:
+        self.add_deltas(event.deltas)
+
+    def add_deltas(self, deltas: list[TokenDelta]) -> None:
+        """A token event's deltas, without the event (a worker encodes its events from their
+        deltas, with no event object in between: workers/attempt.py)."""
+        for delta in deltas:
             choice = self._choice(delta.index)
             self._text_parts[delta.index].append(delta.text)
             if delta.reasoning:

@@ -297,6 +297,9 @@ FLUSH = Script(
 )
 
 
+_SHARD_ARGS, _EVENTS, _ENDINGS = FLUSH.argv_groups
+
+
 class Extra(NamedTuple):
     """What one event writes beyond the log and the live path: to its record (finish.lua), and
     for a terminal one its ending (flush.lua's ``endings`` group)."""
@@ -336,23 +339,26 @@ class Extra(NamedTuple):
 
 
 def flush(keys: Keys, model: str, *, writer: str, result_ttl: int, shards: Sequence[int],
-          events: Sequence[tuple[int, int, bytes, str, int]], endings: Sequence[tuple[int, Extra]]) -> Call:
-    """``shards``: the token shards of this call (one on a Cluster); ``events``: (attempt, seq,
-    event JSON, job id, index into ``shards``) each; ``endings``: (0-based index into ``events``,
-    its terminal extra). Few values per event on purpose: packing them was most of a worker's own
-    cost per token. ``writer``: the worker writing (its fence entries name it; '' for an API)."""
+          events: Sequence[Value], endings: Sequence[tuple[int, Extra]]) -> Call:
+    """``shards``: the token shards of this call (one on a Cluster); ``events``: flat, five values
+    per event: attempt, seq, event JSON (encoded once by its writer), job id, index into
+    ``shards``; ``endings``: (0-based index into the events, its terminal extra). Each event's
+    log is a declared key (its shard's slot, the script's). Few values per event on purpose:
+    packing and sending them was most of a worker's own cost per token. ``writer``: the worker
+    writing (its fence entries name it; '' for an API)."""
+    width = _EVENTS.width
+    count = len(events) // width
     shard_args_at, shard_args_width, events_at, events_width, endings_at, endings_width = _places(
-        len(FLUSH.argv) + 1, FLUSH.argv_groups, [len(shards), len(events), len(endings)])
+        len(FLUSH.argv) + 1, FLUSH.argv_groups, [len(shards), count, len(endings)])
     k = _shards(keys, model, shards)
-    shards_at, shards_width, event_keys_at, event_keys_width = _places(1, FLUSH.key_groups, [len(shards), len(events)])
+    shards_at, shards_width, event_keys_at, event_keys_width = _places(1, FLUSH.key_groups, [len(shards), count])
+    log_key = keys.events
+    k += [log_key(model, job_id) for job_id in events[3::width]]
     args: list[Value] = [writer, result_ttl, shards_at, shards_width, event_keys_at, event_keys_width, shard_args_at,
                          shard_args_width, events_at, events_width, endings_at, endings_width]
     for shard in shards:
         args += [keys.live_in(model, shard), keys.ending_in(model, shard)]
-    log_key = keys.events
-    for attempt, seq, event, job_id, shard in events:
-        k.append(log_key(model, job_id))
-        args += [attempt, seq, event, job_id, shard]
+    args += events
     for index, extra in endings:
         args += [index, *extra.ending()]
     return Call(FLUSH, k, args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import socket
 import subprocess
@@ -115,3 +116,40 @@ async def sdk_clients_closed(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[N
         closed = client.close()
         if inspect.isawaitable(closed):
             await closed
+
+
+# The workers' own loops, by the module that defines them: a test that leaves one running leaves
+# a client in use after its fixture closed it, and that client's connections reopen unowned. A
+# job's task is not one: it may outlive a test on a module's stack, and ends with its worker.
+_WORKER_MODULES = ("workers.runner", "workers.presence")
+_JOB_TASKS = ("Worker._run_job",)
+
+
+def _worker_loops() -> list[asyncio.Task]:
+    found = []
+    for task in asyncio.all_tasks():
+        coro = task.get_coro()
+        code, frame = getattr(coro, "cr_code", None), getattr(coro, "cr_frame", None)
+        if (code is not None and frame is not None and code.co_qualname not in _JOB_TASKS
+                and frame.f_globals.get("__name__") in _WORKER_MODULES):
+            found.append(task)
+    return found
+
+
+@pytest.fixture(autouse=True)
+async def no_worker_left_running() -> AsyncIterator[None]:
+    """A test ends with every in-process worker it started stopped. The event loop lives for the
+    session, so a worker left running goes on into later tests: its heartbeat reopens connections
+    on a client its test closed, and the garbage collector finds them unclosed tests later (an
+    `unclosed <StreamWriter>` error in an unrelated test, twice in CI). Failing here names the test."""
+    before = set(_worker_loops())
+    yield
+    left = [t for t in _worker_loops() if t not in before]
+    if not left:
+        return
+    names = sorted(t.get_coro().cr_code.co_qualname for t in left)
+    while pending := [t for t in left if not t.done()]:
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=0.1)
+    pytest.fail(f"the test left worker loops running: {names}")

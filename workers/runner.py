@@ -83,6 +83,9 @@ class _Running:
     stop_reason: ServiceError | None = None  # why we cancelled it, if we did
     deadline: asyncio.TimerHandle | None = None  # aborts the job when its deadline passes
     spans: JobSpans | None = None  # with tracing on
+    claim: asyncio.Event | None = None
+    """Set once its claim is on the replicas LLMQ_DURABILITY wants (None: it was when the job
+    started). The engine runs meanwhile; nothing about the job is written before it is set."""
 
 
 class Worker:
@@ -186,10 +189,35 @@ class Worker:
         with self.slots.reserve(self.slots.available) as slots:
             if not slots.held:
                 return None
-            picked = await self.queue.pick(self.model, self.worker_id, slots.held, self.settings.max_deliveries)
-            for delivery in picked.deliveries:
-                await self._accept(delivery, slots)
+            picked = await self.queue.pick(self.model, self.worker_id, slots.held, self.settings.max_deliveries,
+                                           confirm=False)
+            if picked.unconfirmed:
+                await self._start_confirming(picked.deliveries, slots)
+            else:
+                for delivery in picked.deliveries:
+                    await self._accept(delivery, slots)
         return None if picked.deliveries else picked.tops
+
+    async def _start_confirming(self, deliveries: list[Delivery], slots: Reservation) -> None:
+        """Under LLMQ_DURABILITY, claims the replicas do not hold yet: the jobs to run start in the
+        engine at once (their prompts are processed while the replicas catch up), their events held
+        until the claims are confirmed; a job whose claim is lost meanwhile is aborted, having
+        written nothing. The jobs that end at once (cancelled, expired, ...) end after it."""
+        claim = asyncio.Event()
+        early = [d for d in deliveries if d.state == "run"]
+        for delivery in early:
+            await self._accept(delivery, slots, claim)
+        kept: set[str] = set()
+        try:
+            kept = {d.job_id for d in await self.queue.confirm(self.model, self.worker_id, deliveries)}
+        finally:  # Redis gone meanwhile: none is confirmed, and each lease lapses to a peer
+            for delivery in early:
+                if delivery.job_id not in kept:
+                    self.cancel_job(delivery.job_id, LeaseLost("its claim was not confirmed"))
+            claim.set()
+        for delivery in deliveries:
+            if delivery.state != "run" and delivery.job_id in kept:
+                await self._accept(delivery, slots)
 
     async def _reclaim(self) -> None:
         """Take over jobs whose lease lapsed, before any new work (they have waited longest).
@@ -268,16 +296,18 @@ class Worker:
         spans = running.spans if running is not None else None
         return {"trace_id": spans.trace_id} if spans is not None and spans.trace_id else {}
 
-    async def _accept(self, d: Delivery, slots: Reservation) -> None:
-        """Start a claimed job, in a slot of ``slots``, or end it at once (by its state)."""
+    async def _accept(self, d: Delivery, slots: Reservation, claim: asyncio.Event | None = None) -> None:
+        """Start a claimed job, in a slot of ``slots``, or end it at once (by its state).
+        ``claim``: set once the claim is confirmed (:attr:`_Running.claim`)."""
         spans = self._spans(d)
         if spans is not None and spans.trace_id:
             # Its log lines here and in its task (which copies this context) lead to its trace.
             with structlog.contextvars.bound_contextvars(trace_id=spans.trace_id):
-                return await self._start(d, spans, slots)
-        return await self._start(d, spans, slots)
+                return await self._start(d, spans, slots, claim)
+        return await self._start(d, spans, slots, claim)
 
-    async def _start(self, d: Delivery, spans: JobSpans | None, slots: Reservation) -> None:
+    async def _start(self, d: Delivery, spans: JobSpans | None, slots: Reservation,
+                     claim: asyncio.Event | None = None) -> None:
         match d.state:
             case "run":
                 assert d.request is not None and self._tasks is not None
@@ -289,7 +319,8 @@ class Worker:
                 # failure that escaped its own handlers (a bug) stops the worker, never vanishes.
                 task = self._tasks.create_task(self._run_job(d, d.request, spans), name=f"job-{d.job_id}")
                 task.add_done_callback(functools.partial(self._cancelled_unstarted, d))
-                running = _Running(task=task, held=Held(d.job_id, d.entry_id, d.attempt, d.level), spans=spans)
+                running = _Running(task=task, held=Held(d.job_id, d.entry_id, d.attempt, d.level), spans=spans,
+                                   claim=claim)
                 if d.deadline is not None:
                     running.deadline = asyncio.get_running_loop().call_later(
                         max(0.0, (d.deadline - now_ms()) / 1000), self.cancel_job, d.job_id,
@@ -362,6 +393,7 @@ class Worker:
                     log.info("job_released", reason=reason.message)
                     return
                 outcome = reason.code
+                await self._claimed(d)
                 self._end(d, attempt, reason)
             except EngineDead as exc:
                 # Fatal for the process, not for the job: write nothing, stop renewing its lease
@@ -374,16 +406,27 @@ class Worker:
                 self.stop()
             except ServiceError as exc:
                 outcome = exc.code
+                await self._claimed(d)
                 self._end(d, attempt, exc)
             except Exception as exc:  # an engine failure ends this job, not the worker
                 log.exception("job_failed", may_quote_request=True)  # an engine error may quote the prompt
                 error = GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}")
                 outcome = error.code
+                await self._claimed(d)
                 self._end(d, attempt, error)
             finally:
                 if spans is not None:
                     spans.ended(outcome, attempt.usage, attempt.result)
                 self._release(d.job_id)
+
+    async def _claimed(self, d: Delivery) -> None:
+        """Return once the job's claim is confirmed (at once unless LLMQ_DURABILITY held it: see
+        :meth:`_start_confirming`); a claim lost meanwhile cancels the job here, which then writes
+        nothing."""
+        running = self._running.get(d.job_id)
+        if running is not None and running.claim is not None:
+            await running.claim.wait()
+            running.claim = None
 
     @staticmethod
     def _attempt(d: Delivery) -> Attempt:
@@ -400,20 +443,28 @@ class Worker:
         headers = spans.engine_started() if spans is not None else None
         if not self.settings.engine_tracing:
             headers = None  # vLLM traces nothing: it would only warn of the headers
+        held = self._running[d.job_id].claim is not None
         async for step in self.engine.stream(d.job_id, plan.request, plan.parts, trace_headers=headers):
             out = attempt.on_step(step, now_ms)
             if out is None:
                 continue
+            if held:  # the engine started before the claim was confirmed: its first event waits for it
+                await self._claimed(d)
+                held = False
             self.metrics.inc("llmq_worker_tokens_total", out.tokens)
             if out.first_token_at is not None:
                 self.metrics.observe("llmq_ttft_seconds", (out.first_token_at - d.queued_at) / 1000)
-            if isinstance(out.event, Done):
-                self._emit(d, out.event, entry_id=d.entry_id, result=out.result, first_token_at=out.first_token_at,
-                           log=out.log, history=attempt.events)
+            if out.terminal is not None:
+                self._emit(d, out.terminal, data=out.data, entry_id=d.entry_id, result=out.result,
+                           first_token_at=out.first_token_at, log=out.log, history=attempt.encoded,
+                           history_from=attempt.base)
                 self._log_finished(attempt.timings, attempt.usage, out.result)
                 return
-            self._emit(d, out.event, first_token_at=out.first_token_at, prompt_ids=out.prompt_ids,
-                       history=attempt.events)
+            # A token event: its bytes only, no event object (the outbox's usual entry).
+            self._outbox.append(Outbound(d.job_id, first_token_at=out.first_token_at, attempt=d.attempt,
+                                         prompt_ids=out.prompt_ids, level=d.level, history=attempt.encoded,
+                                         history_from=attempt.base, data=out.data, seq=out.seq))
+            self._outbox_ready.set()
         raise GenerationFailed("the engine ended the job without a final output")
 
     @staticmethod
@@ -436,7 +487,9 @@ class Worker:
         # error); the client and the job record get it.
         log.info("job_ended", job_id=d.job_id, code=exc.code)
         out = attempt.end(exc)
-        self._emit(d, out.event, entry_id=d.entry_id, log=out.log, usage=attempt.usage, history=attempt.events)
+        assert out.terminal is not None
+        self._emit(d, out.terminal, data=out.data, entry_id=d.entry_id, log=out.log, usage=attempt.usage,
+                   history=attempt.encoded, history_from=attempt.base)
 
     def _cancel_requested(self, job_id: str) -> bool:
         """A cancel notice on the control channel (DELETE /v1/jobs/{id})."""
@@ -509,14 +562,17 @@ class Worker:
         for job_id, logged in gaps.items():
             own = [out for out in batch if out.job_id == job_id]
             first = own[0]
-            missing = [e for e in first.history if logged < e.seq < first.event.seq]
-            if len(missing) != first.event.seq - 1 - logged:
-                log.warning("event_log_gap", job_id=job_id, logged=logged, next_seq=first.event.seq, mended=False)
+            # Mended only from this attempt's own events (an event made without them, a dead
+            # letter's, holds none): a missing one before them cannot be written here.
+            if logged < first.history_from or first.seq - 1 - first.history_from > len(first.history):
+                log.warning("event_log_gap", job_id=job_id, logged=logged, next_seq=first.seq, mended=False)
                 self._lose([job_id])
                 continue
-            log.warning("event_log_gap", job_id=job_id, logged=logged, next_seq=first.event.seq, mended=True)
-            again += [Outbound(job_id=job_id, event=e, attempt=first.attempt, level=first.level, history=first.history)
-                      for e in missing] + own
+            log.warning("event_log_gap", job_id=job_id, logged=logged, next_seq=first.seq, mended=True)
+            again += [Outbound(job_id=job_id, data=first.history[seq - first.history_from - 1], seq=seq,
+                               attempt=first.attempt, level=first.level, history=first.history,
+                               history_from=first.history_from)
+                      for seq in range(logged + 1, first.seq)] + own
         return again
 
     # --- drain, heartbeat, control -------------------------------------------------------------

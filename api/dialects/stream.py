@@ -7,6 +7,11 @@ A renderer turns each event into the frames to send after it (as TGI's ``ChatSta
 Redis, or a renderer found the events inconsistent), ``close`` after the last event. Frames are
 bytes on HTTP and payloads on LMTP's WebSocket; they go out per event, in order. A renderer keeps
 whatever state its dialect needs (offsets, held tokens, numbering) and does no I/O.
+
+An HTTP stream's events usually skip the loop's own step: the listener takes each in its step and
+writes the frames :func:`render` gives for it (api.follow.Lane), the same renderer state
+:func:`drive` feeds; :func:`drive` still opens and closes the stream and renders whatever the
+relay hands it (the first and the terminal event, gaps filled from the log, keep-alives).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from shared.errors import ServiceError
 from shared.events import Done, Error, Event, Tokens
 from shared.framing import KEEPALIVE, Keepalive
 
-__all__ = ["StreamRenderer", "drive", "SSE", "JSONLINES", "NDJSON", "SseKeepalive"]
+__all__ = ["StreamRenderer", "drive", "render", "SSE", "JSONLINES", "NDJSON", "SseKeepalive"]
 
 F = TypeVar("F")
 
@@ -69,6 +74,12 @@ class SseKeepalive:
         return [KEEPALIVE]
 
 
+def render(renderer: StreamRenderer[F], item: Event | Keepalive) -> list[F]:
+    """The frames one event (or a quiet stretch) releases: what :func:`drive` sends per item, and
+    what a stream whose events are taken in the listener's step (api.follow.Lane) writes for one."""
+    return renderer.keepalive() if isinstance(item, Keepalive) else renderer.feed(item)
+
+
 async def drive(renderer: StreamRenderer[F], events: AsyncIterator[Event | Keepalive]) -> AsyncIterator[list[F]]:
     """The one stream loop: the frames of ``events`` rendered by ``renderer``, one list per event
     (never empty), ending after the terminal event. A :class:`ServiceError` while relaying (or
@@ -78,10 +89,7 @@ async def drive(renderer: StreamRenderer[F], events: AsyncIterator[Event | Keepa
         yield frames
     try:
         async for event in events:
-            if isinstance(event, Keepalive):
-                frames = renderer.keepalive()
-            else:
-                frames = renderer.feed(event)
+            frames = render(renderer, event)
             if frames:
                 yield frames
             if isinstance(event, Done | Error):

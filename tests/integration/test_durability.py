@@ -110,23 +110,57 @@ async def test_a_retry_from_another_connection_waits_for_the_first_write(replica
         await second.aclose()
 
 
-async def test_a_worker_starts_a_job_only_once_the_replica_holds_its_claim(replicated, prefix):
+async def test_a_worker_writes_nothing_about_a_job_until_the_replica_holds_its_claim(replicated, prefix):
+    """The engine starts on the pick (its prompt is processed while the replica catches up), but
+    no event, no first token and no end is written before the claim is confirmed; then the job
+    runs to its end once, every token once."""
     engine = ScriptedEngine()
+    keys = Keys(prefix)
     async with scripted_stack(replicated.url, prefix, engine, durability="replicas:1", durability_timeout_ms=200) as s:
-        plain = Queue(s.redis, Keys(prefix))  # a job queued without waiting (LLMQ_DURABILITY=none elsewhere)
+        plain = Queue(s.redis, keys)  # a job queued without waiting (LLMQ_DURABILITY=none elsewhere)
         req = GenerationRequest(model=MODEL, prompt="gated", sampling=SamplingParams(max_tokens=3))
         replicated.pause(1)
         try:
             job_id = await plain.enqueue(JobRecord.new(req, owner="", default_timeout_s=None))
-            # Claimed, but held: its claim is only on the primary, which could still lose it.
-            await eventually(lambda: s.redis.hget(Keys(prefix).job(MODEL, job_id), "status"), what="the pick",
-                             timeout_s=5)
+            # Claimed, and started in the engine, but held: its claim is only on the primary,
+            # which could still lose it.
+            await eventually(lambda: job_id in engine.started, what="the engine to start on the pick", timeout_s=5)
             await asyncio.sleep(1.0)
-            assert job_id not in engine.started
+            assert await s.redis.exists(keys.events(MODEL, job_id)) == 0
+            assert await s.redis.hmget(keys.job(MODEL, job_id), ["first_token_at", "log", "result"]) == [None] * 3
+            assert await s.redis.hget(keys.job(MODEL, job_id), "status") == b"running"
         finally:
             replicated.resume(1)
-        await eventually(lambda: job_id in engine.started, what="the job to start once the replica confirms")
+        async def done() -> bool:
+            record = await plain.get_job(MODEL, job_id)
+            return record is not None and record.status == "done"
+
+        await eventually(done, what="the job to finish once the replica confirms")
+        record = await plain.get_job(MODEL, job_id)
+        assert record is not None and record.result is not None
+        assert record.result.choices[0].text == "gat"
+        assert [e.seq for e in await plain.read_events(MODEL, job_id)] == [1, 2, 3]
     assert engine.started.count(job_id) == 1
+
+
+async def test_a_claim_lost_before_the_replica_confirms_it_aborts_the_engine_request_and_writes_nothing(
+        replicated, prefix):
+    engine = ScriptedEngine()
+    keys = Keys(prefix)
+    async with scripted_stack(replicated.url, prefix, engine, durability="replicas:1", durability_timeout_ms=200) as s:
+        plain = Queue(s.redis, keys)
+        req = GenerationRequest(model=MODEL, prompt="lost", sampling=SamplingParams(max_tokens=3))
+        replicated.pause(1)
+        try:
+            job_id = await plain.enqueue(JobRecord.new(req, owner="", default_timeout_s=None))
+            await eventually(lambda: job_id in engine.started, what="the engine to start on the pick", timeout_s=5)
+            await s.redis.hset(keys.job(MODEL, job_id), "worker", "a-peer")  # a peer took it meanwhile
+            await eventually(lambda: job_id in engine.aborted, what="the engine request to be aborted", timeout_s=5)
+            await asyncio.sleep(0.3)
+            assert await s.redis.exists(keys.events(MODEL, job_id)) == 0
+            assert await s.redis.hget(keys.job(MODEL, job_id), "status") == b"running"  # untouched: the peer's
+        finally:
+            replicated.resume(1)
 
 
 @pytest.mark.parametrize("appendonly", ["yes", "no"])

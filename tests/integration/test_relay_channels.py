@@ -16,11 +16,13 @@ import time
 from collections.abc import AsyncIterator
 
 import httpx
+import pytest
 
-from api.follow import follow
+from api.follow import Lane, follow
 from api.listener import EventListener
 from shared.codec import encode
 from shared.events import Done, TokenDelta, Tokens
+from shared.framing import Keepalive
 from shared.keys import Keys, shard_of, shard_tag
 from shared.queue import Flushed, Outbound, Queue, now_ms
 from shared.redis import connect
@@ -236,3 +238,110 @@ async def test_a_finished_job_resumed_after_its_last_event_ends_at_once(redis_ur
             rest = await s.client.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "3"})
         assert tail.text == whole[whole.index("id: 3"):]
         assert rest.status_code == 200 and rest.text == ""
+
+
+async def test_events_in_sequence_go_out_in_the_listeners_step_and_the_rest_through_follow(redis_url, prefix):
+    """While a stream's consumer takes events through its lane, the listener hands it each next
+    event in sequence without waking the follower's task; a duplicate is dropped there; a gap,
+    an event the consumer declines (its client not keeping up) and the terminal event reach
+    follow, which fills the gap from the log and goes on from the lane's last seq. Every event
+    reaches the client exactly once, in order."""
+    redis = connect(redis_url)
+    keys = Keys(prefix)
+    queue = Queue(redis, keys)
+    listener = EventListener(redis, keys.api_home("t"))
+    runner = asyncio.create_task(listener.run())
+    channel = keys.relay(MODEL, "t", "x")
+    tokens = {s: Tokens(seq=s, deltas=[TokenDelta(token_ids=[96 + s], text=chr(96 + s))]) for s in range(1, 9)}
+    done = Done(seq=9, deltas=[TokenDelta(token_ids=[105], text="i", finish_reason="length")])
+    delivered: list[int] = []
+    keeping_up = True
+
+    def deliver(event) -> bool:
+        if keeping_up:
+            delivered.append(event.seq)
+        return keeping_up
+
+    async def publish(*events, log_only=(), again=()) -> None:
+        pipe = redis.pipeline(transaction=True)
+        for event in (*log_only, *events):
+            pipe.xadd(keys.events(MODEL, "x"), {"e": encode(event)}, id=f"{event.seq}-0")
+        if events:
+            pipe.publish(channel, b"\n".join(b"x " + encode(e) for e in (*events, *again)))
+        await pipe.execute()
+
+    async def until_delivered(n: int) -> None:
+        async with asyncio.timeout(5):
+            while len(delivered) < n:
+                await asyncio.sleep(0.01)
+
+    try:
+        async with listener.follow(channel, "x") as live:
+            lane = Lane()
+            lane.deliver = deliver
+            events = follow(queue, live, MODEL, "x", check_log_s=30.0, lane=lane)
+            step = asyncio.ensure_future(anext(events))
+            await asyncio.sleep(0.05)  # parked: waiting for a live message
+            await publish(tokens[1], tokens[2], tokens[3], again=[tokens[2]])
+            await until_delivered(3)
+            await asyncio.sleep(0.05)
+            assert delivered == [1, 2, 3] and not step.done()  # nothing woke the follower
+            await publish(tokens[5], log_only=[tokens[4]])  # 4 is lost on the way: a gap
+            async with asyncio.timeout(5):
+                assert await step == tokens[4]
+                assert await anext(events) == tokens[5]
+            step = asyncio.ensure_future(anext(events))
+            await asyncio.sleep(0.05)
+            await publish(tokens[6])
+            await until_delivered(4)
+            keeping_up = False
+            await publish(tokens[7])  # declined: follow renders it
+            async with asyncio.timeout(5):
+                assert await step == tokens[7]
+            keeping_up = True
+            step = asyncio.ensure_future(anext(events))
+            await asyncio.sleep(0.05)
+            await publish(tokens[8], done)  # the end always goes through follow
+            async with asyncio.timeout(5):
+                assert await step == done
+            assert delivered == [1, 2, 3, 6, 8]
+            with pytest.raises(StopAsyncIteration):
+                await anext(events)
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        await redis.aclose()
+
+
+async def test_a_stream_fed_through_its_lane_gets_a_keepalive_only_after_a_quiet_stretch(redis_url, prefix):
+    """Events that go out through the lane count as activity: no keep-alive while they flow,
+    one once the stream has been quiet for keepalive_s since the last of them."""
+    redis = connect(redis_url)
+    keys = Keys(prefix)
+    queue = Queue(redis, keys)
+    listener = EventListener(redis, keys.api_home("t"))
+    runner = asyncio.create_task(listener.run())
+    channel = keys.relay(MODEL, "t", "k")
+    delivered: list[float] = []
+    loop = asyncio.get_running_loop()
+    try:
+        async with listener.follow(channel, "k") as live:
+            lane = Lane()
+            lane.deliver = lambda event: delivered.append(loop.time()) is None
+            events = follow(queue, live, MODEL, "k", check_log_s=30.0, keepalive_s=0.3, lane=lane)
+            step = asyncio.ensure_future(anext(events))
+            await asyncio.sleep(0.05)
+            for seq in range(1, 9):  # 0.8 s of events, 0.1 s apart: never quiet for 0.3 s
+                event = Tokens(seq=seq, deltas=[TokenDelta(token_ids=[97], text="a")])
+                await redis.publish(channel, b"k " + encode(event))
+                await asyncio.sleep(0.1)
+            assert len(delivered) == 8 and not step.done()
+            async with asyncio.timeout(5):
+                assert isinstance(await step, Keepalive)
+            quiet = loop.time() - delivered[-1]
+            assert 0.3 <= quiet < 0.45, quiet
+            await events.aclose()
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        await redis.aclose()

@@ -86,7 +86,7 @@ async def test_an_end_logged_by_a_writer_that_died_is_written_to_the_record_once
                            prompt_tokens=2, generated_tokens=3)
     lost, gaps, whole = await queue.scripts.run(scripts.flush(
         keys, MODEL, writer="w1", result_ttl=60, shards=[shard_of(rec.id)],
-        events=[(d.attempt, 3, encode(done), rec.id, 0)], endings=[(0, ending)]))
+        events=[d.attempt, 3, encode(done), rec.id, 0], endings=[(0, ending)]))
     assert (lost, gaps, whole) == ([], [], [0])
     # A follower has the end from the log already; the record does not say it yet.
     assert [e.seq for e in await queue.read_events(MODEL, rec.id)] == [1, 2, 3]

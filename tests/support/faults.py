@@ -62,7 +62,7 @@ def alive(pid: int) -> bool:
     """Whether a process exists and is not a zombie."""
     try:
         return _stat(pid)[0] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone, or being reaped as we read (ESRCH)
         return False
 
 

@@ -147,8 +147,35 @@ def test_an_ending_of_a_whole_log_is_the_compact_form_of_every_event_of_the_atte
     done = a.on_step(step(6, text="b", finished=True, finish_reason="stop"), at(130.0))
     events.append(done.event)
     assert _expanded(done.log, encode(done.result)) == events
-    assert a.events == events
+    assert [msgspec.json.decode(e, type=Event) for e in a.encoded] == events
+    assert b"[" + b",".join(a.encoded) + b"]" == encode(events)  # each event encoded once, the same bytes
 
 
 def _expanded(blob: bytes, result: bytes | None = None) -> list[Event]:
     return msgspec.json.decode(eventlog.expand(blob, result), type=list[Event])
+
+
+def test_a_token_event_is_encoded_from_its_deltas_to_the_same_bytes_as_the_event():
+    """The worker writes a token event without building it (workers/attempt.tokens_json); the API
+    decodes those bytes as the event, so they must be exactly what encoding the event gives."""
+    from shared.schemas import TopLogprob
+    from workers.attempt import tokens_json
+
+    cases = [
+        [],
+        [TokenDelta(token_ids=[5], text="a")],
+        [TokenDelta(token_ids=[5, 6], text='"\\\n\u00e9\U0001F600', finish_reason="stop", stop_reason=7)],
+        [TokenDelta(index=1, token_ids=[9], text="", token_texts=["x"], logprobs=[-0.5],
+                    top_logprobs=[[TopLogprob(9, "x", -0.5)]]), TokenDelta(index=0, reasoning="r")],
+    ]
+    for seq, deltas in enumerate(cases, start=1):
+        assert tokens_json(seq, deltas) == encode(Tokens(seq=seq, deltas=deltas))
+        assert msgspec.json.decode(tokens_json(seq, deltas), type=Event) == Tokens(seq=seq, deltas=deltas)
+
+
+def test_an_attempt_makes_no_event_object_for_a_token_but_its_emission_reads_as_one():
+    a = fresh()
+    out = a.on_step(step(5, text="a"), at(120.0))
+    assert out.terminal is None and out.seq == 1
+    assert out.data == encode(Tokens(seq=1, deltas=[TokenDelta(token_ids=[5], text="a")]))
+    assert out.event == Tokens(seq=1, deltas=[TokenDelta(token_ids=[5], text="a")])

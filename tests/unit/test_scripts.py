@@ -163,6 +163,11 @@ def _sample(i: int) -> tuple[int, int, bytes, str, int]:
     return (1, i + 1, b'{"type":"tokens"}', f"j{i}", 0)
 
 
+def _events(n: int, first: int = 0) -> list:
+    """Events as the packer takes them: five values each, flat."""
+    return [v for i in range(first, first + n) for v in _sample(i)]
+
+
 @pytest.mark.parametrize("n", [0, 1, 3])
 def test_the_packers_fill_exactly_their_layouts(n: int):
     jobs = [f"j{i}" for i in range(n)]
@@ -180,7 +185,7 @@ def test_the_packers_fill_exactly_their_layouts(n: int):
                {"job_keys": n, "jobs": n})
     _layout_of(scripts.expire(KEYS, MODEL, "j", now=1.0, grace_ms=0, at_once=False), {})
     shards = list(range(min(n, 2)))
-    flush = scripts.flush(KEYS, MODEL, writer="w", result_ttl=1, shards=shards, events=[_sample(i) for i in range(n)],
+    flush = scripts.flush(KEYS, MODEL, writer="w", result_ttl=1, shards=shards, events=_events(n),
                           endings=[(i, Extra(status="done")) for i in range(n) if i % 2])
     _layout_of(flush, {"shards": len(shards), "shard_args": len(shards), "event_keys": n, "events": n,
                        "endings": n // 2})
@@ -223,7 +228,7 @@ def test_a_records_write_sends_the_keys_a_jobs_end_writes_only_with_a_terminal_e
 def test_a_flush_names_only_token_shard_keys():
     """A flush writes nothing in the model's slot: every key it sends is under a token shard's tag."""
     events = [_sample(i) for i in range(4)]
-    call = scripts.flush(KEYS, MODEL, writer="w", result_ttl=1, shards=[3], events=[(*e[:4], 0) for e in events],
+    call = scripts.flush(KEYS, MODEL, writer="w", result_ttl=1, shards=[3], events=_events(4),
                          endings=[(3, Extra(status="done"))])
     assert call.keys == [KEYS.fence(MODEL, 3), *(KEYS.events(MODEL, e[3]) for e in events)]
     assert all(f"{{{MODEL}}}" not in key for key in call.keys)

@@ -1,0 +1,79 @@
+"""py-spy over the process that feeds the engine: llmq's worker, or ``vllm serve``'s API server.
+
+``python -m tests.bench.frontprofile --target llmq|vllm-serve [--seconds 30]`` starts the fast
+set's target (tests/bench/serving.py), warms it, then records that one process with py-spy
+(``--nonblocking``, raw stacks) while streamed requests of ``--tokens`` tokens run at
+``--concurrency``, and prints its CPU µs per generated token over the recording and the top
+frames by own time. Both front ends run vLLM's ``AsyncLLM`` (detokenising, the output handler),
+so the difference between them is the queue's part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import os
+import subprocess
+import sys
+import tempfile
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+from shared.config import load_settings
+from tests.bench.cpu import cpu_seconds
+from tests.bench.serving import TARGET_SETS, HttpTarget, start_targets
+from tests.bench.workload import prompts_for
+
+ROOT_ROLE = {"llmq": "worker", "vllm-serve": "api-server"}
+
+
+def summarise(raw: Path, top: int) -> list[tuple[float, str]]:
+    own: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        total += int(n)
+        own[stack.split(";")[-1]] += int(n)
+    return [(100 * n / total, frame) for frame, n in own.most_common(top)]
+
+
+async def profile(target_name: str, seconds: float, tokens: int, concurrency: int, out: Path) -> dict:
+    fast = TARGET_SETS["fast"]
+    settings = load_settings({**os.environ, **fast.overlay})
+    async with AsyncExitStack() as stack:
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llmq-prof-")))
+        [target] = await start_targets(stack, settings, logs, [target_name], fast.overlay)
+        assert isinstance(target, HttpTarget) and target.meter is not None
+        pid = target.meter.roots[ROOT_ROLE[target_name]]
+        await target.run(prompts_for(64, "warm"), concurrency, 16)
+        spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid), "-d",
+                                str(int(seconds)), "-r", "100", "-f", "raw", "-o", str(out), "--nonblocking"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        before = cpu_seconds(pid)
+        generated = 0
+        while spy.poll() is None:
+            summary = await target.run(prompts_for(concurrency * 2, f"p{generated}"), concurrency, tokens)
+            generated += round(summary.output_tokens_per_s * summary.duration_s)
+        after = cpu_seconds(pid)
+        assert before is not None and after is not None
+        return {"target": target_name, "tokens": generated, "us_per_token": (after - before) * 1e6 / generated}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m tests.bench.frontprofile")
+    p.add_argument("--target", choices=sorted(ROOT_ROLE), required=True)
+    p.add_argument("--seconds", type=float, default=30)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--out", default="profile.raw")
+    a = p.parse_args()
+    result = asyncio.run(profile(a.target, a.seconds, a.tokens, a.concurrency, Path(a.out)))
+    print(result)
+    for share, frame in summarise(Path(a.out), a.top):
+        print(f"{share:5.1f}% {frame}")
+
+
+if __name__ == "__main__":
+    main()
