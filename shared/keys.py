@@ -176,12 +176,13 @@ class Keys:
         return f"{self._shard(model, shard)}:events:{job_id}"
 
     def fence(self, model: str, shard: int) -> str:
-        """Hash, under a token shard: job id -> ``<attempt>`` or ``<attempt> <relay channels>``,
-        for each job of the shard a writer holds: the fence a flush (flush.lua) checks, with one
-        HMGET for its batch, and the followers it publishes to. Installed by take.lua after the
-        claim (the record's attempt, monotonic: a later attempt replaces an earlier one), by
-        expire (an end the API writes), widened by add_follower; removed by settle.lua once the
-        job's end is in its record."""
+        """Hash, under a token shard: job id -> ``<attempt>@<worker>``, then `` <relay channels>``
+        when it has followers, for each job of the shard a writer holds: the fence a flush
+        (flush.lua) checks, with one HMGET for its batch, and the followers it publishes to (the
+        only place a flush finds either). Installed by take.lua after the claim (the record's
+        attempt, monotonic: a later attempt replaces an earlier one), by expire (an end the API
+        writes, worker ''), widened by add_follower (follow.lua); removed by release.lua when its
+        worker hands the job back and by settle.lua once the job's end is in its record."""
         return f"{self._shard(model, shard)}:fence"
 
     def ending(self, model: str, job_id: str) -> str:
@@ -194,14 +195,6 @@ class Keys:
     def ending_in(self, model: str, shard: int, job_id: str = "") -> str:
         """:meth:`ending` given the shard (with no job id: the shard's prefix, for the scripts)."""
         return f"{self._shard(model, shard)}:ending:{job_id}"
-
-    def owned(self, model: str, worker_id: str) -> str:
-        """Hash: the jobs one worker owns on ``model``, job id -> ``<attempt>`` or ``<attempt>
-        <relay channels>`` (the record's ``attempt`` and ``relay``). Kept equal to the records by
-        every script that changes a job's owner, attempt or followers (claim, renew's hand-back,
-        expire, a job's end, add_follower); empty (gone) when the worker owns nothing. A flush
-        reads its job's token shard's :meth:`fence` instead."""
-        return f"{self._model(model)}:owned:{worker_id}"
 
     def live(self, model: str, job_id: str) -> str:
         """Pub/sub channel: the same events as the log, live (under the job's token shard)."""

@@ -151,41 +151,34 @@ def enqueue(keys: Keys, model: str, job_id: str, tenant: str, *, idempotency: st
 
 READ = Script(
     "read.lua",
-    keys=("clock", "owned"),
+    keys=("clock",),
     key_groups=(Group("levels", ("queue", "waiting", "fair")),),
-    argv=("group", "consumer", "count", "tenant_prefix", "job_prefix", "owned_prefix", "now",
-          "max_failed", "levels", "levels_at", "levels_width"),
+    argv=("group", "consumer", "count", "tenant_prefix", "job_prefix", "now", "max_failed", "levels", "levels_at",
+          "levels_width"),
     uses=(FAIR, CLAIM),
 )
 
 
 def read(keys: Keys, model: str, consumer: str, count: int, *, now: float, max_failed: int) -> Call:
-    k = [keys.fair_clock(model), keys.owned(model, consumer)]
+    k = [keys.fair_clock(model)]
     for lvl in range(LEVELS):
         k += [keys.queue(model, lvl), keys.waiting(model, lvl), keys.fair(model, lvl)]
-    return Call(READ, k, [GROUP, consumer, count, keys.tenant(model, ""), keys.job(model, ""),
-                          keys.owned(model, ""), now, max_failed, LEVELS,
+    return Call(READ, k, [GROUP, consumer, count, keys.tenant(model, ""), keys.job(model, ""), now, max_failed, LEVELS,
                           *_places(len(READ.keys) + 1, READ.key_groups, [LEVELS])])
 
 
 CLAIM_TAKEN = Script(
     "claim_taken.lua",
-    keys=("owned",),
     key_groups=(Group("jobs", ("job",)),),
-    argv=("worker", "now", "max_failed", "owned_prefix", "jobs_at", "jobs_width", "ids_at", "ids_width"),
-    argv_groups=(Group("ids", ("job_id",)),),
+    argv=("worker", "now", "max_failed", "jobs_at", "jobs_width"),
     uses=(CLAIM,),
 )
 
 
 def claim_taken(keys: Keys, model: str, worker: str, job_ids: Sequence[str], *, now: float, max_failed: int) -> Call:
-    k = [keys.owned(model, worker)]
-    for job_id in job_ids:
-        k.append(keys.job(model, job_id))
-    return Call(CLAIM_TAKEN, k, [worker, now, max_failed, keys.owned(model, ""),
-                                 *_places(len(CLAIM_TAKEN.keys) + 1, CLAIM_TAKEN.key_groups, [len(job_ids)]),
-                                 *_places(len(CLAIM_TAKEN.argv) + 1, CLAIM_TAKEN.argv_groups, [len(job_ids)]),
-                                 *job_ids])
+    k = [keys.job(model, job_id) for job_id in job_ids]
+    return Call(CLAIM_TAKEN, k, [worker, now, max_failed,
+                                 *_places(len(CLAIM_TAKEN.keys) + 1, CLAIM_TAKEN.key_groups, [len(job_ids)])])
 
 
 TAKEOVER = Script("takeover.lua", keys=("queue",), argv=("group", "dead", "taker", "count"))
@@ -197,23 +190,22 @@ def takeover(queue: str, dead: str, taker: str, count: int) -> Call:
 
 RENEW = Script(
     "renew.lua",
-    keys=("owned",),
     key_groups=(Group("job_keys", ("job", "queue")),),
     argv=("group", "worker", "idle", "hand_back", "job_keys_at", "job_keys_width", "jobs_at", "jobs_width"),
-    argv_groups=(Group("jobs", ("entry", "attempt", "job_id")),),
+    argv_groups=(Group("jobs", ("entry", "attempt")),),
 )
 
 
 def renew(keys: Keys, model: str, worker: str, held: Sequence[tuple[str, bytes, int, int]], *, idle_ms: int,
           hand_back: bool) -> Call:
     """``held``: (job id, queue entry id, attempt, level) per job."""
-    k = [keys.owned(model, worker)]
+    k: list[str] = []
     args: list[Value] = [GROUP, worker, idle_ms, 1 if hand_back else 0,
                          *_places(len(RENEW.keys) + 1, RENEW.key_groups, [len(held)]),
                          *_places(len(RENEW.argv) + 1, RENEW.argv_groups, [len(held)])]
     for job_id, entry, attempt, level in held:
         k += [keys.job(model, job_id), keys.queue(model, level)]
-        args += [entry, attempt, job_id]
+        args += [entry, attempt]
     return Call(RENEW, k, args)
 
 
@@ -231,11 +223,11 @@ def cancel(job: str) -> Call:
     return Call(CANCEL, [job], [])
 
 
-ADD_FOLLOWER = Script("add_follower.lua", keys=("job",), argv=("channel", "job_id", "owned_prefix"))
+ADD_FOLLOWER = Script("add_follower.lua", keys=("job",), argv=("channel",))
 
 
 def add_follower(keys: Keys, model: str, job_id: str, channel: str) -> Call:
-    return Call(ADD_FOLLOWER, [keys.job(model, job_id)], [channel, job_id, keys.owned(model, "")])
+    return Call(ADD_FOLLOWER, [keys.job(model, job_id)], [channel])
 
 
 SET_IF_EXISTS = Script("set_if_exists.lua", keys=("hash",), tail=True)
@@ -267,12 +259,11 @@ def _meter_keys(keys: Keys, model: str, day: str) -> list[str]:
     return [keys.fair_clock(model), keys.usage(model, day), keys.usage(model), keys.tokens(model)]
 
 
-EXPIRE = Script("expire.lua", keys=("job",), argv=("now", "grace", "at_once", "job_id", "owned_prefix"))
+EXPIRE = Script("expire.lua", keys=("job",), argv=("now", "grace", "at_once"))
 
 
 def expire(keys: Keys, model: str, job_id: str, *, now: float, grace_ms: int, at_once: bool) -> Call:
-    return Call(EXPIRE, [keys.job(model, job_id)], [now, grace_ms, "1" if at_once else "0", job_id,
-                                                    keys.owned(model, "")])
+    return Call(EXPIRE, [keys.job(model, job_id)], [now, grace_ms, "1" if at_once else "0"])
 
 
 def _shards(keys: Keys, model: str, shards: Sequence[int]) -> list[str]:
@@ -427,8 +418,8 @@ FINISH = Script(
         Group("levels", ("queue", "fair")),
         Group("jobs", ("job",)),
     ),
-    argv=("group", "result_ttl", "now", "tenant_prefix", "day_ttl", "owned_prefix", "levels", "ending_at",
-          "levels_at", "levels_width", "jobs_at", "jobs_width", "items_at", "items_width"),
+    argv=("group", "result_ttl", "now", "tenant_prefix", "day_ttl", "levels", "ending_at", "levels_at",
+          "levels_width", "jobs_at", "jobs_width", "items_at", "items_width"),
     argv_groups=(Group("items", ("job_id", "attempt", "first_token_at", "prompt_ids", "status", "field", "payload",
                                  "entry", "entry_level", "dead", "compact", "prompt_tokens", "generated_tokens")),),
     uses=(JOB,),
@@ -448,8 +439,8 @@ def finish(keys: Keys, model: str, *, result_ttl: int, now: float, day: str, day
         k += [keys.queue(model, level), keys.fair(model, level)]
     ending_at, _, levels_at, levels_width, jobs_at, jobs_width = _places(1, FINISH.key_groups,
                                                                          [int(ending), levels, len(items)])
-    args: list[Value] = [GROUP, result_ttl, now, keys.tenant(model, ""), day_ttl, keys.owned(model, ""), levels,
-                         ending_at, levels_at, levels_width, jobs_at, jobs_width,
+    args: list[Value] = [GROUP, result_ttl, now, keys.tenant(model, ""), day_ttl, levels, ending_at, levels_at,
+                         levels_width, jobs_at, jobs_width,
                          *_places(len(FINISH.argv) + 1, FINISH.argv_groups, [len(items)])]
     for job_id, attempt, extra in items:
         k.append(keys.job(model, job_id))

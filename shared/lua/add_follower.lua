@@ -2,13 +2,13 @@
 -- a resume, a poll's event stream, a repeated Idempotency-Key), unless the record names it already.
 -- From this script on, every event of the job is published there too (Job.relay: flush.lua,
 -- expire.lua); every earlier one is in the job's log, which the follower reads next.
--- Slots: shared/scripts.py, ADD_FOLLOWER and add_follower(): the record; the channel, the job's id
--- and the owned-jobs hashes' prefix (Keys.owned less the worker's id).
+-- Slots: shared/scripts.py, ADD_FOLLOWER and add_follower(): the record; the channel. Its
+-- worker's flushes read the followers from its token shard's fence, which follow.lua widens next
+-- (Queue.add_follower).
 -- Returns 1 when the job's record exists, else 0 (nothing is written).
 local job = KEYS[1]
-local channel, job_id, owned_prefix = unpack(ARGV, 1, 3)
-local f = redis.call('HMGET', job, 'relay', 'worker', 'attempt')
-local followers = f[1]
+local channel = ARGV[1]
+local followers = redis.call('HGET', job, 'relay')
 if not followers then
   if redis.call('EXISTS', job) == 0 then return 0 end
   followers = channel
@@ -19,10 +19,4 @@ else
   followers = followers .. ' ' .. channel
 end
 redis.call('HSET', job, 'relay', followers)
--- Its worker's flushes read the followers from its owned-jobs hash (Keys.owned): there too, in
--- this same script, so the next flush after it publishes to the new follower.
-if f[2] and f[2] ~= '' then
-  local owned = owned_prefix .. f[2]
-  if redis.call('HEXISTS', owned, job_id) == 1 then redis.call('HSET', owned, job_id, f[3] .. ' ' .. followers) end
-end
 return 1

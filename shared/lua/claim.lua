@@ -3,9 +3,7 @@
 -- shared/scripts.py puts it before them.
 local Claim = {}
 
--- key: the job hash; worker, now (epoch ms), max failed deliveries; id: the
--- job's id; owned: the worker's owned-jobs hash (Keys.owned), owned_prefix: any worker's, less
--- its id.
+-- key: the job hash; worker, now (epoch ms), max failed deliveries.
 -- Returns {state, request, queued_at, attempt, prompt_ids, deadline, traceparent,
 --          lost_worker, lost_started, tenant, relay}; state is
 --   'missing'   no record (expired or never written): the caller only acks the entry;
@@ -17,12 +15,11 @@ local Claim = {}
 -- for its trace ('' otherwise).
 -- Every state but missing/finished takes ownership: attempt += 1 and worker = us. That bump is
 -- the fence: any write of an earlier owner (flush.lua, renew.lua check worker and attempt) now
--- fails, so a worker that lost its lease can write nothing more about the job. The owned-jobs
--- hashes follow: the job leaves its previous worker's (whose flushes are then refused) and enters
--- ours with its new attempt and its followers. The job's log is in its token shard (Keys.events),
--- another slot: the claimer fences the shard at the new attempt next (take.lua), which also says
--- where its log ends.
-function Claim.start(key, worker, now, max_failed, id, owned, owned_prefix)
+-- fails, so a worker that lost its lease can write nothing more about the job. The job's log is in
+-- its token shard (Keys.events), another slot: the claimer fences the shard at the new attempt next
+-- (take.lua: its previous worker's flushes are then refused there), which also says where its log
+-- ends.
+function Claim.start(key, worker, now, max_failed)
   local f = redis.call('HMGET', key, 'request', 'queued_at', 'cancel', 'status', 'attempt', 'handoffs', 'prompt_ids',
                        'deadline', 'traceparent', 'worker', 'started_at', 'tenant', 'relay')
   if not f[1] then
@@ -38,8 +35,6 @@ function Claim.start(key, worker, now, max_failed, id, owned, owned_prefix)
   end
   local attempt = redis.call('HINCRBY', key, 'attempt', 1)
   redis.call('HSET', key, 'worker', worker)
-  if f[10] and f[10] ~= '' and f[10] ~= worker then redis.call('HDEL', owned_prefix .. f[10], id) end
-  redis.call('HSET', owned, id, f[13] and attempt .. ' ' .. f[13] or attempt)
   local state = 'run'
   if f[3] == '1' then
     state = 'cancelled'

@@ -5,7 +5,7 @@
 -- out (no warm worker served the model for LLMQ_COLD_WAIT_S), so no worker is running it either;
 -- or the job is being deleted.
 -- This is the first of the steps (Queue.expire): it takes the job from its owner, as a claim does
--- (attempt + 1, worker = ''; out of its owner's owned-jobs hash), so the owner's renewals fail;
+-- (attempt + 1, worker = ''), so the owner's renewals fail;
 -- then the API fences the token shard at that attempt (take.lua), logs the error event (flush.lua)
 -- and ends the record (finish.lua). Should the API stop between, the job is left owned by nobody
 -- at a new attempt: its owner loses it at its next renewal and a peer reclaims it (claim.lua then
@@ -13,9 +13,9 @@
 -- Slots: shared/scripts.py, EXPIRE and expire().
 -- Returns {attempt, followers} when this call took the job, else 0.
 local job = KEYS[1]
-local now, grace, at_once, job_id, owned_prefix = unpack(ARGV, 1, 5)
+local now, grace, at_once = unpack(ARGV, 1, 3)
 
-local f = redis.call('HMGET', job, 'status', 'deadline', 'relay', 'worker')
+local f = redis.call('HMGET', job, 'status', 'deadline', 'relay')
 if f[1] ~= 'queued' and f[1] ~= 'running' then return 0 end
 if at_once ~= '1' then
   if not f[2] then return 0 end
@@ -25,5 +25,4 @@ if at_once ~= '1' then
 end
 local attempt = redis.call('HINCRBY', job, 'attempt', 1)
 redis.call('HSET', job, 'worker', '')
-if f[4] and f[4] ~= '' then redis.call('HDEL', owned_prefix .. f[4], job_id) end
 return {attempt, f[3] or ''}

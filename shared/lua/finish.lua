@@ -10,8 +10,8 @@
 -- attempt 0 (a delivery whose record is missing) is unfenced.
 -- Returns the (0-based) indexes of the items refused (another attempt holds the record). A record
 -- already ended at the item's attempt (a retry after a lost reply) is left as it is.
-local group, result_ttl, now, tenant_prefix, day_ttl, owned_prefix, levels, ending_at, levels_at, levels_width,
-      jobs_at, jobs_width, items_at, items_width = unpack(ARGV, 1, 14)
+local group, result_ttl, now, tenant_prefix, day_ttl, levels, ending_at, levels_at, levels_width,
+      jobs_at, jobs_width, items_at, items_width = unpack(ARGV, 1, 13)
 levels, ending_at = tonumber(levels), tonumber(ending_at)
 levels_at, levels_width = tonumber(levels_at), tonumber(levels_width)
 jobs_at, jobs_width = tonumber(jobs_at), tonumber(jobs_width)
@@ -40,9 +40,9 @@ for a = items_at, #ARGV, items_width do
   local job_id, attempt, first_token_at, prompt_ids, status = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
   local field, payload, entry, entry_level, dead = ARGV[a + 5], ARGV[a + 6], ARGV[a + 7], ARGV[a + 8], ARGV[a + 9]
   local compact, prompt_tokens, generated_tokens = ARGV[a + 10], ARGV[a + 11], ARGV[a + 12]
-  local f = redis.call('HMGET', job, 'attempt', 'status', 'worker')
+  local f = redis.call('HMGET', job, 'attempt', 'status')
   -- attempt 0 is unfenced (a delivery whose record is missing).
-  local ok, worker = attempt == '0' or f[1] == attempt, f[3]
+  local ok = attempt == '0' or f[1] == attempt
   -- Ended at this attempt already: this is a retry whose first reply was lost; nothing to write.
   local done = f[2] == 'done' or f[2] == 'failed' or f[2] == 'cancelled'
   if not ok then
@@ -51,12 +51,8 @@ for a = items_at, #ARGV, items_width do
     if first_token_at ~= '' then redis.call('HSET', job, 'first_token_at', first_token_at) end
     if prompt_ids ~= '' then redis.call('HSET', job, 'prompt_ids', prompt_ids) end
     if status ~= '' then
-      do
-        local e = {ttl = ending.ttl, webhooks = ending.webhooks, meter = ending.meter,
-                   owned = worker and worker ~= '' and owned_prefix .. worker or nil}
-        Job.finish(job, job_id, e, {'status', status, field, payload, 'finished_at', now},
-                   compact, tonumber(prompt_tokens), tonumber(generated_tokens))
-      end
+      Job.finish(job, job_id, ending, {'status', status, field, payload, 'finished_at', now},
+                 compact, tonumber(prompt_tokens), tonumber(generated_tokens))
       if entry ~= '' then
         if dead == '1' then
           -- The dead-letter stream is a record for operators, so it may be trimmed (never the queue).

@@ -46,11 +46,9 @@ end
 -- its log already, flush.lua): the record's outcome (``outcome``: field, value pairs), its tenant's
 -- meter (Fair.ended: ``prompt`` and ``generated`` tokens, -1 when not known), its TTL, its compact
 -- log, the webhook outbox.
--- e: {ttl (s) of a finished job's keys, webhooks (the outbox stream), meter (Fair.ended's),
---     owned (its worker's owned-jobs hash, Keys.owned; nil: none)}
+-- e: {ttl (s) of a finished job's keys, webhooks (the outbox stream), meter (Fair.ended's)}
 function Job.finish(job, id, e, outcome, compact, prompt, generated)
   redis.call('HSET', job, unpack(outcome))
-  if e.owned then redis.call('HDEL', e.owned, id) end
   Fair.ended(job, id, e.meter, prompt, generated)
   -- The prompt's token ids only serve a continuation, and the relay channels only live events,
   -- and a finished job has neither: for a long prompt the ids would outweigh the result for

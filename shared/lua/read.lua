@@ -10,9 +10,9 @@
 -- Returns {rows, tops, more}: rows = {level (0-based), entry id, job id, Claim.start's row} per
 -- entry, in reading order; tops = each waiting stream's newest entry id ('0-0' when empty), where
 -- the caller's blocking read starts; more = 1 when it stopped early on ended jobs (read again).
-local clock, owned = unpack(KEYS, 1, 2)
-local group, consumer, count, tenant_prefix, job_prefix, owned_prefix, now, max_failed,
-      levels, levels_at, levels_width = unpack(ARGV, 1, 11)
+local clock = KEYS[1]
+local group, consumer, count, tenant_prefix, job_prefix, now, max_failed,
+      levels, levels_at, levels_width = unpack(ARGV, 1, 10)
 levels, levels_at, levels_width = tonumber(levels), tonumber(levels_at), tonumber(levels_width)
 
 local queues, waitings, fairs = {}, {}, {}
@@ -72,7 +72,7 @@ for level = 0, levels - 1 do
           if fields[j] == 'job' then job = fields[j + 1] end
         end
         table.insert(out, {level, entry[1], job,
-                           Claim.start(job_prefix .. job, consumer, now, max_failed, job, owned, owned_prefix)})
+                           Claim.start(job_prefix .. job, consumer, now, max_failed)})
         want = want - 1
       end
     end

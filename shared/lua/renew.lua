@@ -1,10 +1,9 @@
 -- Renew the leases of a worker's in-flight jobs (its heartbeat), fenced by (worker, attempt).
--- Slots: shared/scripts.py, RENEW and renew(): the worker's owned-jobs hash (Keys.owned); per job,
--- its record and the queue stream its entry is in (KEYS), its entry id, attempt and id (ARGV). idle: 0 renews; a value past the lease
+-- Slots: shared/scripts.py, RENEW and renew(): per job, its record and the queue stream its entry
+-- is in (KEYS), its entry id and attempt (ARGV). idle: 0 renews; a value past the lease
 -- hands back (hand_back = '1': the job returns to 'queued' for a peer; not counted as a failure).
 -- XCLAIM ... JUSTID resets the entry's idle time without counting a delivery. Returns the
 -- (0-based) indexes of jobs this worker no longer owns: the caller aborts them.
-local owned = KEYS[1]
 local group, worker, idle, hand_back, job_keys_at, job_keys_width, jobs_at, jobs_width = unpack(ARGV, 1, 8)
 job_keys_at, job_keys_width = tonumber(job_keys_at), tonumber(job_keys_width)
 jobs_at, jobs_width = tonumber(jobs_at), tonumber(jobs_width)
@@ -14,14 +13,13 @@ local i = 0
 for a = jobs_at, #ARGV, jobs_width do
   local k = job_keys_at + i * job_keys_width
   local job, queue = KEYS[k], KEYS[k + 1]
-  local entry, attempt, job_id = ARGV[a], ARGV[a + 1], ARGV[a + 2]
+  local entry, attempt = ARGV[a], ARGV[a + 1]
   local f = redis.call('HMGET', job, 'worker', 'attempt')
   if f[1] == worker and f[2] == attempt then
     redis.call('XCLAIM', queue, group, worker, 0, entry, 'IDLE', idle, 'JUSTID')
     if hand_back == '1' then
       redis.call('HINCRBY', job, 'handoffs', 1)
-      redis.call('HSET', job, 'status', 'queued', 'worker', '')
-      redis.call('HDEL', owned, job_id)  -- owned by nobody until a peer claims it
+      redis.call('HSET', job, 'status', 'queued', 'worker', '')  -- nobody's until a peer claims it
     end
   else
     table.insert(lost, i)

@@ -1,7 +1,7 @@
-"""The fence a flush checks with one read (Keys.fence, in the job's token shard), and the worker's
-owned-jobs hash the model's scripts keep (Keys.owned): each way a job leaves its worker (a peer's
-claim, a hand-back, an expiry, its end) refuses that worker's later events, as the record's
-(worker, attempt) did; a follower added mid-stream gets the next flush; both empty as jobs end.
+"""The fence a flush checks with one read (Keys.fence, in the job's token shard): each way a job
+leaves its worker (a peer's claim, a hand-back, an expiry, its end) refuses that worker's later
+events, as the record's (worker, attempt) did, and moves or clears the job's fence entry; a
+follower added mid-stream gets the next flush; the entry is gone once the job has ended.
 Each refusal has a control: the same event from the owner at its attempt is written."""
 
 from __future__ import annotations
@@ -39,14 +39,19 @@ async def _logged(queue: Queue, job_id: str) -> list[int]:
     return [e.seq for e in await queue.read_events(MODEL, job_id)]
 
 
+async def _fenced(redis, keys, job_id: str) -> bytes | None:
+    """The job's entry in its token shard's fence: ``<attempt>@<worker>[ <followers>]``, or None."""
+    return await redis.hget(keys.fence(MODEL, shard_of(job_id)), job_id)
+
+
 async def test_the_owner_writes_and_a_peers_claim_refuses_the_former_owner(redis, keys):
     queue = Queue(redis, keys)
     rec, d = await _picked(queue)
-    assert await redis.hget(keys.owned(MODEL, "w1"), rec.id) == str(d.attempt).encode()
+    assert await _fenced(redis, keys, rec.id) == f"{d.attempt}@w1".encode()
     assert (await queue.flush(MODEL, [_tokens(rec.id, 1, d.attempt)], "w1")).lost == []  # control
     [taken] = await queue.take_over(MODEL, "w1", "w2", 1)
     assert taken.attempt == d.attempt + 1
-    assert await redis.hget(keys.owned(MODEL, "w1"), rec.id) is None
+    assert await _fenced(redis, keys, rec.id) == f"{taken.attempt}@w2".encode()
     assert (await queue.flush(MODEL, [_tokens(rec.id, 2, d.attempt)], "w1")).lost == [rec.id]
     # The former owner at the new attempt is no owner either: the fence is (worker, attempt).
     assert (await queue.flush(MODEL, [_tokens(rec.id, 2, taken.attempt)], "w1")).lost == [rec.id]
@@ -59,8 +64,9 @@ async def test_a_hand_back_refuses_the_worker_that_handed_the_job_back(redis, ke
     rec, d = await _picked(queue)
     assert await queue.renew(MODEL, "w1", [Held(rec.id, d.entry_id, d.attempt)]) == []  # a renewal keeps it
     assert (await queue.flush(MODEL, [_tokens(rec.id, 1, d.attempt)], "w1")).lost == []
+    assert await _fenced(redis, keys, rec.id) == f"{d.attempt}@w1".encode()
     await queue.renew(MODEL, "w1", [Held(rec.id, d.entry_id, d.attempt)], hand_back_idle_ms=120_000)
-    assert not await redis.exists(keys.owned(MODEL, "w1"))
+    assert await _fenced(redis, keys, rec.id) is None
     assert (await queue.flush(MODEL, [_tokens(rec.id, 2, d.attempt)], "w1")).lost == [rec.id]
     assert await _logged(queue, rec.id) == [1]
 
@@ -70,14 +76,14 @@ async def test_an_expiry_refuses_the_running_worker(redis, keys):
     rec, d = await _picked(queue)
     assert (await queue.flush(MODEL, [_tokens(rec.id, 1, d.attempt)], "w1")).lost == []
     assert await queue.expire(MODEL, rec.id, grace_ms=0, now=JobCancelled("deleted"))
-    assert not await redis.exists(keys.owned(MODEL, "w1"))
+    assert await _fenced(redis, keys, rec.id) is None  # the API's end, settled
     # Its log stays a stream (the API compacts nothing): only the fence keeps seq 3 out of it.
     assert (await queue.flush(MODEL, [_tokens(rec.id, 3, d.attempt)], "w1")).lost == [rec.id]
     events = await queue.read_events(MODEL, rec.id)
     assert [e.seq for e in events] == [1, 2] and isinstance(events[-1], Error)
 
 
-async def test_a_job_leaves_its_workers_hash_with_its_end(redis, keys):
+async def test_a_job_leaves_its_shards_fence_with_its_end(redis, keys):
     queue = Queue(redis, keys, result_ttl_s=60)
     rec, d = await _picked(queue)
     builder = ResultBuilder()
@@ -86,8 +92,7 @@ async def test_a_job_leaves_its_workers_hash_with_its_end(redis, keys):
     await queue.flush(MODEL, [Outbound(job_id=rec.id, event=done, entry_id=d.entry_id, result=builder.result(),
                                        attempt=d.attempt)], "w1")
     assert (await queue.get_job(MODEL, rec.id)).status == "done"
-    assert not await redis.exists(keys.owned(MODEL, "w1"))
-    assert await redis.hget(keys.fence(MODEL, shard_of(rec.id)), rec.id) is None
+    assert await _fenced(redis, keys, rec.id) is None
 
 
 async def test_a_follower_added_mid_stream_gets_the_next_flush(redis, keys):
@@ -98,8 +103,7 @@ async def test_a_follower_added_mid_stream_gets_the_next_flush(redis, keys):
     await pubsub.subscribe(channel)
     await queue.flush(MODEL, [_tokens(rec.id, 1, d.attempt)], "w1")
     assert await queue.add_follower(MODEL, rec.id, channel)
-    assert await redis.hget(keys.owned(MODEL, "w1"), rec.id) == f"{d.attempt} {channel}".encode()
-    assert await redis.hget(keys.fence(MODEL, shard_of(rec.id)), rec.id) == f"{d.attempt}@w1 {channel}".encode()
+    assert await _fenced(redis, keys, rec.id) == f"{d.attempt}@w1 {channel}".encode()
     await queue.flush(MODEL, [_tokens(rec.id, 2, d.attempt)], "w1")
     lines = []
     for _ in range(30):

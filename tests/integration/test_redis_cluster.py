@@ -114,7 +114,7 @@ async def test_each_model_keeps_its_queue_and_records_in_one_slot_on_its_own_mas
 
     for model in (MODEL, OTHER):
         per_model = [*keys.queues(model), keys.job(model, "j"), keys.dead(model), keys.workers(model),
-                     keys.idempotency(model, "k"), keys.webhooks(model), *keys.fairs(model), keys.owned(model, "w")]
+                     keys.idempotency(model, "k"), keys.webhooks(model), *keys.fairs(model)]
         assert len({slot(k) for k in per_model}) == 1, model
         # A job's token keys share its token shard's slot, another one.
         token = [keys.events(model, "j"), keys.live(model, "j"), keys.ending(model, "j"),

@@ -12,7 +12,7 @@ from shared.keys import SHARDS, Keys, model_tag, new_job_id, shard_of, shard_tag
 def test_a_models_queue_keys_share_one_cluster_hash_tag():
     keys = Keys("llmq")
     model_keys = [keys.queue("m"), keys.job("m", "j1"), keys.idempotency("m", "k"), keys.dead("m"), keys.workers("m"),
-                  keys.owned("m", "w"), keys.fair("m")]
+                  keys.fair("m")]
     assert model_keys[0] == "llmq:{m}:queue"
     assert keys.job("m", "j1") == "llmq:{m}:job:j1"
     assert all(k.startswith("llmq:{m}:") for k in model_keys)

@@ -180,7 +180,7 @@ def test_the_packers_fill_exactly_their_layouts(n: int):
                                weight=1.0, max_running=-1, max_queued=-1, tokens_per_minute=-1, now=1.0, record=[]),
                {**levels, "idempotency": 1})
     _layout_of(scripts.read(KEYS, MODEL, "w", n, now=1.0, max_failed=3), levels)
-    _layout_of(scripts.claim_taken(KEYS, MODEL, "w", jobs, now=1.0, max_failed=3), {"jobs": n, "ids": n})
+    _layout_of(scripts.claim_taken(KEYS, MODEL, "w", jobs, now=1.0, max_failed=3), {"jobs": n})
     _layout_of(scripts.renew(KEYS, MODEL, "w", [(j, b"1-0", 1, 0) for j in jobs], idle_ms=0, hand_back=False),
                {"job_keys": n, "jobs": n})
     _layout_of(scripts.expire(KEYS, MODEL, "j", now=1.0, grace_ms=0, at_once=False), {})
@@ -258,7 +258,7 @@ def test_the_prefixes_a_script_appends_an_id_to_build_the_same_keys_as_keys_py()
         return call.args[call.script.slot(name) - 1]
 
     for prefix, build in ((value(read, "tenant_prefix"), KEYS.tenant), (value(read, "job_prefix"), KEYS.job),
-                          (value(read, "owned_prefix"), KEYS.owned), (value(finish, "tenant_prefix"), KEYS.tenant)):
+                          (value(finish, "tenant_prefix"), KEYS.tenant)):
         assert prefix + "x1" == build(MODEL, "x1")
     job = next(j for j in (f"x{i}" for i in range(1000)) if shard_of(j) == 5)
     assert flush.args[flush.script.slot("shard_args_at") - 1] == len(flush.script.argv) + 1
