@@ -90,9 +90,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     durability: str = "none"
     """LLMQ_DURABILITY: what a 200, 202 or first byte means. `none`: the job is in the primary's memory (and its
     AOF within a second). `replicas:N`: N replicas also hold it (`WAIT N` on the connection that wrote it), and a
-    worker writes nothing about it until they hold its claim (its engine starts meanwhile). `fsync`: the primary's AOF has it on disk (`WAITAOF 1 0`; Redis
-    7.2+ or Valkey, AOF on). Not confirmed within LLMQ_DURABILITY_TIMEOUT_MS: a 503 with Retry-After
-    (docs/guarantees.md#redis-fails-over)."""
+    worker writes nothing about it until they hold its claim (its engine starts meanwhile). `fsync`: the
+    primary's AOF has it on disk (`WAITAOF 1 0`; Redis 7.2+ or Valkey, AOF on). Not confirmed within
+    LLMQ_DURABILITY_TIMEOUT_MS: a 503 with Retry-After (docs/guarantees.md#redis-fails-over)."""
     durability_timeout_ms: Annotated[int, msgspec.Meta(ge=1)] = 1000
     """LLMQ_DURABILITY_TIMEOUT_MS: how long an admission waits for its replicas under `replicas:N`."""
     redis_memory_watermark: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.85
