@@ -53,9 +53,11 @@ async def _start_worker(redis: Redis, url: str, prefix: str, model: str,
     return worker, task, queue
 
 
-async def _run_jobs(queue: Queue, model: str, jobs: int, tokens: int, relay: str | None = None) -> list[str]:
+async def run_jobs(queue: Queue, model: str, jobs: int, tokens: int, relay: str | None = None,
+                   poll_s: float = 0.2) -> list[str]:
     """Queue ``jobs`` jobs of ``tokens`` tokens as the API does (followed by API process ``relay``
-    on the relay channel of each job's token shard), and wait for every one to end; their ids."""
+    on the relay channel of each job's token shard), and wait (polling every ``poll_s``) for every
+    one to end; their ids. tests.bench.workercpu runs its jobs the same way."""
     ids = []
     for _ in range(jobs):
         rec = JobRecord(id=uuid.uuid4().hex, model=model, queued_at=now_ms(), request=GenerationRequest(
@@ -63,7 +65,7 @@ async def _run_jobs(queue: Queue, model: str, jobs: int, tokens: int, relay: str
         ids.append(await queue.enqueue(rec, relay=queue.keys.relay(model, relay, rec.id) if relay else None))
     pending = set(ids)
     while pending:
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(poll_s)
         records = await queue.get_jobs(model, sorted(pending))
         pending -= {r.id for r in records if r is not None and r.status not in ("queued", "running")}
     return ids
@@ -78,7 +80,7 @@ async def _run(redis: Redis, url: str, jobs: int, tokens: int, delay_ms: float) 
     prefix = f"stats-{uuid.uuid4().hex[:6]}"
     worker, task, queue = await _start_worker(redis, url, prefix, MODEL, ScriptedEngine(delay_s=delay_ms / 1000))
     await redis.config_resetstat()
-    await _run_jobs(queue, MODEL, jobs, tokens, relay="bench-api")
+    await run_jobs(queue, MODEL, jobs, tokens, relay="bench-api")
     after = await _commandstats(redis)
     worker.stop()
     before = {"hgetall": after.get("hgetall", {})}  # the polling above is this benchmark's own

@@ -37,16 +37,16 @@ from shared.config import load_settings
 from shared.events import TokenDelta
 from shared.keys import Keys
 from shared.logging import configure_logging
-from shared.queue import Queue, now_ms
+from shared.queue import Queue
 from shared.redis import connect
-from shared.schemas import GenerationRequest, JobRecord, SamplingParams
+from shared.schemas import GenerationRequest
+from tests.bench.commandstats import run_jobs
 from tests.bench.procs import load_average, markdown_table, report_head, save, start_redis, stop
 from workers.protocol import Step
 
 __all__ = ["LockstepEngine", "main"]
 
 MODEL = "cpu"
-PROMPT = "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun"
 
 
 class LockstepEngine:
@@ -123,21 +123,6 @@ def cpu_seconds(pid: int) -> float:
     return sum(int((task / "schedstat").read_text().split()[0]) for task in Path(f"/proc/{pid}/task").iterdir()) / 1e9
 
 
-async def _run_jobs(queue: Queue, prefix: str, jobs: int, tokens: int) -> None:
-    keys = Keys(prefix)
-    ids = []
-    for _ in range(jobs):
-        rec = JobRecord(id=uuid.uuid4().hex, model=MODEL, queued_at=now_ms(), request=GenerationRequest(
-            prompt=PROMPT, sampling=SamplingParams(max_tokens=tokens, temperature=0.0)))
-        # The API's relay channel of the job's token shard (one per shard: Keys.relay).
-        ids.append(await queue.enqueue(rec, relay=keys.relay(MODEL, "bench-api", rec.id)))
-    pending = set(ids)
-    while pending:
-        await asyncio.sleep(0.05)
-        records = await queue.get_jobs(MODEL, sorted(pending))
-        pending -= {r.id for r in records if r is not None and r.status not in ("queued", "running")}
-
-
 async def _measure(redis: Redis, prefix: str, pid: int, rounds: int, jobs: int, tokens: int) -> dict:
     queue = Queue(redis, Keys(prefix))
     short: list[float] = []
@@ -146,7 +131,7 @@ async def _measure(redis: Redis, prefix: str, pid: int, rounds: int, jobs: int, 
     async def run(size: int) -> float:
         # The jobs wait queued until the worker is woken, so its CPU from here is theirs alone.
         before = cpu_seconds(pid)
-        await _run_jobs(queue, prefix, jobs, size)
+        await run_jobs(queue, MODEL, jobs, size, relay="bench-api", poll_s=0.05)
         after = cpu_seconds(pid)
         return (after - before) / jobs * 1e6
 

@@ -175,7 +175,7 @@ def stream_and_kill(small: Small, read: Callable[[Items], None], after: int = KI
     logged = tokens = 0
     while tokens < after and time.monotonic() < deadline:
         if job_id is None:
-            for key in small.redis.scan_iter(match=small.keys.job(small.model, "*")):
+            for key in small.redis.scan_iter(match=small.keys.job(small.model, "*"), count=1000):
                 fields = small.redis.hgetall(key)
                 if fields.get(b"status") == b"running":
                     job_id, worker = key.decode().rsplit(":", 1)[-1], fields[b"worker"].decode()

@@ -125,8 +125,12 @@ def mid_stream(stack: Stack) -> Mid:
     job_id = None
     while True:
         assert time.monotonic() < deadline and not stream.errors, f"{stream.errors}\n{stack.tails()}"
-        if job_id is None:  # the only running job on this prefix (the client learns its id later)
-            for key in stack.redis.scan_iter(match=stack.keys.job(stack.model, "*")):
+        if job_id is None:
+            # The client's id once its first chunk is in; before that, the only running job on this
+            # prefix. The session's Redis holds every earlier test's keys, so a scan of 10 keys a
+            # call could outlast a whole 96-token job (seen in CI): 1,000 a call.
+            job_id = stream.job_id or None
+            for key in () if job_id else stack.redis.scan_iter(match=stack.keys.job(stack.model, "*"), count=1000):
                 if stack.redis.hget(key, "status") == b"running":
                     job_id = key.decode().rsplit(":", 1)[-1]
         elif stack.logged_tokens(job_id) >= KILL_AFTER_TOKENS:

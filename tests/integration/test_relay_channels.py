@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import NamedTuple
 
 import httpx
 import pytest
+from redis.asyncio import Redis
 
 from api.follow import Lane, follow
 from api.listener import EventListener
@@ -31,6 +33,30 @@ from tests.support.scripted_engine import ScriptedEngine, expected_text
 from tests.support.scripted_stack import scripted_settings, scripted_stack, serve_api
 
 MODEL = "tiny"
+
+
+class Relayed(NamedTuple):
+    redis: Redis
+    keys: Keys
+    queue: Queue
+    listener: EventListener
+    channel: Callable[[str], str]
+    """This API process's relay channel for a job of MODEL (its token shard's)."""
+
+
+@pytest.fixture
+async def relayed(redis_url: str, prefix: str) -> AsyncIterator[Relayed]:
+    """A running listener (API process ``t``) on real Redis, and the queue beside it."""
+    redis = connect(redis_url)
+    keys = Keys(prefix)
+    listener = EventListener(redis, keys.api_home("t"))
+    runner = asyncio.create_task(listener.run())
+    try:
+        yield Relayed(redis, keys, Queue(redis, keys), listener, lambda job_id: keys.relay(MODEL, "t", job_id))
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        await redis.aclose()
 
 
 def _record(job_id: str) -> JobRecord:
@@ -101,17 +127,13 @@ async def _nothing_more(pubsub) -> bool:
     return True
 
 
-async def test_listener_splits_a_relay_message_by_job_and_resyncs_after_a_lost_connection(redis_url, prefix):
+async def test_listener_splits_a_relay_message_by_job_and_resyncs_after_a_lost_connection(relayed):
     """The relay twin of test_relay_faults' kill window: messages published while the pub/sub
     connection is down are gone; the re-subscription must make every job's follower on that
     channel read its log at once."""
-    redis = connect(redis_url)
-    keys = Keys(prefix)
-    queue = Queue(redis, keys)
-    listener = EventListener(redis, keys.api_home("t"))
-    runner = asyncio.create_task(listener.run())
+    redis, keys, queue, listener, relay_channel = relayed
     x, y, nobody = _one_shard(3)
-    channel = keys.relay(MODEL, "t", x)
+    channel = relay_channel(x)
     events = [Tokens(seq=1, deltas=[TokenDelta(token_ids=[97], text="a")]),
               Done(seq=2, deltas=[TokenDelta(token_ids=[98], text="b", finish_reason="length")])]
 
@@ -120,30 +142,25 @@ async def test_listener_splits_a_relay_message_by_job_and_resyncs_after_a_lost_c
             pipe.xadd(keys.events(MODEL, job), {"e": encode(event)}, id=f"{event.seq}-0")
         pipe.publish(channel, b"\n".join(job.encode() + b" " + encode(event) for job in jobs))
 
-    try:
-        async with listener.follow(channel, x) as live_x, listener.follow(channel, y) as live_y:
-            assert listener.channels == 2
-            streams = [follow(queue, live, MODEL, job, check_log_s=30.0)
-                       for live, job in ((live_x, x), (live_y, y))]
-            pipe = redis.pipeline(transaction=True)
-            log_and_publish(pipe, events[0], [x, y, nobody])
-            await pipe.execute()
-            first = [await asyncio.wait_for(anext(s), 5) for s in streams]
-            assert [e.seq for e in first] == [1, 1]
-            pipe = redis.pipeline(transaction=True)
-            pipe.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
-            log_and_publish(pipe, events[1], [x, y])
-            replies = await pipe.execute()
-            assert replies[0] >= 1 and replies[-1] == 0, replies  # killed; nobody heard seq 2
-            started = time.monotonic()
-            last = [await asyncio.wait_for(anext(s), 5) for s in streams]
-            assert time.monotonic() - started < 5, "the lost events waited for the periodic log check"
-            assert last == [events[1], events[1]]
-        assert listener.channels == 0  # the channel stays subscribed; no job is followed on it
-    finally:
-        runner.cancel()
-        await asyncio.gather(runner, return_exceptions=True)
-        await redis.aclose()
+    async with listener.follow(channel, x) as live_x, listener.follow(channel, y) as live_y:
+        assert listener.channels == 2
+        streams = [follow(queue, live, MODEL, job, check_log_s=30.0)
+                   for live, job in ((live_x, x), (live_y, y))]
+        pipe = redis.pipeline(transaction=True)
+        log_and_publish(pipe, events[0], [x, y, nobody])
+        await pipe.execute()
+        first = [await asyncio.wait_for(anext(s), 5) for s in streams]
+        assert [e.seq for e in first] == [1, 1]
+        pipe = redis.pipeline(transaction=True)
+        pipe.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+        log_and_publish(pipe, events[1], [x, y])
+        replies = await pipe.execute()
+        assert replies[0] >= 1 and replies[-1] == 0, replies  # killed; nobody heard seq 2
+        started = time.monotonic()
+        last = [await asyncio.wait_for(anext(s), 5) for s in streams]
+        assert time.monotonic() - started < 5, "the lost events waited for the periodic log check"
+        assert last == [events[1], events[1]]
+    assert listener.channels == 0  # the channel stays subscribed; no job is followed on it
 
 
 async def test_streams_use_relay_channels_and_a_second_api_joins_a_running_job(redis_url, prefix):
@@ -240,18 +257,14 @@ async def test_a_finished_job_resumed_after_its_last_event_ends_at_once(redis_ur
         assert rest.status_code == 200 and rest.text == ""
 
 
-async def test_events_in_sequence_go_out_in_the_listeners_step_and_the_rest_through_follow(redis_url, prefix):
+async def test_events_in_sequence_go_out_in_the_listeners_step_and_the_rest_through_follow(relayed):
     """While a stream's consumer takes events through its lane, the listener hands it each next
     event in sequence without waking the follower's task; a duplicate is dropped there; a gap,
     an event the consumer declines (its client not keeping up) and the terminal event reach
     follow, which fills the gap from the log and goes on from the lane's last seq. Every event
     reaches the client exactly once, in order."""
-    redis = connect(redis_url)
-    keys = Keys(prefix)
-    queue = Queue(redis, keys)
-    listener = EventListener(redis, keys.api_home("t"))
-    runner = asyncio.create_task(listener.run())
-    channel = keys.relay(MODEL, "t", "x")
+    redis, keys, queue, listener, relay_channel = relayed
+    channel = relay_channel("x")
     tokens = {s: Tokens(seq=s, deltas=[TokenDelta(token_ids=[96 + s], text=chr(96 + s))]) for s in range(1, 9)}
     done = Done(seq=9, deltas=[TokenDelta(token_ids=[105], text="i", finish_reason="length")])
     delivered: list[int] = []
@@ -275,73 +288,59 @@ async def test_events_in_sequence_go_out_in_the_listeners_step_and_the_rest_thro
             while len(delivered) < n:
                 await asyncio.sleep(0.01)
 
-    try:
-        async with listener.follow(channel, "x") as live:
-            lane = Lane()
-            lane.deliver = deliver
-            events = follow(queue, live, MODEL, "x", check_log_s=30.0, lane=lane)
-            step = asyncio.ensure_future(anext(events))
-            await asyncio.sleep(0.05)  # parked: waiting for a live message
-            await publish(tokens[1], tokens[2], tokens[3], again=[tokens[2]])
-            await until_delivered(3)
-            await asyncio.sleep(0.05)
-            assert delivered == [1, 2, 3] and not step.done()  # nothing woke the follower
-            await publish(tokens[5], log_only=[tokens[4]])  # 4 is lost on the way: a gap
-            async with asyncio.timeout(5):
-                assert await step == tokens[4]
-                assert await anext(events) == tokens[5]
-            step = asyncio.ensure_future(anext(events))
-            await asyncio.sleep(0.05)
-            await publish(tokens[6])
-            await until_delivered(4)
-            keeping_up = False
-            await publish(tokens[7])  # declined: follow renders it
-            async with asyncio.timeout(5):
-                assert await step == tokens[7]
-            keeping_up = True
-            step = asyncio.ensure_future(anext(events))
-            await asyncio.sleep(0.05)
-            await publish(tokens[8], done)  # the end always goes through follow
-            async with asyncio.timeout(5):
-                assert await step == done
-            assert delivered == [1, 2, 3, 6, 8]
-            with pytest.raises(StopAsyncIteration):
-                await anext(events)
-    finally:
-        runner.cancel()
-        await asyncio.gather(runner, return_exceptions=True)
-        await redis.aclose()
+    async with listener.follow(channel, "x") as live:
+        lane = Lane()
+        lane.deliver = deliver
+        events = follow(queue, live, MODEL, "x", check_log_s=30.0, lane=lane)
+        step = asyncio.ensure_future(anext(events))
+        await asyncio.sleep(0.05)  # parked: waiting for a live message
+        await publish(tokens[1], tokens[2], tokens[3], again=[tokens[2]])
+        await until_delivered(3)
+        await asyncio.sleep(0.05)
+        assert delivered == [1, 2, 3] and not step.done()  # nothing woke the follower
+        await publish(tokens[5], log_only=[tokens[4]])  # 4 is lost on the way: a gap
+        async with asyncio.timeout(5):
+            assert await step == tokens[4]
+            assert await anext(events) == tokens[5]
+        step = asyncio.ensure_future(anext(events))
+        await asyncio.sleep(0.05)
+        await publish(tokens[6])
+        await until_delivered(4)
+        keeping_up = False
+        await publish(tokens[7])  # declined: follow renders it
+        async with asyncio.timeout(5):
+            assert await step == tokens[7]
+        keeping_up = True
+        step = asyncio.ensure_future(anext(events))
+        await asyncio.sleep(0.05)
+        await publish(tokens[8], done)  # the end always goes through follow
+        async with asyncio.timeout(5):
+            assert await step == done
+        assert delivered == [1, 2, 3, 6, 8]
+        with pytest.raises(StopAsyncIteration):
+            await anext(events)
 
 
-async def test_a_stream_fed_through_its_lane_gets_a_keepalive_only_after_a_quiet_stretch(redis_url, prefix):
+async def test_a_stream_fed_through_its_lane_gets_a_keepalive_only_after_a_quiet_stretch(relayed):
     """Events that go out through the lane count as activity: no keep-alive while they flow,
     one once the stream has been quiet for keepalive_s since the last of them."""
-    redis = connect(redis_url)
-    keys = Keys(prefix)
-    queue = Queue(redis, keys)
-    listener = EventListener(redis, keys.api_home("t"))
-    runner = asyncio.create_task(listener.run())
-    channel = keys.relay(MODEL, "t", "k")
+    redis, keys, queue, listener, relay_channel = relayed
+    channel = relay_channel("k")
     delivered: list[float] = []
     loop = asyncio.get_running_loop()
-    try:
-        async with listener.follow(channel, "k") as live:
-            lane = Lane()
-            lane.deliver = lambda event: delivered.append(loop.time()) is None
-            events = follow(queue, live, MODEL, "k", check_log_s=30.0, keepalive_s=0.3, lane=lane)
-            step = asyncio.ensure_future(anext(events))
-            await asyncio.sleep(0.05)
-            for seq in range(1, 9):  # 0.8 s of events, 0.1 s apart: never quiet for 0.3 s
-                event = Tokens(seq=seq, deltas=[TokenDelta(token_ids=[97], text="a")])
-                await redis.publish(channel, b"k " + encode(event))
-                await asyncio.sleep(0.1)
-            assert len(delivered) == 8 and not step.done()
-            async with asyncio.timeout(5):
-                assert isinstance(await step, Keepalive)
-            quiet = loop.time() - delivered[-1]
-            assert 0.3 <= quiet < 0.45, quiet
-            await events.aclose()
-    finally:
-        runner.cancel()
-        await asyncio.gather(runner, return_exceptions=True)
-        await redis.aclose()
+    async with listener.follow(channel, "k") as live:
+        lane = Lane()
+        lane.deliver = lambda event: delivered.append(loop.time()) is None
+        events = follow(queue, live, MODEL, "k", check_log_s=30.0, keepalive_s=0.3, lane=lane)
+        step = asyncio.ensure_future(anext(events))
+        await asyncio.sleep(0.05)
+        for seq in range(1, 9):  # 0.8 s of events, 0.1 s apart: never quiet for 0.3 s
+            event = Tokens(seq=seq, deltas=[TokenDelta(token_ids=[97], text="a")])
+            await redis.publish(channel, b"k " + encode(event))
+            await asyncio.sleep(0.1)
+        assert len(delivered) == 8 and not step.done()
+        async with asyncio.timeout(5):
+            assert isinstance(await step, Keepalive)
+        quiet = loop.time() - delivered[-1]
+        assert 0.3 <= quiet < 0.45, quiet
+        await events.aclose()
