@@ -110,8 +110,6 @@ class Delivery:
     deadline: float | None = None
     last_seq: int = 0
     """The job's last logged event: > 0 when an earlier attempt already published events."""
-    prompt_ids: list[int] | None = None
-    """The prompt's token ids as an earlier attempt's engine saw them (for continuation)."""
     reclaimed: bool = False
     traceparent: str = ""
     """The W3C ``traceparent`` of the request that queued the job ("": none; tracing off)."""
@@ -122,6 +120,14 @@ class Delivery:
     tenant: str = ""
     relay: str = ""
     """The relay channels its record named at the claim (take.lua puts them in its shard's fence)."""
+
+
+class Logged(NamedTuple):
+    """A job's logged events (:meth:`Queue.read_log`)."""
+
+    events: list[Event]
+    prompt_ids: list[int] | None = None
+    """The prompt's token ids, logged with an attempt's first event (None: not among those read)."""
 
 
 @dataclass(slots=True)
@@ -138,7 +144,8 @@ class Outbound:
     """The writer's attempt: the write happens only while (worker, attempt) still own the job.
     0 = unfenced (a delivery whose record is missing)."""
     dead: bool = False  # terminal only: also record the job in the dead-letter stream
-    prompt_ids: list[int] | None = None  # stored with the event so a successor can continue
+    prompt_ids: list[int] | None = None
+    """The prompt's token ids, logged with the event (an attempt's first) so a successor can continue."""
     level: int = 0  # terminal only: the level stream that holds ``entry_id``
     usage: Usage | None = None
     """Terminal only: what the job used, when no ``result`` says so (it failed or never ran);
@@ -265,9 +272,19 @@ class Queue:
         """The job's logged events with sequence number > ``after_seq``, in order: from the
         stream while it runs, rebuilt from the compact log once it has ended (one script, so
         never half of each; the same events and bytes either way)."""
+        return (await self.read_log(model, job_id, after_seq)).events
+
+    async def read_log(self, model: str, job_id: str, after_seq: int = 0) -> Logged:
+        """:meth:`read_events`, with the prompt's token ids when the events read include the
+        one that carried them (a running job's log: what a continuation needs)."""
         kind, *reply = await self.scripts.run(scripts.read_log(self.keys.events(model, job_id), after_seq + 1))
         if kind == b"s":
-            return [decode_event(fields[1]) for _, fields in reply[0]]
+            events, prompt_ids = [], None
+            for _, fields in reply[0]:
+                events.append(decode_event(fields[1]))
+                if len(fields) > 2 and fields[2] == b"p":  # the attempt's first event: 'e', event, 'p', ids
+                    prompt_ids = _ids.decode(fields[3])
+            return Logged(events, prompt_ids)
         # No stream in the shard: ended and settled (the compact log is in the record; settle.lua
         # drops the stream only after finish.lua put it there), or an older worker's string.
         compact, result = (reply[0], None) if kind == b"c" else (None, None)
@@ -275,10 +292,10 @@ class Queue:
             held, result = await self.redis.hmget(self.keys.job(model, job_id), "log", "result")
             compact = compact if compact is not None else held
         if compact is None:
-            return []
+            return Logged([])
         if eventlog.needs_result(compact) and not result:
-            return []  # the record expired a moment before its log (same TTL): the job is gone
-        return [e for e in _event_list.decode(eventlog.expand(compact, result or None)) if e.seq > after_seq]
+            return Logged([])  # the record expired a moment before its log (same TTL): the job is gone
+        return Logged([e for e in _event_list.decode(eventlog.expand(compact, result or None)) if e.seq > after_seq])
 
     # --- API side -----------------------------------------------------------------------------
 
@@ -614,7 +631,7 @@ class Queue:
         """Deliveries from entries (level, entry id, job id) and their claim rows (claim.lua)."""
         deliveries = []
         for (level, entry_id, job_id), row in zip(entries, states, strict=True):
-            raw, request, queued_at, attempt, prompt_ids, deadline, trace, lost, lost_started, tenant, relay = row
+            raw, request, queued_at, attempt, deadline, trace, lost, lost_started, tenant, relay = row
             state: DeliveryState = raw.decode()
             assert state in _STATES, f"claim.lua returned an unknown state {state!r}"
             decoded = None
@@ -634,7 +651,6 @@ class Queue:
                 queued_at=float(queued_at),
                 attempt=int(attempt),
                 relay=relay.decode() if relay else "",
-                prompt_ids=_ids.decode(prompt_ids) if prompt_ids else None,
                 reclaimed=reclaimed,
                 level=level,
                 deadline=float(deadline) if deadline else None,
@@ -673,11 +689,11 @@ class Queue:
         """Publish a batch of events: per token shard, per event XADD to the event log and one
         PUBLISH per following API process's relay channel (or per event to the job's own live
         channel when none is recorded), in one script per shard (flush.lua; a single Redis runs one
-        for every shard); then what the events write to their records (a first token, the
-        prompt's ids, a job's end: the record update, its compact log, XACK + XDEL) in one script
-        in the model's slot (finish.lua), and the shards of the jobs that ended are settled
-        (settle.lua); the prompt's ids and a first token's time go to the records first. Each event
-        is written only while its attempt holds its job's shard fence
+        for every shard). An attempt's first event carries the prompt's token ids into its log
+        entry, so whoever reads a token there can continue after it. A first token's time goes to
+        its record (finish.lua, in the model's slot) beside those calls, and a job's end after them
+        (the record's outcome, its compact log, XACK + XDEL), then the shards of the jobs that ended
+        are settled (settle.lua). Each event is written only while its attempt holds its job's shard fence
         (take.lua), and only right after the event before it: a job whose log lacks events before
         its first one here (a failover took them back) writes none of them (:attr:`Flushed.gaps`).
 
@@ -690,30 +706,34 @@ class Queue:
         calls = []
         extras: dict[int, scripts.Extra] = {}
         for i, out in enumerate(batch):
-            if out.first_token_at is not None or out.prompt_ids is not None or out.terminal:
+            if out.first_token_at is not None or out.terminal:
                 extras[i] = self._extra(out)  # the usual token event needs none
-        lost_jobs: set[str] = set()
-        # The prompt's ids (and a first token's time) go to the record BEFORE the events are
-        # logged: a writer that dies between leaves a record a successor continues from (no log
-        # yet, or ids to extend), never a log of tokens without the ids to continue it.
-        notes = [i for i, extra in extras.items() if not extra.status]
-        if notes:
-            refused = await self._finish(model, [(batch[i].job_id, batch[i].attempt, extras[i]) for i in notes], [])
-            lost_jobs.update(batch[notes[n]].job_id for n in refused)
         for shards, items in groups:
             events: list[Any] = []  # flat: the packer's five values per event, built in this one pass
             endings: list[tuple[int, scripts.Extra]] = []
+            prompts: list[tuple[int, bytes]] = []
             for n, (i, at) in enumerate(items):
                 out = batch[i]
                 events += (out.attempt, out.seq, out.data, out.job_id, at)  # the bytes its writer encoded
                 if i in extras and extras[i].status:
                     endings.append((n, extras[i]))
+                if out.prompt_ids is not None:
+                    prompts.append((n, encode(out.prompt_ids)))
             calls.append(scripts.flush(self.keys, model, writer=worker, result_ttl=self.result_ttl_s, shards=shards,
-                                       events=events, endings=endings))
+                                       events=events, endings=endings, prompts=prompts))
+        # A first token's time goes to its record side by side with the logs (off the path to the
+        # client's first token); nothing depends on the order of the two.
+        notes = [i for i, extra in extras.items() if not extra.status]
+        if notes:
+            calls.append(scripts.finish(self.keys, model, result_ttl=self.result_ttl_s, now=now_ms(), day="",
+                                        day_ttl=self.usage_ttl_s,
+                                        items=[(batch[i].job_id, batch[i].attempt, extras[i]) for i in notes]))
+        replies = await self._each(calls)
+        lost_jobs = {batch[notes[int(n)]].job_id for n in replies.pop()} if notes else set()
         lost_at: set[int] = set()
         gaps: dict[str, int] = {}
         whole: set[int] = set()
-        for (_, items), (lost, gap, complete) in zip(groups, await self._each(calls), strict=True):
+        for (_, items), (lost, gap, complete) in zip(groups, replies, strict=True):
             lost_at.update(items[int(n)][0] for n in lost)
             gaps.update({batch[items[int(n)][0]].job_id: int(logged) for n, logged in zip(gap[::2], gap[1::2],
                                                                                           strict=True)})
@@ -742,7 +762,6 @@ class Queue:
         usage = out.result.usage if out.result is not None else out.usage
         return scripts.Extra(
             first_token_at="" if out.first_token_at is None else out.first_token_at,
-            prompt_ids=encode(out.prompt_ids) if out.prompt_ids is not None else "",
             status=status, field=field, payload=payload, entry=out.entry_id or "", entry_level=out.level,
             dead="1" if out.dead else "", compact=out.log or "", prompt_tokens=usage.prompt_tokens if usage else -1,
             generated_tokens=usage.completion_tokens if usage else -1)

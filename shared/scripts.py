@@ -274,7 +274,8 @@ FLUSH = Script(
     "flush.lua",
     key_groups=(Group("shards", ("fence",)), Group("event_keys", ("log",))),
     argv=("writer", "result_ttl", "shards_at", "shards_width", "event_keys_at", "event_keys_width", "shard_args_at",
-          "shard_args_width", "events_at", "events_width", "endings_at", "endings_width"),
+          "shard_args_width", "events_at", "events_width", "endings_at", "endings_width", "prompts_at",
+          "prompts_width"),
     argv_groups=(
         Group("shard_args", ("live_prefix", "ending_prefix")),
         Group("events", ("attempt", "seq", "event", "job_id", "shard")),
@@ -282,13 +283,15 @@ FLUSH = Script(
         # (Keys.ending, until finish.lua has written it).
         Group("endings", ("index", "status", "field", "payload", "entry", "entry_level", "dead", "prompt_tokens",
                           "generated_tokens")),
+        # Per event that carries the prompt's token ids (an attempt's first): logged with it.
+        Group("prompts", ("index", "ids")),
     ),
     uses=(JOB,),
     publishes=True,
 )
 
 
-_SHARD_ARGS, _EVENTS, _ENDINGS = FLUSH.argv_groups
+_SHARD_ARGS, _EVENTS, _ENDINGS, _PROMPTS = FLUSH.argv_groups
 
 
 class Extra(NamedTuple):
@@ -296,8 +299,6 @@ class Extra(NamedTuple):
     for a terminal one its ending (flush.lua's ``endings`` group)."""
 
     first_token_at: Value = ""
-    prompt_ids: Value = ""
-    """The prompt's token ids, JSON."""
     status: str = ""
     """Terminal: the job's final status; with ``field`` ('result' or 'error') and its JSON."""
     field: str = ""
@@ -330,28 +331,32 @@ class Extra(NamedTuple):
 
 
 def flush(keys: Keys, model: str, *, writer: str, result_ttl: int, shards: Sequence[int],
-          events: Sequence[Value], endings: Sequence[tuple[int, Extra]]) -> Call:
+          events: Sequence[Value], endings: Sequence[tuple[int, Extra]], prompts: Sequence[tuple[int, Value]] = ()
+          ) -> Call:
     """``shards``: the token shards of this call (one on a Cluster); ``events``: flat, five values
     per event: attempt, seq, event JSON (encoded once by its writer), job id, index into
-    ``shards``; ``endings``: (0-based index into the events, its terminal extra). Each event's
+    ``shards``; ``endings``: (0-based index into the events, its terminal extra); ``prompts``:
+    (index into the events, the prompt's token ids as JSON) for the events that carry them. Each event's
     log is a declared key (its shard's slot, the script's). Few values per event on purpose:
     packing and sending them was most of a worker's own cost per token. ``writer``: the worker
     writing (its fence entries name it; '' for an API)."""
     width = _EVENTS.width
     count = len(events) // width
-    shard_args_at, shard_args_width, events_at, events_width, endings_at, endings_width = _places(
-        len(FLUSH.argv) + 1, FLUSH.argv_groups, [len(shards), count, len(endings)])
+    shard_args_at, shard_args_width, events_at, events_width, endings_at, endings_width, prompts_at, prompts_width = (
+        _places(len(FLUSH.argv) + 1, FLUSH.argv_groups, [len(shards), count, len(endings), len(prompts)]))
     k = _shards(keys, model, shards)
     shards_at, shards_width, event_keys_at, event_keys_width = _places(1, FLUSH.key_groups, [len(shards), count])
     log_key = keys.events
     k += [log_key(model, job_id) for job_id in events[3::width]]
     args: list[Value] = [writer, result_ttl, shards_at, shards_width, event_keys_at, event_keys_width, shard_args_at,
-                         shard_args_width, events_at, events_width, endings_at, endings_width]
+                         shard_args_width, events_at, events_width, endings_at, endings_width, prompts_at, prompts_width]
     for shard in shards:
         args += [keys.live_in(model, shard), keys.ending_in(model, shard)]
     args += events
     for index, extra in endings:
         args += [index, *extra.ending()]
+    for index, ids in prompts:
+        args += [index, ids]
     return Call(FLUSH, k, args)
 
 
@@ -420,7 +425,7 @@ FINISH = Script(
     ),
     argv=("group", "result_ttl", "now", "tenant_prefix", "day_ttl", "levels", "ending_at", "levels_at",
           "levels_width", "jobs_at", "jobs_width", "items_at", "items_width"),
-    argv_groups=(Group("items", ("job_id", "attempt", "first_token_at", "prompt_ids", "status", "field", "payload",
+    argv_groups=(Group("items", ("job_id", "attempt", "first_token_at", "status", "field", "payload",
                                  "entry", "entry_level", "dead", "compact", "prompt_tokens", "generated_tokens")),),
     uses=(JOB,),
 )
@@ -444,7 +449,7 @@ def finish(keys: Keys, model: str, *, result_ttl: int, now: float, day: str, day
                          *_places(len(FINISH.argv) + 1, FINISH.argv_groups, [len(items)])]
     for job_id, attempt, extra in items:
         k.append(keys.job(model, job_id))
-        args += [job_id, attempt, *extra[:2], *extra[2:]]
+        args += [job_id, attempt, *extra]
     return Call(FINISH, k, args)
 
 

@@ -301,13 +301,13 @@ async def plan_for(queue: Queue, model: str, d: Delivery, req: GenerationRequest
     delay = 0.1
     while True:
         try:
-            prior = await queue.read_events(model, d.job_id)
+            prior = await queue.read_log(model, d.job_id)
             break
         except REDIS_DOWN as exc:
             log.warning("redis_read_failed", retry_in_s=delay, error=str(exc))
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
-    plan = plan_continuation(req, [e for e in prior if isinstance(e, Tokens)], d.prompt_ids, parsed)
+    plan = plan_continuation(req, [e for e in prior.events if isinstance(e, Tokens)], prior.prompt_ids, parsed)
     log.info("job_continued", after_seq=plan.seq, emitted=plan.emitted,
              parts=None if plan.parts is None else [(p.index, len(p.replay)) for p in plan.parts])
     return plan

@@ -4,7 +4,7 @@
 local Claim = {}
 
 -- key: the job hash; worker, now (epoch ms), max failed deliveries.
--- Returns {state, request, queued_at, attempt, prompt_ids, deadline, traceparent,
+-- Returns {state, request, queued_at, attempt, deadline, traceparent,
 --          lost_worker, lost_started, tenant, relay}; state is
 --   'missing'   no record (expired or never written): the caller only acks the entry;
 --   'finished'  already terminal (the entry outlived its job): the caller only acks it;
@@ -20,31 +20,31 @@ local Claim = {}
 -- (take.lua: its previous worker's flushes are then refused there), which also says where its log
 -- ends.
 function Claim.start(key, worker, now, max_failed)
-  local f = redis.call('HMGET', key, 'request', 'queued_at', 'cancel', 'status', 'attempt', 'handoffs', 'prompt_ids',
-                       'deadline', 'traceparent', 'worker', 'started_at', 'tenant', 'relay')
+  local f = redis.call('HMGET', key, 'request', 'queued_at', 'cancel', 'status', 'attempt', 'handoffs', 'deadline',
+                       'traceparent', 'worker', 'started_at', 'tenant', 'relay')
   if not f[1] then
-    return {'missing', '', '0', 0, '', '', '', '', '', '', ''}
+    return {'missing', '', '0', 0, '', '', '', '', '', ''}
   elseif f[4] == 'done' or f[4] == 'failed' or f[4] == 'cancelled' then
-    return {'finished', '', '0', 0, '', '', '', '', '', '', ''}
+    return {'finished', '', '0', 0, '', '', '', '', '', ''}
   end
   -- Deliveries that ended without a hand-back: crashes or stalls.
   local failed = tonumber(f[5] or '0') - tonumber(f[6] or '0')
   local lost_worker, lost_started = '', ''
-  if f[4] == 'running' and f[10] and f[10] ~= '' and f[10] ~= worker then
-    lost_worker, lost_started = f[10], f[11] or ''
+  if f[4] == 'running' and f[9] and f[9] ~= '' and f[9] ~= worker then
+    lost_worker, lost_started = f[9], f[10] or ''
   end
   local attempt = redis.call('HINCRBY', key, 'attempt', 1)
   redis.call('HSET', key, 'worker', worker)
   local state = 'run'
   if f[3] == '1' then
     state = 'cancelled'
-  elseif f[8] and tonumber(f[8]) <= tonumber(now) then
+  elseif f[7] and tonumber(f[7]) <= tonumber(now) then
     state = 'expired'
   elseif failed >= tonumber(max_failed) then
     state = 'dead'
   else
     redis.call('HSET', key, 'status', 'running', 'started_at', now)
   end
-  return {state, f[1], f[2] or '0', attempt, f[7] or '', f[8] or '', f[9] or '', lost_worker, lost_started,
-          f[12] or '', f[13] or ''}
+  return {state, f[1], f[2] or '0', attempt, f[7] or '', f[8] or '', lost_worker, lost_started, f[11] or '',
+          f[12] or ''}
 end

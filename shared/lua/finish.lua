@@ -1,6 +1,6 @@
 -- The model-slot half of a flush (flush.lua writes the logs, in token shards): what a batch's events
--- write to their jobs' records, fenced by the record's attempt. A first event of an attempt stores
--- the prompt's token ids, a first token its time; a terminal event (logged first, its ending kept in
+-- write to their jobs' records, fenced by the record's attempt. A first token stores its time (the
+-- prompt's token ids are logged with their event, in the shard: flush.lua); a terminal event (logged first, its ending kept in
 -- the shard: Keys.ending) ends the job here: the record's outcome and compact log, its tenant's
 -- meter, the webhook outbox, XACK + XDEL of its queue entry, the dead letters. Also run by a
 -- claimer that found a job's terminal event logged and its record not ended (take.lua: 'ended'),
@@ -37,9 +37,9 @@ local i = 0
 for a = items_at, #ARGV, items_width do
   local j = jobs_at + i * jobs_width
   local job = KEYS[j]
-  local job_id, attempt, first_token_at, prompt_ids, status = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
-  local field, payload, entry, entry_level, dead = ARGV[a + 5], ARGV[a + 6], ARGV[a + 7], ARGV[a + 8], ARGV[a + 9]
-  local compact, prompt_tokens, generated_tokens = ARGV[a + 10], ARGV[a + 11], ARGV[a + 12]
+  local job_id, attempt, first_token_at, status = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
+  local field, payload, entry, entry_level, dead = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6], ARGV[a + 7], ARGV[a + 8]
+  local compact, prompt_tokens, generated_tokens = ARGV[a + 9], ARGV[a + 10], ARGV[a + 11]
   local f = redis.call('HMGET', job, 'attempt', 'status')
   -- attempt 0 is unfenced (a delivery whose record is missing).
   local ok = attempt == '0' or f[1] == attempt
@@ -49,7 +49,6 @@ for a = items_at, #ARGV, items_width do
     table.insert(refused, i)
   elseif not done then
     if first_token_at ~= '' then redis.call('HSET', job, 'first_token_at', first_token_at) end
-    if prompt_ids ~= '' then redis.call('HSET', job, 'prompt_ids', prompt_ids) end
     if status ~= '' then
       Job.finish(job, job_id, ending, {'status', status, field, payload, 'finished_at', now},
                  compact, tonumber(prompt_tokens), tonumber(generated_tokens))

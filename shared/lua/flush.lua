@@ -4,7 +4,9 @@
 -- channels' and ending keys' prefixes (ARGV); per event: its log (KEYS) and attempt, seq, event
 -- bytes, job id and its shard's index in this call (ARGV); per terminal event its index and what
 -- the job's record must say once it has ended (the ending group, kept in Keys.ending until the
--- record says it: finish.lua, then settle.lua). On a Cluster every shard of one call is one
+-- record says it: finish.lua, then settle.lua); per event that carries the prompt's token ids
+-- (an attempt's first) its index and the ids, logged in its entry's 'p' field, so whoever reads a
+-- token in the log reads the ids to continue after it in the same entries. On a Cluster every shard of one call is one
 -- shard (one slot); a single Redis takes every shard of a batch in one call.
 -- attempt 0 means unfenced (a delivery whose record is missing). An event whose job's fence names
 -- another attempt (or none: taken by an API's expire, or ended and settled) is dropped and its job
@@ -18,17 +20,23 @@
 -- indexes of the terminal events written whose log then held every seq 1..theirs (whole: its
 -- compact form may replace it).
 local writer, result_ttl, shards_at, shards_width, event_keys_at, event_keys_width, shard_args_at, shard_args_width,
-      events_at, events_width, endings_at, endings_width = unpack(ARGV, 1, 12)
+      events_at, events_width, endings_at, endings_width, prompts_at, prompts_width = unpack(ARGV, 1, 14)
 shards_at, shards_width = tonumber(shards_at), tonumber(shards_width)
 event_keys_at, event_keys_width = tonumber(event_keys_at), tonumber(event_keys_width)
 shard_args_at, shard_args_width = tonumber(shard_args_at), tonumber(shard_args_width)
 events_at, events_width = tonumber(events_at), tonumber(events_width)
 endings_at, endings_width = tonumber(endings_at), tonumber(endings_width)
+prompts_at, prompts_width = tonumber(prompts_at), tonumber(prompts_width)
 
 local ending_of = {}  -- event index -> where its ending starts
-for x = endings_at, #ARGV, endings_width do
+for x = endings_at, prompts_at - 1, endings_width do
   local index = ARGV[x]
   ending_of[tonumber(index)] = x
+end
+local prompt_of = {}  -- event index -> the prompt's token ids (JSON)
+for p = prompts_at, #ARGV, prompts_width do
+  local index, ids = ARGV[p], ARGV[p + 1]
+  prompt_of[tonumber(index)] = ids
 end
 
 -- Who holds each job of the batch, read once per shard: the shard's fence holds, per job being
@@ -84,7 +92,15 @@ for a = events_at, endings_at - 1, events_width do
     logged_before[log] = n < tonumber(seq) - 1 and n
   end
   local gap = not fenced and logged_before[log]
-  local added = not fenced and not gap and redis.pcall('XADD', log, seq .. '-0', 'e', event)
+  local added = false
+  if not fenced and not gap then
+    local ids = prompt_of[i]
+    if ids then
+      added = redis.pcall('XADD', log, seq .. '-0', 'e', event, 'p', ids)
+    else
+      added = redis.pcall('XADD', log, seq .. '-0', 'e', event)
+    end
+  end
   if added and added.err and not string.find(added.err, 'equal or smaller than the target stream top', 1, true) then
     return redis.error_reply(added.err)
   end

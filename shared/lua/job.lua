@@ -50,10 +50,8 @@ end
 function Job.finish(job, id, e, outcome, compact, prompt, generated)
   redis.call('HSET', job, unpack(outcome))
   Fair.ended(job, id, e.meter, prompt, generated)
-  -- The prompt's token ids only serve a continuation, and the relay channels only live events,
-  -- and a finished job has neither: for a long prompt the ids would outweigh the result for
-  -- LLMQ_RESULT_TTL_S.
-  redis.call('HDEL', job, 'prompt_ids', 'relay')
+  -- The relay channels only serve live events, and a finished job has none.
+  redis.call('HDEL', job, 'relay')
   redis.call('EXPIRE', job, e.ttl)
   -- The compact log goes in the record's 'log' field, not a key of its own: a key costs Redis
   -- ~200 bytes of bookkeeping (its name, entries in the keyspace and expiry tables) for

@@ -152,25 +152,24 @@ async def test_a_killed_workers_job_continues_on_a_peer_with_every_token_once(ma
     assert await redis.hget(keys.fence(MODEL, shard_of(job_id)), job_id) is None
 
 
-async def test_the_prompts_ids_reach_the_record_before_its_first_events_are_logged(redis, keys, monkeypatch):
-    """A continuation needs the prompt's token ids of any job with tokens logged. They are written to
-    the record (the model's slot) before the events are logged (the shard): a writer that dies
-    between the two leaves ids and no tokens, never tokens without ids (which would fail the job)."""
+async def test_the_prompts_ids_are_logged_with_the_first_event_and_read_back_for_a_continuation(redis, keys):
+    """A continuation needs the prompt's token ids of any job with tokens logged. They ride the
+    attempt's first event into its log entry, in the same write, so no log ever holds tokens without
+    them; the record (the model's slot) never holds them; a first token's time still reaches the
+    record."""
     queue = Queue(redis, keys, result_ttl_s=60)
     await queue.ensure_group(MODEL)
-    job_id = await submit(queue, "ids first", 3)
+    job_id = await submit(queue, "ids with the tokens", 3)
     [d] = (await queue.pick(MODEL, "w1", 1)).deliveries
     first = Outbound(job_id=job_id, event=Tokens(seq=1, deltas=[TokenDelta(token_ids=[1], text="a")]),
-                     attempt=d.attempt, prompt_ids=[105, 100], first_token_at=now_ms())
-
-    async def dies(calls):
-        raise ConnectionError("the writer died before its shard step")
-
-    monkeypatch.setattr(queue, "_each", dies)
-    with pytest.raises(ConnectionError):
-        await queue.flush(MODEL, [first], "w1")
-    assert await redis.hget(keys.job(MODEL, job_id), "prompt_ids") == b"[105,100]"
-    assert await queue.read_events(MODEL, job_id) == []
-    monkeypatch.undo()
-    assert (await queue.flush(MODEL, [first], "w1")).lost == []  # the retry logs it
-    assert [e.seq for e in await queue.read_events(MODEL, job_id)] == [1]
+                     attempt=d.attempt, prompt_ids=[105, 100], first_token_at=123.0)
+    second = Outbound(job_id=job_id, event=Tokens(seq=2, deltas=[TokenDelta(token_ids=[2], text="b")]),
+                      attempt=d.attempt)
+    assert (await queue.flush(MODEL, [first], "w1")).lost == []
+    assert (await queue.flush(MODEL, [first, second], "w1")).lost == []  # a retried first event: logged once
+    logged = await queue.read_log(MODEL, job_id)
+    assert [e.seq for e in logged.events] == [1, 2] and logged.prompt_ids == [105, 100]
+    assert (await queue.read_log(MODEL, job_id, after_seq=1)).prompt_ids is None  # not among those read
+    assert await redis.hmget(keys.job(MODEL, job_id), "prompt_ids", "first_token_at") == [None, b"123.0"]
+    [entry] = await redis.xrange(keys.events(MODEL, job_id), "1-0", "1-0")
+    assert entry[1] == {b"e": encode(first.event), b"p": b"[105,100]"}

@@ -186,9 +186,10 @@ def test_the_packers_fill_exactly_their_layouts(n: int):
     _layout_of(scripts.expire(KEYS, MODEL, "j", now=1.0, grace_ms=0, at_once=False), {})
     shards = list(range(min(n, 2)))
     flush = scripts.flush(KEYS, MODEL, writer="w", result_ttl=1, shards=shards, events=_events(n),
-                          endings=[(i, Extra(status="done")) for i in range(n) if i % 2])
+                          endings=[(i, Extra(status="done")) for i in range(n) if i % 2],
+                          prompts=[(i, b"[1,2]") for i in range(n) if not i % 2])
     _layout_of(flush, {"shards": len(shards), "shard_args": len(shards), "event_keys": n, "events": n,
-                       "endings": n // 2})
+                       "endings": n // 2, "prompts": (n + 1) // 2})
     tokens = [(1, Extra(first_token_at=1.0))] * n
     _layout_of(scripts.finish(KEYS, MODEL, result_ttl=1, now=1.0, day="d", day_ttl=1,
                               items=[(j, 1, extra) for j, (_, extra) in zip(jobs, tokens, strict=True)]),
@@ -213,10 +214,10 @@ def test_the_packers_fill_exactly_their_layouts(n: int):
 
 
 def test_a_records_write_sends_the_keys_a_jobs_end_writes_only_with_a_terminal_event():
-    """Items of a first token and its prompt send no meter key, no usage day and no queue; the
-    items that end a job send them all."""
+    """Items of a first token send no meter key, no usage day and no queue; the items that end a
+    job send them all."""
     tokens = scripts.finish(KEYS, MODEL, result_ttl=1, now=1.0, day="2026-01-01", day_ttl=1,
-                            items=[("j0", 1, Extra(first_token_at=1.0, prompt_ids=b"[1]"))])
+                            items=[("j0", 1, Extra(first_token_at=1.0))])
     assert tokens.keys == [KEYS.job(MODEL, "j0")]
     assert not any("2026-01-01" in str(v) for v in tokens.args)
     ending = scripts.finish(KEYS, MODEL, result_ttl=1, now=1.0, day="2026-01-01", day_ttl=1,
@@ -237,8 +238,8 @@ def test_a_flush_names_only_token_shard_keys():
 def test_an_extra_is_the_finish_items_group_after_its_job_and_attempt():
     [items] = scripts.FINISH.argv_groups
     assert ("job_id", "attempt", *Extra._fields) == items.slots
-    [_, _, endings] = scripts.FLUSH.argv_groups
-    record_only = ("first_token_at", "prompt_ids", "compact")
+    [_, _, endings, _] = scripts.FLUSH.argv_groups
+    record_only = ("first_token_at", "compact")
     assert ("index", *(f for f in Extra._fields if f not in record_only)) == endings.slots
 
 
