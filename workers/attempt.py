@@ -9,6 +9,11 @@ touches Redis, asyncio or the metrics: what the worker records (tokens, the firs
 and what the outbox writes with an event (the prompt's ids, the result, the compact log) come back
 in the :class:`Emission`. Tested step by step like LMTP's ``TokenStream.feed``
 (tests/unit/test_attempt.py).
+
+A step may join the attempt's last token event instead of making one (``on_step``'s ``join``: the
+worker's flusher has not taken that event yet, and the job's dialect reads merged deltas as the
+separate ones, shared/chunking.py): the event is then encoded again once, when the worker takes it
+(:meth:`Attempt.sealed`), not per step (tests/unit/test_merged_events.py).
 """
 
 from __future__ import annotations
@@ -21,12 +26,12 @@ from dataclasses import dataclass
 from shared import eventlog
 from shared.codec import decode_event, encode
 from shared.errors import ServiceError
-from shared.events import LOGPROB_FLOOR, Done, Error, Event, Timings, TokenDelta, Tokens
+from shared.events import LOGPROB_FLOOR, Done, Error, Event, Timings, TokenDelta, Tokens, ToolCallDelta
 from shared.result import ResultBuilder
 from shared.schemas import JobResult, PromptInfo, TopLogprob, Usage
 from workers.protocol import Step
 
-__all__ = ["Attempt", "Emission", "finite_logprobs", "tokens_json"]
+__all__ = ["Attempt", "Emission", "finite_logprobs", "merge_deltas", "tokens_json"]
 
 
 def tokens_json(seq: int, deltas: list[TokenDelta]) -> bytes:
@@ -67,6 +72,80 @@ def finite_logprobs(step: Step) -> None:
             prompt.top_logprobs = _finite_tops(prompt.top_logprobs)
 
 
+# What a delta holds, in the order every dialect renders one delta's parts (reasoning, then text,
+# then tool calls): a merge never puts a later step's part before an earlier step's.
+_REASONING, _TEXT, _CALLS = 0, 1, 2
+
+
+def _kinds(delta: TokenDelta) -> list[int]:
+    return [k for k, present in ((_REASONING, delta.reasoning), (_TEXT, delta.text), (_CALLS, delta.tool_calls))
+            if present]
+
+
+def _joined(first: list | None, then: list | None, first_tokens: int, then_tokens: int) -> tuple[bool, list | None]:
+    """A per-token list (logprobs, their texts, their alternatives) of two deltas as one: (False,
+    _) when one has it and the other does not for tokens of its own (they never differ in practice:
+    the same request asks for the same)."""
+    if first is None and then is None:
+        return True, None
+    if first is None:
+        return (True, then) if not first_tokens else (False, None)
+    if then is None:
+        return (True, first) if not then_tokens else (False, None)
+    return True, first + then
+
+
+def _mergeable(into: TokenDelta, then: TokenDelta) -> bool:
+    if into.finish_reason is not None:
+        return False  # its choice ended there
+    kinds = _kinds(into)
+    if kinds and any(k < kinds[-1] for k in _kinds(then)):
+        return False
+    n, m = len(into.token_ids), len(then.token_ids)
+    return all(_joined(a, b, n, m)[0] for a, b in ((into.token_texts, then.token_texts),
+                                                     (into.logprobs, then.logprobs),
+                                                     (into.top_logprobs, then.top_logprobs)))
+
+
+def _merged(into: TokenDelta, then: TokenDelta) -> TokenDelta:
+    """``into`` followed by ``then`` (the next step's delta of the same choice), as a new delta:
+    the engine's are never changed (the result builder may hold their lists)."""
+    n, m = len(into.token_ids), len(then.token_ids)
+    calls = list(into.tool_calls)
+    for call in then.tool_calls:
+        last = calls[-1] if calls else None
+        if last is not None and last.index == call.index and call.id is None:
+            # The same call's arguments go on: one piece, as the separate pieces read back joined.
+            calls[-1] = ToolCallDelta(index=last.index, id=last.id, name=last.name,
+                                      arguments=last.arguments + call.arguments)
+        else:
+            calls.append(call)
+    return TokenDelta(index=into.index, token_ids=into.token_ids + then.token_ids, text=into.text + then.text,
+                      token_texts=_joined(into.token_texts, then.token_texts, n, m)[1],
+                      logprobs=_joined(into.logprobs, then.logprobs, n, m)[1],
+                      top_logprobs=_joined(into.top_logprobs, then.top_logprobs, n, m)[1],
+                      finish_reason=then.finish_reason, stop_reason=then.stop_reason,
+                      reasoning=into.reasoning + then.reasoning, tool_calls=calls)
+
+
+def merge_deltas(into: list[TokenDelta], then: list[TokenDelta]) -> list[TokenDelta] | None:
+    """One event's deltas followed by the next step's ``then`` as one event's, when that reads
+    back as the two events would (choice by choice: the same tokens, texts, logprobs, reasoning
+    and tool-call pieces, in order); None when it would not (a choice that ended, reasoning after
+    text, logprobs on one side only)."""
+    at = {d.index: i for i, d in enumerate(into)}
+    if not all(d.index not in at or _mergeable(into[at[d.index]], d) for d in then):
+        return None
+    out = list(into)
+    for d in then:
+        if d.index in at:
+            out[at[d.index]] = _merged(out[at[d.index]], d)
+        else:
+            at[d.index] = len(out)
+            out.append(d)
+    return out
+
+
 @dataclass(slots=True)
 class Emission:
     """One event of an attempt, with what its write carries and what the worker records."""
@@ -88,6 +167,9 @@ class Emission:
     log: bytes | None = None
     """Terminal: the job's whole log in compact form (shared/eventlog.py), to replace its stream;
     None keeps the stream (the attempt did not write every event of the job)."""
+    merged: bool = False
+    """The step joined the attempt's last event (``seq``): no new event, ``data`` empty (the
+    event's bytes are :meth:`Attempt.sealed`'s)."""
 
     @property
     def event(self) -> Event:
@@ -113,6 +195,12 @@ class Attempt:
         self.fresh = True
         """No earlier attempt published a token: this one records the first token's time."""
         self._prompt_ids: list[int] | None = []  # [] = not yet known; None = nothing (more) to store
+        self._open: list[TokenDelta] | None = None
+        """The deltas of the last event (``seq``) while later steps may join it: a token event, not
+        the attempt's first (which carries the prompt's ids and the first token, and opens the
+        client's stream with what one step made)."""
+        self._stale = False
+        """Steps joined the open event since it was encoded (``encoded[-1]``)."""
 
     def continues(self, seq: int, builder: ResultBuilder, *, prompt_tokens: int = 0, emitted: int = 0) -> None:
         """Before the first step: earlier attempts published events up to ``seq`` (``builder``
@@ -124,9 +212,13 @@ class Attempt:
             # The first token's time was recorded by the first attempt, and the prompt's ids too.
             self.fresh, self._prompt_ids = False, None
 
-    def on_step(self, step: Step, clock: Callable[[], float]) -> Emission | None:
+    def on_step(self, step: Step, clock: Callable[[], float], join: bool = False) -> Emission | None:
         """The event one engine step makes, if any. ``clock``: the time now (epoch ms), read only
-        for the first token and the end (not per step: this runs once per token)."""
+        for the first token and the end (not per step: this runs once per token). ``join``: the
+        attempt's last event is still unsent (the worker's flusher has not taken it) and the job's
+        stream reads merged deltas as separate ones (shared/chunking.py): the step's tokens join
+        that event when they can (:func:`merge_deltas`), its seq theirs, so one log entry and one
+        live line carry them, seqs still 1..n; the event's bytes are then :meth:`sealed`'s."""
         finite_logprobs(step)
         if self.fresh:
             self.usage.prompt_tokens = step.prompt_tokens or self.usage.prompt_tokens
@@ -138,6 +230,16 @@ class Attempt:
         first_token_at = None
         if self.fresh and self.timings.first_token_at is None and self.usage.completion_tokens:
             first_token_at = self.timings.first_token_at = clock()
+        if not (deltas or step.prompt or step.finished):
+            return None
+        if (join and self._open is not None and deltas and step.prompt is None and not step.finished
+                and first_token_at is None):
+            merged = merge_deltas(self._open, deltas)
+            if merged is not None:
+                self._open, self._stale = merged, True
+                self.builder.add_deltas(deltas)
+                return Emission(b"", self.seq, None, tokens, merged=True)
+        self._close()
         if step.finished:
             self.timings.finished_at = clock()
             done = Done(seq=self.seq + 1, deltas=deltas, prompt=step.prompt, usage=self.usage, timings=self.timings)
@@ -145,14 +247,14 @@ class Attempt:
             self.result = self.builder.result()
             return Emission(data, done.seq, done, tokens, first_token_at, result=self.result,
                             log=self._log(self.result))
-        if not deltas and step.prompt is None:
-            return None
         seq = self.seq + 1
         if step.prompt is None:  # every event but perhaps the first: no event object
             data = tokens_json(seq, deltas)
             self.seq = seq
             self.builder.add_deltas(deltas)
             self.encoded.append(data)
+            if seq > self.base + 1:
+                self._open = deltas
         else:
             data = self._add(Tokens(seq=seq, deltas=deltas, prompt=step.prompt))
         # The prompt's ids ride the first event, so whoever sees a token in the log can also
@@ -162,8 +264,23 @@ class Attempt:
 
     def end(self, exc: ServiceError) -> Emission:
         """The terminal error event that ends the attempt (and the job) with ``exc``."""
+        self._close()
         error = Error.of(exc, self.seq + 1)
         return Emission(self._add(error), error.seq, error, log=self._log())
+
+    def sealed(self, seq: int) -> bytes:
+        """The JSON of this attempt's event ``seq`` with every step that joined it; no step joins
+        it after this (the worker calls it as the event leaves its outbox)."""
+        if seq == self.seq:
+            self._close()
+        return self.encoded[seq - self.base - 1]
+
+    def _close(self) -> None:
+        """No later step joins the open event; encoded again if steps joined it."""
+        if self._stale:
+            self.encoded[-1] = tokens_json(self.seq, self._open)
+            self._stale = False
+        self._open = None
 
     def _add(self, event: Event) -> bytes:
         self.seq = event.seq

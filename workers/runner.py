@@ -33,6 +33,7 @@ import structlog
 from redis.exceptions import ResponseError
 
 from shared.config import Settings
+from shared.chunking import merges_steps
 from shared.errors import (
     DeadLetter,
     DeadlineExceeded,
@@ -103,6 +104,11 @@ class Worker:
         self._running: dict[str, _Running] = {}
         self._tasks: asyncio.TaskGroup | None = None  # the run's: job tasks start in it
         self._outbox: list[Outbound] = []
+        self._unsent: dict[str, tuple[Outbound, Attempt]] = {}
+        """Per job whose dialect reads merged steps (shared/chunking.py), its last token event while
+        it is still in the outbox, with its attempt: the job's next steps join it (Attempt.on_step's
+        ``join``) until the flusher takes the outbox, which then takes the event's bytes
+        (Attempt.sealed)."""
         self._outbox_ready = asyncio.Event()
         self._stopping = asyncio.Event()
         self._closing = False  # set after the drain: the flusher exits once the outbox is empty
@@ -444,8 +450,9 @@ class Worker:
         if not self.settings.engine_tracing:
             headers = None  # vLLM traces nothing: it would only warn of the headers
         held = self._running[d.job_id].claim is not None
+        merges = merges_steps(req)
         async for step in self.engine.stream(d.job_id, plan.request, plan.parts, trace_headers=headers):
-            out = attempt.on_step(step, now_ms)
+            out = attempt.on_step(step, now_ms, join=d.job_id in self._unsent)
             if out is None:
                 continue
             if held:  # the engine started before the claim was confirmed: its first event waits for it
@@ -454,6 +461,9 @@ class Worker:
             self.metrics.inc("llmq_worker_tokens_total", out.tokens)
             if out.first_token_at is not None:
                 self.metrics.observe("llmq_ttft_seconds", (out.first_token_at - d.queued_at) / 1000)
+            if out.merged:
+                continue  # its tokens joined the job's event still in the outbox (the flusher is behind)
+            self._seal(d.job_id)
             if out.terminal is not None:
                 self._emit(d, out.terminal, data=out.data, entry_id=d.entry_id, result=out.result,
                            first_token_at=out.first_token_at, log=out.log, history=attempt.encoded,
@@ -461,10 +471,13 @@ class Worker:
                 self._log_finished(attempt.timings, attempt.usage, out.result)
                 return
             # A token event: its bytes only, no event object (the outbox's usual entry).
-            self._outbox.append(Outbound(d.job_id, first_token_at=out.first_token_at, attempt=d.attempt,
-                                         prompt_ids=out.prompt_ids, level=d.level, history=attempt.encoded,
-                                         history_from=attempt.base, data=out.data, seq=out.seq))
+            outbound = Outbound(d.job_id, first_token_at=out.first_token_at, attempt=d.attempt,
+                                prompt_ids=out.prompt_ids, level=d.level, history=attempt.encoded,
+                                history_from=attempt.base, data=out.data, seq=out.seq)
+            self._outbox.append(outbound)
             self._outbox_ready.set()
+            if merges:
+                self._unsent[d.job_id] = (outbound, attempt)
         raise GenerationFailed("the engine ended the job without a final output")
 
     @staticmethod
@@ -486,6 +499,7 @@ class Worker:
         # The code, not the message: that can quote the request (an engine's or a template's
         # error); the client and the job record get it.
         log.info("job_ended", job_id=d.job_id, code=exc.code)
+        self._seal(d.job_id)
         out = attempt.end(exc)
         assert out.terminal is not None
         self._emit(d, out.terminal, data=out.data, entry_id=d.entry_id, log=out.log, usage=attempt.usage,
@@ -518,6 +532,14 @@ class Worker:
         self._outbox.append(Outbound(job_id=d.job_id, event=event, **extra))
         self._outbox_ready.set()
 
+    def _seal(self, job_id: str) -> None:
+        """The job's event still in the outbox takes no more steps: its bytes, with every step
+        that joined it, are final (before any later event of the job, and before a flush)."""
+        unsent = self._unsent.pop(job_id, None)
+        if unsent is not None:
+            out, attempt = unsent
+            out.data = attempt.sealed(out.seq)
+
     def _lose(self, job_ids: list[str]) -> None:
         """Jobs a peer took over (our lease lapsed): stop them here without writing anything."""
         for job_id in job_ids:
@@ -537,6 +559,10 @@ class Worker:
     async def _flush_once(self) -> None:
         async with self._flush_lock:
             batch, self._outbox = self._outbox, []
+            # From here these events are being written (perhaps again, on a retry): no later
+            # step joins them.
+            for job_id in list(self._unsent):
+                self._seal(job_id)
             if not batch:
                 return
             delay = 0.1
