@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import socket
 import subprocess
 import uuid
@@ -19,6 +20,7 @@ from redis.asyncio import Redis
 from shared.keys import Keys
 from shared.redis import SERVER_OPTIONS, connect, redis_server_binary
 from tests.support.faults import FIGURES, Figures, write_table
+from tests.support.flush_lag import flush_lag
 from tests.support.unclosed import name_unclosed_streams
 
 # A stream collected unclosed names who opened it (the collector may find it tests later).
@@ -116,6 +118,18 @@ async def sdk_clients_closed(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[N
         closed = client.close()
         if inspect.isawaitable(closed):
             await closed
+
+
+@pytest.fixture(scope="session", autouse=True)
+def lagging_flushes() -> Iterator[None]:
+    """``LLMQ_TEST_FLUSH_LAG_MS``: every in-process worker's flushes that late (tests/support/flush_lag.py),
+    to find the stream tests that hold only while the flusher keeps up with the engine."""
+    lag_ms = float(os.environ.get("LLMQ_TEST_FLUSH_LAG_MS", "0"))
+    if not lag_ms:
+        yield
+        return
+    with flush_lag(lag_ms / 1000):
+        yield
 
 
 # The workers' own loops, by the module that defines them: a test that leaves one running leaves
