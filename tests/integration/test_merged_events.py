@@ -23,21 +23,25 @@ TOKENS = 60
 LAG_S = 0.05  # ~50 engine steps of 1 ms behind
 
 
-async def job_events(client: httpx.AsyncClient, body: dict) -> tuple[list[bytes], list[dict]]:
+async def job_events(client: httpx.AsyncClient, body: dict) -> tuple[str, list[bytes]]:
+    """An async job's id and its events as its SSE stream sent them, frame by frame."""
     resp = await client.post("/v1/completions", headers={"Prefer": "respond-async"}, json=body)
     assert resp.status_code == 202, resp.text
-    live = sse_frames(await read_job_sse(client, resp.json()["id"]))
-    return live, [json.loads(f.split(b"data: ", 1)[1]) for f in live]
+    job_id = resp.json()["id"]
+    return job_id, sse_frames(await read_job_sse(client, job_id))
+
+
+def decoded(frames: list[bytes]) -> list[dict]:
+    return [json.loads(f.split(b"data: ", 1)[1]) for f in frames]
 
 
 async def test_a_delta_dialects_steps_share_events_and_read_back_token_for_token(stack):
     body = {"prompt": PROMPT, "max_tokens": TOKENS}
-    _, control = await job_events(stack.client, body)
+    with flush_lag(0):
+        _, control = await job_events(stack.client, body)
     with flush_lag(LAG_S):
-        resp = await stack.client.post("/v1/completions", headers={"Prefer": "respond-async"}, json=body)
-        job_id = resp.json()["id"]
-        live = sse_frames(await read_job_sse(stack.client, job_id))
-    for events in (control, [json.loads(f.split(b"data: ", 1)[1]) for f in live]):
+        job_id, live = await job_events(stack.client, body)
+    for events in (decoded(control), decoded(live)):
         assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
         deltas = [d for e in events for d in e.get("deltas", [])]
         assert "".join(d.get("text", "") for d in deltas) == expected_text(PROMPT, TOKENS)
@@ -57,7 +61,8 @@ async def sse_stream(client: httpx.AsyncClient, path: str, body: dict) -> bytes:
 
 async def test_an_openai_stream_has_fewer_chunks_and_the_same_text(stack):
     body = {"prompt": PROMPT, "max_tokens": TOKENS, "stream": True, "stream_options": {"include_usage": True}}
-    control = await sse_stream(stack.client, "/v1/completions", body)
+    with flush_lag(0):
+        control = await sse_stream(stack.client, "/v1/completions", body)
     with flush_lag(LAG_S):
         lagged = await sse_stream(stack.client, "/v1/completions", body)
 
@@ -81,7 +86,8 @@ PER_TOKEN = [
 
 @pytest.mark.parametrize(("dialect", "path", "body"), PER_TOKEN, ids=[p[0] for p in PER_TOKEN])
 async def test_a_per_token_dialects_stream_is_the_same_when_the_flusher_lags(stack, dialect, path, body):
-    control = await sse_stream(stack.client, path, body)
+    with flush_lag(0):
+        control = await sse_stream(stack.client, path, body)
     with flush_lag(LAG_S):
         lagged = await sse_stream(stack.client, path, body)
     assert lagged == control

@@ -16,15 +16,19 @@ from shared.queue import Queue
 __all__ = ["flush_lag"]
 
 
+_ON_TIME = Queue.flush  # as imported: a test's own lag (or none) replaces the whole run's
+
+
 @contextlib.contextmanager
 def flush_lag(seconds: float) -> Iterator[None]:
-    """Every worker's :meth:`Queue.flush` ``seconds`` late, while the context lasts."""
-    flush = Queue.flush
+    """Every worker's :meth:`Queue.flush` ``seconds`` late (0: on time, whatever the run's lag),
+    while the context lasts."""
 
-    @functools.wraps(flush)
+    @functools.wraps(_ON_TIME)
     async def late(self: Queue, *args, **kwargs):
-        await asyncio.sleep(seconds)
-        return await flush(self, *args, **kwargs)
+        if seconds:
+            await asyncio.sleep(seconds)
+        return await _ON_TIME(self, *args, **kwargs)
 
     with mock.patch.object(Queue, "flush", late):
         yield
