@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, assert_never
 import structlog
 from redis.exceptions import ResponseError
 
-from shared.config import Settings
 from shared.chunking import merges_steps
+from shared.config import Settings
 from shared.errors import (
     DeadLetter,
     DeadlineExceeded,

@@ -25,9 +25,9 @@ from api.dialects.anthropic_render import signature
 from shared.events import TokenDelta, ToolCallDelta
 from shared.schemas import GenerationRequest, Tool, ToolUse
 from tests.support.dialect_bodies import anthropic_bodies
+from tests.support.event_log import read_job_sse, sse_frames
 from tests.support.fuzzing import malformed_bodies, struct_body
 from tests.support.scripted_engine import ScriptedEngine
-from tests.support.event_log import read_job_sse, sse_frames
 from tests.support.scripted_stack import scripted_stack
 from tests.support.streams import chunked
 from workers.protocol import Step

@@ -184,8 +184,8 @@ def _openai_view(stream_frames: list[bytes]) -> dict:
             for call in delta.get("tool_calls") or []:
                 v["args"][call["index"]] = v["args"].get(call["index"], "") + call["function"]["arguments"]
             lps = c.get("logprobs") or {}
-            v["logprobs"] += lps.get("content") or [x for x in zip(*(lps.get(k, []) for k in
-                                                                    ("tokens", "token_logprobs", "text_offset")))]
+            legacy = zip(*(lps.get(k, []) for k in ("tokens", "token_logprobs", "text_offset")), strict=True)
+            v["logprobs"] += lps.get("content") or list(legacy)
             v["finish"] = c.get("finish_reason") or v["finish"]
     return view
 
