@@ -13,7 +13,9 @@ Tasks (all owned by :meth:`Worker.run`):
 - one task per job, in the same task group: iterates the engine's DELTA outputs, turned into
   events by its :class:`workers.attempt.Attempt`, and appends them to the outbox; a timer aborts
   it at the job's deadline.
-- flusher: writes the outbox in one round trip per batch (events of one engine step together).
+- flusher: writes the outbox in one round trip per batch (events of one engine step together);
+  while it writes, a job's next steps join the job's event still in the outbox, where the job's
+  dialect renders text deltas (shared/chunking.py).
 - heartbeat and control: the worker's key with a TTL (:class:`Presence`, which the worker owns),
   the leases of its jobs (renewed, fenced by owner and attempt: a job reclaimed by a peer is
   aborted here and written nowhere), and aborts.
