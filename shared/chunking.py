@@ -40,9 +40,11 @@ MERGES_STEPS: dict[DialectName, bool] = {
     "happy_vllm": True,
     # One ``token`` per token (id, text, logprob), the delta's ``text`` its last token's.
     "tgi": False,
-    # LMI's jsonlines (and its TGI-compatible and batch shapes): one line per token, as TGI's.
+    # LMI's jsonlines and its TGI-compatible SSE: one line per token, as TGI's.
     "lmi": False,
     "lmi_tgi": False,
+    # A dynamic batch's stream: a line per engine step with each input's new text, as DJL streams
+    # one token iteration a line (a client may count lines as tokens).
     "lmi_batch": False,
     # One response per engine step with that step's output count, logprobs and cumulative
     # logprob; which of those a request asked for is not in the stored request.
