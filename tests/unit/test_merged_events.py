@@ -3,8 +3,9 @@ events read back as the separate ones would (the result, each choice's tokens, t
 reasoning and tool-call arguments), with seqs 1..n and a compact log that expands to them; a step
 that would read back otherwise (reasoning after text, a finished choice, a prompt, the first token,
 logprobs on one side only) makes an event of its own. Each merge has its control: the same steps
-unmerged. And per dialect (shared/chunking.py): a stream that merges renders what a client reads
-the same both ways; one that does not would render merged deltas otherwise."""
+unmerged. Per dialect (shared/chunking.py): a stream that merges renders what a client reads the
+same both ways; one that does not would render merged deltas otherwise, and a worker never merges
+its steps."""
 
 from __future__ import annotations
 
@@ -14,17 +15,23 @@ import json
 
 import msgspec
 import pytest
+from redis.asyncio import Redis
 
 from api.dialects import stream
 from shared import eventlog
 from shared.chunking import MERGES_STEPS, merges_steps
 from shared.codec import decode_event, encode
+from shared.config import load_settings
 from shared.events import Done, Event, TokenDelta, ToolCallDelta
+from shared.keys import Keys
+from shared.queue import Delivery, Queue
 from shared.result import ResultBuilder
 from shared.schemas import GenerationRequest, OutputOptions, PromptInfo, SamplingParams, TopLogprob
+from tests.support.scripted_engine import ScriptedEngine
 from tests.support.streams import frames
 from workers.attempt import Attempt, merge_deltas
 from workers.protocol import Step
+from workers.runner import Worker, _Running
 
 
 def clock() -> float:
@@ -285,3 +292,34 @@ def test_completions_with_logprobs_do_not_merge():
     separate, _ = run(steps, take_every=1)
     merged, _ = run(steps, take_every=len(steps))
     assert _openai_view(_rendered(req, merged)) != _openai_view(_rendered(req, separate))
+
+
+# --- the worker: its outbox while the flusher has not taken it ------------------------------------
+
+
+async def outbox_of(dialect: str, tokens: int) -> tuple[list, Attempt]:
+    """A job run through a worker whose flusher never took its outbox (every step came while it
+    was busy): the outbox as a flush would take it, and the attempt."""
+    settings = load_settings({}, redis_url="redis://127.0.0.1:1/0", served_model_name="m")
+    worker = Worker(settings, Queue(Redis(), Keys("t")), ScriptedEngine(), worker_id="w")
+    req = GenerationRequest(prompt="abc", dialect=dialect, sampling=SamplingParams(max_tokens=tokens))
+    d = Delivery(entry_id=b"1-0", job_id="j", state="run", request=req, queued_at=1.0, attempt=1)
+    worker._running["j"] = _Running(task=None, held=None)  # type: ignore[arg-type]  # what _generate reads
+    attempt = Attempt(queued_at=1.0, started_at=2.0, whole_log=True)
+    await worker._generate(d, req, attempt, None)
+    batch = worker._outbox
+    for job_id in list(worker._unsent):  # as _flush_once takes the outbox
+        worker._seal(job_id)
+    return batch, attempt
+
+
+@pytest.mark.parametrize("dialect", sorted(MERGES_STEPS))
+async def test_a_worker_merges_only_where_the_dialect_renders_text_deltas(dialect):
+    batch, attempt = await outbox_of(dialect, 9)
+    # The bytes the outbox writes are the attempt's (its compact log's, its refills').
+    assert [out.data for out in batch] == attempt.encoded
+    assert [out.seq for out in batch] == list(range(1, len(batch) + 1))
+    events = [decode_event(out.data) for out in batch]
+    assert [t for e in events for d in e.deltas for t in d.token_ids] == [ord(c) for c in "abcabcabc"]
+    # Merging: the first step alone, the next seven in one event, the last the Done; else one each.
+    assert len(batch) == (3 if MERGES_STEPS[dialect] else 9), dialect
