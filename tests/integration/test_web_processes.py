@@ -252,7 +252,8 @@ async def test_resume_through_the_other_process(redis_url, prefix, tmp_path):
         async def events(headers: dict[str, str], avoid: int | None, stop_after: int | None
                          ) -> tuple[int, list[tuple[int, dict]]]:
             """The job's SSE events on a fresh connection, opened again until a process other than
-            ``avoid`` holds it; stops after ``stop_after`` events (None: the whole stream). Once a
+            ``avoid`` holds it; stops once its events carry ``stop_after`` tokens (None: the whole
+            stream; steps made while the worker's flusher was behind share an event). Once a
             connection is kept, the engine's gate opens."""
             for _ in range(50):
                 async with httpx.AsyncClient(base_url=web.url, timeout=30) as fresh, \
@@ -273,18 +274,19 @@ async def test_resume_through_the_other_process(redis_url, prefix, tmp_path):
                             if frame.startswith("id: "):
                                 id_line, data_line = frame.split("\n")
                                 out.append((int(id_line[4:]), json.loads(data_line.removeprefix("data: "))))
-                        if stop_after is not None and len(out) >= stop_after:
-                            return pid, out[:stop_after]
+                        tokens = sum(len(d["token_ids"]) for _, e in out for d in e.get("deltas", []))
+                        if stop_after is not None and tokens >= stop_after:
+                            return pid, out
                     return pid, out
             pytest.fail(f"50 connections in a row went to process {avoid}")
 
-        # Five events live from one process; the engine then holds the job until the resume below
+        # Five tokens live from one process; the engine then holds the job until the resume below
         # is connected, so the other process relays the rest live, not from a finished log.
         first_pid, first = await events({}, None, stop_after=5)
-        assert [seq for seq, _ in first] == [1, 2, 3, 4, 5]
+        assert [seq for seq, _ in first] == list(range(1, len(first) + 1))
         async with httpx.AsyncClient(base_url=web.url, timeout=30) as client:
             assert (await client.get(f"/v1/jobs/{job_id}")).json()["status"] == "running"
-        second_pid, rest = await events({"Last-Event-ID": "5"}, first_pid, stop_after=None)
+        second_pid, rest = await events({"Last-Event-ID": str(len(first))}, first_pid, stop_after=None)
         assert second_pid != first_pid
 
         _, whole = await events({}, None, stop_after=None)  # the log, read once the job is done
