@@ -249,15 +249,33 @@ class Queue:
         return (await read_queue(self.redis, self.keys, model, now_ms=now_ms())).depth
 
     async def get_job(self, model: str, job_id: str) -> JobRecord | None:
-        raw = await self.redis.hgetall(self.keys.job(model, job_id))
-        return job_from_hash(raw) if raw else None
+        [record] = await self.get_jobs(model, [job_id])
+        return record
 
     async def get_jobs(self, model: str, job_ids: list[str]) -> list[JobRecord | None]:
-        """Several records of one model in one round trip, in order (None: missing or expired)."""
+        """Records of one model, in order (None: missing or expired): one round trip, and one more
+        for those still running, whose end may be logged already (:meth:`_ended`)."""
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.hgetall(self.keys.job(model, job_id))
-        return [job_from_hash(raw) if raw else None for raw in await pipe.execute()]
+        raws = await pipe.execute()
+        running = [i for i, raw in enumerate(raws) if raw.get(b"status") == b"running"]
+        if running:
+            await self._ended(model, [job_ids[i] for i in running], [raws[i] for i in running])
+        return [job_from_hash(raw) if raw else None for raw in raws]
+
+    async def _ended(self, model: str, job_ids: list[str], raws: list[dict[bytes, bytes]]) -> None:
+        """A job's end is logged in its token shard (with its ending: Keys.ending) a moment before
+        its record says so (finish.lua, the model's slot), and its followers have it from the log
+        at once. So that a client who has read the end never reads "running" after it, the records
+        of ``job_ids`` still running take their ending's status and result or error, when there is
+        one (in place)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hmget(self.keys.ending(model, job_id), "status", "field", "payload")
+        for raw, (status, field, payload) in zip(raws, await pipe.execute(), strict=True):
+            if status:
+                raw[b"status"], raw[field] = status, payload
 
     async def save_group(self, group: JobGroup, ttl_s: int) -> None:
         await self.redis.set(self.keys.group(group.model, group.id), encode(group), ex=ttl_s)

@@ -90,10 +90,14 @@ async def test_an_end_logged_by_a_writer_that_died_is_written_to_the_record_once
         keys, MODEL, writer="w1", result_ttl=60, shards=[shard_of(rec.id)],
         events=[d.attempt, 3, encode(done), rec.id, 0], endings=[(0, ending)]))
     assert (lost, gaps, whole) == ([], [], [0])
-    # A follower has the end from the log already; the record does not say it yet.
+    # A follower has the end from the log already; the record does not say it yet, but a read
+    # of the job does (its ending's): whoever saw the end never reads "running" after it.
     assert [e.seq for e in await queue.read_events(MODEL, rec.id)] == [1, 2, 3]
-    assert (await queue.get_job(MODEL, rec.id)).status == "running"
+    assert await redis.hget(keys.job(MODEL, rec.id), "status") == b"running"
     assert await redis.exists(keys.ending(MODEL, rec.id))
+    read = await queue.get_job(MODEL, rec.id)
+    assert read.status == "done" and read.result == result
+    assert [r and r.status for r in await queue.get_jobs(MODEL, [rec.id, "nope", rec.id])] == ["done", None, "done"]
 
     [taken] = await queue.take_over(MODEL, "w1", "w2", 1)
     assert taken.state == "finished" and taken.attempt == d.attempt + 1 and taken.last_seq == 3
