@@ -49,7 +49,9 @@ class Services:
     """API keys are configured (``LLMQ_API_KEYS``): jobs record their owner's key hash."""
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     kept: set[str] = field(default_factory=set)
-    """Models whose every token shard's relay channel this process has subscribed (:meth:`keep_relays`)."""
+    """Models whose relay channels this process has subscribed (:meth:`keep_relays`)."""
+    sharded: bool = False
+    """Redis is a Cluster: a relay channel per token shard (Keys.relay)."""
     errors: dict[tuple[int, str], int] = field(default_factory=dict)
     """Error answers of this process by (status, code): ``llmq_api_errors_total`` (api/errors.py counts)."""
 
@@ -62,16 +64,16 @@ class Services:
         return task
 
     async def keep_relays(self, model: str) -> None:
-        """Subscribe the relay channel of each of ``model``'s token shards, once per process: the
-        first job of the model subscribes them all, so later ones are live from their first event."""
+        """Subscribe ``model``'s relay channels (one per token shard on a Cluster), once per process:
+        the first job of the model subscribes them all, so later ones are live from their first event."""
         if model not in self.kept:
             self.kept.add(model)
-            for shard in range(SHARDS):
+            for shard in range(SHARDS if self.sharded else 1):
                 await self.listener.keep(self.keys.relay_in(model, shard, self.instance))
 
     def relay_channel(self, model: str, job_id: str) -> str:
-        """Where workers publish the events of ``job_id`` (and of every job of its token shard) to this process."""
-        return self.keys.relay(model, self.instance, job_id)
+        """Where workers publish the events of ``job_id`` to this process (Keys.relay)."""
+        return self.keys.relay(model, self.instance, job_id, sharded=self.sharded)
 
     @property
     def model(self) -> str:
@@ -92,7 +94,8 @@ async def lifespan(app: Litestar) -> AsyncIterator[None]:
     redis = connect(settings.redis_dsn, block_ms=settings.block_ms)
     instance = os.urandom(4).hex()
     home = keys.api_home(instance)
-    listener = ClusterListener(redis, home) if is_cluster(redis) else EventListener(redis, home)
+    sharded = is_cluster(redis)
+    listener = ClusterListener(redis, home) if sharded else EventListener(redis, home)
     services = Services(
         settings=settings,
         keys=keys,
@@ -107,6 +110,7 @@ async def lifespan(app: Litestar) -> AsyncIterator[None]:
         tenants=ConfigCache(redis, keys),
         keys_on=bool(parse_keys(settings.api_keys)),
         instance=instance,
+        sharded=sharded,
     )
     # The listener reconnects by itself, so the API starts (and answers 503) before Redis is up.
     # Then the eviction policy is checked once Redis answers, and the process stops if it fails.

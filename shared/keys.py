@@ -204,13 +204,16 @@ class Keys:
         """:meth:`live` given the shard (with no job id: the shard's prefix, for the scripts)."""
         return f"{self._shard(model, shard)}:live:{job_id}"
 
-    def relay(self, model: str, instance: str, job_id: str) -> str:
+    def relay(self, model: str, instance: str, job_id: str, *, sharded: bool = True) -> str:
         """Pub/sub channel: the live events of every job of ``model`` that one API process follows,
         many per message (``<job id> <event JSON>`` lines), so a worker publishes once per API
         process per flush rather than once per job. A job lists its followers' relay channels in
         its record's ``relay`` field; a job with none is published on its own :meth:`live` channel.
-        One per token shard: the channel of ``job_id``'s shard, where its events are published."""
-        return self.relay_in(model, shard_of(job_id), instance)
+        On a Cluster (``sharded``) one per token shard: the channel of ``job_id``'s shard, published
+        by its master. On a single Redis one per model (the first shard's name), since a flush
+        writes every shard in one call there: one PUBLISH per API process per flush, not one per
+        shard."""
+        return self.relay_in(model, shard_of(job_id) if sharded else 0, instance)
 
     def relay_in(self, model: str, shard: int, instance: str) -> str:
         """:meth:`relay` given the shard."""

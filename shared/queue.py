@@ -203,9 +203,11 @@ class Picked(NamedTuple):
     tops: list[bytes]
     """When nothing was picked, each level's newest waiting entry then: where
     :meth:`Queue.wait_for_work` waits from, so a job queued since wakes it at once."""
-    unconfirmed: bool = False
-    """The claims are not yet on the replicas LLMQ_DURABILITY wants (a pick with ``confirm=False``):
-    the caller must :meth:`Queue.confirm` them before it writes anything about the jobs."""
+    acked: int | None = None
+    """A pick with ``confirm=False``: the claims are made, not yet confirmed (their token shards
+    not fenced, under LLMQ_DURABILITY not yet on the replicas). The caller must
+    :meth:`Queue.confirm` them, passing this (the replicas' confirmations so far), before it writes
+    anything about the jobs. None: confirmed, or nothing picked."""
 
 
 class Queue:
@@ -247,15 +249,33 @@ class Queue:
         return (await read_queue(self.redis, self.keys, model, now_ms=now_ms())).depth
 
     async def get_job(self, model: str, job_id: str) -> JobRecord | None:
-        raw = await self.redis.hgetall(self.keys.job(model, job_id))
-        return job_from_hash(raw) if raw else None
+        [record] = await self.get_jobs(model, [job_id])
+        return record
 
     async def get_jobs(self, model: str, job_ids: list[str]) -> list[JobRecord | None]:
-        """Several records of one model in one round trip, in order (None: missing or expired)."""
+        """Records of one model, in order (None: missing or expired): one round trip, and one more
+        for those still running, whose end may be logged already (:meth:`_ended`)."""
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.hgetall(self.keys.job(model, job_id))
-        return [job_from_hash(raw) if raw else None for raw in await pipe.execute()]
+        raws = await pipe.execute()
+        running = [i for i, raw in enumerate(raws) if raw.get(b"status") == b"running"]
+        if running:
+            await self._ended(model, [job_ids[i] for i in running], [raws[i] for i in running])
+        return [job_from_hash(raw) if raw else None for raw in raws]
+
+    async def _ended(self, model: str, job_ids: list[str], raws: list[dict[bytes, bytes]]) -> None:
+        """A job's end is logged in its token shard (with its ending: Keys.ending) a moment before
+        its record says so (finish.lua, the model's slot), and its followers have it from the log
+        at once. So that a client who has read the end never reads "running" after it, the records
+        of ``job_ids`` still running take their ending's status and result or error, when there is
+        one (in place)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hmget(self.keys.ending(model, job_id), "status", "field", "payload")
+        for raw, (status, field, payload) in zip(raws, await pipe.execute(), strict=True):
+            if status:
+                raw[b"status"], raw[field] = status, payload
 
     async def save_group(self, group: JobGroup, ttl_s: int) -> None:
         await self.redis.set(self.keys.group(group.model, group.id), encode(group), ex=ttl_s)
@@ -436,22 +456,22 @@ class Queue:
         """Pick, read and claim up to ``count`` new jobs, the most urgent level first, by fair
         share between tenants within a level: read.lua, one round trip, never blocking. Ask only
         for as many as can start now (the engine's free slots): nothing is claimed that could not.
-        Under LLMQ_DURABILITY the claims are held until the replicas have them (:meth:`confirm`);
-        ``confirm=False`` leaves that to the caller (:attr:`Picked.unconfirmed`), which may start
-        the engine meanwhile but must write nothing until then."""
+        Then the claims are confirmed (:meth:`confirm`: their token shards fenced, and under
+        LLMQ_DURABILITY held until the replicas have them); ``confirm=False`` leaves that to the
+        caller (:attr:`Picked.acked`), which may start the engine meanwhile but must write nothing
+        until then."""
         call = scripts.read(self.keys, model, consumer, count, now=now_ms(), max_failed=max_deliveries)
         while True:  # again at once while it stops early on waiting jobs that had already ended
             (rows, tops, more), acked = await self._run(call)
             if rows or not more:
                 break
-        deliveries = await self._take(model, consumer, self._deliveries(
-            [(int(level), entry_id, job.decode()) for level, entry_id, job, _ in rows], [state for *_, state in rows],
-            reclaimed=False))
-        if deliveries and acked < self.durability.wanted:
-            if not confirm:
-                return Picked(deliveries, tops, unconfirmed=True)
-            deliveries = await self.confirm(model, consumer, deliveries)
-        return Picked(deliveries, tops)
+        deliveries = self._deliveries([(int(level), entry_id, job.decode()) for level, entry_id, job, _ in rows],
+                                      [state for *_, state in rows], reclaimed=False)
+        if not deliveries:
+            return Picked(deliveries, tops)
+        if not confirm:
+            return Picked(deliveries, tops, acked=acked)
+        return Picked(await self.confirm(model, consumer, deliveries, acked), tops)
 
     async def _run(self, call: scripts.Call) -> tuple[Any, int]:
         """Run a script; under LLMQ_DURABILITY with the WAIT after it: its reply, and the
@@ -460,14 +480,19 @@ class Queue:
             return await self.scripts.run_and_wait(call, self.durability)
         return await self.scripts.run(call), 0
 
-    async def confirm(self, model: str, worker: str, deliveries: list[Delivery]) -> list[Delivery]:
-        """Hold jobs just claimed until their claims are on the replicas LLMQ_DURABILITY wants
-        (renewing their leases meanwhile, with a WAIT after each renewal); the jobs still ours.
+    async def confirm(self, model: str, worker: str, deliveries: list[Delivery], acked: int) -> list[Delivery]:
+        """Confirm jobs just picked (:meth:`pick`, ``acked``: the replicas' confirmations of its
+        claims): fence their token shards (:meth:`_take`, which drops a job a peer took meanwhile),
+        and hold them until their claims are on the replicas LLMQ_DURABILITY wants (renewing their
+        leases meanwhile, with a WAIT after each renewal); the jobs still ours.
 
         Nothing is written about a job before then (its engine request may run meanwhile, its
         events wait: workers/runner.py): a claim only the primary holds may be a job only the
         primary holds, one whose admission was refused (503) for want of replicas. Were the primary
         to die, the client's retry would queue it again on the new one, and it would run twice."""
+        deliveries = await self._take(model, worker, deliveries)
+        if not deliveries or acked >= self.durability.wanted:
+            return deliveries
         log.warning("claims_not_durable", model=model, jobs=len(deliveries), wanted=self.durability.wanted)
         while deliveries:
             held = [Held(d.job_id, d.entry_id, d.attempt, d.level) for d in deliveries]

@@ -348,8 +348,9 @@ def flush(keys: Keys, model: str, *, writer: str, result_ttl: int, shards: Seque
     shards_at, shards_width, event_keys_at, event_keys_width = _places(1, FLUSH.key_groups, [len(shards), count])
     log_key = keys.events
     k += [log_key(model, job_id) for job_id in events[3::width]]
-    args: list[Value] = [writer, result_ttl, shards_at, shards_width, event_keys_at, event_keys_width, shard_args_at,
-                         shard_args_width, events_at, events_width, endings_at, endings_width, prompts_at, prompts_width]
+    args: list[Value] = [writer, result_ttl, shards_at, shards_width, event_keys_at, event_keys_width,
+                         shard_args_at, shard_args_width, events_at, events_width, endings_at, endings_width,
+                         prompts_at, prompts_width]
     for shard in shards:
         args += [keys.live_in(model, shard), keys.ending_in(model, shard)]
     args += events

@@ -199,32 +199,33 @@ class Worker:
                 return None
             picked = await self.queue.pick(self.model, self.worker_id, slots.held, self.settings.max_deliveries,
                                            confirm=False)
-            if picked.unconfirmed:
-                await self._start_confirming(picked.deliveries, slots)
-            else:
-                for delivery in picked.deliveries:
-                    await self._accept(delivery, slots)
+            if picked.acked is not None:
+                await self._start_confirming(picked.deliveries, picked.acked, slots)
         return None if picked.deliveries else picked.tops
 
-    async def _start_confirming(self, deliveries: list[Delivery], slots: Reservation) -> None:
-        """Under LLMQ_DURABILITY, claims the replicas do not hold yet: the jobs to run start in the
-        engine at once (their prompts are processed while the replicas catch up), their events held
-        until the claims are confirmed; a job whose claim is lost meanwhile is aborted, having
-        written nothing. The jobs that end at once (cancelled, expired, ...) end after it."""
+    async def _start_confirming(self, deliveries: list[Delivery], acked: int, slots: Reservation) -> None:
+        """Jobs just picked, their claims not yet confirmed (:meth:`shared.queue.Queue.confirm`:
+        their token shards fenced, under LLMQ_DURABILITY their claims on the replicas). A fresh
+        job (its first attempt: nothing logged, nobody else's) starts in the engine at once, its
+        prompt processed meanwhile and its events held until the confirmation; one whose claim is
+        lost meanwhile is aborted, having written nothing. The rest start or end once confirmed:
+        a continuation needs to know where its log ends (:attr:`Delivery.last_seq`)."""
         claim = asyncio.Event()
-        early = [d for d in deliveries if d.state == "run"]
+        early = [d for d in deliveries if d.state == "run" and d.attempt == 1]
         for delivery in early:
             await self._accept(delivery, slots, claim)
-        kept: set[str] = set()
+        confirmed: list[Delivery] = []
         try:
-            kept = {d.job_id for d in await self.queue.confirm(self.model, self.worker_id, deliveries)}
+            confirmed = await self.queue.confirm(self.model, self.worker_id, deliveries, acked)
         finally:  # Redis gone meanwhile: none is confirmed, and each lease lapses to a peer
+            kept = {d.job_id for d in confirmed}
             for delivery in early:
                 if delivery.job_id not in kept:
                     self.cancel_job(delivery.job_id, LeaseLost("its claim was not confirmed"))
             claim.set()
-        for delivery in deliveries:
-            if delivery.state != "run" and delivery.job_id in kept:
+        started = {d.job_id for d in early}
+        for delivery in confirmed:
+            if delivery.job_id not in started:
                 await self._accept(delivery, slots)
 
     async def _reclaim(self) -> None:
@@ -428,9 +429,9 @@ class Worker:
                 self._release(d.job_id)
 
     async def _claimed(self, d: Delivery) -> None:
-        """Return once the job's claim is confirmed (at once unless LLMQ_DURABILITY held it: see
-        :meth:`_start_confirming`); a claim lost meanwhile cancels the job here, which then writes
-        nothing."""
+        """Return once the job's claim is confirmed (at once unless the job started before its
+        confirmation: see :meth:`_start_confirming`); a claim lost meanwhile cancels the job
+        here, which then writes nothing."""
         running = self._running.get(d.job_id)
         if running is not None and running.claim is not None:
             await running.claim.wait()

@@ -22,6 +22,7 @@ import uuid
 
 from redis.asyncio import Redis
 
+from shared.cluster import is_cluster
 from shared.config import load_settings
 from shared.keys import Keys
 from shared.logging import configure_logging
@@ -62,7 +63,8 @@ async def run_jobs(queue: Queue, model: str, jobs: int, tokens: int, relay: str 
     for _ in range(jobs):
         rec = JobRecord(id=uuid.uuid4().hex, model=model, queued_at=now_ms(), request=GenerationRequest(
             prompt=PROMPT, sampling=SamplingParams(max_tokens=tokens, temperature=0.0)))
-        ids.append(await queue.enqueue(rec, relay=queue.keys.relay(model, relay, rec.id) if relay else None))
+        channel = queue.keys.relay(model, relay, rec.id, sharded=is_cluster(queue.redis)) if relay else None
+        ids.append(await queue.enqueue(rec, relay=channel))
     pending = set(ids)
     while pending:
         await asyncio.sleep(poll_s)

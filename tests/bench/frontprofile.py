@@ -1,7 +1,8 @@
 """py-spy over the process that feeds the engine: llmq's worker, or ``vllm serve``'s API server.
 
 ``python -m tests.bench.frontprofile --target llmq|vllm-serve [--seconds 30]`` starts the fast
-set's target (tests/bench/serving.py), warms it, then records that one process with py-spy
+set's target (tests/bench/serving.py), warms it, then records that one process (or llmq's
+``--role api``, with ``--tokens 1`` its cost per request) with py-spy
 (``--nonblocking``, raw stacks) while streamed requests of ``--tokens`` tokens run at
 ``--concurrency``, and prints its CPU µs per generated token over the recording and the top
 frames by own time. Both front ends run vLLM's ``AsyncLLM`` (detokenising, the output handler),
@@ -38,14 +39,15 @@ def summarise(raw: Path, top: int) -> list[tuple[float, str]]:
     return [(100 * n / total, frame) for frame, n in own.most_common(top)]
 
 
-async def profile(target_name: str, seconds: float, tokens: int, concurrency: int, out: Path) -> dict:
+async def profile(target_name: str, seconds: float, tokens: int, concurrency: int, out: Path,
+                  role: str | None = None) -> dict:
     fast = TARGET_SETS["fast"]
     settings = load_settings({**os.environ, **fast.overlay})
     async with AsyncExitStack() as stack:
         logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llmq-prof-")))
         [target] = await start_targets(stack, settings, logs, [target_name], fast.overlay)
         assert isinstance(target, HttpTarget) and target.meter is not None
-        pid = target.meter.roots[ROOT_ROLE[target_name]]
+        pid = target.meter.roots[role or ROOT_ROLE[target_name]]
         await target.run(prompts_for(64, "warm"), concurrency, 16)
         spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid), "-d",
                                 str(int(seconds)), "-r", "100", "-f", "raw", "-o", str(out), "--nonblocking"],
@@ -57,19 +59,21 @@ async def profile(target_name: str, seconds: float, tokens: int, concurrency: in
             generated += round(summary.output_tokens_per_s * summary.duration_s)
         after = cpu_seconds(pid)
         assert before is not None and after is not None
-        return {"target": target_name, "tokens": generated, "us_per_token": (after - before) * 1e6 / generated}
+        return {"target": target_name, "role": role or ROOT_ROLE[target_name], "tokens": generated,
+                "us_per_token": (after - before) * 1e6 / generated}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m tests.bench.frontprofile")
     p.add_argument("--target", choices=sorted(ROOT_ROLE), required=True)
+    p.add_argument("--role", help="llmq's process to record: worker (default) or api")
     p.add_argument("--seconds", type=float, default=30)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--out", default="profile.raw")
     a = p.parse_args()
-    result = asyncio.run(profile(a.target, a.seconds, a.tokens, a.concurrency, Path(a.out)))
+    result = asyncio.run(profile(a.target, a.seconds, a.tokens, a.concurrency, Path(a.out), a.role))
     print(result)
     for share, frame in summarise(Path(a.out), a.top):
         print(f"{share:5.1f}% {frame}")

@@ -38,7 +38,7 @@ from shared.keys import GROUP, Keys
 from tests.conftest import free_port
 from tests.e2e.conftest import _tail, stop_all, wait_ready
 from tests.e2e.procfile import BIN, Stream, completion_body, kill_leftovers, log_events, start_honcho
-from tests.support.event_log import logged_events, record_text
+from tests.support.event_log import ended_record, logged_events, record_text, still_running
 from tests.support.faults import Figures, alive, lost_and_duplicated
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(900)]
@@ -131,8 +131,9 @@ def mid_stream(stack: Stack) -> Mid:
             # call could outlast a whole 96-token job (seen in CI): 1,000 a call.
             job_id = stream.job_id or None
             for key in () if job_id else stack.redis.scan_iter(match=stack.keys.job(stack.model, "*"), count=1000):
-                if stack.redis.hget(key, "status") == b"running":
-                    job_id = key.decode().rsplit(":", 1)[-1]
+                found = key.decode().rsplit(":", 1)[-1]
+                if still_running(stack.redis, stack.keys, stack.model, found):
+                    job_id = found
         elif stack.logged_tokens(job_id) >= KILL_AFTER_TOKENS:
             worker = stack.redis.hget(stack.keys.job(stack.model, job_id), "worker").decode()
             return Mid(want, stream, job_id, worker, stack.worker_pid(worker))
@@ -159,7 +160,7 @@ def check_identical(stack: Stack, mid: Mid, figures: Figures) -> dict[str, str]:
     assert stream.text == want["text"] and stream.finish_reasons == ["length"]
     assert stream.usage is not None and stream.usage["completion_tokens"] == MAX_TOKENS
     assert stream.job_id == mid.job_id
-    raw = stack.redis.hgetall(stack.keys.job(stack.model, mid.job_id))
+    raw = ended_record(stack.redis, stack.keys, stack.model, mid.job_id)
     record = record_text(raw)
     assert record["status"] == "done", record
     assert stack.redis.xpending(stack.keys.queue(stack.model), GROUP)["pending"] == 0

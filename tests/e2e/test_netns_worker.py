@@ -26,6 +26,7 @@ from shared.keys import Keys
 from shared.redis import redis_server_binary
 from tests.conftest import REPO, free_port, wait_for_ping
 from tests.e2e.conftest import _spawn, _tail, stop_all, wait_ready
+from tests.support.event_log import ended_record
 from tests.support.processes import spawn_logged
 from tests.support.waiting import eventually_sync
 
@@ -141,6 +142,6 @@ def _serve_and_check(url: str, redis: Redis, keys: Keys, model: str, ns: str, ns
     for i in range(4):
         r = results.get(i, {})
         assert "choices" in r and r["usage"]["completion_tokens"] == MAX_TOKENS, (r, _tail(log))
-        record = redis.hgetall(keys.job(model, r["id"].removeprefix("cmpl-")))
+        record = ended_record(redis, keys, model, r["id"].removeprefix("cmpl-"))
         assert record[b"status"] == b"done" and record[b"worker"].decode() == worker, record
     print(f"worker {worker} (pid {pid}) in {ns}; its Redis connections: {[c['addr'] for c in from_ns]}")

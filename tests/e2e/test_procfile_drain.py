@@ -42,7 +42,7 @@ from shared.keys import GROUP, Keys
 from tests.conftest import free_port
 from tests.e2e.conftest import _tail, stop_all, wait_ready
 from tests.e2e.procfile import BIN, Stream, completion_body, kill_leftovers, log_events, start_honcho
-from tests.support.event_log import logged_events, record_text
+from tests.support.event_log import ended_record, logged_events, record_text
 from tests.support.faults import lost_and_duplicated
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(1500)]
@@ -234,7 +234,7 @@ def _scenario(url, redis, keys, model, formation, extra, procs, figures) -> None
         # The text too: a continuation's prompt often ends inside a UTF-8 character, where vLLM
         # 0.32's detokenizer would repeat the prompt's text (workers/engine.py strips it).
         assert s.text == ref["text"], (s.prompt, s.text, ref["text"])
-        record = record_text(redis.hgetall(keys.job(model, s.job_id)))
+        record = record_text(ended_record(redis, keys, model, s.job_id))
         ids, seqs, types = _event_token_ids(redis, keys, model, s.job_id)
         ref_ids, _, _ = _event_token_ids(redis, keys, model, references[s.prompt]["id"].removeprefix("cmpl-"))
         assert ids == ref_ids and len(ids) == MAX_TOKENS, f"{s.prompt!r}: token ids differ from a greedy run"

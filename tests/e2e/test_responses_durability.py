@@ -37,7 +37,7 @@ from shared.keys import Keys
 from tests.conftest import free_port
 from tests.e2e.conftest import _tail, stop_all, wait_ready
 from tests.e2e.procfile import BIN, kill_leftovers, start_honcho
-from tests.support.event_log import logged_events
+from tests.support.event_log import ended_record, logged_events
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(900)]
 
@@ -175,5 +175,5 @@ def test_a_background_response_survives_its_web_process_and_its_worker(stack: St
     assert text == reference.output_text
     assert events[-1].response.output_text == reference.output_text
     assert b.responses.retrieve(response_id).output_text == reference.output_text
-    final = stack.redis.hgetall(stack.keys.job(stack.model, job_id))
+    final = ended_record(stack.redis, stack.keys, stack.model, job_id)
     assert final[b"status"] == b"done" and int(final[b"attempt"]) == 2  # continued by the peer

@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from tests.e2e.test_crash_continuation import Small, json_lines, small_stack, stream_and_kill
+from tests.support.event_log import ended_record
 from tests.support.otlp_receiver import Receiver, Span
 from tests.support.waiting import eventually_sync
 
@@ -192,7 +193,7 @@ def test_a_sigkilled_attempt_is_reconstructed_beside_the_peers_continuation_in_t
         "do_sample": False, "max_new_tokens": LONG_TOKENS, "ignore_eos_token": True, "details": True}}
     with httpx.Client(timeout=120, headers={"traceparent": header}) as client:
         killed = stream_and_kill(small, lambda items: json_lines(client, f"{small.url}/invocations", body, items))
-    record = small.redis.hgetall(small.keys.job(small.model, killed.job_id))
+    record = ended_record(small.redis, small.keys, small.model, killed.job_id)
     assert record[b"status"] == b"done" and record[b"attempt"] == b"2", record
     peer = record[b"worker"].decode()
     assert peer != killed.worker

@@ -103,7 +103,11 @@ async def test_a_retry_from_another_connection_waits_for_the_first_write(replica
         finally:
             replicated.resume(1)
         replicated.wait_linked()
-        owners = {await queue.enqueue(JobRecord.new(req, owner="", default_timeout_s=None), key) for queue in queues}
+        # The retries may wait longer: a replica just resumed acknowledges once it has caught up
+        # (more than 300 ms on a loaded box). The phase above is what tells a touch from none.
+        patient = Durability(replicas=1, timeout_ms=5000)
+        owners = {await Queue(client, Keys(prefix), durability=patient).enqueue(
+            JobRecord.new(req, owner="", default_timeout_s=None), key) for client in (first, second)}
         assert len(owners) == 1  # one job for the key, whichever process answered
     finally:
         await first.aclose()

@@ -120,6 +120,34 @@ async def test_one_publish_per_relay_channel_per_flush_with_exact_lines(redis_ur
         await redis.aclose()
 
 
+async def test_on_a_single_redis_one_publish_carries_every_shards_jobs_for_an_api(redis_url, prefix):
+    """A single Redis flushes every token shard in one call, so the API's one relay channel per
+    model (Keys.relay, not sharded) gets one message per flush for jobs of different shards."""
+    redis = connect(redis_url)
+    keys = Keys(prefix)
+    queue = Queue(redis, keys)
+    jobs = [f"j{i}" for i in range(200)]
+    jobs = [next(j for j in jobs if shard_of(j) == s) for s in range(3)]  # three shards
+    channel = keys.relay(MODEL, "a", jobs[0], sharded=False)
+    assert {keys.relay(MODEL, "a", j, sharded=False) for j in jobs} == {channel}
+    try:
+        await queue.ensure_group(MODEL)
+        for job in jobs:
+            await queue.enqueue(_record(job), relay=channel)
+        attempts = {d.job_id: d.attempt for d in (await queue.pick(MODEL, "w", 3)).deliveries}
+        pubsub = redis.pubsub()
+        await pubsub.subscribe(channel)
+        batch = [Outbound(job_id=j, event=Tokens(seq=1, deltas=[TokenDelta(token_ids=[97], text="a")]),
+                          attempt=attempts[j]) for j in jobs]
+        assert await queue.flush(MODEL, batch, "w") == Flushed([], {})
+        assert await _messages(pubsub, 1) == [(channel.encode(), b"\n".join(o.job_id.encode() + b" " + encode(o.event)
+                                                                          for o in batch))]
+        assert await _nothing_more(pubsub)
+        await pubsub.aclose()
+    finally:
+        await redis.aclose()
+
+
 async def _nothing_more(pubsub) -> bool:
     for _ in range(3):  # a confirmation is skipped (None) like silence: look a few times
         if await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1) is not None:
@@ -181,8 +209,9 @@ async def test_streams_use_relay_channels_and_a_second_api_joins_a_running_job(r
                     assert resumed.status_code == 200
                     relay = (await s.redis.hget(Keys(prefix).job(MODEL, job_id), "relay")).decode().split()
                     assert len(relay) == 2 and len(set(relay)) == 2, relay
-                    shard = f"{prefix}:{{{shard_tag(MODEL, shard_of(job_id))}}}:relay:"  # the job's token shard's
-                    assert all(c.startswith(shard) for c in relay), relay
+                    # A single Redis: the model's one relay channel per API process (Keys.relay)
+                    model_wide = f"{prefix}:{{{shard_tag(MODEL, 0)}}}:relay:"
+                    assert all(c.startswith(model_wide) for c in relay), relay
                     data += [line async for line in _data_lines(lines)]
                     replay = (await resumed.aread()).decode()
         text = "".join(json.loads(x)["choices"][0]["text"] for x in data if x != "[DONE]")

