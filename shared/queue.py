@@ -272,11 +272,13 @@ class Queue:
         one (in place)."""
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
-            pipe.hmget(self.keys.ending(model, job_id), "status", "field", "payload")
+            pipe.hmget(self.keys.ending(model, job_id), "status", "field", "payload", "finished_at")
         settled = []
-        for n, (raw, (status, field, payload)) in enumerate(zip(raws, await pipe.execute(), strict=True)):
+        for n, (raw, (status, field, payload, finished_at)) in enumerate(zip(raws, await pipe.execute(), strict=True)):
             if status:
                 raw[b"status"], raw[field] = status, payload
+                if finished_at:
+                    raw[b"finished_at"] = finished_at
             else:
                 settled.append(n)
         # No ending: still running, or ended and settled since the record was read (finish.lua
@@ -802,7 +804,7 @@ class Queue:
             first_token_at="" if out.first_token_at is None else out.first_token_at,
             status=status, field=field, payload=payload, entry=out.entry_id or "", entry_level=out.level,
             dead="1" if out.dead else "", compact=out.log or "", prompt_tokens=usage.prompt_tokens if usage else -1,
-            generated_tokens=usage.completion_tokens if usage else -1)
+            generated_tokens=usage.completion_tokens if usage else -1, finished_at=now_ms() if status else "")
 
     @staticmethod
     def _terminal(out: Outbound) -> tuple[str, str, bytes | str]:
