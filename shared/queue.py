@@ -253,8 +253,8 @@ class Queue:
         return record
 
     async def get_jobs(self, model: str, job_ids: list[str]) -> list[JobRecord | None]:
-        """Records of one model, in order (None: missing or expired): one round trip, and one more
-        for those still running, whose end may be logged already (:meth:`_ended`)."""
+        """Records of one model, in order (None: missing or expired): one round trip, and up to two
+        more for those still running, whose end may be logged already (:meth:`_ended`)."""
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.hgetall(self.keys.job(model, job_id))
@@ -272,10 +272,25 @@ class Queue:
         one (in place)."""
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
-            pipe.hmget(self.keys.ending(model, job_id), "status", "field", "payload")
-        for raw, (status, field, payload) in zip(raws, await pipe.execute(), strict=True):
+            pipe.hmget(self.keys.ending(model, job_id), "status", "field", "payload", "finished_at")
+        settled = []
+        for n, (raw, (status, field, payload, finished_at)) in enumerate(zip(raws, await pipe.execute(), strict=True)):
             if status:
                 raw[b"status"], raw[field] = status, payload
+                if finished_at:
+                    raw[b"finished_at"] = finished_at
+            else:
+                settled.append(n)
+        # No ending: still running, or ended and settled since the record was read (finish.lua
+        # then settle.lua, both after that read). Read after the ending's absence, the record
+        # says which.
+        if settled:
+            pipe = self.redis.pipeline(transaction=False)
+            for n in settled:
+                pipe.hgetall(self.keys.job(model, job_ids[n]))
+            for n, raw in zip(settled, await pipe.execute(), strict=True):
+                raws[n].clear()
+                raws[n].update(raw)
 
     async def save_group(self, group: JobGroup, ttl_s: int) -> None:
         await self.redis.set(self.keys.group(group.model, group.id), encode(group), ex=ttl_s)
@@ -789,7 +804,7 @@ class Queue:
             first_token_at="" if out.first_token_at is None else out.first_token_at,
             status=status, field=field, payload=payload, entry=out.entry_id or "", entry_level=out.level,
             dead="1" if out.dead else "", compact=out.log or "", prompt_tokens=usage.prompt_tokens if usage else -1,
-            generated_tokens=usage.completion_tokens if usage else -1)
+            generated_tokens=usage.completion_tokens if usage else -1, finished_at=now_ms() if status else "")
 
     @staticmethod
     def _terminal(out: Outbound) -> tuple[str, str, bytes | str]:

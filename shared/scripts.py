@@ -282,7 +282,7 @@ FLUSH = Script(
         # Per terminal event, after all events: what its record must say once it has ended
         # (Keys.ending, until finish.lua has written it).
         Group("endings", ("index", "status", "field", "payload", "entry", "entry_level", "dead", "prompt_tokens",
-                          "generated_tokens")),
+                          "generated_tokens", "finished_at")),
         # Per event that carries the prompt's token ids (an attempt's first): logged with it.
         Group("prompts", ("index", "ids")),
     ),
@@ -313,11 +313,14 @@ class Extra(NamedTuple):
     prompt_tokens: int = -1
     """The tokens its tenant is charged (-1: not known)."""
     generated_tokens: int = -1
+    finished_at: Value = ""
+    """Terminal: when its writer ended it (ms), so that a read between its logged end and its
+    record's (Queue._ended) has the same time the record will ('': finish.lua's now)."""
 
     def ending(self) -> list[Value]:
         """Its values in flush.lua's ``endings`` group (less the index) and in Keys.ending."""
         return [self.status, self.field, self.payload, self.entry, self.entry_level, self.dead,
-                self.prompt_tokens, self.generated_tokens]
+                self.prompt_tokens, self.generated_tokens, self.finished_at]
 
     @classmethod
     def from_ending(cls, fields: dict[bytes, bytes]) -> Extra:
@@ -327,7 +330,8 @@ class Extra(NamedTuple):
 
         return cls(status=get("status").decode(), field=get("field").decode(), payload=get("payload"),
                    entry=get("entry"), entry_level=int(get("entry_level") or 0), dead=get("dead").decode(),
-                   prompt_tokens=int(get("prompt_tokens") or -1), generated_tokens=int(get("generated_tokens") or -1))
+                   prompt_tokens=int(get("prompt_tokens") or -1), generated_tokens=int(get("generated_tokens") or -1),
+                   finished_at=get("finished_at"))
 
 
 def flush(keys: Keys, model: str, *, writer: str, result_ttl: int, shards: Sequence[int],
@@ -427,7 +431,8 @@ FINISH = Script(
     argv=("group", "result_ttl", "now", "tenant_prefix", "day_ttl", "levels", "ending_at", "levels_at",
           "levels_width", "jobs_at", "jobs_width", "items_at", "items_width"),
     argv_groups=(Group("items", ("job_id", "attempt", "first_token_at", "status", "field", "payload",
-                                 "entry", "entry_level", "dead", "compact", "prompt_tokens", "generated_tokens")),),
+                                 "entry", "entry_level", "dead", "compact", "prompt_tokens", "generated_tokens",
+                                 "finished_at")),),
     uses=(JOB,),
 )
 

@@ -39,7 +39,9 @@ for a = items_at, #ARGV, items_width do
   local job = KEYS[j]
   local job_id, attempt, first_token_at, status = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
   local field, payload, entry, entry_level, dead = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6], ARGV[a + 7], ARGV[a + 8]
-  local compact, prompt_tokens, generated_tokens = ARGV[a + 9], ARGV[a + 10], ARGV[a + 11]
+  local compact, prompt_tokens, generated_tokens, finished_at = ARGV[a + 9], ARGV[a + 10], ARGV[a + 11], ARGV[a + 12]
+  -- The writer's own end time when it sent one (its ending has the same, for reads before this).
+  if finished_at == '' then finished_at = now end
   local f = redis.call('HMGET', job, 'attempt', 'status')
   -- attempt 0 is unfenced (a delivery whose record is missing).
   local ok = attempt == '0' or f[1] == attempt
@@ -50,7 +52,7 @@ for a = items_at, #ARGV, items_width do
   elseif not done then
     if first_token_at ~= '' then redis.call('HSET', job, 'first_token_at', first_token_at) end
     if status ~= '' then
-      Job.finish(job, job_id, ending, {'status', status, field, payload, 'finished_at', now},
+      Job.finish(job, job_id, ending, {'status', status, field, payload, 'finished_at', finished_at},
                  compact, tonumber(prompt_tokens), tonumber(generated_tokens))
       if entry ~= '' then
         if dead == '1' then

@@ -117,11 +117,11 @@ for a = events_at, endings_at - 1, events_width do
     local x = ending_of[i]
     if x then  -- terminal: logged now or by the try whose reply was lost
       local status, field, payload, entry, entry_level = ARGV[x + 1], ARGV[x + 2], ARGV[x + 3], ARGV[x + 4], ARGV[x + 5]
-      local dead, prompt_tokens, generated_tokens = ARGV[x + 6], ARGV[x + 7], ARGV[x + 8]
+      local dead, prompt_tokens, generated_tokens, finished_at = ARGV[x + 6], ARGV[x + 7], ARGV[x + 8], ARGV[x + 9]
       local ending = ending_prefix .. job_id
       redis.call('HSET', ending, 'attempt', attempt, 'seq', seq, 'status', status, 'field', field, 'payload', payload,
                  'entry', entry, 'entry_level', entry_level, 'dead', dead, 'prompt_tokens', prompt_tokens,
-                 'generated_tokens', generated_tokens)
+                 'generated_tokens', generated_tokens, 'finished_at', finished_at)
       redis.call('EXPIRE', ending, result_ttl)
       redis.call('EXPIRE', log, result_ttl)
       if redis.call('XLEN', log) == tonumber(seq) then table.insert(whole, i) end

@@ -221,13 +221,14 @@ class LlmqTarget(Target):
         if not reply:
             self.lost += 1
             return float("nan")
-        queued, started, attempt, status = await self.redis.hmget(
-            self.keys.job(self.model, job_id), "queued_at", "started_at", "attempt", "status")
-        if status != b"done" or started is None:
+        # Read as the API reads a job: its end is logged (and published) a moment before its
+        # record says so, and a read in between takes the logged end's status (Queue.get_jobs).
+        record = await self.queue.get_job(self.model, job_id)
+        if record is None or record.status != "done" or record.started_at is None:
             self.lost += 1
             return float("nan")
-        self.attempts.append(int(attempt))
-        return float(started) - float(queued)
+        self.attempts.append(record.attempt)
+        return record.started_at - record.queued_at
 
     async def close(self) -> None:
         if self.heartbeat is not None:

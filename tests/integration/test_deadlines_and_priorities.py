@@ -133,9 +133,9 @@ async def test_a_worker_that_cannot_end_an_overdue_job_is_fenced_off_by_the_api(
     async with scripted_stack(redis_url, prefix, engine, max_num_seqs=1) as s:
         accept = s.worker._accept
 
-        async def without_timer(delivery, slots):
+        async def without_timer(delivery, slots, *claim):
             delivery.deadline = None  # the worker never learns the deadline: its timer cannot fire
-            await accept(delivery, slots)
+            await accept(delivery, slots, *claim)
 
         s.worker._accept = without_timer  # type: ignore[method-assign]
         resp = await s.client.post("/v1/jobs/", json={"prompt": "stuck", "sampling": {"max_tokens": 400}},
