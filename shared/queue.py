@@ -158,6 +158,9 @@ class Outbound:
     """The writer's attempt's events so far as JSON (this one among them), seqs ``history_from``
     + 1 on: what it writes again when a failover took some back from the log (:attr:`Flushed.gaps`)."""
     history_from: int = 0
+    history_prompt_ids: list[int] | None = None
+    """The prompt's token ids event ``history_from`` + 1 carried (``prompt_ids`` of the attempt's
+    first event), written again with it when a failover took it back."""
     data: bytes = b""
     """The event's JSON, encoded once by its writer; empty: encoded here from ``event``."""
     seq: int = 0

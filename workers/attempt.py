@@ -195,6 +195,9 @@ class Attempt:
         self.fresh = True
         """No earlier attempt published a token: this one records the first token's time."""
         self._prompt_ids: list[int] | None = []  # [] = not yet known; None = nothing (more) to store
+        self.logged_prompt_ids: list[int] | None = None
+        """The prompt's ids this attempt's first event carried (None: it carried none), kept to
+        write them again with it (the worker's refill after a failover)."""
         self._open: list[TokenDelta] | None = None
         """The deltas of the last event (``seq``) while later steps may join it: a token event, not
         the attempt's first (which carries the prompt's ids and the first token, and opens the
@@ -260,6 +263,8 @@ class Attempt:
         # The prompt's ids ride the first event, so whoever sees a token in the log can also
         # continue after it.
         prompt_ids, self._prompt_ids = self._prompt_ids or None, None
+        if prompt_ids is not None:
+            self.logged_prompt_ids = prompt_ids
         return Emission(data, seq, None, tokens, first_token_at, prompt_ids=prompt_ids)
 
     def end(self, exc: ServiceError) -> Emission:

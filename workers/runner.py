@@ -470,13 +470,14 @@ class Worker:
             if out.terminal is not None:
                 self._emit(d, out.terminal, data=out.data, entry_id=d.entry_id, result=out.result,
                            first_token_at=out.first_token_at, log=out.log, history=attempt.encoded,
-                           history_from=attempt.base)
+                           history_from=attempt.base, history_prompt_ids=attempt.logged_prompt_ids)
                 self._log_finished(attempt.timings, attempt.usage, out.result)
                 return
             # A token event: its bytes only, no event object (the outbox's usual entry).
             outbound = Outbound(d.job_id, first_token_at=out.first_token_at, attempt=d.attempt,
                                 prompt_ids=out.prompt_ids, level=d.level, history=attempt.encoded,
-                                history_from=attempt.base, data=out.data, seq=out.seq)
+                                history_from=attempt.base, history_prompt_ids=attempt.logged_prompt_ids,
+                                data=out.data, seq=out.seq)
             self._outbox.append(outbound)
             self._outbox_ready.set()
             if merges:
@@ -598,9 +599,12 @@ class Worker:
                 self._lose([job_id])
                 continue
             log.warning("event_log_gap", job_id=job_id, logged=logged, next_seq=first.seq, mended=True)
+            # The attempt's first event carried the prompt's ids: they go with it again, or a
+            # successor after a later crash could not continue the job.
             again += [Outbound(job_id=job_id, data=first.history[seq - first.history_from - 1], seq=seq,
                                attempt=first.attempt, level=first.level, history=first.history,
-                               history_from=first.history_from)
+                               history_from=first.history_from, history_prompt_ids=first.history_prompt_ids,
+                               prompt_ids=first.history_prompt_ids if seq == first.history_from + 1 else None)
                       for seq in range(logged + 1, first.seq)] + own
         return again
 

@@ -27,7 +27,7 @@ from tests.support.event_log import logged_events, read_job_sse
 from tests.support.event_log import sse_frames as frames
 from tests.support.inprocess_workers import MODEL, Client, assert_seamless, kill, running_on
 from tests.support.scripted_engine import ScriptedEngine
-from tests.support.waiting import job_status
+from tests.support.waiting import eventually, job_status
 
 make_worker = inprocess_workers.make_worker  # in-process workers with a ContextEngine, on real Redis
 
@@ -217,6 +217,33 @@ async def test_events_a_failover_took_back_are_written_again_by_their_worker(mak
     assert kept >= 7
     await settled(redis, keys.events(MODEL, job_id))  # compacted: the stream was whole
     assert [encode(e) for e in await a.queue.read_events(MODEL, job_id)] == [encode(e) for e in events]
+
+
+@pytest.mark.faults
+async def test_a_job_whose_whole_log_a_failover_took_back_still_continues_after_a_crash(make_worker, redis, keys):
+    """The worker writes its attempt's first event again with the prompt's token ids it carried,
+    so a successor after a later crash continues the job from the log (without them it could only
+    fail it: WorkerLost, "its prompt tokens were not recorded")."""
+    a = await make_worker(delay_s=0.02)
+    client = Client(redis, a.queue)
+    job_id = await client.start("taken back whole", 60)
+    await running_on(a.queue, job_id, a.worker, min_tokens=5)
+    log_key = keys.events(MODEL, job_id)
+    await redis.delete(log_key)  # the new primary never received the stream
+
+    async def refilled() -> bool:
+        first = await redis.xrange(log_key, "-", "+", count=1)
+        return bool(first) and await redis.xlen(log_key) >= 10
+
+    await eventually(refilled, what="the log written again from seq 1")
+    [(entry_id, fields)] = await redis.xrange(log_key, "-", "+", count=1)
+    assert entry_id == b"1-0" and b"p" in fields, fields
+    b = await make_worker(delay_s=0.002)
+    await kill(a)
+    events = await client.finish()
+    assert_seamless(events, "taken back whole", 60)
+    record = await b.queue.get_job(MODEL, job_id)
+    assert (record.attempt, record.status) == (2, "done")
 
 
 @pytest.mark.faults

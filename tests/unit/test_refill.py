@@ -49,3 +49,16 @@ def test_an_event_made_without_an_attempts_history_is_let_go_after_a_gap():
     worker = _worker()
     dead = Outbound("j", event=Error.of(JobCancelled("x"), 4), attempt=1)  # a dead letter's: no history
     assert worker._refill([dead], {"j": 1}) == []
+
+
+def test_the_attempts_first_event_is_written_again_with_the_prompts_ids_it_carried():
+    a = Attempt(queued_at=1.0, started_at=2.0)
+    outs = []
+    for i in range(3):
+        out = a.on_step(Step(deltas=[TokenDelta(token_ids=[i], text="x")], prompt_token_ids=[7, 8, 9]), lambda: 3.0)
+        assert out is not None
+        outs.append(Outbound("j", attempt=1, prompt_ids=out.prompt_ids, history=a.encoded, history_from=a.base,
+                             history_prompt_ids=a.logged_prompt_ids, data=out.data, seq=out.seq))
+    assert [o.prompt_ids for o in outs] == [[7, 8, 9], None, None]
+    again = _worker()._refill(outs[2:], {"j": 0})  # the log lost seqs 1 and 2
+    assert [(o.seq, o.prompt_ids) for o in again] == [(1, [7, 8, 9]), (2, None), (3, None)]
