@@ -214,6 +214,30 @@ class _SentinelPool(SentinelConnectionPool):
                 await sentinel.aclose()
 
 
+class _Seeds(dict):
+    """A Cluster client's startup nodes that never run dry. redis-py drops a node from them on
+    each connection error, then closes every connection to rediscover the cluster
+    (redis/redis-py#3693, open): in a failover, one task's error closes the connections the
+    other tasks' commands are on, those fail too and drop their nodes, and once none is left the
+    client can never reconnect ("Please provide at least one reachable node: None", for good; a
+    failover test hung on it). So every node it has held is remembered, and a removal that would
+    leave none puts them all back: the next discovery tries each of them."""
+
+    def __init__(self, nodes: dict) -> None:
+        super().__init__(nodes)
+        self._known = dict(nodes)
+
+    def __setitem__(self, name: str, node: Any) -> None:
+        super().__setitem__(name, node)
+        self._known[name] = node
+
+    def pop(self, name: str, *default: Any) -> Any:
+        node = super().pop(name, *default)
+        if not self:
+            self.update(self._known)
+        return node
+
+
 def connect(url: str, *, block_ms: int = 2000) -> Redis:
     """A client for ``url``:
 
@@ -254,6 +278,7 @@ def connect(url: str, *, block_ms: int = 2000) -> Redis:
     cluster.connection_kwargs["redis_connect_func"] = _handshake
     for node in cluster.nodes_manager.startup_nodes.values():
         node.connection_kwargs["redis_connect_func"] = _handshake
+    cluster.nodes_manager.startup_nodes = _Seeds(cluster.nodes_manager.startup_nodes)
     return cluster  # type: ignore[return-value]  # the same command API
 
 

@@ -131,3 +131,16 @@ async def test_a_shard_dropping_a_followed_channel_is_subscribed_again():
     assert conn.sent == [("SSUBSCRIBE", b"job:a")]
     listener._dispatch([b"ssubscribe", b"job:a", 1])  # confirmed again: the log fills any gap
     assert queue.get_nowait() == b""
+
+
+def test_the_cluster_clients_startup_nodes_never_run_dry():
+    """redis-py drops a node from its startup nodes on each connection error (redis/redis-py#3693):
+    a failover's cascade of errors would leave none, and the client could never reconnect."""
+    cluster = connect("redis+cluster://127.0.0.1:7000")
+    seeds = cluster.nodes_manager.startup_nodes
+    [seed] = list(seeds.values())
+    seeds["127.0.0.1:7001"] = other = type(seed)("127.0.0.1", 7001)  # discovered, as initialize() adds it
+    seeds.pop("127.0.0.1:7000", None)  # redis-py's drop after a ConnectionError
+    assert list(seeds) == ["127.0.0.1:7001"]
+    seeds.pop("127.0.0.1:7001", None)  # the last one: every node it held comes back
+    assert seeds == {"127.0.0.1:7000": seed, "127.0.0.1:7001": other}
