@@ -13,7 +13,7 @@ spread over its tokens (64 per request in the fast set), so they overstate longe
 ``Redis cores`` is what one Redis would spend. On a Cluster one model's token traffic splits over
 its SHARDS token shards (shared/keys.py), which ``--cluster-report`` (``python -m
 tests.bench.relay_shards``'s report) says how well: three masters relayed a measured multiple of one
-master's tokens (2.31x, not 3x: a flush is one script call per shard, and the model's own master
+master's tokens (less than 3x: a flush is one script call per shard, and the model's own master
 also does every job's queue work). ``Cluster masters`` is then how many masters one model needs,
 each kept under ``--redis-busy`` of its core, at that measured efficiency per master (an
 extrapolation past three masters). One model spreads over at most SHARDS + 1 slots (its shards and
