@@ -35,8 +35,10 @@ async def test_vllm_bench_serve_streams_every_token_and_reads_back_as_a_summary(
                                     input_tokens=16)
     assert summary.ok, summary.errors
     assert summary.requests == summary.completed == 6 and summary.concurrency == 2
-    # The scripted engine yields one token per step, and llmq streams one chunk per step.
-    assert summary.tokens_per_chunk == 1.0
+    # The scripted engine yields one token per step, and llmq streams one chunk per step unless its
+    # flusher falls behind the engine: then a job's steps share one chunk (merged token events,
+    # shared/chunking.py), as a loaded CI box made them. Never more chunks than tokens, though.
+    assert 1.0 <= summary.tokens_per_chunk <= MAX_TOKENS
     assert summary.output_tokens_per_s == pytest.approx(6 * MAX_TOKENS / summary.duration_s, rel=0.01)
     assert 0 < summary.ttft_p50_ms <= summary.ttft_p99_ms
     assert 0 < summary.itl_p50_ms <= summary.itl_p99_ms
