@@ -20,7 +20,7 @@ from urllib.parse import unquote, urlsplit
 import structlog
 from redis._parsers.base import BaseParser
 from redis.asyncio import Redis, RedisCluster
-from redis.asyncio.connection import AbstractConnection, SSLConnection, parse_url
+from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection, parse_url
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
@@ -238,6 +238,48 @@ class _Seeds(dict):
         return node
 
 
+class _NodeConnection:
+    """A mixin for a Cluster node's connections: one its node closed while it was being opened
+    closes again, instead of opening after the fact and leaking.
+
+    A Cluster client closes every connection to re-read its slots after a node fails (see
+    :class:`_Seeds`), and replaces its node objects, those connections' owners, with new ones.
+    redis-py's close skips a connection not open yet; one still opening (another task's command
+    on it) then finished opening on a node nothing holds any more, ran its command, and was
+    collected open: an ``unclosed <StreamWriter>`` in a Cluster failover test. Here a close from
+    another task while the connection opens is remembered, and the open ends in a closed
+    connection and a ConnectionError, which the Cluster client retries on its new nodes."""
+
+    _opener: asyncio.Task | None = None
+    _closed_while_opening = False
+
+    async def connect(self) -> None:
+        if self.is_connected:  # type: ignore[attr-defined]
+            return
+        self._opener, self._closed_while_opening = asyncio.current_task(), False
+        try:
+            await super().connect()  # type: ignore[misc]
+        finally:
+            self._opener = None
+        if self._closed_while_opening:
+            await self.disconnect()
+            raise RedisConnectionError("the connection was closed while it was being opened")
+
+    async def disconnect(self, nowait: bool = False) -> None:
+        # redis-py's own clean-up inside connect() runs in the opening task; only another's counts.
+        if self._opener is not None and self._opener is not asyncio.current_task():
+            self._closed_while_opening = True
+        await super().disconnect(nowait)  # type: ignore[misc]
+
+
+class _ClusterConnection(_NodeConnection, Connection):
+    pass
+
+
+class _ClusterSSLConnection(_NodeConnection, SSLConnection):
+    pass
+
+
 def connect(url: str, *, block_ms: int = 2000) -> Redis:
     """A client for ``url``:
 
@@ -275,9 +317,12 @@ def connect(url: str, *, block_ms: int = 2000) -> Redis:
     cluster = RedisCluster.from_url(seed, **options)
     # RedisCluster takes no redis_connect_func argument; its nodes (the seed now, the rest once
     # discovered) build connections from these kwargs, so the handshake goes in there.
-    cluster.connection_kwargs["redis_connect_func"] = _handshake
+    node_class = _ClusterSSLConnection if cluster.connection_kwargs.get("connection_class") is SSLConnection \
+        else _ClusterConnection
+    cluster.connection_kwargs.update(redis_connect_func=_handshake, connection_class=node_class)
     for node in cluster.nodes_manager.startup_nodes.values():
         node.connection_kwargs["redis_connect_func"] = _handshake
+        node.connection_class = node_class
     cluster.nodes_manager.startup_nodes = _Seeds(cluster.nodes_manager.startup_nodes)
     return cluster  # type: ignore[return-value]  # the same command API
 

@@ -21,10 +21,11 @@ from shared.keys import Keys
 from shared.redis import SERVER_OPTIONS, connect, redis_server_binary
 from tests.support.faults import FIGURES, Figures, write_table
 from tests.support.flush_lag import flush_lag
-from tests.support.unclosed import name_unclosed_streams
+from tests.support.unclosed import name_unclosed_streams, name_unwaited_processes
 
-# A stream collected unclosed names who opened it (the collector may find it tests later).
+# A stream collected unclosed, or a process unwaited, names its origin (found maybe tests later).
 name_unclosed_streams()
+name_unwaited_processes()
 
 
 def free_port() -> int:

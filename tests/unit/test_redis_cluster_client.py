@@ -1,5 +1,6 @@
 """Pointing llmq at a Redis Cluster: the URL spelling, the client it builds, and which pub/sub
-commands each mode issues. No server needed: building a client opens no connection."""
+commands each mode issues. No server needed (building a client opens no connection), but for
+the one test of a node's connection opening, which opens one to a plain redis-server."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import pytest
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.connection import SSLConnection
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
 
 from api.listener import EventListener
@@ -44,7 +46,7 @@ def test_a_cluster_url_builds_a_cluster_client_with_the_same_timeouts_retry_and_
 def test_a_tls_cluster_url_keeps_its_query_options():
     client = connect("rediss+cluster://h:7000?ssl_ca_certs=/ca.pem&ssl_check_hostname=true")
     assert isinstance(client, RedisCluster)
-    assert client.connection_kwargs["connection_class"] is SSLConnection
+    assert issubclass(client.connection_kwargs["connection_class"], SSLConnection)
     assert client.connection_kwargs["ssl_ca_certs"] == "/ca.pem"
     assert client.connection_kwargs["ssl_check_hostname"] is True
 
@@ -144,3 +146,39 @@ def test_the_cluster_clients_startup_nodes_never_run_dry():
     assert list(seeds) == ["127.0.0.1:7001"]
     seeds.pop("127.0.0.1:7001", None)  # the last one: every node it held comes back
     assert seeds == {"127.0.0.1:7000": seed, "127.0.0.1:7001": other}
+
+
+@pytest.mark.parametrize("closed", ["while opening", "never"])
+async def test_a_node_connection_closed_while_it_opens_ends_closed_not_open_and_unowned(
+        redis_url, monkeypatch, closed):
+    """A Cluster client re-reading its slots closes every node's connections and drops the nodes;
+    redis-py's close skips a connection still opening, which then opened on a node nothing held
+    and was collected open (an ``unclosed <StreamWriter>`` in a Cluster failover test)."""
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    cluster = connect(f"redis+cluster://127.0.0.1:{port}")
+    [node] = list(cluster.nodes_manager.startup_nodes.values())
+    conn = node.acquire_connection()
+    opening, go, writers = asyncio.Event(), asyncio.Event(), []
+    real_open = asyncio.open_connection
+
+    async def open_when_told(*args, **kwargs):
+        opening.set()
+        await go.wait()
+        reader, writer = await real_open(*args, **kwargs)
+        writers.append(writer)
+        return reader, writer
+
+    monkeypatch.setattr(asyncio, "open_connection", open_when_told)
+    opened = asyncio.create_task(conn.connect())
+    await opening.wait()
+    if closed == "while opening":
+        await node.disconnect()  # what the rediscovery does to every node it replaces
+    go.set()
+    if closed == "never":
+        await opened
+        assert conn.is_connected and not writers[0].is_closing()
+        await node.disconnect()
+    else:
+        with pytest.raises(RedisConnectionError, match="closed while it was being opened"):
+            await opened
+    assert not conn.is_connected and writers[0].is_closing()
