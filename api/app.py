@@ -10,6 +10,7 @@ from litestar.di import Provide
 
 from api.auth import KeyGuard, parse_keys
 from api.context import job_ref, request_context
+from api.direct import DirectCalls
 from api.errors import exception_handlers
 from api.metrics import metrics, pushing
 from api.middleware import RequestLifecycle
@@ -53,7 +54,9 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
         tracing = load_tracing("llmq-api", "api")
     keys = parse_keys(settings.api_keys)
     guard = KeyGuard(keys) if keys else None
-    middleware: list = [lambda app: RequestLifecycle(app, guard)]
+    # The innermost calls most handlers itself, past Litestar's per-request handler layer.
+    middleware: list = [lambda app: RequestLifecycle(app, guard),
+                        lambda app: DirectCalls(app, _services, request_context)]
     if tracing is not None:
         from api.tracing import Traced
 
