@@ -22,6 +22,7 @@ from shared.keys import Keys
 from tests.conftest import free_port
 from tests.e2e.conftest import _tail, stop_all, wait_ready
 from tests.e2e.procfile import BIN, kill_leftovers, start_honcho
+from tests.support.event_log import ended_record
 from workers.claim import claim_cpu_share
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -69,9 +70,10 @@ def test_honcho_scales_procfile_workers_that_claim_distinct_slots_and_share_the_
             assert r["choices"][0]["finish_reason"] == "length", r
             assert r["usage"]["completion_tokens"] == MAX_TOKENS, r
             job_id = r["id"].removeprefix("cmpl-")
-            status, worker = redis.hmget(keys.job(model, job_id), "status", "worker")
-            assert status == b"done", (job_id, status)
-            served_by[job_id] = worker.decode()
+            # The answer's last byte can come a moment before the record says the job ended.
+            record = ended_record(redis, keys, model, job_id)
+            assert record.get(b"status") == b"done", (job_id, record.get(b"status"))
+            served_by[job_id] = record[b"worker"].decode()
         print(f"devices: {devices}; jobs per worker: "
               f"{ {w: list(served_by.values()).count(w) for w in workers} }")
 
