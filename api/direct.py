@@ -24,7 +24,7 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 from litestar.types.empty import Empty
 from litestar.utils.scope.state import ScopeState
 
-__all__ = ["DirectCalls", "DIRECT_PARAMETERS"]
+__all__ = ["DirectCalls", "DIRECT_PARAMETERS", "callable_directly"]
 
 DIRECT_PARAMETERS = frozenset({"request", "svc", "ctx"})
 """The parameters a handler called directly may take (the app's dependencies ``svc`` and ``ctx``,
@@ -65,10 +65,15 @@ class DirectCalls:
         if handler.resolve_guards():
             await handler.authorize_connection(connection=request)
         app = scope["litestar_app"]
+        takes = handler.parsed_fn_signature.parameters
         svc = self.services(app.state)
-        values = {"request": request, "svc": svc, "ctx": self.context(scope, svc)}
+        kwargs: dict[str, Any] = {"svc": svc} if "svc" in takes else {}
+        if "request" in takes:
+            kwargs["request"] = request
+        if "ctx" in takes:  # read from the headers only for a handler that takes it, as Litestar does
+            kwargs["ctx"] = self.context(scope, svc)
         try:
-            data = await handler.fn(**{name: values[name] for name in handler.parsed_fn_signature.parameters})
+            data = await handler.fn(**kwargs)
             response = await handler.to_response(app=app, data=data, request=request)
             await response(scope, receive, send)
         finally:

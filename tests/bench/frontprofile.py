@@ -29,27 +29,33 @@ from tests.bench.workload import prompts_for
 ROOT_ROLE = {"llmq": "worker", "vllm-serve": "api-server"}
 
 
-def summarise(raw: Path, top: int) -> list[tuple[float, str]]:
+def _own_samples(raw: Path) -> collections.Counter[str]:
+    """py-spy's raw stacks: the samples of each innermost frame (its own time)."""
     own: collections.Counter[str] = collections.Counter()
-    total = 0
     for line in raw.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
-        total += int(n)
         own[stack.split(";")[-1]] += int(n)
-    return [(100 * n / total, frame) for frame, n in own.most_common(top)]
+    return own
+
+
+def _shares(counts: collections.Counter[str], top: int | None = None) -> list[tuple[float, str]]:
+    total = sum(counts.values()) or 1
+    return [(100 * n / total, name) for name, n in counts.most_common(top)]
+
+
+def summarise(raw: Path, top: int) -> list[tuple[float, str]]:
+    return _shares(_own_samples(raw), top)
 
 
 def by_package(raw: Path) -> list[tuple[float, str]]:
     """Own time by the package of each sample's innermost Python frame (py-spy names files from
     their package: ``litestar/routes/http.py``, ``api/jobs.py``, ``asyncio/events.py``): what a
     layer costs by itself, e.g. what a raw ASGI route would save of Litestar's routing."""
-    own: collections.Counter[str] = collections.Counter()
-    for line in raw.read_text().splitlines():
-        stack, _, n = line.rpartition(" ")
-        where = stack.split(";")[-1].rpartition(" (")[2]
-        own[where.split("/")[0] if "/" in where else "(other)"] += int(n)
-    total = sum(own.values()) or 1
-    return [(100 * n / total, package) for package, n in own.most_common()]
+    packages: collections.Counter[str] = collections.Counter()
+    for frame, n in _own_samples(raw).items():
+        where = frame.rpartition(" (")[2]
+        packages[where.split("/")[0] if "/" in where else "(other)"] += n
+    return _shares(packages)
 
 
 async def profile(target_name: str, seconds: float, tokens: int, concurrency: int, out: Path,

@@ -24,58 +24,51 @@ __all__ = ["name_unclosed_streams", "name_unwaited_processes"]
 FRAMES = 16
 
 
-def name_unclosed_streams() -> None:
-    """Patch :class:`asyncio.StreamWriter` for the test session (idempotent)."""
-    writer = asyncio.StreamWriter
-    if getattr(writer, "_llmq_named", False):
+def _remember_origin(cls: type, collected_with_origin) -> None:
+    """Patch ``cls`` for the test session (idempotent): each instance remembers the stack that
+    made it, and ``collected_with_origin(self, collected, origin)`` stands in for its ``__del__``
+    (``collected``, the original; ``origin``, that stack as text)."""
+    if getattr(cls, "_llmq_named", False):
         return
-    init, collected = writer.__init__, writer.__del__
+    init, collected = cls.__init__, cls.__del__
 
     def __init__(self, *args, **kwargs) -> None:
+        self._llmq_origin = traceback.extract_stack(limit=FRAMES)[:-1]  # not this frame
         init(self, *args, **kwargs)
-        self._llmq_opened_at = _stack()
 
     def __del__(self) -> None:
-        opened_at = getattr(self, "_llmq_opened_at", None)
-        if opened_at is None or self._transport.is_closing() or self._loop.is_closed():
+        origin = getattr(self, "_llmq_origin", None)
+        if origin is None:
             collected(self)
-            return
-        self.close()
-        warnings.warn(f"unclosed {self!r}, opened at (most recent call last):\n"
-                      f"{''.join(traceback.format_list(opened_at))}", ResourceWarning, stacklevel=1)
+        else:
+            collected_with_origin(self, collected, "".join(traceback.format_list(origin)))
 
-    writer.__init__ = __init__  # type: ignore[method-assign]
-    writer.__del__ = __del__  # type: ignore[attr-defined]
-    writer._llmq_named = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    cls.__del__ = __del__  # type: ignore[method-assign]
+    cls._llmq_named = True  # type: ignore[attr-defined]
 
 
-def _stack() -> list[traceback.FrameSummary]:
-    return traceback.extract_stack(limit=FRAMES)[:-2]  # neither this nor the patched __init__
+def _writer_collected(writer: asyncio.StreamWriter, collected, origin: str) -> None:
+    if writer._transport.is_closing() or writer._loop.is_closed():
+        collected(writer)
+        return
+    writer.close()
+    warnings.warn(f"unclosed {writer!r}, opened at (most recent call last):\n{origin}", ResourceWarning,
+                  stacklevel=1)
+
+
+def _process_collected(proc: subprocess.Popen, collected, origin: str) -> None:
+    def warn(message, *args, **kwargs) -> None:  # Popen.__del__'s own warning, with the origin
+        warnings.warn(f"{message}, started at (most recent call last):\n{origin}", *args, **kwargs)
+
+    collected(proc, _warn=warn)
+
+
+def name_unclosed_streams() -> None:
+    """Patch :class:`asyncio.StreamWriter` for the test session (idempotent)."""
+    _remember_origin(asyncio.StreamWriter, _writer_collected)
 
 
 def name_unwaited_processes() -> None:
     """Patch :class:`subprocess.Popen` for the test session (idempotent)."""
-    popen = subprocess.Popen
-    if getattr(popen, "_llmq_named", False):
-        return
-    init, collected = popen.__init__, popen.__del__
-
-    def __init__(self, *args, **kwargs) -> None:
-        self._llmq_started_at = _stack()
-        init(self, *args, **kwargs)
-
-    def __del__(self) -> None:
-        started_at = getattr(self, "_llmq_started_at", None)
-        if started_at is None:
-            collected(self)
-            return
-
-        def warn(message, *args, **kwargs) -> None:  # Popen.__del__'s own warning, with the origin
-            warnings.warn(f"{message}, started at (most recent call last):\n"
-                          f"{''.join(traceback.format_list(started_at))}", *args, **kwargs)
-
-        collected(self, _warn=warn)
-
-    popen.__init__ = __init__  # type: ignore[method-assign]
-    popen.__del__ = __del__  # type: ignore[method-assign]
-    popen._llmq_named = True  # type: ignore[attr-defined]
+    _remember_origin(subprocess.Popen, _process_collected)
