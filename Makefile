@@ -30,6 +30,8 @@ model: install
 run: export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # Readable lines for a person at a terminal (honcho's pipes are no TTY, so JSON would be picked).
 run: export LLMQ_LOG_JSON ?= false
+# The tiny model's LoRA adapters (docs/adapters.md): registered by api/announce.py once a worker is warm.
+run: export LLMQ_MAX_LORAS ?= 2
 run: model
 	@if [ -z "$$LLMQ_REDIS_URL" ]; then \
 		exec $(VENV)/bin/honcho -f Procfile.dev start; \

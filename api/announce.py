@@ -1,6 +1,7 @@
 """``python -m api.announce``: for `make run`, wait until a worker is warm, then print the URL
-and a request to paste. Stays up afterwards, because honcho stops the whole stack when any of
-its processes exits."""
+and a request to paste. With the tiny model and LLMQ_MAX_LORAS set (`make run` sets it), it also
+registers the tiny model's adapters (workers/tiny_model.py) and prints a request for one. Stays up
+afterwards, because honcho stops the whole stack when any of its processes exits."""
 
 from __future__ import annotations
 
@@ -9,7 +10,22 @@ import time
 import urllib.error
 import urllib.request
 
-from shared.config import load_settings
+from shared.config import DEFAULT_MODEL, Settings, load_settings
+
+
+def _register_tiny_adapters(settings: Settings, url: str) -> list[str]:
+    """Register the tiny model's adapters over HTTP, as a user would; their names."""
+    names = []
+    for name, path in settings.tiny_adapter_dirs.items():
+        body = json.dumps({"lora_name": name, "lora_path": str(path), "load_inplace": True}).encode()
+        request = urllib.request.Request(f"{url}/v1/load_lora_adapter", data=body,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=10):
+                names.append(name)
+        except (urllib.error.URLError, OSError) as exc:  # the stack still serves the base model
+            print(f"could not register the tiny adapter {name}: {exc}", flush=True)
+    return names
 
 
 def main() -> None:
@@ -32,6 +48,10 @@ def main() -> None:
         f"-d '{{\"prompt\": \"Hello\", \"max_tokens\": 16, \"stream\": true}}'\n",
         flush=True,
     )
+    if settings.model == DEFAULT_MODEL and settings.max_loras and (names := _register_tiny_adapters(settings, url)):
+        print(f"LoRA adapters {', '.join(names)} (docs/adapters.md):\n\n"
+              f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{names[0]}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'\n", flush=True)
     while True:
         time.sleep(3600)
 

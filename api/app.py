@@ -16,6 +16,7 @@ from api.metrics import metrics, pushing
 from api.middleware import RequestLifecycle
 from api.openapi import openapi_json
 from api.routes import (
+    adapters,
     anthropic_batches,
     anthropic_messages,
     happy_vllm,
@@ -65,6 +66,7 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
         route_handlers=[
             *lmi.ROUTES,
             *openai_completions.ROUTES,
+            *adapters.ROUTES,
             *jobs.ROUTES,
             usage.usage,
             health.ping,

@@ -62,7 +62,7 @@ async def enqueue_all(svc: Services, ctx: RequestContext, reqs: list[GenerationR
     with several jobs the id of their group."""
     if len(reqs) == 1:
         return await enqueue_detached(svc, ctx, reqs[0])
-    model = await svc.models.resolve(reqs[0].model)
+    model = await svc.models.resolve(reqs[0].model, ctx.tenant)
     ids: list[str] = []
     try:
         for j, req in enumerate(reqs):

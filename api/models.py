@@ -15,6 +15,12 @@ LMTP's model info) is what its warm workers report in their heartbeats: the leas
 request may go to any. With none warm it is this process's ``LLMQ_MAX_MODEL_LEN``, the length the
 next worker started with the same settings serves (a worker whose model cannot serve it stops at
 start), so no length is advertised that no worker serves.
+
+A LoRA adapter (shared/adapters.py) is a name a request may send too: :meth:`ModelRegistry.target`
+resolves it to its base model, whose queue holds the job, and the adapter the job runs with. The
+registry is read whole, at most once per ``cache_s`` per process, and again on a name it does not
+hold, so an adapter is usable as soon as it is registered and unusable within ``cache_s`` of its
+removal. An adapter owned by a tenant is, to any other tenant, a model that does not exist.
 """
 
 from __future__ import annotations
@@ -23,9 +29,11 @@ import time
 
 from redis.asyncio import Redis
 
+from shared.adapters import Adapter, AdapterStore
 from shared.errors import ModelNotFound
 from shared.keys import Keys
 from shared.queue import now_ms
+from shared.schemas import AdapterSpec
 
 __all__ = ["ModelRegistry"]
 
@@ -45,6 +53,9 @@ class ModelRegistry:
         self._known: tuple[str, ...] = self.configured
         self._known_at = float("-inf")
         self._context: dict[str, tuple[float, int]] = {}  # model -> (when read, its context length)
+        self.adapter_store = AdapterStore(redis, keys)
+        self._adapters: dict[str, Adapter] = {}
+        self._adapters_at = float("-inf")
 
     async def live(self, *, fresh: bool = False) -> dict[str, int]:
         """Live model name -> number of warm workers; cached for ``cache_s`` (one read per second
@@ -111,10 +122,32 @@ class ModelRegistry:
             self._context[model] = (time.monotonic(), length)
         return length
 
-    async def resolve(self, name: str | None) -> str:
-        """The model a request goes to (the default when it names none); raises ModelNotFound for
-        a model this deployment does not know. Whether a worker is warm does not matter here."""
+    async def adapters(self, *, fresh: bool = False) -> dict[str, Adapter]:
+        """Every registered adapter by name (cached like :meth:`live`)."""
+        if fresh or time.monotonic() - self._adapters_at >= self.cache_s:
+            self._adapters = await self.adapter_store.all()
+            self._adapters_at = time.monotonic()
+        return self._adapters
+
+    async def visible_adapters(self, tenant: str) -> list[Adapter]:
+        """The adapters ``tenant`` may see and use, by name."""
+        return sorted((a for a in (await self.adapters()).values() if a.visible_to(tenant)), key=lambda a: a.name)
+
+    async def target(self, name: str | None, tenant: str | None = None) -> tuple[str, AdapterSpec | None]:
+        """What a request naming ``name`` runs on: its model (the default when it names none), or an
+        adapter's base model and the adapter; raises ModelNotFound for a name this deployment does
+        not know, or an adapter ``tenant`` may not use (None: any tenant may). Whether a worker is
+        warm does not matter here."""
         model = name or self.default
-        if model not in await self.known() and model not in await self.known(fresh=True):
-            raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
-        return model
+        if model in await self.known():
+            return model, None
+        adapter = (await self.adapters()).get(model) or (await self.adapters(fresh=True)).get(model)
+        if adapter is not None and (tenant is None or adapter.visible_to(tenant)):
+            return adapter.base, adapter.spec()
+        if adapter is None and model in await self.known(fresh=True):
+            return model, None
+        raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+
+    async def resolve(self, name: str | None, tenant: str | None = None) -> str:
+        """The model whose queue holds what a request naming ``name`` runs (:meth:`target`)."""
+        return (await self.target(name, tenant))[0]

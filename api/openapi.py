@@ -30,6 +30,7 @@ from api.dialects import happy_vllm, jobs, lmi, openai_chat, openai_completions,
 from api.dialects import openai_responses as responses
 from api.fanout import GroupView
 from api.jobs import Accepted
+from api.routes.adapters import LoadAdapter, UnloadAdapter
 from api.routes.health import Liveness, Ping, Readiness
 from api.routes.usage import UsagePage
 from api.services import Svc
@@ -156,6 +157,14 @@ OPERATIONS: tuple[Operation, ...] = (
         "anthropic", ok={200: ("application/x-jsonl",)}, errors=(400, 404, 503), error=anthropic.ErrorResponse),
     _op("get", "/v1/models", "Models requests may name (served now, or queued for the next worker)", "openai",
         answer=openai_completions.ModelList, error=_OPENAI_ERR),
+    # LoRA adapters, in vLLM's shape (docs/adapters.md)
+    _op("post", "/v1/load_lora_adapter", "Register a LoRA adapter (a worker loads it at its first job)", "openai",
+        body="load_adapter", examples=({"lora_name": "example-lora", "lora_path": "org/example-lora",
+                                        "load_inplace": True},),
+        ok={200: (TEXT,)}, errors=(400, 404, 503), error=_OPENAI_ERR),
+    _op("post", "/v1/unload_lora_adapter", "Remove a LoRA adapter (its queued jobs still run)", "openai",
+        body="unload_adapter", examples=({"lora_name": "example-lora"},), ok={200: (TEXT,)}, errors=(400, 404, 503),
+        error=_OPENAI_ERR),
     # LMI / SageMaker
     _op("post", "/invocations", "LMI: dispatches on `inputs` / `prompt` / `messages`", "lmi", body="invocations",
         examples=(_TGI_EXAMPLE, {"prompt": "Hi", "max_tokens": 2}, _CHAT),
@@ -343,7 +352,7 @@ def _invocations_body(schema: dict[Any, dict[str, Any]]) -> dict[str, Any]:
 
 _REQUESTS = (openai_completions.CompletionRequest, openai_chat.ChatRequest, lmi.LmiRequest, tgi.GenerateRequest,
              GenerationRequest, BatchCreate, responses.ResponsesRequest, anthropic.MessagesRequest,
-             anthropic.CountTokensRequest, message_batches.CreateBatch)
+             anthropic.CountTokensRequest, message_batches.CreateBatch, LoadAdapter, UnloadAdapter)
 
 
 def _schemas() -> tuple[dict[Any, dict[str, Any]], dict[str, Any]]:
@@ -374,6 +383,8 @@ def _bodies(schema: dict[Any, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         "responses": schema[responses.ResponsesRequest],
         "messages": schema[anthropic.MessagesRequest],
         "count_tokens": schema[anthropic.CountTokensRequest],
+        "load_adapter": schema[LoadAdapter],
+        "unload_adapter": schema[UnloadAdapter],
         "message_batch": schema[message_batches.CreateBatch],
         "batch": schema[BatchCreate],
         "file_upload": {"type": "object", "required": ["file", "purpose"], "properties": {

@@ -86,8 +86,10 @@ async def admit(svc: Services, ctx: RequestContext, req: GenerationRequest) -> G
         req = msgspec.structs.replace(req, **changes)
     check_queueable(req)
     check_tools(req, svc.settings.tool_parser_name)
-    model = await svc.models.resolve(req.model)
-    return req if req.model == model else msgspec.structs.replace(req, model=model)
+    model, adapter = await svc.models.target(req.model, ctx.tenant)
+    if req.model == model and req.adapter == adapter:
+        return req
+    return msgspec.structs.replace(req, model=model, adapter=adapter)
 
 
 def _record(svc: Services, ctx: RequestContext, req: GenerationRequest) -> JobRecord:

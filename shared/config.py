@@ -35,6 +35,7 @@ __all__ = [
     "cpu_engine",
     "DEFAULT_MODEL",
     "TINY_MODEL_DIR",
+    "TINY_ADAPTERS",
     "EMBEDDED_REDIS_URL",
     "SettingsError",
     "redact_url",
@@ -46,6 +47,9 @@ DEFAULT_MODEL = "tiny-llama"
 # made, so a workers/tiny_model.py that builds anything different takes the next version, and
 # machines and CI caches holding an older build build this one next to it rather than serve theirs.
 TINY_MODEL_DIR = f"{DEFAULT_MODEL}-v2"
+# The tiny model's LoRA adapters (workers/tiny_model.py builds them, `make run` registers them):
+# name -> seed; built beside the model (Settings.tiny_adapter_dirs).
+TINY_ADAPTERS = {"tiny-lora-1": 1, "tiny-lora-2": 2}
 # Where the embedded development Redis listens when LLMQ_REDIS_URL is unset.
 EMBEDDED_REDIS_URL = "redis://127.0.0.1:6399/0"
 
@@ -164,6 +168,18 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     --stream-interval; the first token always goes at once). 1 streams each token as it comes. Every
     hop after the engine (the worker's flush, Redis, the API's relay, the client) works per event,
     so N divides llmq's CPU per token by about N, for streams that arrive N tokens at a time."""
+    max_loras: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """LLMQ_MAX_LORAS: LoRA adapters a worker's engine holds at once (vLLM's `--max-loras`); 0: the worker
+    serves no adapters, and an adapter's job fails with a 400 that says so. A worker loads an adapter
+    (docs/adapters.md) on its first job for it and evicts the least recently used one past this."""
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = 16
+    """LLMQ_MAX_LORA_RANK: the highest adapter rank the engine takes (vLLM's `--max-lora-rank`, one of 1, 8,
+    16, 32, 64, 128, 256, 320, 512); the API refuses to register an adapter of a higher rank, where it can
+    read the adapter's config."""
+    max_cpu_loras: int | None = None
+    """LLMQ_MAX_CPU_LORAS: adapters a worker keeps in CPU memory, beside the engine's LLMQ_MAX_LORAS, so
+    one evicted from the engine comes back without reading its files (vLLM's `--max-cpu-loras`).
+    Unset: LLMQ_MAX_LORAS."""
     engine_tracing: bool = True
     """LLMQ_ENGINE_TRACING: with tracing on (the OTEL_* variables, docs/operations.md#tracing),
     also vLLM's own span of each job (``llm_request``: its queue, prefill and decode times), under
@@ -364,6 +380,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         if self.model == DEFAULT_MODEL:
             return str(self.cache_path / "models" / TINY_MODEL_DIR)
         return self.model
+
+    @property
+    def tiny_adapter_dirs(self) -> dict[str, Path]:
+        """Where the tiny model's adapters (TINY_ADAPTERS) are built: beside it, under its build's name."""
+        root = self.cache_path / "models" / f"{TINY_MODEL_DIR}-adapters"
+        return {name: root / name for name in TINY_ADAPTERS}
 
 
 # Settings that LMI users already set in serving.properties / env, honoured under their own names.

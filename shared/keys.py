@@ -165,7 +165,8 @@ class Keys:
 
     def usage(self, model: str, day: str | None = None) -> str:
         """Hash: ``<tenant>:<requests|prompt_tokens|generated_tokens|engine_ms>`` -> count, for one
-        UTC day (``YYYY-MM-DD``, kept LLMQ_USAGE_DAYS) or, with no day, since the start."""
+        UTC day (``YYYY-MM-DD``, kept LLMQ_USAGE_DAYS) or, with no day, since the start; a LoRA
+        adapter's jobs count again under ``<tenant>/<adapter>:`` (no tenant name holds a ``/``)."""
         return f"{self._model(model)}:usage" + (f":{day}" if day else "")
 
     def job(self, model: str, job_id: str) -> str:
@@ -291,6 +292,11 @@ class Keys:
     def worker_control(self, worker_id: str) -> str:
         """Pub/sub channel: job ids the worker must abort (cancellation travels through Redis)."""
         return f"{self.prefix}:worker:{worker_id}:control"
+
+    def adapters(self) -> str:
+        """Hash: LoRA adapter name -> its registry entry's JSON (shared/adapters.py): base model,
+        source, rank, owning tenant. One key, read whole: ``redis-cli HGETALL llmq:adapters``."""
+        return f"{self.prefix}:adapters"
 
     def tenant_config(self, tenant: str) -> str:
         """Hash: an operator's settings for one tenant (``weight``, ``max_running``, ``max_queued``,

@@ -16,6 +16,7 @@ from shared.errors import ServiceError, error_from_code
 from shared.keys import new_job_id
 
 __all__ = [
+    "AdapterSpec",
     "StructuredOutput",
     "SamplingParams",
     "ChatMessage",
@@ -221,10 +222,22 @@ class PromptInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     top_logprobs: list[list[TopLogprob]] | None = None
 
 
+class AdapterSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """The LoRA adapter a job runs with (shared/adapters.py): its name, and where a worker loads it
+    from (a directory, or a hub name). Kept in the job, so a worker needs no lookup to run it, and
+    a continuation runs with what the job started with."""
+
+    name: str
+    source: str
+
+
 class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One generation job, whatever wire dialect it arrived in."""
 
     model: str = ""
+    """The base model: its queue holds the job (an adapter's name is resolved to its base at admission)."""
+    adapter: AdapterSpec | None = None
+    """The LoRA adapter the request named as its model, resolved at admission."""
     prompt: str | None = None
     prompt_token_ids: list[TokenId] | None = None
     messages: list[ChatMessage] | None = None
@@ -247,6 +260,11 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     (``LLMQ_DEADLINE_S``). The API turns it into the record's absolute ``deadline``."""
     webhook: Annotated[str, Meta(pattern=r"^https?://[^\s/?#]+[^\s]*$", max_length=2048)] | None = None
     """An http(s) URL POSTed the finished job (signed; see shared/webhooks.py). /v1/jobs only."""
+
+    @property
+    def served_name(self) -> str:
+        """The name the client asked for, as answers echo it: the adapter's, else the model's."""
+        return self.adapter.name if self.adapter is not None else self.model
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages))
@@ -326,6 +344,9 @@ class JobRecord(msgspec.Struct, kw_only=True):
     """With API keys on: a hash of the key that queued the job (only that key may read or cancel it)."""
     tenant: str = ""
     """Whose fair share, quotas and usage the job counts toward (shared/tenants.py)."""
+    adapter: str | None = None
+    """Its request's LoRA adapter's name, as a field of its own: the script ending the job meters
+    the tenant's usage of it too (shared/lua/tenants.lua)."""
     estimate: int = 0
     """The tokens its tenant is charged when it is picked (prompt estimate + what it may generate),
     corrected to the real count when it ends."""
@@ -353,7 +374,8 @@ class JobRecord(msgspec.Struct, kw_only=True):
         timeout_s = req.timeout_s or default_timeout_s
         return cls(id=new_job_id(req.model), model=req.model, request=req, queued_at=queued_at, owner=owner,
                    deadline=queued_at + timeout_s * 1000 if timeout_s else None, webhook=req.webhook,
-                   tenant=tenant, estimate=estimate_tokens(req, max_model_len), traceparent=traceparent)
+                   tenant=tenant, estimate=estimate_tokens(req, max_model_len), traceparent=traceparent,
+                   adapter=req.adapter.name if req.adapter is not None else None)
 
 
 def estimate_tokens(req: GenerationRequest, max_model_len: int | None = None) -> int:

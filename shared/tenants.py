@@ -148,14 +148,23 @@ async def read_state(redis: Redis, keys: Keys, model: str, tenant: str) -> Tenan
 class UsageRow(msgspec.Struct, kw_only=True):
     date: str
     model: str
+    adapter: str | msgspec.UnsetType = msgspec.UNSET
+    """A LoRA adapter's row: the part of the model's row (the row without one) its jobs used."""
     requests: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
     engine_seconds: float = 0.0
 
 
+def _row(day: str, model: str, counts: dict[str, int], adapter: str | msgspec.UnsetType = msgspec.UNSET) -> UsageRow:
+    return UsageRow(date=day, model=model, adapter=adapter, requests=counts.get("requests", 0),
+                    prompt_tokens=counts.get("prompt_tokens", 0), generated_tokens=counts.get("generated_tokens", 0),
+                    engine_seconds=counts.get("engine_ms", 0) / 1000)
+
+
 async def read_usage(redis: Redis, keys: Keys, models: list[str], tenant: str, days: list[str]) -> list[UsageRow]:
-    """The tenant's metered usage per day and model (only the pairs where it used anything)."""
+    """The tenant's metered usage per day and model (only the pairs where it used anything), each
+    model's row followed by one per LoRA adapter its jobs ran with, by name."""
     fields = [f"{tenant}:{f}" for f in USAGE_FIELDS]
     pipe = redis.pipeline(transaction=False)
     pairs = [(day, model) for day in days for model in models]
@@ -165,9 +174,13 @@ async def read_usage(redis: Redis, keys: Keys, models: list[str], tenant: str, d
     for (day, model), values in zip(pairs, await pipe.execute(), strict=True):
         if not any(values):
             continue
-        requests, prompt, generated, engine_ms = (int(v or 0) for v in values)
-        rows.append(UsageRow(date=day, model=model, requests=requests, prompt_tokens=prompt,
-                             generated_tokens=generated, engine_seconds=engine_ms / 1000))
+        rows.append(_row(day, model, {f: int(v or 0) for f, v in zip(USAGE_FIELDS, values, strict=True)}))
+        # Its adapters' fields, '<tenant>/<adapter>:<field>' (a tenant name has no glob character).
+        per: dict[str, dict[str, int]] = {}
+        async for field, value in redis.hscan_iter(keys.usage(model, day), match=f"{tenant}/*", count=1000):
+            who, _, name = field.decode().rpartition(":")
+            per.setdefault(who.removeprefix(f"{tenant}/"), {})[name] = int(value)
+        rows += [_row(day, model, counts, adapter) for adapter, counts in sorted(per.items())]
     return rows
 
 
@@ -176,7 +189,8 @@ async def top_tenants(redis: Redis, keys: Keys, model: str, day: str, n: int = 5
     per: dict[str, dict[str, int]] = {}
     for field, value in (await redis.hgetall(keys.usage(model, day))).items():
         tenant, _, name = field.decode().rpartition(":")
-        per.setdefault(tenant, {})[name] = int(value)
+        if "/" not in tenant:  # '<tenant>/<adapter>:' counts a part of the tenant's own usage again
+            per.setdefault(tenant, {})[name] = int(value)
     ranked = sorted(per.items(), key=lambda kv: -(kv[1].get("prompt_tokens", 0) + kv[1].get("generated_tokens", 0)))
     return ranked[:n]
 

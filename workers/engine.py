@@ -4,7 +4,8 @@ It builds one ``AsyncLLM`` from Settings, maps the internal request to vLLM (one
 :func:`to_sampling_params`) and turns vLLM's DELTA outputs into llmq token deltas. A continued
 job's parts (workers/continuation.py) run as one engine request each; the logits processor that
 forces a replayed prefix lives in workers/forcing.py, because vLLM imports it by its module path
-inside its engine core.
+inside its engine core. A job's LoRA adapter is loaded by workers/adapters.py before the job's
+engine request names it, so a bad adapter fails that job, not the engine's step.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from vllm.config.structured_outputs import StructuredOutputsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TextPrompt, TokensPrompt
+from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.usage.usage_lib import UsageContext
@@ -31,6 +33,7 @@ from shared.errors import EngineDead, InvalidRequest
 from shared.events import TokenDelta
 from shared.schemas import GenerationRequest, PromptInfo, StructuredOutput, TopLogprob
 from workers import forcing
+from workers.adapters import EngineAdapters
 from workers.beam import beam_search
 from workers.continuation import Part, run_parts
 from workers.parsing import ChoiceParser, OutputParsers, Parsing
@@ -182,6 +185,11 @@ def engine_args(settings: Settings, model_path: str, traces_endpoint: str | None
         stream_interval=settings.stream_interval,
         # The tiny model's positions, extended to its context (Settings.hf_overrides).
         hf_overrides=settings.hf_overrides,
+        # LoRA adapters (workers/adapters.py): off unless LLMQ_MAX_LORAS, as `--enable-lora` is.
+        enable_lora=settings.max_loras > 0,
+        max_loras=max(settings.max_loras, 1),
+        max_lora_rank=settings.max_lora_rank,
+        max_cpu_loras=settings.max_cpu_loras,
     )
 
 
@@ -190,8 +198,9 @@ class VllmEngine:
 
     def __init__(self, engine: AsyncLLM, max_model_len: int, *, tool_parser: str | None = None,
                  reasoning_parser: str | None = None, tool_strict_level: str = "auto",
-                 compact_json: bool = False) -> None:
+                 compact_json: bool = False, max_loras: int = 0) -> None:
         self.engine = engine
+        self.adapters = EngineAdapters(engine, max_loras)
         self.max_model_len = max_model_len
         self.tokenizer = engine.get_tokenizer()
         self.parsers = OutputParsers(self.tokenizer, tool_parser=tool_parser, reasoning_parser=reasoning_parser,
@@ -213,7 +222,7 @@ class VllmEngine:
                                            disable_log_stats=args.disable_log_stats)
         return cls(engine, settings.max_model_len, tool_parser=settings.tool_parser_name,
                    reasoning_parser=settings.reasoning_parser_name, tool_strict_level=settings.tool_strictness,
-                   compact_json=settings.json_compact)
+                   compact_json=settings.json_compact, max_loras=settings.max_loras)
 
     def _prompt(self, req: GenerationRequest) -> TextPrompt | TokensPrompt:
         if req.prompt_token_ids is not None:
@@ -303,15 +312,17 @@ class VllmEngine:
             parsing.constrain(params)
             reasoning_ended = parsing.reasoning_ended(list(prompt.get("prompt_token_ids") or ()))
         try:
+            lora = None if req.adapter is None else await self.adapters.request(req.adapter)
             if req.sampling.beam_width > 1:
-                yield await self._beam_search(request_id, req, prompt)
+                yield await self._beam_search(request_id, req, prompt, lora)
                 return
             first = True
             primed = self._primed_text(req)
             parsers: dict[int, ChoiceParser] = {}
             prompt_ids: list[int] | None = None
             async for out in self.engine.generate(prompt, params, request_id=request_id, priority=_priority(req),
-                                                  trace_headers=trace_headers, reasoning_ended=reasoning_ended):
+                                                  lora_request=lora, trace_headers=trace_headers,
+                                                  reasoning_ended=reasoning_ended):
                 step = _step(out, want_top)
                 if primed:
                     primed = _strip_primed(step, primed)
@@ -347,7 +358,8 @@ class VllmEngine:
         text = self.tokenizer.decode(ids[:complete], skip_special_tokens=skip)
         return dict.fromkeys(range(req.sampling.n), text) if text else None
 
-    async def _beam_search(self, job_id: str, req: GenerationRequest, prompt: TextPrompt | TokensPrompt) -> Step:
+    async def _beam_search(self, job_id: str, req: GenerationRequest, prompt: TextPrompt | TokensPrompt,
+                           lora: LoRARequest | None) -> Step:
         s = req.sampling
         ids = list(prompt["prompt_token_ids"]) if "prompt_token_ids" in prompt else self.tokenizer.encode(req.prompt)
         calls = 0
@@ -358,7 +370,8 @@ class VllmEngine:
             params = VllmSamplingParams(max_tokens=1, temperature=0.0, logprobs=k)
             final = None
             async for out in self.engine.generate(TokensPrompt(prompt_token_ids=tokens), params,
-                                                  request_id=f"{job_id}-beam-{calls}", priority=_priority(req)):
+                                                  request_id=f"{job_id}-beam-{calls}", priority=_priority(req),
+                                                  lora_request=lora):
                 final = out
             assert final is not None
             (position,) = final.outputs[0].logprobs or [{}]

@@ -21,7 +21,8 @@ timestamps) and takes a few seconds.
 
 Usage::
 
-    python -m workers.tiny_model [PATH]   # builds PATH (default: the cache) unless it exists
+    python -m workers.tiny_model [PATH]   # builds PATH (default: the cache) unless it exists;
+                                          # the default also builds its LoRA adapters (TINY_ADAPTERS)
 """
 
 from __future__ import annotations
@@ -264,45 +265,97 @@ def _is_built(path: Path) -> bool:
     return (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
 
 
-def ensure_tiny_model(path: Path) -> Path:
-    """Return ``path``, building the model there first if it is missing.
+def _adapter_built(path: Path) -> bool:
+    return (path / "adapter_config.json").is_file() and (path / "adapter_model.safetensors").is_file()
+
+
+def _ensure(path: Path, build, is_built) -> Path:
+    """``path``, built there by ``build(tmp)`` first if ``is_built`` says it is missing.
 
     Safe when several processes race: each builds into its own temp dir next
     to the target and renames it into place. A directory rename is atomic and
     fails if the target is a non-empty directory, so exactly one build wins
-    and nobody ever sees a half-written model.
+    and nobody ever sees a half-written directory.
     """
     path = Path(path)
-    if _is_built(path):
+    if is_built(path):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        build_tiny_model(tmp)
+        build(tmp)
         try:
             os.rename(tmp, path)  # also replaces an empty dir at path
         except OSError:
-            if not _is_built(path):  # lost to something that is not our model
+            if not is_built(path):  # lost to something that is not ours
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
+def ensure_tiny_model(path: Path) -> Path:
+    """Return ``path``, building the model there first if it is missing."""
+    return _ensure(path, build_tiny_model, _is_built)
+
+
+# The tiny model's attention projections, each 128 x 128 (hidden_size above): what its adapters adapt.
+ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+ADAPTER_RANK = 8
+
+
+def build_tiny_adapter(path: Path, *, seed: int, rank: int = ADAPTER_RANK, base: str = "tiny-llama") -> Path:
+    """A random LoRA adapter of the tiny model at ``path``, in PEFT's layout (``adapter_config.json``
+    and ``adapter_model.safetensors``), as vLLM loads one. Written by hand, without PEFT: PEFT
+    starts B at zero, which adapts nothing, and a test needs an adapter that changes the answer.
+    The same ``seed`` builds the same bytes; a different one, a different adapter."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    hidden, layers = 128, 4  # build_tiny_model's hidden_size and num_hidden_layers
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(layers):
+        for target in ADAPTER_TARGETS:
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{target}"
+            # Scaled so the adapter moves the logits as much as the base weights do (std 0.1).
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator) * 0.3
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(hidden, rank, generator=generator) * 0.3
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": rank,
+              "lora_alpha": rank, "lora_dropout": 0.0, "target_modules": list(ADAPTER_TARGETS), "bias": "none",
+              "fan_in_fan_out": False, "modules_to_save": None, "use_rslora": False, "use_dora": False}
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    path.chmod(0o755)
+    for f in path.iterdir():
+        f.chmod(0o644)
+    return path
+
+
+def ensure_tiny_adapter(path: Path, *, seed: int) -> Path:
+    """Return ``path``, building a tiny adapter of ``seed`` there first if it is missing."""
+    return _ensure(path, lambda tmp: build_tiny_adapter(tmp, seed=seed), _adapter_built)
+
+
 def main() -> None:
     if len(sys.argv) > 2:
         sys.exit("usage: python -m workers.tiny_model [PATH]   (default: the settings' cache path)")
     if len(sys.argv) == 2:
-        path = Path(sys.argv[1])
-    else:
-        from shared.config import DEFAULT_MODEL, load_settings
+        print(f"tiny model ready at {ensure_tiny_model(Path(sys.argv[1]))}")
+        return
+    from shared.config import DEFAULT_MODEL, TINY_ADAPTERS, load_settings
 
-        settings = load_settings()
-        if settings.model != DEFAULT_MODEL:
-            print(f"LLMQ_MODEL is {settings.model!r}: no tiny model needed")
-            return
-        path = Path(settings.model_path)
-    print(f"tiny model ready at {ensure_tiny_model(path)}")
+    settings = load_settings()
+    if settings.model != DEFAULT_MODEL:
+        print(f"LLMQ_MODEL is {settings.model!r}: no tiny model needed")
+        return
+    print(f"tiny model ready at {ensure_tiny_model(Path(settings.model_path))}")
+    for name, path in settings.tiny_adapter_dirs.items():
+        print(f"tiny adapter {name} ready at {ensure_tiny_adapter(path, seed=TINY_ADAPTERS[name])}")
 
 
 if __name__ == "__main__":

@@ -171,7 +171,7 @@ def render_result(req: GenerationRequest, result: JobResult, job_id: str, create
     return Message(
         id=f"msg_{job_id}",
         content=content,
-        model=req.model,
+        model=req.served_name,
         stop_reason=stop_reason,
         stop_sequence=stop_sequence,
         usage=Usage(input_tokens=result.usage.prompt_tokens, output_tokens=result.usage.completion_tokens,
@@ -293,7 +293,7 @@ class MessageStream(SseKeepalive, StreamRenderer[bytes]):
         if self.started:
             return out
         self.started = True
-        opening = Message(id=f"msg_{self.job_id}", content=[], model=self.req.model, stop_reason=None,
+        opening = Message(id=f"msg_{self.job_id}", content=[], model=self.req.served_name, stop_reason=None,
                           stop_sequence=None, usage=Usage(input_tokens=0, output_tokens=new_tokens,
                                                           service_tier=reported_tier(self.req)))
         # Anthropic's own order: message_start, the first content_block_start, ping.

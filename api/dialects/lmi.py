@@ -83,6 +83,8 @@ class LmiRequest(msgspec.Struct, kw_only=True):
     inputs: str | list[str]
     parameters: LmiParameters = msgspec.field(default_factory=LmiParameters)
     stream: bool = False
+    adapters: str | None = None
+    """LMI's LoRA field: the adapter (shared/adapters.py) that serves the request, as if named as its model."""
 
 
 def _sampling(p: LmiParameters, stream: bool) -> SamplingParams:
@@ -140,7 +142,8 @@ def to_generation_requests(body: LmiRequest, *, model: str = "", tgi_compat: boo
     )
     dialect = DYNAMIC_BATCH.NAME if batch else (TGI_COMPAT.NAME if tgi_compat else NAME)
     return [
-        GenerationRequest(model=model, prompt=text, sampling=sampling, output=output, dialect=dialect)
+        GenerationRequest(model=body.adapters or model, prompt=text, sampling=sampling, output=output,
+                          dialect=dialect)
         for text in inputs
     ]
 

@@ -449,7 +449,7 @@ def render_result(req: GenerationRequest, result: JobResult, job_id: str, create
     return ChatCompletion(
         id=f"chatcmpl-{job_id}",
         created=created,
-        model=req.model,
+        model=req.served_name,
         choices=[_choice(c, role, want_logprobs, req.output.reasoning) for c in result.choices],
         usage=usage_body(result.usage),
         service_tier=_tier(req),
@@ -499,8 +499,9 @@ class ChatStream(StreamRenderer[bytes]):
         self.started = False
 
     def _chunk(self, choices: list[ChunkChoice], usage: CompletionUsage | UnsetType = UNSET) -> bytes:
-        return self.frame(ChatCompletionChunk(id=f"chatcmpl-{self.job_id}", created=self.created, model=self.req.model,
-                                              service_tier=self.tier, choices=choices, usage=usage))
+        return self.frame(ChatCompletionChunk(id=f"chatcmpl-{self.job_id}", created=self.created,
+                                              model=self.req.served_name, service_tier=self.tier, choices=choices,
+                                              usage=usage))
 
     def step(self, event: Tokens | Done) -> list[bytes]:
         out = []

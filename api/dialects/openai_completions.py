@@ -308,7 +308,7 @@ def render_results(
         completion_tokens=sum(r.usage.completion_tokens for r in results),
     )
     return Completion(
-        id=f"cmpl-{job_id}", created=created, model=reqs[0].model, choices=choices, usage=usage_body(usage)
+        id=f"cmpl-{job_id}", created=created, model=reqs[0].served_name, choices=choices, usage=usage_body(usage)
     )
 
 
@@ -329,8 +329,8 @@ class CompletionStream(SseKeepalive, StreamRenderer[bytes]):
         self.prompts: dict[int, PromptInfo] = {}
 
     def _chunk(self, choices: list[CompletionChoice], usage: CompletionUsage | UnsetType = UNSET) -> bytes:
-        return sse(Completion(id=f"cmpl-{self.job_id}", created=self.created, model=self.first.model, choices=choices,
-                              usage=usage))
+        return sse(Completion(id=f"cmpl-{self.job_id}", created=self.created, model=self.first.served_name,
+                              choices=choices, usage=usage))
 
     def _choice(self, d: TokenDelta) -> CompletionChoice:
         text, texts, logprobs, tops = d.text, d.token_texts, d.logprobs, d.top_logprobs

@@ -150,7 +150,7 @@ def echo_of_request(req: GenerationRequest, *, background: bool = False) -> Echo
     elif s is not None and s.json is not None:
         named = {"name": kept.format_name} if kept.format_name is not None else {}
         fmt = {"type": "json_schema", **named, "schema": s.json, "strict": True}
-    return Echo(model=req.model, background=kept.background, instructions=kept.instructions,
+    return Echo(model=req.served_name, background=kept.background, instructions=kept.instructions,
                 max_output_tokens=req.sampling.max_tokens, metadata=dict(kept.metadata),
                 service_tier=tier_name(req.output.service_tier), store=kept.store,
                 temperature=req.sampling.temperature, top_p=req.sampling.top_p, text_format=fmt, user=kept.user,

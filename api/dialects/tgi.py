@@ -240,8 +240,6 @@ def _limit_checks(inputs: str, p: GenerateParameters, max_total_tokens: int) -> 
         raise InvalidRequest("`typical_p` is not supported by this server (vLLM has no typical sampling)")
     if p.watermark:
         raise InvalidRequest("`watermark` is not supported by this server")
-    if p.adapter_id:
-        raise InvalidRequest("`adapter_id` is not supported by this server (no LoRA adapters are loaded)")
 
 
 def _schema(value: Any) -> dict:
@@ -323,7 +321,9 @@ def to_generation_request(
         return_full_text=bool(return_full_text),
         prompt_tokens=decoder_details,
     )
-    return GenerationRequest(prompt=body.inputs, sampling=params, output=output, dialect=NAME)
+    # TGI's LoRA field names the adapter (shared/adapters.py), as other dialects' `model` does.
+    return GenerationRequest(model=p.adapter_id or "", prompt=body.inputs, sampling=params, output=output,
+                             dialect=NAME)
 
 
 def with_prompt_ids(req: GenerationRequest, ids: list[int]) -> GenerationRequest:

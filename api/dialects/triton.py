@@ -274,8 +274,12 @@ def to_generation_request(body: GenerateRequest, model: str) -> tuple[Generation
             param="exclude_input_in_output",
         )
     sampling_dict = _sampling_dict(inputs, params)
-    if sampling_dict.pop("lora_name", None) is not None:
-        raise InvalidRequest("LoRA feature is not enabled.", param="lora_name")
+    # vLLM's Triton backend names a LoRA adapter in its parameters; here it is registered as a
+    # model name (shared/adapters.py), resolved as any request's model is. The answer's
+    # `model_name` stays the path's model, as Triton's does.
+    lora_name = sampling_dict.pop("lora_name", None)
+    if lora_name is not None and not isinstance(lora_name, str):
+        raise InvalidRequest("`lora_name` must be a string", param="lora_name")
     structured = sampling_dict.pop("structured_outputs", None)
     p = sampling_from_dict(sampling_dict, extra_keys=("structured_outputs",))
     outputs = Outputs(
@@ -286,7 +290,7 @@ def to_generation_request(body: GenerateRequest, model: str) -> tuple[Generation
         # The sum needs the sampled tokens' logprobs, which vLLM computes only when asked.
         sampling = msgspec.structs.replace(sampling, logprobs=0)
     req = GenerationRequest(
-        model=model,
+        model=lora_name or model,
         prompt=_one("text_input", inputs.text_input),
         sampling=sampling,
         # Every streamed response carries num_input_tokens: the worker reports the prompt first.

@@ -26,15 +26,18 @@ async def completions(request: Request, svc: Svc, ctx: Ctx) -> Response:
 
 
 @get("/v1/models", opt={"dialect": oc.NAME})
-async def models(svc: Svc) -> Response:
+async def models(svc: Svc, ctx: Ctx) -> Response:
     """The models requests may name: served now, or queued for the next worker that serves them;
-    ``max_model_len`` as their warm workers report it (api/models.py)."""
+    ``max_model_len`` as their warm workers report it (api/models.py). Then the LoRA adapters the
+    caller's tenant may use, each with its base model as ``parent``, as vLLM lists them."""
     names = list(await svc.models.known())
-    lengths = await svc.models.context_lengths(names)
+    adapters = await svc.models.visible_adapters(ctx.tenant)
+    lengths = await svc.models.context_lengths(list(dict.fromkeys([*names, *(a.base for a in adapters)])))
     cards = [
         oc.Model(id=name, root=svc.settings.model if name == svc.model else name, max_model_len=lengths[name])
         for name in names
     ]
+    cards += [oc.Model(id=a.name, root=a.source, parent=a.base, max_model_len=lengths[a.base]) for a in adapters]
     return json_response(oc.ModelList(data=cards))
 
 

@@ -35,9 +35,9 @@ async def create_response(request: Request, svc: Svc, ctx: Ctx) -> Response:
     # An error before the first event (say, a prompt too long for the model) keeps its HTTP status.
     return await jobs.respond(
         svc, ctx, req, stream=bool(body.stream),
-        whole=lambda q, results: r.render_finished(r.echo_of_body(body, q.request.model), results[0], q.job_id,
+        whole=lambda q, results: r.render_finished(r.echo_of_body(body, q.request.served_name), results[0], q.job_id,
                                                    q.created),
-        renderer=lambda q: r.ResponseStream(r.echo_of_body(body, q.request.model), q.job_id, q.created))
+        renderer=lambda q: r.ResponseStream(r.echo_of_body(body, q.request.served_name), q.job_id, q.created))
 
 
 async def _background(svc: Svc, ctx: RequestContext, body: r.ResponsesRequest, req: GenerationRequest) -> Response:

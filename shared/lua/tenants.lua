@@ -58,7 +58,7 @@ end
 -- free its running place, and let the tenant back into the fair sets it waits in.
 -- m: {tprefix, fairs, clock, usage_day, usage_total, tokens, now (ms), day TTL (s)}
 function Fair.ended(job, id, m, prompt, generated)
-  local f = redis.call('HMGET', job, 'tenant', 'charged', 'started_at')
+  local f = redis.call('HMGET', job, 'tenant', 'charged', 'started_at', 'adapter')
   local tenant = f[1]
   if not tenant or tenant == '' then return end
   local tkey = m.tprefix .. tenant
@@ -80,13 +80,18 @@ function Fair.ended(job, id, m, prompt, generated)
       end
     end
   end
+  -- The tenant's usage, and with an adapter also the tenant's usage of it ('<tenant>/<adapter>:').
+  local metered = {tenant}
+  if f[4] then table.insert(metered, tenant .. '/' .. f[4]) end
   for _, usage in ipairs({m.usage_day, m.usage_total}) do
-    redis.call('HINCRBY', usage, tenant .. ':requests', 1)
-    if known then
-      redis.call('HINCRBY', usage, tenant .. ':prompt_tokens', prompt)
-      redis.call('HINCRBY', usage, tenant .. ':generated_tokens', generated)
+    for _, who in ipairs(metered) do
+      redis.call('HINCRBY', usage, who .. ':requests', 1)
+      if known then
+        redis.call('HINCRBY', usage, who .. ':prompt_tokens', prompt)
+        redis.call('HINCRBY', usage, who .. ':generated_tokens', generated)
+      end
+      if engine_ms > 0 then redis.call('HINCRBY', usage, who .. ':engine_ms', engine_ms) end
     end
-    if engine_ms > 0 then redis.call('HINCRBY', usage, tenant .. ':engine_ms', engine_ms) end
   end
   redis.call('EXPIRE', m.usage_day, m.day_ttl)
   -- Nothing reads them once the job has ended (its usage is counted): a finished record keeps

@@ -266,6 +266,11 @@ def vllm_server_args(settings: Settings, port: int) -> list[str]:
         args += ["--reasoning-parser", settings.reasoning_parser_name]
     if settings.hf_overrides:
         args += ["--hf-overrides", json.dumps(settings.hf_overrides)]
+    if settings.max_loras:  # LoRA adapters (docs/adapters.md)
+        args += ["--enable-lora", "--max-loras", str(settings.max_loras),
+                 "--max-lora-rank", str(settings.max_lora_rank)]
+        if settings.max_cpu_loras:
+            args += ["--max-cpu-loras", str(settings.max_cpu_loras)]
     return args
 
 

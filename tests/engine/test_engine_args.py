@@ -39,6 +39,15 @@ def test_the_stream_interval_reaches_the_engine_and_vllm_serve_alike():
             assert getattr(ours, field) == getattr(theirs, field), field
 
 
+def test_lora_settings_reach_the_engine_and_vllm_serve_alike():
+    off = load_settings({})
+    assert not engine_args(off, off.model_path).enable_lora and not _served(vllm_server_args(off, 8000)).enable_lora
+    settings = load_settings({"LLMQ_MAX_LORAS": "3", "LLMQ_MAX_LORA_RANK": "8", "LLMQ_MAX_CPU_LORAS": "5"})
+    ours, theirs = engine_args(settings, settings.model_path), _served(vllm_server_args(settings, 8000))
+    for field, value in (("enable_lora", True), ("max_loras", 3), ("max_lora_rank", 8), ("max_cpu_loras", 5)):
+        assert getattr(ours, field) == getattr(theirs, field) == value, field
+
+
 def test_a_context_past_the_models_own_is_refused_in_one_line_naming_llmqs_fixes(monkeypatch):
     from shared.config import SettingsError
     from workers.engine import VllmEngine

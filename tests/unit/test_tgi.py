@@ -94,7 +94,9 @@ def test_empty_inputs_and_what_vllm_cannot_do_are_refused():
     assert rejected({}, inputs="").endswith("`inputs` cannot be empty")
     assert "`typical_p` is not supported" in rejected({"typical_p": 0.5})
     assert "`watermark` is not supported" in rejected({"watermark": True})
-    assert "`adapter_id` is not supported" in rejected({"adapter_id": "lora"})
+    # adapter_id names a LoRA adapter, resolved at admission as any dialect's model is.
+    assert translate({"inputs": "x", "parameters": {"adapter_id": "lora"}}).model == "lora"
+    assert translate({"inputs": "x"}).model == ""
     translate({"inputs": "x", "parameters": {"watermark": False}})  # false is fine
 
 

@@ -123,7 +123,10 @@ def test_refusals_name_the_problem():
         "parameter 'stop' has invalid type. It should be either 'int', 'bool', or 'string'."
     )
     assert invalid({"text_input": "x", "parameters": "no"}) == "Expected JSON object for keyword: 'parameters'"
-    assert invalid({"text_input": "x", "parameters": {"lora_name": "a"}}) == "LoRA feature is not enabled."
+    assert invalid({"text_input": "x", "parameters": {"lora_name": 5}}) == "`lora_name` must be a string"
+    # A LoRA adapter is a model name: resolved at admission (an unknown one is the route's 404).
+    assert translate({"text_input": "x", "parameters": {"lora_name": "a"}})[0].model == "a"
+    assert translate({"text_input": "x"})[0].model == "tiny"
     assert "given twice" in invalid({"text_input": "x", "stream": True, "parameters": {"stream": True}})
     assert "not supported by llmq" in invalid({"text_input": "x", "image": ["aGk="]})
     assert "$.stream" in invalid({"text_input": "x", "stream": "yes"})

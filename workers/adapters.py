@@ -1,0 +1,67 @@
+"""The worker's LoRA adapters: each job's adapter as vLLM's ``LoRARequest``, loaded before its first use.
+
+vLLM loads an adapter inside the engine's step when a request names one it does not hold, and an
+adapter that fails there (missing files, a rank above ``max_lora_rank``, another base model's
+shapes) fails the step, and with it the engine. So the worker loads each adapter first, through
+``add_lora``, which reports a failure to its caller and leaves the engine serving: a bad adapter
+fails its own job with a 400 and nothing else. ``add_lora`` is asked again only for an adapter the
+engine no longer lists, i.e. one it evicted (least recently used past ``max_cpu_loras``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import structlog
+from vllm.lora.request import LoRARequest
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from shared.errors import InvalidRequest
+from shared.schemas import AdapterSpec
+
+__all__ = ["EngineAdapters"]
+
+log = structlog.get_logger(__name__)
+
+
+class EngineAdapters:
+    """One engine's adapters: a stable id per (name, source), and loads and evictions counted."""
+
+    def __init__(self, engine: AsyncLLM, max_loras: int) -> None:
+        self.engine = engine
+        self.max_loras = max_loras
+        self._ids: dict[tuple[str, str], int] = {}
+        self._next_id = itertools.count(1)  # vLLM's ids start at 1
+        self._held: set[int] = set()  # ids the engine listed after the last load
+        self._lock = asyncio.Lock()  # one load at a time: each reads the engine's list after it
+        self.loads = 0
+        self.evictions = 0
+
+    async def request(self, spec: AdapterSpec) -> LoRARequest:
+        """``spec`` as the engine takes it, loaded; raises InvalidRequest when it cannot be."""
+        if self.max_loras == 0:
+            raise InvalidRequest(f"The LoRA adapter '{spec.name}' cannot run here: this model's workers serve no "
+                                 "adapters (LLMQ_MAX_LORAS is 0)")
+        # A new source under the same name is another adapter to the engine: a new id.
+        lora_id = self._ids.get((spec.name, spec.source)) or self._ids.setdefault((spec.name, spec.source),
+                                                                                 next(self._next_id))
+        lora = LoRARequest(lora_name=spec.name, lora_int_id=lora_id, lora_path=spec.source)
+        if lora_id not in self._held:
+            async with self._lock:
+                if lora_id not in self._held:
+                    await self._load(lora)
+        return lora
+
+    async def _load(self, lora: LoRARequest) -> None:
+        try:
+            await self.engine.add_lora(lora)
+        except Exception as exc:  # vLLM's loader raises anything from OSError to ValueError
+            why = str(exc).removeprefix("Call to add_lora method failed: ")  # the engine core's wrapping
+            log.warning("adapter_load_failed", adapter=lora.lora_name, error=why[:500])
+            raise InvalidRequest(f"The LoRA adapter '{lora.lora_name}' could not be loaded: {why}"[:1000]) from None
+        held = set(await self.engine.list_loras())
+        self.loads += 1
+        self.evictions += len(self._held - held)
+        self._held = held
+        log.info("adapter_loaded", adapter=lora.lora_name, held=len(held))
