@@ -168,8 +168,10 @@ def test_a_background_response_survives_its_web_process_and_its_worker(stack: St
     events = before + after
     numbers = [e.sequence_number for e in events]
     assert numbers == list(range(len(events))), (numbers[:5], numbers[-5:], last)
-    resumed = [e for e in after if e.type == "response.output_text.delta"]
-    assert len(resumed) >= MAX_TOKENS // 2, "most of the text must come after the kill, from the peer"
+    # Counted in text, not events: a flusher behind the engine merges a job's steps into one delta
+    # (shared/chunking.py), so a loaded peer sends fewer, longer ones (a loaded run read 18 deltas).
+    resumed = "".join(e.delta for e in after if e.type == "response.output_text.delta")
+    assert len(resumed) >= len(reference.output_text) // 2, "most of the text must come after the kill, from the peer"
     assert events[-1].type == "response.incomplete"  # stopped by max_output_tokens, as the reference
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == reference.output_text
