@@ -35,13 +35,16 @@ from shared.schemas import GROUP_PREFIX, JobGroup, JobRecord
 from shared.tenants import DEFAULT_TENANT, valid_tenant
 
 __all__ = ["RequestContext", "Ctx", "JobRef", "Job", "request_context", "job_ref", "TIMEOUT_HEADER",
-           "PRIORITY_HEADER", "WATCHES", "SPAN", "RequestTrace", "owner_of_request"]
+           "PRIORITY_HEADER", "AFFINITY_HEADER", "WATCHES", "SPAN", "RequestTrace", "owner_of_request"]
 
 # Per-request options every dialect accepts as headers (most wire formats have no field for them).
 TIMEOUT_HEADER = "x-llmq-timeout"
 """Seconds from enqueue until the request must have finished (its deadline)."""
 PRIORITY_HEADER = "x-llmq-priority"
 """An integer, lower runs earlier; a body field (OpenAI's ``priority``) wins over it."""
+AFFINITY_HEADER = "x-llmq-affinity"
+"""What the client's requests share (a conversation, an agent's session): their jobs' prefix key
+(shared/affinity.py); a body field (OpenAI's ``prompt_cache_key``) wins over it."""
 WATCHES = "llmq.watches"
 """The ASGI scope entry where :class:`api.middleware.RequestLifecycle` hands this request's watch set
 to :func:`request_context` (the one place that reads it)."""
@@ -74,6 +77,8 @@ class RequestContext:
     """``X-LLMQ-Timeout``: the deadline when the body sets none."""
     priority: int | None = None
     """``X-LLMQ-Priority``: the priority when the body sets none."""
+    affinity: str | None = None
+    """``X-LLMQ-Affinity``: the prefix key when the body gives none."""
     bad_option: InvalidRequest | None = None
     """A malformed option header: raised when the request is admitted, where each dialect reports
     its body's errors (TGI's stream in-band), not on routes that queue nothing."""
@@ -143,6 +148,7 @@ def request_context(scope: Scope, svc: Svc) -> RequestContext:
         tenant=tenant,
         timeout_s=timeout_s,
         priority=priority,
+        affinity=headers.get(AFFINITY_HEADER) or None,
         bad_option=bad_option or bad_tenant,
         idempotency_key=headers.get("idempotency-key") or None,
         respond_async=any(token.strip().lower() == "respond-async" for token in prefer.split(",")),

@@ -89,8 +89,22 @@ async def tenant_series(redis: Redis, keys: Keys, model: str, cap: int) -> list[
     return out
 
 
+_AFFINITY = ("hit", "miss", "wait")
+
+
+async def affinity_series(redis: Redis, keys: Keys, models: list[str]) -> list[Sample]:
+    """Each model's affinity counters (shared/lua/read.lua keeps them: ``Keys.affinity``), from 0."""
+    pipe = redis.pipeline(transaction=False)
+    for model in models:
+        pipe.hmget(keys.affinity(model), [f"{outcome}s" for outcome in _AFFINITY])
+    return [Sample("llmq_affinity_picks_total", {"model": model, "outcome": outcome}, int(value or 0))
+            for model, values in zip(models, await pipe.execute(), strict=True)
+            for outcome, value in zip(_AFFINITY, values, strict=True)]
+
+
 async def collect(svc: Services) -> list[Sample]:
-    status = await snapshot(svc.queue.redis, svc.keys, top=0)  # tenant_series reads every tenant's figures
+    # tenant_series reads every tenant's figures; the affinity holders are llmq-status's (a SCAN).
+    status = await snapshot(svc.queue.redis, svc.keys, top=0, held=False)
     out: list[Sample] = []
     for m in status.models:
         for lv in m.levels:
@@ -104,6 +118,7 @@ async def collect(svc: Services) -> list[Sample]:
     per_model = await asyncio.gather(*(tenant_series(svc.queue.redis, svc.keys, m.name, svc.settings.metrics_tenants)
                                        for m in status.models))
     out += [sample for samples in per_model for sample in samples]
+    out += await affinity_series(svc.queue.redis, svc.keys, [m.name for m in status.models])
     for w in status.workers:
         out += [Sample(s.name, {**s.labels, "worker": w.id}, s.value) for s in w.metrics]
     out += _own(svc)

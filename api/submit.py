@@ -82,6 +82,8 @@ async def admit(svc: Services, ctx: RequestContext, req: GenerationRequest) -> G
         changes["priority"] = ctx.priority if ctx.priority is not None else 0
     if req.timeout_s is None and ctx.timeout_s is not None:
         changes["timeout_s"] = ctx.timeout_s
+    if req.cache_key is None and ctx.affinity is not None:
+        changes["cache_key"] = ctx.affinity[:1024]
     if changes:
         req = msgspec.structs.replace(req, **changes)
     check_queueable(req)

@@ -168,6 +168,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     --stream-interval; the first token always goes at once). 1 streams each token as it comes. Every
     hop after the engine (the worker's flush, Redis, the API's relay, the client) works per event,
     so N divides llmq's CPU per token by about N, for streams that arrive N tokens at a time."""
+    affinity_ms: Annotated[int, msgspec.Meta(ge=0)] = 50
+    """LLMQ_AFFINITY_MS: how long a waiting job is left for the worker that holds its prefix (it ran the
+    conversation's last turn) or its LoRA adapter, before any worker takes it (docs/adapters.md#affinity).
+    Other workers' picks pass over it meanwhile; fair share and priorities otherwise hold. 0: off."""
+    affinity_hold_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    """LLMQ_AFFINITY_HOLD_S: how long a worker counts as holding a prefix key or an adapter after its last
+    job of it (`llmq:{model}:holder:<key>` in Redis); about as long as its prefix cache keeps a conversation."""
     max_loras: Annotated[int, msgspec.Meta(ge=0)] = 0
     """LLMQ_MAX_LORAS: LoRA adapters a worker's engine holds at once (vLLM's `--max-loras`); 0: the worker
     serves no adapters, and an adapter's job fails with a 400 that says so. A worker loads an adapter

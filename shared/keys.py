@@ -247,6 +247,17 @@ class Keys:
         that ends the job; housekeeping moves each entry into an arq delivery job."""
         return f"{self._model(model)}:webhooks"
 
+    def holder(self, model: str, key: str) -> str:
+        """String with TTL (LLMQ_AFFINITY_HOLD_S): the worker that last started a job of affinity
+        ``key``, ``p:<prefix key>`` or ``a:<adapter>`` (shared/affinity.py); written by the pick."""
+        return f"{self._model(model)}:holder:{key}"
+
+    def affinity(self, model: str) -> str:
+        """Hash: the pick's affinity counters since the start: ``hits`` (a job taken by the worker
+        that held its key), ``misses`` (by another, its wait over), ``waits`` (a pick passed over a
+        job held elsewhere)."""
+        return f"{self._model(model)}:affinity"
+
     def workers(self, model: str) -> str:
         """Sorted set: ready worker id -> heartbeat expiry (ms); how the API knows it can serve."""
         return f"{self._model(model)}:workers"

@@ -66,6 +66,12 @@ CATALOGUE: dict[str, Metric] = {
     "llmq_worker_jobs_reclaimed_total": Metric("counter", "Jobs the worker took over after their lease lapsed."),
     "llmq_worker_jobs_ended_total": Metric("counter", "Jobs the worker ended, by outcome (done or an error code)."),
     "llmq_worker_tokens_total": Metric("counter", "Tokens the worker generated."),
+    "llmq_worker_adapter_loads_total": Metric("counter", "LoRA adapters the worker's engine loaded."),
+    "llmq_worker_adapter_evictions_total": Metric("counter",
+                                                  "LoRA adapters the worker's engine evicted to load another."),
+    "llmq_affinity_picks_total": Metric("counter", "Jobs picked by their prefix or adapter holder (outcome hit), "
+                                                   "by another once their wait was over (miss), and picks that left a "
+                                                   "job for its holder (wait)."),
     "llmq_queue_wait_seconds": Metric("histogram", "From enqueue to the job's start on a worker."),
     "llmq_ttft_seconds": Metric("histogram", "From enqueue to the job's first token."),
     "llmq_e2e_seconds": Metric("histogram", "From enqueue to the job's end."),
@@ -74,7 +80,8 @@ CATALOGUE: dict[str, Metric] = {
 
 WORKER_ZEROS: tuple[tuple[str, dict[str, str]], ...] = (
     ("llmq_worker_jobs_started_total", {}), ("llmq_worker_jobs_reclaimed_total", {}),
-    ("llmq_worker_jobs_ended_total", {"outcome": "done"}), ("llmq_worker_tokens_total", {}))
+    ("llmq_worker_jobs_ended_total", {"outcome": "done"}), ("llmq_worker_tokens_total", {}),
+    ("llmq_worker_adapter_loads_total", {}), ("llmq_worker_adapter_evictions_total", {}))
 """A worker's counters as they start: at 0, so each series exists from its first heartbeat on
 (Prometheus' advice for series known in advance; an error outcome is not: it appears with its
 first job)."""
@@ -122,6 +129,11 @@ class Recorder:
         assert CATALOGUE[name].kind == "counter", name
         key = (name, tuple(sorted(labels.items())) if labels else ())  # unlabelled: once per step, keep it cheap
         self._counters[key] = self._counters.get(key, 0) + amount
+
+    def set_total(self, name: str, value: float) -> None:
+        """A counter kept elsewhere (the engine's adapter loads), at its current total."""
+        assert CATALOGUE[name].kind == "counter", name
+        self._counters[(name, ())] = value
 
     def observe(self, name: str, seconds: float) -> None:
         assert CATALOGUE[name].kind == "histogram", name

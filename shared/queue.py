@@ -211,6 +211,9 @@ class Picked(NamedTuple):
     not fenced, under LLMQ_DURABILITY not yet on the replicas). The caller must
     :meth:`Queue.confirm` them, passing this (the replicas' confirmations so far), before it writes
     anything about the jobs. None: confirmed, or nothing picked."""
+    wake_ms: int = 0
+    """With affinity: ms until a job this pick left for another worker becomes anyone's, the
+    longest :meth:`Queue.wait_for_work` may block (no new entry will wake it for that job); 0: none."""
 
 
 class Queue:
@@ -470,26 +473,28 @@ class Queue:
     # --- worker side --------------------------------------------------------------------------
 
     async def pick(self, model: str, consumer: str, count: int, max_deliveries: int = 3, *,
-                   confirm: bool = True) -> Picked:
+                   confirm: bool = True, affinity: scripts.Affinity = scripts.NO_AFFINITY) -> Picked:
         """Pick, read and claim up to ``count`` new jobs, the most urgent level first, by fair
         share between tenants within a level: read.lua, one round trip, never blocking. Ask only
         for as many as can start now (the engine's free slots): nothing is claimed that could not.
         Then the claims are confirmed (:meth:`confirm`: their token shards fenced, and under
         LLMQ_DURABILITY held until the replicas have them); ``confirm=False`` leaves that to the
         caller (:attr:`Picked.acked`), which may start the engine meanwhile but must write nothing
-        until then."""
-        call = scripts.read(self.keys, model, consumer, count, now=now_ms(), max_failed=max_deliveries)
+        until then. ``affinity``: leave jobs a moment for the workers that hold their keys
+        (read.lua)."""
+        call = scripts.read(self.keys, model, consumer, count, now=now_ms(), max_failed=max_deliveries,
+                            affinity=affinity)
         while True:  # again at once while it stops early on waiting jobs that had already ended
-            (rows, tops, more), acked = await self._run(call)
+            (rows, tops, more, wake_ms), acked = await self._run(call)
             if rows or not more:
                 break
         deliveries = self._deliveries([(int(level), entry_id, job.decode()) for level, entry_id, job, _ in rows],
                                       [state for *_, state in rows], reclaimed=False)
         if not deliveries:
-            return Picked(deliveries, tops)
+            return Picked(deliveries, tops, wake_ms=wake_ms)
         if not confirm:
-            return Picked(deliveries, tops, acked=acked)
-        return Picked(await self.confirm(model, consumer, deliveries, acked), tops)
+            return Picked(deliveries, tops, acked=acked, wake_ms=wake_ms)
+        return Picked(await self.confirm(model, consumer, deliveries, acked), tops, wake_ms=wake_ms)
 
     async def _run(self, call: scripts.Call) -> tuple[Any, int]:
         """Run a script; under LLMQ_DURABILITY with the WAIT after it: its reply, and the

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from shared.affinity import prefix_key
 from shared.budget import generation_budget
 from shared.errors import ServiceError, error_from_code
 from shared.keys import new_job_id
@@ -238,6 +239,9 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     """The base model: its queue holds the job (an adapter's name is resolved to its base at admission)."""
     adapter: AdapterSpec | None = None
     """The LoRA adapter the request named as its model, resolved at admission."""
+    cache_key: str | None = None
+    """The client's key for what its requests share (OpenAI's ``prompt_cache_key``, or the
+    ``X-LLMQ-Affinity`` header): its job's prefix key (shared/affinity.py)."""
     prompt: str | None = None
     prompt_token_ids: list[TokenId] | None = None
     messages: list[ChatMessage] | None = None
@@ -301,6 +305,9 @@ class Choice(msgspec.Struct, kw_only=True, omit_defaults=True):
 class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int | msgspec.UnsetType = msgspec.UNSET
+    """Prompt tokens the engine found in its prefix cache (vLLM's ``num_cached_tokens``), when
+    any: what affinity saves (docs/adapters.md#affinity)."""
 
 
 class JobResult(msgspec.Struct, kw_only=True):
@@ -346,7 +353,11 @@ class JobRecord(msgspec.Struct, kw_only=True):
     """Whose fair share, quotas and usage the job counts toward (shared/tenants.py)."""
     adapter: str | None = None
     """Its request's LoRA adapter's name, as a field of its own: the script ending the job meters
-    the tenant's usage of it too (shared/lua/tenants.lua)."""
+    the tenant's usage of it too (shared/lua/tenants.lua), and the pick prefers a worker that
+    holds it (read.lua)."""
+    affinity: str | None = None
+    """Its prefix key (shared/affinity.py): the pick leaves it a moment for the worker that served
+    the last job of the same key (read.lua)."""
     estimate: int = 0
     """The tokens its tenant is charged when it is picked (prompt estimate + what it may generate),
     corrected to the real count when it ends."""
@@ -375,7 +386,8 @@ class JobRecord(msgspec.Struct, kw_only=True):
         return cls(id=new_job_id(req.model), model=req.model, request=req, queued_at=queued_at, owner=owner,
                    deadline=queued_at + timeout_s * 1000 if timeout_s else None, webhook=req.webhook,
                    tenant=tenant, estimate=estimate_tokens(req, max_model_len), traceparent=traceparent,
-                   adapter=req.adapter.name if req.adapter is not None else None)
+                   adapter=req.adapter.name if req.adapter is not None else None,
+                   affinity=prefix_key(req, req.cache_key))
 
 
 def estimate_tokens(req: GenerationRequest, max_model_len: int | None = None) -> int:

@@ -151,20 +151,36 @@ def enqueue(keys: Keys, model: str, job_id: str, tenant: str, *, idempotency: st
 
 READ = Script(
     "read.lua",
-    keys=("clock",),
+    keys=("clock", "workers", "affinity"),
     key_groups=(Group("levels", ("queue", "waiting", "fair")),),
     argv=("group", "consumer", "count", "tenant_prefix", "job_prefix", "now", "max_failed", "levels", "levels_at",
-          "levels_width"),
+          "levels_width", "holder_prefix", "affinity_ms", "hold_ms", "own"),
     uses=(FAIR, CLAIM),
 )
 
 
-def read(keys: Keys, model: str, consumer: str, count: int, *, now: float, max_failed: int) -> Call:
-    k = [keys.fair_clock(model)]
+class Affinity(NamedTuple):
+    """What a worker's pick knows of affinity (docs/adapters.md#affinity)."""
+
+    wait_ms: int
+    """How long a job may be left for the worker that holds its keys (LLMQ_AFFINITY_MS); 0: off."""
+    hold_ms: int
+    """How long a worker holds a key after its last job of it (LLMQ_AFFINITY_HOLD_S)."""
+    adapters: Sequence[str] = ()
+    """The adapters this worker's engine holds now: their jobs are this worker's too."""
+
+
+NO_AFFINITY = Affinity(0, 1)
+
+
+def read(keys: Keys, model: str, consumer: str, count: int, *, now: float, max_failed: int,
+         affinity: Affinity = NO_AFFINITY) -> Call:
+    k = [keys.fair_clock(model), keys.workers(model), keys.affinity(model)]
     for lvl in range(LEVELS):
         k += [keys.queue(model, lvl), keys.waiting(model, lvl), keys.fair(model, lvl)]
     return Call(READ, k, [GROUP, consumer, count, keys.tenant(model, ""), keys.job(model, ""), now, max_failed, LEVELS,
-                          *_places(len(READ.keys) + 1, READ.key_groups, [LEVELS])])
+                          *_places(len(READ.keys) + 1, READ.key_groups, [LEVELS]), keys.holder(model, ""),
+                          affinity.wait_ms, affinity.hold_ms, "\n".join(affinity.adapters)])
 
 
 CLAIM_TAKEN = Script(

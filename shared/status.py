@@ -29,7 +29,7 @@ from shared.redis import connect
 from shared.registry import Registry
 from shared.tenants import today, top_tenants
 
-__all__ = ["Status", "ModelStatus", "LevelStatus", "TenantUsage", "WorkerStatus", "snapshot", "render",
+__all__ = ["Status", "ModelStatus", "LevelStatus", "TenantUsage", "WorkerStatus", "Held", "snapshot", "render",
            "main"]
 
 TOP_TENANTS = 5
@@ -57,6 +57,8 @@ class WorkerStatus(msgspec.Struct, kw_only=True):
     device: str = ""
     """The GPU(s) or CPU share it claimed on its host (``gpu:1``, ``cpu:0 cpus=0-7``)."""
     last_heartbeat_age_s: float
+    adapters: list[str] = []
+    """The LoRA adapters its engine holds (docs/adapters.md): jobs for them are its first."""
     metrics: list[Sample] = []
     """Its Prometheus counters and histograms (shared/metrics.py), as of its last heartbeat."""
 
@@ -71,6 +73,16 @@ class TenantUsage(msgspec.Struct, kw_only=True):
     engine_seconds: float
 
 
+class Held(msgspec.Struct, kw_only=True):
+    """What one worker holds for the pick's affinity (docs/adapters.md#affinity): its holder keys."""
+
+    worker: str
+    prefixes: int
+    """Conversation prefix keys whose last job it started."""
+    adapters: list[str]
+    """Adapters whose last job it started."""
+
+
 class ModelStatus(msgspec.Struct, kw_only=True):
     name: str
     waiting: int
@@ -80,6 +92,8 @@ class ModelStatus(msgspec.Struct, kw_only=True):
     levels: list[LevelStatus]
     top_tenants: list[TenantUsage] = []
     """The tenants that used the most tokens (prompt + generated) on the day, most first."""
+    held: list[Held] = []
+    """Per worker, the affinity keys it holds (read by a SCAN: an operator's view, not /metrics')."""
 
 
 class Status(msgspec.Struct, kw_only=True):
@@ -96,7 +110,7 @@ def _age_s(at_ms: int, now: float) -> float:
     return round(max(0.0, now - at_ms / 1000), 3)
 
 
-async def _model(redis: Redis, keys: Keys, name: str, now: float, top: int) -> ModelStatus:
+async def _model(redis: Redis, keys: Keys, name: str, now: float, top: int, held: bool) -> ModelStatus:
     reading = await read_queue(redis, keys, name, now_ms=now * 1000)
     ranked = await top_tenants(redis, keys, name, today(now), top) if top > 0 else []
     levels = [LevelStatus(level=lv.level, stream=lv.stream, waiting=lv.waiting, running=lv.pending,
@@ -104,11 +118,29 @@ async def _model(redis: Redis, keys: Keys, name: str, now: float, top: int) -> M
               for lv in reading.levels if lv.exists]
     return ModelStatus(
         name=name, waiting=sum(lv.waiting for lv in levels), running=sum(lv.running for lv in levels),
+        held=await _held(redis, keys, name) if held else [],
         dead_letters=reading.dead_letters, ready_workers=reading.ready_workers, levels=levels,
         top_tenants=[TenantUsage(tenant=tenant, requests=u.get("requests", 0), prompt_tokens=u.get("prompt_tokens", 0),
                                  generated_tokens=u.get("generated_tokens", 0),
                                  engine_seconds=u.get("engine_ms", 0) / 1000) for tenant, u in ranked],
     )
+
+
+async def _held(redis: Redis, keys: Keys, model: str) -> list[Held]:
+    prefix = keys.holder(model, "")
+    names = [key async for key in redis.scan_iter(match=keys.holder(model, "*"), count=1000)]
+    workers = await redis.mget(names) if names else []
+    held: dict[str, Held] = {}
+    for key, worker in zip(names, workers, strict=True):
+        if worker is None:  # expired between the scan and the read
+            continue
+        row = held.setdefault(worker.decode(), Held(worker=worker.decode(), prefixes=0, adapters=[]))
+        kind, _, name = key.decode().removeprefix(prefix).partition(":")
+        if kind == "a":
+            row.adapters.append(name)
+        else:
+            row.prefixes += 1
+    return [msgspec.structs.replace(h, adapters=sorted(h.adapters)) for _, h in sorted(held.items())]
 
 
 async def _workers(redis: Redis, keys: Keys, now: float) -> list[WorkerStatus]:
@@ -119,18 +151,19 @@ async def _workers(redis: Redis, keys: Keys, now: float) -> list[WorkerStatus]:
             slots=int(raw.get("slots", 0)), running=int(raw.get("running", 0)), host=raw.get("host", "?"),
             pid=int(raw.get("pid", 0)), device=raw.get("device", ""),
             last_heartbeat_age_s=round(max(0.0, now - float(raw.get("last_heartbeat", 0)) / 1000), 3),
+            adapters=msgspec.json.decode(raw["adapters"], type=list[str]) if "adapters" in raw else [],
             metrics=decode_samples(raw["metrics"]) if "metrics" in raw else [],
         ))
     return sorted(workers, key=lambda w: (w.model, w.id))
 
 
-async def snapshot(redis: Redis, keys: Keys, *, top: int = TOP_TENANTS) -> Status:
+async def snapshot(redis: Redis, keys: Keys, *, top: int = TOP_TENANTS, held: bool = True) -> Status:
     """One reading of every model any worker ever advertised, with its ``top`` tenants of the day
-    (0: none read), and of every live worker."""
+    (0: none read) and, with ``held``, its affinity holders (a SCAN), and of every live worker."""
     now = time.time()
     names = sorted(n.decode() for n in await redis.zrange(keys.models(), 0, -1))
     return Status(prefix=keys.prefix, at=round(now, 3), day=today(now),
-                  models=[await _model(redis, keys, n, now, top) for n in names],
+                  models=[await _model(redis, keys, n, now, top, held) for n in names],
                   workers=await _workers(redis, keys, now))
 
 
@@ -149,6 +182,10 @@ def render(status: Status) -> str:
                       f"{m.ready_workers} ready worker(s)"]
         lines += _table(["level", "stream", "waiting", "running", "oldest (s)"],
                         [[lv.level, lv.stream, lv.waiting, lv.running, lv.oldest_age_s] for lv in m.levels])
+        if m.held:
+            lines += ["", "  affinity holders (docs/adapters.md#affinity):"]
+            lines += _table(["worker", "prefixes", "adapters"],
+                            [[h.worker, h.prefixes, ", ".join(h.adapters) or None] for h in m.held])
         if m.top_tenants:
             lines += ["", f"  top tenants of {status.day} (UTC), by tokens:"]
             lines += _table(["tenant", "requests", "prompt tokens", "generated tokens", "engine (s)"],
@@ -156,9 +193,10 @@ def render(status: Status) -> str:
                              for t in m.top_tenants])
     lines += ["", f"workers: {len(status.workers)}"]
     if status.workers:
-        lines += _table(["id", "model", "status", "slots", "running", "host", "pid", "device", "last beat (s ago)"],
+        lines += _table(["id", "model", "status", "slots", "running", "host", "pid", "device", "last beat (s ago)",
+                         "adapters"],
                         [[w.id, w.model, w.status, w.slots, w.running, w.host, w.pid, w.device or None,
-                          w.last_heartbeat_age_s]
+                          w.last_heartbeat_age_s, ", ".join(w.adapters) or None]
                          for w in status.workers])
     return "\n".join(lines)
 

@@ -19,6 +19,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from shared.errors import InvalidRequest
 from shared.schemas import AdapterSpec
+from workers.protocol import AdapterState
 
 __all__ = ["EngineAdapters"]
 
@@ -34,6 +35,7 @@ class EngineAdapters:
         self._ids: dict[tuple[str, str], int] = {}
         self._next_id = itertools.count(1)  # vLLM's ids start at 1
         self._held: set[int] = set()  # ids the engine listed after the last load
+        self._names: dict[int, str] = {}
         self._lock = asyncio.Lock()  # one load at a time: each reads the engine's list after it
         self.loads = 0
         self.evictions = 0
@@ -47,11 +49,19 @@ class EngineAdapters:
         lora_id = self._ids.get((spec.name, spec.source)) or self._ids.setdefault((spec.name, spec.source),
                                                                                  next(self._next_id))
         lora = LoRARequest(lora_name=spec.name, lora_int_id=lora_id, lora_path=spec.source)
+        self._names[lora_id] = spec.name
         if lora_id not in self._held:
             async with self._lock:
                 if lora_id not in self._held:
                     await self._load(lora)
         return lora
+
+    def state(self) -> AdapterState:
+        """The names of the adapters the engine listed after this worker's last load (what it
+        holds, unless a job's step reloaded one it had evicted since), with the loads and evictions
+        so far."""
+        return AdapterState(sorted(self._names[i] for i in self._held if i in self._names), self.loads,
+                            self.evictions)
 
     async def _load(self, lora: LoRARequest) -> None:
         try:

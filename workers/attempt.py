@@ -225,6 +225,8 @@ class Attempt:
         finite_logprobs(step)
         if self.fresh:
             self.usage.prompt_tokens = step.prompt_tokens or self.usage.prompt_tokens
+            if step.cached_tokens:
+                self.usage.cached_tokens = step.cached_tokens
         if self._prompt_ids == []:
             self._prompt_ids = step.prompt_token_ids or (step.prompt.token_ids if step.prompt is not None else None)
         deltas = [x for x in step.deltas if x.token_ids or x.text or x.finish_reason]

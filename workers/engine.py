@@ -37,7 +37,7 @@ from workers.adapters import EngineAdapters
 from workers.beam import beam_search
 from workers.continuation import Part, run_parts
 from workers.parsing import ChoiceParser, OutputParsers, Parsing
-from workers.protocol import Step
+from workers.protocol import AdapterState, Step
 
 __all__ = ["VllmEngine", "to_sampling_params", "engine_args"]
 
@@ -132,7 +132,8 @@ def _step(out: RequestOutput, want_top: int | None) -> Step:
             delta.logprobs, delta.token_texts = logprobs, texts
             delta.top_logprobs = tops if want_top else None
         deltas.append(delta)
-    return Step(deltas=deltas, finished=out.finished, prompt_tokens=len(out.prompt_token_ids or ()))
+    return Step(deltas=deltas, finished=out.finished, prompt_tokens=len(out.prompt_token_ids or ()),
+                cached_tokens=out.num_cached_tokens or 0)
 
 
 _DERIVED = re.compile(r"derived max_model_len \((\w+)=(\d+)")
@@ -200,7 +201,7 @@ class VllmEngine:
                  reasoning_parser: str | None = None, tool_strict_level: str = "auto",
                  compact_json: bool = False, max_loras: int = 0) -> None:
         self.engine = engine
-        self.adapters = EngineAdapters(engine, max_loras)
+        self.loras = EngineAdapters(engine, max_loras)
         self.max_model_len = max_model_len
         self.tokenizer = engine.get_tokenizer()
         self.parsers = OutputParsers(self.tokenizer, tool_parser=tool_parser, reasoning_parser=reasoning_parser,
@@ -265,6 +266,9 @@ class VllmEngine:
     def parses(self, req: GenerationRequest) -> bool:
         return self.parsers.parses(req)
 
+    def adapter_state(self) -> AdapterState:
+        return self.loras.state()
+
     def stream(self, job_id: str, req: GenerationRequest, parts: Sequence[Part] | None = None,
                trace_headers: Mapping[str, str] | None = None) -> AsyncIterator[Step]:
         """The job's steps: ``req`` as one engine request, or (a continued job) each of ``parts``
@@ -312,7 +316,7 @@ class VllmEngine:
             parsing.constrain(params)
             reasoning_ended = parsing.reasoning_ended(list(prompt.get("prompt_token_ids") or ()))
         try:
-            lora = None if req.adapter is None else await self.adapters.request(req.adapter)
+            lora = None if req.adapter is None else await self.loras.request(req.adapter)
             if req.sampling.beam_width > 1:
                 yield await self._beam_search(request_id, req, prompt, lora)
                 return

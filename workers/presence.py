@@ -18,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Literal
 
+import msgspec
 import structlog
 
 from shared.metrics import encode_samples
@@ -68,7 +69,8 @@ class Presence:
 
     # --- our own presence ---------------------------------------------------------------------
 
-    def _heartbeat_fields(self, status: Status, running: int) -> dict[str, str | int | float | bytes]:
+    def _heartbeat_fields(self, status: Status, running: int,
+                          adapters: Sequence[str]) -> dict[str, str | int | float | bytes]:
         return {
             "model": self.model,
             "slots": self.settings.max_num_seqs,
@@ -81,14 +83,16 @@ class Presence:
             "started": self.started_at,
             "status": status,
             "last_heartbeat": now_ms(),
+            # The LoRA adapters its engine holds (workers/adapters.py), as JSON: read by llmq-status.
+            "adapters": msgspec.json.encode(list(adapters)),
             # Its Prometheus counters and histograms, served by the API's /metrics.
             "metrics": encode_samples(self.metrics.samples()),
         }
 
-    async def beat(self, status: Status, running: int) -> None:
+    async def beat(self, status: Status, running: int, adapters: Sequence[str] = ()) -> None:
         """Renew the worker's key (TTL: three heartbeats) and, while ``ready``, its place in the
         ready set, from which the API answers health checks: only warm workers are in it."""
-        await self.registry.beat(self.model, self.worker_id, self._heartbeat_fields(status, running),
+        await self.registry.beat(self.model, self.worker_id, self._heartbeat_fields(status, running, adapters),
                               self.settings.heartbeat_s * 3, advertise=status == "ready")
 
     async def unregister(self) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from shared.events import TokenDelta
 from shared.schemas import GenerationRequest, PromptInfo
@@ -17,7 +17,7 @@ from shared.schemas import GenerationRequest, PromptInfo
 if TYPE_CHECKING:  # workers.continuation imports Step from here
     from workers.continuation import Part
 
-__all__ = ["Engine", "Step"]
+__all__ = ["Engine", "Step", "AdapterState"]
 
 
 @dataclass(slots=True)
@@ -29,9 +29,19 @@ class Step:
     prompt_tokens: int = 0
     prompt: PromptInfo | None = None
     """The prompt's tokens, on the first step, when the request asked for them."""
+    cached_tokens: int = 0
+    """On the first step: the prompt's tokens the engine found in its prefix cache."""
     prompt_token_ids: list[int] | None = None
     """The prompt's token ids as the engine saw them, on the first step: kept with the job so
     another worker can continue it if this one dies (workers/continuation.py)."""
+
+
+class AdapterState(NamedTuple):
+    """An engine's LoRA adapters (workers/adapters.py)."""
+
+    held: Sequence[str] = ()
+    loads: int = 0
+    evictions: int = 0
 
 
 class Engine(Protocol):
@@ -47,5 +57,9 @@ class Engine(Protocol):
     def parses(self, req: GenerationRequest) -> bool:
         """Whether ``req``'s output goes through the engine's output parsers (a chat with tools,
         or a reasoning parser: workers/parsing.py), so a continuation must replay it."""
+
+    def adapter_state(self) -> AdapterState:
+        """The LoRA adapters the engine holds now (their jobs are this worker's first: the pick's
+        affinity, shared/lua/read.lua), and its loads and evictions so far."""
 
     async def abort(self, job_id: str) -> None: ...

@@ -53,6 +53,7 @@ from shared.queue import Delivery, Held, Outbound, Queue, now_ms
 from shared.redis import REDIS_DOWN
 from shared.registry import Registry
 from shared.schemas import GenerationRequest, JobResult, Usage
+from shared.scripts import NO_AFFINITY, Affinity
 from workers.attempt import Attempt
 from workers.continuation import plan_for
 from workers.presence import Presence, Status
@@ -178,30 +179,40 @@ class Worker:
                 continue
             try:
                 await self._reclaim()
-                tops = await self._pick()
+                waiting = await self._pick()
                 # Nobody waits: block, holding no slot (a takeover meanwhile may need them all),
-                # until a job is queued after the newest waiting entry the pick saw; then pick at
-                # once, with the room left then.
-                if tops is not None and await self.queue.wait_for_work(self.model, tops, self.settings.block_ms,
-                                                                       self._stopping):
-                    await self._pick()
+                # until a job is queued after the newest waiting entry the pick saw, or a job it
+                # left for another worker becomes anyone's; then pick at once, with the room left.
+                if waiting is not None:
+                    tops, wake_ms = waiting
+                    block_ms = min(self.settings.block_ms, wake_ms) if wake_ms else self.settings.block_ms
+                    if await self.queue.wait_for_work(self.model, tops, block_ms, self._stopping) or wake_ms:
+                        await self._pick()
                 delay = 0.1
             except REDIS_DOWN as exc:
                 log.warning("redis_read_failed", retry_in_s=delay, error=str(exc))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
-    async def _pick(self) -> list[bytes] | None:
+    async def _pick(self) -> tuple[list[bytes], int] | None:
         """Pick as many new jobs as there are slots available and start them. Returns, when
-        nobody waits, where to wait for work from (:attr:`shared.queue.Picked.tops`); else None."""
+        nobody waits, where to wait for work from and for how long at most
+        (:attr:`shared.queue.Picked.tops`, :attr:`~shared.queue.Picked.wake_ms`); else None."""
         with self.slots.reserve(self.slots.available) as slots:
             if not slots.held:
                 return None
             picked = await self.queue.pick(self.model, self.worker_id, slots.held, self.settings.max_deliveries,
-                                           confirm=False)
+                                           confirm=False, affinity=self._affinity())
             if picked.acked is not None:
                 await self._start_confirming(picked.deliveries, picked.acked, slots)
-        return None if picked.deliveries else picked.tops
+        return None if picked.deliveries else (picked.tops, picked.wake_ms)
+
+    def _affinity(self) -> Affinity:
+        """What this worker's pick says of affinity: the settings, and the adapters its engine holds."""
+        if not self.settings.affinity_ms:
+            return NO_AFFINITY
+        return Affinity(self.settings.affinity_ms, int(self.settings.affinity_hold_s * 1000),
+                        self.engine.adapter_state().held)
 
     async def _start_confirming(self, deliveries: list[Delivery], acked: int, slots: Reservation) -> None:
         """Jobs just picked, their claims not yet confirmed (:meth:`shared.queue.Queue.confirm`:
@@ -640,7 +651,10 @@ class Worker:
         return "ready" if self.ready else "warming"
 
     async def _beat(self) -> None:
-        await self.presence.beat(self._status(), self.slots.running)
+        adapters = self.engine.adapter_state()
+        self.metrics.set_total("llmq_worker_adapter_loads_total", adapters.loads)
+        self.metrics.set_total("llmq_worker_adapter_evictions_total", adapters.evictions)
+        await self.presence.beat(self._status(), self.slots.running, adapters.held)
 
     async def _heartbeat(self) -> None:
         # Leases are renewed at least three times per lease, so one late beat never loses a job.

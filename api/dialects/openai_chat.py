@@ -140,6 +140,8 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     """Reaches the chat template as ``reasoning_effort`` (as in vLLM); a template without it ignores it."""
     include_reasoning: bool = True
     user: str | None = None
+    prompt_cache_key: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+    """OpenAI's: what the client's requests share; their jobs' prefix key (shared/affinity.py)."""
     # vLLM extras
     top_k: Annotated[int, Meta(ge=-1)] | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
@@ -302,6 +304,7 @@ def to_generation_request(body: ChatRequest, *, max_model_len: int) -> Generatio
         output=OutputOptions(include_usage=include_usage, service_tier=reported_tier(body.service_tier),
                              reasoning=body.include_reasoning),
         dialect=NAME,
+        cache_key=body.prompt_cache_key,
         priority=body.priority if body.priority is not None else priority_of_tier(body.service_tier),
     )
 

@@ -167,6 +167,9 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     background: bool | None = False
     service_tier: str | None = None
     user: str | None = None
+    prompt_cache_key: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+    """What the client's requests share (Codex sends its session's): their jobs' prefix key, so a
+    conversation's turns go to the worker that holds its prefix (shared/affinity.py)."""
     previous_response_id: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -445,7 +448,7 @@ def to_generation_request(body: ResponsesRequest, *, max_model_len: int,
     # The tier named and the settings the answer repeats are kept with the job, so a response read
     # back later (a poll, a resumed stream) reports them too.
     return GenerationRequest(model=body.model or "", messages=_messages(body, history), chat=_chat_options(body),
-                             tools=_tools(body), sampling=sampling, dialect=NAME,
+                             tools=_tools(body), sampling=sampling, dialect=NAME, cache_key=body.prompt_cache_key,
                              priority=priority_of_tier(body.service_tier),
                              output=OutputOptions(service_tier=body.service_tier, reported=_reported(body)))
 

@@ -42,7 +42,7 @@ from shared.redis import connect
 from shared.schemas import GenerationRequest
 from tests.bench.commandstats import run_jobs
 from tests.bench.procs import load_average, markdown_table, report_head, save, start_redis, stop
-from workers.protocol import Step
+from workers.protocol import AdapterState, Step
 
 __all__ = ["LockstepEngine", "main"]
 
@@ -94,6 +94,9 @@ class LockstepEngine:
 
     def parses(self, req: GenerationRequest) -> bool:
         return False
+
+    def adapter_state(self) -> AdapterState:
+        return AdapterState()
 
     async def abort(self, job_id: str) -> None:
         self._left.pop(job_id, None)

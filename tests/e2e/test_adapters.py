@@ -113,6 +113,13 @@ def test_a_private_adapter_with_the_anthropic_sdk(lora, adapters):
     with openai.OpenAI(base_url=f"{lora.url}/v1", api_key="x", max_retries=0,
                        default_headers={"x-tenant": "t2"}) as client:
         assert "mine" not in {m.id for m in client.models.list()}
+    # Removed, it is gone for its owner too.
+    resp = httpx.post(f"{lora.url}/v1/unload_lora_adapter", json={"lora_name": "mine"}, headers={"x-tenant": "t1"})
+    assert (resp.status_code, resp.text) == (200, "Success: LoRA adapter 'mine' removed successfully.")
+    with anthropic.Anthropic(base_url=lora.url, api_key="x", max_retries=0,
+                             default_headers={"x-tenant": "t1"}) as owner:
+        with pytest.raises(anthropic.NotFoundError):
+            owner.messages.create(**ask)
 
 
 def test_broken_adapters_fail_their_jobs_and_the_workers_keep_serving(lora, adapters, tmp_path):

@@ -41,8 +41,8 @@ async def make_worker(redis, prefix):
 
     async def start(delay_s: float = 0.01, die_after: int | None = None, engine=None, tracing=None,
                     **overrides) -> Running:
-        settings = load_settings({}, prefix=prefix, served_model_name=MODEL, block_ms=100, heartbeat_s=0.2,
-                                 **{"lease_s": 1.0, **overrides})
+        settings = load_settings({}, prefix=prefix, served_model_name=MODEL, heartbeat_s=0.2,
+                                 **{"lease_s": 1.0, "block_ms": 100, **overrides})
         queue = Queue(redis, Keys(prefix))
         worker = Worker(settings, queue, engine or ContextEngine(delay_s, die_after), tracing=tracing)
         task = asyncio.create_task(worker.run())

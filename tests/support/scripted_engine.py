@@ -23,7 +23,7 @@ from shared.errors import EngineDead, GenerationFailed, InvalidRequest
 from shared.events import TokenDelta
 from shared.schemas import GenerationRequest, PromptInfo
 from workers.continuation import Part, run_parts
-from workers.protocol import Step
+from workers.protocol import AdapterState, Step
 
 __all__ = ["ScriptedEngine", "CappedEngine", "ContextEngine", "expected_text", "expected_ids", "next_token"]
 
@@ -99,6 +99,9 @@ class ScriptedEngine:
 
     def parses(self, req: GenerationRequest) -> bool:
         return False  # scripted output is never parsed
+
+    def adapter_state(self) -> AdapterState:
+        return AdapterState()  # a scripted engine loads no adapter: its adapter jobs are nobody's
 
     async def abort(self, job_id: str) -> None:
         self.aborted.append(job_id)
