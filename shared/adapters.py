@@ -24,7 +24,7 @@ from shared.errors import InvalidRequest
 from shared.keys import Keys
 from shared.schemas import AdapterSpec
 
-__all__ = ["Adapter", "AdapterStore", "check_source", "main"]
+__all__ = ["Adapter", "AdapterStore", "check_source", "canonical_source", "new_adapter", "main"]
 
 
 class Adapter(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -110,6 +110,12 @@ def check_source(source: str, max_rank: int) -> int | None:
     return rank
 
 
+def canonical_source(source: str, rank: int | None) -> str:
+    """The source as the registry keeps it: a directory this host read (``rank`` known) as its
+    absolute path (the workers' view of it is assumed the same); anything else as given."""
+    return str(Path(source).expanduser().resolve()) if rank is not None else source
+
+
 class AdapterStore:
     """The registry's reads and writes (one hash)."""
 
@@ -153,8 +159,8 @@ async def _run(args: argparse.Namespace, max_rank: int, default_base: str) -> st
     try:
         if args.command == "add":
             rank = check_source(args.source, max_rank)
-            source = str(Path(args.source).expanduser().resolve()) if _looks_local(args.source) else args.source
-            adapter = new_adapter(args.name, args.base or default_base, source, rank=rank, tenant=args.tenant)
+            adapter = new_adapter(args.name, args.base or default_base, canonical_source(args.source, rank),
+                                  rank=rank, tenant=args.tenant)
             if not await store.add(adapter, replace=args.replace):
                 raise SystemExit(f"llmq-adapters: '{args.name}' is registered already (--replace replaces it)")
             return msgspec.json.encode(adapter).decode()

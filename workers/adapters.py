@@ -35,10 +35,8 @@ class EngineAdapters:
         self._ids: dict[tuple[str, str], int] = {}
         self._next_id = itertools.count(1)  # vLLM's ids start at 1
         self._held: set[int] = set()  # ids the engine listed after the last load
-        self._names: dict[int, str] = {}
+        self._state = AdapterState()  # their names, read by every pick: made once per load
         self._lock = asyncio.Lock()  # one load at a time: each reads the engine's list after it
-        self.loads = 0
-        self.evictions = 0
 
     async def request(self, spec: AdapterSpec) -> LoRARequest:
         """``spec`` as the engine takes it, loaded; raises InvalidRequest when it cannot be."""
@@ -46,10 +44,11 @@ class EngineAdapters:
             raise InvalidRequest(f"The LoRA adapter '{spec.name}' cannot run here: this model's workers serve no "
                                  "adapters (LLMQ_MAX_LORAS is 0)")
         # A new source under the same name is another adapter to the engine: a new id.
-        lora_id = self._ids.get((spec.name, spec.source)) or self._ids.setdefault((spec.name, spec.source),
-                                                                                 next(self._next_id))
+        key = (spec.name, spec.source)
+        if key not in self._ids:
+            self._ids[key] = next(self._next_id)
+        lora_id = self._ids[key]
         lora = LoRARequest(lora_name=spec.name, lora_int_id=lora_id, lora_path=spec.source)
-        self._names[lora_id] = spec.name
         if lora_id not in self._held:
             async with self._lock:
                 if lora_id not in self._held:
@@ -60,8 +59,7 @@ class EngineAdapters:
         """The names of the adapters the engine listed after this worker's last load (what it
         holds, unless a job's step reloaded one it had evicted since), with the loads and evictions
         so far."""
-        return AdapterState(sorted(self._names[i] for i in self._held if i in self._names), self.loads,
-                            self.evictions)
+        return self._state
 
     async def _load(self, lora: LoRARequest) -> None:
         try:
@@ -71,7 +69,8 @@ class EngineAdapters:
             log.warning("adapter_load_failed", adapter=lora.lora_name, error=why[:500])
             raise InvalidRequest(f"The LoRA adapter '{lora.lora_name}' could not be loaded: {why}"[:1000]) from None
         held = set(await self.engine.list_loras())
-        self.loads += 1
-        self.evictions += len(self._held - held)
+        evicted = len(self._held - held)
         self._held = held
+        self._state = AdapterState(sorted(name for (name, _), i in self._ids.items() if i in held),
+                                   self._state.loads + 1, self._state.evictions + evicted)
         log.info("adapter_loaded", adapter=lora.lora_name, held=len(held))

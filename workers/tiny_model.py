@@ -36,6 +36,9 @@ from pathlib import Path
 SEED = 1234
 # Upper bound only: the small corpus runs out of merges at ~625 tokens.
 VOCAB_SIZE = 1024
+# The model's width and depth: its adapters (build_tiny_adapter) are shaped by them too.
+HIDDEN = 128
+LAYERS = 4
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
 
 # Added after training, so every trained token keeps its id (these take 625-630,
@@ -217,10 +220,10 @@ def build_tiny_model(path: Path) -> Path:
         # The trained tokens only, as the first build had: the seed then draws
         # the first build's weights, and the agent tokens' rows come below.
         vocab_size=trained,
-        hidden_size=128,
+        hidden_size=HIDDEN,
         num_attention_heads=4,  # head_dim 32: vLLM's CPU attention rejects 16
         num_key_value_heads=4,
-        num_hidden_layers=4,
+        num_hidden_layers=LAYERS,
         intermediate_size=384,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
@@ -299,7 +302,7 @@ def ensure_tiny_model(path: Path) -> Path:
     return _ensure(path, build_tiny_model, _is_built)
 
 
-# The tiny model's attention projections, each 128 x 128 (hidden_size above): what its adapters adapt.
+# The tiny model's attention projections, each HIDDEN x HIDDEN: what its adapters adapt.
 ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 ADAPTER_RANK = 8
 
@@ -316,15 +319,14 @@ def build_tiny_adapter(path: Path, *, seed: int, rank: int = ADAPTER_RANK, base:
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    hidden, layers = 128, 4  # build_tiny_model's hidden_size and num_hidden_layers
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
-    for layer in range(layers):
+    for layer in range(LAYERS):
         for target in ADAPTER_TARGETS:
             prefix = f"base_model.model.model.layers.{layer}.self_attn.{target}"
             # Scaled so the adapter moves the logits as much as the base weights do (std 0.1).
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator) * 0.3
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(hidden, rank, generator=generator) * 0.3
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, HIDDEN, generator=generator) * 0.3
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(HIDDEN, rank, generator=generator) * 0.3
     save_file(tensors, str(path / "adapter_model.safetensors"))
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": rank,
               "lora_alpha": rank, "lora_dropout": 0.0, "target_modules": list(ADAPTER_TARGETS), "bias": "none",

@@ -499,11 +499,12 @@ class ChatStream(StreamRenderer[bytes]):
         self.frame = sse if sse_format else jsonline
         self.media_type = SSE if sse_format else JSONLINES
         self.want_logprobs, self.role, self.tier = req.sampling.logprobs is not None, response_role(req), _tier(req)
+        self.model = req.served_name  # read once, not per chunk
         self.started = False
 
     def _chunk(self, choices: list[ChunkChoice], usage: CompletionUsage | UnsetType = UNSET) -> bytes:
         return self.frame(ChatCompletionChunk(id=f"chatcmpl-{self.job_id}", created=self.created,
-                                              model=self.req.served_name, service_tier=self.tier, choices=choices,
+                                              model=self.model, service_tier=self.tier, choices=choices,
                                               usage=usage))
 
     def step(self, event: Tokens | Done) -> list[bytes]:

@@ -324,13 +324,14 @@ class CompletionStream(SseKeepalive, StreamRenderer[bytes]):
         self.reqs = reqs if isinstance(reqs, list) else [reqs]
         self.first = self.reqs[0]
         self.n = self.first.sampling.n
+        self.model = self.first.served_name  # read once, not per chunk
         self.job_id, self.created = job_id, created
         self.offsets: dict[int, int] = {}
         self.prompts: dict[int, PromptInfo] = {}
 
     def _chunk(self, choices: list[CompletionChoice], usage: CompletionUsage | UnsetType = UNSET) -> bytes:
-        return sse(Completion(id=f"cmpl-{self.job_id}", created=self.created, model=self.first.served_name,
-                              choices=choices, usage=usage))
+        return sse(Completion(id=f"cmpl-{self.job_id}", created=self.created, model=self.model, choices=choices,
+                              usage=usage))
 
     def _choice(self, d: TokenDelta) -> CompletionChoice:
         text, texts, logprobs, tops = d.text, d.token_texts, d.logprobs, d.top_logprobs

@@ -9,7 +9,6 @@ replaces an entry of the same name, as in vLLM, for the jobs queued from then on
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import msgspec
@@ -19,7 +18,7 @@ from api.context import Ctx
 from api.dialects import openai_completions as oc
 from api.http import decode_body
 from api.services import Svc
-from shared.adapters import check_source, new_adapter
+from shared.adapters import canonical_source, check_source, new_adapter
 from shared.errors import InvalidRequest, ModelNotFound
 
 __all__ = ["ROUTES", "LoadAdapter", "UnloadAdapter"]
@@ -62,9 +61,8 @@ async def load_lora_adapter(request: Request, svc: Svc, ctx: Ctx) -> Response:
     if base not in known:
         raise ModelNotFound(f"The model `{base}` does not exist.", param="base_model_name")
     rank = check_source(source, svc.settings.max_lora_rank)
-    if rank is not None:  # a directory this host reads: the workers' view of it is assumed the same
-        source = str(Path(source).expanduser().resolve())
-    adapter = new_adapter(name, base, source, rank=rank, tenant=ctx.tenant if body.private else None)
+    adapter = new_adapter(name, base, canonical_source(source, rank), rank=rank,
+                          tenant=ctx.tenant if body.private else None)
     store = svc.models.adapter_store
     existing = await store.get(name)
     if existing is not None and not existing.visible_to(ctx.tenant):

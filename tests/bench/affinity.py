@@ -39,9 +39,8 @@ from redis.asyncio import Redis
 from shared.config import DEFAULT_MODEL, load_settings
 from shared.keys import Keys
 from shared.metrics import decode_samples
-from shared.redis import redis_server_binary
 from tests.bench.procs import load_average, markdown_table, percentile, report_head, save
-from tests.bench.serving import TARGET_SETS, _spawn, _stop, _until_200, _wait_stopped, engine_env
+from tests.bench.serving import TARGET_SETS, _spawn, _until_200, engine_env, owned_processes, spawn_redis
 from tests.conftest import free_port
 
 __all__ = ["main"]
@@ -90,20 +89,11 @@ async def _start(stack: AsyncExitStack, name: str, workers: int, affinity_ms: st
     prefix = f"aff-{uuid.uuid4().hex[:6]}"
     env = {**env, "LLMQ_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0", "LLMQ_PREFIX": prefix,
            "LLMQ_PORT": str(api_port), "LLMQ_HOST": "127.0.0.1", "LLMQ_AFFINITY_MS": affinity_ms}
-    procs = [(_spawn([redis_server_binary(), "--bind", "127.0.0.1", "--port", str(redis_port), "--dir",
-                      str(logs / slug), "--save", "", "--appendonly", "no"], env, logs / slug / "redis.log"),
-              logs / slug / "redis.log")]
+    procs = owned_processes(stack)
+    procs.append(spawn_redis(redis_port, logs / slug / "redis", env))
     procs += [(_spawn([sys.executable, "-m", "workers"], env, logs / slug / f"worker{i}.log"),
                logs / slug / f"worker{i}.log") for i in range(workers)]
     procs.append((_spawn([sys.executable, "-m", "api"], env, logs / slug / "api.log"), logs / slug / "api.log"))
-
-    def stop_all() -> None:
-        for p, _ in procs:
-            _stop(p)
-        for p, _ in procs:
-            _wait_stopped(p)
-
-    stack.callback(stop_all)
     url = f"http://127.0.0.1:{api_port}"
     await _until_200(f"{url}/ping", procs)
     deployment = Deployment(name, url, env["LLMQ_REDIS_URL"], prefix, settings.model_name)

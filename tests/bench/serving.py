@@ -34,7 +34,8 @@ from tests.bench.workload import RequestRecord, Summary, prompts_for, run_worklo
 from tests.conftest import REPO, free_port
 from tests.support.processes import spawn_logged
 
-__all__ = ["Run", "Target", "HttpTarget", "TargetSet", "TARGET_SETS", "measure", "start_targets", "vllm_server_args"]
+__all__ = ["Run", "Target", "HttpTarget", "TargetSet", "TARGET_SETS", "measure", "start_targets", "vllm_server_args",
+           "owned_processes", "spawn_redis"]
 
 READY_TIMEOUT_S = 600.0  # three engines loading and warming up at once on 2 shared cores
 
@@ -221,6 +222,29 @@ def _wait_stopped(proc: subprocess.Popen, timeout_s: float = 30) -> None:
         proc.wait()
 
 
+def owned_processes(stack: AsyncExitStack) -> list[tuple[subprocess.Popen, Path]]:
+    """A list of (process, log) that ``stack`` stops when it closes: each process's session is
+    sent SIGTERM, then every one is waited for (SIGKILL after 30 s)."""
+    procs: list[tuple[subprocess.Popen, Path]] = []
+
+    def stop_all() -> None:
+        for p, _ in procs:
+            _stop(p)
+        for p, _ in procs:
+            _wait_stopped(p)
+
+    stack.callback(stop_all)
+    return procs
+
+
+def spawn_redis(port: int, data_dir: Path, env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
+    """A throwaway redis-server for a benchmark's llmq (no persistence), logging beside its data."""
+    data_dir.mkdir(exist_ok=True)
+    log = data_dir.parent / f"{data_dir.name}.log"
+    return _spawn([redis_server_binary(), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir),
+                   "--save", "", "--appendonly", "no"], env, log), log
+
+
 def _status(url: str) -> int:
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
@@ -293,22 +317,12 @@ async def start_targets(
 
         ensure_tiny_model(settings.model_path)
     env = engine_env(settings, overlay)
-    procs: list[tuple[subprocess.Popen, Path]] = []
-
-    def stop_all() -> None:
-        for p, _ in procs:
-            _stop(p)
-        for p, _ in procs:
-            _wait_stopped(p)
-
-    stack.callback(stop_all)
+    procs = owned_processes(stack)
     targets: dict[str, Target] = {}
     waits = []
     if "llmq" in names:
         redis_port, api_port = free_port(), free_port()
-        (logs / "redis").mkdir(exist_ok=True)
-        redis = _spawn([redis_server_binary(), "--bind", "127.0.0.1", "--port", str(redis_port), "--dir",
-                        str(logs / "redis"), "--save", "", "--appendonly", "no"], env, logs / "redis.log")
+        redis, redis_log = spawn_redis(redis_port, logs / "redis", env)
         llmq_env = {**env, "LLMQ_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
                     "LLMQ_PREFIX": f"bench-{uuid.uuid4().hex[:6]}", "LLMQ_PORT": str(api_port),
                     "LLMQ_HOST": "127.0.0.1"}
@@ -317,7 +331,7 @@ async def start_targets(
                      "housekeeping": logs / "llmq-housekeeping.log"}
         modules = {"worker": "workers", "api": "api", "housekeeping": "workers.housekeeping"}
         llmq = {role: _spawn([sys.executable, "-m", modules[role]], llmq_env, log) for role, log in llmq_logs.items()}
-        llmq_procs = [(redis, logs / "redis.log"), *((llmq[role], log) for role, log in llmq_logs.items())]
+        llmq_procs = [(redis, redis_log), *((llmq[role], log) for role, log in llmq_logs.items())]
         procs += llmq_procs
         url = f"http://127.0.0.1:{api_port}"
         meter = CpuMeter({"api": llmq["api"].pid, "worker": llmq["worker"].pid, "redis": redis.pid,
