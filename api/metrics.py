@@ -40,7 +40,9 @@ OTHER = "other"
 # A usage hash's figure (field ``<tenant>:<figure>``, shared/tenants.py) -> (counter, divisor to its unit).
 _COUNTERS = {"requests": ("llmq_tenant_requests_total", 1), "prompt_tokens": ("llmq_tenant_prompt_tokens_total", 1),
              "generated_tokens": ("llmq_tenant_generated_tokens_total", 1),
-             "engine_ms": ("llmq_tenant_engine_seconds_total", 1000)}
+             "engine_ms": ("llmq_tenant_engine_seconds_total", 1000),
+             "preemptions": ("llmq_tenant_preemptions_total", 1),
+             "preempted_ms": ("llmq_tenant_preempted_seconds_total", 1000)}
 
 
 async def tenant_series(redis: Redis, keys: Keys, model: str, cap: int) -> list[Sample]:

@@ -33,7 +33,8 @@ _JSON_FIELDS = {"request": _request_decoder, "result": _result_decoder, "error":
 # Job-hash fields left out while they hold their default: every reader takes a missing one for it
 # (the scripts' ``or`` fallbacks, the record's own defaults), and a finished job keeps its record
 # for LLMQ_RESULT_TTL_S. ``status`` and ``queued_at`` stay: operators read them with redis-cli.
-_OMITTED_WHEN_DEFAULT = frozenset({"worker", "attempt", "cancel", "owner", "webhook_attempts"})
+_OMITTED_WHEN_DEFAULT = frozenset({"worker", "attempt", "cancel", "owner", "webhook_attempts", "preemptions",
+                                   "preempted_ms"})
 _RECORD_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(JobRecord)}
 
 

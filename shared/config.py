@@ -175,6 +175,19 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     affinity_hold_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
     """LLMQ_AFFINITY_HOLD_S: how long a worker counts as holding a prefix key or an adapter after its last
     job of it (`llmq:{model}:holder:<key>` in Redis); about as long as its prefix cache keeps a conversation."""
+    preempt: bool = True
+    """LLMQ_PREEMPT: a worker with no free slot gives a running job's slot to a waiting job owed it: a
+    tenant's under its share while the running job's tenant is over its own, or a more urgent priority
+    level's (docs/tenants.md#preemption). The job given back waits again, first in its tenant's line,
+    and continues from its published tokens; its client sees a pause. false: a job keeps its slot
+    to its end, and fair share works only as slots free."""
+    preempt_max: Annotated[int, msgspec.Meta(ge=0)] = 3
+    """LLMQ_PREEMPT_MAX: how many times one job may be preempted; after that it keeps its slot."""
+    preempt_min_run_ms: Annotated[int, msgspec.Meta(ge=0)] = 250
+    """LLMQ_PREEMPT_MIN_RUN_MS: a job runs at least this long (each time it starts) before it may be
+    preempted, so that nothing thrashes: every start buys some progress for its prefill."""
+    preempt_min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 4
+    """LLMQ_PREEMPT_MIN_TOKENS: and makes at least this many tokens each time it starts."""
     max_loras: Annotated[int, msgspec.Meta(ge=0)] = 0
     """LLMQ_MAX_LORAS: LoRA adapters a worker's engine holds at once (vLLM's `--max-loras`); 0: the worker
     serves no adapters, and an adapter's job fails with a 400 that says so. A worker loads an adapter

@@ -31,6 +31,7 @@ __all__ = [
     "DeadLetter",
     "WorkerLost",
     "LeaseLost",
+    "Preempted",
     "Unauthorized",
     "Overloaded",
     "RateLimited",
@@ -141,6 +142,11 @@ class WorkerLost(ServiceError, status=503, code="worker_lost"):
 
 class LeaseLost(ServiceError, status=503, code="lease_lost"):
     """Internal: this worker no longer owns the job (a peer reclaimed it); it writes nothing more."""
+
+
+class Preempted(LeaseLost, code="preempted"):
+    """Internal: this worker gave the job's slot to a waiting job owed it (preempt.lua); the job
+    waits again and continues on whichever worker picks it. This one writes nothing more about it."""
 
 
 class Unauthorized(ServiceError, status=401, code="unauthorized"):

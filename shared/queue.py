@@ -38,7 +38,7 @@ from shared.redis_memory import MemoryGuard
 from shared.schemas import GenerationRequest, JobError, JobGroup, JobRecord, JobResult, Usage, estimate_tokens
 from shared.tenants import DEFAULT_TENANT, TenantConfig, today
 
-__all__ = ["Queue", "Delivery", "DeliveryState", "Picked", "Outbound", "Flushed", "Held", "now_ms", "level_of"]
+__all__ = ["Queue", "Delivery", "DeliveryState", "Picked", "Swap", "Outbound", "Flushed", "Held", "now_ms", "level_of"]
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -120,6 +120,8 @@ class Delivery:
     tenant: str = ""
     relay: str = ""
     """The relay channels its record named at the claim (take.lua puts them in its shard's fence)."""
+    preemptions: int = 0
+    """How often it gave its slot to a job owed it before this claim (preempt.lua)."""
 
 
 class Logged(NamedTuple):
@@ -214,6 +216,21 @@ class Picked(NamedTuple):
     wake_ms: int = 0
     """With affinity: ms until a job this pick left for another worker becomes anyone's, the
     longest :meth:`Queue.wait_for_work` may block (no new entry will wake it for that job); 0: none."""
+
+
+class Swap(NamedTuple):
+    """What one preemption check (:meth:`Queue.preempt`) gave a worker with no free slot."""
+
+    victim: str | None
+    """The running job that gives way (handed back: it waits again); None: none does."""
+    deliveries: list[Delivery]
+    """The job picked into its slot, claimed but not confirmed (as :meth:`Queue.pick` with
+    ``confirm=False``: :meth:`Queue.confirm` it, passing ``acked``, before writing about it)."""
+    acked: int
+    waiting: bool
+    """A job waits (none gave way for it now): the worker asks again soon."""
+    tops: list[bytes]
+    """Nothing waits: each level's newest waiting entry (:attr:`Picked.tops`)."""
 
 
 class Queue:
@@ -496,6 +513,18 @@ class Queue:
             return Picked(deliveries, tops, acked=acked, wake_ms=wake_ms)
         return Picked(await self.confirm(model, consumer, deliveries, acked), tops, wake_ms=wake_ms)
 
+    async def preempt(self, model: str, consumer: str, candidates: Sequence[scripts.Candidate], *,
+                      max_failed: int, max_preemptions: int) -> Swap:
+        """Whether one of ``candidates`` (running jobs of ``consumer``, whose engine has no free
+        slot) gives way to a waiting job, and if so the swap, in one round trip (preempt.lua): the
+        candidate handed back to wait again, the waiting job picked and claimed in its place."""
+        call = scripts.preempt(self.keys, model, consumer, candidates, now=now_ms(), max_failed=max_failed,
+                               max_preemptions=max_preemptions)
+        (victim, rows, waiting, tops), acked = await self._run(call)
+        deliveries = self._deliveries([(int(level), entry_id, job.decode()) for level, entry_id, job, _ in rows],
+                                      [state for *_, state in rows], reclaimed=False)
+        return Swap(candidates[victim].job_id if victim >= 0 else None, deliveries, acked, bool(waiting), tops)
+
     async def _run(self, call: scripts.Call) -> tuple[Any, int]:
         """Run a script; under LLMQ_DURABILITY with the WAIT after it: its reply, and the
         confirmations of its writes (0 when nothing is waited for)."""
@@ -679,7 +708,7 @@ class Queue:
         """Deliveries from entries (level, entry id, job id) and their claim rows (claim.lua)."""
         deliveries = []
         for (level, entry_id, job_id), row in zip(entries, states, strict=True):
-            raw, request, queued_at, attempt, deadline, trace, lost, lost_started, tenant, relay = row
+            raw, request, queued_at, attempt, deadline, trace, lost, lost_started, tenant, relay, preemptions = row
             state: DeliveryState = raw.decode()
             assert state in _STATES, f"claim.lua returned an unknown state {state!r}"
             decoded = None
@@ -706,6 +735,7 @@ class Queue:
                 lost_worker=lost.decode() if lost else "",
                 lost_started=float(lost_started) if lost_started else 0.0,
                 tenant=tenant.decode() if tenant else "",
+                preemptions=preemptions,
             ))
         return deliveries
 

@@ -364,6 +364,11 @@ class JobRecord(msgspec.Struct, kw_only=True):
     deadline: float | None = None
     """Epoch ms by which the job must be finished: past it a queued job never starts and a running
     one is aborted, both ending with ``deadline_exceeded``."""
+    preemptions: int = 0
+    """How often the job gave its engine slot to a job owed it, and waited again
+    (docs/tenants.md#preemption)."""
+    preempted_ms: int = 0
+    """The time it spent waiting again after its preemptions."""
     webhook: str | None = None
     """The request's webhook URL, as a field of its own so the script ending the job sees it."""
     webhook_status: Literal["delivered", "failed"] | None = None

@@ -40,7 +40,7 @@ from shared.keys import GROUP, LEVELS, Keys, shard_of
 from shared.redis import refusal
 
 __all__ = ["Library", "Group", "Script", "Call", "Scripts", "SCRIPTS", "LIBRARIES", "source", "sharded",
-           "Extra"]
+           "Extra", "Candidate"]
 
 Value = str | bytes | int | float
 
@@ -59,7 +59,8 @@ class Library:
 FAIR = Library("tenants.lua", "Fair")
 JOB = Library("job.lua", "Job", uses=(FAIR,))
 CLAIM = Library("claim.lua", "Claim")
-LIBRARIES = (FAIR, JOB, CLAIM)
+PICK = Library("pick.lua", "Pick", uses=(FAIR, CLAIM))
+LIBRARIES = (FAIR, JOB, CLAIM, PICK)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +156,7 @@ READ = Script(
     key_groups=(Group("levels", ("queue", "waiting", "fair")),),
     argv=("group", "consumer", "count", "tenant_prefix", "job_prefix", "now", "max_failed", "levels", "levels_at",
           "levels_width", "holder_prefix", "affinity_ms", "hold_ms", "own"),
-    uses=(FAIR, CLAIM),
+    uses=(FAIR, PICK),
 )
 
 
@@ -181,6 +182,44 @@ def read(keys: Keys, model: str, consumer: str, count: int, *, now: float, max_f
     return Call(READ, k, [GROUP, consumer, count, keys.tenant(model, ""), keys.job(model, ""), now, max_failed, LEVELS,
                           *_places(len(READ.keys) + 1, READ.key_groups, [LEVELS]), keys.holder(model, ""),
                           affinity.wait_ms, affinity.hold_ms, "\n".join(affinity.adapters)])
+
+
+PREEMPT = Script(
+    "preempt.lua",
+    keys=("clock",),
+    key_groups=(Group("levels", ("queue", "waiting", "fair")), Group("job_keys", ("job",))),
+    argv=("group", "consumer", "tenant_prefix", "job_prefix", "now", "max_failed", "max_preemptions", "levels",
+          "levels_at", "levels_width", "job_keys_at", "job_keys_width", "jobs_at", "jobs_width"),
+    argv_groups=(Group("jobs", ("job_id", "entry", "attempt", "level", "used")),),
+    uses=(FAIR, PICK),
+)
+
+
+class Candidate(NamedTuple):
+    """A running job a worker offers to give way (preempt.lua)."""
+
+    job_id: str
+    entry: bytes
+    attempt: int
+    level: int
+    prompt_tokens: int
+    """What it has used so far: counted for its tenant should it end before it runs again."""
+    generated_tokens: int
+
+
+def preempt(keys: Keys, model: str, consumer: str, candidates: Sequence[Candidate], *, now: float, max_failed: int,
+            max_preemptions: int) -> Call:
+    k = [keys.fair_clock(model)]
+    for lvl in range(LEVELS):
+        k += [keys.queue(model, lvl), keys.waiting(model, lvl), keys.fair(model, lvl)]
+    k += [keys.job(model, c.job_id) for c in candidates]
+    args: list[Value] = [GROUP, consumer, keys.tenant(model, ""), keys.job(model, ""), now, max_failed,
+                         max_preemptions, LEVELS,
+                         *_places(len(PREEMPT.keys) + 1, PREEMPT.key_groups, [LEVELS, len(candidates)]),
+                         *_places(len(PREEMPT.argv) + 1, PREEMPT.argv_groups, [len(candidates)])]
+    for c in candidates:
+        args += [c.job_id, c.entry, c.attempt, c.level, f"{c.prompt_tokens} {c.generated_tokens}"]
+    return Call(PREEMPT, k, args)
 
 
 CLAIM_TAKEN = Script(
@@ -503,8 +542,8 @@ def file_rendered(file: str, meta: bytes, content: bytes) -> Call:
     return Call(FILE_RENDERED, [file], [meta, content])
 
 
-SCRIPTS = (ENQUEUE, READ, CLAIM_TAKEN, TAKEOVER, RENEW, ACK, CANCEL, ADD_FOLLOWER, FOLLOW, SET_IF_EXISTS, READ_LOG,
-           EXPIRE, FLUSH, TAKE, RELEASE, SETTLE, FINISH, BATCH_CREATE, BATCH_STATUS, FILE_RENDERED)
+SCRIPTS = (ENQUEUE, READ, PREEMPT, CLAIM_TAKEN, TAKEOVER, RENEW, ACK, CANCEL, ADD_FOLLOWER, FOLLOW, SET_IF_EXISTS,
+           READ_LOG, EXPIRE, FLUSH, TAKE, RELEASE, SETTLE, FINISH, BATCH_CREATE, BATCH_STATUS, FILE_RENDERED)
 
 
 # --- loading and running ----------------------------------------------------------------------

@@ -71,6 +71,9 @@ class TenantUsage(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     generated_tokens: int
     engine_seconds: float
+    preemptions: int = 0
+    """Its jobs that gave their slot to a job owed it (docs/tenants.md#preemption)."""
+    preempted_seconds: float = 0.0
 
 
 class Held(msgspec.Struct, kw_only=True):
@@ -122,7 +125,8 @@ async def _model(redis: Redis, keys: Keys, name: str, now: float, top: int, held
         dead_letters=reading.dead_letters, ready_workers=reading.ready_workers, levels=levels,
         top_tenants=[TenantUsage(tenant=tenant, requests=u.get("requests", 0), prompt_tokens=u.get("prompt_tokens", 0),
                                  generated_tokens=u.get("generated_tokens", 0),
-                                 engine_seconds=u.get("engine_ms", 0) / 1000) for tenant, u in ranked],
+                                 engine_seconds=u.get("engine_ms", 0) / 1000, preemptions=u.get("preemptions", 0),
+                                 preempted_seconds=u.get("preempted_ms", 0) / 1000) for tenant, u in ranked],
     )
 
 
@@ -188,9 +192,10 @@ def render(status: Status) -> str:
                             [[h.worker, h.prefixes, ", ".join(h.adapters) or None] for h in m.held])
         if m.top_tenants:
             lines += ["", f"  top tenants of {status.day} (UTC), by tokens:"]
-            lines += _table(["tenant", "requests", "prompt tokens", "generated tokens", "engine (s)"],
-                            [[t.tenant, t.requests, t.prompt_tokens, t.generated_tokens, round(t.engine_seconds, 3)]
-                             for t in m.top_tenants])
+            lines += _table(["tenant", "requests", "prompt tokens", "generated tokens", "engine (s)", "preemptions",
+                             "waited again (s)"],
+                            [[t.tenant, t.requests, t.prompt_tokens, t.generated_tokens, round(t.engine_seconds, 3),
+                              t.preemptions, round(t.preempted_seconds, 3)] for t in m.top_tenants])
     lines += ["", f"workers: {len(status.workers)}"]
     if status.workers:
         lines += _table(["id", "model", "status", "slots", "running", "host", "pid", "device", "last beat (s ago)",

@@ -41,7 +41,7 @@ DEFAULT_TENANT = "default"
 DEFAULTS = "*"
 """The settings hash every tenant without its own falls back to, field by field."""
 _TENANT = re.compile(r"[A-Za-z0-9._@-]{1,64}")
-USAGE_FIELDS = ("requests", "prompt_tokens", "generated_tokens", "engine_ms")
+USAGE_FIELDS = ("requests", "prompt_tokens", "generated_tokens", "engine_ms", "preemptions", "preempted_ms")
 
 
 def key_hash(key: str) -> str:
@@ -154,12 +154,17 @@ class UsageRow(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     generated_tokens: int = 0
     engine_seconds: float = 0.0
+    preemptions: int = 0
+    """How often its jobs gave their engine slot to another tenant's (docs/tenants.md#preemption)."""
+    preempted_seconds: float = 0.0
+    """The time its preempted jobs waited again before they continued."""
 
 
 def _row(day: str, model: str, counts: dict[str, int], adapter: str | msgspec.UnsetType = msgspec.UNSET) -> UsageRow:
     return UsageRow(date=day, model=model, adapter=adapter, requests=counts.get("requests", 0),
                     prompt_tokens=counts.get("prompt_tokens", 0), generated_tokens=counts.get("generated_tokens", 0),
-                    engine_seconds=counts.get("engine_ms", 0) / 1000)
+                    engine_seconds=counts.get("engine_ms", 0) / 1000, preemptions=counts.get("preemptions", 0),
+                    preempted_seconds=counts.get("preempted_ms", 0) / 1000)
 
 
 async def read_usage(redis: Redis, keys: Keys, models: list[str], tenant: str, days: list[str]) -> list[UsageRow]:

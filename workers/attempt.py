@@ -192,6 +192,8 @@ class Attempt:
         """This attempt's events as JSON, seqs ``base`` + 1 on: for the compact log its end leaves,
         and to write again what a failover took back from the log."""
         self.result: JobResult | None = None
+        self.carried = 0
+        """Completion tokens earlier attempts published (:meth:`continues`): the rest are this one's."""
         self.fresh = True
         """No earlier attempt published a token: this one records the first token's time."""
         self._prompt_ids: list[int] | None = []  # [] = not yet known; None = nothing (more) to store
@@ -211,6 +213,7 @@ class Attempt:
         (workers/continuation.py's plan)."""
         self.seq, self.base, self.builder = seq, seq, builder
         self.usage.prompt_tokens, self.usage.completion_tokens = prompt_tokens, emitted
+        self.carried = emitted
         if emitted:
             # The first token's time was recorded by the first attempt, and the prompt's ids too.
             self.fresh, self._prompt_ids = False, None

@@ -45,15 +45,16 @@ from shared.errors import (
     JobCancelled,
     JobMissing,
     LeaseLost,
+    Preempted,
     ServiceError,
 )
 from shared.events import Done, Error, Event, Timings, is_terminal
 from shared.metrics import Recorder
-from shared.queue import Delivery, Held, Outbound, Queue, now_ms
+from shared.queue import Delivery, Held, Outbound, Queue, Swap, now_ms
 from shared.redis import REDIS_DOWN
 from shared.registry import Registry
 from shared.schemas import GenerationRequest, JobResult, Usage
-from shared.scripts import NO_AFFINITY, Affinity
+from shared.scripts import NO_AFFINITY, Affinity, Candidate
 from workers.attempt import Attempt
 from workers.continuation import plan_for
 from workers.presence import Presence, Status
@@ -67,6 +68,10 @@ if TYPE_CHECKING:  # OpenTelemetry is imported only with tracing on
 __all__ = ["Worker"]
 
 log = structlog.get_logger()
+
+PREEMPT_POLL_S = 0.02
+"""How often a full worker asks again whether a running job should give way, while jobs wait
+(preempt.lua: one short script): a light tenant's job waits at most this long for its swap."""
 
 
 async def _cancel(*tasks: asyncio.Task[None]) -> None:
@@ -90,6 +95,14 @@ class _Running:
     claim: asyncio.Event | None = None
     """Set once its claim is on the replicas LLMQ_DURABILITY wants (None: it was when the job
     started). The engine runs meanwhile; nothing about the job is written before it is set."""
+    tenant: str = ""
+    preemptible: bool = False
+    """It may give way to a waiting job: it has a tenant, is not a beam search (which publishes only
+    at its end: nothing to continue from), and was preempted fewer than LLMQ_PREEMPT_MAX times."""
+    preemptions: int = 0
+    started: float = 0.0  # the event loop's time at its start
+    attempt: Attempt | None = None  # once its task runs
+    slot_passed: bool = False  # preempted: its slot went to the job that took its place, not back
 
 
 class Worker:
@@ -112,6 +125,9 @@ class Worker:
         it is still in the outbox, with its attempt: the job's next steps join it (Attempt.on_step's
         ``join``) until the flusher takes the outbox, which then takes the event's bytes
         (Attempt.sealed)."""
+        self._ends_unwritten = 0
+        """Terminal events in the outbox or being written: their jobs' slots are free here, while
+        Redis still counts them running (:meth:`_written_ends`)."""
         self._outbox_ready = asyncio.Event()
         self._stopping = asyncio.Event()
         self._closing = False  # set after the drain: the flusher exits once the outbox is empty
@@ -167,7 +183,7 @@ class Worker:
     async def _reader(self) -> None:
         delay = 0.1
         while not self._stopping.is_set():
-            if self.slots.available <= 0:
+            if self.slots.available <= 0 and not self.settings.preempt:
                 await self.slots.wait_free(self._stopping)
                 continue
             if not self.presence.control_up.is_set():
@@ -178,6 +194,10 @@ class Worker:
                         await self.presence.control_up.wait()
                 continue
             try:
+                if self.slots.available <= 0:
+                    await self._full()
+                    delay = 0.1
+                    continue
                 await self._reclaim()
                 waiting = await self._pick()
                 # Nobody waits: block, holding no slot (a takeover meanwhile may need them all),
@@ -198,6 +218,7 @@ class Worker:
         """Pick as many new jobs as there are slots available and start them. Returns, when
         nobody waits, where to wait for work from and for how long at most
         (:attr:`shared.queue.Picked.tops`, :attr:`~shared.queue.Picked.wake_ms`); else None."""
+        await self._written_ends()
         with self.slots.reserve(self.slots.available) as slots:
             if not slots.held:
                 return None
@@ -206,6 +227,91 @@ class Worker:
             if picked.acked is not None:
                 await self._start_confirming(picked.deliveries, picked.acked, slots)
         return None if picked.deliveries else (picked.tops, picked.wake_ms)
+
+    # --- preemption ---------------------------------------------------------------------------
+
+    async def _full(self) -> None:
+        """No free slot: wait for one. Meanwhile offer the running jobs that may give way
+        (:meth:`_candidates`) to a waiting job owed a slot (preempt.lua, docs/tenants.md#preemption),
+        and swap one for it; asked again every PREEMPT_POLL_S while jobs wait, and, when nobody
+        waits, once a job is queued."""
+        candidates, soonest = self._candidates()
+        if candidates:
+            await self._written_ends()
+            swap = await self.queue.preempt(self.model, self.worker_id, candidates,
+                                            max_failed=self.settings.max_deliveries,
+                                            max_preemptions=self.settings.preempt_max)
+            if swap.victim is not None:
+                await self._swap(swap)
+                return
+            if not swap.waiting:  # a slot that frees meanwhile has nobody to run: no hurry
+                await self.queue.wait_for_work(self.model, swap.tops, self.settings.block_ms, self._stopping)
+                return
+            soonest = PREEMPT_POLL_S
+        elif soonest is None:  # none of ours may give way, now or later
+            await self.slots.wait_free(self._stopping)
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(soonest):
+                await self.slots.wait_free(self._stopping)
+
+    def _candidates(self) -> tuple[list[Candidate], float | None]:
+        """The running jobs that may give way now: per tenant and level the one preempted least
+        often, then cheapest to resume (the fewest tokens to compute again), past LLMQ_PREEMPT_MIN_RUN_MS and
+        LLMQ_PREEMPT_MIN_TOKENS in this start, its claim confirmed; and the seconds until another
+        may (None: none will)."""
+        now = asyncio.get_running_loop().time()
+        min_run_s = self.settings.preempt_min_run_ms / 1000
+        cheapest: dict[tuple[str, int], tuple[tuple[int, int], Candidate]] = {}
+        soonest: float | None = None
+        for job_id, r in self._running.items():
+            if not r.preemptible or r.stop_reason is not None:
+                continue
+            attempt = r.attempt
+            wait = min_run_s - (now - r.started)
+            if wait <= 0 and (attempt is None or r.claim is not None
+                              or attempt.usage.completion_tokens - attempt.carried < self.settings.preempt_min_tokens):
+                wait = PREEMPT_POLL_S  # not started, or not confirmed, or too few tokens yet: soon
+            if wait > 0:
+                soonest = wait if soonest is None else min(soonest, wait)
+                continue
+            assert attempt is not None
+            usage = attempt.usage
+            cost = (r.preemptions, usage.prompt_tokens + usage.completion_tokens)
+            key = (r.tenant, r.held.level)
+            if key not in cheapest or cost < cheapest[key][0]:
+                cheapest[key] = (cost, Candidate(job_id, r.held.entry_id, r.held.attempt, r.held.level,
+                                                 usage.prompt_tokens, usage.completion_tokens))
+        return [c for _, c in cheapest.values()], soonest
+
+    async def _swap(self, swap: Swap) -> None:
+        """A running job gave way (preempt.lua handed it back to wait again): stop it here, writing
+        nothing more (whoever picks it next continues it from its published tokens), and start the
+        job picked in its place, in its slot."""
+        assert swap.victim is not None
+        running = self._running.get(swap.victim)
+        self.metrics.inc("llmq_worker_preemptions_total")
+        log.info("job_preempted", job_id=swap.victim, by=[d.job_id for d in swap.deliveries])
+        if running is None:  # it ended meanwhile, and freed its slot
+            handover = self.slots.reserve(1)
+        else:
+            handover = self.slots.pass_on()
+            running.slot_passed = True
+            self.cancel_job(swap.victim, Preempted("its slot went to a job owed it"))
+        with handover as slots:
+            if slots.held:
+                await self._start_confirming(swap.deliveries, swap.acked, slots)
+                return
+        # Its slot went to a dead peer's job meanwhile: the picked job goes back for a peer.
+        held = [Held(d.job_id, d.entry_id, d.attempt, d.level) for d in swap.deliveries]
+        await self.queue.renew(self.model, self.worker_id, held, hand_back_idle_ms=self._lease_ms + 60_000)
+
+    async def _written_ends(self) -> None:
+        """Before a pick or a preemption check: the ends of the jobs whose slots just freed are
+        written first, so the fair share sees them ended (their tenants' running jobs and
+        counters) and gives no slot a preemption would take back at once."""
+        if self._ends_unwritten:
+            await self._flush_once()
 
     def _affinity(self) -> Affinity:
         """What this worker's pick says of affinity: the settings, and the adapters its engine holds."""
@@ -340,7 +446,10 @@ class Worker:
                 task = self._tasks.create_task(self._run_job(d, d.request, spans), name=f"job-{d.job_id}")
                 task.add_done_callback(functools.partial(self._cancelled_unstarted, d))
                 running = _Running(task=task, held=Held(d.job_id, d.entry_id, d.attempt, d.level), spans=spans,
-                                   claim=claim)
+                                   claim=claim, tenant=d.tenant, started=asyncio.get_running_loop().time(),
+                                   preemptions=d.preemptions,
+                                   preemptible=bool(d.tenant) and d.request.sampling.beam_width == 1
+                                   and d.preemptions < self.settings.preempt_max)
                 if d.deadline is not None:
                     running.deadline = asyncio.get_running_loop().call_later(
                         max(0.0, (d.deadline - now_ms()) / 1000), self.cancel_job, d.job_id,
@@ -389,12 +498,13 @@ class Worker:
         if running is not None:
             if running.deadline is not None:
                 running.deadline.cancel()
-            self.slots.free()
+            if not running.slot_passed:
+                self.slots.free()
 
     # --- one job ------------------------------------------------------------------------------
 
     async def _run_job(self, d: Delivery, req: GenerationRequest, spans: JobSpans | None = None) -> None:
-        attempt = self._attempt(d)
+        attempt = self._running[d.job_id].attempt = self._attempt(d)
         # How the attempt ended, for its span: "released" unless a branch below says otherwise.
         outcome = "released"
         # (With tracing on, trace_id is bound too: this task copied _accept's context.)
@@ -409,7 +519,10 @@ class Worker:
                     raise
                 await self.engine.abort(d.job_id)
                 if isinstance(reason, LeaseLost):
-                    # A peer owns the job now (or will, after a hand-back): write nothing about it.
+                    # A peer owns the job now (or will, after a hand-back or a preemption): write
+                    # nothing about it.
+                    if isinstance(reason, Preempted):
+                        outcome = reason.code
                     log.info("job_released", reason=reason.message)
                     return
                 outcome = reason.code
@@ -544,7 +657,8 @@ class Worker:
             self.metrics.inc("llmq_worker_jobs_ended_total", outcome="done" if isinstance(event, Done) else event.code)
             if d.queued_at:  # 0: a delivery whose record is missing
                 self.metrics.observe("llmq_e2e_seconds", (now_ms() - d.queued_at) / 1000)
-        self._outbox.append(Outbound(job_id=d.job_id, event=event, **extra))
+        self._outbox.append(out := Outbound(job_id=d.job_id, event=event, **extra))
+        self._ends_unwritten += out.terminal
         self._outbox_ready.set()
 
     def _seal(self, job_id: str) -> None:
@@ -558,6 +672,9 @@ class Worker:
     def _lose(self, job_ids: list[str]) -> None:
         """Jobs a peer took over (our lease lapsed): stop them here without writing anything."""
         for job_id in job_ids:
+            running = self._running.get(job_id)
+            if running is not None and isinstance(running.stop_reason, Preempted):
+                continue  # handed back on purpose: stopping already
             if self.cancel_job(job_id, LeaseLost("a peer took the job over")):
                 log.warning("lease_lost", job_id=job_id, **self._traced(job_id))
 
@@ -580,6 +697,7 @@ class Worker:
                 self._seal(job_id)
             if not batch:
                 return
+            ends = sum(out.terminal for out in batch)
             delay = 0.1
             while batch:
                 try:
@@ -592,6 +710,7 @@ class Worker:
                     log.warning("redis_flush_failed", events=len(batch), retry_in_s=delay, error=str(exc))
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 5.0)
+            self._ends_unwritten -= ends
 
     def _refill(self, batch: list[Outbound], gaps: dict[str, int]) -> list[Outbound]:
         """The events to flush again for jobs whose log lacks events a failover took back (its

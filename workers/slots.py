@@ -54,12 +54,23 @@ class Slots:
     def available(self) -> int:
         return self.total - self._running - self._reserved
 
-    @contextlib.contextmanager
-    def reserve(self, wanted: int) -> Iterator[Reservation]:
+    def reserve(self, wanted: int) -> contextlib.AbstractContextManager[Reservation]:
         """Hold up to ``wanted`` of the available slots (maybe none: see ``held``) for the
         duration of the block; whatever is not filled by then is available again."""
-        reservation = Reservation(self, max(0, min(wanted, self.available)))
-        self._reserved += reservation.held
+        return self._holding(max(0, min(wanted, self.available)))
+
+    def pass_on(self) -> contextlib.AbstractContextManager[Reservation]:
+        """A running job's slot, for the job that takes its place (a preemption): held as a
+        reservation of one from now, while the job that gave it up stops (its end frees nothing);
+        available again if the reservation ends unfilled."""
+        assert self._running > 0, "no running job's slot to pass on"
+        self._running -= 1
+        return self._holding(1)
+
+    @contextlib.contextmanager
+    def _holding(self, held: int) -> Iterator[Reservation]:
+        reservation = Reservation(self, held)
+        self._reserved += held
         try:
             yield reservation
         finally:

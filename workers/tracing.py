@@ -87,7 +87,8 @@ class JobSpans:
         return {t.TRACEPARENT: t.traceparent_of(self.engine)}
 
     def ended(self, outcome: str, usage: Usage, result: JobResult | None = None) -> None:
-        """``outcome``: ``done``, an error code, or ``released`` (a peer owns the job now)."""
+        """``outcome``: ``done``, an error code, ``released`` (a peer owns the job now) or
+        ``preempted`` (it gave its slot to a job owed it, and waits to continue)."""
         if self.attempt is None:
             return
         counts = {t.INPUT_TOKENS: usage.prompt_tokens, t.OUTPUT_TOKENS: usage.completion_tokens}
@@ -100,7 +101,7 @@ class JobSpans:
             span.set_attribute(t.FINISH_REASONS, [c.finish_reason or "" for c in result.choices])
             # How many calls, never their names or arguments (they can quote the conversation).
             span.set_attribute(t.TOOL_CALLS, sum(len(c.tool_calls or ()) for c in result.choices))
-        elif outcome != "released":
+        elif outcome not in ("released", "preempted"):  # the job goes on elsewhere: not an error
             span.set_attribute(t.ERROR_TYPE, outcome)
             span.set_status(Status(StatusCode.ERROR, outcome))
         span.end()

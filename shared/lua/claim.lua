@@ -5,7 +5,7 @@ local Claim = {}
 
 -- key: the job hash; worker, now (epoch ms), max failed deliveries.
 -- Returns {state, request, queued_at, attempt, deadline, traceparent,
---          lost_worker, lost_started, tenant, relay}; state is
+--          lost_worker, lost_started, tenant, relay, preemptions}; state is
 --   'missing'   no record (expired or never written): the caller only acks the entry;
 --   'finished'  already terminal (the entry outlived its job): the caller only acks it;
 --   'cancelled' cancelled before (re)start;   'dead' out of deliveries;
@@ -21,17 +21,21 @@ local Claim = {}
 -- ends.
 function Claim.start(key, worker, now, max_failed)
   local f = redis.call('HMGET', key, 'request', 'queued_at', 'cancel', 'status', 'attempt', 'handoffs', 'deadline',
-                       'traceparent', 'worker', 'started_at', 'tenant', 'relay')
+                       'traceparent', 'worker', 'started_at', 'tenant', 'relay', 'preempted_at', 'preemptions')
   if not f[1] then
-    return {'missing', '', '0', 0, '', '', '', '', '', ''}
+    return {'missing', '', '0', 0, '', '', '', '', '', '', 0}
   elseif f[4] == 'done' or f[4] == 'failed' or f[4] == 'cancelled' then
-    return {'finished', '', '0', 0, '', '', '', '', '', ''}
+    return {'finished', '', '0', 0, '', '', '', '', '', '', 0}
   end
   -- Deliveries that ended without a hand-back: crashes or stalls.
   local failed = tonumber(f[5] or '0') - tonumber(f[6] or '0')
   local lost_worker, lost_started = '', ''
   if f[4] == 'running' and f[9] and f[9] ~= '' and f[9] ~= worker then
     lost_worker, lost_started = f[9], f[10] or ''
+  end
+  if f[13] then  -- preempted (preempt.lua): the time it waited again, for its record and its tenant's usage
+    redis.call('HINCRBY', key, 'preempted_ms', math.max(0, math.floor(tonumber(now) - tonumber(f[13]))))
+    redis.call('HDEL', key, 'preempted_at')
   end
   local attempt = redis.call('HINCRBY', key, 'attempt', 1)
   redis.call('HSET', key, 'worker', worker)
@@ -46,5 +50,5 @@ function Claim.start(key, worker, now, max_failed)
     redis.call('HSET', key, 'status', 'running', 'started_at', now)
   end
   return {state, f[1], f[2] or '0', attempt, f[7] or '', f[8] or '', lost_worker, lost_started, f[11] or '',
-          f[12] or ''}
+          f[12] or '', tonumber(f[14] or '0')}
 end

@@ -2,10 +2,11 @@
 -- up to count in total: one round trip from a free slot to a started job. Never blocks: the caller
 -- blocks (on the waiting streams) only when this finds nothing.
 -- On each level the fair share picks: the tenant with the lowest counter in the level's fair set
--- gives its oldest waiting job, which moves from the waiting stream to the level's queue stream
--- (charged to the tenant: Fair), until count jobs are picked or nobody waits. Then one
+-- (or one close behind it that runs fewer jobs for its weight: next_tenant) gives its oldest
+-- waiting job, which moves from the waiting stream to the level's queue stream
+-- (charged to the tenant: Pick.take), until count jobs are picked or nobody waits. Then one
 -- XREADGROUP takes the queue stream's new entries: the picked ones, and any an older API queued
--- there directly; each is claimed as claim_taken.lua claims (Claim.start, claim.lua).
+-- there directly; each is claimed as claim_taken.lua claims (Pick.claim, Claim.start).
 -- Affinity (affinity_ms > 0, with two or more live workers; docs/adapters.md#affinity): a tenant's
 -- oldest job whose prefix key, or else adapter, another live worker holds (it started the last job
 -- of that key: holder keys, LLMQ_AFFINITY_HOLD_S) is passed over for at most affinity_ms from its
@@ -51,14 +52,40 @@ local function owner(prefix, adapter)
   return nil
 end
 
--- The first tenant of the fair set not passed over in this call, with its counter.
-local function first_tenant(fair, passed, n_passed)
-  if n_passed == 0 then return redis.call('ZRANGE', fair, 0, 0, 'WITHSCORES') end
-  local head = redis.call('ZRANGE', fair, 0, n_passed, 'WITHSCORES')
+-- The tenant a level's pick serves next, with its counter: the first of the fair set (the lowest
+-- counter) not passed over in this call, unless one of the next Pick.WINDOW would be owed the
+-- slot right after the first took it (Pick.owed, as a full worker's preemption would judge it:
+-- preempt.lua): then the one that runs the fewest jobs per weight among those. So a pick never
+-- gives a slot that a preemption would take back at once.
+local function next_tenant(fair, passed, n_passed, level)
+  local head = redis.call('ZRANGE', fair, 0, n_passed + Pick.WINDOW - 1, 'WITHSCORES')
+  local first, others = nil, {}
   for i = 1, #head, 2 do
-    if not passed[head[i]] then return {head[i], head[i + 1]} end
+    if not passed[head[i]] then
+      if first then table.insert(others, {head[i], head[i + 1]}) else first = {head[i], head[i + 1]} end
+    end
   end
-  return {}
+  if not first or #others == 0 then return first or {} end
+  -- The first tenant as it would stand with the slot: a preemption then judges it so, and the
+  -- job it took is the one that would give way.
+  local h = Pick.standing(tenant_prefix .. first[1])
+  local item = redis.call('LINDEX', Fair.waiting_list(tenant_prefix .. first[1], level), 0)
+  local slack = 0
+  if item then
+    local id = string.sub(item, string.find(item, ' ', 1, true) + 1)
+    local f = redis.call('HMGET', job_prefix .. id, 'estimate', 'charged')
+    slack = tonumber(f[2] or f[1] or '0')
+    if not f[2] then h.vtc = h.vtc + slack / h.weight end
+  end
+  h.running = h.running + 1
+  local best, least = first, nil
+  for _, t in ipairs(others) do
+    local w = Pick.standing(tenant_prefix .. t[1])
+    if Pick.owed(w, h, slack) and (least == nil or w.running / w.weight < least) then
+      best, least = t, w.running / w.weight
+    end
+  end
+  return best
 end
 
 local queues, waitings, fairs = {}, {}, {}
@@ -75,7 +102,7 @@ for level = 0, levels - 1 do
   local picked, last = 0, nil
   local passed, n_passed = {}, 0
   while picked < want and skipped < 100 do
-    local top = first_tenant(fair, passed, n_passed)
+    local top = next_tenant(fair, passed, n_passed, level)
     if not top[1] then break end
     local tenant = top[1]
     local tkey = tenant_prefix .. tenant
@@ -86,7 +113,7 @@ for level = 0, levels - 1 do
       item = redis.call('LINDEX', list, 0)
       if item then
         local space = string.find(item, ' ', 1, true)
-        f = redis.call('HMGET', job_prefix .. string.sub(item, space + 1), 'status', 'estimate', 'affinity', 'adapter')
+        f = redis.call('HMGET', job_prefix .. string.sub(item, space + 1), unpack(Pick.FIELDS))
         if f[1] == 'queued' and (f[3] or f[4]) then
           local who = owner(f[3], f[4])
           local left = affinity_ms - (tonumber(now) - tonumber(string.match(item, '^(%d+)')))
@@ -108,27 +135,11 @@ for level = 0, levels - 1 do
       if redis.call('LLEN', list) == 0 then redis.call('ZREM', fair, tenant) end
     end
     if item and not pass then
-      local space = string.find(item, ' ', 1, true)
-      local entry, id = string.sub(item, 1, space - 1), string.sub(item, space + 1)
-      redis.call('XDEL', waiting, entry)
-      local job = job_prefix .. id
-      if not f then f = redis.call('HMGET', job, 'status', 'estimate') end
-      if f[1] ~= 'queued' then
-        skipped = skipped + 1  -- it ended while it waited (deadline, deleted) or expired: drop it
+      f = Pick.take(item, tenant, top[2], tkey, fairs, waiting, queue, job_prefix, f)
+      if not f then
+        skipped = skipped + 1  -- it had ended: dropped
       else
         last = top[2]
-        local cost = tonumber(f[2] or '0')
-        local t = redis.call('HMGET', tkey, 'weight', 'max_running')
-        local weight, cap = tonumber(t[1] or '1'), tonumber(t[2] or '0')
-        if weight <= 0 then weight = 1 end
-        Fair.set_vtc(tkey, fairs, tenant, tonumber(top[2]) + cost / weight)
-        redis.call('HSET', job, 'charged', cost)
-        -- At its running limit it leaves every fair set; it is back when one of its jobs ends.
-        local running = Fair.running(tkey)
-        if redis.call('SADD', running, id) == 1 and cap > 0 and redis.call('SCARD', running) >= cap then
-          for _, other in ipairs(fairs) do redis.call('ZREM', other, tenant) end
-        end
-        redis.call('XADD', queue, '*', 'job', id)
         picked = picked + 1
         if affinity_ms > 0 then  -- this worker holds the job's keys now
           if f[3] then redis.call('SET', holder_prefix .. 'p:' .. f[3], consumer, 'PX', hold_ms) end
@@ -140,24 +151,8 @@ for level = 0, levels - 1 do
   if last then redis.call('HSET', clock, tostring(level), last) end
   if skipped >= 100 then more = 1 end
   if want > 0 then
-    local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', want, 'STREAMS', queue, '>')
-    if reply then
-      for _, entry in ipairs(reply[1][2]) do
-        local fields, job = entry[2], ''
-        for j = 1, #fields, 2 do
-          if fields[j] == 'job' then job = fields[j + 1] end
-        end
-        table.insert(out, {level, entry[1], job,
-                           Claim.start(job_prefix .. job, consumer, now, max_failed)})
-        want = want - 1
-      end
-    end
+    want = want - Pick.claim(out, level, queue, group, consumer, want, job_prefix, now, max_failed)
   end
 end
-if #out == 0 then  -- only a reader about to block needs them
-  for level = 1, levels do
-    local newest = redis.call('XREVRANGE', waitings[level], '+', '-', 'COUNT', 1)
-    tops[level] = newest[1] and newest[1][1] or '0-0'
-  end
-end
+if #out == 0 then tops = Pick.tops(waitings) end  -- only a reader about to block needs them
 return {out, tops, more, wake}

@@ -53,32 +53,47 @@ function Fair.has_room(tkey)
   return cap <= 0 or redis.call('SCARD', Fair.running(tkey)) < cap
 end
 
--- A job ended (in the script that ends it, once): meter it, and if it was picked (running),
--- correct its tenant's counter from the estimate to ``prompt + generated`` (when known, >= 0),
--- free its running place, and let the tenant back into the fair sets it waits in.
+-- A tenant with room to run one more job waits in the fair set of every level it has jobs waiting
+-- on (after one of its jobs left the running set: it ended, or it was preempted).
+function Fair.rejoin(tkey, fairs, clock, tenant)
+  if not Fair.has_room(tkey) then return end
+  for level = 0, #fairs - 1 do
+    if redis.call('LLEN', Fair.waiting_list(tkey, level)) > 0 then
+      Fair.join(tkey, fairs, clock, level, tenant)
+    end
+  end
+end
+
+-- A job ended (in the script that ends it, once): meter it, and if it was picked (running, or
+-- preempted and waiting again: it still holds its charge), correct its tenant's counter from the
+-- estimate to ``prompt + generated`` (when known, >= 0), and free its running place. A preempted
+-- job's earlier attempts count too: their tokens (``used``, when the end does not know better),
+-- their engine time, its preemptions and its time waiting again.
 -- m: {tprefix, fairs, clock, usage_day, usage_total, tokens, now (ms), day TTL (s)}
 function Fair.ended(job, id, m, prompt, generated)
-  local f = redis.call('HMGET', job, 'tenant', 'charged', 'started_at', 'adapter')
+  local f = redis.call('HMGET', job, 'tenant', 'charged', 'started_at', 'adapter', 'used', 'run_ms', 'preemptions',
+                       'preempted_ms')
   local tenant = f[1]
   if not tenant or tenant == '' then return end
   local tkey = m.tprefix .. tenant
+  if f[5] then  -- tokens used before a preemption: never counted as fewer
+    local before_prompt, before_generated = string.match(f[5], '^(%d+) (%d+)$')
+    prompt, generated = math.max(prompt, tonumber(before_prompt)), math.max(generated, tonumber(before_generated))
+  end
   local known = prompt >= 0
-  local engine_ms = 0
-  if redis.call('SREM', Fair.running(tkey), id) == 1 then
+  local engine_ms = tonumber(f[6] or '0')
+  local running = redis.call('SREM', Fair.running(tkey), id) == 1
+  if running or f[2] then
     local t = redis.call('HMGET', tkey, 'vtc', 'weight')
     local weight = tonumber(t[2] or '1')
     if weight <= 0 then weight = 1 end
     if known and f[2] then
       Fair.set_vtc(tkey, m.fairs, tenant, tonumber(t[1] or '0') + (prompt + generated - tonumber(f[2])) / weight)
     end
-    if f[3] then engine_ms = math.max(0, math.floor(m.now - tonumber(f[3]))) end
-    if Fair.has_room(tkey) then
-      for level = 0, #m.fairs - 1 do
-        if redis.call('LLEN', Fair.waiting_list(tkey, level)) > 0 then
-          Fair.join(tkey, m.fairs, m.clock, level, tenant)
-        end
-      end
-    end
+  end
+  if running then
+    if f[3] then engine_ms = engine_ms + math.max(0, math.floor(m.now - tonumber(f[3]))) end
+    Fair.rejoin(tkey, m.fairs, m.clock, tenant)
   end
   -- The tenant's usage, and with an adapter also the tenant's usage of it ('<tenant>/<adapter>:').
   local metered = {tenant}
@@ -91,12 +106,16 @@ function Fair.ended(job, id, m, prompt, generated)
         redis.call('HINCRBY', usage, who .. ':generated_tokens', generated)
       end
       if engine_ms > 0 then redis.call('HINCRBY', usage, who .. ':engine_ms', engine_ms) end
+      if f[7] then
+        redis.call('HINCRBY', usage, who .. ':preemptions', f[7])
+        redis.call('HINCRBY', usage, who .. ':preempted_ms', f[8] or '0')
+      end
     end
   end
   redis.call('EXPIRE', m.usage_day, m.day_ttl)
   -- Nothing reads them once the job has ended (its usage is counted): a finished record keeps
   -- only what its readers need, for LLMQ_RESULT_TTL_S.
-  redis.call('HDEL', job, 'tenant', 'estimate', 'charged')
+  redis.call('HDEL', job, 'tenant', 'estimate', 'charged', 'used', 'run_ms', 'preempted_at')
   if known and prompt + generated > 0 then
     local second = math.floor(m.now / 1000)
     for _, window in ipairs({Fair.tokens(tkey), m.tokens}) do

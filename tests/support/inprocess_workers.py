@@ -109,7 +109,8 @@ class Client:
         self.redis, self.queue = redis, queue
         self.events: list[Event] = []
 
-    async def start(self, prompt: str, max_tokens: int, traceparent: str | None = None, **sampling) -> str:
+    async def start(self, prompt: str, max_tokens: int, traceparent: str | None = None, *, tenant: str = "",
+                    priority: int | None = None, timeout_s: float | None = None, **sampling) -> str:
         self.job_id = uuid.uuid4().hex
         live: asyncio.Queue[bytes] = asyncio.Queue()
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
@@ -130,8 +131,11 @@ class Client:
                 await pubsub.aclose()
 
         self.task = asyncio.create_task(relay())
-        rec = JobRecord(id=self.job_id, model=MODEL, queued_at=now_ms(), request=GenerationRequest(
-            prompt=prompt, sampling=SamplingParams(max_tokens=max_tokens, **sampling)), traceparent=traceparent)
+        queued_at = now_ms()
+        rec = JobRecord(id=self.job_id, model=MODEL, queued_at=queued_at,
+                        deadline=queued_at + timeout_s * 1000 if timeout_s else None, request=GenerationRequest(
+            prompt=prompt, sampling=SamplingParams(max_tokens=max_tokens, **sampling), priority=priority),
+            traceparent=traceparent, tenant=tenant)
         await self.queue.enqueue(rec)
         return self.job_id
 
