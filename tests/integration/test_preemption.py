@@ -13,7 +13,9 @@ import time
 
 import pytest
 
+from api.metrics import tenant_series
 from shared.events import Error
+from shared.status import render, snapshot
 from tests.support import inprocess_workers
 from tests.support.faults import lost_and_duplicated
 from tests.support.inprocess_workers import MODEL, Client, assert_seamless, kill, wait_for
@@ -86,6 +88,13 @@ async def test_a_light_tenant_takes_a_slot_from_a_flood_at_once_and_the_flood_st
     assert b"light:preemptions" not in usage
     [preemptions] = [s.value for s in w.worker.metrics.samples() if s.name == "llmq_worker_preemptions_total"]
     assert preemptions == len(light)
+    # What an operator sees: /metrics' tenant series and llmq-status, both from the usage hash.
+    series = {(s.name, s.labels["tenant"]): s.value for s in await tenant_series(redis, keys, MODEL, 10)}
+    assert series[("llmq_tenant_preemptions_total", "heavy")] == len(light)
+    assert series[("llmq_tenant_preempted_seconds_total", "heavy")] == sum(r.preempted_ms for r in preempted) / 1000
+    [model] = [m for m in (await snapshot(redis, keys)).models if m.name == MODEL]
+    [row] = [t for t in model.top_tenants if t.tenant == "heavy"]
+    assert row.preemptions == len(light) and "waited again" in render(await snapshot(redis, keys))
 
 
 async def test_two_flooding_tenants_settle_without_thrashing(make_worker, redis, keys):

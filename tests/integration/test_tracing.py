@@ -181,6 +181,31 @@ async def test_a_lost_attempt_is_reconstructed_by_the_worker_that_continues_the_
     assert second.attributes["gen_ai.usage.output_tokens"] == 200
 
 
+async def test_a_preempted_attempt_ends_preempted_and_the_next_one_continues_the_trace(make_worker, redis, tracing,
+                                                                                     exported):
+    """docs/tenants.md#preemption: the attempt that gave its slot away ends ``preempted``, not an
+    error, and the job's next attempt is the next span of the same trace."""
+    w = await make_worker(delay_s=0.01, max_num_seqs=2, tracing=tracing, preempt_min_run_ms=50, preempt_min_tokens=1)
+    heavy = [Client(redis, w.queue) for _ in range(2)]
+    for i, client in enumerate(heavy):
+        await client.start(f"long {i}", 150, traceparent=f"00-{TRACE}-{CLIENT_SPAN}-01" if i else None,
+                           tenant="heavy")
+        await running_on(w.queue, client.job_id, w.worker, min_tokens=5)
+    light = Client(redis, w.queue)
+    await light.start("short", 4, tenant="light")
+    for client in (*heavy, light):
+        await client.finish(timeout=30)
+    spans = await spans_when(exported, lambda s: len(named(s, "llmq.attempt")) >= 4)
+    attempts = [s for s in named(spans, "llmq.attempt") if s.attributes["llmq.job_id"] == heavy[1].job_id]
+    if len(attempts) == 1:  # the other heavy job gave way (the cheaper to resume): look at that one
+        attempts = [s for s in named(spans, "llmq.attempt") if s.attributes["llmq.job_id"] == heavy[0].job_id]
+    first, second = sorted(attempts, key=lambda s: s.attributes["llmq.attempt"])
+    assert first.attributes["llmq.outcome"] == "preempted" and "error.type" not in first.attributes
+    assert first.status.status_code != StatusCode.ERROR
+    assert second.attributes["llmq.outcome"] == "done" and second.attributes["llmq.resumed_after_seq"] >= 5
+    assert first.context.trace_id == second.context.trace_id and first.end_time <= second.start_time
+
+
 async def test_with_tracing_off_no_record_carries_trace_context(redis_url, prefix):
     engine = ScriptedEngine(delay_s=0.001)
     async with scripted_stack(redis_url, prefix, engine) as stack:
