@@ -1,6 +1,7 @@
 """Affinity in the pull, on real Redis (shared/lua/read.lua): a job whose prefix key or adapter
 another live worker holds is left for it, for at most the wait; fair share skips to the next tenant
-meanwhile; a worker alone, a dead holder, or affinity off pick as before. The pick is called as
+meanwhile; a worker alone, a dead holder, or affinity off pick as before; a preempted job is left to
+the worker that ran it. The pick is called as
 workers call it (``Queue.pick``), two consumers standing for two workers."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 from shared.keys import Keys
 from shared.queue import Queue, now_ms
 from shared.schemas import AdapterSpec, GenerationRequest, JobRecord, SamplingParams
-from shared.scripts import NO_AFFINITY, Affinity
+from shared.scripts import NO_AFFINITY, Affinity, Candidate
 from shared.status import render, snapshot
 from tests.support import inprocess_workers
 from tests.support.waiting import eventually
@@ -55,6 +56,27 @@ async def test_a_conversations_next_turn_waits_for_the_worker_that_holds_it(queu
     assert ids == [] and 9_000 < wake <= 10_000  # left for w1; w2 may block only until it is anyone's
     assert await pick(queue, "w1") == ([turn], 0)
     assert await counters(queue) == {"waits": 1, "hits": 1}
+
+
+async def test_a_preempted_job_is_left_for_the_worker_that_ran_it(queue):
+    """docs/tenants.md#preemption: a job given back by a preemption waits again with its prefix
+    key, and the pick leaves it to the worker that ran it, as any turn of its conversation; charged
+    once, however often it is picked."""
+    given, kept = await queue.enqueue(job("heavy", "c1")), await queue.enqueue(job("heavy", "c2"))
+    picked = await queue.pick(MODEL, "w1", 2, affinity=WAIT)
+    [d] = [d for d in picked.deliveries if d.job_id == given]
+    counter = await queue.redis.hget(queue.keys.tenant(MODEL, "heavy"), "vtc")
+    light = await queue.enqueue(job("light", None))
+    swap = await queue.preempt(MODEL, "w1", [Candidate(given, d.entry_id, d.attempt, d.level, 2, 1)],
+                               max_failed=3, max_preemptions=3)
+    assert swap.victim == given and [p.job_id for p in swap.deliveries] == [light]
+    ids, wake = await pick(queue, "w2")
+    assert ids == [] and wake > 0  # left for w1, which ran it
+    assert await pick(queue, "w1") == ([given], 0)
+    record = (await queue.get_jobs(MODEL, [given]))[0]
+    assert (record.status, record.attempt, record.preemptions, record.worker) == ("running", 2, 1, "w1")
+    assert await queue.redis.hget(queue.keys.tenant(MODEL, "heavy"), "vtc") == counter, "charged once"
+    assert kept in [p.job_id for p in picked.deliveries]
 
 
 async def test_the_wait_is_bounded(queue):
