@@ -1,8 +1,8 @@
 """Affinity in the pull, on real Redis (shared/lua/read.lua): a job whose prefix key or adapter
 another live worker holds is left for it, for at most the wait; fair share skips to the next tenant
 meanwhile; a worker alone, a dead holder, or affinity off pick as before; a preempted job is left to
-the worker that ran it. The pick is called as
-workers call it (``Queue.pick``), two consumers standing for two workers."""
+the worker that ran it. The pick is called as workers call it (``Queue.pick``), two consumers
+standing for two workers."""
 
 from __future__ import annotations
 
