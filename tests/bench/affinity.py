@@ -25,23 +25,19 @@ import asyncio
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
-import uuid
 from contextlib import AsyncExitStack
 from pathlib import Path
 
 import httpx
 import msgspec
-from redis.asyncio import Redis
 
 from shared.config import DEFAULT_MODEL, load_settings
-from shared.keys import Keys
 from shared.metrics import decode_samples
+from tests.bench import serving
 from tests.bench.procs import load_average, markdown_table, percentile, report_head, save
-from tests.bench.serving import TARGET_SETS, _spawn, _until_200, engine_env, owned_processes, spawn_redis
-from tests.conftest import free_port
+from tests.bench.serving import TARGET_SETS
 
 __all__ = ["main"]
 
@@ -52,12 +48,7 @@ _WORDS = ("river stone lantern orchard copper meadow harbor violet thunder ember
           "saffron marble canyon juniper beacon cobalt prairie tide quartz hollow summit").split()
 
 
-class Deployment:
-    def __init__(self, name: str, url: str, redis_url: str, prefix: str, model: str) -> None:
-        self.name, self.url, self.prefix, self.model = name, url, prefix, model
-        self.redis = Redis.from_url(redis_url)
-        self.keys = Keys(prefix)
-
+class Deployment(serving.Deployment):
     async def adapter_loads(self) -> int:
         total = 0
         async for key in self.redis.scan_iter(match=self.keys.worker_pattern(), _type="hash"):
@@ -77,32 +68,6 @@ class Deployment:
             prompt += usage.get("prompt_tokens", 0)
             cached += usage.get("cached_tokens", 0)
         return prompt, cached
-
-
-async def _start(stack: AsyncExitStack, name: str, workers: int, affinity_ms: str, logs: Path,
-                 overlay: dict[str, str]) -> Deployment:
-    settings = load_settings({**os.environ, **overlay})
-    env = engine_env(settings, overlay)
-    redis_port, api_port = free_port(), free_port()
-    slug = name.replace(" ", "-").replace(",", "")
-    (logs / slug).mkdir()
-    prefix = f"aff-{uuid.uuid4().hex[:6]}"
-    env = {**env, "LLMQ_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0", "LLMQ_PREFIX": prefix,
-           "LLMQ_PORT": str(api_port), "LLMQ_HOST": "127.0.0.1", "LLMQ_AFFINITY_MS": affinity_ms}
-    procs = owned_processes(stack)
-    procs.append(spawn_redis(redis_port, logs / slug / "redis", env))
-    procs += [(_spawn([sys.executable, "-m", "workers"], env, logs / slug / f"worker{i}.log"),
-               logs / slug / f"worker{i}.log") for i in range(workers)]
-    procs.append((_spawn([sys.executable, "-m", "api"], env, logs / slug / "api.log"), logs / slug / "api.log"))
-    url = f"http://127.0.0.1:{api_port}"
-    await _until_200(f"{url}/ping", procs)
-    deployment = Deployment(name, url, env["LLMQ_REDIS_URL"], prefix, settings.model_name)
-    stack.push_async_callback(deployment.redis.aclose)
-    while True:  # every worker warm
-        async with httpx.AsyncClient() as client:
-            if (await client.get(f"{url}/ping")).json().get("ready_workers", 0) >= workers:
-                return deployment
-        await asyncio.sleep(1)
 
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float, str, str, int]:
@@ -200,8 +165,9 @@ async def measure(rounds: int) -> dict:
     async with AsyncExitStack() as stack:
         logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llmq-affinity-")))
         lora_dirs = {f"lora-{i}": build_tiny_adapter(logs / f"lora-{i}", seed=100 + i) for i in range(ADAPTERS)}
-        deployments = list(await asyncio.gather(*(_start(stack, name, workers, ms, logs, overlay)
-                                                  for name, (workers, ms) in DEPLOYMENTS.items())))
+        deployments = list(await asyncio.gather(*(
+            serving.start_deployment(stack, name, logs, overlay, {"LLMQ_AFFINITY_MS": ms}, workers, Deployment)
+            for name, (workers, ms) in DEPLOYMENTS.items())))
         async with httpx.AsyncClient(timeout=30) as client:
             for d in deployments:
                 for name, path in lora_dirs.items():

@@ -24,60 +24,22 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
 import tempfile
-import uuid
 from contextlib import AsyncExitStack
 from pathlib import Path
 
 import httpx
-from redis.asyncio import Redis
 
 from shared.config import DEFAULT_MODEL, load_settings
-from shared.keys import Keys
 from tests.bench.affinity import _stream
 from tests.bench.procs import load_average, markdown_table, percentile, report_head, save
-from tests.bench.serving import TARGET_SETS, _spawn, _until_200, engine_env, owned_processes, spawn_redis
-from tests.conftest import free_port
+from tests.bench.serving import TARGET_SETS, Deployment, start_deployment
 
 __all__ = ["main"]
 
 DEPLOYMENTS = {"preemption on": "true", "preemption off": "false"}
 HEADER = "x-tenant"
 FLOOD, FLOOD_TOKENS = 128, 1536
-
-
-class Deployment:
-    def __init__(self, name: str, url: str, redis_url: str, prefix: str, model: str) -> None:
-        self.name, self.url, self.prefix, self.model = name, url, prefix, model
-        self.redis = Redis.from_url(redis_url)
-        self.keys = Keys(prefix)
-
-
-async def _start(stack: AsyncExitStack, name: str, preempt: str, logs: Path, overlay: dict[str, str]) -> Deployment:
-    settings = load_settings({**os.environ, **overlay})
-    env = engine_env(settings, overlay)
-    redis_port, api_port = free_port(), free_port()
-    slug = name.replace(" ", "-")
-    (logs / slug).mkdir()
-    prefix = f"pre-{uuid.uuid4().hex[:6]}"
-    env = {**env, "LLMQ_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0", "LLMQ_PREFIX": prefix,
-           "LLMQ_PORT": str(api_port), "LLMQ_HOST": "127.0.0.1", "LLMQ_PREEMPT": preempt,
-           "LLMQ_TENANT_HEADER": HEADER}
-    procs = owned_processes(stack)
-    procs.append(spawn_redis(redis_port, logs / slug / "redis", env))
-    for role in ("workers", "api"):
-        log = logs / slug / f"{role}.log"
-        procs.append((_spawn([sys.executable, "-m", role], env, log), log))
-    url = f"http://127.0.0.1:{api_port}"
-    await _until_200(f"{url}/ping", procs)
-    deployment = Deployment(name, url, env["LLMQ_REDIS_URL"], prefix, settings.model_name)
-    stack.push_async_callback(deployment.redis.aclose)
-    while True:  # the worker warm
-        async with httpx.AsyncClient() as client:
-            if (await client.get(f"{url}/ping")).json().get("ready_workers", 0) >= 1:
-                return deployment
-        await asyncio.sleep(1)
 
 
 async def _light(client: httpx.AsyncClient, d: Deployment) -> float:
@@ -133,8 +95,9 @@ async def measure(rounds: int) -> dict:
         ensure_tiny_model(settings.model_path)
     async with AsyncExitStack() as stack:
         logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llmq-preemption-")))
-        deployments = list(await asyncio.gather(*(_start(stack, name, preempt, logs, overlay)
-                                                  for name, preempt in DEPLOYMENTS.items())))
+        deployments = list(await asyncio.gather(*(
+            start_deployment(stack, name, logs, overlay, {"LLMQ_PREEMPT": preempt, "LLMQ_TENANT_HEADER": HEADER})
+            for name, preempt in DEPLOYMENTS.items())))
         runs: list[dict] = []
         for r in range(rounds):
             for d in deployments[r % 2:] + deployments[:r % 2]:  # the order rotated each round

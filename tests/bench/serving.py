@@ -23,11 +23,14 @@ import uuid
 from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
+import httpx
 import msgspec
+from redis.asyncio import Redis
 
-from shared.config import DEFAULT_MODEL, Settings, apply_engine_environment
+from shared.config import DEFAULT_MODEL, Settings, apply_engine_environment, load_settings
+from shared.keys import Keys
 from shared.redis import redis_server_binary
 from tests.bench.cpu import CpuMeter, ProcessCpu, by_role
 from tests.bench.workload import RequestRecord, Summary, prompts_for, run_workload, summarize
@@ -35,7 +38,7 @@ from tests.conftest import REPO, free_port
 from tests.support.processes import spawn_logged
 
 __all__ = ["Run", "Target", "HttpTarget", "TargetSet", "TARGET_SETS", "measure", "start_targets", "vllm_server_args",
-           "owned_processes", "spawn_redis"]
+           "owned_processes", "spawn_redis", "Deployment", "start_deployment"]
 
 READY_TIMEOUT_S = 600.0  # three engines loading and warming up at once on 2 shared cores
 
@@ -243,6 +246,45 @@ def spawn_redis(port: int, data_dir: Path, env: dict[str, str]) -> tuple[subproc
     log = data_dir.parent / f"{data_dir.name}.log"
     return _spawn([redis_server_binary(), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir),
                    "--save", "", "--appendonly", "no"], env, log), log
+
+
+class Deployment:
+    """One llmq a benchmark started (:func:`start_deployment`): its own Redis, workers and web
+    process, and a client of that Redis."""
+
+    def __init__(self, name: str, url: str, redis_url: str, prefix: str, model: str) -> None:
+        self.name, self.url, self.prefix, self.model = name, url, prefix, model
+        self.redis = Redis.from_url(redis_url)
+        self.keys = Keys(prefix)
+
+
+D = TypeVar("D", bound=Deployment)
+
+
+async def start_deployment(stack: AsyncExitStack, name: str, logs: Path, overlay: dict[str, str],
+                           settings: Mapping[str, str], workers: int = 1, kind: type[D] = Deployment) -> D:
+    """Start ``name``'s Redis, ``workers`` workers and one web process (each logging under
+    ``logs``/<name>), on the engine ``overlay`` sets, with ``settings`` (``LLMQ_*``) over it; stopped
+    when ``stack`` closes. Returns once every worker is warm."""
+    engine = load_settings({**os.environ, **overlay})
+    redis_port, api_port = free_port(), free_port()
+    here = logs / name.replace(" ", "-").replace(",", "")
+    here.mkdir()
+    prefix = f"{here.name[:8]}-{uuid.uuid4().hex[:6]}"
+    env = {**engine_env(engine, overlay), "LLMQ_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
+           "LLMQ_PREFIX": prefix, "LLMQ_PORT": str(api_port), "LLMQ_HOST": "127.0.0.1", **settings}
+    procs = owned_processes(stack)
+    procs.append(spawn_redis(redis_port, here / "redis", env))
+    for role, log in [*(("workers", here / f"worker{i}.log") for i in range(workers)), ("api", here / "api.log")]:
+        procs.append((_spawn([sys.executable, "-m", role], env, log), log))
+    url = f"http://127.0.0.1:{api_port}"
+    await _until_200(f"{url}/ping", procs)
+    deployment = kind(name, url, env["LLMQ_REDIS_URL"], prefix, engine.model_name)
+    stack.push_async_callback(deployment.redis.aclose)
+    async with httpx.AsyncClient() as client:
+        while (await client.get(f"{url}/ping")).json().get("ready_workers", 0) < workers:
+            await asyncio.sleep(1)
+    return deployment
 
 
 def _status(url: str) -> int:
