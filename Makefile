@@ -54,8 +54,9 @@ faults: install
 # a tool call (llmq and vllm serve); then queue pickup vs arq, relay capacity
 # with one and two web processes, Redis memory per finished job, the fair-share pick, and what
 # tracing costs per request, what durable acceptance costs per admission, affinity (two workers,
-# conversations and LoRA adapters, on and off), and preemption (a light tenant's TTFT under a
-# flood of long jobs, and the flood's throughput, on and off). bench-smoke: one short round
+# conversations and LoRA adapters, on and off), preemption (a light tenant's TTFT under a
+# flood of long jobs, and the flood's throughput, on and off), and the console (the workload with
+# it closed, its requests alone, and open in Chromium). bench-smoke: one short round
 # of the first two at C=1,4 on the real engines. BENCH_ARGS go to the first two,
 # e.g. BENCH_ARGS="--rounds 5".
 bench: model
@@ -73,6 +74,7 @@ bench: model
 	$(PY) -m tests.bench.durability
 	$(PY) -m tests.bench.affinity
 	$(PY) -m tests.bench.preemption
+	$(PY) -m tests.bench.console
 
 bench-smoke: model
 	$(PY) -m tests.bench --config fast --smoke

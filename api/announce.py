@@ -48,6 +48,8 @@ def main() -> None:
         f"-d '{{\"prompt\": \"Hello\", \"max_tokens\": 16, \"stream\": true}}'\n",
         flush=True,
     )
+    if settings.console:
+        print(f"The console (docs/console.md): {url}/console\n", flush=True)
     if settings.model == DEFAULT_MODEL and settings.max_loras and (names := _register_tiny_adapters(settings, url)):
         print(f"LoRA adapters {', '.join(names)} (docs/adapters.md):\n\n"
               f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' "

@@ -19,6 +19,7 @@ from api.routes import (
     adapters,
     anthropic_batches,
     anthropic_messages,
+    console,
     happy_vllm,
     health,
     jobs,
@@ -28,6 +29,7 @@ from api.routes import (
     openai_chat,
     openai_completions,
     openai_responses,
+    overview,
     tgi,
     triton,
     usage,
@@ -53,7 +55,7 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
         settings = load_settings()
         configure_logging(settings.log_level, settings.log_json, log_requests=settings.log_requests)
         tracing = load_tracing("llmq-api", "api")
-    keys = parse_keys(settings.api_keys)
+    keys = parse_keys(settings.api_keys) + parse_keys(settings.operator_keys)
     guard = KeyGuard(keys) if keys else None
     # The innermost calls most handlers itself, past Litestar's per-request handler layer.
     middleware: list = [lambda app: RequestLifecycle(app, guard),
@@ -83,6 +85,8 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
             *openai_batches.ROUTES,
             openapi_json,
             metrics,
+            *overview.ROUTES,
+            *(console.ROUTES if settings.console else ()),
         ],
         dependencies={
             "svc": Provide(_services, sync_to_thread=False),

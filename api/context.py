@@ -7,7 +7,7 @@
   take ``ctx: Ctx`` and hand it to :func:`api.submit.submit`.
 - :class:`JobRef`: a job (or group) id from a URL, resolved to the model that holds it and checked
   against the caller's key, once, by the ``job: Job`` dependency. A job queued under another key is
-  reported exactly like a missing one, so ids cannot be probed.
+  reported exactly like a missing one, so ids cannot be probed; an operator's key finds any job.
 
 No ContextVar carries any of this: structlog's log context is the only one in the API (the
 dependency binds ``dialect``, :func:`api.submit.submit` binds ``job_id`` and ``model``).
@@ -185,8 +185,8 @@ async def job_ref(job_id: FromPath[str], scope: Scope, svc: Svc) -> JobRef:
         found = await (svc.queue.get_group(model, job_id) if is_group else svc.queue.get_job(model, job_id))
         if found is None:
             continue
-        if not hmac.compare_digest(found.owner.encode(), owner.encode()):
-            break  # another key's job: the same 404 as a missing one
+        if owner not in svc.operators and not hmac.compare_digest(found.owner.encode(), owner.encode()):
+            break  # another key's job: the same 404 as a missing one (an operator sees every job)
         structlog.contextvars.bind_contextvars(job_id=job_id, model=model)
         return JobRef(model=model, id=job_id, found=found)
     raise JobNotFound(f"job {job_id} not found")

@@ -32,6 +32,16 @@ from api.fanout import GroupView
 from api.jobs import Accepted
 from api.routes.adapters import LoadAdapter, UnloadAdapter
 from api.routes.health import Liveness, Ping, Readiness
+from api.routes.overview import (
+    AccessView,
+    DeadLetterDeleted,
+    DeadLetterList,
+    DeploymentView,
+    JobList,
+    RecordView,
+    RequeueView,
+    TenantList,
+)
 from api.routes.usage import UsagePage
 from api.services import Svc
 from shared.batches import BatchCreate, BatchList, BatchObject, FileDeleted, FileList, FileObject
@@ -226,6 +236,29 @@ OPERATIONS: tuple[Operation, ...] = (
         errors=(400, 404, 503), headers=("Last-Event-ID",), query=("after",), error=jobs.ErrorBody),
     _op("get", "/v1/usage", "The caller's own usage by UTC day and model", "jobs", errors=(400, 503),
         query=("days",), answer=UsagePage, error=jobs.ErrorBody),
+    # What the console reads (docs/console.md): a tenant's key sees its own jobs, operators every one
+    _op("get", "/v1/jobs", "Recent jobs, newest first, filtered; no prompt or output", "jobs",
+        errors=(400, 403, 503), query=("list_model", "list_tenant", "list_status", "list_dialect", "list_limit"),
+        answer=JobList, error=jobs.ErrorBody),
+    _op("get", "/v1/jobs/{job_id}/record", "A job's record: request, result, every attempt's worker", "jobs",
+        errors=(400, 404, 503), answer=RecordView, error=jobs.ErrorBody),
+    _op("get", "/v1/access", "Who the caller is: an operator, or a tenant seeing its own", "console",
+        errors=(403, 503), answer=AccessView, error=jobs.ErrorBody),
+    _op("get", "/v1/deployment", "Models, workers, slots, adapters; each level's queue and history", "console",
+        errors=(403, 503), answer=DeploymentView, error=jobs.ErrorBody),
+    _op("get", "/v1/tenants", "Tenants: weight, share, running and waiting, limits, today's usage", "console",
+        errors=(403, 503), answer=TenantList, error=jobs.ErrorBody),
+    _op("get", "/v1/dead_letters", "Jobs that failed too many deliveries, newest first", "console",
+        errors=(400, 403, 503), query=("list_model",), answer=DeadLetterList, error=jobs.ErrorBody),
+    _op("post", "/v1/dead_letters/{job_id}/requeue", "Queue a dead letter again as a new job (operators)",
+        "console", errors=(403, 404, 429, 503), answer=RequeueView, error=jobs.ErrorBody),
+    _op("delete", "/v1/dead_letters/{job_id}", "Discard a dead letter (operators)", "console",
+        errors=(403, 404, 503), answer=DeadLetterDeleted, error=jobs.ErrorBody),
+    _op("get", "/console", "The web console", "console", ok={200: ("text/html",)}, errors=(403,),
+        error=jobs.ErrorBody),
+    _op("get", "/console/static/{file}", "The web console's files", "console",
+        ok={200: ("text/html", "text/css", "text/javascript", "image/svg+xml", "image/png")}, errors=(403, 404),
+        error=jobs.ErrorBody),
     # OpenAI Files and Batches: offline batch files, run by the housekeeping process
     _op("post", "/v1/files", "Upload a batch input file (JSONL; purpose=batch)", "batches", body="file_upload",
         body_media="multipart/form-data", errors=(400, 503), answer=FileObject, error=_OPENAI_ERR),
@@ -292,6 +325,18 @@ _PARAMS: dict[str, dict[str, Any]] = {
                     "description": "List the batches after this batch id."},
     "after": {"name": "after", "in": "query", "required": False, "schema": {"type": "string"},
               "description": "Resume after this event sequence number (when no Last-Event-ID)."},
+    "file": {"name": "file", "in": "path", "required": True, "schema": {"type": "string"}},
+    "list_model": {"name": "model", "in": "query", "required": False, "schema": {"type": "string"},
+                   "description": "Only this model's (a served model name; any other is 400)."},
+    "list_tenant": {"name": "tenant", "in": "query", "required": False, "schema": {"type": "string"},
+                    "description": "Only this tenant's."},
+    "list_status": {"name": "status", "in": "query", "required": False,
+                    "schema": {"type": "string", "enum": ["queued", "running", "done", "failed", "cancelled"]}},
+    "list_dialect": {"name": "dialect", "in": "query", "required": False, "schema": {"type": "string"},
+                     "description": "Only jobs that came in this dialect (`openai_chat`, `tgi`, ...)."},
+    "list_limit": {"name": "limit", "in": "query", "required": False,
+                   "schema": {"type": "integer", "minimum": 1, "maximum": 500},
+                   "description": "At most this many (1-500, default 50)."},
 }
 
 

@@ -15,7 +15,7 @@ from litestar import Litestar
 from litestar.di import NamedDependency
 from redis.asyncio import Redis
 
-from api.auth import parse_keys
+from api.auth import owner_of, parse_keys
 from api.listener import EventListener, Listener
 from api.models import ModelRegistry
 from api.shards import ClusterListener
@@ -46,7 +46,10 @@ class Services:
     instance: str = "0"
     """This API process's id: its home channel and relay channels (Keys.relay) carry it."""
     keys_on: bool = False
-    """API keys are configured (``LLMQ_API_KEYS``): jobs record their owner's key hash."""
+    """API or operator keys are configured (``LLMQ_API_KEYS``, ``LLMQ_OPERATOR_KEYS``): jobs record
+    their owner's key hash."""
+    operators: frozenset[str] = frozenset()
+    """The operator keys' hashes: their holders see and act on every job (api/auth.py)."""
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     kept: set[str] = field(default_factory=set)
     """Models whose relay channels this process has subscribed (:meth:`keep_relays`)."""
@@ -101,14 +104,15 @@ async def lifespan(app: Litestar) -> AsyncIterator[None]:
         keys=keys,
         queue=Queue(redis, keys, result_ttl_s=settings.result_ttl_s, idempotency_ttl_s=settings.idempotency_ttl_s,
                     usage_days=settings.usage_days,
-                    durability=settings.acknowledgement,
+                    durability=settings.acknowledgement, recent_jobs=settings.recent_jobs,
                     memory=MemoryGuard(redis, settings.redis_memory_watermark)),
         listener=listener,
         models=ModelRegistry(redis, keys, settings.model_name, settings.extra_models,
                              max_model_len=settings.max_model_len),
         tokenizer=Tokenizer(settings.model_path),
         tenants=ConfigCache(redis, keys),
-        keys_on=bool(parse_keys(settings.api_keys)),
+        keys_on=bool(parse_keys(settings.api_keys) or parse_keys(settings.operator_keys)),
+        operators=frozenset(owner_of(k) for k in parse_keys(settings.operator_keys)),
         instance=instance,
         sharded=sharded,
     )

@@ -34,7 +34,7 @@ _JSON_FIELDS = {"request": _request_decoder, "result": _result_decoder, "error":
 # (the scripts' ``or`` fallbacks, the record's own defaults), and a finished job keeps its record
 # for LLMQ_RESULT_TTL_S. ``status`` and ``queued_at`` stay: operators read them with redis-cli.
 _OMITTED_WHEN_DEFAULT = frozenset({"worker", "attempt", "cancel", "owner", "webhook_attempts", "preemptions",
-                                   "preempted_ms"})
+                                   "preempted_ms", "runs", "tokens"})
 _RECORD_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(JobRecord)}
 
 

@@ -56,7 +56,7 @@ EMBEDDED_REDIS_URL = "redis://127.0.0.1:6399/0"
 
 MASK = "***"
 # Fields whose values are credentials: shown as MASK (or as "" when unset) by Settings' repr.
-_SECRET_FIELDS = frozenset({"api_keys", "webhook_secret"})
+_SECRET_FIELDS = frozenset({"api_keys", "operator_keys", "webhook_secret"})
 _URL_FIELDS = frozenset({"redis_url", "arq_redis_url"})
 _QUERY_PASSWORD = re.compile(r"([?&][^=&#]*password[^=&#]*=)[^&#]*", re.IGNORECASE)
 
@@ -292,6 +292,17 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     api_keys: str = ""
     """LLMQ_API_KEYS: comma-separated API keys. Set: every route needs `Authorization: Bearer <key>` or
     `x-api-key: <key>` (LMTP: at the upgrade), except the health probes, /metrics and /openapi.json."""
+    operator_keys: str = ""
+    """LLMQ_OPERATOR_KEYS: comma-separated keys of operators. An operator key is also an API key, and
+    sees everything in the console and its JSON routes: every tenant's jobs (their prompts and
+    outputs too), usage and dead letters; only an operator may requeue or discard a dead letter,
+    or cancel another key's job. With neither these nor LLMQ_API_KEYS set, every caller is an
+    operator, and the console and its routes answer loopback clients only (docs/console.md)."""
+    console: bool = True
+    """LLMQ_CONSOLE: serve the web console at `/console` (docs/console.md). Its JSON routes stay."""
+    recent_jobs: Annotated[int, msgspec.Meta(ge=0)] = 10000
+    """LLMQ_RECENT_JOBS: how many of a model's newest jobs the console's job list can show (a capped
+    stream, `llmq:{model}:recent`, written when a job is queued: about 100 bytes each). 0: none kept."""
     tenant_header: str = ""
     """LLMQ_TENANT_HEADER: a header naming the request's tenant (its fair share, quotas and usage), set
     by a trusted gateway in front of llmq; unset: the header is ignored, and a request's tenant is its

@@ -149,6 +149,11 @@ class Preempted(LeaseLost, code="preempted"):
     waits again and continues on whichever worker picks it. This one writes nothing more about it."""
 
 
+class Forbidden(ServiceError, status=403, code="forbidden"):
+    """The caller's key may not do this (an operator's action), or its address may not (the
+    console with no keys, from elsewhere than loopback)."""
+
+
 class Unauthorized(ServiceError, status=401, code="unauthorized"):
     """API keys are on and the request carried none, or an unknown one."""
 

@@ -239,8 +239,25 @@ class Keys:
         return f"{self._model(model)}:idem:{key}"
 
     def dead(self, model: str) -> str:
-        """Stream: jobs that failed too many deliveries."""
+        """Stream: jobs that failed too many deliveries (``job``, ``entry``, ``attempts``, ``at``), trimmed
+        to about 10,000; the console's dead letters (shared/browse.py)."""
         return f"{self._model(model)}:dead"
+
+    def recent(self, model: str) -> str:
+        """Stream: one entry (``job``, ``tenant``, ``dialect``) per job queued, newest last, capped at
+        LLMQ_RECENT_JOBS (approximately): the console's list of recent jobs (shared/browse.py)."""
+        return f"{self._model(model)}:recent"
+
+    def finished(self, model: str) -> str:
+        """Hash: priority level -> jobs ended there after a delivery, since the start (finish.lua):
+        the levels' throughput, sampled into :meth:`history`."""
+        return f"{self._model(model)}:finished"
+
+    def history(self, model: str) -> str:
+        """Stream: a sample of the model's queue every few seconds, the last ten minutes
+        (housekeeping): per level ``w<level>``, ``r<level>``, ``f<level>`` (waiting, running, the
+        :meth:`finished` count); the console's chart."""
+        return f"{self._model(model)}:history"
 
     def webhooks(self, model: str) -> str:
         """Stream: the outbox of finished jobs that carry a webhook, written in the same script
@@ -273,6 +290,12 @@ class Keys:
     def worker_pattern(self) -> str:
         """SCAN pattern matching every worker's heartbeat key (the control channels are no keys)."""
         return f"{self.prefix}:worker:*"
+
+    def heartbeats(self) -> str:
+        """Sorted set: worker id -> heartbeat expiry (ms), for every worker, warming ones too: who
+        has a :meth:`worker` hash, found without a SCAN of the keyspace (the console reads it
+        every 2 s)."""
+        return f"{self.prefix}:heartbeats"
 
     def worker_id(self, key: str) -> str:
         """The worker id in a heartbeat key (the inverse of :meth:`worker`)."""

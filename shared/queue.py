@@ -235,8 +235,11 @@ class Swap(NamedTuple):
 
 class Queue:
     def __init__(self, redis: Redis, keys: Keys, *, result_ttl_s: int = 3600, idempotency_ttl_s: int = 86400,
-                 usage_days: int = 400, durability: Durability = NOT_DURABLE, memory: MemoryGuard | None = None):
+                 usage_days: int = 400, durability: Durability = NOT_DURABLE, memory: MemoryGuard | None = None,
+                 recent_jobs: int = 10000):
         self.redis = redis
+        self.recent_jobs = recent_jobs
+        """How many of a model's newest jobs its recent stream keeps (LLMQ_RECENT_JOBS; 0: none)."""
         self.keys = keys
         self.durability = durability
         """What an admission waits for before it is acknowledged (LLMQ_DURABILITY)."""
@@ -386,8 +389,8 @@ class Queue:
             self.keys, model, record.id, name, idempotency=idempotency_key, idempotency_ttl=self.idempotency_ttl_s,
             max_depth=max_queued, level=level_of(record.request.priority), weight=config.weight,
             max_running=limit(config.max_running), max_queued=limit(config.max_queued),
-            tokens_per_minute=limit(config.tokens_per_minute), now=now_ms(),
-            record=[v for pair in fields.items() for v in pair], touch=durable)
+            tokens_per_minute=limit(config.tokens_per_minute), now=now_ms(), recent=self.recent_jobs,
+            dialect=record.request.dialect, record=[v for pair in fields.items() for v in pair], touch=durable)
         owner, acked = await self._run(call)
         match owner:
             case [b"full", depth]:

@@ -37,8 +37,10 @@ class Registry:
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(self.keys.worker(worker), mapping=dict(fields))
         pipe.expire(self.keys.worker(worker), int(ttl_s) + 1)
+        expiry = now_ms() + ttl_s * 1000
+        pipe.zadd(self.keys.heartbeats(), {worker: expiry})
+        pipe.zremrangebyscore(self.keys.heartbeats(), 0, now_ms())
         if advertise:
-            expiry = now_ms() + ttl_s * 1000
             pipe.zadd(self.keys.workers(model), {worker: expiry})
             pipe.zadd(self.keys.models(), {model: expiry}, gt=True)  # how APIs discover models
         else:
@@ -50,6 +52,7 @@ class Registry:
         """Remove ``worker``'s hash and its place in the model's ready set."""
         await self.redis.delete(self.keys.worker(worker))
         await self.redis.zrem(self.keys.workers(model), worker)
+        await self.redis.zrem(self.keys.heartbeats(), worker)
 
     @contextlib.asynccontextmanager
     async def control_subscription(self, model: str, worker: str) -> AsyncIterator[PubSub]:
@@ -88,8 +91,13 @@ class Registry:
         return await subscribers(self.redis, channels, self.keys.queue(model))
 
     async def heartbeats(self) -> AsyncIterator[tuple[str, dict[str, str]]]:
-        """(worker id, heartbeat fields) of every worker whose heartbeat key has not expired."""
-        async for key in self.redis.scan_iter(match=self.keys.worker_pattern(), _type="hash", count=1000):
-            raw = {k.decode(): v.decode() for k, v in (await self.redis.hgetall(key)).items()}
-            if raw:  # else it expired between the scan and the read
-                yield self.keys.worker_id(key.decode()), raw
+        """(worker id, heartbeat fields) of every live worker: those the heartbeats set names, read
+        in one round trip, with no SCAN of the keyspace (whose cost grows with the job records)."""
+        ids = [i.decode() for i in await self.redis.zrangebyscore(self.keys.heartbeats(), now_ms(), "+inf")]
+        names = [self.keys.worker(i) for i in ids]
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.hgetall(name)
+        for name, fields in zip(names, await pipe.execute() if names else [], strict=True):
+            if fields:  # else it expired after the set was read
+                yield self.keys.worker_id(name), {k.decode(): v.decode() for k, v in fields.items()}

@@ -15,6 +15,7 @@ from shared.affinity import prefix_key
 from shared.budget import generation_budget
 from shared.errors import ServiceError, error_from_code
 from shared.keys import new_job_id
+from shared.tenants import DEFAULT_TENANT
 
 __all__ = [
     "AdapterSpec",
@@ -38,6 +39,8 @@ __all__ = [
     "JobStatus",
     "DialectName",
     "JobRecord",
+    "Run",
+    "parse_run",
     "JobGroup",
     "GROUP_PREFIX",
     "TERMINAL_STATUSES",
@@ -331,6 +334,14 @@ class JobError(msgspec.Struct, kw_only=True):
         return error_from_code(self.code, self.message, self.status)
 
 
+class Run(msgspec.Struct, frozen=True, kw_only=True):
+    """One attempt at a job: the worker that claimed it, and when (epoch ms)."""
+
+    attempt: int
+    worker: str
+    started_at: float
+
+
 class JobRecord(msgspec.Struct, kw_only=True):
     """The job hash ``llmq:{model}:job:<id>``, decoded. Timestamps are epoch milliseconds."""
 
@@ -377,6 +388,30 @@ class JobRecord(msgspec.Struct, kw_only=True):
     traceparent: str | None = None
     """With tracing on: the W3C ``traceparent`` of the API's span of the request that queued the
     job, the parent of the worker's spans (shared/tracing.py). None (no field) with tracing off."""
+    runs: str = ""
+    """Each attempt as ``<attempt>@<worker>@<epoch ms>``, space-separated, oldest first (claim.lua):
+    who ran the job; a takeover or a preemption is one more. Dropped at its end when there was one
+    only (``worker`` and ``started_at`` say the same): read it with :meth:`attempts`."""
+    tokens: str = ""
+    """Once it ended: ``<prompt> <generated>`` tokens, as metered ("": not known, or not ended);
+    read them with :meth:`token_counts`."""
+
+    def attempts(self) -> list[Run]:
+        """Each attempt's worker and start, oldest first."""
+        if not self.runs:
+            one = self.attempt and self.worker and self.started_at is not None
+            return [Run(attempt=self.attempt, worker=self.worker, started_at=self.started_at)] if one else []
+        return [parse_run(run) for run in self.runs.split()]
+
+    def tenant_of(self) -> str:
+        """Its tenant, also once it ended: the end drops the field when it says what the owner
+        does (a key's tenant is its hash, and with no key ``default``; tenants.lua)."""
+        return self.tenant or self.owner or DEFAULT_TENANT
+
+    def token_counts(self) -> tuple[int | None, int | None]:
+        """(prompt, generated) tokens of an ended job, or (None, None)."""
+        prompt, _, generated = self.tokens.partition(" ")
+        return (int(prompt), int(generated)) if generated else (None, None)
 
     @classmethod
     def new(cls, req: GenerationRequest, *, owner: str, default_timeout_s: float | None,
@@ -393,6 +428,14 @@ class JobRecord(msgspec.Struct, kw_only=True):
                    tenant=tenant, estimate=estimate_tokens(req, max_model_len), traceparent=traceparent,
                    adapter=req.adapter.name if req.adapter is not None else None,
                    affinity=prefix_key(req, req.cache_key))
+
+
+def parse_run(run: str) -> Run:
+    """One entry of a record's ``runs``: ``<attempt>@<worker>@<epoch ms>`` (a worker id may hold
+    anything but a space)."""
+    attempt, _, rest = run.partition("@")
+    worker, _, started = rest.rpartition("@")
+    return Run(attempt=int(attempt), worker=worker, started_at=float(started))
 
 
 def estimate_tokens(req: GenerationRequest, max_model_len: int | None = None) -> int:

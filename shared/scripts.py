@@ -123,10 +123,11 @@ def _places(first: int, groups: Sequence[Group], counts: Sequence[int]) -> list[
 
 ENQUEUE = Script(
     "enqueue.lua",
-    keys=("job", "tenant_key", "tenants", "clock"),
+    keys=("job", "tenant_key", "tenants", "clock", "recent"),
     key_groups=(Group("levels", ("queue", "waiting_stream", "fair")), Group("idempotency", ("idempotency",))),
     argv=("job_id", "idempotency_ttl", "max_depth", "levels", "level", "tenant", "weight", "max_running",
-          "max_queued", "tokens_per_minute", "now", "levels_at", "levels_width", "idempotency_at", "touch"),
+          "max_queued", "tokens_per_minute", "now", "levels_at", "levels_width", "idempotency_at", "touch",
+          "recent_max", "dialect"),
     tail=True,  # the job record's field, value pairs
     uses=(FAIR,),
 )
@@ -134,11 +135,13 @@ ENQUEUE = Script(
 
 def enqueue(keys: Keys, model: str, job_id: str, tenant: str, *, idempotency: str | None, idempotency_ttl: int,
             max_depth: int, level: int, weight: float, max_running: int, max_queued: int, tokens_per_minute: int,
-            now: float, record: Iterable[Value], touch: bool = False) -> Call:
+            now: float, record: Iterable[Value], touch: bool = False, recent: int = 0, dialect: str = "") -> Call:
     """``max_running``, ``max_queued``, ``tokens_per_minute``: -1 for no limit. ``record``: the
     job hash's field, value pairs. ``touch``: a repeated idempotency key is written again (its
-    TTL), so a WAIT after the script covers the earlier job too."""
-    k = [keys.job(model, job_id), keys.tenant(model, tenant), keys.tenants(model), keys.fair_clock(model)]
+    TTL), so a WAIT after the script covers the earlier job too. ``recent``: how many entries the
+    model's recent stream keeps (0: the job is not added), each its id, tenant and ``dialect``."""
+    k = [keys.job(model, job_id), keys.tenant(model, tenant), keys.tenants(model), keys.fair_clock(model),
+         keys.recent(model)]
     for lvl in range(LEVELS):
         k += [keys.queue(model, lvl), keys.waiting(model, lvl), keys.fair(model, lvl)]
     if idempotency:
@@ -147,7 +150,7 @@ def enqueue(keys: Keys, model: str, job_id: str, tenant: str, *, idempotency: st
                                                         [LEVELS, 1 if idempotency else 0])
     return Call(ENQUEUE, k, [job_id, idempotency_ttl, max_depth, LEVELS, level, tenant, repr(weight), max_running,
                              max_queued, tokens_per_minute, now, levels_at, levels_width, idempotency_at,
-                             int(touch), *record])
+                             int(touch), recent, dialect, *record])
 
 
 READ = Script(
@@ -479,7 +482,7 @@ FINISH = Script(
     key_groups=(
         # What only a terminal event writes besides its record (its tenant's meter, the webhook
         # outbox, the dead letters, its queue entry): sent only with items that end a job.
-        Group("ending", ("dead_letters", "webhooks", *_METER_KEYS)),
+        Group("ending", ("dead_letters", "webhooks", *_METER_KEYS, "finished")),
         Group("levels", ("queue", "fair")),
         Group("jobs", ("job",)),
     ),
@@ -499,7 +502,7 @@ def finish(keys: Keys, model: str, *, result_ttl: int, now: float, day: str, day
     ending = any(extra.status for _, _, extra in items)
     k: list[str] = []
     if ending:
-        k += [keys.dead(model), keys.webhooks(model), *_meter_keys(keys, model, day)]
+        k += [keys.dead(model), keys.webhooks(model), *_meter_keys(keys, model, day), keys.finished(model)]
     levels = LEVELS if ending else 0
     for level in range(levels):
         k += [keys.queue(model, level), keys.fair(model, level)]

@@ -161,11 +161,13 @@ async def _workers(redis: Redis, keys: Keys, now: float) -> list[WorkerStatus]:
     return sorted(workers, key=lambda w: (w.model, w.id))
 
 
-async def snapshot(redis: Redis, keys: Keys, *, top: int = TOP_TENANTS, held: bool = True) -> Status:
-    """One reading of every model any worker ever advertised, with its ``top`` tenants of the day
-    (0: none read) and, with ``held``, its affinity holders (a SCAN), and of every live worker."""
+async def snapshot(redis: Redis, keys: Keys, *, top: int = TOP_TENANTS, held: bool = True,
+                   models: list[str] | None = None) -> Status:
+    """One reading of ``models`` (default: every model any worker ever advertised), with its
+    ``top`` tenants of the day (0: none read) and, with ``held``, its affinity holders (a SCAN),
+    and of every live worker."""
     now = time.time()
-    names = sorted(n.decode() for n in await redis.zrange(keys.models(), 0, -1))
+    names = models if models is not None else sorted(n.decode() for n in await redis.zrange(keys.models(), 0, -1))
     return Status(prefix=keys.prefix, at=round(now, 3), day=today(now),
                   models=[await _model(redis, keys, n, now, top, held) for n in names],
                   workers=await _workers(redis, keys, now))

@@ -33,8 +33,8 @@ from redis.asyncio import Redis
 
 from shared.keys import LEVELS, Keys
 
-__all__ = ["DEFAULT_TENANT", "DEFAULTS", "key_hash", "TenantConfig", "TenantState", "UsageRow", "valid_tenant",
-           "read_config", "ConfigCache", "read_state", "read_usage", "top_tenants", "today", "main"]
+__all__ = ["DEFAULT_TENANT", "DEFAULTS", "key_hash", "TenantConfig", "TenantState", "UsageRow", "usage_row",
+           "valid_tenant", "read_config", "ConfigCache", "read_state", "read_usage", "top_tenants", "today", "main"]
 
 DEFAULT_TENANT = "default"
 """The tenant of a request with no API key and no tenant header."""
@@ -160,7 +160,8 @@ class UsageRow(msgspec.Struct, kw_only=True):
     """The time its preempted jobs waited again before they continued."""
 
 
-def _row(day: str, model: str, counts: dict[str, int], adapter: str | msgspec.UnsetType = msgspec.UNSET) -> UsageRow:
+def usage_row(day: str, model: str, counts: dict[str, int],
+              adapter: str | msgspec.UnsetType = msgspec.UNSET) -> UsageRow:
     return UsageRow(date=day, model=model, adapter=adapter, requests=counts.get("requests", 0),
                     prompt_tokens=counts.get("prompt_tokens", 0), generated_tokens=counts.get("generated_tokens", 0),
                     engine_seconds=counts.get("engine_ms", 0) / 1000, preemptions=counts.get("preemptions", 0),
@@ -179,13 +180,13 @@ async def read_usage(redis: Redis, keys: Keys, models: list[str], tenant: str, d
     for (day, model), values in zip(pairs, await pipe.execute(), strict=True):
         if not any(values):
             continue
-        rows.append(_row(day, model, {f: int(v or 0) for f, v in zip(USAGE_FIELDS, values, strict=True)}))
+        rows.append(usage_row(day, model, {f: int(v or 0) for f, v in zip(USAGE_FIELDS, values, strict=True)}))
         # Its adapters' fields, '<tenant>/<adapter>:<field>' (a tenant name has no glob character).
         per: dict[str, dict[str, int]] = {}
         async for field, value in redis.hscan_iter(keys.usage(model, day), match=f"{tenant}/*", count=1000):
             who, _, name = field.decode().rpartition(":")
             per.setdefault(who.removeprefix(f"{tenant}/"), {})[name] = int(value)
-        rows += [_row(day, model, counts, adapter) for adapter, counts in sorted(per.items())]
+        rows += [usage_row(day, model, counts, adapter) for adapter, counts in sorted(per.items())]
     return rows
 
 

@@ -30,7 +30,9 @@ from arq import ArqRedis, cron, func
 from arq.connections import RedisSettings
 from arq.worker import Worker, get_kwargs
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
+from shared.browse import SAMPLE_S, sample
 from shared.config import MASK, Settings, load_settings
 from shared.inspection import QueueReading, read_queue
 from shared.keys import GROUP, Keys
@@ -67,7 +69,7 @@ class Housekeeper:
         keys, redis = Keys(settings.prefix), connect(settings.redis_dsn)
         return cls(settings=settings, keys=keys, redis=redis, arq=arq,
                    queue=Queue(redis, keys, result_ttl_s=settings.result_ttl_s, usage_days=settings.usage_days,
-                               durability=settings.acknowledgement,
+                               durability=settings.acknowledgement, recent_jobs=settings.recent_jobs,
                                memory=MemoryGuard(redis, settings.redis_memory_watermark)),
                    http=httpx.AsyncClient(timeout=settings.webhook_timeout_s, follow_redirects=False))
 
@@ -97,6 +99,16 @@ async def sweep(hk: Housekeeper) -> dict[str, int | float]:
     hk.last_sweep[model] = notable
     (log.info if changed else log.debug)("housekeeping_sweep", model=model, **stats)
     return stats
+
+
+async def sample_history(hk: Housekeeper) -> None:
+    """One sample of every served model's levels into its history (the console's chart,
+    shared/browse.py): every SAMPLE_S, so the last ten minutes are there when a page opens."""
+    for name in await hk.redis.zrange(hk.keys.models(), 0, -1):
+        try:
+            await sample(hk.redis, hk.keys, name.decode())
+        except ResponseError as exc:  # Redis at its memory limit, a replica: the chart has a gap, no more
+            log.debug("history_sample_refused", model=name.decode(), error=str(exc))
 
 
 # A consumer this idle, holding nothing, whose worker's heartbeat key is gone, belongs to a dead
@@ -179,6 +191,10 @@ async def _sweep(ctx: dict[str, Any]) -> dict[str, int | float]:
     return await sweep(ctx[HOUSEKEEPER])
 
 
+async def _sample(ctx: dict[str, Any]) -> None:
+    await sample_history(ctx[HOUSEKEEPER])
+
+
 async def _drain_outbox(ctx: dict[str, Any]) -> int:
     return await drain_outbox(ctx[HOUSEKEEPER])
 
@@ -196,6 +212,7 @@ class WorkerSettings:
     # Named as the tasks are (arq names a job after its function): the log lines say cron:sweep.
     cron_jobs = [
         cron(_sweep, name="cron:sweep", second={0, 30}, run_at_startup=True),
+        cron(_sample, name="cron:sample", second=set(range(0, 60, SAMPLE_S)), run_at_startup=True),
         cron(_drain_outbox, name="cron:drain_outbox", second=set(range(60)), run_at_startup=True),
         cron(_advance_batches, name="cron:advance_batches", second=set(range(60)), run_at_startup=True),
     ]

@@ -21,7 +21,8 @@ local Claim = {}
 -- ends.
 function Claim.start(key, worker, now, max_failed)
   local f = redis.call('HMGET', key, 'request', 'queued_at', 'cancel', 'status', 'attempt', 'handoffs', 'deadline',
-                       'traceparent', 'worker', 'started_at', 'tenant', 'relay', 'preempted_at', 'preemptions')
+                       'traceparent', 'worker', 'started_at', 'tenant', 'relay', 'preempted_at', 'preemptions',
+                       'runs')
   if not f[1] then
     return {'missing', '', '0', 0, '', '', '', '', '', '', 0}
   elseif f[4] == 'done' or f[4] == 'failed' or f[4] == 'cancelled' then
@@ -38,7 +39,11 @@ function Claim.start(key, worker, now, max_failed)
     redis.call('HDEL', key, 'preempted_at')
   end
   local attempt = redis.call('HINCRBY', key, 'attempt', 1)
-  redis.call('HSET', key, 'worker', worker)
+  -- 'runs': each attempt as '<attempt>@<worker>@<epoch ms>', space-separated, oldest first: who ran
+  -- the job, a takeover or a preemption showing as one more (the console's job view). Job.finish
+  -- drops it when there was only one.
+  local run = attempt .. '@' .. worker .. '@' .. math.floor(tonumber(now))
+  redis.call('HSET', key, 'worker', worker, 'runs', f[15] and (f[15] .. ' ' .. run) or run)
   local state = 'run'
   if f[3] == '1' then
     state = 'cancelled'

@@ -12,9 +12,9 @@
 -- a script's first write, and lets the rest of the script run past it (atomicity). A first write
 -- that frees memory (an HDEL of old window seconds) would wave the whole script through at
 -- maxmemory; a refused HSET leaves nothing behind.
-local job, tenant_key, tenants, clock = unpack(KEYS, 1, 4)
+local job, tenant_key, tenants, clock, recent = unpack(KEYS, 1, 5)
 local job_id, idempotency_ttl, max_depth, levels, level, tenant, weight, max_running, max_queued,
-      tokens_per_minute, now, levels_at, levels_width, idempotency_at, touch = unpack(ARGV, 1, 15)
+      tokens_per_minute, now, levels_at, levels_width, idempotency_at, touch, recent_max, dialect = unpack(ARGV, 1, 17)
 level, max_running, max_queued = tonumber(level), tonumber(max_running), tonumber(max_queued)
 tokens_per_minute, now = tonumber(tokens_per_minute), tonumber(now)
 levels, levels_at, levels_width = tonumber(levels), tonumber(levels_at), tonumber(levels_width)
@@ -63,10 +63,14 @@ if tokens_per_minute >= 0 then
   end
 end
 
-redis.call('HSET', job, unpack(ARGV, 16))
+redis.call('HSET', job, unpack(ARGV, 18))
 if idempotency then redis.call('SET', idempotency, job_id, 'EX', idempotency_ttl) end
 local entry = redis.call('XADD', streams[level + 1], '*', 'job', job_id, 'tenant', tenant)
 redis.call('RPUSH', Fair.waiting_list(tenant_key, level), entry .. ' ' .. job_id)
+-- The model's newest jobs, for the console's list (shared/browse.py): what it filters on, in order.
+if recent_max ~= '0' then
+  redis.call('XADD', recent, 'MAXLEN', '~', recent_max, '*', 'job', job_id, 'tenant', tenant, 'dialect', dialect)
+end
 redis.call('HSET', tenant_key, 'weight', weight, 'max_running', math.max(max_running, 0))
 redis.call('ZADD', tenants, 'NX', now, tenant)
 -- At its running limit it joins the fair set when one of its jobs ends (Fair.ended).

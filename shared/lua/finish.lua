@@ -27,7 +27,8 @@ if levels > 0 then
   end
   local dead_letters, webhooks, clock = KEYS[ending_at], KEYS[ending_at + 1], KEYS[ending_at + 2]
   local usage_day, usage_total, tokens = KEYS[ending_at + 3], KEYS[ending_at + 4], KEYS[ending_at + 5]
-  ending = {ttl = result_ttl, webhooks = webhooks, dead_letters = dead_letters,
+  local finished = KEYS[ending_at + 6]
+  ending = {ttl = result_ttl, webhooks = webhooks, dead_letters = dead_letters, finished = finished,
             meter = {tprefix = tenant_prefix, fairs = fairs, clock = clock, usage_day = usage_day,
                      usage_total = usage_total, tokens = tokens, now = tonumber(now), day_ttl = day_ttl}}
 end
@@ -60,6 +61,8 @@ for a = items_at, #ARGV, items_width do
           redis.call('XADD', ending.dead_letters, 'MAXLEN', '~', 10000, '*', 'job', job_id, 'entry', entry,
                      'attempts', attempt, 'at', now)
         end
+        -- Each level's throughput (the console's, shared/browse.py): jobs ended after a delivery.
+        redis.call('HINCRBY', ending.finished, entry_level, 1)
         -- Only entries delivered to us get here: acked and deleted together (no PEL leak).
         local queue = queues[tonumber(entry_level)]
         redis.call('XACK', queue, group, entry)

@@ -49,6 +49,13 @@ end
 -- e: {ttl (s) of a finished job's keys, webhooks (the outbox stream), meter (Fair.ended's)}
 function Job.finish(job, id, e, outcome, compact, prompt, generated)
   redis.call('HSET', job, unpack(outcome))
+  -- Its token counts, '<prompt> <generated>', a field of their own: a list of jobs reads them
+  -- without the result's text (shared/browse.py).
+  if prompt >= 0 then redis.call('HSET', job, 'tokens', prompt .. ' ' .. generated) end
+  -- One attempt says no more than the record's worker and started_at: a finished job keeps its
+  -- runs only when it took several (a finished record's every byte lasts LLMQ_RESULT_TTL_S).
+  local runs = redis.call('HGET', job, 'runs')
+  if runs and not string.find(runs, ' ', 1, true) then redis.call('HDEL', job, 'runs') end
   Fair.ended(job, id, e.meter, prompt, generated)
   -- The relay channels only serve live events, and a finished job has none.
   redis.call('HDEL', job, 'relay')

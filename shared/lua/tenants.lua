@@ -72,7 +72,7 @@ end
 -- m: {tprefix, fairs, clock, usage_day, usage_total, tokens, now (ms), day TTL (s)}
 function Fair.ended(job, id, m, prompt, generated)
   local f = redis.call('HMGET', job, 'tenant', 'charged', 'started_at', 'adapter', 'used', 'run_ms', 'preemptions',
-                       'preempted_ms')
+                       'preempted_ms', 'owner')
   local tenant = f[1]
   if not tenant or tenant == '' then return end
   local tkey = m.tprefix .. tenant
@@ -114,8 +114,10 @@ function Fair.ended(job, id, m, prompt, generated)
   end
   redis.call('EXPIRE', m.usage_day, m.day_ttl)
   -- Nothing reads them once the job has ended (its usage is counted): a finished record keeps
-  -- only what its readers need, for LLMQ_RESULT_TTL_S.
-  redis.call('HDEL', job, 'tenant', 'estimate', 'charged', 'used', 'run_ms', 'preempted_at')
+  -- only what its readers need, for LLMQ_RESULT_TTL_S. Its tenant only when a gateway's header
+  -- named it: otherwise it is its owner, or 'default' (JobRecord.tenant_of).
+  redis.call('HDEL', job, 'estimate', 'charged', 'used', 'run_ms', 'preempted_at')
+  if tenant == ((f[9] and f[9] ~= '') and f[9] or 'default') then redis.call('HDEL', job, 'tenant') end
   if known and prompt + generated > 0 then
     local second = math.floor(m.now / 1000)
     for _, window in ipairs({Fair.tokens(tkey), m.tokens}) do

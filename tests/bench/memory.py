@@ -76,7 +76,9 @@ def key_kinds(keys: Keys, model: str) -> list[tuple[str, str]]:
              ("tenants", keys.tenants(model)), ("fair share", keys.fair(model)), ("fair share", keys.fair_clock(model)),
              ("group", keys.group(model, "")), ("dead letters", keys.dead(model)), ("webhooks", keys.webhooks(model)),
              ("workers", keys.workers(model)), ("presence", keys.worker("")), ("presence", keys.models()),
-             ("presence", keys.apis()), ("presence", keys.api_home(""))]
+             ("presence", keys.apis()), ("presence", keys.api_home("")), ("presence", keys.heartbeats()),
+             ("recent jobs", keys.recent(model)), ("throughput", keys.finished(model)),
+             ("throughput", keys.history(model))]
     for shard in range(SHARDS):  # a job's token keys, under its token shard's tag
         kinds += [("event log", keys.events_in(model, shard)), ("token fence", keys.fence(model, shard)),
                   ("ending", keys.ending_in(model, shard))]

@@ -75,6 +75,16 @@ def _ready_workers(url: str) -> int:
         return -1
 
 
+def ready_pids(redis, keys) -> set[int]:
+    """The pids of the workers whose heartbeat says ready (``redis``: a sync client)."""
+    found = set()
+    for key in redis.scan_iter(match=keys.worker("*")):
+        fields = redis.hgetall(key)
+        if fields.get(b"status") == b"ready":
+            found.add(int(fields[b"pid"]))
+    return found
+
+
 def _tail(log: Path) -> str:
     return log.read_text(errors="replace")[-3000:] if log.exists() else ""
 

@@ -37,7 +37,7 @@ from redis import Redis
 from shared.config import load_settings
 from shared.keys import GROUP, Keys
 from tests.conftest import free_port
-from tests.e2e.conftest import _spawn, _tail, stop_all, wait_ready
+from tests.e2e.conftest import _spawn, _tail, ready_pids, stop_all, wait_ready
 from tests.support.event_log import ended_record, logged_events, still_running
 from tests.support.faults import Figures, alive, children, lost_and_duplicated
 
@@ -68,12 +68,7 @@ class Small:
         return "\n".join(f"--- {log.name}\n{_tail(log)}" for _, log in self.procs)
 
     def ready_pids(self) -> set[int]:
-        found = set()
-        for key in self.redis.scan_iter(match=self.keys.worker("*")):
-            fields = self.redis.hgetall(key)
-            if fields.get(b"status") == b"ready":
-                found.add(int(fields[b"pid"]))
-        return found
+        return ready_pids(self.redis, self.keys)
 
     def two_workers(self) -> None:
         """Replace the worker an earlier test killed, and wait until both serve."""

@@ -133,8 +133,13 @@ async def test_priority_comes_before_fair_share(redis, prefix, make_worker):
     done = await wait_done(queue, [a_urgent, *b_low])
     order = [r.id for r in sorted(done, key=lambda r: r.started_at)]
     assert order[0] == a_urgent
-    # Once metered, a finished record drops its tenant's bookkeeping (it stays for LLMQ_RESULT_TTL_S).
-    assert {b"tenant", b"estimate", b"charged"} & set(await redis.hkeys(Keys(prefix).job(MODEL, a_urgent))) == set()
+    # Once metered, a finished record drops its tenant's bookkeeping (it stays for LLMQ_RESULT_TTL_S),
+    # and its one attempt's run (its worker and started_at say it); it keeps its token counts, and
+    # its tenant, as no key implies it (a gateway's header named it).
+    fields = await redis.hgetall(Keys(prefix).job(MODEL, a_urgent))
+    assert {b"estimate", b"charged", b"runs"} & set(fields) == set() and fields[b"tenant"] == b"a"
+    prompt, generated = map(int, fields[b"tokens"].split())
+    assert prompt > 0 and generated == 4
 
 
 async def test_running_limit_holds_a_tenant_back_without_idling_the_engine(redis, prefix, make_worker):

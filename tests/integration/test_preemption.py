@@ -9,6 +9,7 @@ clocks' absolute figures, which a loaded machine stretches."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import pytest
@@ -77,10 +78,16 @@ async def test_a_light_tenant_takes_a_slot_from_a_flood_at_once_and_the_flood_st
         # Every flood job ran past it, so no slot freed before it started but by a preemption.
         assert b.started_at < min(r.finished_at for r in records.values()), "it waited for a slot to free"
         assert b.attempt == 1 and b.preemptions == 0
+        assert not b.runs and [(r.attempt, r.worker) for r in b.attempts()] == [(1, b.worker)]
     preempted = [r for r in records.values() if r.preemptions]
     assert sum(r.preemptions for r in preempted) == len(light), "one preemption per light job"
     for r in preempted:
         assert r.attempt == 1 + r.preemptions and r.preempted_ms > 0
+        # Each start is a run of its own (the console's job view): kept, as there were several.
+        runs = r.attempts()
+        assert [run.attempt for run in runs] == list(range(1, r.attempt + 1))
+        assert runs[-1].worker == r.worker and runs[-1].started_at == int(r.started_at)  # whole ms
+        assert all(a.started_at < b.started_at for a, b in itertools.pairwise(runs))
     usage = await redis.hgetall(keys.usage(MODEL))
     assert int(usage[b"heavy:preemptions"]) == len(light)
     assert int(usage[b"heavy:generated_tokens"]) == len(heavy) * LONG, "counted once, however often preempted"

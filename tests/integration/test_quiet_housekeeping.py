@@ -28,7 +28,7 @@ def test_an_idle_housekeeper_prints_nothing_per_tick_at_info(redis_url, prefix, 
     lines = _run_idle(redis_url, prefix, tmp_path)
     events = [x["event"] for x in lines if x["level"] != "debug"]
     # arq's two start-up lines and the first sweep; then only the shutdown (stopped by the helper).
-    assert events[0].startswith("Starting worker for 4 functions") and events[1].startswith("redis_version=")
+    assert events[0].startswith("Starting worker for 5 functions") and events[1].startswith("redis_version=")
     assert events[2] == "housekeeping_sweep"
     assert all(e.startswith("shutdown on SIGTERM") for e in events[3:]), events
     assert not [x for x in lines if x["level"] == "debug"]

@@ -147,7 +147,8 @@ def _xadds(cluster: LocalCluster) -> dict[int, int]:
 async def test_a_models_token_writes_land_on_the_masters_of_their_jobs_shards(cluster, models):
     """Each event of a job is logged on the master owning its token shard's slot, not its model's:
     XADDs counted per master come to exactly each master's jobs' events (plus, on the model's
-    master, the two queue entries of each job: waiting, then picked). An API process's job ids take
+    master, the three entries of each job: waiting, then picked, and its line in the recent jobs).
+    An API process's job ids take
     the token shards in turn, so twelve jobs in a row use every shard once: four on each master."""
     jobs = 12
     before = _xadds(cluster)
@@ -158,7 +159,7 @@ async def test_a_models_token_writes_land_on_the_masters_of_their_jobs_shards(cl
     after = _xadds(cluster)
     queue = Queue(models.redis, models.keys)
     expected = dict.fromkeys(cluster.ports, 0)
-    expected[cluster.owner_port(models.keys.queue(MODEL))] += 2 * jobs
+    expected[cluster.owner_port(models.keys.queue(MODEL))] += 3 * jobs
     for job_id in ids:
         events = await queue.read_events(MODEL, job_id)
         assert [e.seq for e in events] == list(range(1, len(events) + 1)) and isinstance(events[-1], Done)

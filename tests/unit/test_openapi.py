@@ -91,7 +91,8 @@ def test_api_keys_mark_exactly_the_non_open_operations():
     assert set(doc["components"]["securitySchemes"]) == {"bearer", "apiKey"}
     open_ops = {("get", p) for p in ("/ping", "/health", "/liveness", "/readiness", "/v2/health/live",
                                       "/v2/health/ready", "/v2/models/{model}/ready", "/livez", "/readyz",
-                                      "/v2/models/{model}/versions/{version}/ready", "/openapi.json", "/metrics")}
+                                      "/v2/models/{model}/versions/{version}/ready", "/openapi.json", "/metrics",
+                                      "/console", "/console/static/{file}")}
     for path, item in doc["paths"].items():
         for method, op in item.items():
             if (method, path) in open_ops:

@@ -1,0 +1,282 @@
+"""The deployment as JSON, for the console (docs/console.md) and for scripts.
+
+``GET /v1/access`` (who the caller is), ``/v1/deployment`` (models, workers, queues, history),
+``/v1/tenants``, ``GET /v1/jobs`` (recent jobs, filtered), ``/v1/jobs/{id}/record`` (one job's
+record, its attempts), ``/v1/dead_letters`` and, for operators, their requeue and discard.
+
+Who sees what (api/auth.py, :class:`~api.auth.Viewer`): an operator key sees everything; any
+other key only its own jobs, dead letters and tenant; with no keys configured, loopback callers
+are operators and others get 403. The deployment's figures (queues, workers) are no one's data
+and show to every caller, as /metrics does. No list shows a prompt or an output: only a job's
+record does, to its owner and operators.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+from litestar import Request, Response, delete, get, post
+from litestar.params import FromPath
+
+from api.auth import Viewer, viewer
+from api.context import Ctx, Job
+from api.http import json_response
+from api.services import Svc
+from shared import browse
+from shared.errors import Forbidden, InvalidRequest, JobNotFound
+from shared.schemas import GROUP_PREFIX, GenerationRequest, JobError, JobGroup, JobRecord, JobStatus, Run
+from shared.status import WorkerStatus, snapshot
+
+__all__ = ["ROUTES", "AccessView", "DeploymentView", "ModelView", "LevelView", "RecordView", "RequeueView", "JobList",
+           "TenantList", "DeadLetterList", "DeadLetterDeleted"]
+
+class AccessView(msgspec.Struct, kw_only=True):
+    object: str = "access"
+    role: Literal["operator", "tenant"]
+    tenant: str
+    keys: bool
+    """Keys are configured; false: every (loopback) caller is an operator."""
+
+
+class LevelView(msgspec.Struct, kw_only=True):
+    level: int
+    waiting: int
+    running: int
+    oldest_age_s: float | None
+    finished_per_min: float | None
+    """Jobs that ended there per minute, over about the last minute (None: no sample that old)."""
+
+
+class ModelView(msgspec.Struct, kw_only=True):
+    name: str
+    ready_workers: int
+    loading_workers: int
+    slots: int
+    """Engine slots of its ready workers."""
+    slots_in_use: int
+    waiting: int
+    running: int
+    dead_letters: int
+    adapters: list[str]
+    """LoRA adapters some worker's engine holds now."""
+    levels: list[LevelView]
+    history: list[browse.HistoryPoint]
+
+
+class DeploymentView(msgspec.Struct, kw_only=True):
+    object: str = "deployment"
+    at: float
+    models: list[ModelView]
+    workers: list[WorkerStatus]
+
+
+class RecordView(msgspec.Struct, kw_only=True):
+    """One job's record as the console shows it."""
+
+    object: str = "job.record"
+    id: str
+    model: str
+    status: str
+    dialect: str
+    tenant: str
+    priority: int | None
+    queued_at: float
+    started_at: float | None
+    first_token_at: float | None
+    finished_at: float | None
+    deadline: float | None
+    attempts: int
+    preemptions: int
+    preempted_ms: int
+    runs: list[Run]
+    trace_id: str | None
+    """With tracing on: the trace of the request that queued it (its ``traceparent``'s)."""
+    prompt_tokens: int | None
+    generated_tokens: int | None
+    request: GenerationRequest
+    result: Any
+    error: JobError | None
+
+    @classmethod
+    def of(cls, r: JobRecord) -> RecordView:
+        return cls(id=r.id, model=r.model, status=r.status, dialect=r.request.dialect, tenant=r.tenant_of(),
+                   priority=r.request.priority, queued_at=r.queued_at, started_at=r.started_at,
+                   first_token_at=r.first_token_at, finished_at=r.finished_at, deadline=r.deadline,
+                   attempts=r.attempt, preemptions=r.preemptions, preempted_ms=r.preempted_ms, runs=r.attempts(),
+                   trace_id=r.traceparent.split("-")[1] if r.traceparent and r.traceparent.count("-") >= 3 else None,
+                   prompt_tokens=r.token_counts()[0], generated_tokens=r.token_counts()[1], request=r.request,
+                   result=r.result, error=r.error)
+
+
+class JobList(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[browse.JobSummary]
+
+
+class TenantList(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[browse.TenantRow]
+
+
+class DeadLetterList(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[browse.DeadLetterView]
+
+
+class DeadLetterDeleted(msgspec.Struct, kw_only=True):
+    object: str = "dead_letter.deleted"
+    job_id: str
+
+
+class RequeueView(msgspec.Struct, kw_only=True):
+    object: str = "requeue"
+    job_id: str
+    requeued_as: str
+
+
+_OPT = {"dialect": "jobs"}
+_STATUSES = frozenset(JobStatus.__args__)  # type: ignore[attr-defined]
+_MAX_LIST = 500
+
+
+def _viewer(request: Request, svc: Svc) -> Viewer:
+    return viewer(request, svc.operators, svc.keys_on)
+
+
+def _operator(request: Request, svc: Svc, action: str) -> Viewer:
+    who = _viewer(request, svc)
+    if not who.operator:
+        raise Forbidden(f"Only an operator key may {action} (LLMQ_OPERATOR_KEYS)")
+    return who
+
+
+@get("/v1/access", opt=_OPT)
+async def access(request: Request, svc: Svc, ctx: Ctx) -> Response:
+    """The caller's role: ``operator`` or ``tenant`` (its own jobs only), and its tenant."""
+    who = _viewer(request, svc)
+    return json_response(AccessView(role="operator" if who.operator else "tenant", tenant=ctx.tenant,
+                                    keys=svc.keys_on))
+
+
+@get("/v1/deployment", opt=_OPT)
+async def deployment(request: Request, svc: Svc) -> Response:
+    """Every known model: its workers (warm and loading), slots, adapters, each priority level's
+    waiting and running jobs, oldest age and throughput, and the last ten minutes' samples."""
+    _viewer(request, svc)
+    redis, keys = svc.queue.redis, svc.keys
+    status = await snapshot(redis, keys, top=0, held=False, models=list(await svc.models.known()))
+    # The workers' own Prometheus samples are /metrics' to show.
+    workers = [msgspec.structs.replace(w, metrics=[]) for w in status.workers]
+    models = []
+    for m in status.models:
+        mine = [w for w in workers if w.model == m.name]
+        rates = await browse.throughput(redis, keys, m.name, status.at)
+        models.append(ModelView(
+            name=m.name, ready_workers=m.ready_workers, loading_workers=sum(w.status == "warming" for w in mine),
+            slots=sum(w.slots for w in mine if w.status == "ready"),
+            slots_in_use=sum(w.running for w in mine), waiting=m.waiting, running=m.running,
+            dead_letters=m.dead_letters, adapters=sorted({a for w in mine for a in w.adapters}),
+            levels=[LevelView(level=lv.level, waiting=lv.waiting, running=lv.running, oldest_age_s=lv.oldest_age_s,
+                              finished_per_min=rates[lv.level]) for lv in m.levels],
+            history=await browse.history(redis, keys, m.name, status.at)))
+    return json_response(DeploymentView(at=status.at, models=models, workers=workers))
+
+
+@get("/v1/tenants", opt=_OPT)
+async def tenants(request: Request, svc: Svc, ctx: Ctx) -> Response:
+    """Each tenant on each model: weight and fair share against its share of the last minute's
+    tokens, running and waiting jobs, limits and today's usage. A tenant's key: its own rows."""
+    who = _viewer(request, svc)
+    rows = await browse.tenant_rows(svc.queue.redis, svc.keys, await svc.models.known(),
+                                    only=None if who.operator else ctx.tenant)
+    return json_response(TenantList(data=rows))
+
+
+def _query(request: Request, name: str, allowed: frozenset[str] | None = None) -> str | None:
+    value = request.query_params.get(name) or None
+    if value is not None and allowed is not None and value not in allowed:
+        raise InvalidRequest(f"{name} must be one of {', '.join(sorted(allowed))}", param=name)
+    return value
+
+
+@get("/v1/jobs", opt=_OPT)
+async def list_jobs(request: Request, svc: Svc) -> Response:
+    """Recent jobs, newest first: ``model``, ``tenant``, ``status``, ``dialect`` filter, ``limit``
+    (1-500, 50 unless given) cuts. A tenant's key sees its own only."""
+    who = _viewer(request, svc)
+    known = await svc.models.known()
+    model = _query(request, "model", frozenset(known))
+    limit = request.query_params.get("limit", "50")
+    if not limit.isdigit() or not 1 <= int(limit) <= _MAX_LIST:
+        raise InvalidRequest(f"limit must be a whole number from 1 to {_MAX_LIST}", param="limit")
+    jobs = await browse.recent_jobs(svc.queue.redis, svc.keys, [model] if model else known, owner=who.only,
+                                    limit=int(limit), tenant=_query(request, "tenant"),
+                                    status=_query(request, "status", _STATUSES), dialect=_query(request, "dialect"))
+    return json_response(JobList(data=jobs))
+
+
+@get("/v1/jobs/{job_id:str}/record", opt=_OPT)
+async def job_record(svc: Svc, job: Job) -> Response:
+    """One job's record, its request and result included: to its owner and operators only (the
+    ``job`` dependency's check), with every attempt's worker and start."""
+    if isinstance(job.found, JobGroup):
+        raise InvalidRequest(f"job {job.id} is a group: read each of {job.found.jobs}", param="job_id")
+    [record] = await svc.queue.get_jobs(job.model, [job.id])  # its end settled, if logged (get_jobs)
+    return json_response(RecordView.of(record or job.found))
+
+
+@get("/v1/dead_letters", opt=_OPT)
+async def list_dead_letters(request: Request, svc: Svc) -> Response:
+    """Jobs that failed too many deliveries, newest first (``model`` filters); a tenant's key
+    sees its own."""
+    who = _viewer(request, svc)
+    known = await svc.models.known()
+    model = _query(request, "model", frozenset(known))
+    data = await browse.dead_letters(svc.queue.redis, svc.keys, [model] if model else known, owner=who.only)
+    return json_response(DeadLetterList(data=data))
+
+
+async def _dead(svc: Svc, job_id: str) -> tuple[str, bytes, dict[bytes, bytes], JobRecord]:
+    """The model, dead-letter entry (id, fields) and record of a dead-lettered job; 404 if none."""
+    for model in await svc.models.known():
+        if job_id.startswith(GROUP_PREFIX):
+            break
+        found = await browse.find_dead_letter(svc.queue.redis, svc.keys, model, job_id)
+        if found is not None and (record := await svc.queue.get_job(model, job_id)) is not None:
+            return model, *found, record
+    raise JobNotFound(f"job {job_id} is not a dead letter")
+
+
+@post("/v1/dead_letters/{job_id:str}/requeue", opt=_OPT, status_code=200)
+async def requeue(request: Request, svc: Svc, job_id: FromPath[str]) -> Response:
+    """Queue a dead letter's request again as a new job (a new id, the same key and tenant), and
+    take it off the dead letters. Operators only."""
+    _operator(request, svc, "requeue a dead letter")
+    model, entry, fields, old = await _dead(svc, job_id)
+    # Taken off first, so two operators clicking at once queue it once; put back if it cannot be queued.
+    if not await browse.discard_dead_letter(svc.queue.redis, svc.keys, model, entry):
+        raise JobNotFound(f"job {job_id} is not a dead letter")
+    tenant = old.tenant_of()
+    record = JobRecord.new(old.request, owner=old.owner, default_timeout_s=svc.settings.deadline_s, tenant=tenant,
+                           max_model_len=svc.settings.max_model_len)
+    try:
+        new_id = await svc.queue.enqueue(record, max_queued=svc.settings.max_queued,
+                                         tenant=await svc.tenants.get(tenant))
+    except BaseException:
+        await browse.restore_dead_letter(svc.queue.redis, svc.keys, model, fields)
+        raise
+    return json_response(RequeueView(job_id=job_id, requeued_as=new_id))
+
+
+@delete("/v1/dead_letters/{job_id:str}", opt=_OPT, status_code=200)
+async def discard(request: Request, svc: Svc, job_id: FromPath[str]) -> Response:
+    """Take a dead letter off the list for good (its record stays until its TTL). Operators only."""
+    _operator(request, svc, "discard a dead letter")
+    model, entry, _, _ = await _dead(svc, job_id)
+    if not await browse.discard_dead_letter(svc.queue.redis, svc.keys, model, entry):
+        raise JobNotFound(f"job {job_id} is not a dead letter")
+    return json_response(DeadLetterDeleted(job_id=job_id))
+
+
+ROUTES = [access, deployment, tenants, list_jobs, job_record, list_dead_letters, requeue, discard]

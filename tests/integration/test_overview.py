@@ -1,0 +1,216 @@
+"""The console's JSON routes (api/routes/overview.py) on a real Redis and the real app: who sees
+what, the recent jobs and their filters, one job's record and attempts, tenants, the deployment,
+and dead letters requeued and discarded (operators only).
+
+Keys on: two tenants' keys and an operator's. A dead letter is made as finish.lua makes one (the
+record failed with ``dead_letter``, an entry in the model's dead stream); the browser tests make a
+real one with a SIGKILLed vLLM worker (tests/e2e/test_console.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import msgspec
+import pytest
+
+from shared.keys import Keys
+from shared.tenants import key_hash
+from tests.support.scripted_stack import ScriptedStack
+from tests.support.waiting import eventually
+
+A, B, OP = "key-of-tenant-a", "key-of-tenant-b", "key-of-the-operator"
+pytestmark = pytest.mark.stack(api_keys=f"{A},{B}", operator_keys=OP)
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+async def submit(stack: ScriptedStack, key: str, prompt: str = "abc", tokens: int = 4) -> str:
+    resp = await stack.client.post("/v1/jobs", json={"prompt": prompt, "sampling": {"max_tokens": tokens}},
+                                   headers=auth(key))
+    assert resp.status_code == 202, resp.text
+    return resp.json()["id"]
+
+
+async def done(stack: ScriptedStack, key: str, job_id: str) -> dict:
+    async def finished():
+        body = (await stack.client.get(f"/v1/jobs/{job_id}", headers=auth(key))).json()
+        return body if body["status"] in ("done", "failed", "cancelled") else None
+    return await eventually(finished, timeout_s=20, what=f"job {job_id} to end")
+
+
+async def get(stack: ScriptedStack, path: str, key: str, **params) -> httpx.Response:
+    return await stack.client.get(path, headers=auth(key), params=params)
+
+
+async def test_access_says_who_the_caller_is(stack: ScriptedStack):
+    assert (await get(stack, "/v1/access", A)).json() == {"object": "access", "role": "tenant",
+                                                         "tenant": key_hash(A), "keys": True}
+    assert (await get(stack, "/v1/access", OP)).json()["role"] == "operator"
+    assert (await stack.client.get("/v1/access")).status_code == 401
+
+
+async def test_a_tenant_lists_only_its_own_jobs_and_an_operator_every_one(stack: ScriptedStack):
+    a1, a2, b1 = await submit(stack, A), await submit(stack, A, tokens=6), await submit(stack, B)
+    for key, job_id in ((A, a1), (A, a2), (B, b1)):
+        await done(stack, key, job_id)
+    mine = [j["id"] for j in (await get(stack, "/v1/jobs", A)).json()["data"]]
+    assert a1 in mine and a2 in mine and b1 not in mine
+    assert mine.index(a2) < mine.index(a1)  # newest first
+    everyone = [j["id"] for j in (await get(stack, "/v1/jobs", OP)).json()["data"]]
+    assert {a1, a2, b1} <= set(everyone)
+    # The filters: tenant, status, dialect, and a limit.
+    by_b = (await get(stack, "/v1/jobs", OP, tenant=key_hash(B))).json()["data"]
+    assert [j["id"] for j in by_b] == [b1]
+    assert (await get(stack, "/v1/jobs", OP, status="queued")).json()["data"] == []
+    assert (await get(stack, "/v1/jobs", OP, dialect="openai_chat")).json()["data"] == []
+    assert len((await get(stack, "/v1/jobs", OP, limit="1")).json()["data"]) == 1
+    row = next(j for j in everyone_rows(await get(stack, "/v1/jobs", A)) if j["id"] == a2)
+    assert row["status"] == "done" and row["dialect"] == "jobs" and row["tenant"] == key_hash(A)
+    assert row["generated_tokens"] == 6 and row["prompt_tokens"] > 0
+    assert row["attempts"] == 1 and row["preemptions"] == 0 and row["workers"] == [stack.worker.worker_id]
+    assert 0 <= row["queue_ms"] <= row["ttft_ms"]
+    assert "prompt" not in row and "request" not in row and "result" not in row  # a list shows no text
+    # Bad filters are the jobs dialect's 400.
+    for params in ({"status": "sleeping"}, {"limit": "0"}, {"model": "nope"}):
+        resp = await get(stack, "/v1/jobs", OP, **params)
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_request"
+
+
+def everyone_rows(resp: httpx.Response) -> list[dict]:
+    return resp.json()["data"]
+
+
+def test_a_records_view_names_its_trace_and_every_run():
+    from api.routes.overview import RecordView
+    from shared.schemas import GenerationRequest, JobRecord
+
+    record = JobRecord(id="j", model="m", request=GenerationRequest(prompt="p"), status="done", attempt=2,
+                       worker="w2", started_at=2000.5, owner="o", runs="1@host:1:a@1000 2@w2@2000",
+                       traceparent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", tokens="3 7")
+    view = RecordView.of(record)
+    assert view.trace_id == "4bf92f3577b34da6a3ce929d0e0e4736" and view.tenant == "o"
+    assert [(r.attempt, r.worker, r.started_at) for r in view.runs] == [(1, "host:1:a", 1000), (2, "w2", 2000)]
+    assert (view.prompt_tokens, view.generated_tokens) == (3, 7)
+    # One attempt: its run is the record's worker and start (the end dropped the field).
+    one = RecordView.of(JobRecord(id="j", model="m", request=GenerationRequest(prompt="p"), attempt=1, worker="w",
+                                  started_at=5.0))
+    assert [(r.attempt, r.worker) for r in one.runs] == [(1, "w")] and one.trace_id is None
+    assert one.tenant == "default"
+
+
+async def test_a_record_shows_its_attempts_to_its_owner_and_operators_only(stack: ScriptedStack):
+    job_id = await submit(stack, A, prompt="record me")
+    await done(stack, A, job_id)
+    for key in (A, OP):
+        rec = (await get(stack, f"/v1/jobs/{job_id}/record", key)).json()
+        assert rec["status"] == "done" and rec["request"]["prompt"] == "record me"
+        assert [r["attempt"] for r in rec["runs"]] == [1] and rec["runs"][0]["worker"] == stack.worker.worker_id
+        assert rec["queued_at"] <= rec["runs"][0]["started_at"] <= rec["finished_at"]
+        assert rec["attempts"] == 1 and rec["tenant"] == key_hash(A)
+    other = await get(stack, f"/v1/jobs/{job_id}/record", B)
+    assert other.status_code == 404 and other.json()["error"]["code"] == "job_not_found"
+
+
+async def test_an_operator_cancels_another_keys_job(stack: ScriptedStack):
+    job_id = await submit(stack, A, tokens=4000)
+    assert (await stack.client.delete(f"/v1/jobs/{job_id}", headers=auth(B))).status_code == 404
+    assert (await stack.client.delete(f"/v1/jobs/{job_id}", headers=auth(OP))).status_code == 200
+    assert (await done(stack, A, job_id))["status"] == "cancelled"
+
+
+async def test_tenants_show_share_weight_and_todays_usage(stack: ScriptedStack):
+    await done(stack, B, await submit(stack, B, tokens=5))
+    mine = (await get(stack, "/v1/tenants", B)).json()["data"]
+    assert [r["tenant"] for r in mine] == [key_hash(B)]
+    assert mine[0]["today"]["requests"] >= 1 and mine[0]["today"]["generated_tokens"] >= 5
+    assert mine[0]["weight"] == 1.0 and mine[0]["tokens_last_minute"] > 0
+    everyone = {r["tenant"] for r in (await get(stack, "/v1/tenants", OP)).json()["data"]}
+    assert {key_hash(A), key_hash(B)} <= everyone
+
+
+async def test_the_deployment_names_the_model_its_worker_and_levels(stack: ScriptedStack):
+    body = (await get(stack, "/v1/deployment", A)).json()
+    [model] = [m for m in body["models"] if m["name"] == "tiny"]
+    assert model["ready_workers"] == 1 and model["slots"] == stack.settings.max_num_seqs
+    assert [w["id"] for w in body["workers"]] == [stack.worker.worker_id]
+    assert body["workers"][0]["metrics"] == []  # /metrics shows them
+
+
+async def test_history_samples_give_each_level_its_throughput(stack: ScriptedStack):
+    from shared import browse
+
+    keys = Keys(stack.settings.prefix)
+    await browse.sample(stack.redis, keys, "tiny")
+    # A sample a minute old, as housekeeping leaves every 5 s: the throughput is measured against it.
+    before = {"w0": 0, "r0": 0, "f0": 0, "w1": 0, "r1": 0, "f1": 0, "w2": 0, "r2": 0, "f2": 0}
+    old = int(time.time() * 1000) - 55_000
+    await stack.redis.delete(keys.history("tiny"))
+    await stack.redis.xadd(keys.history("tiny"), before, id=f"{old}-0")
+    await browse.sample(stack.redis, keys, "tiny")
+    finished = int(await stack.redis.hget(keys.finished("tiny"), "0"))
+    assert finished > 0
+    [model] = [m for m in (await get(stack, "/v1/deployment", OP)).json()["models"] if m["name"] == "tiny"]
+    rate = model["levels"][0]["finished_per_min"]
+    assert rate == pytest.approx(finished * 60 / 55, rel=0.1)
+    assert [p["waiting"] for p in model["history"]] == [0, 0] and model["history"][1]["finished_per_min"] > 0
+
+
+async def _dead_letter(stack: ScriptedStack, key: str) -> str:
+    """A finished job turned into a dead letter as finish.lua leaves one."""
+    job_id = await submit(stack, key, prompt="poison")
+    await done(stack, key, job_id)
+    keys = Keys(stack.settings.prefix)
+    error = msgspec.json.encode({"code": "dead_letter", "message": "failed 3 deliveries", "status": 500})
+    await stack.redis.hset(keys.job("tiny", job_id), mapping={"status": "failed", "error": error})
+    await stack.redis.xadd(keys.dead("tiny"), {"job": job_id, "entry": "1-0", "attempts": 3,
+                                               "at": int(time.time() * 1000)})
+    return job_id
+
+
+async def test_dead_letters_are_requeued_by_an_operator_and_refused_to_a_tenant(stack: ScriptedStack):
+    dead = await _dead_letter(stack, A)
+    rows = (await get(stack, "/v1/dead_letters", A)).json()["data"]
+    assert [(r["job_id"], r["attempts"], r["error"]["code"]) for r in rows] == [(dead, 3, "dead_letter")]
+    assert (await get(stack, "/v1/dead_letters", B)).json()["data"] == []
+    refused = await stack.client.post(f"/v1/dead_letters/{dead}/requeue", headers=auth(A))
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "forbidden"
+    assert (await stack.client.delete(f"/v1/dead_letters/{dead}", headers=auth(A))).status_code == 403
+    resp = await stack.client.post(f"/v1/dead_letters/{dead}/requeue", headers=auth(OP))
+    assert resp.status_code == 200, resp.text
+    new_id = resp.json()["requeued_as"]
+    assert new_id != dead
+    # The new job is the tenant's own (its key reads it) and runs the same request.
+    assert (await done(stack, A, new_id))["status"] == "done"
+    rec = (await get(stack, f"/v1/jobs/{new_id}/record", A)).json()
+    assert rec["request"]["prompt"] == "poison" and rec["tenant"] == key_hash(A)
+    assert (await get(stack, "/v1/dead_letters", OP)).json()["data"] == []
+    again = await stack.client.post(f"/v1/dead_letters/{dead}/requeue", headers=auth(OP))
+    assert again.status_code == 404
+
+
+async def test_an_operator_discards_a_dead_letter(stack: ScriptedStack):
+    dead = await _dead_letter(stack, B)
+    resp = await stack.client.delete(f"/v1/dead_letters/{dead}", headers=auth(OP))
+    assert resp.status_code == 200 and resp.json() == {"object": "dead_letter.deleted", "job_id": dead}
+    assert dead not in [r["job_id"] for r in (await get(stack, "/v1/dead_letters", OP)).json()["data"]]
+
+
+async def test_the_console_page_and_files_are_served_with_no_key_and_nothing_from_elsewhere(stack: ScriptedStack):
+    page = await stack.client.get("/console")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert page.headers["content-security-policy"].startswith("default-src 'self'")
+    assert "http://" not in page.text and "https://" not in page.text
+    assert (await stack.client.get("/console/static/app.js")).status_code == 200
+    # Nothing any file of the app loads comes from elsewhere (llmq runs offline): no URL in them
+    # but the SVG namespace's name.
+    from api.routes.console import _files
+
+    for name, (body, _) in _files().items():
+        text = body.decode().replace("http://www.w3.org/2000/svg", "")
+        assert "http://" not in text and "https://" not in text and "//cdn" not in text, name
+    assert (await stack.client.get("/console/static/../routes/console.py")).status_code == 404
+    assert (await stack.client.get("/console/static/nope.js")).status_code == 404
