@@ -138,7 +138,10 @@ async def _recent_of(redis: Redis, keys: Keys, model: str, owner: str | None, li
             break
         scanned += len(entries)
         end = "(" + entries[-1][0].decode()
-        rows = [(f[b"job"].decode(), f[b"tenant"].decode(), f.get(b"dialect", b"").decode()) for _, f in entries]
+        # What the entry says filters first (its owner too: a tenant's list reads only its own
+        # records), then each record left is read once.
+        rows = [(f[b"job"].decode(), f[b"tenant"].decode(), f.get(b"dialect", b"").decode()) for _, f in entries
+                if b"owner" not in f or _visible(owner, f[b"owner"])]  # an entry from before the field: its record
         rows = [r for r in rows if (tenant is None or r[1] == tenant) and (dialect is None or r[2] == dialect)]
         pipe = redis.pipeline(transaction=False)
         for job_id, _, _ in rows:

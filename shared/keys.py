@@ -244,7 +244,7 @@ class Keys:
         return f"{self._model(model)}:dead"
 
     def recent(self, model: str) -> str:
-        """Stream: one entry (``job``, ``tenant``, ``dialect``) per job queued, newest last, capped at
+        """Stream: one entry (``job``, ``tenant``, ``dialect``, ``owner``) per job queued, newest last, capped at
         LLMQ_RECENT_JOBS (approximately): the console's list of recent jobs (shared/browse.py)."""
         return f"{self._model(model)}:recent"
 

@@ -390,7 +390,8 @@ class Queue:
             max_depth=max_queued, level=level_of(record.request.priority), weight=config.weight,
             max_running=limit(config.max_running), max_queued=limit(config.max_queued),
             tokens_per_minute=limit(config.tokens_per_minute), now=now_ms(), recent=self.recent_jobs,
-            dialect=record.request.dialect, record=[v for pair in fields.items() for v in pair], touch=durable)
+            dialect=record.request.dialect, owner=record.owner, record=[v for pair in fields.items() for v in pair],
+            touch=durable)
         owner, acked = await self._run(call)
         match owner:
             case [b"full", depth]:

@@ -127,7 +127,7 @@ ENQUEUE = Script(
     key_groups=(Group("levels", ("queue", "waiting_stream", "fair")), Group("idempotency", ("idempotency",))),
     argv=("job_id", "idempotency_ttl", "max_depth", "levels", "level", "tenant", "weight", "max_running",
           "max_queued", "tokens_per_minute", "now", "levels_at", "levels_width", "idempotency_at", "touch",
-          "recent_max", "dialect"),
+          "recent_max", "dialect", "owner"),
     tail=True,  # the job record's field, value pairs
     uses=(FAIR,),
 )
@@ -135,11 +135,13 @@ ENQUEUE = Script(
 
 def enqueue(keys: Keys, model: str, job_id: str, tenant: str, *, idempotency: str | None, idempotency_ttl: int,
             max_depth: int, level: int, weight: float, max_running: int, max_queued: int, tokens_per_minute: int,
-            now: float, record: Iterable[Value], touch: bool = False, recent: int = 0, dialect: str = "") -> Call:
+            now: float, record: Iterable[Value], touch: bool = False, recent: int = 0, dialect: str = "",
+            owner: str = "") -> Call:
     """``max_running``, ``max_queued``, ``tokens_per_minute``: -1 for no limit. ``record``: the
     job hash's field, value pairs. ``touch``: a repeated idempotency key is written again (its
     TTL), so a WAIT after the script covers the earlier job too. ``recent``: how many entries the
-    model's recent stream keeps (0: the job is not added), each its id, tenant and ``dialect``."""
+    model's recent stream keeps (0: the job is not added), each its id, tenant, ``dialect`` and
+    ``owner`` (a tenant's list reads only its own entries' records)."""
     k = [keys.job(model, job_id), keys.tenant(model, tenant), keys.tenants(model), keys.fair_clock(model),
          keys.recent(model)]
     for lvl in range(LEVELS):
@@ -150,7 +152,7 @@ def enqueue(keys: Keys, model: str, job_id: str, tenant: str, *, idempotency: st
                                                         [LEVELS, 1 if idempotency else 0])
     return Call(ENQUEUE, k, [job_id, idempotency_ttl, max_depth, LEVELS, level, tenant, repr(weight), max_running,
                              max_queued, tokens_per_minute, now, levels_at, levels_width, idempotency_at,
-                             int(touch), recent, dialect, *record])
+                             int(touch), recent, dialect, owner, *record])
 
 
 READ = Script(

@@ -239,9 +239,7 @@ async def list_dead_letters(request: Request, svc: Svc) -> Response:
 
 async def _dead(svc: Svc, job_id: str) -> tuple[str, bytes, dict[bytes, bytes], JobRecord]:
     """The model, dead-letter entry (id, fields) and record of a dead-lettered job; 404 if none."""
-    for model in await svc.models.known():
-        if job_id.startswith(GROUP_PREFIX):
-            break
+    for model in [] if job_id.startswith(GROUP_PREFIX) else await svc.models.known():  # a group is never one
         found = await browse.find_dead_letter(svc.queue.redis, svc.keys, model, job_id)
         if found is not None and (record := await svc.queue.get_job(model, job_id)) is not None:
             return model, *found, record

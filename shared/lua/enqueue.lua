@@ -14,7 +14,8 @@
 -- maxmemory; a refused HSET leaves nothing behind.
 local job, tenant_key, tenants, clock, recent = unpack(KEYS, 1, 5)
 local job_id, idempotency_ttl, max_depth, levels, level, tenant, weight, max_running, max_queued,
-      tokens_per_minute, now, levels_at, levels_width, idempotency_at, touch, recent_max, dialect = unpack(ARGV, 1, 17)
+      tokens_per_minute, now, levels_at, levels_width, idempotency_at, touch, recent_max, dialect,
+      owner = unpack(ARGV, 1, 18)
 level, max_running, max_queued = tonumber(level), tonumber(max_running), tonumber(max_queued)
 tokens_per_minute, now = tonumber(tokens_per_minute), tonumber(now)
 levels, levels_at, levels_width = tonumber(levels), tonumber(levels_at), tonumber(levels_width)
@@ -63,13 +64,14 @@ if tokens_per_minute >= 0 then
   end
 end
 
-redis.call('HSET', job, unpack(ARGV, 18))
+redis.call('HSET', job, unpack(ARGV, 19))
 if idempotency then redis.call('SET', idempotency, job_id, 'EX', idempotency_ttl) end
 local entry = redis.call('XADD', streams[level + 1], '*', 'job', job_id, 'tenant', tenant)
 redis.call('RPUSH', Fair.waiting_list(tenant_key, level), entry .. ' ' .. job_id)
 -- The model's newest jobs, for the console's list (shared/browse.py): what it filters on, in order.
 if recent_max ~= '0' then
-  redis.call('XADD', recent, 'MAXLEN', '~', recent_max, '*', 'job', job_id, 'tenant', tenant, 'dialect', dialect)
+  redis.call('XADD', recent, 'MAXLEN', '~', recent_max, '*', 'job', job_id, 'tenant', tenant, 'dialect', dialect,
+             'owner', owner)
 end
 redis.call('HSET', tenant_key, 'weight', weight, 'max_running', math.max(max_running, 0))
 redis.call('ZADD', tenants, 'NX', now, tenant)

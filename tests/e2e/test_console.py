@@ -198,6 +198,22 @@ async def test_the_playground_streams_a_chat_answer(deployment: Deployment, cons
     assert answer == "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert answer.strip()
     await shot(page, "playground")
+    # Anthropic Messages with a tool, whole: the tool in its own shape, and the message back.
+    await page.select_option("[data-testid=pg-dialect]", "anthropic_messages")
+    await page.uncheck("[data-testid=pg-stream]")
+    await page.check("[data-testid=pg-tools]")
+    await page.click("[data-testid=pg-send]")
+    await expect(page.get_by_test_id("pg-response")).to_contain_text('"type":"message"', timeout=60_000)
+    sent = await page.text_content("[data-testid=pg-request]")
+    body = json.loads(sent.split("\n\n", 1)[1])
+    assert sent.startswith("POST /v1/messages") and body["stream"] is False
+    assert body["tools"] == [{"name": "get_weather", "description": "Get the current weather in a city",
+                              "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                                               "required": ["city"]}}]
+    got = await page.text_content("[data-testid=pg-response]")
+    message = json.loads(got.split("\n\n", 1)[1])
+    assert got.startswith("HTTP/1.1 200") and message["role"] == "assistant"
+    assert message["stop_reason"] in ("end_turn", "max_tokens", "tool_use")
     assert page.errors == []
 
 

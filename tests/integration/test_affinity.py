@@ -176,4 +176,7 @@ async def test_the_worker_loop_leaves_a_turn_to_its_holder_and_takes_it_once_the
     turn = await run("conv")
     assert turn.worker == other.worker.worker_id
     assert 250 <= turn.started_at - turn.queued_at < 2_500, "a peer took it once its wait was over"
+    # Cancelled and awaited: a poll cut off mid-connect, left to the collector, warns of an
+    # unclosed stream in whichever later test it is found (seen once in CI).
     busy.cancel()
+    await asyncio.gather(busy, return_exceptions=True)

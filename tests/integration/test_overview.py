@@ -62,6 +62,10 @@ async def test_a_tenant_lists_only_its_own_jobs_and_an_operator_every_one(stack:
     assert mine.index(a2) < mine.index(a1)  # newest first
     everyone = [j["id"] for j in (await get(stack, "/v1/jobs", OP)).json()["data"]]
     assert {a1, a2, b1} <= set(everyone)
+    # The recent stream names each job's owner, so a tenant's list reads only its own records.
+    entries = {f[b"job"].decode(): f for _, f in await stack.redis.xrange(Keys(stack.settings.prefix).recent("tiny"))}
+    assert entries[a1][b"owner"].decode() == key_hash(A) and entries[b1][b"owner"].decode() == key_hash(B)
+    assert entries[a1][b"dialect"] == b"jobs" and entries[a1][b"tenant"].decode() == key_hash(A)
     # The filters: tenant, status, dialect, and a limit.
     by_b = (await get(stack, "/v1/jobs", OP, tenant=key_hash(B))).json()["data"]
     assert [j["id"] for j in by_b] == [b1]
