@@ -37,3 +37,15 @@ def test_with_keys_an_operator_key_sees_everything_and_another_only_its_own():
     tenant = viewer(caller("10.0.0.7", "tenant-key"), OPERATORS, keys_on=True)
     assert not tenant.operator and tenant.only == owner_of("tenant-key")
     assert tenant.sees(owner_of("tenant-key")) and not tenant.sees(owner_of("op"))
+
+
+def test_the_console_turns_off_and_its_json_routes_stay():
+    from api.app import create_app
+    from shared.config import load_settings
+
+    def paths(console: bool) -> set[str]:
+        app = create_app(load_settings({}, redis_url="redis://127.0.0.1:1/0", console=console))
+        return {route.path for route in app.routes}
+
+    assert {"/console", "/console/static/{file:path}", "/v1/deployment"} <= paths(True)
+    assert "/console" not in paths(False) and "/v1/deployment" in paths(False)
