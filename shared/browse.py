@@ -24,7 +24,7 @@ import msgspec
 from redis.asyncio import Redis
 
 from shared.keys import LEVELS, Keys
-from shared.schemas import JobError, parse_run
+from shared.schemas import JobError, runs_of, token_counts_of
 from shared.tenants import USAGE_FIELDS, TenantConfig, UsageRow, read_state, read_usage, today, usage_row
 
 __all__ = ["JobSummary", "ErrorSummary", "DeadLetterView", "HistoryPoint", "TenantRow",
@@ -79,15 +79,6 @@ def _float(raw: bytes | None) -> float | None:
     return float(raw) if raw else None
 
 
-def _workers(runs: bytes | None, worker: bytes | None, started: float | None) -> tuple[list[str], float | None]:
-    """The distinct workers that ran a job, in order, and its first start: from its ``runs``, or,
-    with none (one attempt, or not started), its worker and start."""
-    if not runs:
-        return ([worker.decode()] if worker else []), started
-    parsed = [parse_run(run) for run in runs.decode().split()]
-    return list(dict.fromkeys(r.worker for r in parsed)), parsed[0].started_at
-
-
 def _error_of(raw: bytes | None) -> ErrorSummary | None:
     if not raw:
         return None
@@ -100,17 +91,19 @@ def _error_of(raw: bytes | None) -> ErrorSummary | None:
 
 def _summary(model: str, job_id: str, tenant: str, dialect: str, f: list[bytes | None]) -> JobSummary:
     status, _, queued, started, first_token, finished, attempt, preemptions, worker, runs, tokens, error = f
+    text = lambda raw: (raw or b"").decode()  # noqa: E731
     queued_at = float(queued or 0)
     started_at, first_token_at = _float(started), _float(first_token)
-    workers, first_start = _workers(runs, worker, started_at)
-    prompt, _, generated = (tokens or b"").decode().partition(" ")
+    ran = runs_of(text(runs), int(attempt or 0), text(worker), started_at)
+    prompt_tokens, generated_tokens = token_counts_of(text(tokens))
     return JobSummary(
-        id=job_id, model=model, status=(status or b"?").decode(), dialect=dialect, tenant=tenant,
+        id=job_id, model=model, status=text(status) or "?", dialect=dialect, tenant=tenant,
         queued_at=queued_at, started_at=started_at, first_token_at=first_token_at, finished_at=_float(finished),
-        queue_ms=round(first_start - queued_at, 1) if first_start is not None else None,
+        queue_ms=round(ran[0].started_at - queued_at, 1) if ran else None,
         ttft_ms=round(first_token_at - queued_at, 1) if first_token_at is not None else None,
-        prompt_tokens=int(prompt) if generated else None, generated_tokens=int(generated) if generated else None,
-        attempts=int(attempt or 0), preemptions=int(preemptions or 0), workers=workers, error=_error_of(error))
+        prompt_tokens=prompt_tokens, generated_tokens=generated_tokens, attempts=int(attempt or 0),
+        preemptions=int(preemptions or 0), workers=list(dict.fromkeys(r.worker for r in ran)),
+        error=_error_of(error))
 
 
 def _visible(owner: str | None, record_owner: bytes | None) -> bool:

@@ -41,6 +41,8 @@ __all__ = [
     "JobRecord",
     "Run",
     "parse_run",
+    "runs_of",
+    "token_counts_of",
     "JobGroup",
     "GROUP_PREFIX",
     "TERMINAL_STATUSES",
@@ -398,10 +400,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
 
     def attempts(self) -> list[Run]:
         """Each attempt's worker and start, oldest first."""
-        if not self.runs:
-            one = self.attempt and self.worker and self.started_at is not None
-            return [Run(attempt=self.attempt, worker=self.worker, started_at=self.started_at)] if one else []
-        return [parse_run(run) for run in self.runs.split()]
+        return runs_of(self.runs, self.attempt, self.worker, self.started_at)
 
     def tenant_of(self) -> str:
         """Its tenant, also once it ended: the end drops the field when it says what the owner
@@ -410,8 +409,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
 
     def token_counts(self) -> tuple[int | None, int | None]:
         """(prompt, generated) tokens of an ended job, or (None, None)."""
-        prompt, _, generated = self.tokens.partition(" ")
-        return (int(prompt), int(generated)) if generated else (None, None)
+        return token_counts_of(self.tokens)
 
     @classmethod
     def new(cls, req: GenerationRequest, *, owner: str, default_timeout_s: float | None,
@@ -428,6 +426,21 @@ class JobRecord(msgspec.Struct, kw_only=True):
                    tenant=tenant, estimate=estimate_tokens(req, max_model_len), traceparent=traceparent,
                    adapter=req.adapter.name if req.adapter is not None else None,
                    affinity=prefix_key(req, req.cache_key))
+
+
+def runs_of(runs: str, attempt: int, worker: str, started_at: float | None) -> list[Run]:
+    """A record's attempts from its fields (the record's own, or a few read with HMGET): its
+    ``runs``, or, with none (one attempt: its end dropped the field), its worker and start."""
+    if not runs:
+        one = attempt and worker and started_at is not None
+        return [Run(attempt=attempt, worker=worker, started_at=started_at)] if one else []
+    return [parse_run(run) for run in runs.split()]
+
+
+def token_counts_of(tokens: str) -> tuple[int | None, int | None]:
+    """A record's ``tokens`` field, ``<prompt> <generated>``: the counts, or (None, None)."""
+    prompt, _, generated = tokens.partition(" ")
+    return (int(prompt), int(generated)) if generated else (None, None)
 
 
 def parse_run(run: str) -> Run:

@@ -100,12 +100,13 @@ class RecordView(msgspec.Struct, kw_only=True):
 
     @classmethod
     def of(cls, r: JobRecord) -> RecordView:
+        prompt_tokens, generated_tokens = r.token_counts()
         return cls(id=r.id, model=r.model, status=r.status, dialect=r.request.dialect, tenant=r.tenant_of(),
                    priority=r.request.priority, queued_at=r.queued_at, started_at=r.started_at,
                    first_token_at=r.first_token_at, finished_at=r.finished_at, deadline=r.deadline,
                    attempts=r.attempt, preemptions=r.preemptions, preempted_ms=r.preempted_ms, runs=r.attempts(),
                    trace_id=r.traceparent.split("-")[1] if r.traceparent and r.traceparent.count("-") >= 3 else None,
-                   prompt_tokens=r.token_counts()[0], generated_tokens=r.token_counts()[1], request=r.request,
+                   prompt_tokens=prompt_tokens, generated_tokens=generated_tokens, request=r.request,
                    result=r.result, error=r.error)
 
 
