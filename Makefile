@@ -55,8 +55,9 @@ faults: install
 # with one and two web processes, Redis memory per finished job, the fair-share pick, and what
 # tracing costs per request, what durable acceptance costs per admission, affinity (two workers,
 # conversations and LoRA adapters, on and off), preemption (a light tenant's TTFT under a
-# flood of long jobs, and the flood's throughput, on and off), and the console (the workload with
-# it closed, its requests alone, and open in Chromium). bench-smoke: one short round
+# flood of long jobs, and the flood's throughput, on and off), the console (the workload with
+# it closed, its requests alone, and open in Chromium), and what the LoRA fixes cost (prompt
+# logprobs and plain requests, fixed vs unfixed vs no LoRA). bench-smoke: one short round
 # of the first two at C=1,4 on the real engines. BENCH_ARGS go to the first two,
 # e.g. BENCH_ARGS="--rounds 5".
 bench: model
@@ -75,6 +76,7 @@ bench: model
 	$(PY) -m tests.bench.affinity
 	$(PY) -m tests.bench.preemption
 	$(PY) -m tests.bench.console
+	$(PY) -m tests.bench.lora_logprobs
 
 bench-smoke: model
 	$(PY) -m tests.bench --config fast --smoke

@@ -31,6 +31,7 @@ from shared.logging import configure_logging
 from shared.queue import Queue
 from shared.redis import connect, wait_for_redis
 from shared.redis_memory import EvictingRedis, check_policy
+from workers import lora_fixes  # no vLLM import
 from workers.claim import NoFreeDevice, claim_device
 from workers.lifeline import bind_children
 
@@ -83,6 +84,10 @@ async def serve(settings: Settings, tracing: Tracing | None = None) -> None:
 
         bind_children()  # a SIGKILLed worker takes its engine process with it
         log.info("engine_loading", model=model_path)
+        if settings.max_loras and (missing := lora_fixes.not_loaded()):
+            # vLLM runs without them: prompt logprobs beside other requests would kill its engine
+            # (docs/adapters.md#prompt-logprobs-with-lora).
+            log.warning("lora_fixes_not_loaded", missing=missing)
         try:
             engine = VllmEngine.build(settings, model_path, traces_endpoint)
         except SettingsError as exc:  # the model refused them (a context longer than its own): one line, no traceback
