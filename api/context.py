@@ -31,11 +31,11 @@ from api.watches import JobWatch
 from shared.errors import InvalidRequest, JobNotFound
 from shared.events import Event
 from shared.keys import TAG_CHARS, model_tag
-from shared.schemas import GROUP_PREFIX, JobGroup, JobRecord
+from shared.schemas import GROUP_PREFIX, FaultMarker, JobGroup, JobRecord
 from shared.tenants import DEFAULT_TENANT, valid_tenant
 
 __all__ = ["RequestContext", "Ctx", "JobRef", "Job", "request_context", "job_ref", "TIMEOUT_HEADER",
-           "PRIORITY_HEADER", "AFFINITY_HEADER", "WATCHES", "SPAN", "RequestTrace", "owner_of_request"]
+           "PRIORITY_HEADER", "AFFINITY_HEADER", "FAULT_HEADER", "WATCHES", "SPAN", "RequestTrace", "owner_of_request"]
 
 # Per-request options every dialect accepts as headers (most wire formats have no field for them).
 TIMEOUT_HEADER = "x-llmq-timeout"
@@ -45,6 +45,9 @@ PRIORITY_HEADER = "x-llmq-priority"
 AFFINITY_HEADER = "x-llmq-affinity"
 """What the client's requests share (a conversation, an agent's session): their jobs' prefix key
 (shared/affinity.py); a body field (OpenAI's ``prompt_cache_key``) wins over it."""
+FAULT_HEADER = "x-llmq-test-fault"
+"""llmq's own fault tests: a job its worker treats as an engine killer (``kill-engine``). Refused
+(400) unless LLMQ_TEST_FAULTS is on, so no production request can carry it."""
 WATCHES = "llmq.watches"
 """The ASGI scope entry where :class:`api.middleware.RequestLifecycle` hands this request's watch set
 to :func:`request_context` (the one place that reads it)."""
@@ -79,6 +82,8 @@ class RequestContext:
     """``X-LLMQ-Priority``: the priority when the body sets none."""
     affinity: str | None = None
     """``X-LLMQ-Affinity``: the prefix key when the body gives none."""
+    test_fault: FaultMarker | None = None
+    """``X-LLMQ-Test-Fault`` (LLMQ_TEST_FAULTS on): the fault its job's worker must cause."""
     bad_option: InvalidRequest | None = None
     """A malformed option header: raised when the request is admitted, where each dialect reports
     its body's errors (TGI's stream in-band), not on routes that queue nothing."""
@@ -133,6 +138,17 @@ def _parse_options(headers: Headers) -> tuple[float | None, int | None, InvalidR
     return timeout, priority, None
 
 
+def _test_fault(svc: Services, headers: Headers) -> tuple[FaultMarker | None, InvalidRequest | None]:
+    if (raw := headers.get(FAULT_HEADER)) is None:
+        return None, None
+    if not svc.settings.test_faults:
+        return None, InvalidRequest("X-LLMQ-Test-Fault is for llmq's own fault tests (LLMQ_TEST_FAULTS is off)",
+                                    param="X-LLMQ-Test-Fault")
+    if raw != "kill-engine":
+        return None, InvalidRequest("X-LLMQ-Test-Fault must be kill-engine", param="X-LLMQ-Test-Fault")
+    return raw, None
+
+
 def request_context(scope: Scope, svc: Svc) -> RequestContext:
     """The ``ctx`` dependency: read the request's headers once."""
     headers = Headers.from_scope(scope)
@@ -141,6 +157,7 @@ def request_context(scope: Scope, svc: Svc) -> RequestContext:
     timeout_s, priority, bad_option = _parse_options(headers)
     owner = owner_of_request(svc, headers)
     tenant, bad_tenant = _tenant(svc, headers, owner)
+    test_fault, bad_fault = _test_fault(svc, headers)
     prefer = headers.get("prefer", "")
     return RequestContext(
         dialect=dialect,
@@ -149,7 +166,8 @@ def request_context(scope: Scope, svc: Svc) -> RequestContext:
         timeout_s=timeout_s,
         priority=priority,
         affinity=headers.get(AFFINITY_HEADER) or None,
-        bad_option=bad_option or bad_tenant,
+        test_fault=test_fault,
+        bad_option=bad_option or bad_tenant or bad_fault,
         idempotency_key=headers.get("idempotency-key") or None,
         respond_async=any(token.strip().lower() == "respond-async" for token in prefer.split(",")),
         watches=scope.get(WATCHES),  # type: ignore[typeddict-item]

@@ -25,6 +25,7 @@ import structlog
 from api.context import RequestContext, RequestTrace
 from api.follow import ColdWait, Lane, Relay, follow
 from api.listener import Inbox
+from api.models import caller
 from api.services import Services
 from api.watches import JobWatch
 from shared.codec import decode_request, encode
@@ -84,11 +85,13 @@ async def admit(svc: Services, ctx: RequestContext, req: GenerationRequest) -> G
         changes["timeout_s"] = ctx.timeout_s
     if req.cache_key is None and ctx.affinity is not None:
         changes["cache_key"] = ctx.affinity[:1024]
+    if req.test_fault != ctx.test_fault:  # the header alone marks a fault test's job, never a body
+        changes["test_fault"] = ctx.test_fault
     if changes:
         req = msgspec.structs.replace(req, **changes)
     check_queueable(req)
     check_tools(req, svc.settings.tool_parser_name)
-    model, adapter = await svc.models.target(req.model, ctx.tenant)
+    model, adapter = await svc.models.target(req.model, caller(svc, ctx))
     if req.model == model and req.adapter == adapter:
         return req
     return msgspec.structs.replace(req, model=model, adapter=adapter)

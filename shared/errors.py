@@ -27,11 +27,13 @@ __all__ = [
     "NotDurable",
     "GenerationFailed",
     "EngineDead",
+    "EngineFault",
     "JobCancelled",
     "DeadLetter",
     "WorkerLost",
     "LeaseLost",
     "Preempted",
+    "Forbidden",
     "Unauthorized",
     "Overloaded",
     "RateLimited",
@@ -125,7 +127,15 @@ class GenerationFailed(ServiceError, code="generation_failed"):
 
 
 class EngineDead(ServiceError, status=503, code="engine_dead"):
-    """The worker's engine is gone: the job fails, and the worker exits to be restarted."""
+    """Internal: the worker's engine died under the job. The worker writes nothing about it, rebuilds
+    its engine and continues the job (workers/runner.py), or, past LLMQ_ENGINE_RESTARTS, exits and
+    leaves it to a peer."""
+
+
+class EngineFault(ServiceError, status=424, code="engine_fault"):
+    """The job killed its engine while it ran alone in it: it is not run again (the dead-letter
+    stream keeps it). 424, Failed Dependency: the request depends on an engine it breaks; retrying
+    it cannot help, so no Retry-After."""
 
 
 class JobCancelled(ServiceError, status=499, code="cancelled"):

@@ -71,6 +71,8 @@ CATALOGUE: dict[str, Metric] = {
     "llmq_tenant_preemptions_total": Metric("counter", "The tenant's jobs that gave their slot to a job owed it, "
                                                        "counted when they end."),
     "llmq_tenant_preempted_seconds_total": Metric("counter", "The time the tenant's preempted jobs waited again."),
+    "llmq_worker_engine_deaths_total": Metric("counter", "Times the worker's engine died; each was rebuilt in "
+                                                         "place until LLMQ_ENGINE_RESTARTS in the window."),
     "llmq_worker_adapter_loads_total": Metric("counter", "LoRA adapters the worker's engine loaded."),
     "llmq_worker_adapter_evictions_total": Metric("counter",
                                                   "LoRA adapters the worker's engine evicted to load another."),
@@ -87,7 +89,7 @@ WORKER_ZEROS: tuple[tuple[str, dict[str, str]], ...] = (
     ("llmq_worker_jobs_started_total", {}), ("llmq_worker_jobs_reclaimed_total", {}),
     ("llmq_worker_jobs_ended_total", {"outcome": "done"}), ("llmq_worker_tokens_total", {}),
     ("llmq_worker_adapter_loads_total", {}), ("llmq_worker_adapter_evictions_total", {}),
-    ("llmq_worker_preemptions_total", {}))
+    ("llmq_worker_preemptions_total", {}), ("llmq_worker_engine_deaths_total", {}))
 """A worker's counters as they start: at 0, so each series exists from its first heartbeat on
 (Prometheus' advice for series known in advance; an error outcome is not: it appears with its
 first job)."""

@@ -237,6 +237,10 @@ class AdapterSpec(msgspec.Struct, frozen=True, kw_only=True):
     source: str
 
 
+FaultMarker = Literal["kill-engine"]
+"""What a fault test may ask of a worker (:attr:`GenerationRequest.test_fault`)."""
+
+
 class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One generation job, whatever wire dialect it arrived in."""
 
@@ -269,6 +273,10 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     (``LLMQ_DEADLINE_S``). The API turns it into the record's absolute ``deadline``."""
     webhook: Annotated[str, Meta(pattern=r"^https?://[^\s/?#]+[^\s]*$", max_length=2048)] | None = None
     """An http(s) URL POSTed the finished job (signed; see shared/webhooks.py). /v1/jobs only."""
+    test_fault: FaultMarker | None = None
+    """llmq's own fault tests only (``X-LLMQ-Test-Fault``, honoured while LLMQ_TEST_FAULTS is on in
+    the API and the worker): ``kill-engine`` makes its worker kill its engine at each of the job's
+    starts. Set at admission from the header alone, whatever a body says."""
 
     @property
     def served_name(self) -> str:

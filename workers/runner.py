@@ -19,12 +19,18 @@ Tasks (all owned by :meth:`Worker.run`):
 - heartbeat and control: the worker's key with a TTL (:class:`Presence`, which the worker owns),
   the leases of its jobs (renewed, fenced by owner and attempt: a job reclaimed by a peer is
   aborted here and written nowhere), and aborts.
+- recovery, after an engine death: the worker keeps its slots, heartbeat and leases, rebuilds its
+  engine in place and continues the jobs that were in it (its *suspects*) one at a time, reading
+  nothing new until they are done; a job that kills the engine while it runs alone is
+  dead-lettered (``EngineFault``). Past LLMQ_ENGINE_RESTARTS deaths in the window it exits
+  instead, and peers continue its jobs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import os
 import socket
@@ -40,6 +46,7 @@ from shared.errors import (
     DeadLetter,
     DeadlineExceeded,
     EngineDead,
+    EngineFault,
     GenerationFailed,
     InvalidRequest,
     JobCancelled,
@@ -58,7 +65,7 @@ from shared.scripts import NO_AFFINITY, Affinity, Candidate
 from workers.attempt import Attempt
 from workers.continuation import plan_for
 from workers.presence import Presence, Status
-from workers.protocol import Engine
+from workers.protocol import Death, Engine
 from workers.slots import Reservation, Slots
 
 if TYPE_CHECKING:  # OpenTelemetry is imported only with tracing on
@@ -103,6 +110,23 @@ class _Running:
     started: float = 0.0  # the event loop's time at its start
     attempt: Attempt | None = None  # once its task runs
     slot_passed: bool = False  # preempted: its slot went to the job that took its place, not back
+    in_engine: bool = False
+    """It reached a live engine: only then can its engine's death be its doing."""
+
+
+@dataclass(slots=True)
+class _Suspect:
+    """A job that was in the engine when it died: continued after the rebuild, alone."""
+
+    delivery: Delivery
+    attempt: Attempt
+    """The attempt that was running: its events are logged up to ``attempt.seq``."""
+    stop_reason: ServiceError | None = None  # a cancel or a lost lease meanwhile
+
+    @property
+    def held(self) -> Held:
+        d = self.delivery
+        return Held(d.job_id, d.entry_id, d.attempt, d.level)
 
 
 class Worker:
@@ -118,6 +142,14 @@ class Worker:
         self.ready = False
         self.failed = False  # the engine died: the process should exit non-zero
         self._running: dict[str, _Running] = {}
+        self._engine_up = asyncio.Event()
+        """Set while the engine serves: cleared at its death until it is rebuilt and its suspects
+        are done (:meth:`_recover`); nothing new is read meanwhile."""
+        self._suspects: dict[str, _Suspect] = {}  # the dead engine's jobs, in the order they told
+        self._alive_at_death: set[str] = set()  # the jobs running when the engine's death was first seen
+        self._alone: str | None = None  # the suspect running alone in the rebuilt engine
+        self._deaths: list[float] = []  # the loop's time of each engine death in the window
+        self._recovery: asyncio.Task[None] | None = None
         self._tasks: asyncio.TaskGroup | None = None  # the run's: job tasks start in it
         self._outbox: list[Outbound] = []
         self._unsent: dict[str, tuple[Outbound, Attempt]] = {}
@@ -164,13 +196,14 @@ class Worker:
             heartbeat = tg.create_task(self._heartbeat())
             control = tg.create_task(self.presence.control(self._cancel_requested))
             await self.warm_up()
+            self._engine_up.set()
             await self._beat()
             log.info("worker_ready", worker=self.worker_id, slots=self.slots.total)
             flusher = tg.create_task(self._flusher())
             watcher = tg.create_task(self._watch())
             await self._reader()
             await self._drain()
-            await _cancel(heartbeat, control, watcher)
+            await _cancel(heartbeat, control, watcher, *([self._recovery] if self._recovery else []))
             # Let the flusher write what is left; cancelling it could drop a batch mid-write.
             self._closing = True
             self._outbox_ready.set()
@@ -183,15 +216,16 @@ class Worker:
     async def _reader(self) -> None:
         delay = 0.1
         while not self._stopping.is_set():
+            if not self._engine_up.is_set():  # rebuilding, or continuing its suspects: nothing new
+                await self._until(self._engine_up)
+                continue
             if self.slots.available <= 0 and not self.settings.preempt:
                 await self.slots.wait_free(self._stopping)
                 continue
             if not self.presence.control_up.is_set():
                 # Without our control subscription peers would take our jobs for a dead worker's:
-                # read nothing until it is (back) up. Checked again for a stop every half second.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(0.5):
-                        await self.presence.control_up.wait()
+                # read nothing until it is (back) up.
+                await self._until(self.presence.control_up)
                 continue
             try:
                 if self.slots.available <= 0:
@@ -206,13 +240,20 @@ class Worker:
                 if waiting is not None:
                     tops, wake_ms = waiting
                     block_ms = min(self.settings.block_ms, wake_ms) if wake_ms else self.settings.block_ms
-                    if await self.queue.wait_for_work(self.model, tops, block_ms, self._stopping) or wake_ms:
+                    woken = await self.queue.wait_for_work(self.model, tops, block_ms, self._stopping)
+                    if (woken or wake_ms) and self._engine_up.is_set():  # it may have died meanwhile
                         await self._pick()
                 delay = 0.1
             except REDIS_DOWN as exc:
                 log.warning("redis_read_failed", retry_in_s=delay, error=str(exc))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+
+    async def _until(self, event: asyncio.Event) -> None:
+        """Return once ``event`` is set, or within half a second, to check for a stop again."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.5):
+                await event.wait()
 
     async def _pick(self) -> tuple[list[bytes], int] | None:
         """Pick as many new jobs as there are slots available and start them. Returns, when
@@ -388,7 +429,7 @@ class Worker:
         absent: dict[str, float] = {}  # peer -> when it was first seen without a subscriber
         while True:
             await asyncio.sleep(self.settings.takeover_s / 5)
-            if self._stopping.is_set() or not self.presence.control_up.is_set():
+            if self._stopping.is_set() or not self.presence.control_up.is_set() or not self._engine_up.is_set():
                 absent.clear()  # no use for more jobs, or no right to judge: afresh once there is
                 continue
             try:
@@ -529,14 +570,11 @@ class Worker:
                 await self._claimed(d)
                 self._end(d, attempt, reason)
             except EngineDead as exc:
-                # Fatal for the process, not for the job: write nothing, stop renewing its lease
-                # and exit to be restarted; a peer (or our successor) takes it over when the lease
-                # lapses and continues it. Counted as a failed delivery, so a request that kills
-                # every engine it reaches ends in the dead-letter stream, not in a loop.
-                log.error("engine_dead_job_left_for_a_peer", error=exc.message)
+                # Not the job's end: it keeps its lease and continues once the engine is rebuilt
+                # (_recover), unless it was alone in an engine that died under it.
                 outcome = exc.code
-                self.failed = True
-                self.stop()
+                await self._claimed(d)
+                self._engine_died(d, attempt)
             except ServiceError as exc:
                 outcome = exc.code
                 await self._claimed(d)
@@ -576,8 +614,12 @@ class Worker:
         headers = spans.engine_started() if spans is not None else None
         if not self.settings.engine_tracing:
             headers = None  # vLLM traces nothing: it would only warn of the headers
-        held = self._running[d.job_id].claim is not None
+        running = self._running[d.job_id]
+        held = running.claim is not None
         merges = merges_steps(req)
+        if self.engine.dead():  # it died before this job reached it: not this job's doing
+            raise EngineDead("the engine was dead when the job started")
+        running.in_engine = True
         async for step in self.engine.stream(d.job_id, plan.request, plan.parts, trace_headers=headers):
             out = attempt.on_step(step, now_ms, join=d.job_id in self._unsent)
             if out is None:
@@ -621,9 +663,9 @@ class Worker:
         """End a claimed job that never reached the engine (nothing used: its tenant is charged 0)."""
         self._end(d, self._attempt(d), exc)
 
-    def _end(self, d: Delivery, attempt: Attempt, exc: ServiceError) -> None:
+    def _end(self, d: Delivery, attempt: Attempt, exc: ServiceError, *, dead: bool = False) -> None:
         """End the job with ``exc`` after ``attempt``'s events; its tenant is charged what the
-        attempt used."""
+        attempt used. ``dead``: also into the dead-letter stream."""
         # The code, not the message: that can quote the request (an engine's or a template's
         # error); the client and the job record get it.
         log.info("job_ended", job_id=d.job_id, code=exc.code)
@@ -631,7 +673,7 @@ class Worker:
         out = attempt.end(exc)
         assert out.terminal is not None
         self._emit(d, out.terminal, data=out.data, entry_id=d.entry_id, log=out.log, usage=attempt.usage,
-                   history=attempt.encoded, history_from=attempt.base)
+                   history=attempt.encoded, history_from=attempt.base, dead=dead)
 
     def _cancel_requested(self, job_id: str) -> bool:
         """A cancel notice on the control channel (DELETE /v1/jobs/{id})."""
@@ -643,10 +685,121 @@ class Worker:
     def cancel_job(self, job_id: str, reason: ServiceError) -> bool:
         running = self._running.get(job_id)
         if running is None:
-            return False
+            suspect = self._suspects.get(job_id)
+            if suspect is None:
+                return False
+            suspect.stop_reason = suspect.stop_reason or reason  # acted on at its turn (_run_suspects)
+            return True
         running.stop_reason = reason
         running.task.cancel()
         return True
+
+    # --- engine deaths ------------------------------------------------------------------------
+
+    def _engine_died(self, d: Delivery, attempt: Attempt) -> None:
+        """The engine died under job ``d`` (its task saw EngineDead and wrote nothing more). The
+        job alone in the engine that died is its killer: dead-lettered now. Any other is a
+        suspect, continued after the rebuild; the first to tell starts the recovery."""
+        if self._alone == d.job_id:
+            log.error("engine_killed_by_job", job_id=d.job_id)
+            self._end(d, attempt, EngineFault("this request made the engine fail while it ran alone in it: it "
+                                              "is not run again"), dead=True)
+            return
+        self._suspects[d.job_id] = _Suspect(d, attempt)
+        self._engine_down()
+
+    def _engine_down(self) -> None:
+        """The engine is dead: the first to see it (a job's EngineDead, or the heartbeat of an idle
+        worker) stops the reads and starts the recovery. The jobs then in the engine are the ones a
+        failed step can be blamed on (a job picked as it died never reached it)."""
+        if not self._engine_up.is_set():
+            return  # seen already: the recovery under way deals with it
+        self._engine_up.clear()
+        self.ready = False
+        self._alive_at_death = {job_id for job_id, r in self._running.items() if r.in_engine}
+        assert self._tasks is not None
+        self._recovery = self._tasks.create_task(self._recover(), name="engine-recovery")
+
+    async def _recover(self) -> None:
+        """After an engine death: once every job that was in it has ended here, rebuild the engine
+        in place (same process, slots, heartbeat and leases: a rebuild is not a failed delivery)
+        and continue its suspects one at a time; then read again. A job alone in an engine whose step
+        failed is its killer: dead-lettered, never run again (an engine killed by a signal, as by the
+        OOM killer or an operator, blames nobody: its jobs are all continued). Past
+        LLMQ_ENGINE_RESTARTS deaths in LLMQ_ENGINE_RESTART_WINDOW_S the worker exits instead, for its
+        supervisor to restart, and peers continue the suspects."""
+        while self._running:  # every job in the dead engine sees its death and ends here
+            await asyncio.wait([r.task for r in self._running.values()])
+        cause = await self._died(len(self._alive_at_death))
+        if cause == "failed" and len(self._alive_at_death) == 1:
+            killer = self._suspects.pop(next(iter(self._alive_at_death)), None)
+            if killer is not None:
+                self._alone = killer.delivery.job_id
+                self._engine_died(killer.delivery, killer.attempt)
+                self._alone = None
+        while self._may_rebuild():
+            log.info("engine_rebuilding", suspects=len(self._suspects))
+            try:
+                await self.engine.restart()
+                await self.warm_up()
+            except EngineDead:  # it died again before any job ran
+                await self._died(0)
+                continue
+            except Exception:  # the model, the device or the disk is gone: nothing to serve with here
+                log.exception("engine_rebuild_failed")
+                break
+            log.info("engine_rebuilt", suspects=len(self._suspects))
+            if await self._run_suspects():
+                self._engine_up.set()
+                return
+            await self._died(1)  # under a suspect alone: dead-lettered
+        log.error("engine_given_up", deaths=len(self._deaths), window_s=self.settings.engine_restart_window_s,
+                  suspects=len(self._suspects))
+        self.failed = True
+        self.stop()
+
+    async def _died(self, jobs: int) -> Death:
+        """One engine death, with ``jobs`` in it: counted, and logged with its cause."""
+        cause = await self.engine.death()
+        now = asyncio.get_running_loop().time()
+        self._deaths = [t for t in self._deaths if now - t < self.settings.engine_restart_window_s] + [now]
+        self.metrics.inc("llmq_worker_engine_deaths_total")
+        log.error("engine_died", cause=cause, jobs=jobs, deaths_in_window=len(self._deaths))
+        return cause
+
+    def _may_rebuild(self) -> bool:
+        """Whether the window's deaths still allow another rebuild (LLMQ_ENGINE_RESTARTS)."""
+        return len(self._deaths) <= self.settings.engine_restarts
+
+    async def _run_suspects(self) -> bool:
+        """Continue the dead engine's jobs in the rebuilt one, each alone and to its end, exactly
+        after its logged events (the continuation path, workers/continuation.py: the same
+        attempt, whose fence this worker still holds). False when the engine died under one: that
+        one was dead-lettered, and the rest wait for the next engine."""
+        await self._flush_until_empty()  # the continuation reads the log: every event of theirs in it
+        while self._suspects:
+            job_id = next(iter(self._suspects))
+            suspect = self._suspects.pop(job_id)
+            d = dataclasses.replace(suspect.delivery, last_seq=suspect.attempt.seq, reclaimed=True)
+            if suspect.stop_reason is not None:
+                if not isinstance(suspect.stop_reason, LeaseLost):  # a peer owns a lost one
+                    self._end(d, suspect.attempt, suspect.stop_reason)
+                continue
+            self._alone = job_id
+            try:
+                with self.slots.reserve(1) as slots:
+                    await self._accept(d, slots)
+                if (running := self._running.get(job_id)) is not None:
+                    await asyncio.wait([running.task])
+            finally:
+                self._alone = None
+            if self.engine.dead():
+                return False
+        return True
+
+    async def _flush_until_empty(self) -> None:
+        while self._outbox or self._flush_lock.locked():
+            await self._flush_once()
 
     # --- publishing ---------------------------------------------------------------------------
 
@@ -741,20 +894,29 @@ class Worker:
     # --- drain, heartbeat, control -------------------------------------------------------------
 
     async def _drain(self) -> None:
-        if not self._running:
+        if self._recovery is not None:  # a stop rebuilds nothing more: the suspects go to peers
+            await _cancel(self._recovery)
+        # A worker that gave up on its engine leaves its suspects' leases to lapse: a peer then
+        # continues each as a failed delivery, so a job that kills every engine runs out of them.
+        suspects = [] if self.failed else [s.held for s in self._suspects.values() if s.stop_reason is None]
+        if not self._running and not suspects:
             return
-        log.info("worker_draining", in_flight=len(self._running), timeout_s=self.settings.drain_timeout_s)
+        log.info("worker_draining", in_flight=len(self._running) + len(suspects),
+                 timeout_s=self.settings.drain_timeout_s)
         tasks = [r.task for r in self._running.values()]
-        _, pending = await asyncio.wait(tasks, timeout=self.settings.drain_timeout_s)
-        if not pending:
+        pending = set()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=self.settings.drain_timeout_s)
+        if not pending and not suspects:
             return
         # The rest is handed back to the queue and continues from its published tokens on a peer,
         # at once, or on the next worker to start (a rolling restart, or scale to zero and back).
         # Its waiting client is bounded by its cold wait (LLMQ_COLD_WAIT_S), never left hanging.
-        held = [r.held for r in self._running.values()]
+        held = [r.held for r in self._running.values()] + suspects
         for job_id in list(self._running):
             self.cancel_job(job_id, LeaseLost("handed back on shutdown"))
-        await asyncio.wait(pending)
+        if pending:
+            await asyncio.wait(pending)
         # Every event produced so far must be in the log before a peer continues after it.
         while self._outbox:
             await self._flush_once()
@@ -780,8 +942,11 @@ class Worker:
         period = min(self.settings.heartbeat_s, self.settings.lease_s / 3)
         while True:
             try:
+                if self._engine_up.is_set() and self.engine.dead():  # it died with no job in it
+                    self._engine_down()
                 await self._beat()
                 held = [r.held for r in self._running.values()]
+                held += [s.held for s in self._suspects.values()]
                 self._lose(await self.queue.renew(self.model, self.worker_id, held))
             except REDIS_DOWN as exc:
                 log.warning("heartbeat_failed", error=str(exc))

@@ -226,10 +226,11 @@ async def test_housekeeping_reports_orphans_and_removes_only_empty_dead_consumer
     assert names == {b"dead-with-job"}, "a consumer that still holds an entry is never deleted"
 
 
-async def test_a_job_whose_engine_died_continues_on_a_peer(make_worker, redis, keys):
-    """EngineDead is fatal for the worker, not for the job: the worker writes nothing more about
-    it and exits (to be restarted); the lease lapses and a peer continues the job seamlessly."""
-    a = await make_worker(delay_s=0.02, die_after=15)
+async def test_a_worker_out_of_engine_restarts_exits_and_a_peer_continues_its_job(make_worker, redis, keys):
+    """Past LLMQ_ENGINE_RESTARTS an engine death is fatal for the worker, not for the job: the
+    worker writes nothing more about it and exits (to be restarted); the lease lapses and a peer
+    continues the job seamlessly (tests/integration/test_engine_recovery.py: the rebuilds before)."""
+    a = await make_worker(delay_s=0.02, die_after=15, engine_restarts=0)
     client = Client(redis, a.queue)
     job_id = await client.start("engine dies", 60)
     await running_on(a.queue, job_id, a.worker, min_tokens=5)

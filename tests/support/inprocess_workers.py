@@ -110,7 +110,8 @@ class Client:
         self.events: list[Event] = []
 
     async def start(self, prompt: str, max_tokens: int, traceparent: str | None = None, *, tenant: str = "",
-                    priority: int | None = None, timeout_s: float | None = None, **sampling) -> str:
+                    priority: int | None = None, timeout_s: float | None = None, test_fault: str | None = None,
+                    **sampling) -> str:
         self.job_id = uuid.uuid4().hex
         live: asyncio.Queue[bytes] = asyncio.Queue()
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
@@ -134,7 +135,8 @@ class Client:
         queued_at = now_ms()
         rec = JobRecord(id=self.job_id, model=MODEL, queued_at=queued_at,
                         deadline=queued_at + timeout_s * 1000 if timeout_s else None, request=GenerationRequest(
-            prompt=prompt, sampling=SamplingParams(max_tokens=max_tokens, **sampling), priority=priority),
+            prompt=prompt, sampling=SamplingParams(max_tokens=max_tokens, **sampling), priority=priority,
+            test_fault=test_fault),
             traceparent=traceparent, tenant=tenant)
         await self.queue.enqueue(rec)
         return self.job_id

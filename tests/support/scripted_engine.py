@@ -7,8 +7,10 @@ once, what was aborted) and runs a continued job's parts through the real
 one engine request's tokens by overriding :meth:`ScriptedEngine.steps`. Its own script produces
 ``max_tokens`` tokens whose text is the prompt's characters cycled, so a test knows exactly what
 every stream must contain. The prompt ``fail`` is refused before any token; ``break`` fails after
-its first token. Never the only test of a user path: the e2e suite runs the same paths on real
-vLLM.
+its first token. A job marked ``kill-engine`` (``test_fault``) fails the engine's step after its
+first token, as workers/faults.py makes real vLLM's do; :meth:`ScriptedEngine.die` kills it from
+outside, and :meth:`ScriptedEngine.restart` brings it back. Never the only test of a user path:
+the e2e suite runs the same paths on real vLLM.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from shared.errors import EngineDead, GenerationFailed, InvalidRequest
 from shared.events import TokenDelta
 from shared.schemas import GenerationRequest, PromptInfo
 from workers.continuation import Part, run_parts
-from workers.protocol import AdapterState, Step
+from workers.protocol import AdapterState, Death, Step
 
 __all__ = ["ScriptedEngine", "CappedEngine", "ContextEngine", "expected_text", "expected_ids", "next_token"]
 
@@ -48,8 +50,33 @@ class ScriptedEngine:
         self.peak_active = 0  # most jobs generating at once: what the engine's slots bound
         self.log: list[tuple[str, str]] = []
         """What the engine did, in order: ("start", job id) when a job's stream begins, ("end", job
-        id) when it ends however it ends, ("abort", job id). Tests that pin an order of events
-        read it instead of clocks, which a loaded machine stretches."""
+        id) when it ends however it ends, ("abort", job id), ("death", cause), ("restart", ""). Tests
+        that pin an order of events read it instead of clocks, which a loaded machine stretches."""
+        self.deaths: list[Death] = []  # each death's cause, in order
+        self._yielded: set[str] = set()  # jobs that had a step out of the engine
+        self.restarts = 0
+        self.restart_s = 0.0  # how long a rebuild takes
+        self._dead: Death | None = None
+
+    def die(self, cause: Death = "killed") -> None:
+        """The engine dies now: every stream raises EngineDead at its next step."""
+        if self._dead is None:
+            self._dead = cause
+            self.deaths.append(cause)
+            self.log.append(("death", cause))
+
+    def dead(self) -> bool:
+        return self._dead is not None
+
+    async def death(self) -> Death:
+        return self._dead or "killed"
+
+    async def restart(self) -> None:
+        assert self._dead is not None, "only a dead engine is rebuilt"
+        await asyncio.sleep(self.restart_s)
+        self._dead = None
+        self.restarts += 1
+        self.log.append(("restart", ""))
 
     async def stream(self, job_id: str, req: GenerationRequest, parts: Sequence[Part] | None = None,
                      trace_headers: Mapping[str, str] | None = None) -> AsyncIterator[Step]:
@@ -67,11 +94,18 @@ class ScriptedEngine:
                     raise NotImplementedError(f"{type(self).__name__} cannot force a replay")
                 self.parts.append(list(parts))
                 steps = run_parts(parts, lambda part: self.steps(job_id, part.request, part.replay))
+            killer = req.test_fault == "kill-engine"
             async with contextlib.aclosing(steps):
                 async for step in steps:
+                    if killer and any(d.token_ids for d in step.deltas) and job_id in self._yielded:
+                        self.die("failed")  # its step raised: the whole engine with it
+                    if self._dead is not None:
+                        raise EngineDead(f"scripted engine death ({self._dead})")
+                    self._yielded.add(job_id)
                     yield step
         finally:
             self.active -= 1
+            self._yielded.discard(job_id)
             self.log.append(("end", job_id))
 
     async def steps(self, job_id: str, req: GenerationRequest, replay: Sequence[int] = ()) -> AsyncIterator[Step]:
@@ -137,7 +171,7 @@ class ContextEngine(ScriptedEngine):
 
     def __init__(self, delay_s: float, die_after: int | None = None) -> None:
         super().__init__(delay_s)
-        self.die_after = die_after  # tokens of a job after which the engine dies (EngineDead)
+        self.die_after = die_after  # tokens of a job after which the engine dies, once (killed)
 
     async def steps(self, job_id: str, req: GenerationRequest, replay: Sequence[int] = ()) -> AsyncIterator[Step]:
         ids = list(req.prompt_token_ids) if req.prompt_token_ids is not None else [ord(c) for c in req.prompt or ""]
@@ -145,7 +179,8 @@ class ContextEngine(ScriptedEngine):
         for i in range(n):
             await asyncio.sleep(self.delay_s)
             if self.die_after is not None and i == self.die_after and not job_id.startswith("warmup-"):
-                raise EngineDead("scripted engine death")
+                self.die_after = None
+                self.die("killed")
             ids.append(next_token(ids))
             last = i == n - 1
             delta = TokenDelta(token_ids=[ids[-1]], text=chr(ids[-1]), finish_reason="length" if last else None)

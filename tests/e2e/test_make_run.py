@@ -1,0 +1,63 @@
+"""`make run` keeps serving through an engine death: the README's first command, run as a
+newcomer runs it (its embedded Redis aside: LLMQ_REDIS_URL points it at the suite's), its worker's
+vLLM engine SIGKILLed mid-stream. Before, the worker exited and honcho stopped the whole stack."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from redis import Redis
+
+from shared.config import load_settings
+from shared.keys import Keys
+from tests.conftest import REPO, free_port
+from tests.e2e.test_engine_faults import Faulty, answered, check_exact, engine_pid, running_job, streamed
+from tests.support.faults import alive
+from tests.support.processes import spawn_logged
+
+pytestmark = [pytest.mark.e2e, pytest.mark.faults]
+
+READY_S = 420  # the model build, and an engine loading and warming up on 2 shared cores
+
+
+@pytest.fixture(scope="module")
+def made(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faulty]:
+    log = tmp_path_factory.mktemp("make-run") / "make-run.log"
+    port = free_port()
+    prefix = f"mkrun-{uuid.uuid4().hex[:6]}"
+    env = {**os.environ, "LLMQ_REDIS_URL": redis_url, "LLMQ_PREFIX": prefix, "LLMQ_PORT": str(port),
+           "LLMQ_LOG_JSON": "true", "LLMQ_HEARTBEAT_S": "1"}
+    proc = spawn_logged(["make", "run"], log, cwd=REPO, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + READY_S
+        while b"llmq is ready" not in log.read_bytes():
+            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(1)
+        with Redis.from_url(redis_url) as redis:
+            yield Faulty(f"http://127.0.0.1:{port}", redis, Keys(prefix), load_settings({}).model_name, log)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # make, honcho and what honcho started
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+def test_make_run_serves_on_when_its_engine_is_killed_mid_stream(made, figures):
+    worker = made.worker_pid()
+    stream = streamed(made.url, salt=7)
+    running_job(made, stream, 20)
+    engine = engine_pid(made)
+    os.kill(engine, signal.SIGKILL)
+    check_exact(made, stream, figures)
+    assert made.worker_pid() == worker and alive(worker), "the same worker: honcho stopped nothing"
+    assert not alive(engine)
+    answered(made)
