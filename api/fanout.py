@@ -22,6 +22,7 @@ import msgspec
 from api.context import RequestContext
 from api.dialects import render_group_result
 from api.follow import collect
+from api.models import caller
 from api.services import Services
 from api.submit import Submission, enqueue_detached, submit
 from api.watches import cancel_quietly
@@ -62,7 +63,7 @@ async def enqueue_all(svc: Services, ctx: RequestContext, reqs: list[GenerationR
     with several jobs the id of their group."""
     if len(reqs) == 1:
         return await enqueue_detached(svc, ctx, reqs[0])
-    model = await svc.models.resolve(reqs[0].model, ctx.tenant)
+    model = await svc.models.resolve(reqs[0].model, caller(svc, ctx))
     ids: list[str] = []
     try:
         for j, req in enumerate(reqs):

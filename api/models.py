@@ -18,24 +18,43 @@ start), so no length is advertised that no worker serves.
 
 A LoRA adapter (shared/adapters.py) is a name a request may send too: :meth:`ModelRegistry.target`
 resolves it to its base model, whose queue holds the job, and the adapter the job runs with. The
-registry is read whole, at most once per ``cache_s`` per process, and again on a name it does not
-hold, so an adapter is usable as soon as it is registered and unusable within ``cache_s`` of its
-removal. An adapter owned by a tenant is, to any other tenant, a model that does not exist.
+registry is read whole at most once per ``cache_s`` per process; a name this copy does not hold
+costs one read of that name (and of the models, which a worker may have advertised since), and a
+name found to be neither is remembered as nothing for ``cache_s``, so a flood of junk names costs
+no reads. An adapter is usable at once on the API process that registered it and within
+``cache_s`` on the others, and unusable within ``cache_s`` of its removal. A private adapter is,
+to any key but its owner's and operators', a model that does not exist (:func:`caller`).
 """
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from redis.asyncio import Redis
 
-from shared.adapters import Adapter, AdapterStore
+from api.auth import Viewer
+from shared.adapters import Adapter, AdapterStore, Caller
 from shared.errors import ModelNotFound
 from shared.keys import Keys
 from shared.queue import now_ms
 from shared.schemas import AdapterSpec
 
-__all__ = ["ModelRegistry"]
+if TYPE_CHECKING:
+    from api.context import RequestContext
+    from api.services import Services
+
+__all__ = ["ModelRegistry", "caller"]
+
+_MISSING_MAX = 10_000
+"""The most names the negative cache remembers (past it, it starts again)."""
+
+
+def caller(svc: Services, ctx: RequestContext) -> Viewer:
+    """Who a request is to the adapters: its key (``ctx.owner``), an operator's when it is one of
+    LLMQ_OPERATOR_KEYS, and every caller with no keys configured (as on the console). Never the
+    tenant header: a client may send any."""
+    return Viewer(operator=not svc.keys_on or ctx.owner in svc.operators, owner=ctx.owner)
 
 
 class ModelRegistry:
@@ -56,6 +75,7 @@ class ModelRegistry:
         self.adapter_store = AdapterStore(redis, keys)
         self._adapters: dict[str, Adapter] = {}
         self._adapters_at = float("-inf")
+        self._missing: dict[str, float] = {}  # name -> when it was found to be no model and no adapter
 
     async def live(self, *, fresh: bool = False) -> dict[str, int]:
         """Live model name -> number of warm workers; cached for ``cache_s`` (one read per second
@@ -123,31 +143,50 @@ class ModelRegistry:
         return length
 
     async def adapters(self, *, fresh: bool = False) -> dict[str, Adapter]:
-        """Every registered adapter by name (cached like :meth:`live`)."""
+        """Every registered adapter by name (cached like :meth:`live`); ``fresh`` also forgets the
+        names found to be nothing (this process just registered one)."""
         if fresh or time.monotonic() - self._adapters_at >= self.cache_s:
             self._adapters = await self.adapter_store.all()
             self._adapters_at = time.monotonic()
+            if fresh:
+                self._missing.clear()
         return self._adapters
 
-    async def visible_adapters(self, tenant: str) -> list[Adapter]:
-        """The adapters ``tenant`` may see and use, by name."""
-        return sorted((a for a in (await self.adapters()).values() if a.visible_to(tenant)), key=lambda a: a.name)
+    async def visible_adapters(self, who: Caller) -> list[Adapter]:
+        """The adapters ``who`` may see and use, by name."""
+        return sorted((a for a in (await self.adapters()).values() if a.visible_to(who)), key=lambda a: a.name)
 
-    async def target(self, name: str | None, tenant: str | None = None) -> tuple[str, AdapterSpec | None]:
+    async def target(self, name: str | None, who: Caller | None = None) -> tuple[str, AdapterSpec | None]:
         """What a request naming ``name`` runs on: its model (the default when it names none), or an
         adapter's base model and the adapter; raises ModelNotFound for a name this deployment does
-        not know, or an adapter ``tenant`` may not use (None: any tenant may). Whether a worker is
-        warm does not matter here."""
+        not know, or an adapter ``who`` may not use (:func:`caller`; None: the name was checked
+        already, as a job's). Whether a worker is warm does not matter here."""
         model = name or self.default
         if model in await self.known():
             return model, None
-        adapter = (await self.adapters()).get(model) or (await self.adapters(fresh=True)).get(model)
-        if adapter is not None and (tenant is None or adapter.visible_to(tenant)):
+        adapter = (await self.adapters()).get(model)
+        if adapter is None and not self._missing_now(model):
+            adapter = await self.adapter_store.get(model)  # registered since this copy was read
+            if adapter is None:
+                if model in await self.known(fresh=True):  # a worker advertised it since
+                    return model, None
+                self._note_missing(model)
+        if adapter is not None and (who is None or adapter.visible_to(who)):
             return adapter.base, adapter.spec()
-        if adapter is None and model in await self.known(fresh=True):
-            return model, None
         raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
 
-    async def resolve(self, name: str | None, tenant: str | None = None) -> str:
+    async def resolve(self, name: str | None, who: Caller | None = None) -> str:
         """The model whose queue holds what a request naming ``name`` runs (:meth:`target`)."""
-        return (await self.target(name, tenant))[0]
+        return (await self.target(name, who))[0]
+
+    def _missing_now(self, name: str) -> bool:
+        at = self._missing.get(name)
+        return at is not None and time.monotonic() - at < self.cache_s
+
+    def _note_missing(self, name: str) -> None:
+        now = time.monotonic()
+        if len(self._missing) >= _MISSING_MAX:
+            self._missing = {n: at for n, at in self._missing.items() if now - at < self.cache_s}
+            if len(self._missing) >= _MISSING_MAX:  # that many junk names within cache_s: start again
+                self._missing.clear()
+        self._missing[name] = now

@@ -329,7 +329,8 @@ class Keys:
 
     def adapters(self) -> str:
         """Hash: LoRA adapter name -> its registry entry's JSON (shared/adapters.py): base model,
-        source, rank, owning tenant. One key, read whole: ``redis-cli HGETALL llmq:adapters``."""
+        source, rank, its owner (a key's hash; none: the operators') and whether it is private. One
+        key, read whole: ``redis-cli HGETALL llmq:adapters``."""
         return f"{self.prefix}:adapters"
 
     def tenant_config(self, tenant: str) -> str:

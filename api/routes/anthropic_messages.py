@@ -8,6 +8,7 @@ from api import jobs
 from api.context import Ctx
 from api.dialects import anthropic_messages as am
 from api.http import decode_body, json_response
+from api.models import caller
 from api.services import Svc
 from api.tokenizer import TokenizerUnavailable
 
@@ -24,13 +25,14 @@ async def messages(request: Request, svc: Svc, ctx: Ctx) -> Response:
 
 
 @post("/v1/messages/count_tokens", opt=_OPT, status_code=200)
-async def count_tokens(request: Request, svc: Svc) -> Response:
+async def count_tokens(request: Request, svc: Svc, ctx: Ctx) -> Response:
     """The prompt's tokens as the worker will render it: the same conversation and tools
     (:func:`am.chat_of`) through the same chat template, so the count equals a create's
     ``usage.input_tokens``."""
     body = await decode_body(request, am.CountTokensRequest)
     chat, options, tools = am.chat_of(body)
-    model = await svc.models.resolve(body.model)  # an unknown model is a 404 here too
+    # An unknown model is a 404 here too, and so is a private adapter of another key's.
+    model = await svc.models.resolve(body.model, caller(svc, ctx))
     if model != svc.models.default:  # the API holds one tokenizer: LLMQ_MODEL's
         raise TokenizerUnavailable(f"No tokenizer for `{model}` here: count_tokens serves `{svc.models.default}`")
     ids = await svc.tokenizer.chat_ids(chat, options, tools)

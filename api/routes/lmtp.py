@@ -20,6 +20,7 @@ from api.dialects import lmtp
 from api.dialects.stream import drive
 from api.errors import service_error
 from api.jobs import Submission
+from api.models import caller
 from api.services import Services, Svc
 from shared.errors import ServiceError
 from shared.redis import REDIS_DOWN
@@ -103,20 +104,22 @@ class Session:
             await self.send("TOKEN", lmtp.error_payload(frame.stream_id, "internal server error"))
 
     async def model_info(self, frame: lmtp.Frame) -> None:
-        """A MSG reply. An unknown model is a MSG error, as LMQL's server answers one."""
+        """A MSG reply. An unknown model is a MSG error, as LMQL's server answers one, and so is a
+        private adapter of another key's. An adapter answers with its base model's workers and context."""
         try:
             cmd = lmtp.decode_model_info(frame)
             name = cmd.model_name() or self.svc.model
             live = await self.svc.models.live()
-            await self.svc.models.resolve(name)  # a known model answers, warm worker or not
-            context = await self.svc.models.context_length(name)
+            # A known model answers, warm worker or not.
+            model = await self.svc.models.resolve(name, caller(self.svc, self.ctx))
+            context = await self.svc.models.context_length(model)
         except ServiceError as exc:
             await self.send("MSG", lmtp.error_payload(frame.stream_id, exc.message))
             return
         except REDIS_DOWN:
             await self.send("MSG", lmtp.error_payload(frame.stream_id, "the queue is unavailable; try again shortly"))
             return
-        info = lmtp.model_info_payload(frame.stream_id, name, live.get(name, 0), context)
+        info = lmtp.model_info_payload(frame.stream_id, name, live.get(model, 0), context)
         await self.send("MSG", info)
 
     async def close(self) -> None:

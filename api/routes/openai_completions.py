@@ -9,6 +9,7 @@ from api import jobs
 from api.context import Ctx, RequestContext
 from api.dialects import openai_completions as oc
 from api.http import decode_body, json_response
+from api.models import caller
 from api.services import Svc
 
 __all__ = ["ROUTES", "completions", "models", "completions_response"]
@@ -29,15 +30,18 @@ async def completions(request: Request, svc: Svc, ctx: Ctx) -> Response:
 async def models(svc: Svc, ctx: Ctx) -> Response:
     """The models requests may name: served now, or queued for the next worker that serves them;
     ``max_model_len`` as their warm workers report it (api/models.py). Then the LoRA adapters the
-    caller's tenant may use, each with its base model as ``parent``, as vLLM lists them."""
+    caller's key may use, each with its base model as ``parent``, as vLLM lists them; ``root`` is
+    an adapter's source for operators, its name for anyone else (a path is the deployment's own)."""
     names = list(await svc.models.known())
-    adapters = await svc.models.visible_adapters(ctx.tenant)
+    who = caller(svc, ctx)
+    adapters = await svc.models.visible_adapters(who)
     lengths = await svc.models.context_lengths(list(dict.fromkeys([*names, *(a.base for a in adapters)])))
     cards = [
         oc.Model(id=name, root=svc.settings.model if name == svc.model else name, max_model_len=lengths[name])
         for name in names
     ]
-    cards += [oc.Model(id=a.name, root=a.source, parent=a.base, max_model_len=lengths[a.base]) for a in adapters]
+    cards += [oc.Model(id=a.name, root=a.source if who.operator else a.name, parent=a.base,
+                       max_model_len=lengths[a.base]) for a in adapters]
     return json_response(oc.ModelList(data=cards))
 
 

@@ -165,6 +165,7 @@ async def measure(rounds: int) -> dict:
     async with AsyncExitStack() as stack:
         logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llmq-affinity-")))
         lora_dirs = {f"lora-{i}": build_tiny_adapter(logs / f"lora-{i}", seed=100 + i) for i in range(ADAPTERS)}
+        overlay["LLMQ_ADAPTER_ROOTS"] = str(logs)  # the API and the workers load adapters from under it only
         deployments = list(await asyncio.gather(*(
             serving.start_deployment(stack, name, logs, overlay, {"LLMQ_AFFINITY_MS": ms}, workers, Deployment)
             for name, (workers, ms) in DEPLOYMENTS.items())))
