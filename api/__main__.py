@@ -42,6 +42,7 @@ from typing import Any
 import structlog
 import uvicorn
 
+from api.auth import refuse_open_bind
 from shared.config import Settings, load_settings, load_tracing
 from shared.logging import configure_logging
 
@@ -64,6 +65,10 @@ def _uvicorn_options(settings: Settings) -> dict[str, Any]:
         # Longer than the load balancer's idle timeout, so the balancer closes an idle connection
         # first and never reuses one llmq is closing (a spurious 502). uvicorn's default is 5 s.
         timeout_keep_alive=settings.http_keepalive_s,
+        # The client is the socket's peer. uvicorn would otherwise take X-Forwarded-For from a
+        # loopback peer as the client, so a same-host proxy (or a client naming 127.0.0.1 in the
+        # header) would pass for a loopback caller (api/auth.py loopback).
+        proxy_headers=False,
     )
 
 
@@ -75,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     settings = load_settings()
     configure_logging(settings.log_level, settings.log_json, log_requests=settings.log_requests)
+    refuse_open_bind(settings)
     if args.socket_fd is not None:
         sys.exit(serve_child(settings, args.socket_fd, args.parent))
     if settings.web_processes < 1:

@@ -8,7 +8,7 @@ from litestar import Litestar
 from litestar.datastructures import State
 from litestar.di import Provide
 
-from api.auth import KeyGuard, parse_keys
+from api.auth import KeyGuard, KeylessGuard, parse_keys, refuse_open_bind
 from api.context import job_ref, request_context
 from api.direct import DirectCalls
 from api.errors import exception_handlers
@@ -54,9 +54,10 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
     if settings is None:  # the entrypoint: load settings (and logging) exactly once, here
         settings = load_settings()
         configure_logging(settings.log_level, settings.log_json, log_requests=settings.log_requests)
+        refuse_open_bind(settings)  # `uvicorn --factory`: as `python -m api` does, judged by LLMQ_HOST
         tracing = load_tracing("llmq-api", "api")
     keys = parse_keys(settings.api_keys) + parse_keys(settings.operator_keys)
-    guard = KeyGuard(keys) if keys else None
+    guard = KeyGuard(keys) if keys else KeylessGuard(settings.allowed_host_names)  # asked by RequestLifecycle
     # The innermost calls most handlers itself, past Litestar's per-request handler layer.
     middleware: list = [lambda app: RequestLifecycle(app, guard),
                         lambda app: DirectCalls(app, _services, request_context)]
@@ -96,8 +97,6 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
         lifespan=[lifespan, pushing],
         on_shutdown=[tracing.shutdown] if tracing is not None else None,
         exception_handlers=exception_handlers,
-        # Guards run after routing, so a 401 renders in the route's dialect.
-        guards=[guard] if guard is not None else None,
         middleware=middleware,
         request_max_body_size=settings.max_body_bytes,
         state=State({"settings": settings}),

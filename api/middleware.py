@@ -1,6 +1,6 @@
-"""The ASGI middleware every request passes: a request's jobs live as long as its connection
-(:class:`RequestLifecycle`), and a stream's chunks of one loop turn go out in one write
-(:class:`CoalescingSend`), every stream's in one callback (:class:`Flusher`)."""
+"""The ASGI middleware every request passes: the app's guard admits it, a request's jobs live as
+long as its connection (:class:`RequestLifecycle`), and a stream's chunks of one loop turn go out
+in one write (:class:`CoalescingSend`), every stream's in one callback (:class:`Flusher`)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,16 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import structlog
+from litestar._asgi.utils import wrap_in_exception_handler
 from litestar.datastructures import Headers
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.auth import KeyGuard, presented_key
+from api import dialects
+from api.auth import Guard
 from api.context import WATCHES
 from api.watches import JobWatch, end_watches
 from shared.codec import encode
+from shared.errors import ServiceError
 
 __all__ = ["RequestLifecycle", "CoalescingSend", "Flusher", "OUT", "run_eagerly"]
 
@@ -38,23 +41,30 @@ class RequestLifecycle:
       ``http.disconnect`` counts: an idle timeout never looks like a client that left.
     - The watch set is handed to the request's context (:func:`api.context.request_context`)
       through the ASGI scope, the one channel from a middleware to its app.
-    - With API keys on, a WebSocket upgrade without a valid key is refused with HTTP 401 (or a
-      policy-violation close where the server cannot send a denial response).
+    - Before anything else, the app's guard (api/auth.py: keys, or with none a browser's rules)
+      judges the request from its headers and route. A refused request is answered in the
+      route's dialect; a refused WebSocket upgrade before it is accepted, with the guard's HTTP
+      status (or a policy-violation close where the server cannot send a denial response).
     """
 
-    def __init__(self, app: ASGIApp, guard: KeyGuard | None = None) -> None:
+    def __init__(self, app: ASGIApp, guard: Guard) -> None:
         self.app = app
         self.guard = guard
         self.flusher = Flusher()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
-        if kind == "websocket" and self.guard is not None:
-            if not self.guard.valid(presented_key(Headers.from_scope(scope))):
-                await _refuse_websocket(scope, receive, send)
-                return
         if kind not in ("http", "websocket"):
             await self.app(scope, receive, send)
+            return
+        handler = scope["route_handler"]  # type: ignore[typeddict-item]  # routed before any middleware
+        # No method: a WebSocket upgrade.
+        refused = self.guard.refusal(Headers.from_scope(scope), scope.get("method"), handler.paths)
+        if refused is not None:
+            if kind == "http":
+                await wrap_in_exception_handler(_raising(refused))(scope, receive, send)  # the route's error shape
+            else:
+                await _refuse_websocket(scope, receive, send, refused, handler.opt.get("dialect", "jobs"))
             return
         watches: set[JobWatch] = set()
         scope[WATCHES] = watches  # type: ignore[literal-required]
@@ -117,15 +127,23 @@ async def _until_disconnect(app: ASGIApp, scope: Scope, receive: Receive, send: 
             listener.cancel()
 
 
-async def _refuse_websocket(scope: Scope, receive: Receive, send: Send) -> None:
+def _raising(refused: ServiceError) -> ASGIApp:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        raise refused
+    return app
+
+
+async def _refuse_websocket(scope: Scope, receive: Receive, send: Send, refused: ServiceError, dialect: str) -> None:
     await receive()  # websocket.connect
-    message = "Missing or invalid API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`"
     if "websocket.http.response" in scope.get("extensions", {}):
-        await send({"type": "websocket.http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
-        await send({"type": "websocket.http.response.body", "body": encode({"error": message})})
+        status, body = dialects.error_body(dialect, refused)
+        headers = [(b"content-type", b"application/json")]
+        if status == 401:
+            headers.append((b"www-authenticate", b"Bearer"))
+        await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
+        await send({"type": "websocket.http.response.body", "body": encode(body)})
     else:
-        await send({"type": "websocket.close", "code": 1008, "reason": "unauthorized"})
+        await send({"type": "websocket.close", "code": 1008, "reason": refused.code})
 
 
 class Flusher:

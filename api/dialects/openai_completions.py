@@ -369,8 +369,8 @@ def stream(req: GenerationRequest, job_id: str, created: int) -> CompletionStrea
     return CompletionStream(req, job_id, created)
 
 
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "BadRequestError",
-          429: "RateLimitError", 503: "ServiceUnavailableError"}
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
+          413: "BadRequestError", 424: "FailedDependencyError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
 
 
 def error_body(exc: ServiceError) -> tuple[int, ErrorResponse]:

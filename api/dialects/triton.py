@@ -450,7 +450,7 @@ def _step(
 # Triton's statuses: INVALID_ARG/UNKNOWN/CANCELLED -> 400, NOT_FOUND -> 404, INTERNAL -> 500,
 # UNSUPPORTED -> 501, UNAVAILABLE -> 503 (Triton has no 429: an overload is UNAVAILABLE; nor 504: a
 # request whose queue timeout expires is UNAVAILABLE "Request timeout expired").
-_STATUSES = {401: 401, 404: 404, 405: 405, 413: 413, 429: 503, 501: 501, 503: 503, 504: 503}
+_STATUSES = {401: 401, 403: 403, 404: 404, 405: 405, 413: 413, 429: 503, 501: 501, 503: 503, 504: 503}
 
 
 def error_body(exc: ServiceError) -> tuple[int, ErrorResponse]:

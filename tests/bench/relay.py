@@ -97,7 +97,7 @@ async def serve_emitter(redis_url: str, prefix: str, slots: int) -> None:
 
 async def _one_stream(port: int, body: bytes) -> tuple[bytes, float]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     parts: list[bytes] = []
     tail = b""

@@ -478,7 +478,7 @@ async def test_lmtp_text_frame_with_invalid_utf8_closes_with_1007_and_the_server
     the connection (1007) before any handler sees it. The server keeps serving new sockets."""
     reader, writer = await asyncio.open_connection("127.0.0.1", stack.settings.port)
     key = "dGhlIHNhbXBsZSBub25jZQ=="
-    writer.write(f"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    writer.write(f"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
                  f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
     async with asyncio.timeout(TIMEOUT_S):
         head = await reader.readuntil(b"\r\n\r\n")

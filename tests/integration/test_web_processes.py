@@ -34,6 +34,7 @@ from tests.conftest import REPO, free_port
 from tests.support.processes import spawn_logged
 from tests.support.scripted_engine import ScriptedEngine, expected_text
 from tests.support.waiting import eventually
+from tests.support.web_process import stop
 from workers.protocol import Step
 from workers.runner import Worker
 
@@ -121,13 +122,7 @@ async def web_processes(redis_url: str, prefix: str, log: Path, engine: Scripted
     finally:
         worker.stop()
         await asyncio.wait_for(worker_task, 10)
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(GRACEFUL_S + 5)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop(proc)
         await redis.aclose()
 
 

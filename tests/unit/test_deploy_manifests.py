@@ -3,7 +3,8 @@
 Kubernetes objects against the Kubernetes schemas (kubernetes-validate, bundled, strict), the KEDA
 ScaledObject against deploy/schemas/keda-scaledobject.json, the compose file against the compose
 spec (check-jsonschema's vendored copy), and the rules that tie them to the code: stream names,
-consumer group, drain timeout vs grace period, Procfile commands, LLMQ_* settings, Dockerfile extras.
+consumer group, drain timeout vs grace period, Procfile commands, LLMQ_* settings, Dockerfile extras,
+and that every web process listening on 0.0.0.0 gets keys (from a Secret, or the environment).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from api.auth import refuse_open_bind
 from shared.config import Settings, load_settings
 from shared.keys import LEVELS, Keys
 from shared.redis import SERVER_OPTIONS
@@ -291,6 +293,65 @@ def test_the_probe_snippets_are_python_that_compiles() -> None:
     assert len(snippets) >= 3
     for snippet in snippets:
         compile(snippet, "<probe>", "exec")
+
+
+# --- access -----------------------------------------------------------------------------------------
+
+SAMPLE_KEY = "a-key-the-operator-made"
+KEYS = ("LLMQ_API_KEYS", "LLMQ_OPERATOR_KEYS")
+
+
+def _interpolated(value: str) -> str:
+    """A compose value as `docker compose` substitutes it: ``${NAME:?message}`` (required: compose
+    refuses to run without it) as a value the operator set, ``${NAME:-default}`` as its default."""
+    def substitute(match: re.Match[str]) -> str:
+        return SAMPLE_KEY if match["op"] == ":?" else match["default"]
+    return re.sub(r"\$\{(?P<name>\w+)(?P<op>:[-?])(?P<default>[^}]*)\}", substitute, value)
+
+
+def _starts(env: dict[str, str | None]) -> bool:
+    try:
+        refuse_open_bind(load_settings({k: v for k, v in env.items() if v is not None}))
+    except SystemExit:
+        return False
+    return True
+
+
+def test_the_kubernetes_web_takes_its_keys_from_a_secret_the_operator_creates() -> None:
+    web = _containers(_one("Deployment", "llmq-web"))[0]
+    env = _container_env(web)
+    assert env["LLMQ_HOST"] == "0.0.0.0"
+    refs = {v["name"]: v["valueFrom"]["secretKeyRef"] for v in web["env"] if v["name"] in KEYS}
+    # The operator key is required: without the Secret the pod waits rather than starting open.
+    assert refs["LLMQ_OPERATOR_KEYS"] == {"name": "llmq-keys", "key": "LLMQ_OPERATOR_KEYS"}
+    assert refs["LLMQ_API_KEYS"] == {"name": "llmq-keys", "key": "LLMQ_API_KEYS", "optional": True}
+    # No placeholder key to forget in place: the manifests define no such Secret.
+    assert not [d for _, d in _k8s() if d["kind"] == "Secret" and d["metadata"]["name"] == "llmq-keys"]
+    assert "kubectl create secret generic llmq-keys" in (DEPLOY / "k8s" / "config.yaml").read_text()
+    assert not _starts(env)  # what the web process would do without them: refuse
+    assert _starts({**env, "LLMQ_OPERATOR_KEYS": SAMPLE_KEY})
+
+
+def test_compose_refuses_to_run_the_web_without_an_operator_key() -> None:
+    environment = _compose()["services"]["web"]["environment"]
+    assert environment["LLMQ_HOST"] == "0.0.0.0"
+    assert environment["LLMQ_OPERATOR_KEYS"].startswith("${LLMQ_OPERATOR_KEYS:?")  # compose itself stops
+    assert environment["LLMQ_API_KEYS"] == "${LLMQ_API_KEYS:-}"
+    env = {name: _interpolated(str(value)) for name, value in environment.items()}
+    assert env["LLMQ_OPERATOR_KEYS"] == SAMPLE_KEY and _starts(env)
+    assert not _starts({**env, "LLMQ_OPERATOR_KEYS": ""})
+
+
+def test_nothing_in_deploy_opens_llmq_or_holds_a_key() -> None:
+    # LLMQ_ALLOW_OPEN is the operator's own statement about a network; keys come from a Secret or the
+    # environment, never a ConfigMap, an image or a literal.
+    for filename, names in _llmq_names().items():
+        assert "LLMQ_ALLOW_OPEN" not in names, filename
+        if filename != "docker-compose.yml" and filename != "web.yaml":
+            assert not names & set(KEYS), filename
+    for _, doc in _k8s():
+        if doc["kind"] == "ConfigMap":
+            assert not set(doc["data"]) & set(KEYS)
 
 
 # --- images ---------------------------------------------------------------------------------------
