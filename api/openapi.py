@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 from litestar import Response, get
 
-from api.auth import OPEN_PATHS
+from api.auth import HEALTH_PATHS, OPEN_PATHS
 from api.dialects import anthropic_batches as message_batches
 from api.dialects import anthropic_messages as anthropic
 from api.dialects import happy_vllm, jobs, lmi, openai_chat, openai_completions, tgi, triton
@@ -58,16 +58,17 @@ JSONLINES = "application/jsonlines"
 TEXT = "text/plain"
 
 # Errors each dialect can answer with, in its own shape (see api/dialects/*.error_body). 401 is
-# added to every non-open operation when API keys are on; 413 wherever a body is read; 503
-# everywhere (Redis unreachable); 504 where a request waits for its answer (its deadline, or its
-# cold wait with no warm worker, ran out).
-_OPENAI = (400, 404, 429, 503, 504)
+# added to every non-open operation when API keys are on, 403 to every one but the health probes
+# when they are off; 413 wherever a body is read; 503 everywhere (Redis unreachable); 504 where a
+# request waits for its answer (its deadline, or its cold wait with no warm worker, ran out); 424
+# where it may be a job that killed its engine (engine_fault, docs/guarantees.md#dead-letter).
+_OPENAI = (400, 404, 424, 429, 503, 504)
 _TGI = (404, 422, 424, 429, 503, 504)
 _LMI = (400, 404, 424, 429, 503, 504)
 _TRITON = (400, 404, 503)  # Triton reports "overloaded" and an expired queue timeout as 503
-_HAPPY = (404, 422, 429, 503, 504)
-_JOBS = (400, 404, 429, 503)
-_ANTHROPIC = (400, 404, 503, 504, 529)  # a full queue is Anthropic's 529 overloaded_error
+_HAPPY = (404, 422, 424, 429, 503, 504)
+_JOBS = (400, 404, 424, 429, 503)
+_ANTHROPIC = (400, 404, 424, 503, 504, 529)  # a full queue is Anthropic's 529 overloaded_error
 
 
 class Operation(msgspec.Struct, frozen=True, kw_only=True):
@@ -241,7 +242,7 @@ OPERATIONS: tuple[Operation, ...] = (
         errors=(400, 403, 503), query=("list_model", "list_tenant", "list_status", "list_dialect", "list_limit"),
         answer=JobList, error=jobs.ErrorBody),
     _op("get", "/v1/jobs/{job_id}/record", "A job's record: request, result, every attempt's worker", "jobs",
-        errors=(400, 404, 503), answer=RecordView, error=jobs.ErrorBody),
+        errors=(400, 403, 404, 503), answer=RecordView, error=jobs.ErrorBody),
     _op("get", "/v1/access", "Who the caller is: an operator, or a tenant seeing its own", "console",
         errors=(403, 503), answer=AccessView, error=jobs.ErrorBody),
     _op("get", "/v1/deployment", "Models, workers, slots, adapters; each level's queue and history", "console",
@@ -319,7 +320,8 @@ _PARAMS: dict[str, dict[str, Any]] = {
                  "description": "List the Message Batches after (older than) this one."},
     "before_id": {"name": "before_id", "in": "query", "required": False, "schema": {"type": "string"},
                   "description": "Not supported: a 400 (page with after_id)."},
-    "limit": {"name": "limit", "in": "query", "required": False, "schema": {"type": "integer"},
+    "limit": {"name": "limit", "in": "query", "required": False,
+              "schema": {"type": "integer", "minimum": 1, "maximum": 100},
               "description": "At most this many (1-100, default 20)."},
     "batch_after": {"name": "after", "in": "query", "required": False, "schema": {"type": "string"},
                     "description": "List the batches after this batch id."},
@@ -449,6 +451,8 @@ def _responses(op: Operation, keys_on: bool, schema: dict[Any, dict[str, Any]]) 
         errors.add(413)  # LLMQ_MAX_BODY_BYTES
     if keys_on and op.path not in _OPEN:
         errors.add(401)
+    if not keys_on and op.path not in _HEALTH:
+        errors.add(403)  # with no keys: a foreign Host, or a cross-site write (api/auth.py KeylessGuard)
     for status in sorted(errors - set(op.ok)):
         out[str(status)] = {"description": "An error, in the route's dialect's shape",
                             "content": {JSON: {"schema": schema[op.error] if op.error is not None else {}}}}
@@ -456,6 +460,7 @@ def _responses(op: Operation, keys_on: bool, schema: dict[Any, dict[str, Any]]) 
 
 
 _OPEN = frozenset(openapi_path(p) for p in OPEN_PATHS)
+_HEALTH = frozenset(openapi_path(p) for p in HEALTH_PATHS)
 
 
 def _operation_id(op: Operation) -> str:

@@ -196,6 +196,8 @@ LineOutcome = Answered | Failed | Refused | NotRun
 
 
 _JSON_FIELDS = {"errors": BatchErrors, "metadata": dict[str, str]}
+_LIST_CHUNK = 500
+"""Batch ids looked at per round trip while a listing page is filled."""
 _COUNTS = ("total", "completed", "failed")
 
 
@@ -260,7 +262,11 @@ class BatchStore:
             await self.redis.sadd(self.keys.batches_active(), batch.id)
 
     async def get(self, batch_id: str) -> tuple[BatchObject, str] | None:
-        raw = await self.redis.hgetall(self.keys.batch(batch_id))
+        return self._decoded(await self.redis.hgetall(self.keys.batch(batch_id)))
+
+    @staticmethod
+    def _decoded(raw: dict[bytes, bytes]) -> tuple[BatchObject, str] | None:
+        """A batch and its owner from its hash (None: it is gone)."""
         if not raw:
             return None
         fields: dict[str, Any] = {}
@@ -273,21 +279,49 @@ class BatchStore:
         fields.pop("next", None)
         return msgspec.convert(fields, BatchObject, strict=False), owner
 
-    async def list(self, after: str | None, limit: int, endpoints: tuple[str, ...] = ENDPOINTS
-                   ) -> tuple[list[tuple[BatchObject, str]], bool]:
-        """Newest first, starting after the batch id ``after``, of these endpoints (OpenAI's
-        batches, or Anthropic's Message Batches); and whether more batches remain."""
-        ids = [raw.decode() for raw in await self.redis.zrevrange(self.keys.batches(), 0, -1)]
-        if after in ids:
-            ids = ids[ids.index(after) + 1:]
-        found = []
-        for batch_id in ids:
-            if len(found) == limit:
-                return found, True
-            got = await self.get(batch_id)
-            if got is not None and got[0].endpoint in endpoints:
-                found.append(got)
-        return found, False
+    async def list(self, owner: str, after: str | None, limit: int, endpoints: tuple[str, ...] = ENDPOINTS
+                   ) -> tuple[list[BatchObject], bool]:
+        """``owner``'s batches of these endpoints (OpenAI's batches, or Anthropic's Message
+        Batches), newest first, after its batch ``after`` (from the newest when ``after`` is none
+        of these); and whether more of them remain. The listing index holds every owner's
+        batches, so it is filtered before the page is cut: another owner's batches are never in
+        a page, never make ``has_more`` true, and are no place to start from."""
+        index = self.keys.batches()
+        start = 0
+        if after is not None:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hmget(self.keys.batch(after), "owner", "endpoint")
+            pipe.zrevrank(index, after)
+            fields, rank = await pipe.execute()
+            if self._listed(fields, owner, endpoints) and rank is not None:
+                start = rank + 1
+        ids: list[str] = []  # the page and one more, if there is one
+        seen = {after} if after is not None else set()  # ``after`` too: an index shifted meanwhile re-reads it
+        while len(ids) <= limit:  # the index has every owner's batches: read on until that many are ours
+            chunk = [raw.decode() for raw in await self.redis.zrevrange(index, start, start + _LIST_CHUNK - 1)]
+            if not chunk:
+                break
+            start += len(chunk)
+            pipe = self.redis.pipeline(transaction=False)
+            for batch_id in chunk:
+                pipe.hmget(self.keys.batch(batch_id), "owner", "endpoint")
+            for batch_id, fields in zip(chunk, await pipe.execute(), strict=True):
+                # A batch created meanwhile shifts the index by one: an id read twice counts once.
+                if self._listed(fields, owner, endpoints) and batch_id not in seen:
+                    ids.append(batch_id)
+                    seen.add(batch_id)
+        pipe = self.redis.pipeline(transaction=False)
+        for batch_id in ids[:limit]:
+            pipe.hgetall(self.keys.batch(batch_id))
+        found = [got[0] for raw in (await pipe.execute() if ids else []) if (got := self._decoded(raw)) is not None]
+        return found, len(ids) > limit
+
+    @staticmethod
+    def _listed(fields: list[bytes | None], owner: str, endpoints: tuple[str, ...]) -> bool:
+        """Whether a batch's ``owner`` and ``endpoint`` fields make it one of ``owner``'s listed
+        batches (a batch deleted meanwhile has neither)."""
+        who, endpoint = fields
+        return who is not None and endpoint is not None and who.decode() == owner and endpoint.decode() in endpoints
 
     async def delete(self, batch: BatchObject) -> None:
         """Forget an ended batch: its record, its listing entry, its produced files."""

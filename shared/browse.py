@@ -8,7 +8,8 @@ Everything here reads, but for :func:`sample` (housekeeping's history of each mo
 - dead letters: ``Keys.dead``, with the dead job's record;
 - each level's throughput: ``Keys.finished`` counters, sampled into ``Keys.history`` every few
   seconds by housekeeping (:func:`sample`), so a chart of the last ten minutes is there at once;
-- tenants: their fair-share state and today's usage (shared/tenants.py).
+- tenants: their fair-share state and today's usage (shared/tenants.py), read for everyone and
+  kept a second (:class:`TenantRows`).
 
 Who sees what is the caller's business: each reader takes ``owner``, the key hash whose jobs
 alone it returns (None: every job, for an operator).
@@ -16,6 +17,7 @@ alone it returns (None: every job, for an operator).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from collections.abc import Iterable
@@ -25,11 +27,11 @@ from redis.asyncio import Redis
 
 from shared.keys import LEVELS, Keys
 from shared.schemas import JobError, runs_of, token_counts_of
-from shared.tenants import USAGE_FIELDS, TenantConfig, UsageRow, read_state, read_usage, today, usage_row
+from shared.tenants import USAGE_FIELDS, TenantConfig, UsageRow, read_states, today, usage_row
 
 __all__ = ["JobSummary", "ErrorSummary", "DeadLetterView", "HistoryPoint", "TenantRow",
            "recent_jobs", "dead_letters", "find_dead_letter", "discard_dead_letter", "restore_dead_letter",
-           "sample", "history", "throughput", "tenant_rows", "HISTORY_S", "SAMPLE_S"]
+           "sample", "history", "throughput", "tenant_rows", "TenantRows", "HISTORY_S", "SAMPLE_S"]
 
 SAMPLE_S = 5
 """How often housekeeping samples each model's queue into its history."""
@@ -302,31 +304,65 @@ class TenantRow(msgspec.Struct, kw_only=True):
     """Its usage of the model today (UTC), from the jobs that ended."""
 
 
-async def tenant_rows(redis: Redis, keys: Keys, models: Iterable[str], *, only: str | None = None,
-                      most: int = 500) -> list[TenantRow]:
-    """Every tenant known on each model (``only``: that one's rows), with its state and today's
-    usage; at most ``most`` tenants per model, those first seen earliest."""
-    rows: list[TenantRow] = []
-    day = today()
+async def tenant_rows(redis: Redis, keys: Keys, models: Iterable[str], *, most: int = 500) -> list[TenantRow]:
+    """Every tenant known on each model, with its state and today's usage; at most ``most``
+    tenants per model, those first seen earliest. Everyone's rows: the caller shows each viewer
+    its own (one tenant's fair share needs every busy tenant's weight, so all are read anyway).
+    A round trip for every model's tenants and usage, then one per model for all its tenants."""
+    models, day = list(models), today()
+    pipe = redis.pipeline(transaction=False)
     for model in models:
-        names = [n.decode() for n in await redis.zrange(keys.tenants(model), 0, most - 1)]
-        states = [await read_state(redis, keys, model, name) for name in names]
-        # One tenant's fair share needs every busy tenant's weight, so all are read even for ``only``.
+        pipe.zrange(keys.tenants(model), 0, most - 1)
+        pipe.hgetall(keys.usage(model, day))
+    replies = await pipe.execute() if models else []
+    rows: list[TenantRow] = []
+    for model, names, usage in zip(models, replies[::2], replies[1::2], strict=True):
+        states = await read_states(redis, keys, model, [n.decode() for n in names])
         busy = [s for s in states if s.running or sum(s.waiting)]
         active = sum(s.weight for s in busy)
-        usage = await read_usage(redis, keys, [model], only, [day]) if only is not None else None
-        everyone = await redis.hgetall(keys.usage(model, day)) if only is None else {}
         for s in states:
-            if only is not None and s.tenant != only:
-                continue
-            if usage is not None:
-                own = next((u for u in usage if u.adapter is msgspec.UNSET), usage_row(day, model, {}))
-            else:
-                own = usage_row(day, model, {f: int(everyone.get(f"{s.tenant}:{f}".encode(), 0))
-                                             for f in USAGE_FIELDS})
+            own = usage_row(day, model, {f: int(usage.get(f"{s.tenant}:{f}".encode(), 0)) for f in USAGE_FIELDS})
             rows.append(TenantRow(
                 tenant=s.tenant, model=model, weight=s.weight,
                 fair_share=round(s.weight / active, 4) if s in busy and active else None,
                 share_last_minute=s.share_last_minute, tokens_last_minute=s.tokens_last_minute,
                 running=s.running, waiting=sum(s.waiting), limits=s.config, today=own))
     return rows
+
+
+class TenantRows:
+    """:func:`tenant_rows`, read at most once per ``ttl_s`` by one process: every open console
+    polls the tenants every 2 s, and any key may ask as often as it likes. It keeps everyone's
+    rows, so what a caller may see is decided after it, per caller, never by who filled it.
+
+    Callers that find it stale together share one read (a burst of requests costs one read, not
+    one each); a read that failed is not kept, so the next caller tries again."""
+
+    def __init__(self, ttl_s: float = 1.0) -> None:
+        self.ttl_s = ttl_s
+        self._read: tuple[float, tuple[str, ...], asyncio.Task[list[TenantRow]]] | None = None
+
+    async def get(self, redis: Redis, keys: Keys, models: Iterable[str]) -> list[TenantRow]:
+        wanted, now = tuple(models), time.monotonic()
+        if self._read is None or self._stale(now, wanted):
+            task = asyncio.create_task(tenant_rows(redis, keys, wanted))
+            task.add_done_callback(_observed)
+            self._read = (now, wanted, task)
+        # Shielded: a caller that leaves (its client gone) does not cancel the others' read.
+        return await asyncio.shield(self._read[2])
+
+    def _stale(self, now: float, wanted: tuple[str, ...]) -> bool:
+        assert self._read is not None
+        started, models, task = self._read
+        if models != wanted:
+            return True
+        if not task.done():
+            return False  # join the read under way
+        return task.cancelled() or task.exception() is not None or now - started >= self.ttl_s
+
+
+def _observed(task: asyncio.Task[list[TenantRow]]) -> None:
+    """Every caller may have left before a shared read ended: its error is read here, so asyncio
+    does not log it as never retrieved (the callers that stayed got it)."""
+    if not task.cancelled():
+        task.exception()

@@ -200,6 +200,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """LLMQ_MAX_CPU_LORAS: adapters a worker keeps in CPU memory, beside the engine's LLMQ_MAX_LORAS, so
     one evicted from the engine comes back without reading its files (vLLM's `--max-cpu-loras`).
     Unset: LLMQ_MAX_LORAS."""
+    engine_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3
+    """LLMQ_ENGINE_RESTARTS: how many engine deaths a worker survives within LLMQ_ENGINE_RESTART_WINDOW_S by
+    rebuilding its engine in place (same process, slots and heartbeat; docs/guarantees.md#a-dead-engine-loses-no-job).
+    One more death in the window and the worker exits for its supervisor to restart. 0: exit at the first."""
+    engine_restart_window_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+    """LLMQ_ENGINE_RESTART_WINDOW_S: the window LLMQ_ENGINE_RESTARTS counts engine deaths in."""
+    test_faults: bool = False
+    """LLMQ_TEST_FAULTS: for llmq's own fault tests only. On, a request carrying `X-LLMQ-Test-Fault: kill-engine`
+    makes its worker kill its own engine while the job runs; off (always, in production), such a request is a 400."""
     engine_tracing: bool = True
     """LLMQ_ENGINE_TRACING: with tracing on (the OTEL_* variables, docs/operations.md#tracing),
     also vLLM's own span of each job (``llm_request``: its queue, prefill and decode times), under
@@ -242,6 +251,27 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     unset: on for the tiny model, which otherwise pads JSON with whitespace until max_tokens."""
     enforce_eager: bool | None = None
     """LLMQ_ENFORCE_EAGER: skip torch.compile; unset: on for CPU engines (see apply_engine_environment)."""
+
+    # adapters' ownership and sources (docs/adapters.md)
+    tenant_adapters: Literal["none", "private"] = "none"
+    """LLMQ_TENANT_ADAPTERS: what a tenant's key may do with `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`.
+    `none`: nothing (registering, replacing and unloading need an operator key). `private`: register private
+    adapters (only that key and operators see and use them) from files under `<root>/<the key's hash>` of
+    LLMQ_ADAPTER_ROOTS, and replace or unload its own."""
+    adapter_roots: str = ""
+    """LLMQ_ADAPTER_ROOTS: comma-separated directories a local `lora_path` must resolve under (symlinks followed).
+    The API and the workers mount them at the same paths: the API refuses any other path and keeps the one it
+    resolved, the workers check again before loading, and `llmq-adapters` applies the same roots. A tenant's key
+    names files under `<root>/<its key's hash>` only. Unset: llmq's model cache (LLMQ_CACHE_DIR/models), where the
+    tiny model's adapters are built."""
+    adapter_hub_allow: str = ""
+    """LLMQ_ADAPTER_HUB_ALLOW: comma-separated Hugging Face organisations (`org`) or repositories (`org/name`) an
+    adapter's `lora_path` may name on the hub, downloaded by each worker at its first job for it. Unset: none (hub
+    sources are refused)."""
+    adapters_per_owner: Annotated[int, msgspec.Meta(ge=0)] = 32
+    """LLMQ_ADAPTERS_PER_OWNER: the most adapters one key may have registered (operators: the total alone)."""
+    adapters_max: Annotated[int, msgspec.Meta(ge=0)] = 1000
+    """LLMQ_ADAPTERS_MAX: the most adapters registered in all."""
 
     # retention
     result_ttl_s: int = 3600
@@ -298,6 +328,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     outputs too), usage and dead letters; only an operator may requeue or discard a dead letter,
     or cancel another key's job. With neither these nor LLMQ_API_KEYS set, every caller is an
     operator, and the console and its routes answer loopback clients only (docs/console.md)."""
+    allowed_hosts: str = ""
+    """LLMQ_ALLOWED_HOSTS: with no keys set, comma-separated `Host` names served besides `localhost`, `127.0.0.1`
+    and `[::1]` (the port ignored), and the pages under them may send changes (`Origin`); any other Host gets 403
+    (the health probes excepted), so DNS rebinding cannot make a web page a loopback caller. Ignored with keys
+    (docs/console.md#no-keys)."""
+    allow_open: bool = False
+    """LLMQ_ALLOW_OPEN: start the web process with no keys on an address that is not loopback (LLMQ_HOST). Off: it
+    refuses to (exit status 3), since with no keys every caller may run, read and cancel every job. Set it only where
+    the network itself admits nobody else; the Host and Origin rules still apply (docs/console.md#no-keys)."""
     console: bool = True
     """LLMQ_CONSOLE: serve the web console at `/console` (docs/console.md). Its JSON routes stay."""
     recent_jobs: Annotated[int, msgspec.Meta(ge=0)] = 10000
@@ -411,6 +450,24 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         if self.model == DEFAULT_MODEL:
             return str(self.cache_path / "models" / TINY_MODEL_DIR)
         return self.model
+
+    @property
+    def adapter_root_paths(self) -> tuple[Path, ...]:
+        """LLMQ_ADAPTER_ROOTS as paths, resolved (symlinks followed); unset: llmq's model cache."""
+        roots = [r.strip() for r in self.adapter_roots.split(",") if r.strip()]
+        return tuple(Path(r).expanduser().resolve() for r in roots) or ((self.cache_path / "models").resolve(),)
+
+    @property
+    def adapter_hub_names(self) -> tuple[str, ...]:
+        """LLMQ_ADAPTER_HUB_ALLOW as names: organisations and `org/name` repositories."""
+        return tuple(n.strip().strip("/") for n in self.adapter_hub_allow.split(",") if n.strip().strip("/"))
+
+    @property
+    def allowed_host_names(self) -> frozenset[str]:
+        """The Host names a keyless web process serves, lower-cased (their ports are ignored, as a
+        request's are: api/auth.py KeylessGuard)."""
+        extra = (h.strip().lower() for h in self.allowed_hosts.split(","))
+        return frozenset({"localhost", "127.0.0.1", "[::1]", *(h for h in extra if h)})
 
     @property
     def tiny_adapter_dirs(self) -> dict[str, Path]:

@@ -34,7 +34,8 @@ from redis.asyncio import Redis
 from shared.keys import LEVELS, Keys
 
 __all__ = ["DEFAULT_TENANT", "DEFAULTS", "key_hash", "TenantConfig", "TenantState", "UsageRow", "usage_row",
-           "valid_tenant", "read_config", "ConfigCache", "read_state", "read_usage", "top_tenants", "today", "main"]
+           "valid_tenant", "read_config", "ConfigCache", "read_state", "read_states",
+           "read_usage", "top_tenants", "today", "main"]
 
 DEFAULT_TENANT = "default"
 """The tenant of a request with no API key and no tenant header."""
@@ -128,21 +129,40 @@ def _window(raw: dict[bytes, bytes], now_s: float) -> int:
 
 
 async def read_state(redis: Redis, keys: Keys, model: str, tenant: str) -> TenantState:
+    [state] = await read_states(redis, keys, model, [tenant])
+    return state
+
+
+async def read_states(redis: Redis, keys: Keys, model: str, tenants: list[str]) -> list[TenantState]:
+    """Each tenant's state on ``model``, in one round trip however many there are (the console's
+    tenants list reads up to 500): the model-wide tokens hash and the default settings, which
+    every tenant's figures need, are read once."""
+    if not tenants:
+        return []
     pipe = redis.pipeline(transaction=False)
-    pipe.hmget(keys.tenant(model, tenant), "vtc", "weight")
-    for level in range(LEVELS):
-        pipe.llen(keys.tenant_waiting(model, tenant, level))
-    pipe.scard(keys.tenant_running(model, tenant))
-    pipe.hgetall(keys.tenant_tokens(model, tenant))
     pipe.hgetall(keys.tokens(model))
-    (counter, weight), *rest = await pipe.execute()
-    waiting, (running, own, everyone) = rest[:LEVELS], rest[LEVELS:]
+    pipe.hgetall(keys.tenant_config(DEFAULTS))
+    for tenant in tenants:
+        pipe.hmget(keys.tenant(model, tenant), "vtc", "weight")
+        for level in range(LEVELS):
+            pipe.llen(keys.tenant_waiting(model, tenant, level))
+        pipe.scard(keys.tenant_running(model, tenant))
+        pipe.hgetall(keys.tenant_tokens(model, tenant))
+        pipe.hgetall(keys.tenant_config(tenant))
+    everyone, defaults, *replies = await pipe.execute()
     now = time.time()
-    mine, total = _window(own, now), _window(everyone, now)
-    return TenantState(tenant=tenant, model=model, counter=float(counter or 0), weight=float(weight or 1),
-                       waiting=waiting, running=running, tokens_last_minute=mine,
-                       share_last_minute=mine / total if total else None,
-                       config=await read_config(redis, keys, tenant))
+    total = _window(everyone, now)
+    each = LEVELS + 4  # the replies per tenant, in the order queued above
+    states = []
+    for i, tenant in enumerate(tenants):
+        (counter, weight), *rest = replies[i * each:(i + 1) * each]
+        waiting, (running, own, config) = rest[:LEVELS], rest[LEVELS:]
+        mine = _window(own, now)
+        states.append(TenantState(tenant=tenant, model=model, counter=float(counter or 0), weight=float(weight or 1),
+                                  waiting=waiting, running=running, tokens_last_minute=mine,
+                                  share_last_minute=mine / total if total else None,
+                                  config=_config_of(config, defaults)))
+    return states
 
 
 class UsageRow(msgspec.Struct, kw_only=True):

@@ -24,6 +24,7 @@ from api.context import Ctx, RequestContext
 from api.dialects import anthropic_batches as ab
 from api.dialects import anthropic_messages as am
 from api.http import decode_body, json_response
+from api.query import query_int
 from api.services import Services, Svc
 from api.submit import admit
 from shared.batches import MESSAGES, BatchObject, BatchStore, RequestCounts, StoredLine
@@ -98,19 +99,14 @@ async def get_batch(svc: Svc, ctx: Ctx, message_batch_id: FromPath[str]) -> Resp
 
 @get("/v1/messages/batches", opt=_OPT)
 async def list_batches(request: Request, svc: Svc, ctx: Ctx) -> Response:
-    """Newest first; ``after_id`` pages on. ``before_id`` (paging back) is refused: the store
-    pages one way only."""
+    """The caller's own Message Batches, newest first; ``after_id`` pages on, ``limit`` is 1-1000
+    (20 unless given). ``before_id`` (paging back) is refused: the store pages one way only."""
     query = request.query_params
     if query.get("before_id") is not None:
         raise InvalidRequest("before_id is not supported by this server; page with after_id", param="before_id")
-    try:
-        limit = int(query.get("limit", 20))
-    except ValueError:
-        raise InvalidRequest("limit must be an integer", param="limit") from None
-    if not 1 <= limit <= MAX_LIMIT:
-        raise InvalidRequest(f"limit must be between 1 and {MAX_LIMIT}", param="limit")
-    found, more = await _store(svc).list(query.get("after_id"), limit, endpoints=(MESSAGES,))
-    data = [await _render(svc, batch) for batch, owner in found if owner == ctx.owner]
+    limit = query_int(request, "limit", 20, 1, MAX_LIMIT)
+    found, more = await _store(svc).list(ctx.owner, query.get("after_id"), limit, endpoints=(MESSAGES,))
+    data = [await _render(svc, batch) for batch in found]
     return json_response(ab.BatchPage(data=data, has_more=more, first_id=data[0].id if data else None,
                                       last_id=data[-1].id if data else None))
 

@@ -13,6 +13,7 @@ from api.dialects import jobs as llmq_jobs
 from api.dialects import render_result
 from api.fanout import group_view
 from api.http import EventStream, decode_body, json_response
+from api.query import whole_number
 from api.services import Svc
 from shared.egress import Refused, check_url, policy
 from shared.errors import InvalidRequest
@@ -68,12 +69,8 @@ async def job_events(request: Request, svc: Svc, job: Job) -> Response:
     """The job's events as SSE, ``id:`` = sequence number; resumes after ``Last-Event-ID``.
     It reads the log first, then live events, so it works for finished and running jobs alike."""
     last_event_id = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
-    try:
-        after = int(last_event_id)
-        if not 0 <= after < 2**63:  # a stream entry id's range: Redis would refuse it mid-stream
-            raise ValueError
-    except ValueError:
-        raise InvalidRequest("Last-Event-ID must be an event sequence number", param="Last-Event-ID") from None
+    # A stream entry id's range: Redis would refuse anything past it mid-stream.
+    after = whole_number(last_event_id, "Last-Event-ID", 0, 2**63 - 1, "Last-Event-ID must be an event sequence number")
     if isinstance(job.found, JobGroup):
         raise InvalidRequest(f"job {job.id} is a group of {len(job.found.jobs)} jobs: read each one's events at "
                              f"/v1/jobs/<id>/events, for ids in {job.found.jobs}", param="job_id")

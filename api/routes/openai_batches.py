@@ -21,6 +21,7 @@ from api.batch_input import read_lines
 from api.batch_output import rendered
 from api.context import Ctx, RequestContext
 from api.http import decode_body, json_response
+from api.query import query_int
 from api.services import Services, Svc
 from shared.batches import (
     ENDPOINTS,
@@ -41,6 +42,7 @@ __all__ = ["ROUTES"]
 
 OPENAI = {"dialect": "openai_completions"}  # errors in OpenAI's shape
 WINDOW_S = 24 * 3600  # the one completion window OpenAI offers
+MAX_LIMIT = 100  # a batch list's page, at most (OpenAI's)
 
 
 def _store(svc: Services) -> BatchStore:
@@ -152,12 +154,10 @@ async def cancel_batch(svc: Svc, ctx: Ctx, batch_id: FromPath[str]) -> Response:
 
 @get("/v1/batches", opt=OPENAI)
 async def list_batches(request: Request, svc: Svc, ctx: Ctx) -> Response:
-    try:
-        limit = min(max(int(request.query_params.get("limit", 20)), 1), 100)
-    except ValueError:
-        raise InvalidRequest("limit must be an integer", param="limit") from None
-    found, more = await _store(svc).list(request.query_params.get("after"), limit)
-    data = [batch for batch, owner in found if _mine(ctx, owner)]
+    """The caller's own batches, newest first; ``after`` (a batch id) pages on, ``limit`` is 1-100
+    (20 unless given), as OpenAI's."""
+    limit = query_int(request, "limit", 20, 1, MAX_LIMIT)
+    data, more = await _store(svc).list(ctx.owner, request.query_params.get("after"), limit)
     return json_response(BatchList(data=data, first_id=data[0].id if data else None,
                                    last_id=data[-1].id if data else None, has_more=more))
 

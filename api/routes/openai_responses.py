@@ -16,6 +16,7 @@ from api import jobs
 from api.context import Ctx, JobRef, RequestContext, job_ref
 from api.dialects import openai_responses as r
 from api.http import EventStream, decode_body, json_response
+from api.query import query_int
 from api.services import Svc
 from shared.errors import InvalidRequest, JobNotFound
 from shared.schemas import TERMINAL_STATUSES, ChatMessage, GenerationRequest, JobRecord
@@ -108,12 +109,7 @@ async def get_response(request: Request, svc: Svc, response_id: FromPath[str]) -
     if not _flag(request, "stream"):
         # As GET /v1/jobs/{id}: nobody may be waiting on a background job, so the poll ends it.
         return json_response(r.render_record(await jobs.poll(svc, job)))
-    try:
-        after = int(request.query_params.get("starting_after", "-1"))
-        if not -1 <= after < 2**63:
-            raise ValueError
-    except ValueError:
-        raise InvalidRequest("starting_after must be a sequence number", param="starting_after") from None
+    after = query_int(request, "starting_after", -1, -1, 2**63 - 1)
     record = job.found
     assert isinstance(record, JobRecord)
     echo = r.echo_of_request(record.request, background=True)

@@ -17,12 +17,15 @@ from typing import Any, Literal
 
 import msgspec
 from litestar import Request, Response, delete, get, post
+from litestar.connection import ASGIConnection
+from litestar.handlers.base import BaseRouteHandler
 from litestar.params import FromPath
 
 from api.auth import Viewer, viewer
 from api.context import Ctx, Job
 from api.http import json_response
-from api.services import Svc
+from api.query import query_int
+from api.services import Services, Svc
 from shared import browse
 from shared.errors import Forbidden, InvalidRequest, JobNotFound
 from shared.schemas import GROUP_PREFIX, GenerationRequest, JobError, JobGroup, JobRecord, JobStatus, Run
@@ -141,8 +144,14 @@ _STATUSES = frozenset(JobStatus.__args__)  # type: ignore[attr-defined]
 _MAX_LIST = 500
 
 
-def _viewer(request: Request, svc: Svc) -> Viewer:
-    return viewer(request, svc.operators, svc.keys_on)
+def _viewer(connection: ASGIConnection, svc: Services) -> Viewer:
+    return viewer(connection, svc.operators, svc.keys_on)
+
+
+def _viewer_first(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    """A route guard: the viewer rule (:func:`_viewer`) before the route's dependencies run, so a
+    caller it refuses gets the 403 GET /v1/jobs gives, whether or not the job it names exists."""
+    _viewer(connection, connection.app.state.services)
 
 
 def _operator(request: Request, svc: Svc, action: str) -> Viewer:
@@ -163,12 +172,16 @@ async def access(request: Request, svc: Svc, ctx: Ctx) -> Response:
 @get("/v1/deployment", opt=_OPT)
 async def deployment(request: Request, svc: Svc) -> Response:
     """Every known model: its workers (warm and loading), slots, adapters, each priority level's
-    waiting and running jobs, oldest age and throughput, and the last ten minutes' samples."""
-    _viewer(request, svc)
+    waiting and running jobs, oldest age and throughput, and the last ten minutes' samples. A
+    tenant's key sees only the adapters it may use (a private one of another key's is no model to
+    it), of those the workers' engines hold."""
+    who = _viewer(request, svc)
     redis, keys = svc.queue.redis, svc.keys
     status = await snapshot(redis, keys, top=0, held=False, models=list(await svc.models.known()))
+    shown = None if who.operator else {a.name for a in await svc.models.visible_adapters(who)}
     # The workers' own Prometheus samples are /metrics' to show.
-    workers = [msgspec.structs.replace(w, metrics=[]) for w in status.workers]
+    workers = [msgspec.structs.replace(w, metrics=[], adapters=w.adapters if shown is None else
+                                       [a for a in w.adapters if a in shown]) for w in status.workers]
     models = []
     for m in status.models:
         mine = [w for w in workers if w.model == m.name]
@@ -189,9 +202,11 @@ async def tenants(request: Request, svc: Svc, ctx: Ctx) -> Response:
     """Each tenant on each model: weight and fair share against its share of the last minute's
     tokens, running and waiting jobs, limits and today's usage. A tenant's key: its own rows."""
     who = _viewer(request, svc)
-    rows = await browse.tenant_rows(svc.queue.redis, svc.keys, await svc.models.known(),
-                                    only=None if who.operator else ctx.tenant)
-    return json_response(TenantList(data=rows))
+    # Everyone's rows, read at most once a second by this process (every open console polls
+    # this), then cut to what this caller may see: the cache holds no one caller's view.
+    cache: browse.TenantRows = request.app.state.setdefault("tenant_rows", browse.TenantRows())
+    rows = await cache.get(svc.queue.redis, svc.keys, await svc.models.known())
+    return json_response(TenantList(data=rows if who.operator else [r for r in rows if r.tenant == ctx.tenant]))
 
 
 def _query(request: Request, name: str, allowed: frozenset[str] | None = None) -> str | None:
@@ -208,19 +223,18 @@ async def list_jobs(request: Request, svc: Svc) -> Response:
     who = _viewer(request, svc)
     known = await svc.models.known()
     model = _query(request, "model", frozenset(known))
-    limit = request.query_params.get("limit", "50")
-    if not limit.isdigit() or not 1 <= int(limit) <= _MAX_LIST:
-        raise InvalidRequest(f"limit must be a whole number from 1 to {_MAX_LIST}", param="limit")
+    limit = query_int(request, "limit", 50, 1, _MAX_LIST)
     jobs = await browse.recent_jobs(svc.queue.redis, svc.keys, [model] if model else known, owner=who.only,
-                                    limit=int(limit), tenant=_query(request, "tenant"),
+                                    limit=limit, tenant=_query(request, "tenant"),
                                     status=_query(request, "status", _STATUSES), dialect=_query(request, "dialect"))
     return json_response(JobList(data=jobs))
 
 
-@get("/v1/jobs/{job_id:str}/record", opt=_OPT)
+@get("/v1/jobs/{job_id:str}/record", opt=_OPT, guards=[_viewer_first])
 async def job_record(svc: Svc, job: Job) -> Response:
     """One job's record, its request and result included: to its owner and operators only (the
-    ``job`` dependency's check), with every attempt's worker and start."""
+    ``job`` dependency's check), with every attempt's worker and start; to a caller GET /v1/jobs
+    refuses (with no keys, one not on loopback), a 403 as there."""
     if isinstance(job.found, JobGroup):
         raise InvalidRequest(f"job {job.id} is a group: read each of {job.found.jobs}", param="job_id")
     [record] = await svc.queue.get_jobs(job.model, [job.id])  # its end settled, if logged (get_jobs)

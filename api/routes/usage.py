@@ -14,8 +14,8 @@ from litestar import Request, Response, get
 
 from api.context import Ctx
 from api.http import json_response
+from api.query import query_int
 from api.services import Svc
-from shared.errors import InvalidRequest
 from shared.tenants import UsageRow, read_usage, today
 
 __all__ = ["usage", "UsagePage"]
@@ -33,11 +33,10 @@ class UsagePage(msgspec.Struct, kw_only=True):
 @get("/v1/usage", opt={"dialect": "jobs"})
 async def usage(request: Request, svc: Svc, ctx: Ctx) -> Response:
     """The last ``days`` UTC days (query; 7 unless given; today included), up to LLMQ_USAGE_DAYS."""
-    days = request.query_params.get("days", "7")
-    if not days.isdigit() or not 1 <= int(days) <= svc.settings.usage_days:
-        raise InvalidRequest(f"days must be a whole number from 1 to {svc.settings.usage_days}", param="days")
+    kept = svc.settings.usage_days
+    days = query_int(request, "days", min(7, kept), 1, kept)
     last = datetime.date.fromisoformat(today())
-    dates = [(last - datetime.timedelta(days=back)).isoformat() for back in range(int(days) - 1, -1, -1)]
+    dates = [(last - datetime.timedelta(days=back)).isoformat() for back in range(days - 1, -1, -1)]
     models = sorted(await svc.models.known())
     rows = await read_usage(svc.queue.redis, svc.keys, models, ctx.tenant, dates)
     return json_response(UsagePage(tenant=ctx.tenant, start_date=dates[0], end_date=dates[-1], data=rows))

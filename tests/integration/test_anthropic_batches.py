@@ -227,3 +227,31 @@ async def test_a_batch_past_its_24_hours_ends_with_its_requests_expired(redis_ur
         assert done.ended_at >= done.created_at and done.cancel_initiated_at is None
         results = await _results(client, batch.id)
         assert {k: r.type for k, r in results.items()} == {"r0": "expired", "r1": "expired", "r2": "expired"}
+
+
+async def test_a_key_lists_its_own_message_batches_while_another_key_has_many_newer(redis_url, prefix):
+    from shared.batches import MESSAGES, BatchObject, BatchStore
+    from shared.tenants import key_hash
+
+    def stored(batch_id: str, created_at: int, endpoint: str = MESSAGES) -> BatchObject:
+        return BatchObject(id=batch_id, endpoint=endpoint, input_file_id="", completion_window="24h",
+                           created_at=created_at, status="completed")
+
+    async with scripted_stack(redis_url, prefix, api_keys="key-a,key-b") as s:
+        store = BatchStore(s.redis, Keys(prefix))
+        for n in range(3):
+            await store.create(stored(f"msgbatch_a{n}", 1000 + n), [], key_hash("key-a"))
+        await store.create(stored("batch_a_openai", 1500, "/v1/chat/completions"), [], key_hash("key-a"))
+        for n in range(25):
+            await store.create(stored(f"msgbatch_b{n}", 2000 + n), [], key_hash("key-b"))
+        client = AsyncAnthropic(base_url=s.url, api_key="key-a", max_retries=0)
+        page = await client.messages.batches.list(limit=2)
+        assert [b.id for b in page.data] == ["msgbatch_a2", "msgbatch_a1"] and page.has_more
+        assert (page.first_id, page.last_id) == ("msgbatch_a2", "msgbatch_a1")
+        rest = await client.messages.batches.list(limit=2, after_id=page.last_id)
+        assert [b.id for b in rest.data] == ["msgbatch_a0"] and not rest.has_more
+        assert [b.id async for b in client.messages.batches.list()] == ["msgbatch_a2", "msgbatch_a1", "msgbatch_a0"]
+        # The page size is 1-1000 in ASCII digits; anything else is Anthropic's 400.
+        for raw in ("²", "١٢", "0", "1001", " 5", "9" * 5000):
+            resp = await s.client.get("/v1/messages/batches", params={"limit": raw}, headers={"x-api-key": "key-a"})
+            assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error", (raw, resp.text)

@@ -13,11 +13,13 @@ import pytest
 from openai import AsyncOpenAI
 
 from api.batch_output import rendered
-from shared.batches import Answered, BatchStore, Failed, FileObject, LineError, NotRun, Refused
+from shared import batches
+from shared.batches import MESSAGES, Answered, BatchObject, BatchStore, Failed, FileObject, LineError, NotRun, Refused
 from shared.codec import encode
 from shared.keys import Keys
 from shared.queue import Queue
 from shared.schemas import ChatMessage, Choice, GenerationRequest, JobError, JobResult, SamplingParams, Usage
+from shared.tenants import key_hash
 from tests.support.background import housekeeping
 from tests.support.scripted_engine import ScriptedEngine, expected_text
 from tests.support.scripted_stack import scripted_stack
@@ -293,3 +295,69 @@ async def test_a_produced_file_is_rendered_once_on_its_first_read(redis, keys):
     await store.put_outcomes(gone, encode(OUTCOMES[-1]) + b"\n", "owner")
     await store.delete_file(gone.id)
     assert not await store.put_rendered(gone, RENDERED) and not await redis.exists(keys.file(gone.id))
+
+
+def _stored(batch_id: str, created_at: int, endpoint: str = "/v1/chat/completions") -> BatchObject:
+    return BatchObject(id=batch_id, endpoint=endpoint, input_file_id="file-x", completion_window="24h",
+                       created_at=created_at, status="completed")
+
+
+async def test_the_batch_index_is_filtered_by_owner_before_a_page_is_cut(redis, keys, monkeypatch):
+    monkeypatch.setattr(batches, "_LIST_CHUNK", 4)  # pages that take several reads of the index
+    store = BatchStore(redis, keys)
+    for n in range(5):
+        await store.create(_stored(f"batch_a{n}", 1000 + 10 * n), [], "a")
+        for m in range(4):  # each newer than a's
+            await store.create(_stored(f"batch_b{n}{m}", 1001 + 10 * n + m), [], "b")
+    await store.create(_stored("msgbatch_a", 2000, MESSAGES), [], "a")  # Anthropic's: not OpenAI's list
+
+    async def listed(owner: str, after: str | None, limit: int,
+                     endpoints: tuple[str, ...] = batches.ENDPOINTS) -> tuple[list[str], bool]:
+        found, more = await store.list(owner, after, limit, endpoints)
+        return [b.id for b in found], more
+
+    assert await listed("a", None, 2) == (["batch_a4", "batch_a3"], True)
+    assert await listed("a", "batch_a3", 2) == (["batch_a2", "batch_a1"], True)
+    assert await listed("a", "batch_a1", 2) == (["batch_a0"], False)
+    assert await listed("a", "batch_a2", 2) == (["batch_a1", "batch_a0"], False)  # exactly a page left
+    assert await listed("b", None, 20) == ([f"batch_b{n}{m}" for n in range(4, -1, -1) for m in range(3, -1, -1)],
+                                           False)
+    assert (await listed("b", None, 19))[1]
+    # Another owner's batch is no place to start from: the list starts at the caller's newest.
+    assert await listed("a", "batch_b30", 5) == ([f"batch_a{n}" for n in range(4, -1, -1)], False)
+    assert await listed("c", None, 2) == ([], False)
+    assert await listed("a", None, 5, (MESSAGES,)) == (["msgbatch_a"], False)
+
+
+async def test_a_key_lists_its_own_batches_while_another_key_has_many_newer(redis_url, prefix):
+    async with scripted_stack(redis_url, prefix, api_keys="key-a,key-b") as s:
+        store = BatchStore(s.redis, Keys(prefix))
+        for n in range(3):
+            await store.create(_stored(f"batch_a{n}", 1000 + n), [], key_hash("key-a"))
+        for n in range(25):
+            await store.create(_stored(f"batch_b{n}", 2000 + n), [], key_hash("key-b"))
+
+        async def page(key: str, **params) -> dict:
+            resp = await s.client.get("/v1/batches", params=params, headers={"authorization": f"Bearer {key}"})
+            assert resp.status_code == 200, resp.text
+            return resp.json()
+
+        first = await page("key-a", limit=2)
+        assert [b["id"] for b in first["data"]] == ["batch_a2", "batch_a1"] and first["has_more"]
+        assert (first["first_id"], first["last_id"]) == ("batch_a2", "batch_a1")
+        rest = await page("key-a", limit=2, after="batch_a1")
+        assert [b["id"] for b in rest["data"]] == ["batch_a0"] and not rest["has_more"]
+        assert (rest["first_id"], rest["last_id"]) == ("batch_a0", "batch_a0")
+        everything = await page("key-a")  # 20 unless given: all three, and no more
+        assert [b["id"] for b in everything["data"]] == ["batch_a2", "batch_a1", "batch_a0"]
+        assert not everything["has_more"]
+        assert [b["id"] for b in (await page("key-a", after="batch_b3"))["data"]] == ["batch_a2", "batch_a1",
+                                                                                     "batch_a0"]
+        theirs = await page("key-b", limit=25)
+        assert len(theirs["data"]) == 25 and not theirs["has_more"]
+        # The page size is 1-100 in ASCII digits; anything else is the dialect's 400 (vLLM's shape).
+        for raw in ("²", "١٢", "0", "101", " 5", "9" * 5000):
+            resp = await s.client.get("/v1/batches", params={"limit": raw}, headers={"authorization": "Bearer key-a"})
+            assert resp.status_code == 400, (raw, resp.text)
+            assert resp.json()["error"] == {"message": "limit must be a whole number from 1 to 100",
+                                            "type": "BadRequestError", "param": "limit", "code": 400}

@@ -218,3 +218,98 @@ async def test_the_console_page_and_files_are_served_with_no_key_and_nothing_fro
         assert "http://" not in text and "https://" not in text and "//cdn" not in text, name
     assert (await stack.client.get("/console/static/../routes/console.py")).status_code == 404
     assert (await stack.client.get("/console/static/nope.js")).status_code == 404
+
+
+async def test_query_integers_are_ascii_digits_or_the_jobs_400(stack: ScriptedStack):
+    # str.isdigit() is true of '²' (int() refuses it: a 500 once) and of '١٢' (int() reads 12).
+    for path, name in (("/v1/jobs", "limit"), ("/v1/usage", "days")):
+        for raw in ("²", "١٢", "１２", " 5", "+5", "9" * 5000, ""):
+            resp = await get(stack, path, OP, **{name: raw})
+            assert resp.status_code == 400, (path, raw, resp.text)
+            error = resp.json()["error"]
+            assert error["code"] == "invalid_request" and name in error["message"], (path, raw, error)
+        assert (await get(stack, path, OP, **{name: "3"})).status_code == 200
+
+
+def count_round_trips(redis) -> list[list[tuple]]:
+    """Each round trip ``redis`` makes from now on, as the (command, key) pairs it sent: one for a
+    command sent alone, all of a pipeline's for the pipeline."""
+    trips: list[list[tuple]] = []
+    send, make = redis.execute_command, redis.pipeline
+
+    async def alone(*args, **options):
+        trips.append([args[:2]])
+        return await send(*args, **options)
+
+    def pipeline(*args, **kwargs):
+        pipe = make(*args, **kwargs)
+        execute = pipe.execute
+
+        async def together(*a, **k):
+            trips.append([command[:2] for command, _ in pipe.command_stack])
+            return await execute(*a, **k)
+        pipe.execute = together
+        return pipe
+
+    redis.execute_command, redis.pipeline = alone, pipeline
+    return trips
+
+
+async def test_tenants_are_read_in_one_round_trip_per_model_however_many_there_are(redis, keys):
+    from shared import browse
+    from shared.tenants import read_state
+
+    now = int(time.time())
+    for n in range(60):
+        await redis.zadd(keys.tenants("m"), {f"t{n}": n})
+        await redis.hset(keys.tenant("m", f"t{n}"), mapping={"vtc": n, "weight": 1 + n % 2})
+    await redis.sadd(keys.tenant_running("m", "t1"), "job-1")
+    await redis.rpush(keys.tenant_waiting("m", "t2", 1), "1-0 job-2")
+    await redis.hset(keys.tenant_tokens("m", "t1"), str(now), 30)
+    await redis.hset(keys.tokens("m"), str(now), 120)
+    await redis.hset(keys.tenant_config("t2"), "max_running", 3)
+    await redis.hset(keys.usage("m", browse.today()), mapping={"t1:requests": 4, "t1:generated_tokens": 9})
+
+    trips = count_round_trips(redis)
+    rows = {r.tenant: r for r in await browse.tenant_rows(redis, keys, ["m"])}
+    # The tenants and the day's usage, then every tenant's state (and settings) at once; the
+    # model-wide tokens hash read once, not once per tenant.
+    assert len(trips) == 2 and len(rows) == 60
+    assert sum(sent == ("HGETALL", keys.tokens("m")) for trip in trips for sent in trip) == 1
+    t1, t2 = rows["t1"], rows["t2"]
+    assert (t1.running, t1.waiting, t1.weight, t1.tokens_last_minute, t1.share_last_minute) == (1, 0, 2.0, 30, 0.25)
+    assert (t2.running, t2.waiting, t2.limits.max_running) == (0, 1, 3)
+    assert t1.fair_share == round(2 / 3, 4) and t2.fair_share == round(1 / 3, 4) and rows["t3"].fair_share is None
+    assert (t1.today.requests, t1.today.generated_tokens, t2.today.requests) == (4, 9, 0)
+    # One tenant's state, as the scheduler's CLI reads it, is the same reading.
+    one = await read_state(redis, keys, "m", "t1")
+    assert (one.running, one.weight, one.share_last_minute, one.config) == (1, 2.0, 0.25, t1.limits)
+
+
+async def test_tenants_are_read_once_a_second_and_each_key_sees_only_its_own_rows(stack: ScriptedStack, monkeypatch):
+    import asyncio
+
+    from shared import browse
+
+    await submit(stack, A), await submit(stack, B)
+    reads = []
+    real = browse.tenant_rows
+
+    async def counted(*args, **kwargs):
+        reads.append(time.monotonic())
+        return await real(*args, **kwargs)
+    monkeypatch.setattr(browse, "tenant_rows", counted)
+    await asyncio.sleep(1.1)  # what an earlier test left in the process's cache is stale now
+
+    mine = (await get(stack, "/v1/tenants", A)).json()["data"]
+    theirs = (await get(stack, "/v1/tenants", B)).json()["data"]
+    everyone = (await get(stack, "/v1/tenants", OP)).json()["data"]
+    # One read served all three (they came within its second), each cut to what its key may see.
+    assert len(reads) == 1
+    assert {r["tenant"] for r in mine} == {key_hash(A)} and {r["tenant"] for r in theirs} == {key_hash(B)}
+    assert {key_hash(A), key_hash(B)} <= {r["tenant"] for r in everyone}
+    # Callers that find it stale together share one read.
+    await asyncio.sleep(1.1)
+    answers = await asyncio.gather(*(get(stack, "/v1/tenants", key) for key in (A, B, OP, A, B)))
+    assert len(reads) == 2 and [r.status_code for r in answers] == [200] * 5
+    assert {r["tenant"] for r in answers[3].json()["data"]} == {key_hash(A)}

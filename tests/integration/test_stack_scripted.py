@@ -112,6 +112,9 @@ async def test_job_events_resume_after_last_event_id(stack):
     for bad in ("x", "-1", str(2**63), "9" * 30):  # never a stream that breaks after its 200
         resp = await client.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": bad})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "Last-Event-ID", (bad, resp.text)
+    for bad in ("١٢", "³", " 3", "+3"):  # ASCII digits only: int() would read the first as 12
+        resp = await client.get(f"/v1/jobs/{job_id}/events", params={"after": bad})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "Last-Event-ID", (bad, resp.text)
 
     job = (await client.get(f"/v1/jobs/{job_id}")).json()
     assert job["status"] == "done"
