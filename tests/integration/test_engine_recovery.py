@@ -17,6 +17,7 @@ import pytest
 from shared.events import Error
 from tests.support import inprocess_workers
 from tests.support.inprocess_workers import MODEL, Client, assert_seamless, running_on, wait_for
+from tests.support.scripted_stack import scripted_stack
 
 make_worker = inprocess_workers.make_worker
 
@@ -176,3 +177,26 @@ async def test_an_engine_that_dies_idle_is_rebuilt_before_the_next_job(make_work
     await client.start("next ", 20)
     assert_seamless(await client.finish(), "next ", 20)
     assert await redis.xlen(keys.dead(MODEL)) == 0
+
+
+# --- the marker, through the API ------------------------------------------------------------------
+
+async def test_the_fault_marker_is_a_400_unless_fault_tests_are_on_and_a_body_never_sets_it(redis_url, prefix):
+    async with scripted_stack(redis_url, prefix) as stack:  # LLMQ_TEST_FAULTS off: production's
+        resp = await stack.client.post("/v1/completions", headers={"X-LLMQ-Test-Fault": "kill-engine"},
+                                       json={"prompt": "hi", "max_tokens": 2})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "X-LLMQ-Test-Fault"
+        assert "LLMQ_TEST_FAULTS" in resp.json()["error"]["message"]
+        # /v1/jobs takes the internal request as its body: the field is dropped at admission.
+        resp = await stack.client.post("/v1/jobs", json={"prompt": "hi", "sampling": {"max_tokens": 2},
+                                                         "test_fault": "kill-engine"})
+        assert resp.status_code in (200, 202), resp.text
+        job = await stack.worker.queue.get_job(stack.settings.model_name, resp.json()["id"])
+        assert job.request.test_fault is None
+        assert stack.worker.engine.deaths == []
+    async with scripted_stack(redis_url, f"{prefix}-on", test_faults=True) as stack:
+        resp = await stack.client.post("/v1/completions", headers={"X-LLMQ-Test-Fault": "kill-engine"},
+                                       json={"prompt": "kill", "max_tokens": 20})
+        assert resp.status_code == 424 and resp.json()["error"]["code"] == 424
+        assert "Retry-After" not in resp.headers
+        assert stack.worker.engine.deaths == ["failed"]
