@@ -57,6 +57,9 @@ def test_make_run_serves_on_when_its_engine_is_killed_mid_stream(made, figures):
     running_job(made, stream, 20)
     engine = engine_pid(made)
     os.kill(engine, signal.SIGKILL)
+    killed_at = time.monotonic()
+    stream.thread.join(300)
+    figures.seconds["stream_done_after_kill_s"] = time.monotonic() - killed_at
     check_exact(made, stream, figures)
     assert made.worker_pid() == worker and alive(worker), "the same worker: honcho stopped nothing"
     assert not alive(engine)
