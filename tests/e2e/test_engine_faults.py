@@ -158,22 +158,31 @@ def answered(f: Faulty) -> None:
     assert resp.status_code == 200, resp.text
 
 
-def test_an_engine_killed_from_outside_mid_stream_is_rebuilt_in_place_and_the_stream_is_exact(faulty, figures):
-    pid, deaths = faulty.worker_pid(), len(faulty.worker_events("engine_died"))
-    stream = streamed(faulty.url, salt=1)
-    running_job(faulty, stream, 20)
-    engine = engine_pid(faulty)
+def kill_engine_mid_stream(f: Faulty, figures: Figures, salt: int) -> tuple[Stream, int]:
+    """SIGKILL the worker's engine once a stream has 20 tokens; the stream must end exact, its
+    worker the same process, serving the next request. Returns the stream and the dead engine's pid."""
+    worker = f.worker_pid()
+    stream = streamed(f.url, salt)
+    running_job(f, stream, 20)
+    engine = engine_pid(f)
     os.kill(engine, signal.SIGKILL)
     killed_at = time.monotonic()
     stream.thread.join(300)
     figures.seconds["stream_done_after_kill_s"] = time.monotonic() - killed_at
-    check_exact(faulty, stream, figures)
-    assert faulty.worker_pid() == pid, "the same worker process"
+    check_exact(f, stream, figures)
+    assert f.worker_pid() == worker and alive(worker), "the same worker process"
+    assert not alive(engine)
+    answered(f)
+    return stream, engine
+
+
+def test_an_engine_killed_from_outside_mid_stream_is_rebuilt_in_place_and_the_stream_is_exact(faulty, figures):
+    deaths = len(faulty.worker_events("engine_died"))
+    stream, engine = kill_engine_mid_stream(faulty, figures, salt=1)
     [died] = faulty.worker_events("engine_died")[deaths:]
     assert died["cause"] == "killed", "a signal blames nobody"
     assert stream.job_id not in dead_lettered(faulty)
-    assert not alive(engine) and engine_pid(faulty) != engine
-    answered(faulty)
+    assert engine_pid(faulty) != engine
 
 
 def test_a_job_that_kills_its_engine_beside_others_is_dead_lettered_on_its_second_death_alone(faulty, figures):

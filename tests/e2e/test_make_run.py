@@ -17,8 +17,7 @@ from redis import Redis
 from shared.config import load_settings
 from shared.keys import Keys
 from tests.conftest import REPO, free_port
-from tests.e2e.test_engine_faults import Faulty, answered, check_exact, engine_pid, running_job, streamed
-from tests.support.faults import alive
+from tests.e2e.test_engine_faults import Faulty, kill_engine_mid_stream
 from tests.support.processes import spawn_logged
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
@@ -52,15 +51,4 @@ def made(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[F
 
 
 def test_make_run_serves_on_when_its_engine_is_killed_mid_stream(made, figures):
-    worker = made.worker_pid()
-    stream = streamed(made.url, salt=7)
-    running_job(made, stream, 20)
-    engine = engine_pid(made)
-    os.kill(engine, signal.SIGKILL)
-    killed_at = time.monotonic()
-    stream.thread.join(300)
-    figures.seconds["stream_done_after_kill_s"] = time.monotonic() - killed_at
-    check_exact(made, stream, figures)
-    assert made.worker_pid() == worker and alive(worker), "the same worker: honcho stopped nothing"
-    assert not alive(engine)
-    answered(made)
+    kill_engine_mid_stream(made, figures, salt=7)  # the worker lives on: honcho stopped nothing
