@@ -8,7 +8,7 @@ from litestar import Litestar
 from litestar.datastructures import State
 from litestar.di import Provide
 
-from api.auth import KeyGuard, KeylessGuard, parse_keys, refuse_open_bind
+from api.auth import KeyGuard, KeylessGuard, configured_keys, refuse_open_bind
 from api.context import job_ref, request_context
 from api.direct import DirectCalls
 from api.errors import exception_handlers
@@ -56,7 +56,7 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
         configure_logging(settings.log_level, settings.log_json, log_requests=settings.log_requests)
         refuse_open_bind(settings)  # `uvicorn --factory`: as `python -m api` does, judged by LLMQ_HOST
         tracing = load_tracing("llmq-api", "api")
-    keys = parse_keys(settings.api_keys) + parse_keys(settings.operator_keys)
+    keys = configured_keys(settings)
     guard = KeyGuard(keys) if keys else KeylessGuard(settings.allowed_host_names)  # asked by RequestLifecycle
     # The innermost calls most handlers itself, past Litestar's per-request handler layer.
     middleware: list = [lambda app: RequestLifecycle(app, guard),

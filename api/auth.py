@@ -40,7 +40,8 @@ if TYPE_CHECKING:  # annotations only: the web supervisor (api/__main__.py) impo
 
     from shared.config import Settings
 
-__all__ = ["OPEN_PATHS", "HEALTH_PATHS", "owner_of", "presented_key", "parse_keys", "KeyGuard", "KeylessGuard",
+__all__ = ["OPEN_PATHS", "HEALTH_PATHS", "owner_of", "presented_key", "parse_keys", "configured_keys", "KeyGuard",
+           "KeylessGuard",
            "Guard", "Viewer", "viewer", "loopback", "refuse_open_bind"]
 
 log = structlog.get_logger()
@@ -76,6 +77,11 @@ def owner_of(key: str) -> str:
 
 def parse_keys(setting: str) -> tuple[str, ...]:
     return tuple(k.strip() for k in setting.split(",") if k.strip())
+
+
+def configured_keys(settings: Settings) -> tuple[str, ...]:
+    """Every key that may call: LLMQ_API_KEYS and LLMQ_OPERATOR_KEYS (none: the keyless mode)."""
+    return parse_keys(settings.api_keys) + parse_keys(settings.operator_keys)
 
 
 def presented_key(headers) -> str | None:
@@ -171,7 +177,7 @@ def _loopback_address(host: str) -> bool:
 def refuse_open_bind(settings: Settings) -> None:
     """Exit (status 3, one log line) rather than serve with no keys on an address others can
     reach (LLMQ_HOST), unless LLMQ_ALLOW_OPEN says that network admits nobody else."""
-    if parse_keys(settings.api_keys) or parse_keys(settings.operator_keys) or settings.allow_open:
+    if configured_keys(settings) or settings.allow_open:
         return
     if _loopback_address(settings.host):
         return
@@ -189,6 +195,12 @@ class Viewer:
     operator: bool
     owner: str
     """The caller's key hash ("" with no keys configured)."""
+
+    @classmethod
+    def of(cls, owner: str, operators: frozenset[str], keys_on: bool) -> Viewer:
+        """The holder of the key whose hash is ``owner``: an operator when it is one of
+        ``operators``; with no keys configured, every caller is one."""
+        return cls(operator=not keys_on or owner in operators, owner=owner)
 
     @property
     def only(self) -> str | None:
@@ -218,7 +230,6 @@ def viewer(connection: ASGIConnection, operators: frozenset[str], keys_on: bool)
         if not loopback(connection):
             raise Forbidden("With no API keys configured, the console and its routes answer loopback clients "
                             "only, and not through a proxy: set LLMQ_OPERATOR_KEYS (docs/console.md)")
-        return Viewer(operator=True, owner="")
+        return Viewer.of("", operators, keys_on)
     key = presented_key(connection.headers) or ""  # the guard refused a missing or wrong one
-    owner = owner_of(key)
-    return Viewer(operator=owner in operators, owner=owner)
+    return Viewer.of(owner_of(key), operators, keys_on)

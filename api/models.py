@@ -54,7 +54,7 @@ def caller(svc: Services, ctx: RequestContext) -> Viewer:
     """Who a request is to the adapters: its key (``ctx.owner``), an operator's when it is one of
     LLMQ_OPERATOR_KEYS, and every caller with no keys configured (as on the console). Never the
     tenant header: a client may send any."""
-    return Viewer(operator=not svc.keys_on or ctx.owner in svc.operators, owner=ctx.owner)
+    return Viewer.of(ctx.owner, svc.operators, svc.keys_on)
 
 
 class ModelRegistry:

@@ -15,7 +15,7 @@ from litestar import Litestar
 from litestar.di import NamedDependency
 from redis.asyncio import Redis
 
-from api.auth import owner_of, parse_keys
+from api.auth import configured_keys, owner_of, parse_keys
 from api.listener import EventListener, Listener
 from api.models import ModelRegistry
 from api.shards import ClusterListener
@@ -111,7 +111,7 @@ async def lifespan(app: Litestar) -> AsyncIterator[None]:
                              max_model_len=settings.max_model_len),
         tokenizer=Tokenizer(settings.model_path),
         tenants=ConfigCache(redis, keys),
-        keys_on=bool(parse_keys(settings.api_keys) or parse_keys(settings.operator_keys)),
+        keys_on=bool(configured_keys(settings)),
         operators=frozenset(owner_of(k) for k in parse_keys(settings.operator_keys)),
         instance=instance,
         sharded=sharded,

@@ -123,6 +123,11 @@ class Delivery:
     preemptions: int = 0
     """How often it gave its slot to a job owed it before this claim (preempt.lua)."""
 
+    @property
+    def held(self) -> Held:
+        """What the worker holding it renews and hands back."""
+        return Held(self.job_id, self.entry_id, self.attempt, self.level)
+
 
 class Logged(NamedTuple):
     """A job's logged events (:meth:`Queue.read_log`)."""
@@ -551,7 +556,7 @@ class Queue:
             return deliveries
         log.warning("claims_not_durable", model=model, jobs=len(deliveries), wanted=self.durability.wanted)
         while deliveries:
-            held = [Held(d.job_id, d.entry_id, d.attempt, d.level) for d in deliveries]
+            held = [d.held for d in deliveries]
             lost, acked = await self.scripts.run_and_wait(self._renewal(model, worker, held), self.durability)
             gone = {held[int(i)].job_id for i in lost}
             deliveries = [d for d in deliveries if d.job_id not in gone]

@@ -8,6 +8,7 @@ SIGTERM/SIGINT start a graceful drain; a second signal exits at once.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING
@@ -84,7 +85,8 @@ async def serve(settings: Settings, tracing: Tracing | None = None) -> None:
 
         bind_children()  # a SIGKILLed worker takes its engine process with it
         log.info("engine_loading", model=model_path)
-        if settings.max_loras and (missing := lora_fixes.not_loaded()):
+        # VLLM_PLUGINS is vLLM's own variable, read as vLLM will read it in the engine's processes.
+        if settings.max_loras and (missing := lora_fixes.not_loaded(os.environ)):
             # vLLM runs without them: prompt logprobs beside other requests would kill its engine
             # (docs/adapters.md#prompt-logprobs-with-lora).
             log.warning("lora_fixes_not_loaded", missing=missing)

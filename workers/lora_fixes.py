@@ -40,7 +40,6 @@ import importlib.abc
 import importlib.util
 import inspect
 import logging
-import os
 import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -75,7 +74,7 @@ FIXES = ("llmq_lora_prompt_logprobs", "llmq_lora_no_adapter_rows")
 """The entry points' names (pyproject.toml), as VLLM_PLUGINS names them."""
 
 
-def not_loaded(environ: Mapping[str, str] = os.environ) -> list[str]:
+def not_loaded(environ: Mapping[str, str]) -> list[str]:
     """The fixes vLLM will not load here: an entry point missing from the package metadata this
     process sees (llmq not installed, or a stale ``llmq.egg-info`` in the directory it runs from,
     which comes first on ``sys.path``), or VLLM_PLUGINS set without naming it (vLLM splits it on

@@ -123,11 +123,6 @@ class _Suspect:
     """The attempt that was running: its events are logged up to ``attempt.seq``."""
     stop_reason: ServiceError | None = None  # a cancel or a lost lease meanwhile
 
-    @property
-    def held(self) -> Held:
-        d = self.delivery
-        return Held(d.job_id, d.entry_id, d.attempt, d.level)
-
 
 class Worker:
     def __init__(self, settings: Settings, queue: Queue, engine: Engine, *, worker_id: str | None = None,
@@ -140,7 +135,7 @@ class Worker:
         self.slots = Slots(settings.max_num_seqs)
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
         self.ready = False
-        self.failed = False  # the engine died: the process should exit non-zero
+        self.failed = False  # it gave up on its engine: the process should exit non-zero
         self._running: dict[str, _Running] = {}
         self._engine_up = asyncio.Event()
         """Set while the engine serves: cleared at its death until it is rebuilt and its suspects
@@ -344,7 +339,7 @@ class Worker:
                 await self._start_confirming(swap.deliveries, swap.acked, slots)
                 return
         # Its slot went to a dead peer's job meanwhile: the picked job goes back for a peer.
-        held = [Held(d.job_id, d.entry_id, d.attempt, d.level) for d in swap.deliveries]
+        held = [d.held for d in swap.deliveries]
         await self.queue.renew(self.model, self.worker_id, held, hand_back_idle_ms=self._lease_ms + 60_000)
 
     async def _written_ends(self) -> None:
@@ -486,7 +481,7 @@ class Worker:
                 # failure that escaped its own handlers (a bug) stops the worker, never vanishes.
                 task = self._tasks.create_task(self._run_job(d, d.request, spans), name=f"job-{d.job_id}")
                 task.add_done_callback(functools.partial(self._cancelled_unstarted, d))
-                running = _Running(task=task, held=Held(d.job_id, d.entry_id, d.attempt, d.level), spans=spans,
+                running = _Running(task=task, held=d.held, spans=spans,
                                    claim=claim, tenant=d.tenant, started=asyncio.get_running_loop().time(),
                                    preemptions=d.preemptions,
                                    preemptible=bool(d.tenant) and d.request.sampling.beam_width == 1
@@ -798,6 +793,8 @@ class Worker:
         return True
 
     async def _flush_until_empty(self) -> None:
+        """Until every event made so far is written (one under way included): before a continuation
+        reads the log, or a peer continues after it."""
         while self._outbox or self._flush_lock.locked():
             await self._flush_once()
 
@@ -898,7 +895,7 @@ class Worker:
             await _cancel(self._recovery)
         # A worker that gave up on its engine leaves its suspects' leases to lapse: a peer then
         # continues each as a failed delivery, so a job that kills every engine runs out of them.
-        suspects = [] if self.failed else [s.held for s in self._suspects.values() if s.stop_reason is None]
+        suspects = [] if self.failed else [s.delivery.held for s in self._suspects.values() if s.stop_reason is None]
         if not self._running and not suspects:
             return
         log.info("worker_draining", in_flight=len(self._running) + len(suspects),
@@ -918,8 +915,7 @@ class Worker:
         if pending:
             await asyncio.wait(pending)
         # Every event produced so far must be in the log before a peer continues after it.
-        while self._outbox:
-            await self._flush_once()
+        await self._flush_until_empty()
         try:
             lost = await self.queue.renew(self.model, self.worker_id, held, hand_back_idle_ms=self._lease_ms + 60_000)
             log.info("jobs_handed_back", jobs=[h.job_id for h in held if h.job_id not in lost])
@@ -946,7 +942,7 @@ class Worker:
                     self._engine_down()
                 await self._beat()
                 held = [r.held for r in self._running.values()]
-                held += [s.held for s in self._suspects.values()]
+                held += [s.delivery.held for s in self._suspects.values()]
                 self._lose(await self.queue.renew(self.model, self.worker_id, held))
             except REDIS_DOWN as exc:
                 log.warning("heartbeat_failed", error=str(exc))

@@ -103,5 +103,5 @@ def kill_leftovers(logs: list[Path]) -> None:
 
 
 def log_events(log: str, event: str) -> list[dict]:
-    """The JSON log records named ``event`` in a honcho log (lines ``time name | {json}``)."""
-    return [json.loads(line.split("| ", 1)[1]) for line in log.splitlines() if f'"event":"{event}"' in line]
+    """The JSON log records named ``event`` in a process's log, or a honcho log (lines ``time name | {json}``)."""
+    return [json.loads(line[line.index("{"):]) for line in log.splitlines() if f'"event":"{event}"' in line]

@@ -29,7 +29,7 @@ from redis import Redis
 from shared.config import load_settings
 from shared.keys import Keys
 from tests.e2e.conftest import one_worker
-from tests.e2e.procfile import Stream
+from tests.e2e.procfile import Stream, log_events
 from tests.support.event_log import ended_record, logged_events
 from tests.support.faults import Figures, alive, children
 from tests.support.waiting import eventually_sync
@@ -54,12 +54,8 @@ class Faulty:
         return int(self.redis.hget(key, "pid"))
 
     def worker_events(self, event: str) -> list[dict]:
-        """The worker's JSON log lines of ``event`` (honcho's lines too: ``time name | {...}``)."""
-        found = []
-        for line in self.log.read_text(errors="replace").splitlines():
-            if f'"event":"{event}"' in line and '"worker"' in line:
-                found.append(json.loads(line[line.index("{"):]))
-        return found
+        """The worker's log records of ``event`` (make run's log is honcho's, every process's)."""
+        return log_events(self.log.read_text(errors="replace"), event)
 
 
 @pytest.fixture(scope="module")
