@@ -443,6 +443,11 @@ async def test_tool_calls_come_back_as_items_and_the_chain_answers_them(client, 
         "lookup", "crm", f"call_{job_id}_1", "found")
 
 
+def shape(events) -> list[str]:
+    types = [e.type for e in events]
+    return [t for i, t in enumerate(types) if not (t.endswith(".delta") and i and types[i - 1] == t)]
+
+
 async def test_a_streamed_agent_turn_resumes_exactly_from_any_event(client, stack):
     async with client.responses.stream(model="tiny", input="call live", tools=TOOLS) as stream:
         live = [event async for event in stream]
@@ -455,7 +460,8 @@ async def test_a_streamed_agent_turn_resumes_exactly_from_any_event(client, stac
     resp = await client.responses.create(model="tiny", input="call later", tools=TOOLS, background=True)
     await until(client, resp.id, {"completed"})
     whole = [e async for e in await client.responses.retrieve(resp.id, stream=True)]
-    assert [e.type for e in whole] == [e.type for e in live]
+    # How many delta events a piece arrives in is how the worker's flushes fell, so runs of deltas count once.
+    assert shape(whole) == shape(live)
     for n in range(len(whole)):
         later = [e async for e in await client.responses.retrieve(resp.id, stream=True, starting_after=n)]
         assert [e.model_dump() for e in later] == [e.model_dump() for e in whole[n + 1:]]
