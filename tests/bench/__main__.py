@@ -34,6 +34,7 @@ from tests.bench.report import build_report, render
 from tests.bench.serving import TARGET_SETS, HttpTarget, Target, engine_env, measure, start_targets
 from tests.bench.vllm_client import INPUT_TOKENS, vllm_client
 from tests.conftest import REPO
+from workers.environment import eager
 
 # The engine environment the report records: what moves the engine's speed on a CPU host.
 ENGINE_VARIABLES = ("OMP_NUM_THREADS", "TORCHDYNAMO_DISABLE", "VLLM_ENABLE_V1_MULTIPROCESSING",
@@ -110,7 +111,7 @@ async def _main(a: argparse.Namespace) -> int:
             env = engine_env(settings, overlay)
             engine = {"model": settings.model_name, "model_path": settings.model_path,
                       "max_num_seqs": settings.max_num_seqs, "max_model_len": settings.max_model_len,
-                      "kv_cache_bytes": settings.kv_cache_bytes, "enforce_eager": settings.eager,
+                      "kv_cache_bytes": settings.kv_cache_bytes, "enforce_eager": eager(settings),
                       "stream_interval": settings.stream_interval,
                       "scheduling_policy": "priority",
                       "environment": {k: env.get(k) for k in ENGINE_VARIABLES}}

@@ -26,8 +26,9 @@ from typing import IO
 
 import msgspec
 
-from shared.config import DEFAULT_MODEL, apply_engine_environment, load_settings
+from shared.config import DEFAULT_MODEL, load_settings
 from tests.bench.workload import RequestRecord, run_all
+from workers.environment import apply_engine_environment
 
 
 class Command(msgspec.Struct):

@@ -67,7 +67,8 @@ def prompts(count: int, tag: str) -> list[str]:
 
 
 async def _serve(proto) -> None:
-    from shared.config import apply_engine_environment, load_settings
+    from shared.config import load_settings
+    from workers.environment import apply_engine_environment
     from workers.tiny_model import ensure_tiny_model
 
     settings = load_settings()

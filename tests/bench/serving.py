@@ -29,13 +29,14 @@ import httpx
 import msgspec
 from redis.asyncio import Redis
 
-from shared.config import DEFAULT_MODEL, Settings, apply_engine_environment, load_settings
+from shared.config import DEFAULT_MODEL, Settings, load_settings
 from shared.keys import Keys
 from shared.redis import redis_server_binary
 from tests.bench.cpu import CpuMeter, ProcessCpu, by_role
 from tests.bench.workload import RequestRecord, Summary, prompts_for, run_workload, summarize
 from tests.conftest import REPO, free_port
 from tests.support.processes import spawn_logged
+from workers.environment import apply_engine_environment, eager
 
 __all__ = ["Run", "Target", "HttpTarget", "TargetSet", "TARGET_SETS", "measure", "start_targets", "vllm_server_args",
            "owned_processes", "spawn_redis", "Deployment", "start_deployment"]
@@ -318,7 +319,7 @@ def vllm_server_args(settings: Settings, port: int) -> list[str]:
     ]
     if settings.kv_cache_bytes:
         args += ["--kv-cache-memory-bytes", str(settings.kv_cache_bytes)]
-    if settings.eager:
+    if eager(settings):
         args.append("--enforce-eager")
     if settings.stream_interval != 1:
         args += ["--stream-interval", str(settings.stream_interval)]

@@ -42,9 +42,10 @@ pytest.importorskip("vllm")  # the engine tier: collected everywhere, run where 
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared.config import apply_engine_environment, load_settings
+from shared.config import load_settings
 from tests.conftest import REPO
 from workers import lora_fixes
+from workers.environment import apply_engine_environment
 from workers.tiny_model import build_tiny_adapter, ensure_tiny_model
 
 # vLLM 0.32's shutdown leaves its zmq context to the collector, which may run in any later test.

@@ -18,13 +18,14 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode, format_span_id, format_trace_id
 
-from shared.config import apply_tracing_environment, tracing_enabled
+from shared.otel_env import tracing_enabled
 from shared.tracing import Tracing, parent_context
 from tests.support import inprocess_workers
 from tests.support.inprocess_workers import MODEL, Client, kill, running_on
 from tests.support.scripted_engine import ScriptedEngine
 from tests.support.scripted_stack import scripted_stack
 from tests.support.waiting import eventually
+from workers.environment import apply_tracing_environment
 
 make_worker = inprocess_workers.make_worker
 

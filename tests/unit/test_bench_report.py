@@ -12,6 +12,7 @@ from tests.bench.cpu import ENGINE
 from tests.bench.report import build_report, render
 from tests.bench.serving import FAST, TARGET_SETS, Run, engine_env
 from tests.bench.workload import Summary
+from workers.environment import eager
 
 
 def summary(tok_s: float, completed: int = 100, max_tokens: int = 10) -> Summary:
@@ -70,7 +71,7 @@ def test_the_fast_set_pins_its_engine_whatever_the_environment(monkeypatch):
     assert (a.rounds, a.concurrency, a.max_tokens, a.targets) == (5, "1,16,64", 64, "llmq,vllm-serve")
     assert a.out.name == "bench-fast.json"
     settings = load_settings({**os.environ, **FAST.overlay})
-    assert (settings.max_num_seqs, settings.max_model_len, settings.kv_cache_bytes, settings.eager) == (
+    assert (settings.max_num_seqs, settings.max_model_len, settings.kv_cache_bytes, eager(settings)) == (
         64, 2048, 2**30, True)
     env = engine_env(settings, FAST.overlay)
     pinned = ("OMP_NUM_THREADS", "TORCHDYNAMO_DISABLE", "VLLM_ENABLE_V1_MULTIPROCESSING")

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import apply_device_environment, load_settings, visible_gpus
+from shared.config import load_settings
 from shared.status import Status, WorkerStatus, render
 from tests.conftest import REPO
 from workers import claim as claims
 from workers.claim import NoFreeDevice, claim_cpu_share, claim_device, claim_gpus, split_cpus
+from workers.environment import apply_device_environment, visible_gpus
 
 HOLD = """
 import sys, time

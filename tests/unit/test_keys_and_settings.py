@@ -99,7 +99,7 @@ def test_housekeeping_gives_arq_the_whole_redis_url():
     ({"LLMQ_MODEL": "Qwen/Qwen2.5-0.5B-Instruct", "LLMQ_ALLOW_LONG_CONTEXT": "true"}, True),
 ])
 def test_a_context_past_the_models_own_is_allowed_only_when_asked(env, allowed):
-    from shared.config import apply_engine_environment
+    from workers.environment import apply_engine_environment
 
     engine_env: dict[str, str] = {}
     apply_engine_environment(load_settings({"LLMQ_MAX_MODEL_LEN": "65536", **env}), engine_env)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.config import apply_engine_environment, load_settings
+from shared.config import load_settings
+from workers.environment import apply_engine_environment
 
 
 @pytest.mark.parametrize(("level", "vllm"), [("debug", "INFO"), ("info", "WARNING"), ("warning", "WARNING"),
