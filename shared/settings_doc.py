@@ -5,9 +5,11 @@ docs/settings.md is rendered from them (``make docs``) and a unit test fails whe
 so the reference cannot drift from the code the way a hand-kept table did.
 
 The docstrings are read from the source with :mod:`ast` (Python keeps no attribute docstrings at
-run time); names, types and defaults come from the ``Settings`` class itself. Each docstring must
-open with its own variable name (``LLMQ_PORT: ...``), which is checked here: a renamed field whose
-docstring still names the old variable fails the render instead of documenting a dead name.
+run time); names, types and defaults come from the ``Settings`` class itself. The ``# comment``
+above the first field of each group names its section, so the reference is grouped by concern
+exactly as the class is. Each docstring must open with its own variable name (``LLMQ_PORT: ...``),
+which is checked here: a renamed field whose docstring still names the old variable fails the
+render instead of documenting a dead name.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ Every setting is an environment variable with the `LLMQ_` prefix, read once at e
 entrypoint ([`shared/config.py`](../shared/config.py)) and passed down; nothing else reads the
 environment. An empty value counts as unset. Booleans are `true`/`false` (or `1`/`0`). An invalid
 value stops the process at start-up with every bad variable named. Every process (web, worker,
-housekeeping) reads the same variables; each uses the ones that concern it.
+housekeeping) reads the same variables; each uses the ones that concern it. The sections below
+group them by concern, as the `Settings` class does.
 
 The worker also sets defaults for a few of vLLM's and torch's own variables before it loads the
 engine, `OMP_NUM_THREADS` among them: see [operations.md](operations.md#engine-environment).

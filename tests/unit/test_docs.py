@@ -141,6 +141,12 @@ class Settings:
     ]
 
 
+def test_every_setting_sits_in_a_named_section():
+    entries = settings_doc.parse((ROOT / "shared/config.py").read_text(encoding="utf-8"))
+    assert [e.field for e in entries if e.section == settings_doc.FIRST_SECTION] == [], (
+        "put a `# concern` comment above the first field of each group in Settings")
+
+
 def test_a_setting_without_a_docstring_fails_the_render():
     source = 'class Settings:\n    a: int = 1\n    """LLMQ_A: documented."""\n    b: int = 2\n'
     with pytest.raises(ValueError, match=r"Settings\.b has no docstring"):
