@@ -30,20 +30,23 @@ from api.dialects import happy_vllm, jobs, lmi, openai_chat, openai_completions,
 from api.dialects import openai_responses as responses
 from api.fanout import GroupView
 from api.jobs import Accepted
-from api.routes.adapters import LoadAdapter, UnloadAdapter
-from api.routes.health import Liveness, Ping, Readiness
-from api.routes.overview import (
+from api.services import Svc
+from api.views import (
     AccessView,
     DeadLetterDeleted,
     DeadLetterList,
     DeploymentView,
     JobList,
+    Liveness,
+    LoadAdapter,
+    Ping,
+    Readiness,
     RecordView,
     RequeueView,
     TenantList,
+    UnloadAdapter,
+    UsagePage,
 )
-from api.routes.usage import UsagePage
-from api.services import Svc
 from shared.batches import BatchCreate, BatchList, BatchObject, FileDeleted, FileList, FileObject
 from shared.codec import encode
 from shared.schemas import GenerationRequest, JobView

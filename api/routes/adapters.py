@@ -14,36 +14,18 @@ LLMQ_TENANT_ADAPTERS=private a tenant's key too, private entries of its own only
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated
 
-import msgspec
 from litestar import Request, Response, post
 
 from api.auth import Viewer, viewer
 from api.dialects import openai_completions as oc
 from api.http import decode_body
 from api.services import Svc
+from api.views import LoadAdapter, UnloadAdapter
 from shared.adapters import Sources, check_name, new_adapter
 from shared.errors import Forbidden, InvalidRequest, ModelNotFound
 
-__all__ = ["ROUTES", "LoadAdapter", "UnloadAdapter"]
-
-_Name = Annotated[str, msgspec.Meta(max_length=256)]
-
-
-class LoadAdapter(msgspec.Struct, kw_only=True):
-    lora_name: _Name
-    lora_path: Annotated[str, msgspec.Meta(max_length=4096)]
-    load_inplace: bool = False
-    base_model_name: _Name | None = None
-    """llmq's: the base model the adapter was trained on; default: LLMQ_MODEL's."""
-    private: bool = False
-    """llmq's: only the caller's key (and operators) may see and use it; others get a 404 for its name."""
-
-
-class UnloadAdapter(msgspec.Struct, kw_only=True):
-    lora_name: _Name
-    lora_int_id: int | None = None  # vLLM's; names are unique here, so it is not needed
+__all__ = ["ROUTES"]
 
 
 def _text(message: str) -> Response:

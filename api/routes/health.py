@@ -12,31 +12,14 @@ Two kinds, for two audiences:
 
 from __future__ import annotations
 
-from typing import Literal
-
-import msgspec
 from litestar import Response, get
 
 from api.http import json_response
 from api.services import Svc
+from api.views import Liveness, Ping, Readiness
 from shared.redis import REDIS_DOWN
 
-__all__ = ["ping", "livez", "readyz", "Ping", "Liveness", "Readiness"]
-
-
-class Ping(msgspec.Struct, kw_only=True):
-    status: Literal["Healthy", "Unhealthy"]
-    model: str
-    ready_workers: int
-
-
-class Liveness(msgspec.Struct):
-    status: str = "alive"
-
-
-class Readiness(msgspec.Struct):
-    status: Literal["ready", "unready"]
-    redis: Literal["ok", "unreachable"]
+__all__ = ["ping", "livez", "readyz"]
 
 
 @get("/ping", opt={"dialect": "lmi"})

@@ -13,8 +13,6 @@ record does, to its owner and operators.
 
 from __future__ import annotations
 
-from typing import Any, Literal
-
 import msgspec
 from litestar import Request, Response, delete, get, post
 from litestar.connection import ASGIConnection
@@ -26,118 +24,24 @@ from api.context import Ctx, Job
 from api.http import json_response
 from api.query import query_int
 from api.services import Services, Svc
+from api.views import (
+    AccessView,
+    DeadLetterDeleted,
+    DeadLetterList,
+    DeploymentView,
+    JobList,
+    LevelView,
+    ModelView,
+    RecordView,
+    RequeueView,
+    TenantList,
+)
 from shared import browse
 from shared.errors import Forbidden, InvalidRequest, JobNotFound
-from shared.schemas import GROUP_PREFIX, GenerationRequest, JobError, JobGroup, JobRecord, JobStatus, Run
-from shared.status import WorkerStatus, snapshot
+from shared.schemas import GROUP_PREFIX, JobGroup, JobRecord, JobStatus
+from shared.status import snapshot
 
-__all__ = ["ROUTES", "AccessView", "DeploymentView", "ModelView", "LevelView", "RecordView", "RequeueView", "JobList",
-           "TenantList", "DeadLetterList", "DeadLetterDeleted"]
-
-class AccessView(msgspec.Struct, kw_only=True):
-    object: str = "access"
-    role: Literal["operator", "tenant"]
-    tenant: str
-    keys: bool
-    """Keys are configured; false: every (loopback) caller is an operator."""
-
-
-class LevelView(msgspec.Struct, kw_only=True):
-    level: int
-    waiting: int
-    running: int
-    oldest_age_s: float | None
-    finished_per_min: float | None
-    """Jobs that ended there per minute, over about the last minute (None: no sample that old)."""
-
-
-class ModelView(msgspec.Struct, kw_only=True):
-    name: str
-    ready_workers: int
-    loading_workers: int
-    slots: int
-    """Engine slots of its ready workers."""
-    slots_in_use: int
-    waiting: int
-    running: int
-    dead_letters: int
-    adapters: list[str]
-    """LoRA adapters some worker's engine holds now."""
-    levels: list[LevelView]
-    history: list[browse.HistoryPoint]
-
-
-class DeploymentView(msgspec.Struct, kw_only=True):
-    object: str = "deployment"
-    at: float
-    models: list[ModelView]
-    workers: list[WorkerStatus]
-
-
-class RecordView(msgspec.Struct, kw_only=True):
-    """One job's record as the console shows it."""
-
-    object: str = "job.record"
-    id: str
-    model: str
-    status: str
-    dialect: str
-    tenant: str
-    priority: int | None
-    queued_at: float
-    started_at: float | None
-    first_token_at: float | None
-    finished_at: float | None
-    deadline: float | None
-    attempts: int
-    preemptions: int
-    preempted_ms: int
-    runs: list[Run]
-    trace_id: str | None
-    """With tracing on: the trace of the request that queued it (its ``traceparent``'s)."""
-    prompt_tokens: int | None
-    generated_tokens: int | None
-    request: GenerationRequest
-    result: Any
-    error: JobError | None
-
-    @classmethod
-    def of(cls, r: JobRecord) -> RecordView:
-        prompt_tokens, generated_tokens = r.token_counts()
-        return cls(id=r.id, model=r.model, status=r.status, dialect=r.request.dialect, tenant=r.tenant_of(),
-                   priority=r.request.priority, queued_at=r.queued_at, started_at=r.started_at,
-                   first_token_at=r.first_token_at, finished_at=r.finished_at, deadline=r.deadline,
-                   attempts=r.attempt, preemptions=r.preemptions, preempted_ms=r.preempted_ms, runs=r.attempts(),
-                   trace_id=r.traceparent.split("-")[1] if r.traceparent and r.traceparent.count("-") >= 3 else None,
-                   prompt_tokens=prompt_tokens, generated_tokens=generated_tokens, request=r.request,
-                   result=r.result, error=r.error)
-
-
-class JobList(msgspec.Struct, kw_only=True):
-    object: str = "list"
-    data: list[browse.JobSummary]
-
-
-class TenantList(msgspec.Struct, kw_only=True):
-    object: str = "list"
-    data: list[browse.TenantRow]
-
-
-class DeadLetterList(msgspec.Struct, kw_only=True):
-    object: str = "list"
-    data: list[browse.DeadLetterView]
-
-
-class DeadLetterDeleted(msgspec.Struct, kw_only=True):
-    object: str = "dead_letter.deleted"
-    job_id: str
-
-
-class RequeueView(msgspec.Struct, kw_only=True):
-    object: str = "requeue"
-    job_id: str
-    requeued_as: str
-
+__all__ = ["ROUTES"]
 
 _OPT = {"dialect": "jobs"}
 _STATUSES = frozenset(JobStatus.__args__)  # type: ignore[attr-defined]

@@ -9,25 +9,16 @@ from __future__ import annotations
 
 import datetime
 
-import msgspec
 from litestar import Request, Response, get
 
 from api.context import Ctx
 from api.http import json_response
 from api.query import query_int
 from api.services import Svc
-from shared.tenants import UsageRow, read_usage, today
+from api.views import UsagePage
+from shared.tenants import read_usage, today
 
-__all__ = ["usage", "UsagePage"]
-
-
-class UsagePage(msgspec.Struct, kw_only=True):
-    object: str = "list"
-    tenant: str
-    start_date: str
-    end_date: str
-    data: list[UsageRow]
-    """One row per day and model with any usage, oldest day first."""
+__all__ = ["usage"]
 
 
 @get("/v1/usage", opt={"dialect": "jobs"})
