@@ -20,6 +20,7 @@ from litestar import Request, Response, post
 from api.auth import Viewer, viewer
 from api.dialects import openai_completions as oc
 from api.http import decode_body
+from api.operations import OPENAI_ERROR, TEXT, documented
 from api.services import Svc
 from api.views import LoadAdapter, UnloadAdapter
 from shared.adapters import Sources, check_name, new_adapter
@@ -42,6 +43,9 @@ def _changer(request: Request, svc: Svc, action: str) -> Viewer:
     return who
 
 
+@documented("Register a LoRA adapter (a worker loads it at its first job)", "openai", body="load_adapter",
+            examples=({"lora_name": "example-lora", "lora_path": "org/example-lora", "load_inplace": True},),
+            ok={200: (TEXT,)}, errors=(400, 404, 503), error=OPENAI_ERROR)
 @post("/v1/load_lora_adapter", opt={"dialect": oc.NAME}, status_code=200)
 async def load_lora_adapter(request: Request, svc: Svc) -> Response:
     who = _changer(request, svc, "register")
@@ -83,6 +87,8 @@ def _loaded(name: str) -> InvalidRequest:
                           "in place, set 'load_inplace' to True.", param="lora_name")
 
 
+@documented("Remove a LoRA adapter (its queued jobs still run)", "openai", body="unload_adapter",
+            examples=({"lora_name": "example-lora"},), ok={200: (TEXT,)}, errors=(400, 404, 503), error=OPENAI_ERROR)
 @post("/v1/unload_lora_adapter", opt={"dialect": oc.NAME}, status_code=200)
 async def unload_lora_adapter(request: Request, svc: Svc) -> Response:
     who = _changer(request, svc, "unload")

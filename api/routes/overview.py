@@ -21,7 +21,9 @@ from litestar.params import FromPath
 
 from api.auth import Viewer, viewer
 from api.context import Ctx, Job
+from api.dialects.jobs import ErrorBody
 from api.http import json_response
+from api.operations import documented
 from api.query import query_int
 from api.services import Services, Svc
 from api.views import (
@@ -65,6 +67,8 @@ def _operator(request: Request, svc: Svc, action: str) -> Viewer:
     return who
 
 
+@documented("Who the caller is: an operator, or a tenant seeing its own", "console", errors=(403, 503),
+            answer=AccessView, error=ErrorBody)
 @get("/v1/access", opt=_OPT)
 async def access(request: Request, svc: Svc, ctx: Ctx) -> Response:
     """The caller's role: ``operator`` or ``tenant`` (its own jobs only), and its tenant."""
@@ -73,6 +77,8 @@ async def access(request: Request, svc: Svc, ctx: Ctx) -> Response:
                                     keys=svc.keys_on))
 
 
+@documented("Models, workers, slots, adapters; each level's queue and history", "console", errors=(403, 503),
+            answer=DeploymentView, error=ErrorBody)
 @get("/v1/deployment", opt=_OPT)
 async def deployment(request: Request, svc: Svc) -> Response:
     """Every known model: its workers (warm and loading), slots, adapters, each priority level's
@@ -101,6 +107,8 @@ async def deployment(request: Request, svc: Svc) -> Response:
     return json_response(DeploymentView(at=status.at, models=models, workers=workers))
 
 
+@documented("Tenants: weight, share, running and waiting, limits, today's usage", "console", errors=(403, 503),
+            answer=TenantList, error=ErrorBody)
 @get("/v1/tenants", opt=_OPT)
 async def tenants(request: Request, svc: Svc, ctx: Ctx) -> Response:
     """Each tenant on each model: weight and fair share against its share of the last minute's
@@ -120,6 +128,9 @@ def _query(request: Request, name: str, allowed: frozenset[str] | None = None) -
     return value
 
 
+@documented("Recent jobs, newest first, filtered; no prompt or output", "jobs", errors=(400, 403, 503),
+            query=("list_model", "list_tenant", "list_status", "list_dialect", "list_limit"), answer=JobList,
+            error=ErrorBody)
 @get("/v1/jobs", opt=_OPT)
 async def list_jobs(request: Request, svc: Svc) -> Response:
     """Recent jobs, newest first: ``model``, ``tenant``, ``status``, ``dialect`` filter, ``limit``
@@ -134,6 +145,8 @@ async def list_jobs(request: Request, svc: Svc) -> Response:
     return json_response(JobList(data=jobs))
 
 
+@documented("A job's record: request, result, every attempt's worker", "jobs", errors=(400, 403, 404, 503),
+            answer=RecordView, error=ErrorBody)
 @get("/v1/jobs/{job_id:str}/record", opt=_OPT, guards=[_viewer_first])
 async def job_record(svc: Svc, job: Job) -> Response:
     """One job's record, its request and result included: to its owner and operators only (the
@@ -145,6 +158,8 @@ async def job_record(svc: Svc, job: Job) -> Response:
     return json_response(RecordView.of(record or job.found))
 
 
+@documented("Jobs that failed too many deliveries, newest first", "console", errors=(400, 403, 503),
+            query=("list_model",), answer=DeadLetterList, error=ErrorBody)
 @get("/v1/dead_letters", opt=_OPT)
 async def list_dead_letters(request: Request, svc: Svc) -> Response:
     """Jobs that failed too many deliveries, newest first (``model`` filters); a tenant's key
@@ -165,6 +180,8 @@ async def _dead(svc: Svc, job_id: str) -> tuple[str, bytes, dict[bytes, bytes], 
     raise JobNotFound(f"job {job_id} is not a dead letter")
 
 
+@documented("Queue a dead letter again as a new job (operators)", "console", errors=(403, 404, 429, 503),
+            answer=RequeueView, error=ErrorBody)
 @post("/v1/dead_letters/{job_id:str}/requeue", opt=_OPT, status_code=200)
 async def requeue(request: Request, svc: Svc, job_id: FromPath[str]) -> Response:
     """Queue a dead letter's request again as a new job (a new id, the same key and tenant), and
@@ -186,6 +203,8 @@ async def requeue(request: Request, svc: Svc, job_id: FromPath[str]) -> Response
     return json_response(RequeueView(job_id=job_id, requeued_as=new_id))
 
 
+@documented("Discard a dead letter (operators)", "console", errors=(403, 404, 503), answer=DeadLetterDeleted,
+            error=ErrorBody)
 @delete("/v1/dead_letters/{job_id:str}", opt=_OPT, status_code=200)
 async def discard(request: Request, svc: Svc, job_id: FromPath[str]) -> Response:
     """Take a dead letter off the list for good (its record stays until its TTL). Operators only."""
@@ -196,4 +215,5 @@ async def discard(request: Request, svc: Svc, job_id: FromPath[str]) -> Response
     return json_response(DeadLetterDeleted(job_id=job_id))
 
 
-ROUTES = [access, deployment, tenants, list_jobs, job_record, list_dead_letters, requeue, discard]
+# The jobs' views first, then the console's: the order of the published document (api/openapi.py).
+ROUTES = [list_jobs, job_record, access, deployment, tenants, list_dead_letters, requeue, discard]
