@@ -6,8 +6,8 @@ its request body and its JSON answers (the dialect's own msgspec Structs, render
 ``msgspec.json.schema_components``, so a new field shows up without touching this file), and the
 statuses and media types it answers with. Errors are described in the shape of the route's
 dialect. This module only assembles: the body schemas, the parameters, what every operation
-shares (auth, 413, the deadline headers) and the order of the whole. A unit test checks the
-operations against the routes the app registers, so a new route cannot silently miss the document.
+shares (auth, 413, the deadline headers) and the order of the whole, :data:`HTTP_ROUTES`, which
+is also the list of HTTP routes the app registers: a route cannot be served and miss the document.
 
 Not described: the LMTP WebSocket at ``/`` (OpenAPI has no WebSocket operations), and the
 ``OPTIONS`` answers Litestar adds to every path.
@@ -61,7 +61,7 @@ from shared.batches import BatchCreate
 from shared.codec import encode
 from shared.schemas import GenerationRequest
 
-__all__ = ["OPERATIONS", "Operation", "document", "openapi_json", "openapi_path"]
+__all__ = ["HTTP_ROUTES", "OPERATIONS", "Operation", "document", "openapi_json", "openapi_path"]
 
 REF = "#/components/schemas/{name}"
 
@@ -304,10 +304,7 @@ async def openapi_json(svc: Svc) -> Response:
     return Response(_encoded(svc.keys_on), media_type=JSON)
 
 
-# The document's order: each module's routes in its ROUTES order. Clients read the document as a
-# map, so the order is for people and for the golden file (tests/fixtures/openapi.json), which
-# pins the published bytes.
-_DOCUMENTED = (
+HTTP_ROUTES = (
     openai_completions.completions,
     *openai_chat.ROUTES,
     *openai_responses.ROUTES,
@@ -330,4 +327,8 @@ _DOCUMENTED = (
     *openai_batches.ROUTES,
     openapi_json,
 )
-OPERATIONS: tuple[Operation, ...] = tuple(operation_of(handler) for handler in _DOCUMENTED)
+"""Every HTTP route the app serves (api/app.py registers these), in the order the document lists
+them: each module's routes in its ROUTES order. Clients read the document as a map, so the order
+is for people and for the golden file (tests/fixtures/openapi.json), which pins the published
+bytes."""
+OPERATIONS: tuple[Operation, ...] = tuple(operation_of(route) for route in HTTP_ROUTES)

@@ -36,7 +36,7 @@ def documented_operations(doc: dict) -> set[tuple[str, str]]:
 def test_every_registered_http_route_is_documented_and_nothing_else():
     registered = registered_operations()
     documented = documented_operations(document())
-    assert registered - documented == set(), "routes missing from api/openapi.py's _DOCUMENTED"
+    assert registered - documented == set(), "routes missing from api/openapi.py's HTTP_ROUTES"
     assert documented - registered == set(), "documented operations the app does not register"
     assert len(OPERATIONS) == len(documented)  # no operation listed twice
 
