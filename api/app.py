@@ -12,28 +12,10 @@ from api.auth import KeyGuard, KeylessGuard, configured_keys, refuse_open_bind
 from api.context import job_ref, request_context
 from api.direct import DirectCalls
 from api.errors import exception_handlers
-from api.metrics import metrics, pushing
+from api.metrics import pushing
 from api.middleware import RequestLifecycle
-from api.openapi import openapi_json
-from api.routes import (
-    adapters,
-    anthropic_batches,
-    anthropic_messages,
-    console,
-    happy_vllm,
-    health,
-    jobs,
-    lmi,
-    lmtp,
-    openai_batches,
-    openai_chat,
-    openai_completions,
-    openai_responses,
-    overview,
-    tgi,
-    triton,
-    usage,
-)
+from api.openapi import HTTP_ROUTES
+from api.routes import console, lmtp
 from api.services import Services, lifespan
 from shared.config import Settings, load_settings, load_tracing
 from shared.logging import configure_logging
@@ -65,30 +47,10 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
         from api.tracing import Traced
 
         middleware.insert(0, lambda app: Traced(app, tracing))  # outermost: its span ends after the last byte
+    hidden = () if settings.console else console.ROUTES  # LLMQ_CONSOLE off: no page, no files
     return Litestar(
-        route_handlers=[
-            *lmi.ROUTES,
-            *openai_completions.ROUTES,
-            *adapters.ROUTES,
-            *jobs.ROUTES,
-            usage.usage,
-            health.ping,
-            health.livez,
-            health.readyz,
-            *tgi.ROUTES,
-            *triton.ROUTES,
-            *happy_vllm.ROUTES,
-            *lmtp.ROUTES,
-            *openai_chat.ROUTES,
-            *anthropic_messages.ROUTES,
-            *anthropic_batches.ROUTES,
-            *openai_responses.ROUTES,
-            *openai_batches.ROUTES,
-            openapi_json,
-            metrics,
-            *overview.ROUTES,
-            *(console.ROUTES if settings.console else ()),
-        ],
+        # Every HTTP route is a documented one (api/openapi.py); the LMTP WebSocket cannot be.
+        route_handlers=[*(route for route in HTTP_ROUTES if route not in hidden), *lmtp.ROUTES],
         dependencies={
             "svc": Provide(_services, sync_to_thread=False),
             "ctx": Provide(request_context, sync_to_thread=False),

@@ -19,6 +19,7 @@ import structlog
 from litestar import Litestar, Response, get
 from redis.asyncio import Redis
 
+from api.operations import TEXT, documented
 from api.services import Services, Svc
 from shared.errors import HttpError, ServiceError, UnknownError
 from shared.keys import LEVELS, Keys
@@ -200,6 +201,7 @@ async def withdraw(svc: Services) -> None:
         pass  # they expire by themselves
 
 
+@documented("Prometheus metrics: queues, workers, latencies", "health", ok={200: (TEXT,)})
 @get("/metrics", opt={"dialect": "jobs"})
 async def metrics(svc: Svc) -> Response:
     return Response(exposition(await collect(svc)), media_type=CONTENT_TYPE)

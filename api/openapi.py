@@ -1,12 +1,13 @@
 """The OpenAPI 3.1 document of llmq's HTTP API, served (open, like vLLM's) at ``GET /openapi.json``.
 
 Routes read their own bodies (``api.http.decode_body``), so Litestar's generator would know no
-request bodies. The document is built here instead from one table, :data:`OPERATIONS`: each
-route's method and path, its request body and its JSON answers (the dialect's own msgspec Structs
-rendered by ``msgspec.json.schema_components``, so a new field shows up without touching this
-file), and the statuses and media types it answers with. Errors are described in the shape of
-the route's dialect. A unit test checks the table against the routes the
-app registers, so a new route cannot silently miss the document.
+request bodies. Each route declares its operation beside it instead (``api.operations.documented``):
+its request body and its JSON answers (the dialect's own msgspec Structs, rendered here by
+``msgspec.json.schema_components``, so a new field shows up without touching this file), and the
+statuses and media types it answers with. Errors are described in the shape of the route's
+dialect. This module only assembles: the body schemas, the parameters, what every operation
+shares (auth, 413, the deadline headers) and the order of the whole, :data:`HTTP_ROUTES`, which
+is also the list of HTTP routes the app registers: a route cannot be served and miss the document.
 
 Not described: the LMTP WebSocket at ``/`` (OpenAPI has no WebSocket operations), and the
 ``OPTIONS`` answers Litestar adds to every path.
@@ -26,261 +27,43 @@ from litestar import Response, get
 from api.auth import HEALTH_PATHS, OPEN_PATHS
 from api.dialects import anthropic_batches as message_batches
 from api.dialects import anthropic_messages as anthropic
-from api.dialects import happy_vllm, jobs, lmi, openai_chat, openai_completions, tgi, triton
 from api.dialects import openai_responses as responses
-from api.fanout import GroupView
+from api.dialects.happy_vllm import HappyOptions, VllmSampling
+from api.dialects.lmi import LmiRequest
+from api.dialects.openai_chat import ChatRequest
+from api.dialects.openai_completions import CompletionRequest
+from api.dialects.tgi import GenerateRequest as TgiRequest
+from api.dialects.triton import _Inputs as TritonInputs
 from api.jobs import Accepted
-from api.routes.adapters import LoadAdapter, UnloadAdapter
-from api.routes.health import Liveness, Ping, Readiness
-from api.routes.overview import (
-    AccessView,
-    DeadLetterDeleted,
-    DeadLetterList,
-    DeploymentView,
-    JobList,
-    RecordView,
-    RequeueView,
-    TenantList,
+from api.metrics import metrics
+from api.operations import JSON, Operation, documented, openapi_path, operation_of
+from api.routes import (
+    adapters,
+    anthropic_batches,
+    anthropic_messages,
+    console,
+    happy_vllm,
+    health,
+    jobs,
+    lmi,
+    openai_batches,
+    openai_chat,
+    openai_completions,
+    openai_responses,
+    overview,
+    tgi,
+    triton,
+    usage,
 )
-from api.routes.usage import UsagePage
 from api.services import Svc
-from shared.batches import BatchCreate, BatchList, BatchObject, FileDeleted, FileList, FileObject
+from api.views import LoadAdapter, UnloadAdapter
+from shared.batches import BatchCreate
 from shared.codec import encode
-from shared.schemas import GenerationRequest, JobView
+from shared.schemas import GenerationRequest
 
-__all__ = ["OPERATIONS", "Operation", "document", "openapi_json", "openapi_path"]
+__all__ = ["HTTP_ROUTES", "OPERATIONS", "Operation", "document", "openapi_json", "openapi_path"]
 
 REF = "#/components/schemas/{name}"
-JSON = "application/json"
-SSE = "text/event-stream"
-NDJSON = "application/x-ndjson"
-JSONLINES = "application/jsonlines"
-TEXT = "text/plain"
-
-# Errors each dialect can answer with, in its own shape (see api/dialects/*.error_body). 401 is
-# added to every non-open operation when API keys are on, 403 to every one but the health probes
-# when they are off; 413 wherever a body is read; 503 everywhere (Redis unreachable); 504 where a
-# request waits for its answer (its deadline, or its cold wait with no warm worker, ran out); 424
-# where it may be a job that killed its engine (engine_fault, docs/guarantees.md#dead-letter).
-_OPENAI = (400, 404, 424, 429, 503, 504)
-_TGI = (404, 422, 424, 429, 503, 504)
-_LMI = (400, 404, 424, 429, 503, 504)
-_TRITON = (400, 404, 503)  # Triton reports "overloaded" and an expired queue timeout as 503
-_HAPPY = (404, 422, 424, 429, 503, 504)
-_JOBS = (400, 404, 424, 429, 503)
-_ANTHROPIC = (400, 404, 424, 503, 504, 529)  # a full queue is Anthropic's 529 overloaded_error
-
-
-class Operation(msgspec.Struct, frozen=True, kw_only=True):
-    method: str
-    path: str
-    """OpenAPI style: ``{model}``, not Litestar's ``{model:str}``."""
-    summary: str
-    tag: str
-    body: str | None = None
-    """A key of the body schemas (:func:`_bodies`), or None for no body."""
-    examples: tuple[dict[str, Any], ...] = ()
-    """Request bodies that succeed (with the default model): documentation, and schemathesis's
-    examples phase."""
-    ok: dict[int, tuple[str, ...]] = msgspec.field(default_factory=lambda: {200: (JSON,)})
-    """Success (and other non-error) statuses -> the media types each may carry."""
-    errors: tuple[int, ...] = ()
-    headers: tuple[str, ...] = ()
-    """Request headers the route reads: ``Prefer``, ``Idempotency-Key``, ``Last-Event-ID``."""
-    query: tuple[str, ...] = ()
-    body_media: str = JSON
-    answer: Any = None
-    """The type of the 200 answer's JSON body (a Struct, a list or a union of them); None: not
-    described (LMI's answers depend on the body and the deployment's settings)."""
-    error: Any = None
-    """The type of an error's JSON body: the route's dialect's error shape."""
-
-
-_ASYNC = {202: (JSON,)}  # Prefer: respond-async, or /v1/jobs: the job id, poll /v1/jobs/{id}
-_ASYNC_HEADERS = ("Prefer", "Idempotency-Key")
-_OPENAI_ERR = openai_completions.ErrorResponse
-_LMI_ERR = lmi.LmiError | lmi.GenerationError | lmi.FrontendError
-_CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-_TGI_EXAMPLE = {"inputs": "Hello", "parameters": {"max_new_tokens": 4}}
-_HAPPY_EXAMPLE = {"prompt": "Hello", "max_tokens": 4}
-_TRITON_GEN: dict[str, Any] = {
-    "tag": "triton", "body": "triton", "ok": {200: (JSON, SSE), **_ASYNC}, "errors": _TRITON, "headers": _ASYNC_HEADERS,
-    "answer": triton.GenerateResponse, "error": triton.ErrorResponse,
-    "examples": ({"text_input": "Hello", "parameters": {"max_tokens": 4}},
-                 {"text_input": "Hi", "max_tokens": 2, "stream": True}),
-}
-
-
-def _op(method: str, path: str, summary: str, tag: str, **kw: Any) -> Operation:
-    return Operation(method=method, path=path, summary=summary, tag=tag, **kw)
-
-
-OPERATIONS: tuple[Operation, ...] = (
-    # OpenAI
-    _op("post", "/v1/completions", "OpenAI completions", "openai", body="completions",
-        examples=({"prompt": "Hello", "max_tokens": 4}, {"prompt": ["a", "b"], "max_tokens": 2, "stream": True}),
-        ok={200: (JSON, SSE), **_ASYNC}, errors=_OPENAI, headers=_ASYNC_HEADERS,
-        answer=openai_completions.Completion, error=_OPENAI_ERR),
-    _op("post", "/v1/chat/completions", "OpenAI chat completions", "openai", body="chat", examples=(_CHAT,),
-        ok={200: (JSON, SSE), **_ASYNC}, errors=_OPENAI, headers=_ASYNC_HEADERS,
-        answer=openai_chat.ChatCompletion, error=_OPENAI_ERR),
-    # OpenAI Responses: a response is a job, read back from its record and event log
-    _op("post", "/v1/responses", "OpenAI responses (background: queued at once)", "openai", body="responses",
-        examples=({"input": "Hello", "max_output_tokens": 4}, {"input": "Hi", "max_output_tokens": 2, "stream": True},
-                  {"input": "Hi", "max_output_tokens": 2, "background": True}),
-        ok={200: (JSON, SSE), **_ASYNC}, errors=_OPENAI, headers=_ASYNC_HEADERS,
-        answer=responses.Response, error=responses.ErrorResponse),
-    _op("get", "/v1/responses/{response_id}", "A response; with stream=true its events after starting_after",
-        "openai", ok={200: (JSON, SSE)}, errors=(400, 404, 503), query=("stream", "starting_after"),
-        answer=responses.Response, error=responses.ErrorResponse),
-    _op("post", "/v1/responses/{response_id}/cancel", "Cancel a response", "openai", errors=(404, 503),
-        answer=responses.Response, error=responses.ErrorResponse),
-    _op("delete", "/v1/responses/{response_id}", "Delete a response (cancels it if it runs)", "openai",
-        errors=(404, 503), answer=responses.Deleted, error=responses.ErrorResponse),
-    _op("get", "/v1/responses/{response_id}/input_items", "A response's input, as message items", "openai",
-        errors=(404, 503), answer=responses.ItemList, error=responses.ErrorResponse),
-    # Anthropic Messages
-    _op("post", "/v1/messages", "Anthropic messages", "anthropic", body="messages",
-        examples=({"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]},
-                  {"model": "tiny-llama", "max_tokens": 2, "stream": True, "system": "Be brief.",
-                   "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}),
-        ok={200: (JSON, SSE), **_ASYNC}, errors=_ANTHROPIC, headers=_ASYNC_HEADERS,
-        answer=anthropic.Message, error=anthropic.ErrorResponse),
-    _op("post", "/v1/messages/count_tokens", "Anthropic: the prompt's tokens, as a create would count them",
-        "anthropic", body="count_tokens",
-        examples=({"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}]},),
-        errors=(400, 404, 503), answer=anthropic.TokenCount, error=anthropic.ErrorResponse),
-    # Anthropic Message Batches: run by the housekeeping process, as OpenAI's batches are
-    _op("post", "/v1/messages/batches", "Create a Message Batch", "anthropic", body="message_batch",
-        examples=({"requests": [{"custom_id": "a", "params": {"model": "tiny-llama", "max_tokens": 2,
-                                                              "messages": [{"role": "user", "content": "Hi"}]}}]},),
-        errors=(400, 503), answer=message_batches.MessageBatch, error=anthropic.ErrorResponse),
-    _op("get", "/v1/messages/batches", "Message Batches, newest first", "anthropic", errors=(400, 503),
-        query=("message_batch_limit", "after_id", "before_id"), answer=message_batches.BatchPage,
-        error=anthropic.ErrorResponse),
-    _op("get", "/v1/messages/batches/{message_batch_id}", "A Message Batch", "anthropic", errors=(404, 503),
-        answer=message_batches.MessageBatch, error=anthropic.ErrorResponse),
-    _op("post", "/v1/messages/batches/{message_batch_id}/cancel", "Cancel a Message Batch", "anthropic",
-        errors=(400, 404, 503), answer=message_batches.MessageBatch, error=anthropic.ErrorResponse),
-    _op("delete", "/v1/messages/batches/{message_batch_id}", "Delete an ended Message Batch", "anthropic",
-        errors=(400, 404, 503), answer=message_batches.DeletedBatch, error=anthropic.ErrorResponse),
-    _op("get", "/v1/messages/batches/{message_batch_id}/results", "An ended Message Batch's results (JSONL)",
-        "anthropic", ok={200: ("application/x-jsonl",)}, errors=(400, 404, 503), error=anthropic.ErrorResponse),
-    _op("get", "/v1/models", "Models requests may name (served now, or queued for the next worker)", "openai",
-        answer=openai_completions.ModelList, error=_OPENAI_ERR),
-    # LoRA adapters, in vLLM's shape (docs/adapters.md)
-    _op("post", "/v1/load_lora_adapter", "Register a LoRA adapter (a worker loads it at its first job)", "openai",
-        body="load_adapter", examples=({"lora_name": "example-lora", "lora_path": "org/example-lora",
-                                        "load_inplace": True},),
-        ok={200: (TEXT,)}, errors=(400, 404, 503), error=_OPENAI_ERR),
-    _op("post", "/v1/unload_lora_adapter", "Remove a LoRA adapter (its queued jobs still run)", "openai",
-        body="unload_adapter", examples=({"lora_name": "example-lora"},), ok={200: (TEXT,)}, errors=(400, 404, 503),
-        error=_OPENAI_ERR),
-    # LMI / SageMaker
-    _op("post", "/invocations", "LMI: dispatches on `inputs` / `prompt` / `messages`", "lmi", body="invocations",
-        examples=(_TGI_EXAMPLE, {"prompt": "Hi", "max_tokens": 2}, _CHAT),
-        ok={200: (JSON, JSONLINES, SSE), **_ASYNC}, errors=_LMI, headers=_ASYNC_HEADERS),
-    _op("post", "/predictions/{model}", "LMI: a named model", "lmi", body="lmi",
-        examples=({"inputs": ["a", "b"], "parameters": {"max_new_tokens": 2}, "stream": True},),
-        ok={200: (JSON, JSONLINES, SSE), **_ASYNC}, errors=_LMI, headers=_ASYNC_HEADERS, error=_LMI_ERR),
-    _op("get", "/ping", "LMI health", "health", ok={200: (JSON,), 503: (JSON,)}, answer=Ping),
-    _op("get", "/livez", "Web process liveness", "health", ok={200: (JSON,)}, answer=Liveness),
-    _op("get", "/readyz", "Web process readiness (Redis reachable)", "health", ok={200: (JSON,), 503: (JSON,)},
-        answer=Readiness),
-    _op("get", "/metrics", "Prometheus metrics: queues, workers, latencies", "health", ok={200: (TEXT,)}),
-    # TGI
-    _op("post", "/generate", "TGI generate", "tgi", body="tgi", examples=(_TGI_EXAMPLE,), errors=_TGI,
-        ok={200: (JSON,), **_ASYNC}, headers=_ASYNC_HEADERS, answer=tgi.GenerateResponse, error=tgi.ErrorResponse),
-    _op("post", "/generate_stream", "TGI stream (errors in-band)", "tgi", body="tgi", examples=(_TGI_EXAMPLE,),
-        ok={200: (SSE,), **_ASYNC}, errors=_TGI, headers=_ASYNC_HEADERS, error=tgi.ErrorResponse),
-    _op("post", "/", "TGI compat: a one-element array, or a stream", "tgi", body="tgi",
-        examples=(_TGI_EXAMPLE, {**_TGI_EXAMPLE, "stream": True}), ok={200: (JSON, SSE), **_ASYNC}, errors=_TGI,
-        headers=_ASYNC_HEADERS, answer=list[tgi.GenerateResponse], error=tgi.ErrorResponse),
-    _op("post", "/tokenize", "TGI tokenize", "tgi", body="tgi", examples=({"inputs": "Hello"},), errors=_TGI,
-        answer=list[tgi.SimpleToken], error=tgi.ErrorResponse),
-    _op("get", "/info", "TGI info", "tgi", answer=tgi.Info),
-    _op("get", "/health", "TGI health", "health", ok={200: (TEXT,), 503: (JSON,)}),
-    # Triton (KServe v2)
-    _op("post", "/v2/models/{model}/generate", "Triton generate", **_TRITON_GEN),
-    _op("post", "/v2/models/{model}/versions/{version}/generate", "Triton generate", **_TRITON_GEN),
-    _op("post", "/v2/models/{model}/generate_stream", "Triton generate_stream", **_TRITON_GEN),
-    _op("post", "/v2/models/{model}/versions/{version}/generate_stream", "Triton generate_stream", **_TRITON_GEN),
-    _op("get", "/v2", "KServe server metadata", "triton", answer=triton.ServerMetadataResponse),
-    _op("get", "/v2/health/live", "KServe liveness", "health", ok={200: (TEXT,)}),
-    _op("get", "/v2/health/ready", "KServe readiness", "health", ok={200: (TEXT,), 400: (TEXT,)}),
-    _op("get", "/v2/models/{model}", "KServe model metadata", "triton", errors=(404, 503),
-        answer=triton.ModelMetadataResponse, error=triton.ErrorResponse),
-    _op("get", "/v2/models/{model}/versions/{version}", "KServe model metadata", "triton", errors=(404, 503),
-        answer=triton.ModelMetadataResponse, error=triton.ErrorResponse),
-    _op("get", "/v2/models/{model}/ready", "KServe model readiness", "health", ok={200: (TEXT,)},
-        errors=(400, 404)),
-    _op("get", "/v2/models/{model}/versions/{version}/ready", "KServe model readiness", "health",
-        ok={200: (TEXT,)}, errors=(400, 404)),
-    # happy_vllm
-    _op("post", "/v1/generate", "happy_vllm generate", "happy_vllm", body="happy", examples=(_HAPPY_EXAMPLE,),
-        ok={200: (JSON,), **_ASYNC}, errors=_HAPPY, headers=_ASYNC_HEADERS,
-        answer=happy_vllm.ResponseGenerate, error=happy_vllm.ErrorDetail),
-    _op("post", "/v1/generate_stream", "happy_vllm stream", "happy_vllm", body="happy", examples=(_HAPPY_EXAMPLE,),
-        ok={200: (NDJSON,), **_ASYNC}, errors=_HAPPY, headers=_ASYNC_HEADERS, error=happy_vllm.ErrorDetail),
-    _op("get", "/liveness", "happy_vllm liveness", "health", answer=happy_vllm.ResponseLiveness),
-    _op("get", "/readiness", "happy_vllm readiness", "health", answer=happy_vllm.ResponseReadiness),
-    _op("get", "/v1/info", "happy_vllm info", "happy_vllm", answer=happy_vllm.ResponseInformation),
-    # Fire-and-poll jobs
-    _op("post", "/v1/jobs", "Queue a job (llmq's internal request)", "jobs", body="job",
-        examples=({"prompt": "Hello", "sampling": {"max_tokens": 4}},), ok=_ASYNC, errors=_JOBS,
-        headers=("Idempotency-Key",), error=jobs.ErrorBody),
-    _op("get", "/v1/jobs/{job_id}", "A job's status and result", "jobs", errors=(404, 503),
-        answer=JobView | GroupView, error=jobs.ErrorBody),
-    _op("delete", "/v1/jobs/{job_id}", "Cancel a job", "jobs", errors=(404, 503),
-        answer=JobView | GroupView, error=jobs.ErrorBody),
-    _op("get", "/v1/jobs/{job_id}/events", "A job's events as SSE, resumable", "jobs", ok={200: (SSE,)},
-        errors=(400, 404, 503), headers=("Last-Event-ID",), query=("after",), error=jobs.ErrorBody),
-    _op("get", "/v1/usage", "The caller's own usage by UTC day and model", "jobs", errors=(400, 503),
-        query=("days",), answer=UsagePage, error=jobs.ErrorBody),
-    # What the console reads (docs/console.md): a tenant's key sees its own jobs, operators every one
-    _op("get", "/v1/jobs", "Recent jobs, newest first, filtered; no prompt or output", "jobs",
-        errors=(400, 403, 503), query=("list_model", "list_tenant", "list_status", "list_dialect", "list_limit"),
-        answer=JobList, error=jobs.ErrorBody),
-    _op("get", "/v1/jobs/{job_id}/record", "A job's record: request, result, every attempt's worker", "jobs",
-        errors=(400, 403, 404, 503), answer=RecordView, error=jobs.ErrorBody),
-    _op("get", "/v1/access", "Who the caller is: an operator, or a tenant seeing its own", "console",
-        errors=(403, 503), answer=AccessView, error=jobs.ErrorBody),
-    _op("get", "/v1/deployment", "Models, workers, slots, adapters; each level's queue and history", "console",
-        errors=(403, 503), answer=DeploymentView, error=jobs.ErrorBody),
-    _op("get", "/v1/tenants", "Tenants: weight, share, running and waiting, limits, today's usage", "console",
-        errors=(403, 503), answer=TenantList, error=jobs.ErrorBody),
-    _op("get", "/v1/dead_letters", "Jobs that failed too many deliveries, newest first", "console",
-        errors=(400, 403, 503), query=("list_model",), answer=DeadLetterList, error=jobs.ErrorBody),
-    _op("post", "/v1/dead_letters/{job_id}/requeue", "Queue a dead letter again as a new job (operators)",
-        "console", errors=(403, 404, 429, 503), answer=RequeueView, error=jobs.ErrorBody),
-    _op("delete", "/v1/dead_letters/{job_id}", "Discard a dead letter (operators)", "console",
-        errors=(403, 404, 503), answer=DeadLetterDeleted, error=jobs.ErrorBody),
-    _op("get", "/console", "The web console", "console", ok={200: ("text/html",)}, errors=(403,),
-        error=jobs.ErrorBody),
-    _op("get", "/console/static/{file}", "The web console's files", "console",
-        ok={200: ("text/html", "text/css", "text/javascript", "image/svg+xml", "image/png")}, errors=(403, 404),
-        error=jobs.ErrorBody),
-    # OpenAI Files and Batches: offline batch files, run by the housekeeping process
-    _op("post", "/v1/files", "Upload a batch input file (JSONL; purpose=batch)", "batches", body="file_upload",
-        body_media="multipart/form-data", errors=(400, 503), answer=FileObject, error=_OPENAI_ERR),
-    _op("get", "/v1/files", "Files", "batches", errors=(503,), answer=FileList, error=_OPENAI_ERR),
-    _op("get", "/v1/files/{file_id}", "A file", "batches", errors=(404, 503), answer=FileObject, error=_OPENAI_ERR),
-    _op("delete", "/v1/files/{file_id}", "Delete a file", "batches", errors=(404, 503),
-        answer=FileDeleted, error=_OPENAI_ERR),
-    _op("get", "/v1/files/{file_id}/content", "A file's content (input, output or error JSONL)", "batches",
-        ok={200: ("application/octet-stream",)}, errors=(404, 503), error=_OPENAI_ERR),
-    _op("post", "/v1/batches", "Create a batch from an uploaded file", "batches", body="batch",
-        examples=({"input_file_id": "file-abc", "endpoint": "/v1/chat/completions", "completion_window": "24h"},),
-        errors=(400, 404, 503), answer=BatchObject, error=_OPENAI_ERR),
-    _op("get", "/v1/batches", "Batches, newest first", "batches", errors=(400, 503), query=("limit", "batch_after"),
-        answer=BatchList, error=_OPENAI_ERR),
-    _op("get", "/v1/batches/{batch_id}", "A batch: status, request_counts, output and error files", "batches",
-        errors=(404, 503), answer=BatchObject, error=_OPENAI_ERR),
-    _op("post", "/v1/batches/{batch_id}/cancel", "Cancel a batch", "batches", errors=(400, 404, 503),
-        answer=BatchObject, error=_OPENAI_ERR),
-    # This document
-    _op("get", "/openapi.json", "This OpenAPI document", "meta"),
-)
 
 _PARAMS: dict[str, dict[str, Any]] = {
     "model": {"name": "model", "in": "path", "required": True, "schema": {"type": "string"},
@@ -342,12 +125,6 @@ _PARAMS: dict[str, dict[str, Any]] = {
 }
 
 
-def openapi_path(litestar_path: str) -> str:
-    """``/v2/models/{model:str}`` -> ``/v2/models/{model}``."""
-    parts = litestar_path.split("/")
-    return "/".join(p.split(":", 1)[0] + "}" if p.startswith("{") and ":" in p else p for p in parts)
-
-
 def _any_json(t: type) -> dict[str, Any] | None:
     # ``dict[str, object]`` (chat template kwargs): any JSON value.
     return {"description": "any JSON value"} if t is object else None
@@ -369,7 +146,7 @@ def _scalar(schema: dict[str, Any]) -> dict[str, Any] | None:
 def _happy_body() -> dict[str, Any]:
     """happy_vllm reads a plain object: its own keywords plus vLLM's SamplingParams keywords;
     any other key is refused by name."""
-    parts = _components(happy_vllm.HappyOptions, happy_vllm.VllmSampling)
+    parts = _components(HappyOptions, VllmSampling)
     props = {**parts["HappyOptions"]["properties"], **parts["VllmSampling"]["properties"]}
     return {"type": "object", "properties": props, "required": ["prompt"], "additionalProperties": False}
 
@@ -377,7 +154,7 @@ def _happy_body() -> dict[str, Any]:
 def _triton_body() -> dict[str, Any]:
     """Triton's ``{"id"?, "text_input", "parameters"?}``: model inputs and scalar vLLM sampling
     keywords, at the top level or inside ``parameters``."""
-    parts = _components(triton._Inputs, happy_vllm.VllmSampling)
+    parts = _components(TritonInputs, VllmSampling)
     sampling = {k: s for k, v in parts["VllmSampling"]["properties"].items() if (s := _scalar(v)) is not None}
     sampling["structured_outputs"] = {"type": "string", "description": "vLLM StructuredOutputsParams as JSON"}
     inputs = parts["_Inputs"]["properties"]
@@ -391,13 +168,13 @@ def _invocations_body(schema: dict[Any, dict[str, Any]]) -> dict[str, Any]:
     else ``prompt`` -> OpenAI completions; else ``messages`` -> chat."""
     no_inputs = {"not": {"required": ["inputs"]}}
     return {"oneOf": [
-        schema[lmi.LmiRequest],
-        {"allOf": [schema[openai_completions.CompletionRequest], no_inputs]},
-        {"allOf": [schema[openai_chat.ChatRequest], no_inputs, {"not": {"required": ["prompt"]}}]},
+        schema[LmiRequest],
+        {"allOf": [schema[CompletionRequest], no_inputs]},
+        {"allOf": [schema[ChatRequest], no_inputs, {"not": {"required": ["prompt"]}}]},
     ]}
 
 
-_REQUESTS = (openai_completions.CompletionRequest, openai_chat.ChatRequest, lmi.LmiRequest, tgi.GenerateRequest,
+_REQUESTS = (CompletionRequest, ChatRequest, LmiRequest, TgiRequest,
              GenerationRequest, BatchCreate, responses.ResponsesRequest, anthropic.MessagesRequest,
              anthropic.CountTokensRequest, message_batches.CreateBatch, LoadAdapter, UnloadAdapter)
 
@@ -419,11 +196,11 @@ def _schemas() -> tuple[dict[Any, dict[str, Any]], dict[str, Any]]:
 
 def _bodies(schema: dict[Any, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {
-        "completions": schema[openai_completions.CompletionRequest],
-        "chat": schema[openai_chat.ChatRequest],
-        "lmi": schema[lmi.LmiRequest],
+        "completions": schema[CompletionRequest],
+        "chat": schema[ChatRequest],
+        "lmi": schema[LmiRequest],
         "invocations": _invocations_body(schema),
-        "tgi": schema[tgi.GenerateRequest],
+        "tgi": schema[TgiRequest],
         "triton": _triton_body(),
         "happy": _happy_body(),
         "job": schema[GenerationRequest],
@@ -468,13 +245,9 @@ def _operation_id(op: Operation) -> str:
     return "_".join([op.method, *words]) if words else f"{op.method}_root"
 
 
-_QUEUES_NOTHING = ("/tokenize", "/v1/files", "/v1/messages/count_tokens")
-
-
 def _options(op: Operation) -> tuple[str, ...]:
     """Every route that queues work reads the deadline and priority headers (api.submit.admit)."""
-    return ("X-LLMQ-Timeout", "X-LLMQ-Priority") if op.body is not None and op.path not in _QUEUES_NOTHING \
-        else ()
+    return ("X-LLMQ-Timeout", "X-LLMQ-Priority") if op.body is not None and op.queues else ()
 
 
 def _operation(op: Operation, bodies: dict[str, Any], schema: dict[Any, dict[str, Any]], keys_on: bool
@@ -525,6 +298,37 @@ def _encoded(keys_on: bool) -> bytes:
     return encode(document(keys_on))
 
 
+@documented("This OpenAPI document", "meta")
 @get("/openapi.json", opt={"dialect": "jobs"}, include_in_schema=False)
 async def openapi_json(svc: Svc) -> Response:
     return Response(_encoded(svc.keys_on), media_type=JSON)
+
+
+HTTP_ROUTES = (
+    openai_completions.completions,
+    *openai_chat.ROUTES,
+    *openai_responses.ROUTES,
+    *anthropic_messages.ROUTES,
+    *anthropic_batches.ROUTES,
+    openai_completions.models,
+    *adapters.ROUTES,
+    *lmi.ROUTES,
+    health.ping,
+    health.livez,
+    health.readyz,
+    metrics,
+    *tgi.ROUTES,
+    *triton.ROUTES,
+    *happy_vllm.ROUTES,
+    *jobs.ROUTES,
+    usage.usage,
+    *overview.ROUTES,
+    *console.ROUTES,
+    *openai_batches.ROUTES,
+    openapi_json,
+)
+"""Every HTTP route the app serves (api/app.py registers these), in the order the document lists
+them: each module's routes in its ROUTES order. Clients read the document as a map, so the order
+is for people and for the golden file (tests/fixtures/openapi.json), which pins the published
+bytes."""
+OPERATIONS: tuple[Operation, ...] = tuple(operation_of(route) for route in HTTP_ROUTES)

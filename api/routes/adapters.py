@@ -14,36 +14,19 @@ LLMQ_TENANT_ADAPTERS=private a tenant's key too, private entries of its own only
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated
 
-import msgspec
 from litestar import Request, Response, post
 
 from api.auth import Viewer, viewer
 from api.dialects import openai_completions as oc
 from api.http import decode_body
+from api.operations import OPENAI_ERROR, TEXT, documented
 from api.services import Svc
+from api.views import LoadAdapter, UnloadAdapter
 from shared.adapters import Sources, check_name, new_adapter
 from shared.errors import Forbidden, InvalidRequest, ModelNotFound
 
-__all__ = ["ROUTES", "LoadAdapter", "UnloadAdapter"]
-
-_Name = Annotated[str, msgspec.Meta(max_length=256)]
-
-
-class LoadAdapter(msgspec.Struct, kw_only=True):
-    lora_name: _Name
-    lora_path: Annotated[str, msgspec.Meta(max_length=4096)]
-    load_inplace: bool = False
-    base_model_name: _Name | None = None
-    """llmq's: the base model the adapter was trained on; default: LLMQ_MODEL's."""
-    private: bool = False
-    """llmq's: only the caller's key (and operators) may see and use it; others get a 404 for its name."""
-
-
-class UnloadAdapter(msgspec.Struct, kw_only=True):
-    lora_name: _Name
-    lora_int_id: int | None = None  # vLLM's; names are unique here, so it is not needed
+__all__ = ["ROUTES"]
 
 
 def _text(message: str) -> Response:
@@ -60,6 +43,9 @@ def _changer(request: Request, svc: Svc, action: str) -> Viewer:
     return who
 
 
+@documented("Register a LoRA adapter (a worker loads it at its first job)", "openai", body="load_adapter",
+            examples=({"lora_name": "example-lora", "lora_path": "org/example-lora", "load_inplace": True},),
+            ok={200: (TEXT,)}, errors=(400, 404, 503), error=OPENAI_ERROR)
 @post("/v1/load_lora_adapter", opt={"dialect": oc.NAME}, status_code=200)
 async def load_lora_adapter(request: Request, svc: Svc) -> Response:
     who = _changer(request, svc, "register")
@@ -101,6 +87,8 @@ def _loaded(name: str) -> InvalidRequest:
                           "in place, set 'load_inplace' to True.", param="lora_name")
 
 
+@documented("Remove a LoRA adapter (its queued jobs still run)", "openai", body="unload_adapter",
+            examples=({"lora_name": "example-lora"},), ok={200: (TEXT,)}, errors=(400, 404, 503), error=OPENAI_ERROR)
 @post("/v1/unload_lora_adapter", opt={"dialect": oc.NAME}, status_code=200)
 async def unload_lora_adapter(request: Request, svc: Svc) -> Response:
     who = _changer(request, svc, "unload")

@@ -24,6 +24,7 @@ from api.context import Ctx, RequestContext
 from api.dialects import anthropic_batches as ab
 from api.dialects import anthropic_messages as am
 from api.http import decode_body, json_response
+from api.operations import documented
 from api.query import query_int
 from api.services import Services, Svc
 from api.submit import admit
@@ -75,6 +76,10 @@ async def _line(svc: Services, ctx: RequestContext, request: ab.BatchRequest) ->
     return StoredLine(custom_id=request.custom_id, requests=[req])
 
 
+@documented("Create a Message Batch", "anthropic", body="message_batch",
+            examples=({"requests": [{"custom_id": "a", "params": {"model": "tiny-llama", "max_tokens": 2,
+                                                                  "messages": [{"role": "user", "content": "Hi"}]}}]},),
+            errors=(400, 503), answer=ab.MessageBatch, error=am.ErrorResponse)
 @post("/v1/messages/batches", opt=_OPT, status_code=200)
 async def create_batch(request: Request, svc: Svc, ctx: Ctx) -> Response:
     body = await decode_body(request, ab.CreateBatch)
@@ -92,11 +97,14 @@ async def create_batch(request: Request, svc: Svc, ctx: Ctx) -> Response:
     return json_response(ab.render_batch(batch))
 
 
+@documented("A Message Batch", "anthropic", errors=(404, 503), answer=ab.MessageBatch, error=am.ErrorResponse)
 @get("/v1/messages/batches/{message_batch_id:str}", opt=_OPT)
 async def get_batch(svc: Svc, ctx: Ctx, message_batch_id: FromPath[str]) -> Response:
     return json_response(await _render(svc, await _batch(svc, ctx, message_batch_id)))
 
 
+@documented("Message Batches, newest first", "anthropic", errors=(400, 503),
+            query=("message_batch_limit", "after_id", "before_id"), answer=ab.BatchPage, error=am.ErrorResponse)
 @get("/v1/messages/batches", opt=_OPT)
 async def list_batches(request: Request, svc: Svc, ctx: Ctx) -> Response:
     """The caller's own Message Batches, newest first; ``after_id`` pages on, ``limit`` is 1-1000
@@ -111,6 +119,8 @@ async def list_batches(request: Request, svc: Svc, ctx: Ctx) -> Response:
                                       last_id=data[-1].id if data else None))
 
 
+@documented("Cancel a Message Batch", "anthropic", errors=(400, 404, 503), answer=ab.MessageBatch,
+            error=am.ErrorResponse)
 @post("/v1/messages/batches/{message_batch_id:str}/cancel", opt=_OPT, status_code=200)
 async def cancel_batch(svc: Svc, ctx: Ctx, message_batch_id: FromPath[str]) -> Response:
     """Running requests are cancelled and the rest never start (``canceled`` results); the batch
@@ -122,6 +132,8 @@ async def cancel_batch(svc: Svc, ctx: Ctx, message_batch_id: FromPath[str]) -> R
     return json_response(await _render(svc, await _batch(svc, ctx, message_batch_id)))
 
 
+@documented("Delete an ended Message Batch", "anthropic", errors=(400, 404, 503), answer=ab.DeletedBatch,
+            error=am.ErrorResponse)
 @delete("/v1/messages/batches/{message_batch_id:str}", opt=_OPT, status_code=200)
 async def delete_batch(svc: Svc, ctx: Ctx, message_batch_id: FromPath[str]) -> Response:
     """Only an ended batch, with its results (as Anthropic: cancel a running one first)."""
@@ -132,6 +144,8 @@ async def delete_batch(svc: Svc, ctx: Ctx, message_batch_id: FromPath[str]) -> R
     return json_response(ab.DeletedBatch(id=batch.id))
 
 
+@documented("An ended Message Batch's results (JSONL)", "anthropic", ok={200: ("application/x-jsonl",)},
+            errors=(400, 404, 503), error=am.ErrorResponse)
 @get("/v1/messages/batches/{message_batch_id:str}/results", opt=_OPT)
 async def batch_results(svc: Svc, ctx: Ctx, message_batch_id: FromPath[str]) -> Response:
     batch = await _batch(svc, ctx, message_batch_id)

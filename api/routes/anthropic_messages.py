@@ -7,16 +7,25 @@ from litestar import Request, Response, post
 from api import jobs
 from api.context import Ctx
 from api.dialects import anthropic_messages as am
+from api.dialects.stream import SSE
 from api.http import decode_body, json_response
 from api.models import caller
+from api.operations import ASYNC, ASYNC_HEADERS, JSON, documented
 from api.services import Svc
 from api.tokenizer import TokenizerUnavailable
 
 __all__ = ["ROUTES", "messages", "count_tokens"]
 
 _OPT = {"dialect": am.NAME}
+_ERRORS = (400, 404, 424, 503, 504, 529)  # a full queue is Anthropic's 529 overloaded_error
 
 
+@documented("Anthropic messages", "anthropic", body="messages",
+            examples=({"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]},
+                      {"model": "tiny-llama", "max_tokens": 2, "stream": True, "system": "Be brief.",
+                       "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}),
+            ok={200: (JSON, SSE), **ASYNC}, errors=_ERRORS, headers=ASYNC_HEADERS, answer=am.Message,
+            error=am.ErrorResponse)
 @post("/v1/messages", opt=_OPT, status_code=200)
 async def messages(request: Request, svc: Svc, ctx: Ctx) -> Response:
     """``Prefer: respond-async`` is llmq's extension: 202 and a job to poll at /v1/jobs/{id}."""
@@ -24,6 +33,9 @@ async def messages(request: Request, svc: Svc, ctx: Ctx) -> Response:
     return await jobs.respond(svc, ctx, am.to_generation_request(body), stream=bool(body.stream))
 
 
+@documented("Anthropic: the prompt's tokens, as a create would count them", "anthropic", body="count_tokens",
+            examples=({"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}]},), queues=False,
+            errors=(400, 404, 503), answer=am.TokenCount, error=am.ErrorResponse)
 @post("/v1/messages/count_tokens", opt=_OPT, status_code=200)
 async def count_tokens(request: Request, svc: Svc, ctx: Ctx) -> Response:
     """The prompt's tokens as the worker will render it: the same conversation and tools

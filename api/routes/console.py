@@ -16,6 +16,8 @@ from litestar import Request, Response, get
 from litestar.params import FromPath
 
 from api.auth import viewer
+from api.dialects.jobs import ErrorBody
+from api.operations import documented
 from api.services import Svc
 from shared.errors import HttpError
 
@@ -56,11 +58,15 @@ def _serve(request: Request, svc: Svc, name: str) -> Response:
     return Response(body, media_type=media_type, headers=_HEADERS)
 
 
+@documented("The web console", "console", ok={200: ("text/html",)}, errors=(403,), error=ErrorBody)
 @get("/console", opt=_OPT)
 async def page(request: Request, svc: Svc) -> Response:
     return _serve(request, svc, "index.html")
 
 
+@documented("The web console's files", "console",
+            ok={200: ("text/html", "text/css", "text/javascript", "image/svg+xml", "image/png")}, errors=(403, 404),
+            error=ErrorBody)
 @get("/console/static/{file:path}", opt=_OPT)
 async def static(request: Request, svc: Svc, file: FromPath[str]) -> Response:
     return _serve(request, svc, file.lstrip("/"))

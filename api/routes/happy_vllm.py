@@ -11,35 +11,44 @@ from api import jobs
 from api.context import Ctx
 from api.dialects import happy_vllm as hv
 from api.http import decode_body, json_response
+from api.operations import ASYNC, ASYNC_HEADERS, JSON, NDJSON, documented
 from api.services import Svc
 from shared.redis import REDIS_DOWN
 
 __all__ = ["ROUTES"]
 
 _OPT = {"dialect": hv.NAME}
+_ERRORS = (404, 422, 424, 429, 503, 504)
+_EXAMPLE = {"prompt": "Hello", "max_tokens": 4}
 
 
 async def _body(request: Request) -> hv.RequestGenerate:
     return hv.read_body(await decode_body(request, hv.RawBody))
 
 
+@documented("happy_vllm generate", "happy_vllm", body="happy", examples=(_EXAMPLE,), ok={200: (JSON,), **ASYNC},
+            errors=_ERRORS, headers=ASYNC_HEADERS, answer=hv.ResponseGenerate, error=hv.ErrorDetail)
 @post("/v1/generate", opt=_OPT, status_code=200)
 async def generate(request: Request, svc: Svc, ctx: Ctx) -> Response:
     req = hv.to_generation_request(await _body(request), stream=False)
     return await jobs.respond(svc, ctx, req, stream=False)
 
 
+@documented("happy_vllm stream", "happy_vllm", body="happy", examples=(_EXAMPLE,), ok={200: (NDJSON,), **ASYNC},
+            errors=_ERRORS, headers=ASYNC_HEADERS, error=hv.ErrorDetail)
 @post("/v1/generate_stream", opt=_OPT, status_code=200)
 async def generate_stream(request: Request, svc: Svc, ctx: Ctx) -> Response:
     req = hv.to_generation_request(await _body(request), stream=True)
     return await jobs.respond(svc, ctx, req, stream=True)
 
 
+@documented("happy_vllm liveness", "health", answer=hv.ResponseLiveness)
 @get("/liveness", opt=_OPT)
 async def liveness() -> Response:
     return json_response(hv.ResponseLiveness())
 
 
+@documented("happy_vllm readiness", "health", answer=hv.ResponseReadiness)
 @get("/readiness", opt=_OPT)
 async def readiness(svc: Svc) -> Response:
     """``ko`` until a warm worker serves the default model; 200 either way, as happy_vllm does."""
@@ -57,6 +66,7 @@ def _version(dist: str) -> str:
         return "unknown"
 
 
+@documented("happy_vllm info", "happy_vllm", answer=hv.ResponseInformation)
 @get("/v1/info", opt=_OPT)
 async def info(svc: Svc) -> Response:
     # The API tier does not import vLLM; its installed version (if any) is read from metadata.

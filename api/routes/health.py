@@ -12,33 +12,18 @@ Two kinds, for two audiences:
 
 from __future__ import annotations
 
-from typing import Literal
-
-import msgspec
 from litestar import Response, get
 
 from api.http import json_response
+from api.operations import JSON, documented
 from api.services import Svc
+from api.views import Liveness, Ping, Readiness
 from shared.redis import REDIS_DOWN
 
-__all__ = ["ping", "livez", "readyz", "Ping", "Liveness", "Readiness"]
+__all__ = ["ping", "livez", "readyz"]
 
 
-class Ping(msgspec.Struct, kw_only=True):
-    status: Literal["Healthy", "Unhealthy"]
-    model: str
-    ready_workers: int
-
-
-class Liveness(msgspec.Struct):
-    status: str = "alive"
-
-
-class Readiness(msgspec.Struct):
-    status: Literal["ready", "unready"]
-    redis: Literal["ok", "unreachable"]
-
-
+@documented("LMI health", "health", ok={200: (JSON,), 503: (JSON,)}, answer=Ping)
 @get("/ping", opt={"dialect": "lmi"})
 async def ping(svc: Svc) -> Response:
     ready = (await svc.models.live(fresh=True)).get(svc.model, 0)
@@ -46,11 +31,14 @@ async def ping(svc: Svc) -> Response:
     return json_response(Ping(status=status, model=svc.model, ready_workers=ready), 200 if ready else 503)
 
 
+@documented("Web process liveness", "health", ok={200: (JSON,)}, answer=Liveness)
 @get("/livez", opt={"dialect": "jobs"})
 async def livez() -> Response:
     return json_response(Liveness())
 
 
+@documented("Web process readiness (Redis reachable)", "health", ok={200: (JSON,), 503: (JSON,)},
+            answer=Readiness)
 @get("/readyz", opt={"dialect": "jobs"})
 async def readyz(svc: Svc) -> Response:
     """Ready while Redis answers: this process can queue work, warm worker or not."""

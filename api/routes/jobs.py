@@ -11,8 +11,10 @@ from api import jobs
 from api.context import Ctx, Job
 from api.dialects import jobs as llmq_jobs
 from api.dialects import render_result
-from api.fanout import group_view
+from api.dialects.stream import SSE
+from api.fanout import GroupView, group_view
 from api.http import EventStream, decode_body, json_response
+from api.operations import ASYNC, documented
 from api.query import whole_number
 from api.services import Svc
 from shared.egress import Refused, check_url, policy
@@ -22,6 +24,7 @@ from shared.schemas import GenerationRequest, JobGroup, JobRecord, JobView
 __all__ = ["ROUTES", "create_job", "get_job", "job_events", "cancel_job"]
 
 _OPT = {"dialect": llmq_jobs.NAME}
+_ERROR = llmq_jobs.ErrorBody
 
 
 def job_view(record: JobRecord) -> JobView:
@@ -32,6 +35,9 @@ def job_view(record: JobRecord) -> JobView:
     return JobView.of(record, result)
 
 
+@documented("Queue a job (llmq's internal request)", "jobs", body="job",
+            examples=({"prompt": "Hello", "sampling": {"max_tokens": 4}},), ok=ASYNC, errors=(400, 404, 424, 429, 503),
+            headers=("Idempotency-Key",), error=_ERROR)
 @post("/v1/jobs", opt=_OPT)
 async def create_job(request: Request, svc: Svc, ctx: Ctx) -> Response:
     """Queue a job in llmq's internal request shape; always answers 202 with the job id. A webhook
@@ -47,6 +53,7 @@ async def create_job(request: Request, svc: Svc, ctx: Ctx) -> Response:
     return await jobs.accepted(svc, ctx, [req])
 
 
+@documented("A job's status and result", "jobs", errors=(404, 503), answer=JobView | GroupView, error=_ERROR)
 @get("/v1/jobs/{job_id:str}", opt=_OPT)
 async def get_job(svc: Svc, job: Job) -> Response:
     if isinstance(job.found, JobGroup):
@@ -54,6 +61,7 @@ async def get_job(svc: Svc, job: Job) -> Response:
     return json_response(job_view(await jobs.poll(svc, job)))
 
 
+@documented("Cancel a job", "jobs", errors=(404, 503), answer=JobView | GroupView, error=_ERROR)
 @delete("/v1/jobs/{job_id:str}", opt=_OPT, status_code=200)
 async def cancel_job(svc: Svc, job: Job) -> Response:
     """Cancel wherever the job is: flagged if queued, aborted on its worker if running."""
@@ -64,6 +72,8 @@ async def cancel_job(svc: Svc, job: Job) -> Response:
             return json_response(job_view(record))
 
 
+@documented("A job's events as SSE, resumable", "jobs", ok={200: (SSE,)}, errors=(400, 404, 503),
+            headers=("Last-Event-ID",), query=("after",), error=_ERROR)
 @get("/v1/jobs/{job_id:str}/events", opt=_OPT)
 async def job_events(request: Request, svc: Svc, job: Job) -> Response:
     """The job's events as SSE, ``id:`` = sequence number; resumes after ``Last-Event-ID``.

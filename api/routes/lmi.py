@@ -13,8 +13,10 @@ from api.dialects import lmi
 from api.dialects import openai_chat as chat
 from api.dialects import openai_completions as oc
 from api.dialects.lmi_render import BatchStream, render_batch_result
+from api.dialects.stream import SSE
 from api.errors import answered_in
 from api.http import decode_body
+from api.operations import ASYNC, ASYNC_HEADERS, CHAT_EXAMPLE, JSON, JSONLINES, TGI_EXAMPLE, documented
 from api.routes.openai_chat import chat_response
 from api.routes.openai_completions import completions_response
 from api.services import Svc
@@ -34,6 +36,8 @@ class _BodyKeys(msgspec.Struct):
 
 
 _keys_decoder = msgspec.json.Decoder(_BodyKeys)
+_ERRORS = (400, 404, 424, 429, 503, 504)
+_OK = {200: (JSON, JSONLINES, SSE), **ASYNC}
 
 
 async def _lmi_response(request: Request, svc: Svc, ctx: RequestContext, model: str = "") -> Response:
@@ -56,6 +60,9 @@ async def _lmi_jobs(svc: Svc, ctx: RequestContext, body: lmi.LmiRequest, model: 
                               renderer=lambda q: lmi.LmiStream(q.request, sse_format=sse_format))
 
 
+@documented("LMI: dispatches on `inputs` / `prompt` / `messages`", "lmi", body="invocations",
+            examples=(TGI_EXAMPLE, {"prompt": "Hi", "max_tokens": 2}, CHAT_EXAMPLE), ok=_OK, errors=_ERRORS,
+            headers=ASYNC_HEADERS)
 @post("/invocations", opt={"dialect": lmi.NAME}, status_code=200)
 async def invocations(request: Request, svc: Svc, ctx: Ctx) -> Response:
     try:
@@ -70,6 +77,9 @@ async def invocations(request: Request, svc: Svc, ctx: Ctx) -> Response:
     return await _lmi_response(request, svc, ctx)
 
 
+@documented("LMI: a named model", "lmi", body="lmi",
+            examples=({"inputs": ["a", "b"], "parameters": {"max_new_tokens": 2}, "stream": True},), ok=_OK,
+            errors=_ERRORS, headers=ASYNC_HEADERS, error=lmi.LmiError | lmi.GenerationError | lmi.FrontendError)
 @post("/predictions/{model:str}", opt={"dialect": lmi.NAME}, status_code=200)
 async def predictions(request: Request, svc: Svc, ctx: Ctx, model: FromPath[str]) -> Response:
     return await _lmi_response(request, svc, ctx, model=model)

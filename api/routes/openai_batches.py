@@ -21,6 +21,7 @@ from api.batch_input import read_lines
 from api.batch_output import rendered
 from api.context import Ctx, RequestContext
 from api.http import decode_body, json_response
+from api.operations import OPENAI_ERROR, documented
 from api.query import query_int
 from api.services import Services, Svc
 from shared.batches import (
@@ -69,6 +70,8 @@ async def _batch(svc: Services, ctx: RequestContext, batch_id: str) -> BatchObje
     return found[0]
 
 
+@documented("Upload a batch input file (JSONL; purpose=batch)", "batches", body="file_upload",
+            body_media="multipart/form-data", queues=False, errors=(400, 503), answer=FileObject, error=OPENAI_ERROR)
 @post("/v1/files", opt=OPENAI, status_code=200)
 async def upload_file(request: Request, svc: Svc, ctx: Ctx) -> Response:
     form = await request.form()
@@ -84,6 +87,7 @@ async def upload_file(request: Request, svc: Svc, ctx: Ctx) -> Response:
     return json_response(meta)
 
 
+@documented("Files", "batches", errors=(503,), answer=FileList, error=OPENAI_ERROR)
 @get("/v1/files", opt=OPENAI)
 async def list_files(svc: Svc, ctx: Ctx) -> Response:
     store = _store(svc)
@@ -92,11 +96,14 @@ async def list_files(svc: Svc, ctx: Ctx) -> Response:
     return json_response(FileList(data=files))
 
 
+@documented("A file", "batches", errors=(404, 503), answer=FileObject, error=OPENAI_ERROR)
 @get("/v1/files/{file_id:str}", opt=OPENAI)
 async def get_file(svc: Svc, ctx: Ctx, file_id: FromPath[str]) -> Response:
     return json_response(await rendered(_store(svc), await _file(svc, ctx, file_id)))
 
 
+@documented("A file's content (input, output or error JSONL)", "batches", ok={200: ("application/octet-stream",)},
+            errors=(404, 503), error=OPENAI_ERROR)
 @get("/v1/files/{file_id:str}/content", opt=OPENAI)
 async def file_content(svc: Svc, ctx: Ctx, file_id: FromPath[str]) -> Response:
     await rendered(_store(svc), await _file(svc, ctx, file_id))
@@ -104,6 +111,7 @@ async def file_content(svc: Svc, ctx: Ctx, file_id: FromPath[str]) -> Response:
     return Response(content or b"", media_type="application/octet-stream")
 
 
+@documented("Delete a file", "batches", errors=(404, 503), answer=FileDeleted, error=OPENAI_ERROR)
 @delete("/v1/files/{file_id:str}", opt=OPENAI, status_code=200)
 async def delete_file(svc: Svc, ctx: Ctx, file_id: FromPath[str]) -> Response:
     await _file(svc, ctx, file_id)
@@ -111,6 +119,9 @@ async def delete_file(svc: Svc, ctx: Ctx, file_id: FromPath[str]) -> Response:
     return json_response(FileDeleted(id=file_id))
 
 
+@documented("Create a batch from an uploaded file", "batches", body="batch",
+            examples=({"input_file_id": "file-abc", "endpoint": "/v1/chat/completions", "completion_window": "24h"},),
+            errors=(400, 404, 503), answer=BatchObject, error=OPENAI_ERROR)
 @post("/v1/batches", opt=OPENAI, status_code=200)
 async def create_batch(request: Request, svc: Svc, ctx: Ctx) -> Response:
     body = await decode_body(request, BatchCreate)
@@ -136,11 +147,14 @@ async def create_batch(request: Request, svc: Svc, ctx: Ctx) -> Response:
     return json_response(batch)
 
 
+@documented("A batch: status, request_counts, output and error files", "batches", errors=(404, 503),
+            answer=BatchObject, error=OPENAI_ERROR)
 @get("/v1/batches/{batch_id:str}", opt=OPENAI)
 async def get_batch(svc: Svc, ctx: Ctx, batch_id: FromPath[str]) -> Response:
     return json_response(await _batch(svc, ctx, batch_id))
 
 
+@documented("Cancel a batch", "batches", errors=(400, 404, 503), answer=BatchObject, error=OPENAI_ERROR)
 @post("/v1/batches/{batch_id:str}/cancel", opt=OPENAI, status_code=200)
 async def cancel_batch(svc: Svc, ctx: Ctx, batch_id: FromPath[str]) -> Response:
     """In-flight requests are cancelled and the rest never start; the batch ends ``cancelled``
@@ -152,6 +166,8 @@ async def cancel_batch(svc: Svc, ctx: Ctx, batch_id: FromPath[str]) -> Response:
     return json_response(await _batch(svc, ctx, batch_id))
 
 
+@documented("Batches, newest first", "batches", errors=(400, 503), query=("limit", "batch_after"), answer=BatchList,
+            error=OPENAI_ERROR)
 @get("/v1/batches", opt=OPENAI)
 async def list_batches(request: Request, svc: Svc, ctx: Ctx) -> Response:
     """The caller's own batches, newest first; ``after`` (a batch id) pages on, ``limit`` is 1-100

@@ -7,7 +7,17 @@ from litestar import Request, Response, post
 from api import jobs
 from api.context import Ctx, RequestContext
 from api.dialects import openai_chat as chat
+from api.dialects.stream import SSE
 from api.http import decode_body
+from api.operations import (
+    ASYNC,
+    ASYNC_HEADERS,
+    CHAT_EXAMPLE,
+    JSON,
+    OPENAI_ERROR,
+    OPENAI_ERRORS,
+    documented,
+)
 from api.services import Svc
 
 __all__ = ["ROUTES", "chat_completions", "chat_response"]
@@ -23,6 +33,9 @@ async def chat_response(request: Request, svc: Svc, ctx: RequestContext, *, lmi:
                               renderer=lambda q: chat.ChatStream(q.request, q.job_id, q.created, sse_format=sse_format))
 
 
+@documented("OpenAI chat completions", "openai", body="chat", examples=(CHAT_EXAMPLE,),
+            ok={200: (JSON, SSE), **ASYNC}, errors=OPENAI_ERRORS, headers=ASYNC_HEADERS, answer=chat.ChatCompletion,
+            error=OPENAI_ERROR)
 @post("/v1/chat/completions", opt={"dialect": chat.NAME}, status_code=200)
 async def chat_completions(request: Request, svc: Svc, ctx: Ctx) -> Response:
     return await chat_response(request, svc, ctx, lmi=False)

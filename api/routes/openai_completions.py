@@ -8,8 +8,10 @@ from litestar import Request, Response, get, post
 from api import jobs
 from api.context import Ctx, RequestContext
 from api.dialects import openai_completions as oc
+from api.dialects.stream import SSE
 from api.http import decode_body, json_response
 from api.models import caller
+from api.operations import ASYNC, ASYNC_HEADERS, JSON, OPENAI_ERROR, OPENAI_ERRORS, documented
 from api.services import Svc
 
 __all__ = ["ROUTES", "completions", "models", "completions_response"]
@@ -21,11 +23,17 @@ async def completions_response(request: Request, svc: Svc, ctx: RequestContext) 
                               renderer=lambda q: oc.CompletionStream(q.requests, q.job_id, q.created))
 
 
+@documented("OpenAI completions", "openai", body="completions",
+            examples=({"prompt": "Hello", "max_tokens": 4}, {"prompt": ["a", "b"], "max_tokens": 2, "stream": True}),
+            ok={200: (JSON, SSE), **ASYNC}, errors=OPENAI_ERRORS, headers=ASYNC_HEADERS, answer=oc.Completion,
+            error=OPENAI_ERROR)
 @post("/v1/completions", opt={"dialect": oc.NAME}, status_code=200)
 async def completions(request: Request, svc: Svc, ctx: Ctx) -> Response:
     return await completions_response(request, svc, ctx)
 
 
+@documented("Models requests may name (served now, or queued for the next worker)", "openai",
+            answer=oc.ModelList, error=OPENAI_ERROR)
 @get("/v1/models", opt={"dialect": oc.NAME})
 async def models(svc: Svc, ctx: Ctx) -> Response:
     """The models requests may name: served now, or queued for the next worker that serves them;

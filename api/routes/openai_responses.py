@@ -15,7 +15,9 @@ from litestar.params import FromPath
 from api import jobs
 from api.context import Ctx, JobRef, RequestContext, job_ref
 from api.dialects import openai_responses as r
+from api.dialects.stream import SSE
 from api.http import EventStream, decode_body, json_response
+from api.operations import ASYNC, ASYNC_HEADERS, JSON, OPENAI_ERRORS, documented
 from api.query import query_int
 from api.services import Svc
 from shared.errors import InvalidRequest, JobNotFound
@@ -26,6 +28,13 @@ __all__ = ["ROUTES"]
 DIALECT = {"dialect": r.NAME}
 
 
+# A response is a job, read back from its record and event log.
+@documented("OpenAI responses (background: queued at once)", "openai", body="responses",
+            examples=({"input": "Hello", "max_output_tokens": 4},
+                      {"input": "Hi", "max_output_tokens": 2, "stream": True},
+                      {"input": "Hi", "max_output_tokens": 2, "background": True}),
+            ok={200: (JSON, SSE), **ASYNC}, errors=OPENAI_ERRORS, headers=ASYNC_HEADERS, answer=r.Response,
+            error=r.ErrorResponse)
 @post("/v1/responses", opt=DIALECT, status_code=200)
 async def create_response(request: Request, svc: Svc, ctx: Ctx) -> Response:
     body = await decode_body(request, r.ResponsesRequest)
@@ -101,6 +110,8 @@ def _flag(request: Request, name: str) -> bool:
     return value in ("true", "1")
 
 
+@documented("A response; with stream=true its events after starting_after", "openai", ok={200: (JSON, SSE)},
+            errors=(400, 404, 503), query=("stream", "starting_after"), answer=r.Response, error=r.ErrorResponse)
 @get("/v1/responses/{response_id:str}", opt=DIALECT)
 async def get_response(request: Request, svc: Svc, response_id: FromPath[str]) -> Response:
     """The response now; with ``stream=true`` its events numbered above ``starting_after``, from
@@ -117,6 +128,7 @@ async def get_response(request: Request, svc: Svc, response_id: FromPath[str]) -
     return EventStream(await jobs.events(svc, job.model, record), renderer)
 
 
+@documented("Cancel a response", "openai", errors=(404, 503), answer=r.Response, error=r.ErrorResponse)
 @post("/v1/responses/{response_id:str}/cancel", opt=DIALECT, status_code=200)
 async def cancel_response(request: Request, svc: Svc, response_id: FromPath[str]) -> Response:
     job = await _found(request, svc, response_id)
@@ -128,6 +140,8 @@ async def cancel_response(request: Request, svc: Svc, response_id: FromPath[str]
     return json_response(r.render_record(record))
 
 
+@documented("Delete a response (cancels it if it runs)", "openai", errors=(404, 503), answer=r.Deleted,
+            error=r.ErrorResponse)
 @delete("/v1/responses/{response_id:str}", opt=DIALECT, status_code=200)
 async def delete_response(request: Request, svc: Svc, response_id: FromPath[str]) -> Response:
     """Ends the job if it still runs and forgets it: a later GET, resume or cancel is a 404."""
@@ -139,6 +153,8 @@ async def delete_response(request: Request, svc: Svc, response_id: FromPath[str]
     return json_response(r.Deleted(id=response_id))
 
 
+@documented("A response's input, as message items", "openai", errors=(404, 503), answer=r.ItemList,
+            error=r.ErrorResponse)
 @get("/v1/responses/{response_id:str}/input_items", opt=DIALECT)
 async def input_items(request: Request, svc: Svc, response_id: FromPath[str]) -> Response:
     job = await _found(request, svc, response_id)

@@ -13,8 +13,6 @@ record does, to its owner and operators.
 
 from __future__ import annotations
 
-from typing import Any, Literal
-
 import msgspec
 from litestar import Request, Response, delete, get, post
 from litestar.connection import ASGIConnection
@@ -23,121 +21,29 @@ from litestar.params import FromPath
 
 from api.auth import Viewer, viewer
 from api.context import Ctx, Job
+from api.dialects.jobs import ErrorBody
 from api.http import json_response
+from api.operations import documented
 from api.query import query_int
 from api.services import Services, Svc
+from api.views import (
+    AccessView,
+    DeadLetterDeleted,
+    DeadLetterList,
+    DeploymentView,
+    JobList,
+    LevelView,
+    ModelView,
+    RecordView,
+    RequeueView,
+    TenantList,
+)
 from shared import browse
 from shared.errors import Forbidden, InvalidRequest, JobNotFound
-from shared.schemas import GROUP_PREFIX, GenerationRequest, JobError, JobGroup, JobRecord, JobStatus, Run
-from shared.status import WorkerStatus, snapshot
+from shared.schemas import GROUP_PREFIX, JobGroup, JobRecord, JobStatus
+from shared.status import snapshot
 
-__all__ = ["ROUTES", "AccessView", "DeploymentView", "ModelView", "LevelView", "RecordView", "RequeueView", "JobList",
-           "TenantList", "DeadLetterList", "DeadLetterDeleted"]
-
-class AccessView(msgspec.Struct, kw_only=True):
-    object: str = "access"
-    role: Literal["operator", "tenant"]
-    tenant: str
-    keys: bool
-    """Keys are configured; false: every (loopback) caller is an operator."""
-
-
-class LevelView(msgspec.Struct, kw_only=True):
-    level: int
-    waiting: int
-    running: int
-    oldest_age_s: float | None
-    finished_per_min: float | None
-    """Jobs that ended there per minute, over about the last minute (None: no sample that old)."""
-
-
-class ModelView(msgspec.Struct, kw_only=True):
-    name: str
-    ready_workers: int
-    loading_workers: int
-    slots: int
-    """Engine slots of its ready workers."""
-    slots_in_use: int
-    waiting: int
-    running: int
-    dead_letters: int
-    adapters: list[str]
-    """LoRA adapters some worker's engine holds now."""
-    levels: list[LevelView]
-    history: list[browse.HistoryPoint]
-
-
-class DeploymentView(msgspec.Struct, kw_only=True):
-    object: str = "deployment"
-    at: float
-    models: list[ModelView]
-    workers: list[WorkerStatus]
-
-
-class RecordView(msgspec.Struct, kw_only=True):
-    """One job's record as the console shows it."""
-
-    object: str = "job.record"
-    id: str
-    model: str
-    status: str
-    dialect: str
-    tenant: str
-    priority: int | None
-    queued_at: float
-    started_at: float | None
-    first_token_at: float | None
-    finished_at: float | None
-    deadline: float | None
-    attempts: int
-    preemptions: int
-    preempted_ms: int
-    runs: list[Run]
-    trace_id: str | None
-    """With tracing on: the trace of the request that queued it (its ``traceparent``'s)."""
-    prompt_tokens: int | None
-    generated_tokens: int | None
-    request: GenerationRequest
-    result: Any
-    error: JobError | None
-
-    @classmethod
-    def of(cls, r: JobRecord) -> RecordView:
-        prompt_tokens, generated_tokens = r.token_counts()
-        return cls(id=r.id, model=r.model, status=r.status, dialect=r.request.dialect, tenant=r.tenant_of(),
-                   priority=r.request.priority, queued_at=r.queued_at, started_at=r.started_at,
-                   first_token_at=r.first_token_at, finished_at=r.finished_at, deadline=r.deadline,
-                   attempts=r.attempt, preemptions=r.preemptions, preempted_ms=r.preempted_ms, runs=r.attempts(),
-                   trace_id=r.traceparent.split("-")[1] if r.traceparent and r.traceparent.count("-") >= 3 else None,
-                   prompt_tokens=prompt_tokens, generated_tokens=generated_tokens, request=r.request,
-                   result=r.result, error=r.error)
-
-
-class JobList(msgspec.Struct, kw_only=True):
-    object: str = "list"
-    data: list[browse.JobSummary]
-
-
-class TenantList(msgspec.Struct, kw_only=True):
-    object: str = "list"
-    data: list[browse.TenantRow]
-
-
-class DeadLetterList(msgspec.Struct, kw_only=True):
-    object: str = "list"
-    data: list[browse.DeadLetterView]
-
-
-class DeadLetterDeleted(msgspec.Struct, kw_only=True):
-    object: str = "dead_letter.deleted"
-    job_id: str
-
-
-class RequeueView(msgspec.Struct, kw_only=True):
-    object: str = "requeue"
-    job_id: str
-    requeued_as: str
-
+__all__ = ["ROUTES"]
 
 _OPT = {"dialect": "jobs"}
 _STATUSES = frozenset(JobStatus.__args__)  # type: ignore[attr-defined]
@@ -161,6 +67,8 @@ def _operator(request: Request, svc: Svc, action: str) -> Viewer:
     return who
 
 
+@documented("Who the caller is: an operator, or a tenant seeing its own", "console", errors=(403, 503),
+            answer=AccessView, error=ErrorBody)
 @get("/v1/access", opt=_OPT)
 async def access(request: Request, svc: Svc, ctx: Ctx) -> Response:
     """The caller's role: ``operator`` or ``tenant`` (its own jobs only), and its tenant."""
@@ -169,6 +77,8 @@ async def access(request: Request, svc: Svc, ctx: Ctx) -> Response:
                                     keys=svc.keys_on))
 
 
+@documented("Models, workers, slots, adapters; each level's queue and history", "console", errors=(403, 503),
+            answer=DeploymentView, error=ErrorBody)
 @get("/v1/deployment", opt=_OPT)
 async def deployment(request: Request, svc: Svc) -> Response:
     """Every known model: its workers (warm and loading), slots, adapters, each priority level's
@@ -197,6 +107,8 @@ async def deployment(request: Request, svc: Svc) -> Response:
     return json_response(DeploymentView(at=status.at, models=models, workers=workers))
 
 
+@documented("Tenants: weight, share, running and waiting, limits, today's usage", "console", errors=(403, 503),
+            answer=TenantList, error=ErrorBody)
 @get("/v1/tenants", opt=_OPT)
 async def tenants(request: Request, svc: Svc, ctx: Ctx) -> Response:
     """Each tenant on each model: weight and fair share against its share of the last minute's
@@ -216,6 +128,9 @@ def _query(request: Request, name: str, allowed: frozenset[str] | None = None) -
     return value
 
 
+@documented("Recent jobs, newest first, filtered; no prompt or output", "jobs", errors=(400, 403, 503),
+            query=("list_model", "list_tenant", "list_status", "list_dialect", "list_limit"), answer=JobList,
+            error=ErrorBody)
 @get("/v1/jobs", opt=_OPT)
 async def list_jobs(request: Request, svc: Svc) -> Response:
     """Recent jobs, newest first: ``model``, ``tenant``, ``status``, ``dialect`` filter, ``limit``
@@ -230,6 +145,8 @@ async def list_jobs(request: Request, svc: Svc) -> Response:
     return json_response(JobList(data=jobs))
 
 
+@documented("A job's record: request, result, every attempt's worker", "jobs", errors=(400, 403, 404, 503),
+            answer=RecordView, error=ErrorBody)
 @get("/v1/jobs/{job_id:str}/record", opt=_OPT, guards=[_viewer_first])
 async def job_record(svc: Svc, job: Job) -> Response:
     """One job's record, its request and result included: to its owner and operators only (the
@@ -241,6 +158,8 @@ async def job_record(svc: Svc, job: Job) -> Response:
     return json_response(RecordView.of(record or job.found))
 
 
+@documented("Jobs that failed too many deliveries, newest first", "console", errors=(400, 403, 503),
+            query=("list_model",), answer=DeadLetterList, error=ErrorBody)
 @get("/v1/dead_letters", opt=_OPT)
 async def list_dead_letters(request: Request, svc: Svc) -> Response:
     """Jobs that failed too many deliveries, newest first (``model`` filters); a tenant's key
@@ -261,6 +180,8 @@ async def _dead(svc: Svc, job_id: str) -> tuple[str, bytes, dict[bytes, bytes], 
     raise JobNotFound(f"job {job_id} is not a dead letter")
 
 
+@documented("Queue a dead letter again as a new job (operators)", "console", errors=(403, 404, 429, 503),
+            answer=RequeueView, error=ErrorBody)
 @post("/v1/dead_letters/{job_id:str}/requeue", opt=_OPT, status_code=200)
 async def requeue(request: Request, svc: Svc, job_id: FromPath[str]) -> Response:
     """Queue a dead letter's request again as a new job (a new id, the same key and tenant), and
@@ -282,6 +203,8 @@ async def requeue(request: Request, svc: Svc, job_id: FromPath[str]) -> Response
     return json_response(RequeueView(job_id=job_id, requeued_as=new_id))
 
 
+@documented("Discard a dead letter (operators)", "console", errors=(403, 404, 503), answer=DeadLetterDeleted,
+            error=ErrorBody)
 @delete("/v1/dead_letters/{job_id:str}", opt=_OPT, status_code=200)
 async def discard(request: Request, svc: Svc, job_id: FromPath[str]) -> Response:
     """Take a dead letter off the list for good (its record stays until its TTL). Operators only."""
@@ -292,4 +215,5 @@ async def discard(request: Request, svc: Svc, job_id: FromPath[str]) -> Response
     return json_response(DeadLetterDeleted(job_id=job_id))
 
 
-ROUTES = [access, deployment, tenants, list_jobs, job_record, list_dead_letters, requeue, discard]
+# The jobs' views first, then the console's: the order of the published document (api/openapi.py).
+ROUTES = [list_jobs, job_record, access, deployment, tenants, list_dead_letters, requeue, discard]

@@ -20,6 +20,7 @@ from api.dialects import tgi
 from api.dialects.stream import SSE
 from api.errors import service_error
 from api.http import EventStream, decode_body, json_response, stream_frames
+from api.operations import ASYNC, ASYNC_HEADERS, JSON, TEXT, TGI_EXAMPLE, documented
 from api.services import Services, Svc
 from shared.errors import ServiceError
 from shared.redis import REDIS_DOWN
@@ -28,6 +29,7 @@ from shared.schemas import GenerationRequest, JobResult
 __all__ = ["ROUTES"]
 
 _OPT = {"dialect": tgi.NAME}
+_ERRORS = (404, 422, 424, 429, 503, 504)
 
 
 async def _translate(svc: Services, body: tgi.GenerateRequest, *, stream: bool, compat: bool) -> GenerationRequest:
@@ -81,16 +83,23 @@ async def _stream(svc: Services, ctx: RequestContext, body: tgi.GenerateRequest,
 # --- routes ---------------------------------------------------------------------------------
 
 
+@documented("TGI generate", "tgi", body="tgi", examples=(TGI_EXAMPLE,), errors=_ERRORS, ok={200: (JSON,), **ASYNC},
+            headers=ASYNC_HEADERS, answer=tgi.GenerateResponse, error=tgi.ErrorResponse)
 @post("/generate", opt=_OPT, status_code=200)
 async def generate(request: Request, svc: Svc, ctx: Ctx) -> Response:
     return await _generate(svc, ctx, await decode_body(request, tgi.GenerateRequest), compat=False)
 
 
+@documented("TGI stream (errors in-band)", "tgi", body="tgi", examples=(TGI_EXAMPLE,), ok={200: (SSE,), **ASYNC},
+            errors=_ERRORS, headers=ASYNC_HEADERS, error=tgi.ErrorResponse)
 @post("/generate_stream", opt=_OPT, status_code=200)
 async def generate_stream(request: Request, svc: Svc, ctx: Ctx) -> Response:
     return await _stream(svc, ctx, await decode_body(request, tgi.GenerateRequest), compat=False)
 
 
+@documented("TGI compat: a one-element array, or a stream", "tgi", body="tgi",
+            examples=(TGI_EXAMPLE, {**TGI_EXAMPLE, "stream": True}), ok={200: (JSON, SSE), **ASYNC}, errors=_ERRORS,
+            headers=ASYNC_HEADERS, answer=list[tgi.GenerateResponse], error=tgi.ErrorResponse)
 @post("/", opt=_OPT, status_code=200)
 async def compat_generate(request: Request, svc: Svc, ctx: Ctx) -> Response:
     """``stream: false`` answers a one-element array (as api-inference does); ``true`` streams."""
@@ -100,6 +109,8 @@ async def compat_generate(request: Request, svc: Svc, ctx: Ctx) -> Response:
     return await _generate(svc, ctx, body, compat=True)
 
 
+@documented("TGI tokenize", "tgi", body="tgi", examples=({"inputs": "Hello"},), errors=_ERRORS, queues=False,
+            answer=list[tgi.SimpleToken], error=tgi.ErrorResponse)
 @post("/tokenize", opt=_OPT, status_code=200)
 async def tokenize(request: Request, svc: Svc) -> Response:
     """Each token with its slice of the input (character offsets; (0, 0) for added specials)."""
@@ -117,6 +128,7 @@ def _version() -> str:
         return "0.0.0"
 
 
+@documented("TGI info", "tgi", answer=tgi.Info)
 @get("/info", opt=_OPT)
 async def info(svc: Svc) -> Response:
     limit = await svc.models.context_length(svc.model)
@@ -132,6 +144,7 @@ async def info(svc: Svc) -> Response:
     )
 
 
+@documented("TGI health", "health", ok={200: (TEXT,), 503: (JSON,)})
 @get("/health", opt=_OPT)
 async def health(svc: Svc) -> Response:
     """200 with an empty body while a warm worker serves the default model, else TGI's 503."""

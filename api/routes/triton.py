@@ -9,6 +9,7 @@ exists when the deployment knows it (configured, or ever served: its requests qu
 from __future__ import annotations
 
 import importlib.metadata
+from typing import Any
 
 from litestar import Request, Response, get, post
 from litestar.params import FromPath
@@ -18,6 +19,7 @@ from api.context import Ctx, RequestContext
 from api.dialects import triton as tr
 from api.dialects.stream import SSE
 from api.http import decode_body, json_response, stream_frames
+from api.operations import ASYNC, ASYNC_HEADERS, JSON, TEXT, documented
 from api.services import Services, Svc
 from shared.errors import InvalidRequest, ModelNotFound
 from shared.framing import sse
@@ -30,6 +32,14 @@ __all__ = ["ROUTES"]
 _OPT = {"dialect": tr.NAME}
 _MODEL = "/v2/models/{model:str}"
 _VERSIONED = "/v2/models/{model:str}/versions/{version:str}"
+# What the four generate routes declare alike. Triton reports "overloaded" and an expired queue
+# timeout as 503.
+_GENERATE: dict[str, Any] = {
+    "tag": "triton", "body": "triton", "ok": {200: (JSON, SSE), **ASYNC}, "errors": (400, 404, 503),
+    "headers": ASYNC_HEADERS, "answer": tr.GenerateResponse, "error": tr.ErrorResponse,
+    "examples": ({"text_input": "Hello", "parameters": {"max_tokens": 4}},
+                 {"text_input": "Hi", "max_tokens": 2, "stream": True}),
+}
 
 
 def _version_number(version: str | None) -> int | None:
@@ -66,11 +76,13 @@ async def _generate(
                               renderer=lambda q: tr.TritonStream(q.request, opts=opts))
 
 
+@documented("Triton generate", **_GENERATE)
 @post(f"{_MODEL}/generate", opt=_OPT, status_code=200)
 async def generate(request: Request, svc: Svc, ctx: Ctx, model: FromPath[str]) -> Response:
     return await _generate(request, svc, ctx, model, None, streaming=False)
 
 
+@documented("Triton generate", **_GENERATE)
 @post(f"{_VERSIONED}/generate", opt=_OPT, status_code=200)
 async def generate_versioned(
     request: Request, svc: Svc, ctx: Ctx, model: FromPath[str], version: FromPath[str]
@@ -78,11 +90,13 @@ async def generate_versioned(
     return await _generate(request, svc, ctx, model, version, streaming=False)
 
 
+@documented("Triton generate_stream", **_GENERATE)
 @post(f"{_MODEL}/generate_stream", opt=_OPT, status_code=200)
 async def generate_stream(request: Request, svc: Svc, ctx: Ctx, model: FromPath[str]) -> Response:
     return await _generate(request, svc, ctx, model, None, streaming=True)
 
 
+@documented("Triton generate_stream", **_GENERATE)
 @post(f"{_VERSIONED}/generate_stream", opt=_OPT, status_code=200)
 async def generate_stream_versioned(
     request: Request, svc: Svc, ctx: Ctx, model: FromPath[str], version: FromPath[str]
@@ -112,6 +126,7 @@ def _llmq_version() -> str:
         return "unknown"  # run from a source tree
 
 
+@documented("KServe server metadata", "triton", answer=tr.ServerMetadataResponse)
 @get("/v2", opt=_OPT)
 async def server_metadata() -> Response:
     return json_response(
@@ -119,11 +134,13 @@ async def server_metadata() -> Response:
     )
 
 
+@documented("KServe liveness", "health", ok={200: (TEXT,)})
 @get("/v2/health/live", opt=_OPT)
 async def health_live() -> Response:
     return _empty(200)
 
 
+@documented("KServe readiness", "health", ok={200: (TEXT,), 400: (TEXT,)})
 @get("/v2/health/ready", opt=_OPT)
 async def health_ready(svc: Svc) -> Response:
     return _empty(200 if await _model_ready(svc, svc.model) else 400)
@@ -142,11 +159,15 @@ async def _metadata(svc: Services, model: str, version: str | None) -> Response:
     )
 
 
+@documented("KServe model metadata", "triton", errors=(404, 503), answer=tr.ModelMetadataResponse,
+            error=tr.ErrorResponse)
 @get(_MODEL, opt=_OPT)
 async def model_metadata(svc: Svc, model: FromPath[str]) -> Response:
     return await _metadata(svc, model, None)
 
 
+@documented("KServe model metadata", "triton", errors=(404, 503), answer=tr.ModelMetadataResponse,
+            error=tr.ErrorResponse)
 @get(_VERSIONED, opt=_OPT)
 async def model_metadata_versioned(svc: Svc, model: FromPath[str], version: FromPath[str]) -> Response:
     return await _metadata(svc, model, version)
@@ -160,11 +181,13 @@ async def _ready(svc: Services, model: str, version: str | None) -> Response:
     raise InvalidRequest("Model version not ready")
 
 
+@documented("KServe model readiness", "health", ok={200: (TEXT,)}, errors=(400, 404))
 @get(f"{_MODEL}/ready", opt=_OPT)
 async def model_ready(svc: Svc, model: FromPath[str]) -> Response:
     return await _ready(svc, model, None)
 
 
+@documented("KServe model readiness", "health", ok={200: (TEXT,)}, errors=(400, 404))
 @get(f"{_VERSIONED}/ready", opt=_OPT)
 async def model_ready_versioned(svc: Svc, model: FromPath[str], version: FromPath[str]) -> Response:
     return await _ready(svc, model, version)

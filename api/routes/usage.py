@@ -9,27 +9,22 @@ from __future__ import annotations
 
 import datetime
 
-import msgspec
 from litestar import Request, Response, get
 
 from api.context import Ctx
+from api.dialects.jobs import ErrorBody
 from api.http import json_response
+from api.operations import documented
 from api.query import query_int
 from api.services import Svc
-from shared.tenants import UsageRow, read_usage, today
+from api.views import UsagePage
+from shared.tenants import read_usage, today
 
-__all__ = ["usage", "UsagePage"]
-
-
-class UsagePage(msgspec.Struct, kw_only=True):
-    object: str = "list"
-    tenant: str
-    start_date: str
-    end_date: str
-    data: list[UsageRow]
-    """One row per day and model with any usage, oldest day first."""
+__all__ = ["usage"]
 
 
+@documented("The caller's own usage by UTC day and model", "jobs", errors=(400, 503), query=("days",),
+            answer=UsagePage, error=ErrorBody)
 @get("/v1/usage", opt={"dialect": "jobs"})
 async def usage(request: Request, svc: Svc, ctx: Ctx) -> Response:
     """The last ``days`` UTC days (query; 7 unless given; today included), up to LLMQ_USAGE_DAYS."""

@@ -89,7 +89,7 @@ def everyone_rows(resp: httpx.Response) -> list[dict]:
 
 
 def test_a_records_view_names_its_trace_and_every_run():
-    from api.routes.overview import RecordView
+    from api.views import RecordView
     from shared.schemas import GenerationRequest, JobRecord
 
     record = JobRecord(id="j", model="m", request=GenerationRequest(prompt="p"), status="done", attempt=2,

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import jsonschema
 import msgspec
+import pytest
 import schemathesis
+from litestar import get, post
 from litestar.routes import HTTPRoute
 
 from api.app import create_app
 from api.openapi import OPERATIONS, document, openapi_path
+from api.operations import documented, operation_of
 from shared.config import load_settings
 
 UNDOCUMENTED_METHODS = {"OPTIONS", "HEAD"}  # Litestar's automatic answers
@@ -33,9 +36,27 @@ def documented_operations(doc: dict) -> set[tuple[str, str]]:
 def test_every_registered_http_route_is_documented_and_nothing_else():
     registered = registered_operations()
     documented = documented_operations(document())
-    assert registered - documented == set(), "routes missing from api/openapi.py OPERATIONS"
+    assert registered - documented == set(), "routes missing from api/openapi.py's HTTP_ROUTES"
     assert documented - registered == set(), "documented operations the app does not register"
     assert len(OPERATIONS) == len(documented)  # no operation listed twice
+
+
+def test_a_declaration_takes_its_method_and_path_from_its_route():
+    @documented("Make a thing", "things", body="job", errors=(400,))
+    @post("/v9/things/{thing_id:str}/make", status_code=200)
+    async def make() -> None: ...
+
+    op = operation_of(make)
+    assert (op.method, op.path, op.summary, op.tag, op.body, op.errors) == \
+        ("post", "/v9/things/{thing_id}/make", "Make a thing", "things", "job", (400,))
+
+
+def test_a_route_with_no_declaration_is_named():
+    @get("/v9/things")
+    async def things() -> None: ...
+
+    with pytest.raises(LookupError, match="things declares no operation"):
+        operation_of(things)
 
 
 def test_openapi_path():
