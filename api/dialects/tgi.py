@@ -18,7 +18,16 @@ from msgspec import UNSET, Meta, UnsetType
 
 from api.dialects.stream import SseKeepalive, StreamRenderer
 from shared import json_input
-from shared.errors import EngineDead, GenerationFailed, InvalidRequest, JobCancelled, JobMissing, ServiceError
+from shared.errors import (
+    EngineDead,
+    GenerationFailed,
+    IncompleteGeneration,
+    IncompleteGenerationStream,
+    InvalidRequest,
+    JobCancelled,
+    JobMissing,
+    ServiceError,
+)
 from shared.events import Done, TokenDelta, Tokens
 from shared.framing import sse
 from shared.schemas import (
@@ -94,14 +103,6 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     inputs: str
     parameters: GenerateParameters | None = None
     stream: bool = False
-
-
-class IncompleteGeneration(ServiceError, code="incomplete_generation"):
-    """A finished job with no sequence to answer with (TGI's ``IncompleteGeneration``)."""
-
-
-class IncompleteGenerationStream(ServiceError, code="incomplete_generation_stream"):
-    """A stream's events ended without its final one."""
 
 
 # --- responses: TGI's own objects (router/src/lib.rs), in its key order --------------------------

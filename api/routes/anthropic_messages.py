@@ -10,7 +10,7 @@ from api.dialects import anthropic_messages as am
 from api.http import decode_body, json_response
 from api.models import caller
 from api.services import Svc
-from api.tokenizer import TokenizerUnavailable
+from shared.errors import TokenizerUnavailable
 
 __all__ = ["ROUTES", "messages", "count_tokens"]
 
