@@ -20,6 +20,7 @@ from api.dialects.openai_completions import CompletionUsage, error_body, usage_b
 from api.dialects.openai_structured import ResponseFormat, StructuredOutputs, structured_output
 from api.dialects.stream import JSONLINES, SSE, StreamRenderer
 from api.dialects.tiers import priority_of_tier, reported_tier
+from api.dialects.vllm_extras import VllmExtras
 from shared.errors import InvalidRequest, ServiceError
 from shared.events import LOGPROB_FLOOR, Done, TokenDelta, Tokens
 from shared.framing import KEEPALIVE, SSE_DONE, jsonline, sse
@@ -30,7 +31,6 @@ from shared.schemas import (
     GenerationRequest,
     JobResult,
     OutputOptions,
-    SamplingParams,
     Tool,
     ToolCall,
     ToolUse,
@@ -112,7 +112,8 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     continuous_usage_stats: bool | None = False
 
 
-class ChatRequest(msgspec.Struct, kw_only=True):
+# The docstring is the schema's description in /openapi.json: the vLLM extras are VllmExtras's.
+class ChatRequest(VllmExtras, kw_only=True):
     """OpenAI's fields plus vLLM's extras; unknown fields are accepted, as vLLM does. Single-field
     ranges are vLLM's (``SamplingParams._verify_args``); cross-field checks use vLLM's messages."""
 
@@ -142,16 +143,6 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
     prompt_cache_key: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
     """OpenAI's: what the client's requests share; their jobs' prefix key (shared/affinity.py)."""
-    # vLLM extras
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
-    min_tokens: Annotated[int, Meta(ge=0)] = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -267,25 +258,16 @@ def to_generation_request(body: ChatRequest, *, max_model_len: int) -> Generatio
         logit_bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
     except ValueError:
         raise InvalidRequest("logit_bias keys must be token ids", param="logit_bias") from None
-    sampling = SamplingParams(
+    sampling = body.sampling_params(
         n=1 if body.n is None else body.n,
         temperature=temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
-        min_p=body.min_p or 0.0,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         seed=None if body.seed == -1 else body.seed,
         max_tokens=max_tokens,
-        min_tokens=body.min_tokens,
         stop=stop,
-        stop_token_ids=body.stop_token_ids or [],
-        include_stop_str_in_output=body.include_stop_str_in_output,
-        ignore_eos=body.ignore_eos,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        skip_special_tokens=body.skip_special_tokens,
-        spaces_between_special_tokens=body.spaces_between_special_tokens,
         logit_bias=logit_bias,
         structured=structured_output(body.structured_outputs, body.response_format),
     )
