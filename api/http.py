@@ -7,7 +7,6 @@ import functools
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
-import msgspec
 from litestar import Request, Response
 from litestar.enums import MediaType
 from litestar.response import Stream
@@ -15,12 +14,11 @@ from litestar.response.base import ASGIResponse
 from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import Receive, Scope, Send
 
+from api.body import decode
 from api.dialects.stream import StreamRenderer, drive, render
 from api.follow import Lane, prefetch
 from api.middleware import OUT, CoalescingSend
-from shared import json_input
 from shared.codec import encode
-from shared.errors import InvalidRequest
 from shared.events import Event
 from shared.framing import Keepalive
 
@@ -35,16 +33,8 @@ Events = AsyncIterator[Event | Keepalive]
 
 
 async def decode_body(request: Request, kind: type[T]) -> T:
-    """Validate the body against the dialect's schema; failures become InvalidRequest, which each
-    dialect renders in its own error shape. Any byte sequence is a 4xx here, never a 500
-    (``shared.json_input``: invalid UTF-8, a BOM, an empty body, nesting too deep, ...)."""
-    body = await request.body()
-    try:
-        return json_input.decode(body, json_input.decoder_for(kind))
-    except msgspec.ValidationError as exc:
-        raise InvalidRequest(f"Invalid request body: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"Malformed JSON body: {exc}") from None
+    """The request's body as ``kind`` (:func:`api.body.decode`: its errors are InvalidRequest)."""
+    return decode(kind, await request.body())
 
 
 def json_response(body: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:

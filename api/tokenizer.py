@@ -15,14 +15,10 @@ from typing import Any
 import msgspec
 
 from shared.chat_template import chat_token_ids
-from shared.errors import ServiceError
+from shared.errors import TokenizerUnavailable
 from shared.schemas import ChatMessage, ChatOptions, ToolUse
 
-__all__ = ["Encoding", "TokenizerUnavailable", "Tokenizer"]
-
-
-class TokenizerUnavailable(ServiceError, status=404, code="tokenizer_unavailable"):
-    """The API has no tokenizer for the model (it holds LLMQ_MODEL's only)."""
+__all__ = ["Encoding", "Tokenizer"]
 
 
 class Encoding(msgspec.Struct, frozen=True):

@@ -28,11 +28,14 @@ __all__ = [
     "GenerationFailed",
     "EngineDead",
     "EngineFault",
+    "IncompleteGeneration",
+    "IncompleteGenerationStream",
     "JobCancelled",
     "DeadLetter",
     "WorkerLost",
     "LeaseLost",
     "Preempted",
+    "TokenizerUnavailable",
     "Forbidden",
     "Unauthorized",
     "Overloaded",
@@ -138,6 +141,14 @@ class EngineFault(ServiceError, status=424, code="engine_fault"):
     it cannot help, so no Retry-After."""
 
 
+class IncompleteGeneration(ServiceError, code="incomplete_generation"):
+    """A finished job with no sequence to answer with (TGI's ``IncompleteGeneration``)."""
+
+
+class IncompleteGenerationStream(ServiceError, code="incomplete_generation_stream"):
+    """A stream's events ended without its final one (TGI's)."""
+
+
 class JobCancelled(ServiceError, status=499, code="cancelled"):
     """Cancelled by its client (a DELETE, or the client left before its answer)."""
 
@@ -157,6 +168,10 @@ class LeaseLost(ServiceError, status=503, code="lease_lost"):
 class Preempted(LeaseLost, code="preempted"):
     """Internal: this worker gave the job's slot to a waiting job owed it (preempt.lua); the job
     waits again and continues on whichever worker picks it. This one writes nothing more about it."""
+
+
+class TokenizerUnavailable(ServiceError, status=404, code="tokenizer_unavailable"):
+    """The API has no tokenizer for the model (it holds LLMQ_MODEL's only)."""
 
 
 class Forbidden(ServiceError, status=403, code="forbidden"):

@@ -29,6 +29,7 @@ import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
 from api.dialects.stream import NDJSON, StreamRenderer
+from api.dialects.vllm_extras import VllmExtras
 from shared.errors import InvalidRequest, ServiceError
 from shared.events import Done, Tokens
 from shared.schemas import GenerationRequest, JobResult, OutputOptions, SamplingParams, StructuredOutput
@@ -52,8 +53,10 @@ __all__ = [
 NAME = "happy_vllm"
 
 
-class VllmSampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The vLLM ``SamplingParams`` keywords llmq can honour, with vLLM's names, defaults and ranges."""
+class VllmSampling(VllmExtras, kw_only=True, forbid_unknown_fields=True):
+    """The vLLM ``SamplingParams`` keywords llmq can honour, with vLLM's names, defaults and ranges
+    (its extras beyond OpenAI's are :class:`VllmExtras`'s, here with ``SamplingParams``'s own
+    defaults rather than null)."""
 
     n: Annotated[int, Meta(ge=1, le=128)] = 1
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
@@ -65,20 +68,15 @@ class VllmSampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     seed: int | None = None
     max_tokens: Annotated[int, Meta(ge=1)] = 16
-    min_tokens: Annotated[int, Meta(ge=0)] = 0
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
 
 
-ACCEPTED_SAMPLING_KEYS = tuple(VllmSampling.__struct_fields__)
+# In vLLM's own order (its SamplingParams', which llmq's keeps), as the refusal lists them.
+ACCEPTED_SAMPLING_KEYS = tuple(f for f in SamplingParams.__struct_fields__ if f in VllmSampling.__struct_fields__)
 
 
 def sampling_from_dict(params: Mapping[str, object], *, extra_keys: tuple[str, ...] = ()) -> VllmSampling:
@@ -98,7 +96,7 @@ def sampling_from_dict(params: Mapping[str, object], *, extra_keys: tuple[str, .
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"Invalid sampling parameter: {exc}") from None
     # Lenient conversion reads "inf" and "nan" as floats, which JSON cannot carry to the worker.
-    for name in VllmSampling.__struct_fields__:
+    for name in ACCEPTED_SAMPLING_KEYS:
         value = getattr(sampling, name)
         values = value.values() if isinstance(value, dict) else [value]
         if any(isinstance(v, float) and not math.isfinite(v) for v in values):
@@ -115,26 +113,17 @@ def to_sampling_params(p: VllmSampling, structured: StructuredOutput | None = No
             f"max_tokens must be greater than or equal to min_tokens={p.min_tokens}, got {p.max_tokens}.",
             param="max_tokens",
         )
-    return SamplingParams(
+    return p.sampling_params(
         n=p.n,
         temperature=p.temperature,
         top_p=p.top_p,
-        top_k=p.top_k,
-        min_p=p.min_p,
-        repetition_penalty=p.repetition_penalty,
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
         seed=p.seed,
         max_tokens=p.max_tokens,
-        min_tokens=p.min_tokens,
         stop=stop,
-        stop_token_ids=p.stop_token_ids or [],
-        include_stop_str_in_output=p.include_stop_str_in_output,
-        ignore_eos=p.ignore_eos,
         logprobs=p.logprobs,
         prompt_logprobs=p.prompt_logprobs,
-        skip_special_tokens=p.skip_special_tokens,
-        spaces_between_special_tokens=p.spaces_between_special_tokens,
         logit_bias=p.logit_bias or {},
         allowed_token_ids=p.allowed_token_ids,
         structured=structured,

@@ -16,6 +16,7 @@ from api.dialects.common import ErrorObject, ErrorResponse
 from api.dialects.openai_structured import ResponseFormat, StructuredOutputs, structured_output
 from api.dialects.stream import SseKeepalive, StreamRenderer
 from api.dialects.tiers import priority_of_tier
+from api.dialects.vllm_extras import VllmExtras
 from shared.errors import InvalidRequest, ServiceError
 from shared.events import Done, TokenDelta, Tokens
 from shared.framing import SSE_DONE, sse
@@ -25,7 +26,6 @@ from shared.schemas import (
     JobResult,
     OutputOptions,
     PromptInfo,
-    SamplingParams,
     TopLogprob,
     Usage,
 )
@@ -57,7 +57,8 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     continuous_usage_stats: bool = False
 
 
-class CompletionRequest(msgspec.Struct, kw_only=True):
+# The docstring is the schema's description in /openapi.json: the vLLM extras are VllmExtras's.
+class CompletionRequest(VllmExtras, kw_only=True):
     """OpenAI's fields plus vLLM's sampling extras. Unknown fields are accepted, as vLLM does."""
 
     model: str | None = None
@@ -79,16 +80,6 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     seed: int | None = None
     user: str | None = None
     suffix: str | None = None
-    # vLLM extras
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
-    min_tokens: Annotated[int, Meta(ge=0)] = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
     priority: int | None = None  # None: the X-LLMQ-Priority header, or 0
     # A priority level (api/dialects/tiers.py); ``priority`` wins. OpenAI's completion object has
     # no field to report it in.
@@ -140,27 +131,18 @@ def to_generation_requests(body: CompletionRequest) -> list[GenerationRequest]:
     prompts = _prompts(body.prompt)
     if len(prompts) > MAX_PROMPTS:
         raise InvalidRequest(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
-    sampling = SamplingParams(
+    sampling = body.sampling_params(
         n=body.n,
         temperature=temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
-        min_p=body.min_p or 0.0,
-        repetition_penalty=body.repetition_penalty or 1.0,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         seed=None if body.seed == -1 else body.seed,
         max_tokens=16 if body.max_tokens is None else body.max_tokens,
-        min_tokens=body.min_tokens,
         stop=stop,
-        stop_token_ids=body.stop_token_ids or [],
-        include_stop_str_in_output=body.include_stop_str_in_output,
-        ignore_eos=body.ignore_eos,
         logprobs=body.logprobs,
         # echo with logprobs scores the prompt too, as vLLM does
         prompt_logprobs=body.logprobs if body.echo else None,
-        skip_special_tokens=body.skip_special_tokens,
-        spaces_between_special_tokens=body.spaces_between_special_tokens,
         logit_bias=logit_bias,
         structured=structured_output(body.structured_outputs, body.response_format),
     )

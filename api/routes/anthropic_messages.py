@@ -12,7 +12,7 @@ from api.http import decode_body, json_response
 from api.models import caller
 from api.operations import ASYNC, ASYNC_HEADERS, JSON, documented
 from api.services import Svc
-from api.tokenizer import TokenizerUnavailable
+from shared.errors import TokenizerUnavailable
 
 __all__ = ["ROUTES", "messages", "count_tokens"]
 

@@ -3,6 +3,18 @@
 -- them. A tenant's waiting-list item is '<waiting entry id> <job id>' (enqueue.lua).
 local Pick = {}
 
+-- Each level's keys, from the ``levels`` key group (shared/scripts.py lays it out: ``levels``
+-- items from KEYS[levels_at], ``levels_width`` keys each): three lists indexed by level + 1.
+function Pick.levels(levels, levels_at, levels_width)
+  local queues, waitings, fairs = {}, {}, {}
+  for l = 0, levels - 1 do
+    local k = levels_at + l * levels_width
+    local queue, waiting, fair = KEYS[k], KEYS[k + 1], KEYS[k + 2]
+    queues[l + 1], waitings[l + 1], fairs[l + 1] = queue, waiting, fair
+  end
+  return queues, waitings, fairs
+end
+
 -- The fields of a waiting job a pick reads, in this order.
 Pick.FIELDS = {'status', 'estimate', 'affinity', 'adapter', 'charged'}
 

@@ -23,12 +23,7 @@ max_preemptions, levels, levels_at = tonumber(max_preemptions), tonumber(levels)
 levels_width, job_keys_at, job_keys_width = tonumber(levels_width), tonumber(job_keys_at), tonumber(job_keys_width)
 jobs_at, jobs_width = tonumber(jobs_at), tonumber(jobs_width)
 
-local queues, waitings, fairs = {}, {}, {}
-for l = 0, levels - 1 do
-  local k = levels_at + l * levels_width
-  local queue, waiting, fair = KEYS[k], KEYS[k + 1], KEYS[k + 2]
-  queues[l + 1], waitings[l + 1], fairs[l + 1] = queue, waiting, fair
-end
+local queues, waitings, fairs = Pick.levels(levels, levels_at, levels_width)
 
 -- A tenant's standing (Pick.standing), read once per tenant.
 local standings = {}

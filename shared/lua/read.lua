@@ -88,12 +88,7 @@ local function next_tenant(fair, passed, n_passed, level)
   return best
 end
 
-local queues, waitings, fairs = {}, {}, {}
-for l = 0, levels - 1 do
-  local k = levels_at + l * levels_width
-  local queue, waiting, fair = KEYS[k], KEYS[k + 1], KEYS[k + 2]
-  queues[l + 1], waitings[l + 1], fairs[l + 1] = queue, waiting, fair
-end
+local queues, waitings, fairs = Pick.levels(levels, levels_at, levels_width)
 local out, tops, more = {}, {}, 0
 local want = tonumber(count)
 local skipped = 0

@@ -28,3 +28,17 @@ def test_a_second_class_with_a_taken_code_is_refused_at_its_definition():
     with pytest.raises(TypeError, match="'generation_failed' is taken by GenerationFailed"):
         class Again(ServiceError, code="generation_failed"):  # noqa: F841
             pass
+
+
+def test_every_service_error_is_declared_and_exported_by_shared_errors():
+    """An error declared elsewhere is registered only where that module happens to be imported,
+    so a process that never imports it rebuilds the code as UnknownError."""
+    import api.app  # noqa: F401  (imports every dialect and route module)
+    import shared.errors as errors
+
+    def subclasses(cls: type) -> list[type]:
+        return [c for s in cls.__subclasses__() for c in (s, *subclasses(s))]
+
+    declared = [c for c in subclasses(ServiceError) if c.__module__ != __name__]
+    assert {c.__module__ for c in declared} == {"shared.errors"}
+    assert {c.__name__ for c in declared} <= set(errors.__all__)

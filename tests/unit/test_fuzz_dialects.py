@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from api.body import decode
 from api.dialects import happy_vllm as hv
 from api.dialects import lmi, lmtp, tgi
 from api.dialects import openai_chat as chat
@@ -42,16 +43,6 @@ from tests.support.fuzzing import single_field_bodies
 
 MAX_MODEL_LEN = 2048
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def decode(kind: type, body: bytes) -> Any:
-    """``api.http.decode_body`` without a request."""
-    try:
-        return json_input.decode(body, json_input.decoder_for(kind))
-    except msgspec.ValidationError as exc:
-        raise InvalidRequest(f"Invalid request body: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"Malformed JSON body: {exc}") from None
 
 
 def admit(req: GenerationRequest) -> None:

@@ -97,3 +97,16 @@ def test_loads_is_json_loads_without_its_leniencies():
     for text in ('{"a": NaN}', '"\\ud800"', "\ufeff{}", "\ud800", "", deep(b"1", MAX_DEPTH + 1).decode()):
         with pytest.raises(ValueError):
             loads(text)
+
+
+def test_a_request_body_decodes_without_http_and_every_failure_is_invalid_request():
+    """api.body.decode is what a route's decode_body does with the bytes it read."""
+    from api.body import decode as decode_request
+    from shared.errors import InvalidRequest
+
+    assert decode_request(Body, b'{"prompt": "hi"}') == Body(prompt="hi")
+    with pytest.raises(InvalidRequest, match="^Invalid request body: Expected `str`"):
+        decode_request(Body, b'{"prompt": 1}')
+    for malformed in (b"", b"{", codecs.BOM_UTF8 + b"{}", b'"\xff"'):
+        with pytest.raises(InvalidRequest, match="^Malformed JSON body: "):
+            decode_request(Body, malformed)

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from api.dialects import openai_chat as chat
+from api.dialects.openai_chat_render import ChatCompletionMessage
 from shared.codec import encode
 from shared.errors import InvalidRequest
 from shared.events import Done, Error, TokenDelta, Tokens, ToolCallDelta
@@ -239,7 +240,7 @@ def test_render_result_without_logprobs_and_without_generation_prompt():
     assert encode(body.choices) == encode([expected])
     r = req({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False})
     body = chat.render_result(r, JobResult(choices=[Choice(text="y")]), "j", 1)
-    assert body.choices[0].message == chat.ChatCompletionMessage(role="user", content="y")
+    assert body.choices[0].message == ChatCompletionMessage(role="user", content="y")
 
 
 HEAD = b'data: {"id":"chatcmpl-j1","object":"chat.completion.chunk","created":7,"model":"tiny",'

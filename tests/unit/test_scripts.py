@@ -105,12 +105,22 @@ def named(file: str) -> Named:
 @pytest.mark.parametrize("script", scripts.SCRIPTS, ids=lambda s: s.file)
 def test_each_script_names_the_slots_of_its_layout_in_order(script: Script):
     got = named(script.file)
+    # A library may name a group's slots for the scripts that call it (Pick.levels: the levels).
+    libraries = [named(library.file) for library in scripts._libraries(script.uses)]
     assert got.ordered("KEYS") == script.keys
     assert got.ordered("ARGV") == script.argv
-    assert got.group_slots("KEYS") == Counter(g.slots for g in script.key_groups)
-    assert got.group_slots("ARGV") == Counter(g.slots for g in script.argv_groups)
+    for array, groups in (("KEYS", script.key_groups), ("ARGV", script.argv_groups)):
+        slots = sum((n.group_slots(array) for n in libraries), got.group_slots(array))
+        assert slots == Counter(g.slots for g in groups)
     for group in (*script.key_groups, *script.argv_groups):  # where each starts (and how wide it is)
         assert f"{group.name}_at" in script.argv
+
+
+@pytest.mark.parametrize("library", scripts.LIBRARIES, ids=lambda s: s.file)
+def test_a_library_names_no_fixed_slot(library: scripts.Library):
+    """Each script has its own fixed layout; only a group (at an index the script passes) can
+    mean the same slots in every script that calls the library."""
+    assert named(library.file).fixed == {"KEYS": {}, "ARGV": {}}
 
 
 @pytest.mark.parametrize("script", scripts.SCRIPTS, ids=lambda s: s.file)
