@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from api.dialects.stream import StreamRenderer, drive
+from api.follow_state import FollowState
 from api.listener import Inbox
 from shared.codec import decode_event
 from shared.errors import DeadlineExceeded, QueueUnavailable, ServiceError
@@ -71,15 +72,16 @@ class Lane:
     hands each one to :meth:`take`, in the listener's step: the next event in sequence (never the
     terminal one) goes to ``deliver``, the stream's consumer (:class:`api.http.EventStream`), which
     renders it through the stream's renderer and writes its frames, or declines (say, its client
-    is not keeping up). Whatever is not taken here reaches :func:`follow` as before, which then
-    goes on from ``last``: the order, the gap fill from the log, the terminal event, keep-alives,
-    deadlines and the end all stay there.
+    is not keeping up). Whatever is not taken here reaches :func:`follow` as before: the order,
+    the gap fill from the log, the terminal event, keep-alives, deadlines and the end all stay
+    there. Both drive the relay's one :class:`api.follow_state.FollowState`, which :func:`follow`
+    gives the lane as it starts, so neither copies the other's position.
     """
 
-    __slots__ = ("last", "deliver", "at", "failure")
+    __slots__ = ("state", "deliver", "at", "failure")
 
     def __init__(self) -> None:
-        self.last = 0  # the seq of the last event delivered (here or by follow)
+        self.state: FollowState | None = None  # the relay's position, once follow has started
         self.deliver: Callable[[Event], bool] | None = None
         self.at = 0.0  # when an event last went out here (loop time)
         self.failure: Exception | None = None  # rendering an event taken here failed
@@ -87,23 +89,26 @@ class Lane:
     def take(self, data: bytes) -> bool:
         """Called by the listener: whether ``data`` went out here. Raises nothing: this runs in the
         listener's step, and one stream's failure is that stream's alone."""
-        deliver = self.deliver
-        if deliver is None or not data:  # no consumer, or RESYNC: follow reads the log
+        deliver, state = self.deliver, self.state
+        if deliver is None or state is None or not data:  # no consumer, or RESYNC: follow reads the log
             return False
         try:
             event = decode_event(data)
         except Exception:  # follow decodes it again, and fails in the request's task
             return False
-        if event.seq != self.last + 1 or is_terminal(event):
-            return event.seq <= self.last  # a duplicate is dropped here; a gap or the end goes to follow
+        match state.place(event):
+            case "duplicate":
+                return True  # dropped here
+            case "gap" | "end":
+                return False  # follow's: it fills the gap from the log, or ends the relay
         try:
             if not deliver(event):
                 return False
         except Exception as exc:  # raised by follow in the request's task (drive renders a ServiceError)
             self.failure = exc
-            self.last = event.seq
+            state.sent(event)
             return False
-        self.last = event.seq
+        state.sent(event)
         self.at = asyncio.get_running_loop().time()
         return True
 
@@ -153,120 +158,30 @@ async def follow(
     warm worker has served its model for ``cold.wait_s`` while it was quiet. ``watcher`` hears
     of the terminal event and of the end (a hook here rather than a wrapping generator: no extra
     layer per event). With a ``lane``, events may go out through it while this waits (see :class:`Lane`).
+
+    This generator only yields; :class:`_Awaiting` does the waiting and reading, and the order is
+    :class:`api.follow_state.FollowState`'s, which the lane drives too.
     """
-    outage = _Outage()
-    loop = asyncio.get_running_loop()
-
-    async def read_log(after: int) -> list[Event] | None:
-        """The log's events after ``after``; None while Redis is away (read it again soon)."""
-        return await outage.ride(queue.read_events(model, job_id, after))
-
-    async def expire() -> float:
-        """End the job if it is overdue; returns when to check again (epoch ms)."""
-        if await outage.ride(queue.expire(model, job_id, grace_ms=DEADLINE_GRACE_MS)) is None:
-            return now_ms() + RETRY_LOG_S * 1000
-        return now_ms() + DEADLINE_GRACE_MS
-
-    # When the cold wait runs out (epoch ms), unless a warm worker is seen by then; None while one is.
-    cold_at = now_ms() + cold.wait_s * 1000 if cold is not None else None
-
-    async def watch_cold() -> None:
-        nonlocal cold, cold_at
-        assert cold is not None
-        try:
-            warm = await cold.warm()
-        except REDIS_DOWN:
-            return  # Redis is away: it says nothing about the workers; the relay recovers from the log
-        if warm:
-            cold_at = None
-            return
-        if cold_at is None:  # the warm workers went away: a fresh wait starts now
-            cold_at = now_ms() + cold.wait_s * 1000
-        if now_ms() >= cold_at:
-            # Still no worker: end the job (fenced, as a deadline does); its error event follows.
-            if await outage.ride(queue.expire(model, job_id, grace_ms=0, now=cold.error())) is not None:
-                cold = cold_at = None
-
+    state = FollowState(after_seq)
+    if lane is not None:
+        lane.state = state
+    awaiting = _Awaiting(queue, live, model, job_id, state, lane, check_log_s=check_log_s, keepalive_s=keepalive_s,
+                         deadline=deadline, cold=cold)
     try:
-        last = after_seq
-        base_wait_s = min(check_log_s, keepalive_s) if keepalive_s else check_log_s
-        idle_s = 0.0
-        quiet_at: float | None = None  # when the lane last sent an event, if it did while this waited
-        check_at = deadline
-        pending: list[Event] | None = await read_log(last) if backfill else []
+        if backfill:
+            await awaiting.read_log()
         while True:
-            log_due = pending is None  # Redis was away: the log is read again soon, not in check_log_s
-            pending = pending or []
-            for event in pending:
-                if event.seq <= last:
-                    continue  # a duplicate: already delivered live or from the log
-                last = event.seq
-                if is_terminal(event):
+            while (event := state.pop()) is not None:
+                if state.done:
                     if watcher is not None:
                         watcher.ended(event)  # before the yield: the reader may stop right after it
                     yield event
                     return
                 yield event
-            wait_s = min(base_wait_s, RETRY_LOG_S) if log_due else base_wait_s
-            if check_at is not None:
-                if time.time() * 1000 >= check_at:  # once per event: the bare clock, not now_ms's rounding
-                    check_at = await expire()
-                wait_s = min(wait_s, max(0.001, (check_at - time.time() * 1000) / 1000))
-            if cold_at is not None:
-                wait_s = min(wait_s, max(0.001, (cold_at - time.time() * 1000) / 1000))
-            if quiet_at is not None:  # events went out through the lane: quiet only since the last of them
-                wait_s = max(0.001, wait_s - (loop.time() - quiet_at))
-                quiet_at = None
-            parked_at = loop.time()
-            try:
-                # Messages already queued are taken without waiting, so a burst of events flows through
-                # the whole chain in one task step and the response's writes coalesce (api.middleware.CoalescingSend).
-                # A wait arms a timer, not wait_for's extra task per event (and keeps an item that
-                # arrives as the timer fires: it stays queued).
-                if live.empty():
-                    if lane is not None:
-                        lane.last = last
-                        live.sink = lane.take
-                    try:
-                        async with asyncio.timeout(wait_s):
-                            data = await live.get()
-                    finally:
-                        live.sink = None
-                        if lane is not None:
-                            last = lane.last
-                    if lane is not None and lane.failure is not None:
-                        raise lane.failure
-                else:
-                    data = live.get_nowait()
-            except TimeoutError:
-                if check_at is not None and now_ms() >= check_at:
-                    pending = []
-                    continue
-                if lane is not None and lane.at > parked_at:
-                    # Not quiet: events went out through the lane (so a worker runs the job: a quiet
-                    # stretch from now on starts a fresh cold wait, as after any event).
-                    idle_s, quiet_at, pending = 0.0, lane.at, []
-                    if cold_at is not None:
-                        cold_at = None
-                    continue
-                if cold is not None:  # quiet: is a worker there to run it?
-                    await watch_cold()
-                idle_s += wait_s
+            if await awaiting.wait():  # quiet for a while
                 if keepalive_s:
                     yield KEEPALIVE_TICK
-                if idle_s >= check_log_s or log_due:
-                    idle_s = 0.0
-                    pending = await read_log(last)
-                else:
-                    pending = []
-                continue
-            idle_s = 0.0
-            event = decode_event(data) if data else None  # empty bytes = RESYNC from the listener
-            if event is not None and event.seq <= last + 1:
-                pending = [event]
-            else:  # a gap, or a reconnect: the log has everything after `last`
-                pending = await read_log(last)
-
+                await awaiting.read_log_if_due()
     finally:
         if watcher is not None:
             await watcher.closed()
@@ -276,6 +191,136 @@ async def follow(
 # before it ends the client's stream with a 503; and how soon it reads the log again meanwhile.
 RELAY_OUTAGE_S = 30.0
 RETRY_LOG_S = 0.25
+
+
+class _Awaiting:
+    """The waiting half of :func:`follow`, and all of its I/O: the next live message (while the
+    lane may send events meanwhile), the log read after a gap, a reconnect or a quiet stretch, the
+    job ended past its deadline or its cold wait, and Redis ridden out while it is away. What it
+    receives goes into the relay's :class:`FollowState` for :func:`follow` to yield."""
+
+    def __init__(self, queue: Queue, live: Inbox, model: str, job_id: str, state: FollowState, lane: Lane | None,
+                 *, check_log_s: float, keepalive_s: float | None, deadline: float | None,
+                 cold: ColdWait | None) -> None:
+        self.queue, self.live, self.model, self.job_id = queue, live, model, job_id
+        self.state, self.lane = state, lane
+        self.check_log_s = check_log_s
+        self.base_wait_s = min(check_log_s, keepalive_s) if keepalive_s else check_log_s
+        self.check_at = deadline  # when to look at the deadline next (epoch ms)
+        self.cold = cold
+        # When the cold wait runs out (epoch ms), unless a warm worker is seen by then; None while one is.
+        self.cold_at = now_ms() + cold.wait_s * 1000 if cold is not None else None
+        self.idle_s = 0.0  # quiet since the log was last read
+        self.quiet_at: float | None = None  # when the lane last sent an event, if it did while this waited
+        self.log_due = False  # Redis was away at the last read: the log is read again soon, not in check_log_s
+        self.outage = _Outage()
+        self.loop = asyncio.get_running_loop()
+
+    async def read_log(self) -> None:
+        """Hold the log's events after the last one delivered (or, while Redis is away, read it again soon)."""
+        events = await self.outage.ride(self.queue.read_events(self.model, self.job_id, self.state.last))
+        self.log_due = events is None
+        if events:
+            self.state.fill(events)
+
+    async def read_log_if_due(self) -> None:
+        """After a quiet wait: the log, once ``check_log_s`` has passed quietly or Redis was away."""
+        if self.idle_s >= self.check_log_s or self.log_due:
+            self.idle_s = 0.0
+            await self.read_log()
+
+    async def wait(self) -> bool:
+        """Wait for the next live message and hold it (or, after a gap, the log's events). True when
+        the wait was quiet: :func:`follow`'s keep-alive, then :meth:`read_log_if_due`."""
+        wait_s = await self._wait_s()
+        parked_at = self.loop.time()
+        try:
+            data = await self._message(wait_s)
+        except TimeoutError:
+            return await self._timed_out(wait_s, parked_at)
+        self.idle_s = 0.0
+        event = decode_event(data) if data else None  # empty bytes = RESYNC from the listener
+        if event is not None and self.state.place(event) != "gap":
+            self.state.hold(event)  # a duplicate is dropped as it is popped
+            self.log_due = False
+        else:  # a gap, or a reconnect: the log has everything after the last event delivered
+            await self.read_log()
+        return False
+
+    async def _wait_s(self) -> float:
+        """How long the next wait may last: until the log, the deadline or the cold wait is due,
+        less the activity the lane's events counted since (ending the job if it is overdue now)."""
+        wait_s = min(self.base_wait_s, RETRY_LOG_S) if self.log_due else self.base_wait_s
+        if self.check_at is not None:
+            if time.time() * 1000 >= self.check_at:  # once per event: the bare clock, not now_ms's rounding
+                self.check_at = await self._expire()
+            wait_s = min(wait_s, max(0.001, (self.check_at - time.time() * 1000) / 1000))
+        if self.cold_at is not None:
+            wait_s = min(wait_s, max(0.001, (self.cold_at - time.time() * 1000) / 1000))
+        if self.quiet_at is not None:  # events went out through the lane: quiet only since the last of them
+            wait_s = max(0.001, wait_s - (self.loop.time() - self.quiet_at))
+            self.quiet_at = None
+        return wait_s
+
+    async def _message(self, wait_s: float) -> bytes:
+        """The next live message; TimeoutError after ``wait_s``. Messages already queued are taken
+        without waiting, so a burst of events flows through the whole chain in one task step and the
+        response's writes coalesce (api.middleware.CoalescingSend). A wait arms a timer, not
+        wait_for's extra task per event (and keeps an item that arrives as the timer fires: it
+        stays queued); meanwhile the lane may take the messages."""
+        live, lane = self.live, self.lane
+        if not live.empty():
+            return live.get_nowait()
+        if lane is not None:
+            live.sink = lane.take
+        try:
+            async with asyncio.timeout(wait_s):
+                data = await live.get()
+        finally:
+            live.sink = None
+        if lane is not None and lane.failure is not None:
+            raise lane.failure
+        return data
+
+    async def _timed_out(self, wait_s: float, parked_at: float) -> bool:
+        """The wait ran out: whether it was quiet, or the deadline is due, or the lane's events flowed."""
+        if self.check_at is not None and now_ms() >= self.check_at:
+            self.log_due = False
+            return False  # the next wait's first look is at the deadline
+        lane = self.lane
+        if lane is not None and lane.at > parked_at:
+            # Not quiet: events went out through the lane (so a worker runs the job: a quiet
+            # stretch from now on starts a fresh cold wait, as after any event).
+            self.idle_s, self.quiet_at, self.log_due, self.cold_at = 0.0, lane.at, False, None
+            return False
+        if self.cold is not None:  # quiet: is a worker there to run it?
+            await self._watch_cold()
+        self.idle_s += wait_s
+        return True
+
+    async def _expire(self) -> float:
+        """End the job if it is overdue; returns when to check again (epoch ms)."""
+        if await self.outage.ride(self.queue.expire(self.model, self.job_id, grace_ms=DEADLINE_GRACE_MS)) is None:
+            return now_ms() + RETRY_LOG_S * 1000
+        return now_ms() + DEADLINE_GRACE_MS
+
+    async def _watch_cold(self) -> None:
+        cold = self.cold
+        assert cold is not None
+        try:
+            warm = await cold.warm()
+        except REDIS_DOWN:
+            return  # Redis is away: it says nothing about the workers; the relay recovers from the log
+        if warm:
+            self.cold_at = None
+            return
+        if self.cold_at is None:  # the warm workers went away: a fresh wait starts now
+            self.cold_at = now_ms() + cold.wait_s * 1000
+        if now_ms() >= self.cold_at:
+            # Still no worker: end the job (fenced, as a deadline does); its error event follows.
+            ended = await self.outage.ride(self.queue.expire(self.model, self.job_id, grace_ms=0, now=cold.error()))
+            if ended is not None:
+                self.cold = self.cold_at = None
 
 
 class _Outage:
