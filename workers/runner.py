@@ -6,7 +6,9 @@ Tasks (all owned by :meth:`Worker.run`):
   stalled; they continue from their published tokens, workers/continuation.py), then picks new
   jobs, the most urgent priority level first (``Queue.pick``), and when nobody waits blocks until
   a job is queued (``Queue.wait_for_work``, holding no slot); never claims more jobs than the
-  engine can start (workers/slots.py), so nothing waits unseen inside this process.
+  engine can start (workers/slots.py), so nothing waits unseen inside this process. With no
+  slot free it offers the running jobs that may give way (workers/preemption.py decides which)
+  to a waiting job owed a slot, and swaps one for it.
 - watcher: takes over at once the jobs of a peer whose process died, told by its control
   subscription being gone (:meth:`Presence.dead_peers`, workers/presence.py); the lease stays
   the backstop for a peer that is alive but stalled, hung or cut off.
@@ -62,6 +64,7 @@ from shared.redis import REDIS_DOWN
 from shared.registry import Registry
 from shared.schemas import GenerationRequest, JobResult, Usage
 from shared.scripts import NO_AFFINITY, Affinity, Candidate
+from workers import preemption
 from workers.attempt import Attempt
 from workers.continuation import plan_for
 from workers.outbox import Outbox
@@ -77,9 +80,6 @@ __all__ = ["Worker"]
 
 log = structlog.get_logger()
 
-PREEMPT_POLL_S = 0.02
-"""How often a full worker asks again whether a running job should give way, while jobs wait
-(preempt.lua: one short script): a light tenant's job waits at most this long for its swap."""
 
 async def _cancel(*tasks: asyncio.Task[None]) -> None:
     """Cancel ``tasks`` and return once they are done. Cancelled again until they are: on Python
@@ -104,8 +104,7 @@ class _Running:
     started). The engine runs meanwhile; nothing about the job is written before it is set."""
     tenant: str = ""
     preemptible: bool = False
-    """It may give way to a waiting job: it has a tenant, is not a beam search (which publishes only
-    at its end: nothing to continue from), and was preempted fewer than LLMQ_PREEMPT_MAX times."""
+    """It may give way to a waiting job (:func:`workers.preemption.may_give_way`)."""
     preemptions: int = 0
     started: float = 0.0  # the event loop's time at its start
     attempt: Attempt | None = None  # once its task runs
@@ -270,7 +269,7 @@ class Worker:
             if not swap.waiting:  # a slot that frees meanwhile has nobody to run: no hurry
                 await self.queue.wait_for_work(self.model, swap.tops, self.settings.block_ms, self._stopping)
                 return
-            soonest = PREEMPT_POLL_S
+            soonest = preemption.PREEMPT_POLL_S
         elif soonest is None:  # none of ours may give way, now or later
             await self.slots.wait_free(self._stopping)
             return
@@ -279,33 +278,12 @@ class Worker:
                 await self.slots.wait_free(self._stopping)
 
     def _candidates(self) -> tuple[list[Candidate], float | None]:
-        """The running jobs that may give way now: per tenant and level the one preempted least
-        often, then cheapest to resume (the fewest tokens to compute again), past LLMQ_PREEMPT_MIN_RUN_MS and
-        LLMQ_PREEMPT_MIN_TOKENS in this start, its claim confirmed; and the seconds until another
-        may (None: none will)."""
-        now = asyncio.get_running_loop().time()
-        min_run_s = self.settings.preempt_min_run_ms / 1000
-        cheapest: dict[tuple[str, int], tuple[tuple[int, int], Candidate]] = {}
-        soonest: float | None = None
-        for job_id, r in self._running.items():
-            if not r.preemptible or r.stop_reason is not None:
-                continue
-            attempt = r.attempt
-            wait = min_run_s - (now - r.started)
-            if wait <= 0 and (attempt is None or r.claim is not None
-                              or attempt.usage.completion_tokens - attempt.carried < self.settings.preempt_min_tokens):
-                wait = PREEMPT_POLL_S  # not started, or not confirmed, or too few tokens yet: soon
-            if wait > 0:
-                soonest = wait if soonest is None else min(soonest, wait)
-                continue
-            assert attempt is not None
-            usage = attempt.usage
-            cost = (r.preemptions, usage.prompt_tokens + usage.completion_tokens)
-            key = (r.tenant, r.held.level)
-            if key not in cheapest or cost < cheapest[key][0]:
-                cheapest[key] = (cost, Candidate(job_id, r.held.entry_id, r.held.attempt, r.held.level,
-                                                 usage.prompt_tokens, usage.completion_tokens))
-        return [c for _, c in cheapest.values()], soonest
+        """The running jobs that may give way now, and the seconds until another may
+        (:func:`workers.preemption.candidates`)."""
+        running = [preemption.RunningJob(job_id, r.held, r.tenant, r.started, r.preemptions,
+                                         confirmed=r.claim is None, attempt=r.attempt)
+                   for job_id, r in self._running.items() if r.preemptible and r.stop_reason is None]
+        return preemption.candidates(running, asyncio.get_running_loop().time(), self.settings)
 
     async def _swap(self, swap: Swap) -> None:
         """A running job gave way (preempt.lua handed it back to wait again): stop it here, writing
@@ -464,8 +442,7 @@ class Worker:
                 running = _Running(task=task, held=d.held, spans=spans,
                                    claim=claim, tenant=d.tenant, started=asyncio.get_running_loop().time(),
                                    preemptions=d.preemptions,
-                                   preemptible=bool(d.tenant) and d.request.sampling.beam_width == 1
-                                   and d.preemptions < self.settings.preempt_max)
+                                   preemptible=preemption.may_give_way(d, self.settings))
                 if d.deadline is not None:
                     running.deadline = asyncio.get_running_loop().call_later(
                         max(0.0, (d.deadline - now_ms()) / 1000), self.cancel_job, d.job_id,
