@@ -11,9 +11,12 @@ in the :class:`Emission`. Tested step by step like LMTP's ``TokenStream.feed``
 (tests/unit/test_attempt.py).
 
 A step may join the attempt's last token event instead of making one (``on_step``'s ``join``: the
-worker's flusher has not taken that event yet, and the job's dialect reads merged deltas as the
-separate ones, shared/chunking.py): the event is then encoded again once, when the worker takes it
-(:meth:`Attempt.sealed`), not per step (tests/unit/test_merged_events.py).
+job's dialect reads merged deltas as the separate ones, shared/chunking.py), while that event is
+still *open*: the worker's outbox has not sealed it (workers/outbox.py). The event is then encoded
+again once, when the outbox seals it (:meth:`Attempt.sealed`, which closes it), not per step
+(tests/unit/test_merged_events.py). So the worker crosses into the attempt once per step
+(``on_step``) and gets one :class:`Emission` back; whether a step may still join is the attempt's
+own state, not a question the worker asks each step.
 """
 
 from __future__ import annotations
@@ -201,9 +204,10 @@ class Attempt:
         """The prompt's ids this attempt's first event carried (None: it carried none), kept to
         write them again with it (the worker's refill after a failover)."""
         self._open: list[TokenDelta] | None = None
-        """The deltas of the last event (``seq``) while later steps may join it: a token event, not
-        the attempt's first (which carries the prompt's ids and the first token, and opens the
-        client's stream with what one step made)."""
+        """The deltas of the last event (``seq``) while later steps may join it, until it is
+        :meth:`sealed` or a later event is made: a token event, not the attempt's first (which
+        carries the prompt's ids and the first token, and opens the client's stream with what one
+        step made)."""
         self._stale = False
         """Steps joined the open event since it was encoded (``encoded[-1]``)."""
 
@@ -220,11 +224,11 @@ class Attempt:
 
     def on_step(self, step: Step, clock: Callable[[], float], join: bool = False) -> Emission | None:
         """The event one engine step makes, if any. ``clock``: the time now (epoch ms), read only
-        for the first token and the end (not per step: this runs once per token). ``join``: the
-        attempt's last event is still unsent (the worker's flusher has not taken it) and the job's
-        stream reads merged deltas as separate ones (shared/chunking.py): the step's tokens join
-        that event when they can (:func:`merge_deltas`), its seq theirs, so one log entry and one
-        live line carry them, seqs still 1..n; the event's bytes are then :meth:`sealed`'s."""
+        for the first token and the end (not per step: this runs once per token). ``join``: the job's
+        stream reads merged deltas as separate ones (shared/chunking.py): while the attempt's last
+        event is open (not yet :meth:`sealed`: the worker's outbox has not taken it), the step's
+        tokens join it when they can (:func:`merge_deltas`), its seq theirs, so one log entry and
+        one live line carry them, seqs still 1..n; the event's bytes are then :meth:`sealed`'s."""
         finite_logprobs(step)
         if self.fresh:
             self.usage.prompt_tokens = step.prompt_tokens or self.usage.prompt_tokens
@@ -280,7 +284,8 @@ class Attempt:
 
     def sealed(self, seq: int) -> bytes:
         """The JSON of this attempt's event ``seq`` with every step that joined it; no step joins
-        it after this (the worker calls it as the event leaves its outbox)."""
+        it after this (the worker's outbox calls it as the event is taken, or a later event of the
+        job queued: workers/outbox.py)."""
         if seq == self.seq:
             self._close()
         return self.encoded[seq - self.base - 1]

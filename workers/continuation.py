@@ -51,27 +51,11 @@ from shared.queue import Delivery, Queue
 from shared.redis import REDIS_DOWN
 from shared.result import ResultBuilder
 from shared.schemas import GenerationRequest, SamplingParams
-from workers.protocol import Step
+from workers.protocol import Part, Published, Step
 
-__all__ = ["Continuation", "Part", "Published", "Replay", "needs_replay", "plan_continuation", "plan_for",
-           "published", "run_parts"]
+__all__ = ["Continuation", "Replay", "needs_replay", "plan_continuation", "plan_for", "published", "run_parts"]
 
 log = structlog.get_logger()
-
-
-@dataclass(frozen=True, slots=True)
-class Part:
-    """One unfinished choice of a continued job, run as its own engine request (n = 1)."""
-
-    index: int
-    """The choice's index in the job's events."""
-    request: GenerationRequest
-    """With ``replay``: the original prompt's token ids and parameters. Without: the prompt
-    extended by the choice's published tokens, with the rest of its budget."""
-    replay: tuple[int, ...] = ()
-    """Output tokens the engine must force first: the choice's published tokens."""
-    held: Published | None = None
-    """What the client already holds for ``replay``: its text per channel."""
 
 
 @dataclass(slots=True)
@@ -89,19 +73,6 @@ class Continuation:
     """Completion tokens published by earlier attempts, all choices together."""
     prompt_tokens: int = 0
     """The original prompt's length (an extended prompt is longer)."""
-
-
-@dataclass(slots=True)
-class Published:
-    """What the client already holds of one choice: its tokens, and its text per channel (the
-    content; with a parsed chat also the reasoning and each tool call's arguments)."""
-
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finished: bool = False
-    reasoning: str = ""
-    calls: dict[int, str] = field(default_factory=dict)
-    """Per tool call index, its arguments so far (a call in here has had its id and name sent)."""
 
 
 def published(prior: Sequence[Event]) -> dict[int, Published]:

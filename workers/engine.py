@@ -42,10 +42,10 @@ from workers import faults as faults_
 from workers import forcing
 from workers.adapters import EngineAdapters
 from workers.beam import beam_search
-from workers.continuation import Part, run_parts
+from workers.continuation import run_parts
 from workers.environment import eager
 from workers.parsing import ChoiceParser, OutputParsers, Parsing
-from workers.protocol import AdapterState, Death, Step
+from workers.protocol import AdapterState, Death, Part, Step
 
 __all__ = ["VllmEngine", "to_sampling_params", "engine_args"]
 

@@ -1,23 +1,20 @@
-"""What the worker's loop needs from an engine: the :class:`Engine` Protocol and the :class:`Step`
-it yields.
+"""What the worker's loop needs from an engine: the :class:`Engine` Protocol, the :class:`Step`
+it yields, and the :class:`Part` a continued job is run in (workers/continuation.py).
 
 Kept apart from workers/engine.py, the one module that imports vLLM (and so torch): the runner,
-crash continuation and every test's fake engine use these two names without loading vLLM.
+crash continuation and every test's fake engine use these names without loading vLLM.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple, Protocol
 
 from shared.events import TokenDelta
 from shared.schemas import GenerationRequest, PromptInfo
 
-if TYPE_CHECKING:  # workers.continuation imports Step from here
-    from workers.continuation import Part
-
-__all__ = ["Engine", "Step", "AdapterState", "Death"]
+__all__ = ["Engine", "Step", "AdapterState", "Death", "Part", "Published"]
 
 
 @dataclass(slots=True)
@@ -34,6 +31,34 @@ class Step:
     prompt_token_ids: list[int] | None = None
     """The prompt's token ids as the engine saw them, on the first step: kept with the job so
     another worker can continue it if this one dies (workers/continuation.py)."""
+
+
+@dataclass(slots=True)
+class Published:
+    """What the client already holds of one choice: its tokens, and its text per channel (the
+    content; with a parsed chat also the reasoning and each tool call's arguments)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    reasoning: str = ""
+    calls: dict[int, str] = field(default_factory=dict)
+    """Per tool call index, its arguments so far (a call in here has had its id and name sent)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One unfinished choice of a continued job, run as its own engine request (n = 1)."""
+
+    index: int
+    """The choice's index in the job's events."""
+    request: GenerationRequest
+    """With ``replay``: the original prompt's token ids and parameters. Without: the prompt
+    extended by the choice's published tokens, with the rest of its budget."""
+    replay: tuple[int, ...] = ()
+    """Output tokens the engine must force first: the choice's published tokens."""
+    held: Published | None = None
+    """What the client already holds for ``replay``: its text per channel."""
 
 
 Death = Literal["failed", "killed"]

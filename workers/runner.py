@@ -6,16 +6,18 @@ Tasks (all owned by :meth:`Worker.run`):
   stalled; they continue from their published tokens, workers/continuation.py), then picks new
   jobs, the most urgent priority level first (``Queue.pick``), and when nobody waits blocks until
   a job is queued (``Queue.wait_for_work``, holding no slot); never claims more jobs than the
-  engine can start (workers/slots.py), so nothing waits unseen inside this process.
+  engine can start (workers/slots.py), so nothing waits unseen inside this process. With no
+  slot free it offers the running jobs that may give way (workers/preemption.py decides which)
+  to a waiting job owed a slot, and swaps one for it.
 - watcher: takes over at once the jobs of a peer whose process died, told by its control
   subscription being gone (:meth:`Presence.dead_peers`, workers/presence.py); the lease stays
   the backstop for a peer that is alive but stalled, hung or cut off.
 - one task per job, in the same task group: iterates the engine's DELTA outputs, turned into
-  events by its :class:`workers.attempt.Attempt`, and appends them to the outbox; a timer aborts
+  events by its :class:`workers.attempt.Attempt`, and hands them to the outbox; a timer aborts
   it at the job's deadline.
-- flusher: writes the outbox in one round trip per batch (events of one engine step together);
-  while it writes, a job's next steps join the job's event still in the outbox, where the job's
-  dialect renders text deltas (shared/chunking.py).
+- flusher (:meth:`workers.outbox.Outbox.run`): writes the outbox in one round trip per batch
+  (events of one engine step together); while it writes, a job's next steps join the job's event
+  still in the outbox, where the job's dialect renders text deltas (shared/chunking.py).
 - heartbeat and control: the worker's key with a TTL (:class:`Presence`, which the worker owns),
   the leases of its jobs (renewed, fenced by owner and attempt: a job reclaimed by a peer is
   aborted here and written nowhere), and aborts.
@@ -55,15 +57,17 @@ from shared.errors import (
     Preempted,
     ServiceError,
 )
-from shared.events import Done, Error, Event, Timings, is_terminal
+from shared.events import Done, Error, Timings
 from shared.metrics import Recorder
-from shared.queue import Delivery, Held, Outbound, Queue, Swap, now_ms
+from shared.queue import Delivery, Held, Queue, Swap, now_ms
 from shared.redis import REDIS_DOWN
 from shared.registry import Registry
 from shared.schemas import GenerationRequest, JobResult, Usage
 from shared.scripts import NO_AFFINITY, Affinity, Candidate
+from workers import preemption
 from workers.attempt import Attempt
 from workers.continuation import plan_for
+from workers.outbox import Outbox
 from workers.presence import Presence, Status
 from workers.protocol import Death, Engine
 from workers.slots import Reservation, Slots
@@ -75,10 +79,6 @@ if TYPE_CHECKING:  # OpenTelemetry is imported only with tracing on
 __all__ = ["Worker"]
 
 log = structlog.get_logger()
-
-PREEMPT_POLL_S = 0.02
-"""How often a full worker asks again whether a running job should give way, while jobs wait
-(preempt.lua: one short script): a light tenant's job waits at most this long for its swap."""
 
 
 async def _cancel(*tasks: asyncio.Task[None]) -> None:
@@ -104,8 +104,7 @@ class _Running:
     started). The engine runs meanwhile; nothing about the job is written before it is set."""
     tenant: str = ""
     preemptible: bool = False
-    """It may give way to a waiting job: it has a tenant, is not a beam search (which publishes only
-    at its end: nothing to continue from), and was preempted fewer than LLMQ_PREEMPT_MAX times."""
+    """It may give way to a waiting job (:func:`workers.preemption.may_give_way`)."""
     preemptions: int = 0
     started: float = 0.0  # the event loop's time at its start
     attempt: Attempt | None = None  # once its task runs
@@ -146,19 +145,8 @@ class Worker:
         self._deaths: list[float] = []  # the loop's time of each engine death in the window
         self._recovery: asyncio.Task[None] | None = None
         self._tasks: asyncio.TaskGroup | None = None  # the run's: job tasks start in it
-        self._outbox: list[Outbound] = []
-        self._unsent: dict[str, tuple[Outbound, Attempt]] = {}
-        """Per job whose dialect reads merged steps (shared/chunking.py), its last token event while
-        it is still in the outbox, with its attempt: the job's next steps join it (Attempt.on_step's
-        ``join``) until the flusher takes the outbox, which then takes the event's bytes
-        (Attempt.sealed)."""
-        self._ends_unwritten = 0
-        """Terminal events in the outbox or being written: their jobs' slots are free here, while
-        Redis still counts them running (:meth:`_written_ends`)."""
-        self._outbox_ready = asyncio.Event()
+        self.outbox = Outbox(queue, self.model, self.worker_id, self._lose)
         self._stopping = asyncio.Event()
-        self._closing = False  # set after the drain: the flusher exits once the outbox is empty
-        self._flush_lock = asyncio.Lock()  # one flush at a time: a job's events reach Redis in order
         self._lease_ms = int(settings.lease_s * 1000)
         self._next_reclaim = 0.0
         self.metrics = Recorder(self.model)  # pushed with each heartbeat (shared/metrics.py)
@@ -194,14 +182,12 @@ class Worker:
             self._engine_up.set()
             await self._beat()
             log.info("worker_ready", worker=self.worker_id, slots=self.slots.total)
-            flusher = tg.create_task(self._flusher())
+            flusher = tg.create_task(self.outbox.run())
             watcher = tg.create_task(self._watch())
             await self._reader()
             await self._drain()
             await _cancel(heartbeat, control, watcher, *([self._recovery] if self._recovery else []))
-            # Let the flusher write what is left; cancelling it could drop a batch mid-write.
-            self._closing = True
-            self._outbox_ready.set()
+            self.outbox.close()  # the flusher writes what is left, then returns
             await flusher
         self._tasks = None
         await self.presence.unregister()
@@ -254,7 +240,7 @@ class Worker:
         """Pick as many new jobs as there are slots available and start them. Returns, when
         nobody waits, where to wait for work from and for how long at most
         (:attr:`shared.queue.Picked.tops`, :attr:`~shared.queue.Picked.wake_ms`); else None."""
-        await self._written_ends()
+        await self.outbox.write_ends()
         with self.slots.reserve(self.slots.available) as slots:
             if not slots.held:
                 return None
@@ -273,7 +259,7 @@ class Worker:
         waits, once a job is queued."""
         candidates, soonest = self._candidates()
         if candidates:
-            await self._written_ends()
+            await self.outbox.write_ends()
             swap = await self.queue.preempt(self.model, self.worker_id, candidates,
                                             max_failed=self.settings.max_deliveries,
                                             max_preemptions=self.settings.preempt_max)
@@ -283,7 +269,7 @@ class Worker:
             if not swap.waiting:  # a slot that frees meanwhile has nobody to run: no hurry
                 await self.queue.wait_for_work(self.model, swap.tops, self.settings.block_ms, self._stopping)
                 return
-            soonest = PREEMPT_POLL_S
+            soonest = preemption.PREEMPT_POLL_S
         elif soonest is None:  # none of ours may give way, now or later
             await self.slots.wait_free(self._stopping)
             return
@@ -292,33 +278,12 @@ class Worker:
                 await self.slots.wait_free(self._stopping)
 
     def _candidates(self) -> tuple[list[Candidate], float | None]:
-        """The running jobs that may give way now: per tenant and level the one preempted least
-        often, then cheapest to resume (the fewest tokens to compute again), past LLMQ_PREEMPT_MIN_RUN_MS and
-        LLMQ_PREEMPT_MIN_TOKENS in this start, its claim confirmed; and the seconds until another
-        may (None: none will)."""
-        now = asyncio.get_running_loop().time()
-        min_run_s = self.settings.preempt_min_run_ms / 1000
-        cheapest: dict[tuple[str, int], tuple[tuple[int, int], Candidate]] = {}
-        soonest: float | None = None
-        for job_id, r in self._running.items():
-            if not r.preemptible or r.stop_reason is not None:
-                continue
-            attempt = r.attempt
-            wait = min_run_s - (now - r.started)
-            if wait <= 0 and (attempt is None or r.claim is not None
-                              or attempt.usage.completion_tokens - attempt.carried < self.settings.preempt_min_tokens):
-                wait = PREEMPT_POLL_S  # not started, or not confirmed, or too few tokens yet: soon
-            if wait > 0:
-                soonest = wait if soonest is None else min(soonest, wait)
-                continue
-            assert attempt is not None
-            usage = attempt.usage
-            cost = (r.preemptions, usage.prompt_tokens + usage.completion_tokens)
-            key = (r.tenant, r.held.level)
-            if key not in cheapest or cost < cheapest[key][0]:
-                cheapest[key] = (cost, Candidate(job_id, r.held.entry_id, r.held.attempt, r.held.level,
-                                                 usage.prompt_tokens, usage.completion_tokens))
-        return [c for _, c in cheapest.values()], soonest
+        """The running jobs that may give way now, and the seconds until another may
+        (:func:`workers.preemption.candidates`)."""
+        running = [preemption.RunningJob(job_id, r.held, r.tenant, r.started, r.preemptions,
+                                         confirmed=r.claim is None, attempt=r.attempt)
+                   for job_id, r in self._running.items() if r.preemptible and r.stop_reason is None]
+        return preemption.candidates(running, asyncio.get_running_loop().time(), self.settings)
 
     async def _swap(self, swap: Swap) -> None:
         """A running job gave way (preempt.lua handed it back to wait again): stop it here, writing
@@ -341,13 +306,6 @@ class Worker:
         # Its slot went to a dead peer's job meanwhile: the picked job goes back for a peer.
         held = [d.held for d in swap.deliveries]
         await self.queue.renew(self.model, self.worker_id, held, hand_back_idle_ms=self._lease_ms + 60_000)
-
-    async def _written_ends(self) -> None:
-        """Before a pick or a preemption check: the ends of the jobs whose slots just freed are
-        written first, so the fair share sees them ended (their tenants' running jobs and
-        counters) and gives no slot a preemption would take back at once."""
-        if self._ends_unwritten:
-            await self._flush_once()
 
     def _affinity(self) -> Affinity:
         """What this worker's pick says of affinity: the settings, and the adapters its engine holds."""
@@ -484,8 +442,7 @@ class Worker:
                 running = _Running(task=task, held=d.held, spans=spans,
                                    claim=claim, tenant=d.tenant, started=asyncio.get_running_loop().time(),
                                    preemptions=d.preemptions,
-                                   preemptible=bool(d.tenant) and d.request.sampling.beam_width == 1
-                                   and d.preemptions < self.settings.preempt_max)
+                                   preemptible=preemption.may_give_way(d, self.settings))
                 if d.deadline is not None:
                     running.deadline = asyncio.get_running_loop().call_later(
                         max(0.0, (d.deadline - now_ms()) / 1000), self.cancel_job, d.job_id,
@@ -616,7 +573,8 @@ class Worker:
             raise EngineDead("the engine was dead when the job started")
         running.in_engine = True
         async for step in self.engine.stream(d.job_id, plan.request, plan.parts, trace_headers=headers):
-            out = attempt.on_step(step, now_ms, join=d.job_id in self._unsent)
+            # The step joins the job's last event if the outbox has not sealed it (workers/outbox.py).
+            out = attempt.on_step(step, now_ms, join=merges)
             if out is None:
                 continue
             if held:  # the engine started before the claim was confirmed: its first event waits for it
@@ -627,22 +585,13 @@ class Worker:
                 self.metrics.observe("llmq_ttft_seconds", (out.first_token_at - d.queued_at) / 1000)
             if out.merged:
                 continue  # its tokens joined the job's event still in the outbox (the flusher is behind)
-            self._seal(d.job_id)
             if out.terminal is not None:
                 self._emit(d, out.terminal, data=out.data, entry_id=d.entry_id, result=out.result,
                            first_token_at=out.first_token_at, log=out.log, history=attempt.encoded,
                            history_from=attempt.base, history_prompt_ids=attempt.logged_prompt_ids)
                 self._log_finished(attempt.timings, attempt.usage, out.result)
                 return
-            # A token event: its bytes only, no event object (the outbox's usual entry).
-            outbound = Outbound(d.job_id, first_token_at=out.first_token_at, attempt=d.attempt,
-                                prompt_ids=out.prompt_ids, level=d.level, history=attempt.encoded,
-                                history_from=attempt.base, history_prompt_ids=attempt.logged_prompt_ids,
-                                data=out.data, seq=out.seq)
-            self._outbox.append(outbound)
-            self._outbox_ready.set()
-            if merges:
-                self._unsent[d.job_id] = (outbound, attempt)
+            self.outbox.add(d, attempt, out)
         raise GenerationFailed("the engine ended the job without a final output")
 
     @staticmethod
@@ -664,7 +613,6 @@ class Worker:
         # The code, not the message: that can quote the request (an engine's or a template's
         # error); the client and the job record get it.
         log.info("job_ended", job_id=d.job_id, code=exc.code)
-        self._seal(d.job_id)
         out = attempt.end(exc)
         assert out.terminal is not None
         self._emit(d, out.terminal, data=out.data, entry_id=d.entry_id, log=out.log, usage=attempt.usage,
@@ -771,7 +719,7 @@ class Worker:
         after its logged events (the continuation path, workers/continuation.py: the same
         attempt, whose fence this worker still holds). False when the engine died under one: that
         one was dead-lettered, and the rest wait for the next engine."""
-        await self._flush_until_empty()  # the continuation reads the log: every event of theirs in it
+        await self.outbox.until_empty()  # the continuation reads the log: every event of theirs in it
         while self._suspects:
             job_id = next(iter(self._suspects))
             suspect = self._suspects.pop(job_id)
@@ -792,32 +740,15 @@ class Worker:
                 return False
         return True
 
-    async def _flush_until_empty(self) -> None:
-        """Until every event made so far is written (one under way included): before a continuation
-        reads the log, or a peer continues after it."""
-        while self._outbox or self._flush_lock.locked():
-            await self._flush_once()
-
     # --- publishing ---------------------------------------------------------------------------
 
-    def _emit(self, d: Delivery, event: Event, **extra) -> None:
-        extra.setdefault("attempt", d.attempt)
-        extra.setdefault("level", d.level)
-        if is_terminal(event):
-            self.metrics.inc("llmq_worker_jobs_ended_total", outcome="done" if isinstance(event, Done) else event.code)
-            if d.queued_at:  # 0: a delivery whose record is missing
-                self.metrics.observe("llmq_e2e_seconds", (now_ms() - d.queued_at) / 1000)
-        self._outbox.append(out := Outbound(job_id=d.job_id, event=event, **extra))
-        self._ends_unwritten += out.terminal
-        self._outbox_ready.set()
-
-    def _seal(self, job_id: str) -> None:
-        """The job's event still in the outbox takes no more steps: its bytes, with every step
-        that joined it, are final (before any later event of the job, and before a flush)."""
-        unsent = self._unsent.pop(job_id, None)
-        if unsent is not None:
-            out, attempt = unsent
-            out.data = attempt.sealed(out.seq)
+    def _emit(self, d: Delivery, event: Done | Error, **extra) -> None:
+        """End job ``d`` with ``event``, counted here and written by the outbox (``extra``: what
+        its write also carries, :meth:`Outbox.end`)."""
+        self.metrics.inc("llmq_worker_jobs_ended_total", outcome="done" if isinstance(event, Done) else event.code)
+        if d.queued_at:  # 0: a delivery whose record is missing
+            self.metrics.observe("llmq_e2e_seconds", (now_ms() - d.queued_at) / 1000)
+        self.outbox.end(d, event, **extra)
 
     def _lose(self, job_ids: list[str]) -> None:
         """Jobs a peer took over (our lease lapsed): stop them here without writing anything."""
@@ -827,66 +758,6 @@ class Worker:
                 continue  # handed back on purpose: stopping already
             if self.cancel_job(job_id, LeaseLost("a peer took the job over")):
                 log.warning("lease_lost", job_id=job_id, **self._traced(job_id))
-
-    async def _flusher(self) -> None:
-        while True:
-            await self._outbox_ready.wait()
-            # Let every job task woken by the same engine step add its tokens first.
-            await asyncio.sleep(0)
-            self._outbox_ready.clear()
-            await self._flush_once()
-            if self._closing and not self._outbox:
-                return
-
-    async def _flush_once(self) -> None:
-        async with self._flush_lock:
-            batch, self._outbox = self._outbox, []
-            # From here these events are being written (perhaps again, on a retry): no later
-            # step joins them.
-            for job_id in list(self._unsent):
-                self._seal(job_id)
-            if not batch:
-                return
-            ends = sum(out.terminal for out in batch)
-            delay = 0.1
-            while batch:
-                try:
-                    flushed = await self.queue.flush(self.model, batch, self.worker_id)
-                    self._lose(flushed.lost)
-                    batch = self._refill(batch, flushed.gaps)
-                except REDIS_DOWN as exc:
-                    # Keep the batch: events are never dropped, only delayed until Redis is back.
-                    # (flush.lua skips events already logged, so a retried batch writes nothing twice.)
-                    log.warning("redis_flush_failed", events=len(batch), retry_in_s=delay, error=str(exc))
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
-            self._ends_unwritten -= ends
-
-    def _refill(self, batch: list[Outbound], gaps: dict[str, int]) -> list[Outbound]:
-        """The events to flush again for jobs whose log lacks events a failover took back (its
-        replica never received them): those events first, from the attempt's own record, then
-        the job's events of ``batch``, none of which was written. A job whose missing events came
-        before this attempt cannot be mended here: it is let go, and a successor continues it from
-        what the log holds, as a crashed worker's job."""
-        again: list[Outbound] = []
-        for job_id, logged in gaps.items():
-            own = [out for out in batch if out.job_id == job_id]
-            first = own[0]
-            # Mended only from this attempt's own events (an event made without them, a dead
-            # letter's, holds none): a missing one before them cannot be written here.
-            if logged < first.history_from or first.seq - 1 - first.history_from > len(first.history):
-                log.warning("event_log_gap", job_id=job_id, logged=logged, next_seq=first.seq, mended=False)
-                self._lose([job_id])
-                continue
-            log.warning("event_log_gap", job_id=job_id, logged=logged, next_seq=first.seq, mended=True)
-            # The attempt's first event carried the prompt's ids: they go with it again, or a
-            # successor after a later crash could not continue the job.
-            again += [Outbound(job_id=job_id, data=first.history[seq - first.history_from - 1], seq=seq,
-                               attempt=first.attempt, level=first.level, history=first.history,
-                               history_from=first.history_from, history_prompt_ids=first.history_prompt_ids,
-                               prompt_ids=first.history_prompt_ids if seq == first.history_from + 1 else None)
-                      for seq in range(logged + 1, first.seq)] + own
-        return again
 
     # --- drain, heartbeat, control -------------------------------------------------------------
 
@@ -915,7 +786,7 @@ class Worker:
         if pending:
             await asyncio.wait(pending)
         # Every event produced so far must be in the log before a peer continues after it.
-        await self._flush_until_empty()
+        await self.outbox.until_empty()
         try:
             lost = await self.queue.renew(self.model, self.worker_id, held, hand_back_idle_ms=self._lease_ms + 60_000)
             log.info("jobs_handed_back", jobs=[h.job_id for h in held if h.job_id not in lost])

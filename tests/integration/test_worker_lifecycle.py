@@ -160,7 +160,7 @@ async def test_a_cancel_that_arrives_before_its_job_task_starts_still_ends_the_j
         for _ in range(3):
             await asyncio.sleep(0)
     assert record.id not in worker._running and worker.slots.available == worker.slots.total
-    await worker._flush_once()
+    await worker.outbox.flush()
     stored = await queue.get_job("m", record.id)
     assert stored.status == "cancelled" and stored.error.code == "cancelled"
     assert await redis.xlen(keys.queue("m")) == 0

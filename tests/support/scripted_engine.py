@@ -24,8 +24,8 @@ import msgspec
 from shared.errors import EngineDead, GenerationFailed, InvalidRequest
 from shared.events import TokenDelta
 from shared.schemas import GenerationRequest, PromptInfo
-from workers.continuation import Part, run_parts
-from workers.protocol import AdapterState, Death, Step
+from workers.continuation import run_parts
+from workers.protocol import AdapterState, Death, Part, Step
 
 __all__ = ["ScriptedEngine", "CappedEngine", "ContextEngine", "expected_text", "expected_ids", "next_token"]
 

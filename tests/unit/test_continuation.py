@@ -12,8 +12,8 @@ import pytest
 from shared.errors import WorkerLost
 from shared.events import TokenDelta, Tokens
 from shared.schemas import GenerationRequest, OutputOptions, SamplingParams, StructuredOutput
-from workers.continuation import Part, Published, Replay, needs_replay, plan_continuation, published, run_parts
-from workers.protocol import Step
+from workers.continuation import Replay, needs_replay, plan_continuation, published, run_parts
+from workers.protocol import Part, Published, Step
 
 PROMPT_IDS = [1, 2, 3]
 

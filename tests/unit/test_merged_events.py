@@ -307,10 +307,7 @@ async def outbox_of(dialect: str, tokens: int) -> tuple[list, Attempt]:
     worker._running["j"] = _Running(task=None, held=None)  # type: ignore[arg-type]  # what _generate reads
     attempt = Attempt(queued_at=1.0, started_at=2.0, whole_log=True)
     await worker._generate(d, req, attempt, None)
-    batch = worker._outbox
-    for job_id in list(worker._unsent):  # as _flush_once takes the outbox
-        worker._seal(job_id)
-    return batch, attempt
+    return worker.outbox._take(), attempt  # as a flush takes it
 
 
 @pytest.mark.parametrize("dialect", sorted(MERGES_STEPS))
