@@ -27,6 +27,7 @@ from shared.errors import (
     ServiceError,
 )
 from shared.redis import REDIS_DOWN, refusal
+from shared.schemas import DialectName
 
 __all__ = ["exception_handlers", "answered_in", "InDialect", "service_error"]
 
@@ -38,12 +39,12 @@ T = TypeVar("T")
 class InDialect(Exception):
     """An error to answer in ``dialect``'s shape rather than the route's."""
 
-    def __init__(self, dialect: str, error: Exception) -> None:
+    def __init__(self, dialect: DialectName, error: Exception) -> None:
         super().__init__(dialect)
         self.dialect, self.error = dialect, error
 
 
-async def answered_in(dialect: str, call: Awaitable[T]) -> T:
+async def answered_in(dialect: DialectName, call: Awaitable[T]) -> T:
     """Await ``call``; whatever it raises is answered in ``dialect``'s error shape."""
     try:
         return await call
@@ -51,7 +52,7 @@ async def answered_in(dialect: str, call: Awaitable[T]) -> T:
         raise InDialect(dialect, exc) from None
 
 
-def _dialect(request: Request) -> str:
+def _dialect(request: Request) -> DialectName:
     handler = request.scope.get("route_handler")
     return handler.opt.get("dialect", "jobs") if handler is not None else "jobs"
 

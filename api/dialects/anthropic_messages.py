@@ -59,6 +59,7 @@ from api.dialects.tiers import priority_of_tier
 from shared.schemas import (
     ChatMessage,
     ChatOptions,
+    DialectName,
     GenerationRequest,
     OutputOptions,
     SamplingParams,
@@ -69,6 +70,7 @@ from shared.schemas import (
 )
 
 __all__ = [
+    "NAME",
     "MessagesRequest",
     "CountTokensRequest",
     "to_generation_request",
@@ -86,7 +88,7 @@ __all__ = [
     "ErrorResponse",
 ]
 
-NAME = "anthropic_messages"
+NAME: DialectName = "anthropic_messages"
 ROLES = ("user", "assistant", "system")
 BILLING_HEADER = "x-anthropic-billing-header"
 """How the system block Claude Code adds to every request begins: it changes per request (so it

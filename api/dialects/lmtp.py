@@ -21,7 +21,15 @@ from api.dialects.stream import StreamRenderer
 from shared import json_input
 from shared.errors import GenerationFailed, InvalidRequest, ServiceError
 from shared.events import Done, Error, Event, TokenDelta, Tokens
-from shared.schemas import GenerationRequest, JobResult, OutputOptions, PromptInfo, SamplingParams, TopLogprob
+from shared.schemas import (
+    DialectName,
+    GenerationRequest,
+    JobResult,
+    OutputOptions,
+    PromptInfo,
+    SamplingParams,
+    TopLogprob,
+)
 
 __all__ = [
     "NAME",
@@ -56,7 +64,7 @@ __all__ = [
     "error_body",
 ]
 
-NAME = "lmtp"
+NAME: DialectName = "lmtp"
 
 MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
 MASK_BIAS = 100.0

@@ -60,6 +60,7 @@ from shared.errors import InvalidRequest, ServiceError
 from shared.schemas import (
     ChatMessage,
     ChatOptions,
+    DialectName,
     GenerationRequest,
     JobResult,
     OutputOptions,
@@ -95,7 +96,7 @@ __all__ = [
     "job_id_of",
 ]
 
-NAME = "openai_responses"
+NAME: DialectName = "openai_responses"
 
 # --- the request ----------------------------------------------------------------------------
 

@@ -39,9 +39,19 @@ from shared import json_input
 from shared.errors import InvalidRequest, ServiceError
 from shared.events import Done, TokenDelta, Tokens
 from shared.framing import sse
-from shared.schemas import Choice, GenerationRequest, JobResult, OutputOptions, PromptInfo, StructuredOutput, TopLogprob
+from shared.schemas import (
+    Choice,
+    DialectName,
+    GenerationRequest,
+    JobResult,
+    OutputOptions,
+    PromptInfo,
+    StructuredOutput,
+    TopLogprob,
+)
 
 __all__ = [
+    "NAME",
     "RawBody",
     "GenerateRequest",
     "read_body",
@@ -60,7 +70,7 @@ __all__ = [
 
 T = TypeVar("T")
 
-NAME = "triton"
+NAME: DialectName = "triton"
 MODEL_VERSION = "1"
 
 RETURN_FLAGS = (
