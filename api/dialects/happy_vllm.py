@@ -31,9 +31,10 @@ from msgspec import UNSET, Meta, UnsetType
 from api.dialects.stream import NDJSON, StreamRenderer
 from shared.errors import InvalidRequest, ServiceError
 from shared.events import Done, Tokens
-from shared.schemas import GenerationRequest, JobResult, OutputOptions, SamplingParams, StructuredOutput
+from shared.schemas import DialectName, GenerationRequest, JobResult, OutputOptions, SamplingParams, StructuredOutput
 
 __all__ = [
+    "NAME",
     "VllmSampling",
     "sampling_from_dict",
     "HappyOptions",
@@ -49,7 +50,7 @@ __all__ = [
     "error_body",
 ]
 
-NAME = "happy_vllm"
+NAME: DialectName = "happy_vllm"
 
 
 class VllmSampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

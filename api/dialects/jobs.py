@@ -9,11 +9,11 @@ from api.dialects.stream import SseKeepalive, StreamRenderer
 from shared.errors import ServiceError
 from shared.events import Event
 from shared.framing import sse
-from shared.schemas import GenerationRequest, JobResult
+from shared.schemas import DialectName, GenerationRequest, JobResult
 
-__all__ = ["ErrorDetail", "ErrorBody", "render_result", "error_body", "EventLog", "stream"]
+__all__ = ["NAME", "ErrorDetail", "ErrorBody", "render_result", "error_body", "EventLog", "stream"]
 
-NAME = "jobs"
+NAME: DialectName = "jobs"
 
 
 def render_result(req: GenerationRequest, result: JobResult, job_id: str = "", created: int = 0) -> JobResult:

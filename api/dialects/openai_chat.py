@@ -27,6 +27,7 @@ from shared.schemas import (
     ChatMessage,
     ChatOptions,
     Choice,
+    DialectName,
     GenerationRequest,
     JobResult,
     OutputOptions,
@@ -37,6 +38,7 @@ from shared.schemas import (
 )
 
 __all__ = [
+    "NAME",
     "ChatRequest",
     "to_generation_request",
     "render_result",
@@ -47,7 +49,7 @@ __all__ = [
     "ChatCompletionChunk",
 ]
 
-NAME = "openai_chat"
+NAME: DialectName = "openai_chat"
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 # apply_chat_template's own arguments: a template kwarg must not override how the worker renders.

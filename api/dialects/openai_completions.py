@@ -21,6 +21,7 @@ from shared.events import Done, TokenDelta, Tokens
 from shared.framing import SSE_DONE, sse
 from shared.schemas import (
     Choice,
+    DialectName,
     GenerationRequest,
     JobResult,
     OutputOptions,
@@ -31,6 +32,7 @@ from shared.schemas import (
 )
 
 __all__ = [
+    "NAME",
     "CompletionRequest",
     "to_generation_requests",
     "render_result",
@@ -49,7 +51,7 @@ __all__ = [
     "ModelList",
 ]
 
-NAME = "openai_completions"
+NAME: DialectName = "openai_completions"
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):

@@ -23,6 +23,7 @@ from shared.events import Done, TokenDelta, Tokens
 from shared.framing import sse
 from shared.schemas import (
     Choice,
+    DialectName,
     GenerationRequest,
     JobResult,
     OutputOptions,
@@ -32,6 +33,7 @@ from shared.schemas import (
 )
 
 __all__ = [
+    "NAME",
     "GenerateRequest",
     "to_generation_request",
     "render_result",
@@ -49,7 +51,7 @@ __all__ = [
     "SimpleToken",
 ]
 
-NAME = "tgi"
+NAME: DialectName = "tgi"
 MAX_BEST_OF = 2
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_N_TOKENS = 5
