@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Final
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
@@ -31,7 +31,7 @@ from msgspec import UNSET, Meta, UnsetType
 from api.dialects.stream import NDJSON, StreamRenderer
 from shared.errors import InvalidRequest, ServiceError
 from shared.events import Done, Tokens
-from shared.schemas import DialectName, GenerationRequest, JobResult, OutputOptions, SamplingParams, StructuredOutput
+from shared.schemas import GenerationRequest, JobResult, OutputOptions, SamplingParams, StructuredOutput
 
 __all__ = [
     "NAME",
@@ -50,7 +50,7 @@ __all__ = [
     "error_body",
 ]
 
-NAME: DialectName = "happy_vllm"
+NAME: Final = "happy_vllm"
 
 
 class VllmSampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

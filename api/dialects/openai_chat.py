@@ -10,7 +10,7 @@ Errors have the OpenAI shape of :mod:`api.dialects.openai_completions`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
@@ -27,7 +27,6 @@ from shared.schemas import (
     ChatMessage,
     ChatOptions,
     Choice,
-    DialectName,
     GenerationRequest,
     JobResult,
     OutputOptions,
@@ -49,7 +48,7 @@ __all__ = [
     "ChatCompletionChunk",
 ]
 
-NAME: DialectName = "openai_chat"
+NAME: Final = "openai_chat"
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 # apply_chat_template's own arguments: a template kwarg must not override how the worker renders.

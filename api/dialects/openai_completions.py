@@ -7,7 +7,7 @@ error. Errors are ``{"error": {"message", "type", "param", "code"}}`` with vLLM'
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Final
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
@@ -21,7 +21,6 @@ from shared.events import Done, TokenDelta, Tokens
 from shared.framing import SSE_DONE, sse
 from shared.schemas import (
     Choice,
-    DialectName,
     GenerationRequest,
     JobResult,
     OutputOptions,
@@ -51,7 +50,7 @@ __all__ = [
     "ModelList",
 ]
 
-NAME: DialectName = "openai_completions"
+NAME: Final = "openai_completions"
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):

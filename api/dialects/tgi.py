@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
@@ -23,7 +23,6 @@ from shared.events import Done, TokenDelta, Tokens
 from shared.framing import sse
 from shared.schemas import (
     Choice,
-    DialectName,
     GenerationRequest,
     JobResult,
     OutputOptions,
@@ -51,7 +50,7 @@ __all__ = [
     "SimpleToken",
 ]
 
-NAME: DialectName = "tgi"
+NAME: Final = "tgi"
 MAX_BEST_OF = 2
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_N_TOKENS = 5
