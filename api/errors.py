@@ -14,6 +14,7 @@ import structlog
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 from litestar.exceptions.http_exceptions import RequestEntityTooLarge
+from litestar.types import ExceptionHandlersMap
 
 from api import dialects
 from shared.codec import encode
@@ -93,4 +94,4 @@ def handle(request: Request, exc: Exception) -> Response:
     return Response(encode(body), status_code=status, media_type="application/json", headers=headers)
 
 
-exception_handlers = {Exception: handle}
+exception_handlers: ExceptionHandlersMap = {Exception: handle}

@@ -69,7 +69,7 @@ class RequestLifecycle:
                 await _refuse_websocket(scope, receive, send, refused, handler.opt.get("dialect", "jobs"))
             return
         watches: set[JobWatch] = set()
-        scope[WATCHES] = watches  # type: ignore[literal-required]
+        scope[WATCHES] = watches  # type: ignore[literal-required]  # our own key: Litestar's Scope lists its own
         try:
             if kind == "http":
                 await _until_disconnect(self.app, scope, receive, send, self.flusher)
@@ -108,7 +108,7 @@ async def _until_disconnect(app: ASGIApp, scope: Scope, receive: Receive, send: 
         return message
 
     out = CoalescingSend(send, flusher)  # a stream's chunks of one loop turn go out in one write
-    scope[OUT] = out  # type: ignore[literal-required]
+    scope[OUT] = out  # type: ignore[literal-required]  # our own key, as WATCHES
 
     async def app_send(message: Message) -> None:
         nonlocal response_done

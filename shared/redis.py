@@ -264,11 +264,11 @@ class _NodeConnection:
     _closed_while_opening = False
 
     async def connect(self) -> None:
-        if self.is_connected:  # type: ignore[attr-defined]
+        if self.is_connected:  # type: ignore[attr-defined]  # a mixin: the connection class beside it has it
             return
         self._opener, self._closed_while_opening = asyncio.current_task(), False
         try:
-            await super().connect()  # type: ignore[misc]
+            await super().connect()  # type: ignore[misc]  # the connection class's, next in the MRO
         finally:
             self._opener = None
         if self._closed_while_opening:
@@ -279,7 +279,7 @@ class _NodeConnection:
         # redis-py's own clean-up inside connect() runs in the opening task; only another's counts.
         if self._opener is not None and self._opener is not asyncio.current_task():
             self._closed_while_opening = True
-        await super().disconnect(nowait)  # type: ignore[misc]
+        await super().disconnect(nowait)  # type: ignore[misc]  # as in connect()
 
 
 class _ClusterConnection(_NodeConnection, Connection):

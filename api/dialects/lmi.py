@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Final
 
 import msgspec
 from msgspec import Meta
@@ -44,7 +44,7 @@ __all__ = [
     "DYNAMIC_BATCH",
 ]
 
-NAME: DialectName = "lmi"
+NAME: Final = "lmi"
 
 
 class LmiParameters(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, Final
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
@@ -21,15 +21,7 @@ from api.dialects.stream import StreamRenderer
 from shared import json_input
 from shared.errors import GenerationFailed, InvalidRequest, ServiceError
 from shared.events import Done, Error, Event, TokenDelta, Tokens
-from shared.schemas import (
-    DialectName,
-    GenerationRequest,
-    JobResult,
-    OutputOptions,
-    PromptInfo,
-    SamplingParams,
-    TopLogprob,
-)
+from shared.schemas import GenerationRequest, JobResult, OutputOptions, PromptInfo, SamplingParams, TopLogprob
 
 __all__ = [
     "NAME",
@@ -64,7 +56,7 @@ __all__ = [
     "error_body",
 ]
 
-NAME: DialectName = "lmtp"
+NAME: Final = "lmtp"
 
 MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
 MASK_BIAS = 100.0

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Iterable
-from typing import TypeVar
+from typing import Final, TypeVar
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -39,16 +39,7 @@ from shared import json_input
 from shared.errors import InvalidRequest, ServiceError
 from shared.events import Done, TokenDelta, Tokens
 from shared.framing import sse
-from shared.schemas import (
-    Choice,
-    DialectName,
-    GenerationRequest,
-    JobResult,
-    OutputOptions,
-    PromptInfo,
-    StructuredOutput,
-    TopLogprob,
-)
+from shared.schemas import Choice, GenerationRequest, JobResult, OutputOptions, PromptInfo, StructuredOutput, TopLogprob
 
 __all__ = [
     "NAME",
@@ -70,7 +61,7 @@ __all__ = [
 
 T = TypeVar("T")
 
-NAME: DialectName = "triton"
+NAME: Final = "triton"
 MODEL_VERSION = "1"
 
 RETURN_FLAGS = (
