@@ -37,8 +37,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 __all__ = ["connect", "cluster_target", "sentinel_target", "SentinelTarget", "wait_for_redis", "redis_server_binary",
-           "redis_cli_binary", "REDIS_DOWN", "RedisRefused", "NoReplicasError", "refusal",
-           "reply"]
+           "redis_cli_binary", "REDIS_DOWN", "RedisRefused", "NoReplicasError", "refusal", "reply"]
 
 
 class RedisRefused(RedisConnectionError):
