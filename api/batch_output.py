@@ -59,16 +59,17 @@ def render_line(outcome: LineOutcome) -> BatchRequestOutput:
     """One output- or error-file line."""
     match outcome:
         case Answered(requests=[first, *_]) if first.dialect == openai_chat.NAME:
-            body = openai_chat.render_result(first, outcome.results[0], outcome.request_id, outcome.created)
-            return _answered(outcome, 200, body)
+            chat = openai_chat.render_result(first, outcome.results[0], outcome.request_id, outcome.created)
+            return _answered(outcome, 200, chat)
         case Answered(requests=requests) if requests[0].dialect == openai_completions.NAME:
-            body = openai_completions.render_results(requests, outcome.results, outcome.request_id, outcome.created)
-            return _answered(outcome, 200, body)
-        case Failed(error=error):
-            status, body = openai_completions.error_body(error.exception())
+            completion = openai_completions.render_results(requests, outcome.results, outcome.request_id,
+                                                           outcome.created)
+            return _answered(outcome, 200, completion)
+        case Failed(error=failure):
+            status, body = openai_completions.error_body(failure.exception())
             return _answered(outcome, status, body)
-        case Refused(error=error):
-            return _answered(outcome, error.status, error.body)
+        case Refused(error=refusal):
+            return _answered(outcome, refusal.status, refusal.body)
         case NotRun(code=code, message=message):
             error = BatchRequestError(code=code, message=message)
             return BatchRequestOutput(id=f"batch_req_{outcome.request_id}", custom_id=outcome.custom_id, error=error)

@@ -60,7 +60,8 @@ class DirectCalls:
             await self._call_answering_errors(scope, receive, send)
 
     async def _call(self, scope: Scope, receive: Receive, send: Send) -> None:
-        handler: HTTPRouteHandler = scope["route_handler"]  # type: ignore[typeddict-item]
+        handler = scope["route_handler"]
+        assert isinstance(handler, HTTPRouteHandler)  # __call__ sends only those here
         request = handler.resolve_request_class()(scope=scope, receive=receive, send=send)
         if handler.resolve_guards():
             await handler.authorize_connection(connection=request)

@@ -14,6 +14,7 @@ import structlog
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 from litestar.exceptions.http_exceptions import RequestEntityTooLarge
+from litestar.types import ExceptionHandlersMap
 
 from api import dialects
 from shared.codec import encode
@@ -27,6 +28,7 @@ from shared.errors import (
     ServiceError,
 )
 from shared.redis import REDIS_DOWN, refusal
+from shared.schemas import DialectName
 
 __all__ = ["exception_handlers", "answered_in", "InDialect", "service_error"]
 
@@ -38,12 +40,12 @@ T = TypeVar("T")
 class InDialect(Exception):
     """An error to answer in ``dialect``'s shape rather than the route's."""
 
-    def __init__(self, dialect: str, error: Exception) -> None:
+    def __init__(self, dialect: DialectName, error: Exception) -> None:
         super().__init__(dialect)
         self.dialect, self.error = dialect, error
 
 
-async def answered_in(dialect: str, call: Awaitable[T]) -> T:
+async def answered_in(dialect: DialectName, call: Awaitable[T]) -> T:
     """Await ``call``; whatever it raises is answered in ``dialect``'s error shape."""
     try:
         return await call
@@ -51,7 +53,7 @@ async def answered_in(dialect: str, call: Awaitable[T]) -> T:
         raise InDialect(dialect, exc) from None
 
 
-def _dialect(request: Request) -> str:
+def _dialect(request: Request) -> DialectName:
     handler = request.scope.get("route_handler")
     return handler.opt.get("dialect", "jobs") if handler is not None else "jobs"
 
@@ -92,4 +94,4 @@ def handle(request: Request, exc: Exception) -> Response:
     return Response(encode(body), status_code=status, media_type="application/json", headers=headers)
 
 
-exception_handlers = {Exception: handle}
+exception_handlers: ExceptionHandlersMap = {Exception: handle}

@@ -11,7 +11,8 @@ from typing import Any
 import structlog
 from litestar._asgi.utils import wrap_in_exception_handler
 from litestar.datastructures import Headers
-from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from litestar.enums import ScopeType
+from litestar.types import ASGIApp, Message, Receive, ReceiveMessage, Scope, Send
 
 from api import dialects
 from api.auth import Guard
@@ -19,6 +20,7 @@ from api.context import WATCHES
 from api.watches import JobWatch, end_watches
 from shared.codec import encode
 from shared.errors import ServiceError
+from shared.schemas import DialectName
 
 __all__ = ["RequestLifecycle", "CoalescingSend", "Flusher", "OUT", "run_eagerly"]
 
@@ -57,9 +59,9 @@ class RequestLifecycle:
         if kind not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        handler = scope["route_handler"]  # type: ignore[typeddict-item]  # routed before any middleware
-        # No method: a WebSocket upgrade.
-        refused = self.guard.refusal(Headers.from_scope(scope), scope.get("method"), handler.paths)
+        handler = scope["route_handler"]  # routed before any middleware
+        method = scope["method"] if scope["type"] == ScopeType.HTTP else None  # none: a WebSocket upgrade
+        refused = self.guard.refusal(Headers.from_scope(scope), method, handler.paths)
         if refused is not None:
             if kind == "http":
                 await wrap_in_exception_handler(_raising(refused))(scope, receive, send)  # the route's error shape
@@ -67,7 +69,7 @@ class RequestLifecycle:
                 await _refuse_websocket(scope, receive, send, refused, handler.opt.get("dialect", "jobs"))
             return
         watches: set[JobWatch] = set()
-        scope[WATCHES] = watches  # type: ignore[literal-required]
+        scope[WATCHES] = watches  # type: ignore[literal-required]  # our own key: Litestar's Scope lists its own
         try:
             if kind == "http":
                 await _until_disconnect(self.app, scope, receive, send, self.flusher)
@@ -89,7 +91,7 @@ async def _until_disconnect(app: ASGIApp, scope: Scope, receive: Receive, send: 
         if not response_done:
             handler.cancel()
 
-    async def app_receive() -> Message:
+    async def app_receive() -> ReceiveMessage:
         # Until the body is read, the app reads it; after that only this middleware reads the
         # connection, and the app hears of a disconnect through ``gone``.
         nonlocal body_read, listener
@@ -106,7 +108,7 @@ async def _until_disconnect(app: ASGIApp, scope: Scope, receive: Receive, send: 
         return message
 
     out = CoalescingSend(send, flusher)  # a stream's chunks of one loop turn go out in one write
-    scope[OUT] = out  # type: ignore[literal-required]
+    scope[OUT] = out  # type: ignore[literal-required]  # our own key, as WATCHES
 
     async def app_send(message: Message) -> None:
         nonlocal response_done
@@ -114,7 +116,9 @@ async def _until_disconnect(app: ASGIApp, scope: Scope, receive: Receive, send: 
             response_done = True
         await out(message)
 
-    handler: asyncio.Task[Any] = asyncio.create_task(app(scope, app_receive, app_send))
+    # ensure_future, as create_task takes only a coroutine and Litestar types an app's call as any
+    # awaitable: for a coroutine (every app is an async function) it is create_task.
+    handler: asyncio.Future[None] = asyncio.ensure_future(app(scope, app_receive, app_send))
     try:
         await handler
     except asyncio.CancelledError:
@@ -133,15 +137,16 @@ def _raising(refused: ServiceError) -> ASGIApp:
     return app
 
 
-async def _refuse_websocket(scope: Scope, receive: Receive, send: Send, refused: ServiceError, dialect: str) -> None:
+async def _refuse_websocket(scope: Scope, receive: Receive, send: Send, refused: ServiceError,
+                            dialect: DialectName) -> None:
     await receive()  # websocket.connect
-    if "websocket.http.response" in scope.get("extensions", {}):
+    if "websocket.http.response" in (scope.get("extensions") or {}):
         status, body = dialects.error_body(dialect, refused)
         headers = [(b"content-type", b"application/json")]
         if status == 401:
             headers.append((b"www-authenticate", b"Bearer"))
         await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
-        await send({"type": "websocket.http.response.body", "body": encode(body)})
+        await send({"type": "websocket.http.response.body", "body": encode(body), "more_body": False})
     else:
         await send({"type": "websocket.close", "code": 1008, "reason": refused.code})
 

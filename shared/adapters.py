@@ -38,6 +38,7 @@ from redis.asyncio import Redis
 
 from shared.errors import InvalidRequest
 from shared.keys import Keys
+from shared.redis import reply
 from shared.schemas import AdapterSpec
 from shared.tenants import key_hash
 
@@ -279,30 +280,33 @@ class AdapterStore:
         if not replace:
             room_for(await self.all(), adapter.owner, per_owner=per_owner, total=total)
         value = msgspec.json.encode(adapter)
+        # redis-py types a field's value as str; bytes are sent as they are (HSET takes a mapping of them).
         if replace:
-            new = bool(await self.redis.hset(self.key, adapter.name, value))  # 0: an existing field changed
-        elif not (new := bool(await self.redis.hsetnx(self.key, adapter.name, value))):
-            return False
+            new = bool(await reply(self.redis.hset(self.key, mapping={adapter.name: value})))  # 0: it was there
+        else:
+            written = self.redis.hsetnx(self.key, adapter.name, value)  # type: ignore[arg-type]  # bytes, as above
+            if not (new := bool(await reply(written))):
+                return False
         if new:
             try:
                 room_for(await self.all(), adapter.owner, per_owner=per_owner, total=total, adding=0)
             except InvalidRequest:
-                if await self.redis.hget(self.key, adapter.name) == value:  # still ours: nobody replaced it
-                    await self.redis.hdel(self.key, adapter.name)
+                if await reply(self.redis.hget(self.key, adapter.name)) == value:  # still ours: nobody replaced it
+                    await reply(self.redis.hdel(self.key, adapter.name))
                 raise
         return True
 
     async def remove(self, name: str) -> bool:
         """Remove ``name``'s entry; False when there was none. Jobs already queued keep running with
         it (each job holds its adapter's source); new requests naming it get a 404."""
-        return bool(await self.redis.hdel(self.key, name))
+        return bool(await reply(self.redis.hdel(self.key, name)))
 
     async def get(self, name: str) -> Adapter | None:
-        raw = await self.redis.hget(self.key, name)
+        raw = await reply(self.redis.hget(self.key, name))
         return None if raw is None else _decode(raw)
 
     async def all(self) -> dict[str, Adapter]:
-        return {a.name: a for a in map(_decode, (await self.redis.hgetall(self.key)).values())}
+        return {a.name: a for a in map(_decode, (await reply(self.redis.hgetall(self.key))).values())}
 
 
 def new_adapter(name: str, base: str, source: str, *, rank: int | None, owner: str | None = None,

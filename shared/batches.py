@@ -12,6 +12,7 @@ readable with redis-cli (``HGETALL llmq:{batch_...}:batch``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -20,6 +21,7 @@ from redis.asyncio import Redis
 from shared import scripts
 from shared.codec import encode
 from shared.keys import Keys
+from shared.redis import reply
 from shared.schemas import GenerationRequest, JobError, JobResult
 
 __all__ = ["FileObject", "BatchCreate", "BatchObject", "BatchError", "RequestCounts", "InputLine", "StoredLine",
@@ -212,27 +214,27 @@ class BatchStore:
     # --- files ----------------------------------------------------------------------------------
 
     async def put_file(self, meta: FileObject, content: bytes, owner: str = "") -> None:
-        await self.redis.hset(self.keys.file(meta.id), mapping={"meta": encode(meta), "content": content,
-                                                                "owner": owner})
+        await reply(self.redis.hset(self.keys.file(meta.id), mapping={"meta": encode(meta), "content": content,
+                                                                      "owner": owner}))
         await self.redis.zadd(self.keys.files(), {meta.id: meta.created_at})
 
     async def get_file(self, file_id: str) -> tuple[FileObject, str] | None:
-        meta, owner = await self.redis.hmget(self.keys.file(file_id), "meta", "owner")
+        meta, owner = await reply(self.redis.hmget(self.keys.file(file_id), ["meta", "owner"]))
         return (msgspec.json.decode(meta, type=FileObject), (owner or b"").decode()) if meta else None
 
     async def file_content(self, file_id: str) -> bytes | None:
-        return await self.redis.hget(self.keys.file(file_id), "content")
+        return await reply(self.redis.hget(self.keys.file(file_id), "content"))
 
     async def put_outcomes(self, meta: FileObject, outcomes: bytes, owner: str = "") -> None:
         """A batch's output or error file as housekeeping leaves it: its lines' outcomes, one
         JSON document a line, in line order. Its size (``meta.bytes``) is known once rendered."""
-        await self.redis.hset(self.keys.file(meta.id), mapping={"meta": encode(meta), "outcomes": outcomes,
-                                                                "owner": owner})
+        await reply(self.redis.hset(self.keys.file(meta.id), mapping={"meta": encode(meta), "outcomes": outcomes,
+                                                                      "owner": owner}))
         await self.redis.zadd(self.keys.files(), {meta.id: meta.created_at})
 
     async def outcomes(self, file_id: str) -> bytes | None:
         """The outcomes of a file not rendered yet; None once it is (or for an uploaded file)."""
-        return await self.redis.hget(self.keys.file(file_id), "outcomes")
+        return await reply(self.redis.hget(self.keys.file(file_id), "outcomes"))
 
     async def put_rendered(self, meta: FileObject, content: bytes) -> bool:
         """Replace the file's outcomes with its rendered content and size; False when it was
@@ -259,10 +261,10 @@ class BatchStore:
                                                     [encode(line) for line in lines]))
         await self.redis.zadd(self.keys.batches(), {batch.id: batch.created_at})
         if batch.status in ACTIVE:
-            await self.redis.sadd(self.keys.batches_active(), batch.id)
+            await reply(self.redis.sadd(self.keys.batches_active(), batch.id))
 
     async def get(self, batch_id: str) -> tuple[BatchObject, str] | None:
-        return self._decoded(await self.redis.hgetall(self.keys.batch(batch_id)))
+        return self._decoded(await reply(self.redis.hgetall(self.keys.batch(batch_id))))
 
     @staticmethod
     def _decoded(raw: dict[bytes, bytes]) -> tuple[BatchObject, str] | None:
@@ -290,7 +292,7 @@ class BatchStore:
         start = 0
         if after is not None:
             pipe = self.redis.pipeline(transaction=False)
-            pipe.hmget(self.keys.batch(after), "owner", "endpoint")
+            pipe.hmget(self.keys.batch(after), ["owner", "endpoint"])
             pipe.zrevrank(index, after)
             fields, rank = await pipe.execute()
             if self._listed(fields, owner, endpoints) and rank is not None:
@@ -304,7 +306,7 @@ class BatchStore:
             start += len(chunk)
             pipe = self.redis.pipeline(transaction=False)
             for batch_id in chunk:
-                pipe.hmget(self.keys.batch(batch_id), "owner", "endpoint")
+                pipe.hmget(self.keys.batch(batch_id), ["owner", "endpoint"])
             for batch_id, fields in zip(chunk, await pipe.execute(), strict=True):
                 # A batch created meanwhile shifts the index by one: an id read twice counts once.
                 if self._listed(fields, owner, endpoints) and batch_id not in seen:
@@ -317,7 +319,7 @@ class BatchStore:
         return found, len(ids) > limit
 
     @staticmethod
-    def _listed(fields: list[bytes | None], owner: str, endpoints: tuple[str, ...]) -> bool:
+    def _listed(fields: Sequence[bytes | None], owner: str, endpoints: tuple[str, ...]) -> bool:
         """Whether a batch's ``owner`` and ``endpoint`` fields make it one of ``owner``'s listed
         batches (a batch deleted meanwhile has neither)."""
         who, endpoint = fields
@@ -334,12 +336,12 @@ class BatchStore:
                                 self.keys.batch_errors(batch.id))
 
     async def transition(self, batch_id: str, allowed: tuple[str, ...], status: str, at: int,
-                         **fields: str | int) -> bool:
+                         **fields: scripts.Value) -> bool:
         """Move the batch to ``status`` (stamping ``<status>_at``) only from one of ``allowed``,
         atomically, so a cancel and housekeeping's own moves never overwrite each other."""
         moved = await self.scripts.run(scripts.batch_status(self.keys.batch(batch_id), status, at, allowed, fields))
         if moved and status not in ACTIVE:
-            await self.redis.srem(self.keys.batches_active(), batch_id)
+            await reply(self.redis.srem(self.keys.batches_active(), batch_id))
         return bool(moved)
 
     @staticmethod

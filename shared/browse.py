@@ -24,6 +24,7 @@ from collections.abc import Iterable
 
 import msgspec
 from redis.asyncio import Redis
+from redis.typing import EncodableT
 
 from shared.keys import LEVELS, Keys
 from shared.schemas import JobError, runs_of, token_counts_of
@@ -42,8 +43,8 @@ _PAGE = 200
 _SCAN_MAX = 5000
 """At most this many of the newest jobs are looked at per model for one list: a filter that
 matches nothing in them returns what it found, not a scan of the whole stream."""
-_SUMMARY_FIELDS = ("status", "owner", "queued_at", "started_at", "first_token_at", "finished_at", "attempt",
-                   "preemptions", "worker", "runs", "tokens", "error")
+_SUMMARY_FIELDS = ["status", "owner", "queued_at", "started_at", "first_token_at", "finished_at", "attempt",
+                   "preemptions", "worker", "runs", "tokens", "error"]
 _error = msgspec.json.Decoder(JobError)
 
 
@@ -140,7 +141,7 @@ async def _recent_of(redis: Redis, keys: Keys, model: str, owner: str | None, li
         rows = [r for r in rows if (tenant is None or r[1] == tenant) and (dialect is None or r[2] == dialect)]
         pipe = redis.pipeline(transaction=False)
         for job_id, _, _ in rows:
-            pipe.hmget(keys.job(model, job_id), *_SUMMARY_FIELDS)
+            pipe.hmget(keys.job(model, job_id), _SUMMARY_FIELDS)
         for (job_id, who, kind), f in zip(rows, await pipe.execute() if rows else [], strict=True):
             if f[0] is None or not _visible(owner, f[1]):  # expired, or another key's
                 continue
@@ -171,7 +172,7 @@ async def dead_letters(redis: Redis, keys: Keys, models: Iterable[str], *, owner
         entries = await redis.xrevrange(keys.dead(model), count=limit)
         pipe = redis.pipeline(transaction=False)
         for _, f in entries:
-            pipe.hmget(keys.job(model, f[b"job"].decode()), "owner", "tenant", "error", "request")
+            pipe.hmget(keys.job(model, f[b"job"].decode()), ["owner", "tenant", "error", "request"])
         replies = await pipe.execute() if entries else []
         for (_, f), (rec_owner, tenant, error, request) in zip(entries, replies, strict=True):
             if request is None or not _visible(owner, rec_owner):
@@ -214,7 +215,7 @@ async def discard_dead_letter(redis: Redis, keys: Keys, model: str, entry_id: by
 
 async def restore_dead_letter(redis: Redis, keys: Keys, model: str, fields: dict[bytes, bytes]) -> None:
     """Put a dead letter back (a requeue that could not queue its job), as it was but newest."""
-    await redis.xadd(keys.dead(model), fields)
+    await redis.xadd(keys.dead(model), fields)  # type: ignore[arg-type]  # bytes: see sample()
 
 
 # --- each level's history ---------------------------------------------------------------------
@@ -233,7 +234,8 @@ async def _levels(redis: Redis, keys: Keys, model: str) -> list[tuple[int, int, 
 
 async def sample(redis: Redis, keys: Keys, model: str) -> None:
     """Append one sample of ``model``'s levels to its history (housekeeping, every SAMPLE_S)."""
-    fields: dict[str, int] = {}
+    # xadd's own type: a dict is invariant, so to mypy a dict[str, int] (or [bytes, bytes]) is not one.
+    fields: dict[EncodableT, EncodableT] = {}
     for level, (waiting, running, finished) in enumerate(await _levels(redis, keys, model)):
         fields |= {f"w{level}": waiting, f"r{level}": running, f"f{level}": finished}
     await redis.xadd(keys.history(model), fields, maxlen=HISTORY_S // SAMPLE_S + 10, approximate=False)

@@ -29,7 +29,8 @@ _result_decoder = msgspec.json.Decoder(JobResult)
 _error_decoder = msgspec.json.Decoder(JobError)
 
 # Job-hash fields that hold a JSON document rather than a scalar.
-_JSON_FIELDS = {"request": _request_decoder, "result": _result_decoder, "error": _error_decoder}
+_JSON_FIELDS: dict[str, msgspec.json.Decoder[Any]] = {
+    "request": _request_decoder, "result": _result_decoder, "error": _error_decoder}
 # Job-hash fields left out while they hold their default: every reader takes a missing one for it
 # (the scripts' ``or`` fallbacks, the record's own defaults), and a finished job keeps its record
 # for LLMQ_RESULT_TTL_S. ``status`` and ``queued_at`` stay: operators read them with redis-cli.

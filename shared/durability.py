@@ -99,6 +99,7 @@ async def run_and_wait(redis: Redis, sha: str, text: str, keys: Sequence[str], a
 async def _on_slot_primary(cluster: RedisCluster, key: str, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
     await cluster.initialize()
     node = cluster.get_node_from_key(key)
+    assert node is not None  # None only when a replica is asked for; a slot no node serves raises
     pipeline = [PipelineCommand(i, *command) for i, command in enumerate(commands)]
     try:
         await node.execute_pipeline(pipeline)

@@ -248,8 +248,10 @@ async def pin(rules: Policy, url: str, *, timeout_s: float) -> Target:
     transient failure, retried like a refused connection)."""
     parsed, host, port = destination(url)
     allowed = rules.screen(host)  # checks a literal address itself
-    address = literal = literal_address(host)
-    if literal is None:
+    literal = literal_address(host)
+    if literal is not None:
+        address = literal
+    else:
         async with asyncio.timeout(timeout_s):
             addresses = await resolve(host, port)
         if not allowed:

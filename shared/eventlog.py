@@ -68,8 +68,11 @@ _encode = msgspec.json.Encoder().encode
 
 
 def _deflate(data: bytes, dictionary: bytes = b"") -> bytes:
-    # Raw deflate: no zlib header or checksum to store.
-    c = zlib.compressobj(9, zlib.DEFLATED, -15, **({"zdict": dictionary} if dictionary else {}))
+    # Raw deflate: no zlib header or checksum to store. As in _inflate, zdict only when there is one.
+    if not dictionary:
+        c = zlib.compressobj(9, zlib.DEFLATED, -15)
+    else:
+        c = zlib.compressobj(9, zlib.DEFLATED, -15, zdict=dictionary)
     return c.compress(data) + c.flush()
 
 

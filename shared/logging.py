@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 import structlog
 from structlog.tracebacks import ExceptionDictTransformer
+from structlog.typing import EventDict, Processor
 
 from shared.config import Settings
 
@@ -93,7 +94,7 @@ class _Tracebacks:
         self.shown = structlog.processors.ExceptionRenderer(functools.partial(_format, hide=False, as_text=as_text))
         self.hidden = structlog.processors.ExceptionRenderer(functools.partial(_format, hide=True, as_text=as_text))
 
-    def __call__(self, logger: Any, name: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    def __call__(self, logger: Any, name: str, event_dict: EventDict) -> EventDict:
         quotes = event_dict.pop("may_quote_request", False)
         record = event_dict.get("_record")
         if record is not None:
@@ -107,13 +108,13 @@ def configure_logging(level: str = "info", json: bool | None = None, *, log_requ
     """``log_requests`` (LLMQ_LOG_REQUESTS) also shows the messages of exceptions that may quote
     a request."""
     use_json = not sys.stderr.isatty() if json is None else json
-    shared = [
+    shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         _Tracebacks(as_text=not use_json, show_request_text=log_requests),
     ]
-    renderer: structlog.typing.Processor
+    renderer: Processor
     if use_json:
         renderer = structlog.processors.JSONRenderer(serializer=_json)
     else:

@@ -14,7 +14,7 @@ import shutil
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar, cast
 from urllib.parse import unquote, urlsplit
 
 import structlog
@@ -37,7 +37,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 __all__ = ["connect", "cluster_target", "sentinel_target", "SentinelTarget", "wait_for_redis", "redis_server_binary",
-           "redis_cli_binary", "REDIS_DOWN", "RedisRefused", "NoReplicasError", "refusal"]
+           "redis_cli_binary", "REDIS_DOWN", "RedisRefused", "NoReplicasError", "refusal", "reply"]
 
 
 class RedisRefused(RedisConnectionError):
@@ -70,6 +70,15 @@ def refusal(exc: BaseException) -> RedisRefused | None:
             isinstance(exc, ResponseError) and any(words in str(exc) for words in _REFUSALS)):
         return RedisRefused(str(exc))
     return None
+
+
+def reply(command: object) -> Awaitable[Any]:
+    """An asyncio client's command as what it is, an awaitable reply of any type. redis-py annotates
+    many commands once for its sync and asyncio clients (``Awaitable[int] | int``, which mypy will
+    not await: redis/redis-py#2399) and their replies as ``str`` whatever ``decode_responses``
+    says, while ours are bytes. So those annotations say nothing true here: the caller states the
+    reply's type where it reads it. Only the type changes; ``command`` is returned as it is."""
+    return cast(Awaitable[Any], command)
 
 
 # What a Redis outage looks like to callers (mapped to 503 by the API). On a Cluster redis-py
@@ -254,11 +263,11 @@ class _NodeConnection:
     _closed_while_opening = False
 
     async def connect(self) -> None:
-        if self.is_connected:  # type: ignore[attr-defined]
+        if self.is_connected:  # type: ignore[attr-defined]  # a mixin: the connection class beside it has it
             return
         self._opener, self._closed_while_opening = asyncio.current_task(), False
         try:
-            await super().connect()  # type: ignore[misc]
+            await super().connect()  # type: ignore[misc]  # the connection class's, next in the MRO
         finally:
             self._opener = None
         if self._closed_while_opening:
@@ -269,7 +278,7 @@ class _NodeConnection:
         # redis-py's own clean-up inside connect() runs in the opening task; only another's counts.
         if self._opener is not None and self._opener is not asyncio.current_task():
             self._closed_while_opening = True
-        await super().disconnect(nowait)  # type: ignore[misc]
+        await super().disconnect(nowait)  # type: ignore[misc]  # as in connect()
 
 
 class _ClusterConnection(_NodeConnection, Connection):
@@ -278,6 +287,16 @@ class _ClusterConnection(_NodeConnection, Connection):
 
 class _ClusterSSLConnection(_NodeConnection, SSLConnection):
     pass
+
+
+class _ClientOptions(TypedDict):
+    """What every client :func:`connect` builds is given, whichever kind it is."""
+
+    socket_timeout: float
+    socket_connect_timeout: float
+    health_check_interval: int
+    retry: Retry
+    retry_on_error: list[type[Exception]]
 
 
 def connect(url: str, *, block_ms: int = 2000) -> Redis:
@@ -296,7 +315,7 @@ def connect(url: str, *, block_ms: int = 2000) -> Redis:
 
     All get the same timeouts, retry policy and connection handshake.
     """
-    options = dict(
+    options = _ClientOptions(
         socket_timeout=block_ms / 1000 + 10,
         socket_connect_timeout=5,
         health_check_interval=30,
@@ -324,7 +343,7 @@ def connect(url: str, *, block_ms: int = 2000) -> Redis:
         node.connection_kwargs["redis_connect_func"] = _handshake
         node.connection_class = node_class
     cluster.nodes_manager.startup_nodes = _Seeds(cluster.nodes_manager.startup_nodes)
-    return cluster  # type: ignore[return-value]  # the same command API
+    return cluster
 
 
 async def wait_for_redis(redis: Redis, *, what: str, max_delay_s: float = 5.0) -> None:

@@ -25,6 +25,7 @@ __all__ = [
     "Tool",
     "ToolCall",
     "ToolUse",
+    "ToolUseChoice",
     "PromptInfo",
     "OutputOptions",
     "Reported",
@@ -199,11 +200,15 @@ class Tool(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     strict: bool | None = None
 
 
+ToolUseChoice = Literal["auto", "none", "required", "function"]
+"""How a chat's model must use its tools (:attr:`ToolUse.choice`)."""
+
+
 class ToolUse(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """The tools a chat offers and how the model must use them, as vLLM's OpenAI server takes them."""
 
     tools: list[Tool] = []
-    choice: Literal["auto", "none", "required", "function"] = "auto"
+    choice: ToolUseChoice = "auto"
     """``auto``: the model decides (needs the worker's tool parser); ``required``: at least one
     call; ``function``: exactly the tool ``function`` names; ``none``: no call."""
     function: str | None = None

@@ -32,6 +32,7 @@ import msgspec
 from redis.asyncio import Redis
 
 from shared.keys import LEVELS, Keys
+from shared.redis import connect, reply
 
 __all__ = ["DEFAULT_TENANT", "DEFAULTS", "key_hash", "TenantConfig", "TenantState", "UsageRow", "usage_row",
            "valid_tenant", "read_config", "ConfigCache", "read_state", "read_states",
@@ -143,7 +144,7 @@ async def read_states(redis: Redis, keys: Keys, model: str, tenants: list[str]) 
     pipe.hgetall(keys.tokens(model))
     pipe.hgetall(keys.tenant_config(DEFAULTS))
     for tenant in tenants:
-        pipe.hmget(keys.tenant(model, tenant), "vtc", "weight")
+        pipe.hmget(keys.tenant(model, tenant), ["vtc", "weight"])
         for level in range(LEVELS):
             pipe.llen(keys.tenant_waiting(model, tenant, level))
         pipe.scard(keys.tenant_running(model, tenant))
@@ -213,7 +214,7 @@ async def read_usage(redis: Redis, keys: Keys, models: list[str], tenant: str, d
 async def top_tenants(redis: Redis, keys: Keys, model: str, day: str, n: int = 5) -> list[tuple[str, dict[str, int]]]:
     """The ``n`` tenants that used the most tokens on ``model`` on ``day``, with their usage."""
     per: dict[str, dict[str, int]] = {}
-    for field, value in (await redis.hgetall(keys.usage(model, day))).items():
+    for field, value in (await reply(redis.hgetall(keys.usage(model, day)))).items():
         tenant, _, name = field.decode().rpartition(":")
         if "/" not in tenant:  # '<tenant>/<adapter>:' counts a part of the tenant's own usage again
             per.setdefault(tenant, {})[name] = int(value)
@@ -231,8 +232,6 @@ def _limit(text: str) -> str:
 
 
 async def _run(args: argparse.Namespace) -> str:
-    from shared.redis import connect
-
     redis = connect(args.url)
     keys = Keys(args.prefix)
     try:
@@ -242,9 +241,9 @@ async def _run(args: argparse.Namespace) -> str:
                        if getattr(args, name) is not None}
             unset = [name for name, value in changes.items() if value == "none"]
             if unset:
-                await redis.hdel(keys.tenant_config(tenant), *unset)
+                await reply(redis.hdel(keys.tenant_config(tenant), *unset))
             if kept := {k: v for k, v in changes.items() if v != "none"}:
-                await redis.hset(keys.tenant_config(tenant), mapping=kept)
+                await reply(redis.hset(keys.tenant_config(tenant), mapping=kept))
             return msgspec.json.encode(await read_config(redis, keys, tenant)).decode()
         if args.command == "show":
             models = [m.decode() for m in await redis.zrange(keys.models(), 0, -1)]

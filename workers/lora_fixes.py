@@ -164,7 +164,7 @@ _RUNNER_PARAMETERS = ["self", "hidden_states", "num_scheduled_tokens"]
 
 def _patch_runner(module: Any) -> None:
     fix = "prompt logprobs beside other requests"
-    runner = getattr(module, "GPUModelRunner", None)
+    runner: Any = getattr(module, "GPUModelRunner", None)  # vLLM's class, or None
     original = None if runner is None else runner.__dict__.get("_get_prompt_logprobs_dict")
     if getattr(original, PATCHED, False):
         return
@@ -297,7 +297,7 @@ def _patch_cpu_ops(punica_cpu: Any) -> None:
             return _not_applied(fix, f"{_TORCH_OPS} has no {name}")
         if _parameters(original)[:4] != _EXPAND_PARAMETERS:
             return _not_applied(fix, f"{name} takes {_parameters(original)}")
-    wrapper = getattr(punica_cpu, "PunicaWrapperCPU", None)
+    wrapper: Any = getattr(punica_cpu, "PunicaWrapperCPU", None)  # vLLM's class, or None
     update = getattr(wrapper, "update_metadata", None)
     if not inspect.isfunction(update) or _parameters(update)[:2] != _METADATA_PARAMETERS:
         return _not_applied(fix, "PunicaWrapperCPU has no update_metadata(self, mapping, ...)")
@@ -305,9 +305,10 @@ def _patch_cpu_ops(punica_cpu: Any) -> None:
         wrapper.update_metadata = _wrap_update_metadata(update)
     for name in _EXPANDS:
         wrapped = _wrap_expand(getattr(ops, name))
+        unwrapped = wrapped.__wrapped__  # type: ignore[attr-defined]  # functools.wraps set it
         # The sgmv ops call these through the ops module; the punica wrapper through its own names.
         for module in (ops, sys.modules.get("vllm.lora.ops.torch_ops"), punica_cpu):
-            if module is not None and getattr(module, name, None) in (wrapped.__wrapped__, wrapped):
+            if module is not None and getattr(module, name, None) in (unwrapped, wrapped):
                 setattr(module, name, wrapped)
 
 

@@ -10,6 +10,7 @@ Literal, so no request can carry another). A dialect's stream is a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import msgspec
@@ -31,7 +32,7 @@ from api.dialects.stream import StreamRenderer
 from shared.errors import ServiceError
 from shared.schemas import DialectName, GenerationRequest, JobResult
 
-Body = msgspec.Struct | list[msgspec.Struct]
+Body = msgspec.Struct | Sequence[msgspec.Struct]
 """A response body: a wire object, or a list of them (TGI's ``POST /``, LMTP's tokens)."""
 
 __all__ = ["Dialect", "Body", "render_result", "render_group_result", "stream", "error_body"]
@@ -42,7 +43,8 @@ class Dialect(Protocol):
     any error, in its shape, from the stored request alone (a route whose wire request has
     options the stored one lacks builds its renderer itself)."""
 
-    NAME: str
+    @property
+    def NAME(self) -> str: ...  # read-only: a module's constant, or a frozen Shape's field
 
     def render_result(self, req: GenerationRequest, result: JobResult, job_id: str, created: int) -> Body: ...
 
@@ -51,11 +53,9 @@ class Dialect(Protocol):
     def error_body(self, exc: ServiceError) -> tuple[int, msgspec.Struct]: ...
 
 
-_DIALECTS: dict[str, Dialect] = {
-    d.NAME: d
-    for d in (jobs, lmi, lmi.TGI_COMPAT, lmi.DYNAMIC_BATCH, openai_completions, openai_chat, tgi, triton, happy_vllm,
-              lmtp, anthropic_messages, openai_responses)
-}
+_ALL: tuple[Dialect, ...] = (jobs, lmi, lmi.TGI_COMPAT, lmi.DYNAMIC_BATCH, openai_completions, openai_chat, tgi, triton,
+                             happy_vllm, lmtp, anthropic_messages, openai_responses)
+_DIALECTS: dict[str, Dialect] = {d.NAME: d for d in _ALL}
 
 
 def render_result(req: GenerationRequest, result: JobResult, job_id: str, created: int) -> Body:
@@ -64,7 +64,7 @@ def render_result(req: GenerationRequest, result: JobResult, job_id: str, create
 
 
 def render_group_result(reqs: list[GenerationRequest], results: list[JobResult], group_id: str, created: int
-                        ) -> msgspec.Struct:
+                        ) -> Body:
     """The finished jobs of one request that fanned out (a list of prompts, LMI's dynamic batch),
     as that request would have been answered: only these two dialects queue several jobs."""
     if reqs[0].dialect == lmi.DYNAMIC_BATCH.NAME:

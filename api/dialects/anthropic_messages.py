@@ -36,7 +36,7 @@ documents, other block types) is refused with Anthropic's ``invalid_request_erro
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Final
 
 import msgspec
 from msgspec import Meta
@@ -54,7 +54,7 @@ from api.dialects.anthropic_render import (
     stop_of,
     stream,
 )
-from api.dialects.common import refuse, tool_use
+from api.dialects.common import refuse, required, tool_use
 from api.dialects.tiers import priority_of_tier
 from shared.schemas import (
     ChatMessage,
@@ -66,9 +66,11 @@ from shared.schemas import (
     Tool,
     ToolCall,
     ToolUse,
+    ToolUseChoice,
 )
 
 __all__ = [
+    "NAME",
     "MessagesRequest",
     "CountTokensRequest",
     "to_generation_request",
@@ -86,12 +88,12 @@ __all__ = [
     "ErrorResponse",
 ]
 
-NAME = "anthropic_messages"
+NAME: Final = "anthropic_messages"
 ROLES = ("user", "assistant", "system")
 BILLING_HEADER = "x-anthropic-billing-header"
 """How the system block Claude Code adds to every request begins: it changes per request (so it
 would defeat any prefix cache) and says nothing to the model, so it is left out, as vLLM does."""
-CHOICES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
+CHOICES: dict[str, ToolUseChoice] = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
 THINKING = ("enabled", "disabled", "adaptive")
 MIN_THINKING_BUDGET = 1024  # Anthropic's
 
@@ -203,8 +205,7 @@ def _text_blocks(content: str | list[ContentBlock], where: str) -> list[str]:
     for i, block in enumerate(content):
         refuse(block.type != "text", f"{where}.{i}: content blocks of type `{block.type}` are not supported "
                 "by this server (text only)", where.split(".")[0])
-        refuse(block.text is None, f"{where}.{i}.text: Field required", where.split(".")[0])
-        texts.append(block.text)
+        texts.append(required(block.text, f"{where}.{i}.text: Field required", where.split(".")[0]))
     return texts
 
 
@@ -249,8 +250,7 @@ def _tool_result(block: ContentBlock, where: str) -> ChatMessage:
         for k, part in enumerate(block.content):
             refuse(part.type != "text", f"{where}.content.{k}: content blocks of type `{part.type}` are not "
                    "supported in a tool_result by this server (text only)", "messages")
-            refuse(part.text is None, f"{where}.content.{k}.text: Field required", "messages")
-            texts.append(part.text)
+            texts.append(required(part.text, f"{where}.content.{k}.text: Field required", "messages"))
         text = "\n".join(texts)
     if block.is_error:
         text = f"Error: {text}" if text else "Error"

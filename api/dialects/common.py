@@ -3,12 +3,16 @@ OpenAI's error object (vLLM's OpenAI server and the Responses API frame errors a
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import msgspec
 
 from shared.errors import InvalidRequest
-from shared.schemas import Tool, ToolUse
+from shared.schemas import Tool, ToolUse, ToolUseChoice
 
-__all__ = ["refuse", "tool_use", "ErrorObject", "ErrorResponse"]
+__all__ = ["refuse", "required", "tool_use", "ErrorObject", "ErrorResponse"]
+
+T = TypeVar("T")
 
 
 def refuse(bad: bool, message: str, param: str | None = None) -> None:
@@ -18,7 +22,15 @@ def refuse(bad: bool, message: str, param: str | None = None) -> None:
         raise InvalidRequest(message, param=param)
 
 
-def tool_use(tools: list[Tool] | None, choice: str | None, function: str | None = None, *,
+def required(value: T | None, message: str, param: str | None = None) -> T:
+    """``value``, refusing the request with ``message`` when it is missing (None): :func:`refuse`
+    for a field that is used once checked, so its type says it is there."""
+    if value is None:
+        raise InvalidRequest(message, param=param)
+    return value
+
+
+def tool_use(tools: list[Tool] | None, choice: ToolUseChoice | None, function: str | None = None, *,
              parallel: bool = True, param: str = "tool_choice") -> ToolUse | None:
     """A chat's tools in the internal form, checked as vLLM checks them. ``choice``: ``auto``,
     ``none``, ``required`` or ``function`` (then ``function`` names the tool); None: ``auto`` with

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Final
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
@@ -35,6 +35,7 @@ from shared.events import Done, Tokens
 from shared.schemas import GenerationRequest, JobResult, OutputOptions, SamplingParams, StructuredOutput
 
 __all__ = [
+    "NAME",
     "VllmSampling",
     "sampling_from_dict",
     "HappyOptions",
@@ -50,7 +51,7 @@ __all__ = [
     "error_body",
 ]
 
-NAME = "happy_vllm"
+NAME: Final = "happy_vllm"
 
 
 class VllmSampling(VllmExtras, kw_only=True, forbid_unknown_fields=True):

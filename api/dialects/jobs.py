@@ -3,6 +3,8 @@ the job's event log as Server-Sent Events (``id:`` = the event's sequence number
 
 from __future__ import annotations
 
+from typing import Final
+
 import msgspec
 
 from api.dialects.stream import SseKeepalive, StreamRenderer
@@ -11,9 +13,9 @@ from shared.events import Event
 from shared.framing import sse
 from shared.schemas import GenerationRequest, JobResult
 
-__all__ = ["ErrorDetail", "ErrorBody", "render_result", "error_body", "EventLog", "stream"]
+__all__ = ["NAME", "ErrorDetail", "ErrorBody", "render_result", "error_body", "EventLog", "stream"]
 
-NAME = "jobs"
+NAME: Final = "jobs"
 
 
 def render_result(req: GenerationRequest, result: JobResult, job_id: str = "", created: int = 0) -> JobResult:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Final
 
 import msgspec
 from msgspec import Meta
@@ -24,7 +24,11 @@ from api.dialects.stream import StreamRenderer
 from shared.errors import GenerationFailed, InternalError, InvalidRequest, ServiceError
 from shared.schemas import DialectName, GenerationRequest, JobResult, OutputOptions, SamplingParams
 
+if TYPE_CHECKING:
+    from api.dialects import Body  # the package imports this module first
+
 __all__ = [
+    "NAME",
     "LmiParameters",
     "LmiRequest",
     "to_generation_requests",
@@ -40,7 +44,7 @@ __all__ = [
     "DYNAMIC_BATCH",
 ]
 
-NAME = "lmi"
+NAME: Final = "lmi"
 
 
 class LmiParameters(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
@@ -202,7 +206,7 @@ class Shape:
     """One of LMI's other response shapes, a :class:`api.dialects.Dialect` of its own."""
 
     NAME: DialectName
-    render_result: Callable[[GenerationRequest, JobResult, str, int], object]
+    render_result: Callable[[GenerationRequest, JobResult, str, int], Body]
     stream: Callable[[GenerationRequest, str, int], StreamRenderer[bytes]]
     error_body: Callable[[ServiceError], tuple[int, msgspec.Struct]]
 

@@ -181,7 +181,8 @@ def _eos_index(choice_reason: str | None, stop_reason: str | int | None, count: 
 
 def _tokens(req: GenerationRequest, c: Choice) -> list:
     eos = _eos_index(c.finish_reason, c.stop_reason, len(c.token_ids))
-    texts, logprobs = c.token_texts or [""] * len(c.token_ids), c.logprobs or [None] * len(c.token_ids)
+    texts = c.token_texts or [""] * len(c.token_ids)
+    logprobs: list[float] | list[None] = c.logprobs or [None] * len(c.token_ids)
     return [_token(req, tid, texts[i], logprobs[i], i == eos) for i, tid in enumerate(c.token_ids)]
 
 
@@ -271,7 +272,7 @@ def _delta_lines(req: GenerationRequest, delta: TokenDelta, top_n: int) -> list[
     byte-level tokens; when one delta holds several tokens its text rides on the last one."""
     count = len(delta.token_ids)
     texts = [""] * (count - 1) + [delta.text]
-    logprobs = delta.logprobs or [None] * count
+    logprobs: list[float] | list[None] = delta.logprobs or [None] * count
     eos = _eos_index(delta.finish_reason, delta.stop_reason, count)
     lines: list[StreamLine | TgiStreamLine] = []
     for i, tid in enumerate(delta.token_ids):
@@ -307,8 +308,9 @@ class LmiStream(StreamRenderer[bytes]):
         lines = [line for delta in event.deltas for line in _delta_lines(req, delta, self.top_n)]
         if isinstance(event, Done):
             # The last line carries the last token plus generated_text (and details when asked).
-            # With no token at all it is a bare line around an empty special token.
-            last = lines.pop() if lines else StreamLine(token=_token(req, -1, "", None, True))
+            # With no token at all it is a bare line around an empty special token (TGI's too: a
+            # StreamLine, whose T is either token type, which mypy cannot tell from _token's union).
+            last = lines.pop() if lines else StreamLine(token=_token(req, -1, "", None, True))  # type: ignore[type-var]
             last.generated_text = _generated_text(req, "".join(self.text_parts))
             if req.output.details:
                 final = event.deltas[-1] if event.deltas else TokenDelta()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, Final
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
@@ -56,7 +56,7 @@ __all__ = [
     "error_body",
 ]
 
-NAME = "lmtp"
+NAME: Final = "lmtp"
 
 MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
 MASK_BIAS = 100.0

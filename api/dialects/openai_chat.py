@@ -9,7 +9,7 @@ OpenAI shape of :mod:`api.dialects.openai_completions`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 from msgspec import Meta
@@ -33,6 +33,7 @@ from shared.schemas import (
 )
 
 __all__ = [
+    "NAME",
     "ChatRequest",
     "to_generation_request",
     "render_result",
@@ -45,7 +46,7 @@ __all__ = [
     "MessageToolCall",
 ]
 
-NAME = "openai_chat"
+NAME: Final = "openai_chat"
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 # apply_chat_template's own arguments: a template kwarg must not override how the worker renders.

@@ -7,7 +7,7 @@ error. Errors are ``{"error": {"message", "type", "param", "code"}}`` with vLLM'
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Final
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
@@ -31,6 +31,7 @@ from shared.schemas import (
 )
 
 __all__ = [
+    "NAME",
     "CompletionRequest",
     "to_generation_requests",
     "render_result",
@@ -49,7 +50,7 @@ __all__ = [
     "ModelList",
 ]
 
-NAME = "openai_completions"
+NAME: Final = "openai_completions"
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):

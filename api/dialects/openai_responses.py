@@ -28,7 +28,7 @@ as sent, ...) are kept with the job (``OutputOptions.reported``), so a response 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 from msgspec import Meta
@@ -68,6 +68,7 @@ from shared.schemas import (
     Tool,
     ToolCall,
     ToolUse,
+    ToolUseChoice,
 )
 
 __all__ = [
@@ -95,7 +96,7 @@ __all__ = [
     "job_id_of",
 ]
 
-NAME = "openai_responses"
+NAME: Final = "openai_responses"
 
 # --- the request ----------------------------------------------------------------------------
 
@@ -256,15 +257,20 @@ def _named(choice: dict[str, Any], functions: list[Tool], tools: list[dict[str, 
     return candidates[0] if candidates else name
 
 
-def _choice(b: ResponsesRequest, functions: list[Tool]) -> tuple[str | None, str | None]:
+_STRING_CHOICES: dict[str | None, ToolUseChoice | None] = {None: None, "none": "none", "auto": "auto",
+                                                           "required": "required"}
+"""The choices ``tool_choice`` may name as a string (or leave out), as the internal form names them."""
+
+
+def _choice(b: ResponsesRequest, functions: list[Tool]) -> tuple[ToolUseChoice | None, str | None]:
     """``tool_choice`` as (choice, forced function). Only function tools can be forced: a choice
     that forces a hosted tool could not be honoured (llmq cannot run it, and the model was not
     offered it), so it is a 400, not a silent ``auto``."""
     tc = b.tool_choice
     if tc is None or isinstance(tc, str):
-        refuse(tc not in (None, "none", "auto", "required"), f"tool_choice must be 'none', 'auto', 'required' or "
-                f"an object, got {tc!r}", "tool_choice")
-        return tc, None
+        refuse(tc not in _STRING_CHOICES, f"tool_choice must be 'none', 'auto', 'required' or an object, got {tc!r}",
+               "tool_choice")
+        return _STRING_CHOICES[tc], None
     kind = tc.get("type")
     if kind == "function":
         return "function", _named(tc, functions, b.tools or [])
@@ -327,8 +333,9 @@ class _Chat:
         last = self.turns[-1] if self.turns else None
         if isinstance(last, _Turn) and (has is None or getattr(last, has) is None):
             return last
-        self.turns.append(_Turn())
-        return self.turns[-1]  # type: ignore[return-value]
+        turn = _Turn()
+        self.turns.append(turn)
+        return turn
 
     def add(self, item: InputItem, i: int) -> None:
         where = f"input[{i}]"

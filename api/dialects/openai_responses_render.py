@@ -38,6 +38,7 @@ __all__ = [
     "RESPONSE_PREFIX",
     "NAMESPACE_SEPARATOR",
     "Echo",
+    "Status",
     "echo_of_request",
     "echo_of_settings",
     "tier_name",

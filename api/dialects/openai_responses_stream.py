@@ -15,7 +15,7 @@ start and sends the events numbered above N, on any web process, while the job r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 import msgspec
 
@@ -29,6 +29,7 @@ from api.dialects.openai_responses_render import (
     ReasoningItem,
     ReasoningText,
     Response,
+    Status,
     echo_of_request,
     finished_status,
     function_call_item,
@@ -142,13 +143,25 @@ class ErrorEvent(msgspec.Struct, kw_only=True):
     param: str | None = None
 
 
-def frame(event: msgspec.Struct) -> bytes:
+StreamEvent = (StreamResponse | ItemEvent | PartEvent | TextDelta | TextDone | ReasoningDelta | ReasoningDone
+               | ArgumentsDelta | ArgumentsDone | ErrorEvent)
+"""Any event of a stream: each has its ``type`` and ``sequence_number``."""
+
+
+def frame(event: StreamEvent) -> bytes:
     """One event as OpenAI frames it: its type as the SSE ``event:`` name, then the JSON."""
-    return sse(event, event=event.type)  # type: ignore[attr-defined]
+    return sse(event, event=event.type)
 
 
 Key = str | int
 """An output item of a stream: ``"reasoning"``, ``"message"``, or a call's index."""
+
+
+class _Where(TypedDict):
+    """Where an item's events point: every event of one item repeats these."""
+
+    item_id: str
+    output_index: int
 
 
 class _Open:
@@ -157,6 +170,9 @@ class _Open:
     def __init__(self, key: Key, index: int, item_id: str, call: ToolCallDelta | None = None) -> None:
         self.key, self.index, self.item_id, self.call = key, index, item_id, call
         self.parts: list[str] = []
+
+    def where(self) -> _Where:
+        return _Where(item_id=self.item_id, output_index=self.index)
 
 
 class ResponseStream(SseKeepalive, StreamRenderer[bytes]):
@@ -183,11 +199,11 @@ class ResponseStream(SseKeepalive, StreamRenderer[bytes]):
         self.seq += 1
         return self.seq - 1
 
-    def _frames(self, events: list[msgspec.Struct]) -> list[bytes]:
-        return [frame(e) for e in events if e.sequence_number > self.after]  # type: ignore[attr-defined]
+    def _frames(self, events: list[StreamEvent]) -> list[bytes]:
+        return [frame(e) for e in events if e.sequence_number > self.after]
 
     def open(self) -> list[bytes]:
-        start = "queued" if self.echo.background else "in_progress"
+        start: Status = "queued" if self.echo.background else "in_progress"
         return self._frames([
             StreamResponse(type="response.created", sequence_number=self._number(),
                            response=render_response(self.echo, self.job_id, self.created, start)),
@@ -197,7 +213,7 @@ class ResponseStream(SseKeepalive, StreamRenderer[bytes]):
 
     # An item's three moments: announced, added to, finished.
 
-    def _start(self, key: Key, call: ToolCallDelta | None = None) -> list[msgspec.Struct]:
+    def _start(self, key: Key, call: ToolCallDelta | None = None) -> list[StreamEvent]:
         events = self._finish("completed")
         index, self.items = self.items, self.items + 1
         if key == "reasoning":
@@ -219,7 +235,7 @@ class ResponseStream(SseKeepalive, StreamRenderer[bytes]):
                                     item_id=self.item.item_id, output_index=index, part=part))
         return events
 
-    def _add(self, key: Key, piece: str, call: ToolCallDelta | None = None) -> list[msgspec.Struct]:
+    def _add(self, key: Key, piece: str, call: ToolCallDelta | None = None) -> list[StreamEvent]:
         if key in self.done:
             return []
         events = self._start(key, call) if self.item is None or self.item.key != key else []
@@ -228,44 +244,44 @@ class ResponseStream(SseKeepalive, StreamRenderer[bytes]):
         if not piece:
             return events
         item.parts.append(piece)
-        common = {"sequence_number": self._number(), "item_id": item.item_id, "output_index": item.index}
+        seq, where = self._number(), item.where()
         if key == "reasoning":
-            events.append(ReasoningDelta(delta=piece, **common))
+            events.append(ReasoningDelta(delta=piece, sequence_number=seq, **where))
         elif key == "message":
-            events.append(TextDelta(delta=piece, **common))
+            events.append(TextDelta(delta=piece, sequence_number=seq, **where))
         else:
-            events.append(ArgumentsDelta(delta=piece, **common))
+            events.append(ArgumentsDelta(delta=piece, sequence_number=seq, **where))
         return events
 
-    def _finish(self, status: str) -> list[msgspec.Struct]:
+    def _finish(self, status: str) -> list[StreamEvent]:
         item, self.item = self.item, None
         if item is None:
             return []
         self.done.add(item.key)
-        text, common = "".join(item.parts), {"item_id": item.item_id, "output_index": item.index}
-        events: list[msgspec.Struct]
+        text, where = "".join(item.parts), item.where()
+        events: list[StreamEvent]
         if item.key == "reasoning":
             part: OutputText | ReasoningText = ReasoningText(text=text)
             whole: OutputItem = ReasoningItem(id=item.item_id, content=[ReasoningText(text=text)], status=status)
-            events = [ReasoningDone(sequence_number=self._number(), text=text, **common)]
+            events = [ReasoningDone(sequence_number=self._number(), text=text, **where)]
         elif item.key == "message":
             part = OutputText(text=text)
             whole = OutputMessage(id=item.item_id, status=status, content=[OutputText(text=text)])
-            events = [TextDone(sequence_number=self._number(), text=text, **common)]
+            events = [TextDone(sequence_number=self._number(), text=text, **where)]
         else:
             assert item.call is not None
             whole = function_call_item(item.call, text, status, self.names)
-            events = [ArgumentsDone(sequence_number=self._number(), arguments=text, **common)]
+            events = [ArgumentsDone(sequence_number=self._number(), arguments=text, **where)]
         if item.key in ("reasoning", "message"):
             events.append(PartEvent(type="response.content_part.done", sequence_number=self._number(), part=part,
-                                    **common))
+                                    **where))
         events.append(ItemEvent(type="response.output_item.done", sequence_number=self._number(),
                                 output_index=item.index, item=whole))
         return events
 
     def step(self, ev: Tokens | Done) -> list[bytes]:
         self.result.add(ev)
-        events: list[msgspec.Struct] = []
+        events: list[StreamEvent] = []
         for d in ev.deltas:
             if d.reasoning:
                 events += self._add("reasoning", d.reasoning)
@@ -278,7 +294,7 @@ class ResponseStream(SseKeepalive, StreamRenderer[bytes]):
             events += self._closing()
         return self._frames(events)
 
-    def _closing(self) -> list[msgspec.Struct]:
+    def _closing(self) -> list[StreamEvent]:
         status = finished_status(self.finish_reason)
         # Nothing came: the response is one empty message, as it reads back.
         events = self._start("message") if self.items == 0 else []

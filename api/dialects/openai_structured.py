@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from api.dialects.common import refuse
+from api.dialects.common import refuse, required
 from shared import json_input
 from shared.errors import InvalidRequest
 from shared.schemas import StructuredOutput
@@ -81,5 +81,4 @@ def _json_schema(rf: ResponseFormat) -> JsonSchema:
     refuse(rf.type != "json_schema", supported, "response_format")
     schema = rf.json_schema.schema if rf.json_schema is not None else None
     message = "When response_format type is 'json_schema', the 'json_schema' field (with a 'schema') must be provided."
-    refuse(schema is None, message, "response_format")
-    return schema
+    return required(schema, message, "response_format")

@@ -6,7 +6,7 @@ translation. :mod:`api.dialects.tgi` is the dialect itself (answers, streams, er
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 from msgspec import Meta
@@ -17,7 +17,7 @@ from shared.schemas import GenerationRequest, OutputOptions, SamplingParams, Str
 
 __all__ = ["NAME", "Grammar", "GenerateParameters", "GenerateRequest", "to_generation_request", "with_prompt_ids"]
 
-NAME = "tgi"
+NAME: Final = "tgi"
 MAX_BEST_OF = 2
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_N_TOKENS = 5

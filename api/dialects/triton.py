@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Iterable
-from typing import TypeVar
+from typing import Final, TypeVar
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -42,6 +42,7 @@ from shared.framing import sse
 from shared.schemas import Choice, GenerationRequest, JobResult, OutputOptions, PromptInfo, StructuredOutput, TopLogprob
 
 __all__ = [
+    "NAME",
     "RawBody",
     "GenerateRequest",
     "read_body",
@@ -60,7 +61,7 @@ __all__ = [
 
 T = TypeVar("T")
 
-NAME = "triton"
+NAME: Final = "triton"
 MODEL_VERSION = "1"
 
 RETURN_FLAGS = (

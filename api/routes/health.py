@@ -27,7 +27,7 @@ __all__ = ["ping", "livez", "readyz"]
 @get("/ping", opt={"dialect": "lmi"})
 async def ping(svc: Svc) -> Response:
     ready = (await svc.models.live(fresh=True)).get(svc.model, 0)
-    status = "Healthy" if ready else "Unhealthy"
+    status: Literal["Healthy", "Unhealthy"] = "Healthy" if ready else "Unhealthy"
     return json_response(Ping(status=status, model=svc.model, ready_workers=ready), 200 if ready else 503)
 
 
