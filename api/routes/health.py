@@ -12,6 +12,8 @@ Two kinds, for two audiences:
 
 from __future__ import annotations
 
+from typing import Literal
+
 from litestar import Response, get
 
 from api.http import json_response
