@@ -150,10 +150,12 @@ async def test_an_operator_registers_lists_uses_and_removes_an_adapter(stack, di
     req = ENGINE.requests[-1]
     assert (req.model, req.adapter) == ("tiny", AdapterSpec(name="sql", source=str(dirs["op"])))
     assert await redis.hget(Keys(settings.prefix).job("tiny", job_id), "adapter") == b"sql"
-    # Usage: the model's row, then the adapter's part of it.
-    rows = (await client.get("/v1/usage?days=1", headers=auth(A))).json()["data"]
-    assert [(r["model"], r.get("adapter"), r["requests"], r["generated_tokens"]) for r in rows] == [
-        ("tiny", None, 1, 2), ("tiny", "sql", 1, 2)]
+    # Usage: the model's row, then the adapter's part of it. The meter is written by the flush's
+    # second half (finish.lua), a moment after the log's terminal event that answered the client.
+    async def usage():
+        rows = (await client.get("/v1/usage?days=1", headers=auth(A))).json()["data"]
+        return [(r["model"], r.get("adapter"), r["requests"], r["generated_tokens"]) for r in rows]
+    assert await eventually(usage, what="the job's usage") == [("tiny", None, 1, 2), ("tiny", "sql", 1, 2)]
 
     resp = await unload(client, OP, "sql")
     assert (resp.status_code, resp.text) == (200, "Success: LoRA adapter 'sql' removed successfully.")
