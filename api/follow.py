@@ -21,7 +21,7 @@ from shared.codec import decode_event
 from shared.errors import DeadlineExceeded, QueueUnavailable, ServiceError
 from shared.events import Done, Error, Event, Tokens, is_terminal
 from shared.framing import KEEPALIVE_TICK, Keepalive
-from shared.queue import Queue, now_ms
+from shared.queue import JobStore, now_ms
 from shared.redis import REDIS_DOWN
 from shared.result import ResultBuilder
 from shared.schemas import JobResult
@@ -129,7 +129,7 @@ class Relay:
 
 
 async def follow(
-    queue: Queue,
+    queue: JobStore,
     live: Inbox,
     model: str,
     job_id: str,

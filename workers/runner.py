@@ -57,7 +57,7 @@ from shared.errors import (
 )
 from shared.events import Done, Error, Event, Timings, is_terminal
 from shared.metrics import Recorder
-from shared.queue import Delivery, Held, Outbound, Queue, Swap, now_ms
+from shared.queue import Consumer, Delivery, Held, Outbound, Swap, now_ms
 from shared.redis import REDIS_DOWN
 from shared.registry import Registry
 from shared.schemas import GenerationRequest, JobResult, Usage
@@ -125,7 +125,7 @@ class _Suspect:
 
 
 class Worker:
-    def __init__(self, settings: Settings, queue: Queue, engine: Engine, *, worker_id: str | None = None,
+    def __init__(self, settings: Settings, queue: Consumer, engine: Engine, *, worker_id: str | None = None,
                  device: str = "", tracing: Tracing | None = None):
         self.settings = settings
         self.tracing = tracing  # None: tracing off, and no span work anywhere below
@@ -635,10 +635,9 @@ class Worker:
                 self._log_finished(attempt.timings, attempt.usage, out.result)
                 return
             # A token event: its bytes only, no event object (the outbox's usual entry).
-            outbound = Outbound(d.job_id, first_token_at=out.first_token_at, attempt=d.attempt,
-                                prompt_ids=out.prompt_ids, level=d.level, history=attempt.encoded,
-                                history_from=attempt.base, history_prompt_ids=attempt.logged_prompt_ids,
-                                data=out.data, seq=out.seq)
+            outbound = Outbound(d.job_id, out.seq, out.data, attempt=d.attempt, level=d.level,
+                                first_token_at=out.first_token_at, prompt_ids=out.prompt_ids, history=attempt.encoded,
+                                history_from=attempt.base, history_prompt_ids=attempt.logged_prompt_ids)
             self._outbox.append(outbound)
             self._outbox_ready.set()
             if merges:
@@ -807,7 +806,7 @@ class Worker:
             self.metrics.inc("llmq_worker_jobs_ended_total", outcome="done" if isinstance(event, Done) else event.code)
             if d.queued_at:  # 0: a delivery whose record is missing
                 self.metrics.observe("llmq_e2e_seconds", (now_ms() - d.queued_at) / 1000)
-        self._outbox.append(out := Outbound(job_id=d.job_id, event=event, **extra))
+        self._outbox.append(out := Outbound.of(d.job_id, event, **extra))
         self._ends_unwritten += out.terminal
         self._outbox_ready.set()
 
@@ -881,11 +880,7 @@ class Worker:
             log.warning("event_log_gap", job_id=job_id, logged=logged, next_seq=first.seq, mended=True)
             # The attempt's first event carried the prompt's ids: they go with it again, or a
             # successor after a later crash could not continue the job.
-            again += [Outbound(job_id=job_id, data=first.history[seq - first.history_from - 1], seq=seq,
-                               attempt=first.attempt, level=first.level, history=first.history,
-                               history_from=first.history_from, history_prompt_ids=first.history_prompt_ids,
-                               prompt_ids=first.history_prompt_ids if seq == first.history_from + 1 else None)
-                      for seq in range(logged + 1, first.seq)] + own
+            again += [first.replay(seq) for seq in range(logged + 1, first.seq)] + own
         return again
 
     # --- drain, heartbeat, control -------------------------------------------------------------

@@ -10,7 +10,7 @@ from shared.config import load_settings
 from shared.errors import JobCancelled
 from shared.events import Error, TokenDelta
 from shared.keys import Keys
-from shared.queue import Outbound, Queue
+from shared.queue import Consumer, Outbound
 from tests.support.scripted_engine import ScriptedEngine
 from workers.attempt import Attempt
 from workers.protocol import Step
@@ -19,7 +19,7 @@ from workers.runner import Worker
 
 def _worker() -> Worker:
     settings = load_settings({}, redis_url="redis://127.0.0.1:1/0", served_model_name="m")
-    return Worker(settings, Queue(Redis(), Keys("t")), ScriptedEngine(), worker_id="w")
+    return Worker(settings, Consumer(Redis(), Keys("t")), ScriptedEngine(), worker_id="w")
 
 
 def _attempt(seq: int, steps: int) -> tuple[Attempt, list[Outbound]]:
@@ -47,7 +47,7 @@ def test_a_job_whose_log_lacks_events_from_before_its_attempt_is_let_go():
 
 def test_an_event_made_without_an_attempts_history_is_let_go_after_a_gap():
     worker = _worker()
-    dead = Outbound("j", event=Error.of(JobCancelled("x"), 4), attempt=1)  # a dead letter's: no history
+    dead = Outbound.of("j", Error.of(JobCancelled("x"), 4), attempt=1)  # a dead letter's: no history
     assert worker._refill([dead], {"j": 1}) == []
 
 
