@@ -358,9 +358,9 @@ async def test_a_redis_restart_takes_no_job_from_a_live_worker(tmp_path, figures
         prefix = f"restart-{uuid.uuid4().hex[:6]}"
         keys = Keys(prefix)
         settings = dict(redis_url=server.url, prefix=prefix, lease_s=LEASE_S)
-        a = await _own_worker(redis, keys, own, ContextEngine(0.02), **settings)
-        job_id = await submit(a.queue, "restart", 200)
-        await logged_on(a.queue, job_id, a.worker.worker_id, 10)
+        a, store = await _own_worker(redis, keys, own, ContextEngine(0.02), **settings), JobStore(redis, keys)
+        job_id = await submit(store, "restart", 200)
+        await logged_on(store, job_id, a.worker.worker_id, 10)
         b = await _own_worker(redis, keys, own, ContextEngine(0.005), **settings)
         await judging(b.worker)
         server.stop()
@@ -369,10 +369,10 @@ async def test_a_redis_restart_takes_no_job_from_a_live_worker(tmp_path, figures
         restarted = time.monotonic()
 
         async def done() -> bool:
-            job = await a.queue.get_job(MODEL, job_id)
+            job = await store.get_job(MODEL, job_id)
             return job is not None and job.status == "done"
         await wait_for(done, timeout=60, every=0.05)
-        job = await a.queue.get_job(MODEL, job_id)
+        job = await store.get_job(MODEL, job_id)
         figures.requests_sent, figures.completed = 1, int(job.result.choices[0].token_ids == expected_ids("restart",
                                                                                                          200))
         figures.seconds["finished_after_restart_s"] = time.monotonic() - restarted
