@@ -117,31 +117,31 @@ class Held:
 
 
 class Picked(NamedTuple):
-    """What one pick (:meth:`Queue.pick`) gave a worker."""
+    """What one pick (:meth:`Consumer.pick`) gave a worker."""
 
     deliveries: list[Delivery]
     """The jobs picked, read and claimed (none: nobody waits)."""
     tops: list[bytes]
     """When nothing was picked, each level's newest waiting entry then: where
-    :meth:`Queue.wait_for_work` waits from, so a job queued since wakes it at once."""
+    :meth:`Consumer.wait_for_work` waits from, so a job queued since wakes it at once."""
     acked: int | None = None
     """A pick with ``confirm=False``: the claims are made, not yet confirmed (their token shards
     not fenced, under LLMQ_DURABILITY not yet on the replicas). The caller must
-    :meth:`Queue.confirm` them, passing this (the replicas' confirmations so far), before it writes
+    :meth:`Consumer.confirm` them, passing this (the replicas' confirmations so far), before it writes
     anything about the jobs. None: confirmed, or nothing picked."""
     wake_ms: int = 0
     """With affinity: ms until a job this pick left for another worker becomes anyone's, the
-    longest :meth:`Queue.wait_for_work` may block (no new entry will wake it for that job); 0: none."""
+    longest :meth:`Consumer.wait_for_work` may block (no new entry will wake it for that job); 0: none."""
 
 
 class Swap(NamedTuple):
-    """What one preemption check (:meth:`Queue.preempt`) gave a worker with no free slot."""
+    """What one preemption check (:meth:`Consumer.preempt`) gave a worker with no free slot."""
 
     victim: str | None
     """The running job that gives way (handed back: it waits again); None: none does."""
     deliveries: list[Delivery]
-    """The job picked into its slot, claimed but not confirmed (as :meth:`Queue.pick` with
-    ``confirm=False``: :meth:`Queue.confirm` it, passing ``acked``, before writing about it)."""
+    """The job picked into its slot, claimed but not confirmed (as :meth:`Consumer.pick` with
+    ``confirm=False``: :meth:`Consumer.confirm` it, passing ``acked``, before writing about it)."""
     acked: int
     waiting: bool
     """A job waits (none gave way for it now): the worker asks again soon."""
