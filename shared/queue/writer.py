@@ -22,7 +22,7 @@ from shared import scripts
 from shared.cluster import is_cluster
 from shared.codec import encode
 from shared.errors import JobCancelled
-from shared.events import Done, Error, Event, is_terminal
+from shared.events import Done, Error, Event, Tokens
 from shared.keys import Keys, shard_of
 from shared.schemas import JobError, JobResult, Usage
 from shared.tenants import today
@@ -94,7 +94,7 @@ class Outbound:
         """``event`` on its way out, as ``data`` (its JSON, encoded here when empty); ``fields``
         are Outbound's own (``attempt``, ``first_token_at``, ``history`` ...). A terminal event's
         :class:`Ending` is made of the keywords named as its fields; a token event has none."""
-        ending = Ending(event, entry_id, result, usage, log, dead) if is_terminal(event) else None
+        ending = None if isinstance(event, Tokens) else Ending(event, entry_id, result, usage, log, dead)
         return cls(job_id, event.seq, data or encode(event), ending=ending, **fields)
 
     def replay(self, seq: int) -> Outbound:
@@ -252,17 +252,17 @@ class EventWriter:
         lost_jobs.update(batch[i].job_id for i in lost_at)
         ends = [i for i, extra in extras.items() if extra.status and i not in lost_at and batch[i].job_id not in gaps]
         if ends:
-            items = []
+            ended: list[tuple[str, int, scripts.Extra]] = []
             for i in ends:
                 extra = extras[i]
                 if i not in whole:
                     extra = extra._replace(compact="")  # the log holds more than this writer knows of
-                items.append((batch[i].job_id, batch[i].attempt, extra))
+                ended.append((batch[i].job_id, batch[i].attempt, extra))
             # A refusal here is a peer's claim between the two steps: that claimer ends the record
             # from the logged ending (its take), so the job is not lost to anyone.
-            refused = await self.finish(model, items, [(job_id, bool(extra.compact)) for job_id, _, extra in items])
+            refused = await self.finish(model, ended, [(job_id, bool(extra.compact)) for job_id, _, extra in ended])
             if refused:
-                log.info("flush_end_left_to_claimer", worker=worker, jobs=[items[n][0] for n in refused])
+                log.info("flush_end_left_to_claimer", worker=worker, jobs=[ended[n][0] for n in refused])
         return Flushed(sorted(lost_jobs), gaps)
 
     def _flush_call(self, model: str, worker: str, batch: list[Outbound], extras: dict[int, scripts.Extra],
