@@ -22,7 +22,7 @@ from shared.codec import decode_event
 from shared.errors import DeadlineExceeded, QueueUnavailable, ServiceError
 from shared.events import Done, Error, Event, Tokens, is_terminal
 from shared.framing import KEEPALIVE_TICK, Keepalive
-from shared.queue import Queue, now_ms
+from shared.queue import JobStore, now_ms
 from shared.redis import REDIS_DOWN
 from shared.result import ResultBuilder
 from shared.schemas import JobResult
@@ -134,7 +134,7 @@ class Relay:
 
 
 async def follow(
-    queue: Queue,
+    queue: JobStore,
     live: Inbox,
     model: str,
     job_id: str,
@@ -199,7 +199,7 @@ class _Awaiting:
     job ended past its deadline or its cold wait, and Redis ridden out while it is away. What it
     receives goes into the relay's :class:`FollowState` for :func:`follow` to yield."""
 
-    def __init__(self, queue: Queue, live: Inbox, model: str, job_id: str, state: FollowState, lane: Lane | None,
+    def __init__(self, queue: JobStore, live: Inbox, model: str, job_id: str, state: FollowState, lane: Lane | None,
                  *, check_log_s: float, keepalive_s: float | None, deadline: float | None,
                  cold: ColdWait | None) -> None:
         self.queue, self.live, self.model, self.job_id = queue, live, model, job_id

@@ -24,7 +24,7 @@ from shared.cluster import is_cluster
 from shared.config import Settings
 from shared.durability import check_server
 from shared.keys import SHARDS, Keys
-from shared.queue import Queue
+from shared.queue import JobStore
 from shared.redis import REDIS_DOWN, connect, wait_for_redis
 from shared.redis_memory import EvictingRedis, MemoryGuard, check_policy
 from shared.tenants import ConfigCache
@@ -36,7 +36,7 @@ __all__ = ["Services", "Svc", "lifespan"]
 class Services:
     settings: Settings
     keys: Keys
-    queue: Queue
+    queue: JobStore
     listener: Listener
     models: ModelRegistry
     tokenizer: Tokenizer
@@ -102,10 +102,10 @@ async def lifespan(app: Litestar) -> AsyncIterator[None]:
     services = Services(
         settings=settings,
         keys=keys,
-        queue=Queue(redis, keys, result_ttl_s=settings.result_ttl_s, idempotency_ttl_s=settings.idempotency_ttl_s,
-                    usage_days=settings.usage_days,
-                    durability=settings.acknowledgement, recent_jobs=settings.recent_jobs,
-                    memory=MemoryGuard(redis, settings.redis_memory_watermark)),
+        queue=JobStore(redis, keys, result_ttl_s=settings.result_ttl_s, idempotency_ttl_s=settings.idempotency_ttl_s,
+                       usage_days=settings.usage_days,
+                       durability=settings.acknowledgement, recent_jobs=settings.recent_jobs,
+                       memory=MemoryGuard(redis, settings.redis_memory_watermark)),
         listener=listener,
         models=ModelRegistry(redis, keys, settings.model_name, settings.extra_models,
                              max_model_len=settings.max_model_len),

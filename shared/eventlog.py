@@ -1,6 +1,6 @@
 """A finished job's event log in compact form, rebuilt byte for byte for a late reader.
 
-While a job runs its events are a Redis stream, one entry per event (``Queue.flush``). Once it
+While a job runs its events are a Redis stream, one entry per event (``EventWriter.flush``). Once it
 has ended nothing is appended any more, and a reader only ever wants the same events again (a
 resume from ``Last-Event-ID``, a late ``/events`` read). The per-token stream costs ~180 bytes
 per token for an hour (``LLMQ_RESULT_TTL_S``), several times the job's result; so the worker that

@@ -1,7 +1,7 @@
 """Reading one model's queue: every figure anything reports about it, in one pipeline.
 
 ``llmq-status`` and ``/metrics`` (both through :func:`shared.status.snapshot`), housekeeping's
-sweep and :meth:`shared.queue.Queue.depth` all read the queue through :func:`read_queue`; each
+sweep and :meth:`shared.queue.JobStore.depth` all read the queue through :func:`read_queue`; each
 uses the figures it needs. It only reads, so it is safe against a live deployment.
 
 A level's jobs are in two streams: the waiting stream holds those waiting for their tenant's turn

@@ -3,7 +3,7 @@ its control channel, and what peers and ``llmq-status`` read of them.
 
 Written by workers/presence.py (one worker's own), read by it (its peers': who holds entries,
 whose control channel has a subscriber) and by shared/status.py (every heartbeat). Job
-operations are shared/queue.py's.
+operations are shared/queue/'s.
 """
 
 from __future__ import annotations

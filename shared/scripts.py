@@ -17,7 +17,7 @@ each script's locals against its layout (names, order, offsets), every key suffi
 appends against :class:`shared.keys.Keys`, and every packer's output against its layout.
 
 **Packers.** Each script has one function here that builds its KEYS and ARGV (a :class:`Call`)
-from typed arguments: the only place that knows its positions. Callers (shared/queue.py,
+from typed arguments: the only place that knows its positions. Callers (shared/queue/,
 shared/batches.py) run it with :meth:`Scripts.run`. The consumer group's name travels in ARGV,
 never as a literal in Lua.
 """
@@ -375,7 +375,7 @@ class Extra(NamedTuple):
     generated_tokens: int = -1
     finished_at: Value = ""
     """Terminal: when its writer ended it (ms), so that a read between its logged end and its
-    record's (Queue._ended) has the same time the record will ('': finish.lua's now)."""
+    record's (JobStore._ended) has the same time the record will ('': finish.lua's now)."""
 
     def ending(self) -> list[Value]:
         """Its values in flush.lua's ``endings`` group (less the index) and in Keys.ending."""

@@ -20,7 +20,7 @@ from shared.config import DEFAULT_MODEL, Settings, SettingsError, load_settings,
 from shared.durability import check_server
 from shared.keys import Keys
 from shared.logging import configure_logging
-from shared.queue import Queue
+from shared.queue import Consumer
 from shared.redis import connect, wait_for_redis
 from shared.redis_memory import EvictingRedis, check_policy
 from workers import lora_fixes  # no vLLM import
@@ -89,8 +89,8 @@ async def serve(settings: Settings, tracing: Tracing | None = None) -> None:
             raise SystemExit(1) from None
         stack.callback(engine.shutdown)
 
-        queue = Queue(redis, Keys(settings.prefix), result_ttl_s=settings.result_ttl_s, usage_days=settings.usage_days,
-                      durability=durability)
+        queue = Consumer(redis, Keys(settings.prefix), result_ttl_s=settings.result_ttl_s,
+                         usage_days=settings.usage_days, durability=durability)
         worker = Worker(settings, queue, engine, device=claim.label, tracing=tracing)
         loop = asyncio.get_running_loop()
 

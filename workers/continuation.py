@@ -47,7 +47,7 @@ import structlog
 
 from shared.errors import WorkerLost
 from shared.events import Event, TokenDelta, Tokens
-from shared.queue import Delivery, Queue
+from shared.queue import Consumer, Delivery
 from shared.redis import REDIS_DOWN
 from shared.result import ResultBuilder
 from shared.schemas import GenerationRequest, SamplingParams
@@ -263,7 +263,8 @@ async def run_parts(parts: Sequence[Part], run: Callable[[Part], AsyncIterator[S
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def plan_for(queue: Queue, model: str, d: Delivery, req: GenerationRequest, parsed: bool = False) -> Continuation:
+async def plan_for(queue: Consumer, model: str, d: Delivery, req: GenerationRequest, parsed: bool = False
+                   ) -> Continuation:
     """A fresh start, or the continuation of what earlier attempts already published (the log
     is read until Redis answers: the job cannot start without it); ``parsed``: the engine parses
     the job's output (:func:`needs_replay`)."""

@@ -37,7 +37,7 @@ from shared.config import MASK, Settings, load_settings
 from shared.inspection import QueueReading, read_queue
 from shared.keys import GROUP, Keys
 from shared.logging import configure_logging
-from shared.queue import Queue, now_ms
+from shared.queue import JobStore, now_ms
 from shared.redis import REDIS_DOWN, SentinelTarget, connect, sentinel_target, wait_for_redis
 from shared.redis_memory import MemoryGuard
 from workers.batches import advance_batches
@@ -54,7 +54,7 @@ class Housekeeper:
     keys: Keys
     redis: Redis
     """llmq's own client: reads and writes llmq's keys (bytes, llmq's timeouts)."""
-    queue: Queue
+    queue: JobStore
     arq: ArqRedis
     """arq's client, the one arq connected: enqueues arq jobs (webhook deliveries)."""
     http: httpx.AsyncClient
@@ -68,9 +68,9 @@ class Housekeeper:
     def open(cls, settings: Settings, arq: ArqRedis) -> Housekeeper:
         keys, redis = Keys(settings.prefix), connect(settings.redis_dsn)
         return cls(settings=settings, keys=keys, redis=redis, arq=arq,
-                   queue=Queue(redis, keys, result_ttl_s=settings.result_ttl_s, usage_days=settings.usage_days,
-                               durability=settings.acknowledgement, recent_jobs=settings.recent_jobs,
-                               memory=MemoryGuard(redis, settings.redis_memory_watermark)),
+                   queue=JobStore(redis, keys, result_ttl_s=settings.result_ttl_s, usage_days=settings.usage_days,
+                                  durability=settings.acknowledgement, recent_jobs=settings.recent_jobs,
+                                  memory=MemoryGuard(redis, settings.redis_memory_watermark)),
                    http=httpx.AsyncClient(timeout=settings.webhook_timeout_s, follow_redirects=False))
 
     async def close(self) -> None:

@@ -3,7 +3,7 @@
 The runner (workers/runner.py) hands each event here as its job's attempt makes it
 (:meth:`Outbox.add` for a token event, :meth:`Outbox.end` for a job's last) and never touches it
 again. The flusher (:meth:`Outbox.run`) writes whatever is queued in one round trip per batch
-(``Queue.flush``), so the events every job task made from the same engine step go out together.
+(``Consumer.flush``), so the events every job task made from the same engine step go out together.
 
 While a batch is being written, a job's next steps may join its token event still queued here
 (``Attempt.on_step``'s ``join``, for a dialect that renders text deltas: shared/chunking.py). A
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from shared.queue import Delivery, Outbound, Queue
+from shared.queue import Consumer, Delivery, Outbound
 from shared.redis import REDIS_DOWN
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ log = structlog.get_logger()
 class Outbox:
     """The events on their way out of one worker, and the flusher that writes them."""
 
-    def __init__(self, queue: Queue, model: str, worker_id: str, lose: Callable[[list[str]], None]) -> None:
+    def __init__(self, queue: Consumer, model: str, worker_id: str, lose: Callable[[list[str]], None]) -> None:
         self._queue = queue
         self._model = model
         self._worker_id = worker_id
@@ -64,10 +64,9 @@ class Outbox:
         """Queue the token event ``out`` of ``attempt`` at job ``d``: its bytes only, no event
         object (the usual entry). It stays open to the job's next steps until sealed."""
         self._seal(d.job_id)
-        outbound = Outbound(d.job_id, first_token_at=out.first_token_at, attempt=d.attempt,
-                            prompt_ids=out.prompt_ids, level=d.level, history=attempt.encoded,
-                            history_from=attempt.base, history_prompt_ids=attempt.logged_prompt_ids,
-                            data=out.data, seq=out.seq)
+        outbound = Outbound(d.job_id, out.seq, out.data, attempt=d.attempt, level=d.level,
+                            first_token_at=out.first_token_at, prompt_ids=out.prompt_ids, history=attempt.encoded,
+                            history_from=attempt.base, history_prompt_ids=attempt.logged_prompt_ids)
         self._events.append(outbound)
         self._ready.set()
         self._open[d.job_id] = (outbound, attempt)
@@ -78,7 +77,7 @@ class Outbox:
         self._seal(d.job_id)
         extra.setdefault("attempt", d.attempt)
         extra.setdefault("level", d.level)
-        self._events.append(out := Outbound(job_id=d.job_id, event=event, **extra))
+        self._events.append(out := Outbound.of(d.job_id, event, **extra))
         self._ends_unwritten += out.terminal
         self._ready.set()
 
@@ -168,11 +167,5 @@ class Outbox:
                 self._lose([job_id])
                 continue
             log.warning("event_log_gap", job_id=job_id, logged=logged, next_seq=first.seq, mended=True)
-            # The attempt's first event carried the prompt's ids: they go with it again, or a
-            # successor after a later crash could not continue the job.
-            again += [Outbound(job_id=job_id, data=first.history[seq - first.history_from - 1], seq=seq,
-                               attempt=first.attempt, level=first.level, history=first.history,
-                               history_from=first.history_from, history_prompt_ids=first.history_prompt_ids,
-                               prompt_ids=first.history_prompt_ids if seq == first.history_from + 1 else None)
-                      for seq in range(logged + 1, first.seq)] + own
+            again += [first.replay(seq) for seq in range(logged + 1, first.seq)] + own
         return again

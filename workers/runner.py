@@ -4,8 +4,8 @@ Tasks (all owned by :meth:`Worker.run`):
 
 - reader: first takes over jobs whose lease lapsed (``XAUTOCLAIM``: their worker died or
   stalled; they continue from their published tokens, workers/continuation.py), then picks new
-  jobs, the most urgent priority level first (``Queue.pick``), and when nobody waits blocks until
-  a job is queued (``Queue.wait_for_work``, holding no slot); never claims more jobs than the
+  jobs, the most urgent priority level first (``Consumer.pick``), and when nobody waits blocks until
+  a job is queued (``Consumer.wait_for_work``, holding no slot); never claims more jobs than the
   engine can start (workers/slots.py), so nothing waits unseen inside this process. With no
   slot free it offers the running jobs that may give way (workers/preemption.py decides which)
   to a waiting job owed a slot, and swaps one for it.
@@ -59,7 +59,7 @@ from shared.errors import (
 )
 from shared.events import Done, Error, Timings
 from shared.metrics import Recorder
-from shared.queue import Delivery, Held, Queue, Swap, now_ms
+from shared.queue import Consumer, Delivery, Held, Swap, now_ms
 from shared.redis import REDIS_DOWN
 from shared.registry import Registry
 from shared.schemas import GenerationRequest, JobResult, Usage
@@ -124,7 +124,7 @@ class _Suspect:
 
 
 class Worker:
-    def __init__(self, settings: Settings, queue: Queue, engine: Engine, *, worker_id: str | None = None,
+    def __init__(self, settings: Settings, queue: Consumer, engine: Engine, *, worker_id: str | None = None,
                  device: str = "", tracing: Tracing | None = None):
         self.settings = settings
         self.tracing = tracing  # None: tracing off, and no span work anywhere below
@@ -315,7 +315,7 @@ class Worker:
                         self.engine.adapter_state().held)
 
     async def _start_confirming(self, deliveries: list[Delivery], acked: int, slots: Reservation) -> None:
-        """Jobs just picked, their claims not yet confirmed (:meth:`shared.queue.Queue.confirm`:
+        """Jobs just picked, their claims not yet confirmed (:meth:`shared.queue.Consumer.confirm`:
         their token shards fenced, under LLMQ_DURABILITY their claims on the replicas). A fresh
         job (its first attempt: nothing logged, nobody else's) starts in the engine at once, its
         prompt processed meanwhile and its events held until the confirmation; one whose claim is

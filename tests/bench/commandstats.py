@@ -26,7 +26,7 @@ from shared.cluster import is_cluster
 from shared.config import load_settings
 from shared.keys import Keys
 from shared.logging import configure_logging
-from shared.queue import Queue, now_ms
+from shared.queue import Consumer, JobStore, now_ms
 from shared.redis import connect
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams
 from tests.bench.procs import load_average, markdown_table, report_head, save, start_redis, stop
@@ -40,13 +40,13 @@ PROMPT = "The quick brown fox jumps over the lazy dog while the cat sleeps in th
 
 
 async def _start_worker(redis: Redis, url: str, prefix: str, model: str,
-                        engine: ScriptedEngine) -> tuple[Worker, asyncio.Task[None], Queue]:
+                        engine: ScriptedEngine) -> tuple[Worker, asyncio.Task[None], JobStore]:
     """A real worker in this process on ``redis``, ready, with its group and presence written (what
     follows is the jobs' own work): the worker, its task and its queue."""
     settings = load_settings({}, redis_url=url, prefix=prefix, served_model_name=model, block_ms=100,
                              max_num_seqs=64, log_level="warning")
-    queue = Queue(redis, Keys(prefix))
-    worker = Worker(settings, queue, engine, worker_id=f"bench-{prefix}")
+    queue = JobStore(redis, Keys(prefix))
+    worker = Worker(settings, Consumer(redis, Keys(prefix)), engine, worker_id=f"bench-{prefix}")
     task = asyncio.create_task(worker.run())
     while not worker.ready:
         await asyncio.sleep(0.01)
@@ -54,7 +54,7 @@ async def _start_worker(redis: Redis, url: str, prefix: str, model: str,
     return worker, task, queue
 
 
-async def run_jobs(queue: Queue, model: str, jobs: int, tokens: int, relay: str | None = None,
+async def run_jobs(queue: JobStore, model: str, jobs: int, tokens: int, relay: str | None = None,
                    poll_s: float = 0.2) -> list[str]:
     """Queue ``jobs`` jobs of ``tokens`` tokens as the API does (followed by API process ``relay``
     on the relay channel of each job's token shard), and wait (polling every ``poll_s``) for every

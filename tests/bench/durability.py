@@ -25,7 +25,7 @@ import uvloop
 
 from shared.durability import NOT_DURABLE, Durability
 from shared.keys import Keys
-from shared.queue import Queue
+from shared.queue import JobStore
 from shared.redis import connect
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams
 from tests.bench.procs import load_average, markdown_table, report_head, save, stats_ms
@@ -42,7 +42,7 @@ def _record() -> JobRecord:
     return JobRecord.new(req, owner="", default_timeout_s=None)
 
 
-async def _enqueue_ms(queue: Queue, n: int) -> list[float]:
+async def _enqueue_ms(queue: JobStore, n: int) -> list[float]:
     out = []
     for _ in range(n):
         record = _record()
@@ -52,7 +52,7 @@ async def _enqueue_ms(queue: Queue, n: int) -> list[float]:
     return out
 
 
-async def _concurrent(queue: Queue, producers: int, n: int) -> tuple[list[float], float]:
+async def _concurrent(queue: JobStore, producers: int, n: int) -> tuple[list[float], float]:
     start = time.perf_counter()
     parts = await asyncio.gather(*(_enqueue_ms(queue, n) for _ in range(producers)))
     return [ms for part in parts for ms in part], producers * n / (time.perf_counter() - start)
@@ -63,7 +63,7 @@ async def _fsync_ms(url: str, n: int, appendfsync: str) -> dict[str, float]:
     redis = connect(url)
     try:
         await redis.config_set("appendfsync", appendfsync)
-        queue = Queue(redis, Keys(f"aof-{uuid.uuid4().hex[:6]}"), durability=Durability.of("fsync", 2000))
+        queue = JobStore(redis, Keys(f"aof-{uuid.uuid4().hex[:6]}"), durability=Durability.of("fsync", 2000))
         return stats_ms(await _enqueue_ms(queue, n))
     finally:
         await redis.config_set("appendfsync", "everysec")
@@ -82,7 +82,7 @@ async def run(rounds: int, jobs: int, producers: int) -> dict:
             modes = list(MODES)
             for r in range(rounds):
                 for mode in modes[r % 2:] + modes[:r % 2]:  # interleaved, the order alternating
-                    queue = Queue(redis, Keys(f"b{r}-{uuid.uuid4().hex[:6]}"), durability=MODES[mode])
+                    queue = JobStore(redis, Keys(f"b{r}-{uuid.uuid4().hex[:6]}"), durability=MODES[mode])
                     seq[mode] += await _enqueue_ms(queue, jobs)
                     ms, per_s = await _concurrent(queue, producers, jobs // producers)
                     conc[mode] += ms

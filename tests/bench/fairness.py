@@ -43,7 +43,7 @@ import uvloop
 from redis.asyncio import Redis
 
 from shared.keys import Keys
-from shared.queue import Queue
+from shared.queue import Consumer, JobStore
 from shared.redis import connect
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams
 from tests.bench.procs import REPO, load_average, markdown_table, percentile, report_head, save, start_redis, stop
@@ -143,11 +143,10 @@ class Target:
         return f"{self.tenants.n} tenants, count {self.count}"
 
 
-async def fill(queue: Queue, server: Server, tenants: Tenants) -> None:
+async def fill(queue: JobStore, server: Server, tenants: Tenants) -> None:
     """Queue ``per_tenant`` jobs for each tenant, tenant after tenant: all of t0's, then t1's, so
     a queue that picked in arrival order would give one tenant several turns in a row, which the
     rotation check would catch; the fair share gives each its turn regardless."""
-    await queue.ensure_group(tenants.model)
     records = [tenants.job(f"t{i}") for i in range(tenants.n) for _ in range(tenants.per_tenant)]
     await server.script_usec()
     cpu = server.cpu_ns()
@@ -162,17 +161,17 @@ async def fill(queue: Queue, server: Server, tenants: Tenants) -> None:
                     "script_us_per_job": round(script_us / len(records), 2)}
 
 
-async def call(queue: Queue, server: Server, target: Target, *, timed: bool) -> None:
+async def call(store: JobStore, consumer: Consumer, server: Server, target: Target, *, timed: bool) -> None:
     """One worker read: pick ``count`` jobs; then replace each by a new job of its tenant."""
     tenants, count = target.tenants, target.count
-    picked, wall, cpu, script = await server.measure(lambda: queue.pick(tenants.model, CONSUMER, count))
+    picked, wall, cpu, script = await server.measure(lambda: consumer.pick(tenants.model, CONSUMER, count))
     deliveries = picked.deliveries
     if timed:
         target.wall_us.append(wall)
         target.cpu_us_per_pick.append(cpu / count)
         target.script_us_per_pick.append(script / count)
     tenants.short += len(deliveries) < count
-    recorded = await asyncio.gather(*(queue.redis.hget(queue.keys.job(tenants.model, d.job_id), "tenant")
+    recorded = await asyncio.gather(*(consumer.redis.hget(consumer.keys.job(tenants.model, d.job_id), "tenant")
                                       for d in deliveries))
     for delivery, tenant in zip(deliveries, recorded, strict=True):
         queued_by = tenants.owner.get(delivery.job_id, "?")
@@ -181,7 +180,7 @@ async def call(queue: Queue, server: Server, target: Target, *, timed: bool) -> 
         tenants.not_run += delivery.state != "run"
     for delivery in deliveries:
         record = tenants.job(tenants.owner.get(delivery.job_id, "?"))
-        _, wall, cpu, script = await server.measure(lambda r=record: queue.enqueue(r))
+        _, wall, cpu, script = await server.measure(lambda r=record: store.enqueue(r))
         if timed:
             tenants.enqueue_us.append(wall)
             tenants.enqueue_cpu_us.append(cpu)
@@ -192,12 +191,12 @@ def _median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-async def run_round(queue: Queue, server: Server, target: Target, picks: int, warm: int) -> None:
+async def run_round(store: JobStore, consumer: Consumer, server: Server, target: Target, picks: int, warm: int) -> None:
     for _ in range(warm):
-        await call(queue, server, target, timed=False)
+        await call(store, consumer, server, target, timed=False)
     first = len(target.wall_us)
     for _ in range(math.ceil(picks / target.count)):
-        await call(queue, server, target, timed=True)
+        await call(store, consumer, server, target, timed=True)
     wall = target.wall_us[first:]
     target.rounds.append({
         "calls": len(wall), "p50_us": round(percentile(wall, 50), 1), "p99_us": round(percentile(wall, 99), 1),
@@ -229,7 +228,7 @@ async def run(args: argparse.Namespace) -> dict:
     redis_proc, url = (None, args.redis_url) if args.redis_url else start_redis()
     redis = connect(url)
     prefix = f"bench-fair-{uuid.uuid4().hex[:6]}"
-    queue = Queue(redis, Keys(prefix))
+    store, consumer = JobStore(redis, Keys(prefix)), Consumer(redis, Keys(prefix))
     try:
         server = Server(redis, redis_proc.pid if redis_proc is not None else await local_pid(redis, url))
         configs = []
@@ -239,13 +238,14 @@ async def run(args: argparse.Namespace) -> dict:
             configs.append(Tenants(n=n, model=f"fair-{n}", per_tenant=per_tenant))
         loads = [load_average()]
         for tenants in configs:
-            await fill(queue, server, tenants)
+            await consumer.ensure_group(tenants.model)
+            await fill(store, server, tenants)
         targets = [Target(tenants, count) for tenants in configs for count in args.counts]
         for r in range(args.rounds):
             order = targets[r % len(targets):] + targets[:r % len(targets)]
             marks = {id(t): len(t.enqueue_us) for t in configs}
             for target in order:
-                await run_round(queue, server, target, args.picks, args.warm)
+                await run_round(store, consumer, server, target, args.picks, args.warm)
             for tenants in configs:
                 done = tenants.enqueue_us[marks[id(tenants)]:]
                 tenants.enqueue_rounds.append({
@@ -254,8 +254,8 @@ async def run(args: argparse.Namespace) -> dict:
                     "script_us": round(_median(tenants.enqueue_script_us[marks[id(tenants)]:]), 2)})
         loads.append(load_average())
         # The backlog at the end: every tenant still waiting (in the fair set), as many jobs as at the start.
-        depths = {t.n: {"tenants_in_fair_set": await redis.zcard(queue.keys.fair(t.model)),
-                        "jobs_waiting": await redis.xlen(queue.keys.waiting(t.model))} for t in configs}
+        depths = {t.n: {"tenants_in_fair_set": await redis.zcard(store.keys.fair(t.model)),
+                        "jobs_waiting": await redis.xlen(store.keys.waiting(t.model))} for t in configs}
     finally:
         await redis.aclose()
         if redis_proc is not None:

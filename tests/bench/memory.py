@@ -41,7 +41,7 @@ from shared.config import load_settings
 from shared.events import Done, Tokens
 from shared.keys import LEVELS, SHARDS, Keys
 from shared.logging import configure_logging
-from shared.queue import Queue
+from shared.queue import Consumer, JobStore
 from shared.redis import connect
 from tests.bench.procs import free_port, load_average, markdown_table, report_head, save, start_redis, stop
 from tests.bench.workload import prompts_for
@@ -141,9 +141,10 @@ async def _run_mode(url: str, mode: str, jobs: int, tokens: int) -> dict:
     settings = load_settings({}, redis_url=url, prefix=prefix, served_model_name=MODEL, port=free_port(),
                              log_level="warning")
     redis = connect(url)
-    queue = Queue(redis, keys, result_ttl_s=settings.result_ttl_s, usage_days=settings.usage_days)
+    queue = JobStore(redis, keys, result_ttl_s=settings.result_ttl_s, usage_days=settings.usage_days)
     worker_cls = _StreamingWorker if mode == "stream" else Worker
-    worker = worker_cls(settings, queue, ScriptedEngine(delay_s=0.0), worker_id=f"bench-{prefix}")
+    consumer = Consumer(redis, keys, result_ttl_s=settings.result_ttl_s, usage_days=settings.usage_days)
+    worker = worker_cls(settings, consumer, ScriptedEngine(delay_s=0.0), worker_id=f"bench-{prefix}")
     task = asyncio.create_task(worker.run())
     try:
         async with serve_api(settings) as base, httpx.AsyncClient(base_url=base, timeout=120) as client:
@@ -171,7 +172,7 @@ async def _run_mode(url: str, mode: str, jobs: int, tokens: int) -> dict:
         await redis.aclose()
 
 
-async def _report(redis: Redis, queue: Queue, keys: Keys, mode: str, jobs: int, tokens: int, job_keys: list,
+async def _report(redis: Redis, queue: JobStore, keys: Keys, mode: str, jobs: int, tokens: int, job_keys: list,
                   cpu: float, first: tuple, last: tuple) -> dict:
     (before, sizes0, counts0, dicts0), (after, sizes1, counts1, dicts1) = first, last
     records = [job_from_hash(raw) for raw in await _pipelined(redis, "hgetall", job_keys)]

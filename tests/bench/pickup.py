@@ -66,14 +66,14 @@ async def serve_llmq_worker(redis_url: str, prefix: str, model: str) -> None:
     from shared.config import load_settings
     from shared.keys import Keys
     from shared.logging import configure_logging
-    from shared.queue import Queue
+    from shared.queue import Consumer
     from tests.support.scripted_engine import ScriptedEngine
     from workers.runner import Worker
 
     settings = load_settings({}, redis_url=redis_url, prefix=prefix, served_model_name=model)
     configure_logging(settings.log_level, True)
     redis = connect(redis_url, block_ms=settings.block_ms)
-    worker = Worker(settings, Queue(redis, Keys(prefix)), ScriptedEngine(delay_s=0.0), worker_id=f"bench-{model}")
+    worker = Worker(settings, Consumer(redis, Keys(prefix)), ScriptedEngine(delay_s=0.0), worker_id=f"bench-{model}")
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, worker.stop)
     try:
         await worker.run()
@@ -162,12 +162,12 @@ class Target:
 class LlmqTarget(Target):
     def __init__(self, name: str, redis, url: str, prefix: str, model: str, *, gap_s: float, held: int = 0) -> None:
         from shared.keys import Keys
-        from shared.queue import Queue
+        from shared.queue import Consumer, JobStore
 
         super().__init__(name, gap_s)
         self.redis, self.url, self.model, self.held = redis, url, model, held
         self.keys = Keys(prefix)
-        self.queue = Queue(redis, self.keys)
+        self.store, self.consumer = JobStore(redis, self.keys), Consumer(redis, self.keys)
         self.prefix = prefix
         self.proc: subprocess.Popen | None = None
         self.attempts: list[int] = []
@@ -177,10 +177,10 @@ class LlmqTarget(Target):
     async def start(self) -> None:
         """Fill the held jobs first (else our worker would take them), make their consumers look
         alive, then start the worker."""
-        await self.queue.ensure_group(self.model)
+        await self.consumer.ensure_group(self.model)
         if self.held:
             await fill_held(self.redis, self.keys, self.model, self.held)
-            self.peers = await subscribe_holders(self.redis, self.queue, self.model)
+            self.peers = await subscribe_holders(self.redis, self.store, self.model)
         self.proc = spawn(["-m", "tests.bench.pickup", "--serve-llmq", self.prefix, self.model,
                            "--redis-url", self.url])
         deadline = time.monotonic() + 60
@@ -213,7 +213,7 @@ class LlmqTarget(Target):
         try:
             await pubsub.subscribe(self.keys.live(self.model, job_id))
             await pubsub.get_message(timeout=10)  # the confirmation
-            await self.queue.enqueue(JobRecord(id=job_id, model=self.model, request=req, queued_at=now_ms()),
+            await self.store.enqueue(JobRecord(id=job_id, model=self.model, request=req, queued_at=now_ms()),
                                      max_queued=2**62)
             reply = await pubsub.get_message(timeout=10)
         finally:
@@ -223,7 +223,7 @@ class LlmqTarget(Target):
             return float("nan")
         # Read as the API reads a job: its end is logged (and published) a moment before its
         # record says so, and a read in between takes the logged end's status (Queue.get_jobs).
-        record = await self.queue.get_job(self.model, job_id)
+        record = await self.store.get_job(self.model, job_id)
         if record is None or record.status != "done" or record.started_at is None:
             self.lost += 1
             return float("nan")
@@ -251,7 +251,7 @@ class LlmqTarget(Target):
             await renew_held(self.redis, self.keys, self.model)
         started = time.perf_counter()
         for _ in range(calls):
-            taken = await self.queue.reclaim(self.model, "bench-probe", 64, 10_000)
+            taken = await self.consumer.reclaim(self.model, "bench-probe", 64, 10_000)
             assert not taken, "a live lease was reclaimed"
         return round((time.perf_counter() - started) * 1000 / calls, 3)
 

@@ -78,14 +78,14 @@ async def serve_emitter(redis_url: str, prefix: str, slots: int) -> None:
     from shared.config import load_settings
     from shared.keys import Keys
     from shared.logging import configure_logging
-    from shared.queue import Queue
+    from shared.queue import Consumer
     from shared.redis import connect
     from workers.runner import Worker
 
     settings = load_settings({}, redis_url=redis_url, prefix=prefix, served_model_name=MODEL, max_num_seqs=slots)
     configure_logging(settings.log_level, True)
     redis = connect(redis_url, block_ms=settings.block_ms)
-    worker = Worker(settings, Queue(redis, Keys(prefix)), BurstEngine(), worker_id="relay-emitter")
+    worker = Worker(settings, Consumer(redis, Keys(prefix)), BurstEngine(), worker_id="relay-emitter")
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, worker.stop)
     try:
         await worker.run()

@@ -37,7 +37,7 @@ from shared.config import load_settings
 from shared.events import TokenDelta
 from shared.keys import Keys
 from shared.logging import configure_logging
-from shared.queue import Queue
+from shared.queue import Consumer, JobStore
 from shared.redis import connect
 from shared.schemas import GenerationRequest
 from tests.bench.commandstats import run_jobs
@@ -108,7 +108,7 @@ async def _child(url: str, prefix: str, slots: int, step_s: float) -> None:
     settings = load_settings({}, redis_url=url, prefix=prefix, served_model_name=MODEL, block_ms=100,
                              max_num_seqs=slots, log_level="warning")
     redis = connect(url)
-    worker = Worker(settings, Queue(redis, Keys(prefix)), LockstepEngine(step_s), worker_id=f"cpu-{prefix}")
+    worker = Worker(settings, Consumer(redis, Keys(prefix)), LockstepEngine(step_s), worker_id=f"cpu-{prefix}")
     task = asyncio.create_task(worker.run())
     while not worker.ready:
         await asyncio.sleep(0.01)
@@ -127,7 +127,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def _measure(redis: Redis, prefix: str, pid: int, rounds: int, jobs: int, tokens: int) -> dict:
-    queue = Queue(redis, Keys(prefix))
+    queue = JobStore(redis, Keys(prefix))
     short: list[float] = []
     long: list[float] = []
 

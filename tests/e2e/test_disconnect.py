@@ -17,7 +17,7 @@ import pytest
 from redis.asyncio import Redis
 
 from shared.keys import Keys
-from shared.queue import Queue
+from shared.queue import JobStore
 from shared.redis import connect
 from tests.support.job_records import running_job
 from tests.support.waiting import eventually
@@ -57,7 +57,7 @@ async def _heartbeat_idle_at(redis: Redis, keys: Keys, model: str, after_ms: flo
     return await eventually(idle_beat, timeout_s=30, what="a heartbeat with every worker idle")
 
 
-async def _until_finished(queue: Queue, model: str, job_id: str):
+async def _until_finished(queue: JobStore, model: str, job_id: str):
     async def finished():
         rec = await queue.get_job(model, job_id)
         return rec if rec is not None and rec.status in ("cancelled", "done", "failed") else None
@@ -66,7 +66,7 @@ async def _until_finished(queue: Queue, model: str, job_id: str):
 
 async def _check(stack, redis: Redis, job_id: str, gone_at: float, what: str, figures) -> None:
     keys = Keys(stack.prefix)
-    rec = await _until_finished(Queue(redis, keys), stack.model, job_id)
+    rec = await _until_finished(JobStore(redis, keys), stack.model, job_id)
     assert rec.status == "cancelled", rec
     assert rec.error is not None and rec.error.code == "cancelled"
     assert rec.started_at is not None  # it was running in the engine when the client left

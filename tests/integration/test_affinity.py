@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from shared.keys import Keys
-from shared.queue import Queue, now_ms
+from shared.queue import Consumer, JobStore, now_ms
 from shared.schemas import AdapterSpec, GenerationRequest, JobRecord, SamplingParams
 from shared.scripts import NO_AFFINITY, Affinity, Candidate
 from shared.status import render, snapshot
@@ -23,12 +23,17 @@ WAIT = Affinity(wait_ms=10_000, hold_ms=60_000)  # long enough that only the tes
 
 
 @pytest.fixture
-async def queue(redis, prefix):
-    q = Queue(redis, Keys(prefix))
+async def consumer(redis, prefix):
+    q = Consumer(redis, Keys(prefix))
     await q.ensure_group(MODEL)
     for worker in ("w1", "w2"):  # two live workers in the model's ready set
         await redis.zadd(Keys(prefix).workers(MODEL), {worker: now_ms() + 600_000})
     return q
+
+
+@pytest.fixture
+def store(redis, prefix):
+    return JobStore(redis, Keys(prefix))
 
 
 def job(tenant: str = "t", conversation: str | None = "c1", adapter: str | None = None) -> JobRecord:
@@ -37,103 +42,103 @@ def job(tenant: str = "t", conversation: str | None = "c1", adapter: str | None 
     return JobRecord.new(req, owner="", default_timeout_s=None, tenant=tenant)
 
 
-async def pick(queue: Queue, worker: str, affinity: Affinity = WAIT, count: int = 4) -> tuple[list[str], int]:
+async def pick(queue: Consumer, worker: str, affinity: Affinity = WAIT, count: int = 4) -> tuple[list[str], int]:
     picked = await queue.pick(MODEL, worker, count, affinity=affinity)
     return [d.job_id for d in picked.deliveries], picked.wake_ms
 
 
-async def counters(queue: Queue) -> dict[str, int]:
+async def counters(queue: JobStore) -> dict[str, int]:
     return {k.decode(): int(v) for k, v in (await queue.redis.hgetall(queue.keys.affinity(MODEL))).items()}
 
 
-async def test_a_conversations_next_turn_waits_for_the_worker_that_holds_it(queue):
-    first = await queue.enqueue(job())
-    assert await pick(queue, "w1") == ([first], 0)  # nobody held it: w1 takes it, and holds it now
-    record = (await queue.get_jobs(MODEL, [first]))[0]
-    assert await queue.redis.get(queue.keys.holder(MODEL, f"p:{record.affinity}")) == b"w1"
-    turn = await queue.enqueue(job())
-    ids, wake = await pick(queue, "w2")
+async def test_a_conversations_next_turn_waits_for_the_worker_that_holds_it(store, consumer):
+    first = await store.enqueue(job())
+    assert await pick(consumer, "w1") == ([first], 0)  # nobody held it: w1 takes it, and holds it now
+    record = (await store.get_jobs(MODEL, [first]))[0]
+    assert await store.redis.get(store.keys.holder(MODEL, f"p:{record.affinity}")) == b"w1"
+    turn = await store.enqueue(job())
+    ids, wake = await pick(consumer, "w2")
     assert ids == [] and 9_000 < wake <= 10_000  # left for w1; w2 may block only until it is anyone's
-    assert await pick(queue, "w1") == ([turn], 0)
-    assert await counters(queue) == {"waits": 1, "hits": 1}
+    assert await pick(consumer, "w1") == ([turn], 0)
+    assert await counters(store) == {"waits": 1, "hits": 1}
 
 
-async def test_a_preempted_job_is_left_for_the_worker_that_ran_it(queue):
+async def test_a_preempted_job_is_left_for_the_worker_that_ran_it(store, consumer):
     """docs/tenants.md#preemption: a job given back by a preemption waits again with its prefix
     key, and the pick leaves it to the worker that ran it, as any turn of its conversation; charged
     once, however often it is picked."""
-    given, kept = await queue.enqueue(job("heavy", "c1")), await queue.enqueue(job("heavy", "c2"))
-    picked = await queue.pick(MODEL, "w1", 2, affinity=WAIT)
+    given, kept = await store.enqueue(job("heavy", "c1")), await store.enqueue(job("heavy", "c2"))
+    picked = await consumer.pick(MODEL, "w1", 2, affinity=WAIT)
     [d] = [d for d in picked.deliveries if d.job_id == given]
-    counter = await queue.redis.hget(queue.keys.tenant(MODEL, "heavy"), "vtc")
-    light = await queue.enqueue(job("light", None))
-    swap = await queue.preempt(MODEL, "w1", [Candidate(given, d.entry_id, d.attempt, d.level, 2, 1)],
+    counter = await store.redis.hget(store.keys.tenant(MODEL, "heavy"), "vtc")
+    light = await store.enqueue(job("light", None))
+    swap = await consumer.preempt(MODEL, "w1", [Candidate(given, d.entry_id, d.attempt, d.level, 2, 1)],
                                max_failed=3, max_preemptions=3)
     assert swap.victim == given and [p.job_id for p in swap.deliveries] == [light]
-    ids, wake = await pick(queue, "w2")
+    ids, wake = await pick(consumer, "w2")
     assert ids == [] and wake > 0  # left for w1, which ran it
-    assert await pick(queue, "w1") == ([given], 0)
-    record = (await queue.get_jobs(MODEL, [given]))[0]
+    assert await pick(consumer, "w1") == ([given], 0)
+    record = (await store.get_jobs(MODEL, [given]))[0]
     assert (record.status, record.attempt, record.preemptions, record.worker) == ("running", 2, 1, "w1")
-    assert await queue.redis.hget(queue.keys.tenant(MODEL, "heavy"), "vtc") == counter, "charged once"
+    assert await store.redis.hget(store.keys.tenant(MODEL, "heavy"), "vtc") == counter, "charged once"
     assert kept in [p.job_id for p in picked.deliveries]
 
 
-async def test_the_wait_is_bounded(queue):
+async def test_the_wait_is_bounded(store, consumer):
     short = Affinity(wait_ms=150, hold_ms=60_000)
-    await queue.enqueue(job())
-    await pick(queue, "w1", short)
-    turn = await queue.enqueue(job())
-    assert (await pick(queue, "w2", short))[0] == []
+    await store.enqueue(job())
+    await pick(consumer, "w1", short)
+    turn = await store.enqueue(job())
+    assert (await pick(consumer, "w2", short))[0] == []
     await asyncio.sleep(0.2)
-    assert (await pick(queue, "w2", short))[0] == [turn]  # its wait is over: anyone's
-    assert (await counters(queue))["misses"] == 1
+    assert (await pick(consumer, "w2", short))[0] == [turn]  # its wait is over: anyone's
+    assert (await counters(store))["misses"] == 1
     # w2 served the conversation last: it holds it now.
-    nxt = await queue.enqueue(job())
-    assert (await pick(queue, "w1", short))[0] == []
-    assert (await pick(queue, "w2", short))[0] == [nxt]
+    nxt = await store.enqueue(job())
+    assert (await pick(consumer, "w1", short))[0] == []
+    assert (await pick(consumer, "w2", short))[0] == [nxt]
 
 
-async def test_fair_share_asks_the_next_tenant_meanwhile_and_keeps_each_tenants_order(queue):
-    await queue.enqueue(job("a", "conv-a"))
-    await pick(queue, "w1")  # w1 holds conv-a
-    a1 = await queue.enqueue(job("a", "conv-a"))
-    a2 = await queue.enqueue(job("a", None))
-    b1 = await queue.enqueue(job("b", None))
+async def test_fair_share_asks_the_next_tenant_meanwhile_and_keeps_each_tenants_order(store, consumer):
+    await store.enqueue(job("a", "conv-a"))
+    await pick(consumer, "w1")  # w1 holds conv-a
+    a1 = await store.enqueue(job("a", "conv-a"))
+    a2 = await store.enqueue(job("a", None))
+    b1 = await store.enqueue(job("b", None))
     # w2 passes over tenant a (its oldest is w1's), and takes b's; a's second job waits behind its first.
-    assert (await pick(queue, "w2"))[0] == [b1]
-    assert (await pick(queue, "w1"))[0] == [a1, a2]
+    assert (await pick(consumer, "w2"))[0] == [b1]
+    assert (await pick(consumer, "w1"))[0] == [a1, a2]
 
 
-async def test_an_adapters_jobs_go_to_a_worker_that_has_it_loaded(queue):
-    await queue.enqueue(job(conversation=None, adapter="sql"))
-    await pick(queue, "w1")  # w1 loaded it
-    nxt = await queue.enqueue(job(conversation=None, adapter="sql"))
-    assert (await pick(queue, "w2"))[0] == []
+async def test_an_adapters_jobs_go_to_a_worker_that_has_it_loaded(store, consumer):
+    await store.enqueue(job(conversation=None, adapter="sql"))
+    await pick(consumer, "w1")  # w1 loaded it
+    nxt = await store.enqueue(job(conversation=None, adapter="sql"))
+    assert (await pick(consumer, "w2"))[0] == []
     # A worker whose engine holds the adapter too takes it as its own.
     loaded = Affinity(WAIT.wait_ms, WAIT.hold_ms, adapters=("sql",))
-    assert (await pick(queue, "w2", loaded))[0] == [nxt]
+    assert (await pick(consumer, "w2", loaded))[0] == [nxt]
     # A prefix goes first: both have the adapter, w1 served the conversation.
-    first = await queue.enqueue(job(conversation="conv-1", adapter="sql"))
-    assert (await pick(queue, "w1", loaded))[0] == [first]
-    turn = await queue.enqueue(job(conversation="conv-1", adapter="sql"))
-    assert (await pick(queue, "w2", loaded))[0] == []
-    assert (await pick(queue, "w1"))[0] == [turn]
+    first = await store.enqueue(job(conversation="conv-1", adapter="sql"))
+    assert (await pick(consumer, "w1", loaded))[0] == [first]
+    turn = await store.enqueue(job(conversation="conv-1", adapter="sql"))
+    assert (await pick(consumer, "w2", loaded))[0] == []
+    assert (await pick(consumer, "w1"))[0] == [turn]
 
 
-async def test_off_alone_or_held_by_the_dead_the_pick_is_the_plain_one(queue, redis, prefix):
-    await queue.enqueue(job())
-    await pick(queue, "w1")
-    turn = await queue.enqueue(job())
-    assert (await pick(queue, "w2", NO_AFFINITY))[0] == [turn]  # off
-    turn = await queue.enqueue(job())
+async def test_off_alone_or_held_by_the_dead_the_pick_is_the_plain_one(store, consumer, redis, prefix):
+    await store.enqueue(job())
+    await pick(consumer, "w1")
+    turn = await store.enqueue(job())
+    assert (await pick(consumer, "w2", NO_AFFINITY))[0] == [turn]  # off
+    turn = await store.enqueue(job())
     await redis.zadd(Keys(prefix).workers(MODEL), {"w1": now_ms() - 1})  # w1's heartbeat lapsed
-    assert (await pick(queue, "w2"))[0] == [turn]  # held by a dead worker: anyone's (w2 alone)
+    assert (await pick(consumer, "w2"))[0] == [turn]  # held by a dead worker: anyone's (w2 alone)
     await redis.zadd(Keys(prefix).workers(MODEL), {"w3": now_ms() + 600_000})
-    await redis.set(Keys(prefix).holder(MODEL, f"p:{(await queue.get_jobs(MODEL, [turn]))[0].affinity}"), "w1")
-    turn = await queue.enqueue(job())
-    assert (await pick(queue, "w2"))[0] == [turn]  # w1 is not live: its hold is void
-    assert "waits" not in await counters(queue)
+    await redis.set(Keys(prefix).holder(MODEL, f"p:{(await store.get_jobs(MODEL, [turn]))[0].affinity}"), "w1")
+    turn = await store.enqueue(job())
+    assert (await pick(consumer, "w2"))[0] == [turn]  # w1 is not live: its hold is void
+    assert "waits" not in await counters(store)
 
 
 # --- with the real worker loop ------------------------------------------------------------------

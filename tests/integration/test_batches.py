@@ -17,7 +17,7 @@ from shared import batches
 from shared.batches import MESSAGES, Answered, BatchObject, BatchStore, Failed, FileObject, LineError, NotRun, Refused
 from shared.codec import encode
 from shared.keys import Keys
-from shared.queue import Queue
+from shared.queue import JobStore
 from shared.schemas import ChatMessage, Choice, GenerationRequest, JobError, JobResult, SamplingParams, Usage
 from shared.tenants import key_hash
 from tests.support.background import housekeeping
@@ -217,7 +217,7 @@ async def test_batch_lines_wait_behind_interactive_requests_within_the_in_flight
                 peak = max(peak, await s.redis.hlen(keys.batch_jobs(batch.id)))
                 if line_job is None and (running := await s.redis.hvals(keys.batch_jobs(batch.id))):
                     model, [job_id] = json.loads(running[0])
-                    line_job = await Queue(s.redis, keys).get_job(model, job_id)
+                    line_job = await JobStore(s.redis, keys).get_job(model, job_id)
                 if interactive is None and await s.redis.xlen(keys.waiting(MODEL, 2)) >= 2:
                     # Batch lines are waiting: an interactive request goes ahead of all of them.
                     waiting = await s.redis.xlen(keys.waiting(MODEL, 2))

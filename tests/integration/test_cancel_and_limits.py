@@ -23,7 +23,7 @@ from api.submit import submit
 from api.tokenizer import Tokenizer
 from api.watches import JobWatch, end_watches
 from shared.keys import Keys
-from shared.queue import Queue
+from shared.queue import JobStore
 from shared.redis import connect
 from shared.schemas import GenerationRequest, SamplingParams
 from shared.tenants import ConfigCache
@@ -166,7 +166,7 @@ async def test_submit_cancelled_during_enqueue_still_cancels_its_job(redis_url, 
         listener = EventListener(redis, keys.api_home("t"))
         listen = asyncio.create_task(listener.run())
         stack.callback(listen.cancel)
-        svc = Services(settings=s.settings, keys=keys, queue=Queue(redis, keys), listener=listener,
+        svc = Services(settings=s.settings, keys=keys, queue=JobStore(redis, keys), listener=listener,
                        models=ModelRegistry(redis, keys, MODEL), tokenizer=Tokenizer(s.settings.model_path),
                        tenants=ConfigCache(redis, keys))
         queued: list[str] = []
@@ -240,7 +240,7 @@ async def test_queue_full_is_refused_with_retry_after_in_each_dialect(redis_url,
         assert resp.status_code == 200
         assert json.loads(resp.content.removeprefix(b"data:"))["error_type"] == "overloaded"
         # Refused requests left nothing behind: still exactly the two jobs.
-        assert await Queue(s.redis, Keys(prefix)).depth(MODEL) == 2
+        assert await JobStore(s.redis, Keys(prefix)).depth(MODEL) == 2
         # The requests past the limit: every one refused at once with 429 (TGI's stream: in-band).
         figures.requests_sent = figures.ended_with_error = len(OVERLOAD_CASES) + 2
         # Room again once a job ends: cancel both, then a request is served.

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from shared.keys import Keys
-from shared.queue import Queue
+from shared.queue import Consumer
 from shared.redis import connect
 from tests.support.scripted_engine import CappedEngine, ScriptedEngine
 from tests.support.scripted_stack import scripted_settings, serve_api
@@ -47,7 +47,7 @@ async def test_every_route_advertises_the_least_context_its_warm_workers_serve(s
     short = scripted_settings(stack.settings.redis_url, stack.settings.prefix, served_model_name="tiny",
                               max_model_len=1024, block_ms=200)
     redis = connect(stack.settings.redis_dsn)
-    worker = Worker(short, Queue(redis, Keys(short.prefix)), ScriptedEngine(),
+    worker = Worker(short, Consumer(redis, Keys(short.prefix)), ScriptedEngine(),
                     worker_id=f"short-{uuid.uuid4().hex[:4]}")
     task = asyncio.create_task(worker.run())
     try:

@@ -16,7 +16,7 @@ import pytest
 from shared.codec import decode_event
 from shared.events import Error
 from shared.keys import GROUP, Keys
-from shared.queue import Queue, level_of
+from shared.queue import JobStore, level_of
 from tests.support.job_records import MODEL, record, wait_status
 from tests.support.scripted_engine import ScriptedEngine
 from tests.support.scripted_stack import scripted_stack
@@ -39,7 +39,7 @@ def ran(engine: ScriptedEngine) -> list[str]:
 
 
 async def log_events(s, job_id: str) -> list:
-    return await Queue(s.redis, Keys(s.settings.prefix)).read_events(MODEL, job_id)
+    return await JobStore(s.redis, Keys(s.settings.prefix)).read_events(MODEL, job_id)
 
 
 async def queue_drained(s, timeout: float = 20) -> None:
@@ -237,7 +237,7 @@ async def test_the_depth_limit_counts_every_level_and_holds_under_concurrency(re
         # One running + four queued = the limit of five unfinished jobs, whatever their levels;
         # the check and the enqueue are one script, so concurrent submitters never overshoot.
         assert sorted(statuses) == [202] * 4 + [429] * 16
-        assert await Queue(s.redis, Keys(prefix)).depth(MODEL) == 5
+        assert await JobStore(s.redis, Keys(prefix)).depth(MODEL) == 5
 
 
 async def test_service_tier_through_the_openai_sdk_queues_on_its_level_and_is_reported(redis_url, prefix):

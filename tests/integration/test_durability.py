@@ -13,7 +13,7 @@ import pytest
 from shared.durability import Durability, check_server
 from shared.errors import NotDurable
 from shared.keys import Keys
-from shared.queue import Queue
+from shared.queue import JobStore
 from shared.redis import connect
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams
 from tests.support.replicated_redis import server_binaries, start_replicated
@@ -92,7 +92,7 @@ async def test_a_retry_from_another_connection_waits_for_the_first_write(replica
     durable = Durability(replicas=1, timeout_ms=300)
     first, second = connect(replicated.url), connect(replicated.url)
     try:
-        queues = [Queue(client, Keys(prefix), durability=durable) for client in (first, second)]
+        queues = [JobStore(client, Keys(prefix), durability=durable) for client in (first, second)]
         key = uuid.uuid4().hex
         req = GenerationRequest(model=MODEL, prompt="twice", sampling=SamplingParams(max_tokens=3))
         replicated.pause(1)
@@ -106,7 +106,7 @@ async def test_a_retry_from_another_connection_waits_for_the_first_write(replica
         # The retries may wait longer: a replica just resumed acknowledges once it has caught up
         # (more than 300 ms on a loaded box). The phase above is what tells a touch from none.
         patient = Durability(replicas=1, timeout_ms=5000)
-        owners = {await Queue(client, Keys(prefix), durability=patient).enqueue(
+        owners = {await JobStore(client, Keys(prefix), durability=patient).enqueue(
             JobRecord.new(req, owner="", default_timeout_s=None), key) for client in (first, second)}
         assert len(owners) == 1  # one job for the key, whichever process answered
     finally:
@@ -121,7 +121,7 @@ async def test_a_worker_writes_nothing_about_a_job_until_the_replica_holds_its_c
     engine = ScriptedEngine()
     keys = Keys(prefix)
     async with scripted_stack(replicated.url, prefix, engine, durability="replicas:1", durability_timeout_ms=200) as s:
-        plain = Queue(s.redis, keys)  # a job queued without waiting (LLMQ_DURABILITY=none elsewhere)
+        plain = JobStore(s.redis, keys)  # a job queued without waiting (LLMQ_DURABILITY=none elsewhere)
         req = GenerationRequest(model=MODEL, prompt="gated", sampling=SamplingParams(max_tokens=3))
         replicated.pause(1)
         try:
@@ -152,7 +152,7 @@ async def test_a_claim_lost_before_the_replica_confirms_it_aborts_the_engine_req
     engine = ScriptedEngine()
     keys = Keys(prefix)
     async with scripted_stack(replicated.url, prefix, engine, durability="replicas:1", durability_timeout_ms=200) as s:
-        plain = Queue(s.redis, keys)
+        plain = JobStore(s.redis, keys)  # a job queued without waiting (LLMQ_DURABILITY=none elsewhere)
         req = GenerationRequest(model=MODEL, prompt="lost", sampling=SamplingParams(max_tokens=3))
         replicated.pause(1)
         try:
@@ -182,12 +182,12 @@ async def test_fsync_waits_for_the_primarys_own_aof_where_the_server_has_waitaof
         else:
             await check_server(client, durable)
             await client.config_set("appendfsync", "always")
-            queue = Queue(client, Keys(prefix), durability=durable)
+            queue = JobStore(client, Keys(prefix), durability=durable)
             req = GenerationRequest(model=MODEL, prompt="on disk", sampling=SamplingParams(max_tokens=3))
             assert await queue.enqueue(JobRecord.new(req, owner="", default_timeout_s=None))
             await client.config_set("appendfsync", "no")  # the kernel's flush, ~30 s: WAITAOF times out
             with pytest.raises(NotDurable, match="on disk"):
-                await Queue(client, Keys(prefix), durability=Durability.of("fsync", 200)).enqueue(
+                await JobStore(client, Keys(prefix), durability=Durability.of("fsync", 200)).enqueue(
                     JobRecord.new(req, owner="", default_timeout_s=None))
         await client.aclose()
     finally:

@@ -17,6 +17,7 @@ import pytest
 from shared.events import Error
 from tests.support import inprocess_workers
 from tests.support.inprocess_workers import MODEL, Client, assert_seamless, running_on, wait_for
+from tests.support.job_records import record
 from tests.support.scripted_stack import scripted_stack
 
 make_worker = inprocess_workers.make_worker
@@ -191,7 +192,7 @@ async def test_the_fault_marker_is_a_400_unless_fault_tests_are_on_and_a_body_ne
         resp = await stack.client.post("/v1/jobs", json={"prompt": "hi", "sampling": {"max_tokens": 2},
                                                          "test_fault": "kill-engine"})
         assert resp.status_code in (200, 202), resp.text
-        job = await stack.worker.queue.get_job(stack.settings.model_name, resp.json()["id"])
+        job = await record(stack.redis, stack.settings.prefix, resp.json()["id"])
         assert job.request.test_fault is None
         assert stack.worker.engine.deaths == []
     async with scripted_stack(redis_url, f"{prefix}-on", test_faults=True) as stack:

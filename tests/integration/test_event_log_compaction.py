@@ -18,7 +18,7 @@ from shared import eventlog
 from shared.codec import encode
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.keys import Keys
-from shared.queue import Flushed, Outbound, Queue
+from shared.queue import Consumer, Flushed, JobStore, Outbound
 from shared.result import ResultBuilder
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams, Usage
 from tests.bench.workload import prompts_for
@@ -138,7 +138,7 @@ async def test_a_job_cancelled_mid_stream_is_compacted_and_reads_back_exactly(st
     assert (await job_status(stack.client, job_id, timeout_s=30))["status"] == "cancelled"
     compact = await stack.redis.hget(keys.job(stack.settings.model_name, job_id), "log")
     assert compact[:1] == eventlog.SHAPE_WITH_BASE  # no result to refer to: it carries its own text
-    events = await Queue(stack.redis, keys).read_events(stack.settings.model_name, job_id)
+    events = await JobStore(stack.redis, keys).read_events(stack.settings.model_name, job_id)
     assert [encode(e) for e in events[:len(entries)]] == entries
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
     assert isinstance(events[-1], Error) and events[-1].code == "cancelled"
@@ -150,9 +150,9 @@ async def test_a_retried_terminal_flush_leaves_the_compact_log_as_it_was(redis, 
     """A flush retried after a lost reply finds no stream and the compact log in the record: its
     events are skipped, as any event already logged is; nothing is written twice, and no stream
     is made again."""
-    queue = Queue(redis, keys)
+    store, consumer = JobStore(redis, keys), Consumer(redis, keys)
     rec = JobRecord(id="j1", model=MODEL, request=GenerationRequest(prompt="x", sampling=SamplingParams()))
-    await queue.enqueue(rec)
+    await store.enqueue(rec)
     tokens = [Tokens(seq=i, deltas=[TokenDelta(token_ids=[i], text=f"t{i}")]) for i in (1, 2, 3)]
     done = Done(seq=4, deltas=[TokenDelta(token_ids=[4], text="!", finish_reason="length")],
                 usage=Usage(prompt_tokens=1, completion_tokens=4))
@@ -161,35 +161,35 @@ async def test_a_retried_terminal_flush_leaves_the_compact_log_as_it_was(redis, 
         builder.add(event)
     result = builder.result()
     compact = eventlog.compact(encode([*tokens, done]), encode(result))
-    batch = [*(Outbound(job_id="j1", event=e) for e in tokens),
-             Outbound(job_id="j1", event=done, result=result, log=compact)]
+    batch = [*(Outbound.of("j1", e) for e in tokens),
+             Outbound.of("j1", done, result=result, log=compact)]
     usage = await redis.hgetall(keys.usage(MODEL))
-    assert await queue.flush(MODEL, batch) == Flushed([], {})
+    assert await consumer.flush(MODEL, batch) == Flushed([], {})
     assert await redis.hget(keys.job(MODEL, "j1"), "log") == compact
     assert await redis.exists(keys.events(MODEL, "j1")) == 0
     metered = await redis.hgetall(keys.usage(MODEL))
     assert metered != usage
-    assert await queue.flush(MODEL, batch) == Flushed([], {})  # the retry
+    assert await consumer.flush(MODEL, batch) == Flushed([], {})  # the retry
     assert await redis.hget(keys.job(MODEL, "j1"), "log") == compact
     assert await redis.exists(keys.events(MODEL, "j1")) == 0
     assert await redis.hgetall(keys.usage(MODEL)) == metered  # metered once
-    assert await queue.read_events(MODEL, "j1") == [*tokens, done]
-    assert await queue.read_events(MODEL, "j1", after_seq=2) == [tokens[2], done]
-    assert await queue.read_events(MODEL, "j1", after_seq=4) == []
+    assert await store.read_events(MODEL, "j1") == [*tokens, done]
+    assert await store.read_events(MODEL, "j1", after_seq=2) == [tokens[2], done]
+    assert await store.read_events(MODEL, "j1", after_seq=4) == []
 
 
 async def test_an_event_after_a_gap_in_its_log_is_not_written(redis, keys):
     """Ids are seqs with none deleted, so a log's length is its top: an event whose log holds fewer
     than the events before it (a failover took the last ones back) is not written, nor its job's
     later events in the batch, and the flush says how many the log holds."""
-    queue = Queue(redis, keys)
+    store, consumer = JobStore(redis, keys), Consumer(redis, keys)
     rec = JobRecord(id="j2", model=MODEL, request=GenerationRequest(prompt="x", sampling=SamplingParams()))
-    await queue.enqueue(rec)
+    await store.enqueue(rec)
     tokens = [Tokens(seq=n, deltas=[TokenDelta(token_ids=[n])]) for n in (1, 2, 3)]
-    assert await queue.flush(MODEL, [Outbound(job_id="j2", event=e) for e in tokens[1:]]) == Flushed([], {"j2": 0})
+    assert await consumer.flush(MODEL, [Outbound.of("j2", e) for e in tokens[1:]]) == Flushed([], {"j2": 0})
     assert await redis.exists(keys.events(MODEL, "j2")) == 0
-    assert await queue.flush(MODEL, [Outbound(job_id="j2", event=e) for e in tokens]) == Flushed([], {})
-    assert [e.seq for e in await queue.read_events(MODEL, "j2")] == [1, 2, 3]
+    assert await consumer.flush(MODEL, [Outbound.of("j2", e) for e in tokens]) == Flushed([], {})
+    assert [e.seq for e in await store.read_events(MODEL, "j2")] == [1, 2, 3]
 
 
 # What a failover does to a log whose last events its replica never received: the new primary holds
@@ -267,14 +267,14 @@ async def test_a_crash_continued_job_keeps_its_stream_and_resumes_exactly(make_w
 
 
 async def test_a_job_cancelled_before_it_started_leaves_its_one_event_as_plain_json(make_worker, redis, keys):
-    queue = Queue(redis, keys)
-    await queue.ensure_group(MODEL)
-    job_id = await inprocess_workers.submit(queue, "never runs", 10)
-    assert await queue.cancel(MODEL, job_id) == "queued"
+    store, consumer = JobStore(redis, keys), Consumer(redis, keys)
+    await consumer.ensure_group(MODEL)
+    job_id = await inprocess_workers.submit(store, "never runs", 10)
+    assert await store.cancel(MODEL, job_id) == "queued"
     await make_worker()
     async with asyncio.timeout(10):
-        while (await queue.get_job(MODEL, job_id)).status != "cancelled":
+        while (await store.get_job(MODEL, job_id)).status != "cancelled":
             await asyncio.sleep(0.02)
-    [event] = await queue.read_events(MODEL, job_id)
+    [event] = await store.read_events(MODEL, job_id)
     assert isinstance(event, Error) and (event.seq, event.code) == (1, "cancelled")
     assert await redis.hget(keys.job(MODEL, job_id), "log") == eventlog.PLAIN + encode([event])

@@ -11,7 +11,7 @@ import statistics
 import pytest
 
 from shared.keys import Keys
-from shared.queue import Queue
+from shared.queue import JobStore
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams
 from shared.tenants import TenantConfig
 from tests.support import inprocess_workers
@@ -29,11 +29,11 @@ def job(tenant: str, tokens: int, prompt: str = "abcdefgh", priority: int = 0) -
     return JobRecord.new(req, owner="", default_timeout_s=None, tenant=tenant)
 
 
-async def records(queue: Queue, ids: list[str]) -> list[JobRecord]:
+async def records(queue: JobStore, ids: list[str]) -> list[JobRecord]:
     return [r for r in await queue.get_jobs(MODEL, ids) if r is not None]
 
 
-async def wait_done(queue: Queue, ids: list[str], timeout_s: float = 60) -> list[JobRecord]:
+async def wait_done(queue: JobStore, ids: list[str], timeout_s: float = 60) -> list[JobRecord]:
     async def all_done() -> list[JobRecord] | None:
         done = [r for r in await records(queue, ids) if r.status == "done"]
         return done if len(done) == len(ids) else None
@@ -49,7 +49,7 @@ async def test_a_flood_cannot_starve_a_tenant_that_sends_a_little(redis, prefix,
     one engine turnover (the time a job takes, so a slot frees for it) rather than behind A's
     backlog (which would be about 2,000 / 8 turnovers: tens of seconds). Counted in what the
     engine started, in order, not in seconds: a loaded machine stretches every step alike."""
-    queue = Queue(redis, Keys(prefix))
+    queue = JobStore(redis, Keys(prefix))
     engine = (await make_worker(delay_s=STEP_S, max_num_seqs=SLOTS)).worker.engine
     flood = [job("a", 20) for _ in range(2000)]
     pipe_size = 200
@@ -91,7 +91,7 @@ async def test_backlogged_tenants_share_tokens_by_weight(redis, prefix, make_wor
     A's and C's, so a share by requests would give B 3x its due: by tokens, each tenant's share
     comes within 5 % of 1/4, 1/4, 1/2."""
     keys = Keys(prefix)
-    clients = [Queue(redis, keys), Queue(redis, keys)]
+    clients = [JobStore(redis, keys), JobStore(redis, keys)]
     configs = {"a": TenantConfig(weight=1), "b": TenantConfig(weight=1), "c": TenantConfig(weight=2)}
     sizes = {"a": 10, "b": 30, "c": 10}
     # Each tenant queues from both clients, interleaved, far more than the run serves.
@@ -124,7 +124,7 @@ async def test_backlogged_tenants_share_tokens_by_weight(redis, prefix, make_wor
 
 async def test_priority_comes_before_fair_share(redis, prefix, make_worker):
     """A tenant far ahead in tokens still goes first with a more urgent priority level."""
-    queue = Queue(redis, Keys(prefix))
+    queue = JobStore(redis, Keys(prefix))
     # A used a lot already: its counter is far above B's.
     await redis.hset(Keys(prefix).tenant(MODEL, "a"), "vtc", 1e6)
     b_low = [await queue.enqueue(job("b", 4, priority=1)) for _ in range(3)]
@@ -144,7 +144,7 @@ async def test_priority_comes_before_fair_share(redis, prefix, make_worker):
 
 async def test_running_limit_holds_a_tenant_back_without_idling_the_engine(redis, prefix, make_worker):
     """max_running 2: never more than 2 of A's jobs run at once, while B's fill the other slots."""
-    queue = Queue(redis, Keys(prefix))
+    queue = JobStore(redis, Keys(prefix))
     capped = TenantConfig(max_running=2)
     a_ids = [await queue.enqueue(job("a", 10), tenant=capped) for _ in range(10)]
     b_ids = [await queue.enqueue(job("b", 10)) for _ in range(10)]

@@ -27,7 +27,7 @@ import pytest
 from shared.config import load_settings
 from shared.events import Event, TokenDelta, Tokens
 from shared.keys import GROUP, Keys
-from shared.queue import Outbound, Queue
+from shared.queue import Consumer, JobStore, Outbound
 from shared.redis import connect
 from tests.conftest import REPO
 from tests.support import inprocess_workers
@@ -66,7 +66,7 @@ class Stamped(list):
         self.times.append(time.monotonic())
 
 
-def stamped_client(redis, queue: Queue) -> Client:
+def stamped_client(redis, queue: JobStore) -> Client:
     client = Client(redis, queue)
     client.events = Stamped()
     return client
@@ -79,7 +79,7 @@ async def _serve(redis_url: str, prefix: str, delay_s: float) -> None:
                              heartbeat_s=0.2, lease_s=LEASE_S)
     redis = connect(redis_url, block_ms=settings.block_ms)
     try:
-        await Worker(settings, Queue(redis, Keys(prefix)), ContextEngine(delay_s)).run()
+        await Worker(settings, Consumer(redis, Keys(prefix)), ContextEngine(delay_s)).run()
     finally:
         await redis.aclose()
 
@@ -100,7 +100,7 @@ async def worker_of(redis, keys: Keys, proc: subprocess.Popen, log: Path) -> str
     return await wait_for(ready, timeout=60, every=0.05)
 
 
-async def logged_on(queue: Queue, job_id: str, worker: str, events: int) -> None:
+async def logged_on(queue: JobStore, job_id: str, worker: str, events: int) -> None:
     async def check() -> bool:
         job = await queue.get_job(MODEL, job_id)
         return job is not None and job.worker == worker and len(await queue.read_events(MODEL, job_id)) >= events
@@ -122,7 +122,7 @@ class Pair:
     proc: subprocess.Popen
     a: str  # A's worker id
     b: Worker
-    queue: Queue
+    queue: JobStore
     client: Client  # with stamped events
     job_id: str
 
@@ -135,7 +135,7 @@ async def streaming_on_a_process(make_worker, redis, redis_url, keys, prefix, tm
         log = tmp_path / "worker-a.log"
         procs.append(proc := spawn_worker(redis_url, prefix, log))
         a = await worker_of(redis, keys, proc, log)
-        queue = Queue(redis, keys)
+        queue = JobStore(redis, keys)
         client = stamped_client(redis, queue)
         job_id = await client.start(prompt, max_tokens)
         await logged_on(queue, job_id, a, 10)
@@ -237,13 +237,13 @@ async def test_a_dropped_control_connection_reconnects_and_keeps_its_jobs(make_w
 
 async def held_by_ghost(redis, keys: Keys, prompt: str, max_tokens: int):
     """A job delivered to consumer "ghost", whose control channel has a subscriber as a live
-    worker's has: (queue, job id, the delivery, the subscription)."""
-    queue = Queue(redis, keys)
-    await queue.ensure_group(MODEL)
-    job_id = await submit(queue, prompt, max_tokens)
+    worker's has: (job store, consumer, job id, the delivery, the subscription)."""
+    store, consumer = JobStore(redis, keys), Consumer(redis, keys)
+    await consumer.ensure_group(MODEL)
+    job_id = await submit(store, prompt, max_tokens)
     pubsub = await subscribe_confirmed(redis, keys.worker_control("ghost"))
-    [held] = (await queue.pick(MODEL, "ghost", 1)).deliveries
-    return queue, job_id, held, pubsub
+    [held] = (await consumer.pick(MODEL, "ghost", 1)).deliveries
+    return store, consumer, job_id, held, pubsub
 
 
 async def test_a_subscription_gone_for_less_than_the_window_keeps_the_job_and_gone_longer_loses_it(
@@ -251,7 +251,7 @@ async def test_a_subscription_gone_for_less_than_the_window_keeps_the_job_and_go
     """A consumer that holds a job is judged by its control channel alone: gone for 0.2 s (less
     than LLMQ_TAKEOVER_S) five times, it keeps the job; gone for good, a peer takes the job after
     the window, not before, and the old consumer's late writes are refused (the fence)."""
-    queue, job_id, held, pubsub = await held_by_ghost(redis, keys, "ghost", 20)
+    store, consumer, job_id, held, pubsub = await held_by_ghost(redis, keys, "ghost", 20)
     b = await make_worker(delay_s=0.005, lease_s=LEASE_S)
     await judging(b.worker)
     try:
@@ -262,25 +262,25 @@ async def test_a_subscription_gone_for_less_than_the_window_keeps_the_job_and_go
             await asyncio.sleep(0.3)
         pending = await redis.xpending_range(keys.queue(MODEL), GROUP, "-", "+", 10)
         assert [p["consumer"] for p in pending] == [b"ghost"], "the job stayed with its consumer"
-        assert (await queue.get_job(MODEL, job_id)).attempt == 1
+        assert (await store.get_job(MODEL, job_id)).attempt == 1
     finally:
         await pubsub.aclose()
-    taken_s = await seconds_until_taken(queue, job_id, b.worker, since=time.monotonic())
+    taken_s = await seconds_until_taken(store, job_id, b.worker, since=time.monotonic())
     print(f"taken over {taken_s:.3f} s after its consumer's subscription went (LLMQ_TAKEOVER_S {TAKEOVER_S})")
     assert TAKEOVER_S <= taken_s < 1.0
 
     async def done() -> bool:
-        return (await queue.get_job(MODEL, job_id)).status == "done"
+        return (await store.get_job(MODEL, job_id)).status == "done"
     await wait_for(done)
-    job = await queue.get_job(MODEL, job_id)
+    job = await store.get_job(MODEL, job_id)
     assert job.attempt == 2 and job.result.choices[0].token_ids == expected_ids("ghost", 20)
     assert "ghost" not in await consumers(redis, keys)
     # The fence: a write with the old owner's (worker, attempt) is refused and reaches nothing.
-    logged = await queue.read_events(MODEL, job_id)
-    late = Outbound(job_id=job_id, event=Tokens(seq=len(logged) + 1, deltas=[TokenDelta(token_ids=[1], text="x")]),
-                    attempt=held.attempt)
-    assert (await queue.flush(MODEL, [late], "ghost")).lost == [job_id]
-    assert await queue.read_events(MODEL, job_id) == logged
+    logged = await store.read_events(MODEL, job_id)
+    late = Outbound.of(job_id, Tokens(seq=len(logged) + 1, deltas=[TokenDelta(token_ids=[1], text="x")]),
+                       attempt=held.attempt)
+    assert (await consumer.flush(MODEL, [late], "ghost")).lost == [job_id]
+    assert await store.read_events(MODEL, job_id) == logged
 
 
 async def test_a_takeover_never_puts_more_jobs_into_the_engine_than_its_slots(redis, keys, monkeypatch):
@@ -288,15 +288,15 @@ async def test_a_takeover_never_puts_more_jobs_into_the_engine_than_its_slots(re
     waiting for work (for 60 s: still blocked whatever the machine's pace), holding no slot; new
     jobs then arrive and wake that read while both taken-over jobs still run (3 s each). They are
     left waiting (picked once a slot frees), not started beside the taken-over ones."""
-    queue = Queue(redis, keys)
-    await queue.ensure_group(MODEL)
-    ghost_jobs = [await submit(queue, f"ghost{i}", 150) for i in range(2)]
+    store, consumer = JobStore(redis, keys), Consumer(redis, keys)
+    await consumer.ensure_group(MODEL)
+    ghost_jobs = [await submit(store, f"ghost{i}", 150) for i in range(2)]
     pubsub = await subscribe_confirmed(redis, keys.worker_control("ghost"))
-    assert len((await queue.pick(MODEL, "ghost", 2)).deliveries) == 2
+    assert len((await consumer.pick(MODEL, "ghost", 2)).deliveries) == 2
     # Every blocking read B's reader makes, from its first: whether new entries woke it, and how
     # many slots it had for them then (its pick follows at once, reserving what is available).
     admitted: list[tuple[bool, int]] = []
-    wait_for_work = Queue.wait_for_work
+    wait_for_work = Consumer.wait_for_work
 
     async def recording(self, *args, **kwargs):
         arrived = await wait_for_work(self, *args, **kwargs)
@@ -304,7 +304,7 @@ async def test_a_takeover_never_puts_more_jobs_into_the_engine_than_its_slots(re
         admitted.append((arrived, worker.slots.available))
         return arrived
 
-    monkeypatch.setattr(Queue, "wait_for_work", recording)
+    monkeypatch.setattr(Consumer, "wait_for_work", recording)
     engine = ScriptedEngine(delay_s=0.02)  # 150 tokens: three seconds a job
     own: list[_Own] = []
     try:
@@ -316,10 +316,10 @@ async def test_a_takeover_never_puts_more_jobs_into_the_engine_than_its_slots(re
         async def both_taken() -> bool:
             return engine.active == 2
         await wait_for(both_taken, timeout=5, every=0.005)
-        new_jobs = [await submit(queue, f"new{i}", 5) for i in range(2)]
+        new_jobs = [await submit(store, f"new{i}", 5) for i in range(2)]
 
         async def all_done() -> bool:
-            return all(job.status == "done" for job in await queue.get_jobs(MODEL, [*ghost_jobs, *new_jobs]))
+            return all(job.status == "done" for job in await store.get_jobs(MODEL, [*ghost_jobs, *new_jobs]))
         await wait_for(all_done, timeout=40, every=0.02)
     finally:
         await stop_own(own)
@@ -333,14 +333,14 @@ async def test_a_watcher_judges_nobody_until_its_own_subscription_has_been_back_
     another: a watcher whose own connection just came back must not take the others' absence
     for death. Here B's control connection is dropped at the moment a consumer's subscription
     goes for good: B takes the job only once its own has been back for 2 x RECONNECT_MAX_S."""
-    queue, job_id, _, pubsub = await held_by_ghost(redis, keys, "ghost", 5)
+    store, _, job_id, _, pubsub = await held_by_ghost(redis, keys, "ghost", 5)
     before = await _pubsub_ids(redis)
     b = await make_worker(delay_s=0.005, lease_s=LEASE_S)
     [b_conn] = await _pubsub_ids(redis) - before
     await judging(b.worker)
     await redis.client_kill_filter(_id=b_conn)
     await pubsub.aclose()
-    taken_s = await seconds_until_taken(queue, job_id, b.worker, since=time.monotonic())
+    taken_s = await seconds_until_taken(store, job_id, b.worker, since=time.monotonic())
     print(f"taken over {taken_s:.3f} s after the drop (grace {2 * RECONNECT_MAX_S} s + window {TAKEOVER_S} s)")
     assert taken_s >= 2 * RECONNECT_MAX_S + TAKEOVER_S - 0.05  # B's re-subscription came back a little later
     assert taken_s < 2 * RECONNECT_MAX_S + TAKEOVER_S + 1.0
@@ -358,9 +358,9 @@ async def test_a_redis_restart_takes_no_job_from_a_live_worker(tmp_path, figures
         prefix = f"restart-{uuid.uuid4().hex[:6]}"
         keys = Keys(prefix)
         settings = dict(redis_url=server.url, prefix=prefix, lease_s=LEASE_S)
-        a = await _own_worker(redis, keys, own, ContextEngine(0.02), **settings)
-        job_id = await submit(a.queue, "restart", 200)
-        await logged_on(a.queue, job_id, a.worker.worker_id, 10)
+        a, store = await _own_worker(redis, keys, own, ContextEngine(0.02), **settings), JobStore(redis, keys)
+        job_id = await submit(store, "restart", 200)
+        await logged_on(store, job_id, a.worker.worker_id, 10)
         b = await _own_worker(redis, keys, own, ContextEngine(0.005), **settings)
         await judging(b.worker)
         server.stop()
@@ -369,10 +369,10 @@ async def test_a_redis_restart_takes_no_job_from_a_live_worker(tmp_path, figures
         restarted = time.monotonic()
 
         async def done() -> bool:
-            job = await a.queue.get_job(MODEL, job_id)
+            job = await store.get_job(MODEL, job_id)
             return job is not None and job.status == "done"
         await wait_for(done, timeout=60, every=0.05)
-        job = await a.queue.get_job(MODEL, job_id)
+        job = await store.get_job(MODEL, job_id)
         figures.requests_sent, figures.completed = 1, int(job.result.choices[0].token_ids == expected_ids("restart",
                                                                                                          200))
         figures.seconds["finished_after_restart_s"] = time.monotonic() - restarted
@@ -387,7 +387,7 @@ async def test_a_redis_restart_takes_no_job_from_a_live_worker(tmp_path, figures
 
 
 class _Own:
-    def __init__(self, worker: Worker, queue: Queue, task: asyncio.Task) -> None:
+    def __init__(self, worker: Worker, queue: Consumer, task: asyncio.Task) -> None:
         self.worker, self.queue, self.task = worker, queue, task
 
 
@@ -395,7 +395,7 @@ async def _own_worker(redis, keys: Keys, own: list[_Own], engine, **settings) ->
     """A worker with settings make_worker's workers cannot have (another Redis, a longer read);
     the caller stops what ``own`` lists."""
     full = load_settings({}, **{"served_model_name": MODEL, "block_ms": 100, "heartbeat_s": 0.2, **settings})
-    queue = Queue(redis, keys)
+    queue = Consumer(redis, keys)
     worker = Worker(full, queue, engine)
     own.append(_Own(worker, queue, asyncio.create_task(worker.run())))
     while not worker.ready or not worker.presence.control_up.is_set():
@@ -423,19 +423,19 @@ async def test_a_worker_reads_no_job_before_its_control_subscription_is_confirme
         return await real(*args, **kwargs)
 
     monkeypatch.setattr(registry_module, "node_client", slow)  # what Registry.control_subscription connects with
-    queue = Queue(redis, keys)
-    await queue.ensure_group(MODEL)
-    job_id = await submit(queue, "early", 5)
+    store, consumer = JobStore(redis, keys), Consumer(redis, keys)
+    await consumer.ensure_group(MODEL)
+    job_id = await submit(store, "early", 5)
     started = time.monotonic()
     a = await make_worker(delay_s=0.005, lease_s=LEASE_S)  # ready (warmed up) before it subscribed
     assert not a.worker.presence.control_up.is_set() and time.monotonic() - started < 0.9
-    assert (await queue.get_job(MODEL, job_id)).status == "queued"
+    assert (await store.get_job(MODEL, job_id)).status == "queued"
     assert (await redis.xpending(keys.queue(MODEL), GROUP))["pending"] == 0, "nothing read yet"
 
     async def done() -> bool:
-        return (await queue.get_job(MODEL, job_id)).status == "done"
+        return (await store.get_job(MODEL, job_id)).status == "done"
     await wait_for(done)
-    assert (await queue.get_job(MODEL, job_id)).worker == a.worker.worker_id
+    assert (await store.get_job(MODEL, job_id)).worker == a.worker.worker_id
 
 
 if __name__ == "__main__":  # the worker process of the tests above

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from shared.keys import TAG_CHARS, Keys, model_tag
-from shared.queue import Queue
+from shared.queue import JobStore
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams
 from tests.support.job_records import wait_status
 from tests.support.scripted_stack import scripted_stack
@@ -42,7 +42,7 @@ async def test_a_poll_reads_only_its_models_record(redis_url, prefix, model):
 async def test_an_id_without_its_models_tag_is_still_found(redis_url, prefix):
     """Jobs queued before ids carried their model's tag stay readable after an upgrade."""
     async with scripted_stack(redis_url, prefix, models=",".join(OTHERS)) as s:
-        queue = Queue(s.redis, Keys(s.settings.prefix))
+        queue = JobStore(s.redis, Keys(s.settings.prefix))
         req = GenerationRequest(model="last", prompt="p", sampling=SamplingParams(max_tokens=1), priority=0)
         old_id = "0" * TAG_CHARS + "f" * (32 - TAG_CHARS)  # a tag no model here has
         assert all(model_tag(m) != old_id[:TAG_CHARS] for m in ("tiny", *OTHERS))

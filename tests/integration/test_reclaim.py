@@ -18,7 +18,7 @@ from shared.config import load_settings
 from shared.errors import WorkerLost
 from shared.events import Error, TokenDelta, Tokens
 from shared.keys import GROUP
-from shared.queue import Outbound, Queue
+from shared.queue import Consumer, JobStore, Outbound
 from shared.schemas import GenerationRequest, SamplingParams, StructuredOutput
 from tests.support import inprocess_workers
 from tests.support.inprocess_workers import MODEL, Client, assert_seamless, kill, running_on, submit, wait_for
@@ -64,9 +64,9 @@ async def test_a_stalled_worker_loses_its_job_and_its_late_writes_are_refused(ma
     async def no_renewal(*args, **kwargs) -> list[str]:
         return []  # A's heartbeat misses every renewal (a blocked loop) while its engine keeps going
 
-    a.queue.renew = no_renewal
+    a.worker.queue.renew = no_renewal
     # A blocked loop does not reclaim either: A's own XAUTOCLAIM would otherwise renew its job.
-    a.queue.reclaim = no_renewal
+    a.worker.queue.reclaim = no_renewal
     b = await make_worker(delay_s=0.005)
     events = await client.finish()
 
@@ -79,33 +79,33 @@ async def test_a_stalled_worker_loses_its_job_and_its_late_writes_are_refused(ma
     # A write with A's old (worker, attempt) is refused outright: nothing reaches channel or log.
     logged = await a.queue.read_events(MODEL, job_id)
     stale = Tokens(seq=len(logged) + 1, deltas=[TokenDelta(token_ids=[1], text="x")])
-    assert (await a.queue.flush(MODEL, [Outbound(job_id=job_id, event=stale, attempt=attempt)],
+    assert (await a.worker.queue.flush(MODEL, [Outbound.of(job_id, stale, attempt=attempt)],
                                 a.worker.worker_id)).lost == [job_id]
     assert await a.queue.read_events(MODEL, job_id) == logged
 
 
 async def test_jobs_go_to_the_dead_letter_stream_after_n_failed_deliveries(make_worker, redis, keys):
-    queue = Queue(redis, keys)
-    await queue.ensure_group(MODEL)
-    job_id = await submit(queue, "poison", 50)
+    store, consumer = JobStore(redis, keys), Consumer(redis, keys)
+    await consumer.ensure_group(MODEL)
+    job_id = await submit(store, "poison", 50)
     # Two deliveries to consumers that die without a word (max_deliveries=2 below).
-    [first] = (await queue.pick(MODEL, "ghost-1", 1, max_deliveries=2)).deliveries
-    await queue.flush(MODEL, [Outbound(job_id=job_id, attempt=first.attempt,
-                                       event=Tokens(seq=1, deltas=[TokenDelta(token_ids=[1], text="a")]))], "ghost-1")
+    [first] = (await consumer.pick(MODEL, "ghost-1", 1, max_deliveries=2)).deliveries
+    await consumer.flush(MODEL, [Outbound.of(job_id, Tokens(seq=1, deltas=[TokenDelta(token_ids=[1], text="a")]),
+                                             attempt=first.attempt)], "ghost-1")
     await asyncio.sleep(0.25)
-    [second] = await queue.reclaim(MODEL, "ghost-2", 1, 200, max_deliveries=2)
+    [second] = await consumer.reclaim(MODEL, "ghost-2", 1, 200, max_deliveries=2)
     assert second.state == "run" and second.attempt == 2 and second.last_seq == 1
     await asyncio.sleep(0.25)
 
     await make_worker(lease_s=0.2, max_deliveries=2)
 
     async def failed() -> bool:
-        job = await queue.get_job(MODEL, job_id)
+        job = await store.get_job(MODEL, job_id)
         return job.status == "failed"
     await wait_for(failed)
-    job = await queue.get_job(MODEL, job_id)
+    job = await store.get_job(MODEL, job_id)
     assert job.error.code == "dead_letter" and job.error.status == 500
-    events = await queue.read_events(MODEL, job_id)
+    events = await store.read_events(MODEL, job_id)
     assert [e.seq for e in events] == [1, 2] and isinstance(events[-1], Error)
     assert events[-1].code == "dead_letter"
     [(_, dead)] = await redis.xrange(keys.dead(MODEL))
@@ -210,16 +210,16 @@ def test_jobs_that_cannot_continue_seamlessly_fail_clearly(sampling, prompt_ids)
 async def test_housekeeping_reports_orphans_and_removes_only_empty_dead_consumers(redis, keys, prefix, monkeypatch):
     from workers import housekeeping
 
-    queue = Queue(redis, keys)
-    await queue.ensure_group(MODEL)
-    await submit(queue, "orphan", 5)
-    await queue.pick(MODEL, "dead-with-job", 1)  # delivered, never answered
+    store, consumer = JobStore(redis, keys), Consumer(redis, keys)
+    await consumer.ensure_group(MODEL)
+    await submit(store, "orphan", 5)
+    await consumer.pick(MODEL, "dead-with-job", 1)  # delivered, never answered
     await redis.xgroup_createconsumer(keys.queue(MODEL), GROUP, "dead-empty")  # holds nothing
     await asyncio.sleep(0.3)
     monkeypatch.setattr(housekeeping, "STALE_CONSUMER_MS", 100)
     settings = load_settings({}, prefix=prefix, served_model_name=MODEL, lease_s=0.2)
     # A sweep enqueues no arq job and sends no webhook: no arq or HTTP client.
-    hk = housekeeping.Housekeeper(settings=settings, keys=keys, redis=redis, queue=queue, arq=None, http=None)
+    hk = housekeeping.Housekeeper(settings=settings, keys=keys, redis=redis, queue=store, arq=None, http=None)
     stats = await housekeeping.sweep(hk)
     assert stats["orphaned"] == 1 and stats["oldest_orphan_s"] >= 0.2 and stats["consumers_removed"] == 1
     names = {c["name"] for c in await redis.xinfo_consumers(keys.queue(MODEL), GROUP)}

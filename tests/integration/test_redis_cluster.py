@@ -28,7 +28,7 @@ from api.shards import ClusterListener
 from shared.codec import decode_event
 from shared.events import Done, Error
 from shared.keys import GROUP, Keys, shard_of, shard_tag
-from shared.queue import Queue, now_ms
+from shared.queue import Consumer, JobStore, now_ms
 from shared.schemas import GenerationRequest, JobRecord
 from shared.status import snapshot
 from tests.conftest import REPO
@@ -73,7 +73,7 @@ async def models(cluster: LocalCluster) -> AsyncIterator[TwoModels]:
     async with scripted_stack(cluster.url, prefix, engines[MODEL], heartbeat_s=0.3) as s:
         assert isinstance(s.redis, RedisCluster)
         settings = scripted_settings(cluster.url, prefix, served_model_name=OTHER, heartbeat_s=0.3)
-        other = Worker(settings, Queue(s.redis, Keys(prefix)), engines[OTHER], worker_id=f"w2-{prefix}")
+        other = Worker(settings, Consumer(s.redis, Keys(prefix)), engines[OTHER], worker_id=f"w2-{prefix}")
         task = asyncio.create_task(other.run())
         try:
             while await s.redis.zscore(Keys(prefix).workers(OTHER), other.worker_id) is None:
@@ -157,7 +157,7 @@ async def test_a_models_token_writes_land_on_the_masters_of_their_jobs_shards(cl
     for job_id in ids:
         assert (await job_status(models.client, job_id))["status"] == "done"
     after = _xadds(cluster)
-    queue = Queue(models.redis, models.keys)
+    queue = JobStore(models.redis, models.keys)
     expected = dict.fromkeys(cluster.ports, 0)
     expected[cluster.owner_port(models.keys.queue(MODEL))] += 3 * jobs
     for job_id in ids:
@@ -267,9 +267,9 @@ async def test_status_cli_and_metrics_see_both_models_and_workers(cluster, model
 
 
 async def test_ack_deletes_the_entry_and_clears_the_pending_list(models):
-    """Queue.ack (a script: a Cluster pipeline has no MULTI) leaves neither the entry nor a PEL reference."""
+    """Consumer.ack (a script: a Cluster pipeline has no MULTI) leaves neither the entry nor a PEL reference."""
     unserved = "no-worker"  # no worker reads its queue, so the probe's read gets the entry
-    queue, stream = Queue(models.redis, models.keys), models.keys.queue(unserved, 2)
+    queue, stream = Consumer(models.redis, models.keys), models.keys.queue(unserved, 2)
     await queue.ensure_group(unserved)
     await models.redis.xadd(stream, {"job": "nobody"})
     [(_, [(entry_id, _)])] = await models.redis.xreadgroup(GROUP, "probe", {stream: ">"}, count=1)
@@ -282,7 +282,7 @@ async def test_a_deadline_ends_a_queued_job_with_one_published_error(models):
     """expire.lua (the API's backstop for deadlines) publishes from inside the script: PUBLISH, or on
     Redis >= 7 SPUBLISH to a channel in the script's slot. A follower of the job hears it live."""
     unserved = "no-worker"
-    queue = Queue(models.redis, models.keys)
+    queue = JobStore(models.redis, models.keys)
     job_id = uuid.uuid4().hex
     record = JobRecord(id=job_id, model=unserved, request=GenerationRequest(prompt="late"), queued_at=now_ms(),
                        deadline=now_ms() - 1)

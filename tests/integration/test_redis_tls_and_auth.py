@@ -22,7 +22,7 @@ from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from shared.keys import Keys
-from shared.queue import Queue
+from shared.queue import Consumer
 from shared.redis import connect, redis_server_binary, wait_for_redis
 from tests.conftest import REPO, free_port, wait_for_ping
 from tests.support.job_records import record, wait_status
@@ -217,7 +217,7 @@ async def test_api_process_over_rediss_is_healthy(tls, prefix, tmp_path):
     url = tls.url()
     settings = scripted_settings(url, prefix)
     redis = connect(url)
-    worker = Worker(settings, Queue(redis, Keys(prefix)), ScriptedEngine(delay_s=0.001), worker_id=f"w-{prefix}")
+    worker = Worker(settings, Consumer(redis, Keys(prefix)), ScriptedEngine(delay_s=0.001), worker_id=f"w-{prefix}")
     worker_task = asyncio.create_task(worker.run())
     log = (tmp_path / "api.log").open("wb")
     env = {**os.environ, "LLMQ_REDIS_URL": url, "LLMQ_PREFIX": prefix, "LLMQ_PORT": str(settings.port),

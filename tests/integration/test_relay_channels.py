@@ -26,7 +26,7 @@ from shared.codec import encode
 from shared.events import Done, TokenDelta, Tokens
 from shared.framing import Keepalive
 from shared.keys import Keys, shard_of, shard_tag
-from shared.queue import Flushed, Outbound, Queue, now_ms
+from shared.queue import Consumer, Flushed, JobStore, Outbound, now_ms
 from shared.redis import connect
 from shared.schemas import GenerationRequest, JobRecord
 from tests.support.scripted_engine import ScriptedEngine, expected_text
@@ -38,7 +38,7 @@ MODEL = "tiny"
 class Relayed(NamedTuple):
     redis: Redis
     keys: Keys
-    queue: Queue
+    queue: JobStore
     listener: EventListener
     channel: Callable[[str], str]
     """This API process's relay channel for a job of MODEL (its token shard's)."""
@@ -52,7 +52,7 @@ async def relayed(redis_url: str, prefix: str) -> AsyncIterator[Relayed]:
     listener = EventListener(redis, keys.api_home("t"))
     runner = asyncio.create_task(listener.run())
     try:
-        yield Relayed(redis, keys, Queue(redis, keys), listener, lambda job_id: keys.relay(MODEL, "t", job_id))
+        yield Relayed(redis, keys, JobStore(redis, keys), listener, lambda job_id: keys.relay(MODEL, "t", job_id))
     finally:
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)
@@ -82,34 +82,34 @@ def _one_shard(n: int) -> list[str]:
 async def test_one_publish_per_relay_channel_per_flush_with_exact_lines(redis_url, prefix):
     redis = connect(redis_url)
     keys = Keys(prefix)
-    queue = Queue(redis, keys)
+    store, consumer = JobStore(redis, keys), Consumer(redis, keys)
     j1, j2, j3 = _one_shard(3)
     a, b = keys.relay(MODEL, "a", j1), keys.relay(MODEL, "b", j1)
     try:
-        await queue.ensure_group(MODEL)
-        await queue.enqueue(_record(j1), relay=a)
-        await queue.enqueue(_record(j2), relay=a)
-        await queue.enqueue(_record(j3))  # queued without a follower (fire-and-poll)
-        assert await queue.add_follower(MODEL, j2, b)
-        assert await queue.add_follower(MODEL, j2, b)  # named once, however often it is asked
-        assert not await queue.add_follower(MODEL, "missing", b)  # no record: nothing is written
+        await consumer.ensure_group(MODEL)
+        await store.enqueue(_record(j1), relay=a)
+        await store.enqueue(_record(j2), relay=a)
+        await store.enqueue(_record(j3))  # queued without a follower (fire-and-poll)
+        assert await store.add_follower(MODEL, j2, b)
+        assert await store.add_follower(MODEL, j2, b)  # named once, however often it is asked
+        assert not await store.add_follower(MODEL, "missing", b)  # no record: nothing is written
         assert await redis.hget(keys.job(MODEL, j2), "relay") == f"{a} {b}".encode()
         assert not await redis.exists(keys.job(MODEL, "missing"))
-        attempts = {d.job_id: d.attempt for d in (await queue.pick(MODEL, "w", 3)).deliveries}
+        attempts = {d.job_id: d.attempt for d in (await consumer.pick(MODEL, "w", 3)).deliveries}
 
         pubsub = redis.pubsub()
         await pubsub.subscribe(a, b, keys.live(MODEL, j1), keys.live(MODEL, j2), keys.live(MODEL, j3))
-        batch = [Outbound(job_id=j, event=Tokens(seq=s, deltas=[TokenDelta(token_ids=[96 + s], text=chr(96 + s))]),
-                          attempt=attempts[j])
+        batch = [Outbound.of(j, Tokens(seq=s, deltas=[TokenDelta(token_ids=[96 + s], text=chr(96 + s))]),
+                             attempt=attempts[j])
                  for s in (1, 2) for j in (j1, j2, j3)]
-        assert await queue.flush(MODEL, batch, "w") == Flushed([], {})
-        line = {(o.job_id, o.event.seq): o.job_id.encode() + b" " + encode(o.event) for o in batch}
+        assert await consumer.flush(MODEL, batch, "w") == Flushed([], {})
+        line = {(o.job_id, o.seq): o.job_id.encode() + b" " + o.data for o in batch}
         got = await _messages(pubsub, 4)
         # Relay channels in the order their first event appeared, after the per-job publishes made
         # while the batch was written; each one message, its events in batch order.
         assert sorted(got) == sorted([
-            (keys.live(MODEL, j3).encode(), encode(batch[2].event)),
-            (keys.live(MODEL, j3).encode(), encode(batch[5].event)),
+            (keys.live(MODEL, j3).encode(), batch[2].data),
+            (keys.live(MODEL, j3).encode(), batch[5].data),
             (a.encode(), b"\n".join([line[j1, 1], line[j2, 1], line[j1, 2], line[j2, 2]])),
             (b.encode(), b"\n".join([line[j2, 1], line[j2, 2]])),
         ])
@@ -125,22 +125,22 @@ async def test_on_a_single_redis_one_publish_carries_every_shards_jobs_for_an_ap
     model (Keys.relay, not sharded) gets one message per flush for jobs of different shards."""
     redis = connect(redis_url)
     keys = Keys(prefix)
-    queue = Queue(redis, keys)
+    store, consumer = JobStore(redis, keys), Consumer(redis, keys)
     jobs = [f"j{i}" for i in range(200)]
     jobs = [next(j for j in jobs if shard_of(j) == s) for s in range(3)]  # three shards
     channel = keys.relay(MODEL, "a", jobs[0], sharded=False)
     assert {keys.relay(MODEL, "a", j, sharded=False) for j in jobs} == {channel}
     try:
-        await queue.ensure_group(MODEL)
+        await consumer.ensure_group(MODEL)
         for job in jobs:
-            await queue.enqueue(_record(job), relay=channel)
-        attempts = {d.job_id: d.attempt for d in (await queue.pick(MODEL, "w", 3)).deliveries}
+            await store.enqueue(_record(job), relay=channel)
+        attempts = {d.job_id: d.attempt for d in (await consumer.pick(MODEL, "w", 3)).deliveries}
         pubsub = redis.pubsub()
         await pubsub.subscribe(channel)
-        batch = [Outbound(job_id=j, event=Tokens(seq=1, deltas=[TokenDelta(token_ids=[97], text="a")]),
-                          attempt=attempts[j]) for j in jobs]
-        assert await queue.flush(MODEL, batch, "w") == Flushed([], {})
-        assert await _messages(pubsub, 1) == [(channel.encode(), b"\n".join(o.job_id.encode() + b" " + encode(o.event)
+        batch = [Outbound.of(j, Tokens(seq=1, deltas=[TokenDelta(token_ids=[97], text="a")]), attempt=attempts[j])
+                 for j in jobs]
+        assert await consumer.flush(MODEL, batch, "w") == Flushed([], {})
+        assert await _messages(pubsub, 1) == [(channel.encode(), b"\n".join(o.job_id.encode() + b" " + o.data
                                                                           for o in batch))]
         assert await _nothing_more(pubsub)
         await pubsub.aclose()
@@ -245,13 +245,13 @@ async def test_a_job_followed_from_before_it_existed_never_reads_its_log(redis_u
     stream must not also read the job's log (that was a round trip plus a decode of each event
     already on its way). The first job of the model may have to (its SUBSCRIBE was in flight)."""
     reads: list[str] = []
-    original = Queue.read_events
+    original = JobStore.read_events
 
     async def counting(self, model, job_id, after_seq=0):
         reads.append(job_id)
         return await original(self, model, job_id, after_seq)
 
-    monkeypatch.setattr(Queue, "read_events", counting)
+    monkeypatch.setattr(JobStore, "read_events", counting)
     async with scripted_stack(redis_url, prefix, ScriptedEngine(delay_s=0.001)) as s:
         body = {"model": MODEL, "prompt": "abcdef", "max_tokens": 6, "stream": True}
         for _ in range(2):  # the first one subscribes the channel

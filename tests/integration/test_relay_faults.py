@@ -23,7 +23,7 @@ from shared.codec import encode
 from shared.errors import QueueUnavailable
 from shared.events import Done, TokenDelta, Tokens
 from shared.keys import Keys
-from shared.queue import Queue
+from shared.queue import JobStore
 from shared.redis import connect
 from tests.support.faults import FIGURES, Figures
 from tests.support.scripted_engine import ScriptedEngine, expected_text
@@ -209,7 +209,7 @@ async def test_event_published_during_the_kill_is_backfilled_at_once(redis_url, 
     the log, so the stream ends at once, not at the next periodic log check (30 s here)."""
     redis = connect(redis_url)
     keys = Keys(prefix)
-    queue = Queue(redis, keys)
+    queue = JobStore(redis, keys)
     listener = EventListener(redis, keys.api_home("test"))
     runner = asyncio.create_task(listener.run())
     model, job_id = "tiny", "job1"
@@ -283,7 +283,7 @@ async def test_a_silent_pubsub_connection_is_replaced_and_backfilled(redis_url, 
     redis = connect(redis_url)
     proxied = connect(redis_url.replace(f"{host}:{port}", f"127.0.0.1:{proxy_port}"))
     keys = Keys(prefix)
-    queue = Queue(redis, keys)
+    queue = JobStore(redis, keys)
     listener = EventListener(proxied, keys.api_home("test"), idle_s=0.3)
     runner = asyncio.create_task(listener.run())
     model, job_id = "tiny", "silent"

@@ -14,7 +14,7 @@ import pytest
 from redis import Redis as SyncRedis
 
 from shared.keys import Keys
-from shared.queue import Queue
+from shared.queue import JobStore
 from shared.redis import RedisRefused, connect
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams
 from tests.conftest import REPO
@@ -179,7 +179,7 @@ async def test_a_job_refused_by_a_demoted_primary_is_a_refusal_and_the_next_goes
     # Inside a script Redis 6.2 wraps READONLY in a plain script error, which redis-py does not
     # take for a demotion: llmq's scripts drop the client's idle connections themselves.
     client = connect(sentinel.url)
-    queue = Queue(client, Keys(prefix))
+    queue = JobStore(client, Keys(prefix))
     req = GenerationRequest(model="tiny", prompt="demoted", sampling=SamplingParams(max_tokens=3))
     try:
         await queue.enqueue(JobRecord.new(req, owner="", default_timeout_s=None))

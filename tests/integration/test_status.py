@@ -10,7 +10,7 @@ import sys
 
 from shared.inspection import Consumer, read_queue
 from shared.keys import GROUP, Keys
-from shared.queue import Queue
+from shared.queue import JobStore
 from shared.status import render, snapshot
 from tests.conftest import REPO
 from tests.support.scripted_engine import ScriptedEngine
@@ -88,7 +88,7 @@ async def test_one_reading_of_a_queue_gives_every_levels_figures_in_one_round_tr
             for lv in plain.levels] == [(0, True, 2, 1, 1, 2000, 0, ()), (1, True, 1, 0, 1, 1000, 0, ()),
                                         (2, False, 0, 0, 0, None, 0, ())]
     assert (plain.depth, plain.dead_letters, plain.ready_workers) == (3, 1, 1)
-    assert await Queue(redis, keys).depth(model) == 3
+    assert await JobStore(redis, keys).depth(model) == 3
 
     swept = await read_queue(redis, keys, model, now_ms=5000, lease_ms=0)  # every delivered entry lapsed
     assert [(lv.orphaned, [(c.name, c.pending) for c in lv.consumers]) for lv in swept.levels] == [

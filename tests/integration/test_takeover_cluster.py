@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 
 from shared.config import load_settings
 from shared.keys import GROUP, Keys
-from shared.queue import Queue
+from shared.queue import Consumer, JobStore
 from shared.redis import connect
 from tests.support.inprocess_workers import MODEL, TAKEOVER_S, judging, seconds_until_taken, submit, subscribe_confirmed
 from tests.support.redis_cluster import LocalCluster, start_cluster
@@ -53,20 +53,20 @@ async def test_a_worker_subscribes_on_its_models_master_and_judges_peers_on_ever
     prefix = f"tc-{uuid.uuid4().hex[:6]}"
     keys = Keys(prefix)
     redis = connect(cluster.url)
-    queue = Queue(redis, keys)
-    await queue.ensure_group(MODEL)
+    store, consumer = JobStore(redis, keys), Consumer(redis, keys)
+    await consumer.ensure_group(MODEL)
     home = cluster.ports.index(cluster.owner_port(keys.queue(MODEL)))
     elsewhere = (home + 1) % len(cluster.ports)
-    old_job, dead_job = await submit(queue, "old", 5), await submit(queue, "dead", 5)
+    old_job, dead_job = await submit(store, "old", 5), await submit(store, "dead", 5)
     # "old" subscribed on another master, as workers did before; "dead" where workers do now.
     old = await subscribed_on(cluster.node_url(elsewhere), keys.worker_control("old"))
     dead = await subscribed_on(cluster.node_url(home), keys.worker_control("dead"))
-    [got_old] = (await queue.pick(MODEL, "old", 1)).deliveries
-    [got_dead] = (await queue.pick(MODEL, "dead", 1)).deliveries
+    [got_old] = (await consumer.pick(MODEL, "old", 1)).deliveries
+    [got_dead] = (await consumer.pick(MODEL, "dead", 1)).deliveries
     assert (got_old.job_id, got_dead.job_id) == (old_job, dead_job)
     settings = load_settings({}, redis_url=cluster.url, prefix=prefix, served_model_name=MODEL, block_ms=100,
                              heartbeat_s=0.2, lease_s=30.0)
-    worker = Worker(settings, Queue(redis, keys), ContextEngine(0.005))
+    worker = Worker(settings, Consumer(redis, keys), ContextEngine(0.005))
     task = asyncio.create_task(worker.run())
     try:
         await judging(worker)
@@ -76,10 +76,10 @@ async def test_a_worker_subscribes_on_its_models_master_and_judges_peers_on_ever
 
         await dead[1].aclose()
         await dead[0].aclose()
-        taken_s = await seconds_until_taken(queue, dead_job, worker, since=time.monotonic())
+        taken_s = await seconds_until_taken(store, dead_job, worker, since=time.monotonic())
         assert TAKEOVER_S <= taken_s < 1.0, taken_s
         await asyncio.sleep(2 * TAKEOVER_S)
-        job = await queue.get_job(MODEL, old_job)
+        job = await store.get_job(MODEL, old_job)
         assert job.worker == "old" and job.attempt == 1, "a subscriber on another master counts"
         pending = await redis.xpending_range(keys.queue(MODEL), GROUP, "-", "+", 10)
         assert [p["consumer"] for p in pending] == [b"old"]

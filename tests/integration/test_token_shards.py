@@ -22,7 +22,7 @@ from shared import scripts
 from shared.codec import encode
 from shared.events import Done, TokenDelta, Tokens
 from shared.keys import GROUP, shard_of
-from shared.queue import Outbound, Queue, now_ms
+from shared.queue import Consumer, JobStore, Outbound, now_ms
 from shared.result import ResultBuilder
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams
 from shared.tenants import DEFAULT_TENANT
@@ -71,37 +71,37 @@ def _done(seq: int) -> tuple[Done, ResultBuilder]:
 
 
 async def test_an_end_logged_by_a_writer_that_died_is_written_to_the_record_once_by_the_next_claimer(redis, keys):
-    queue = Queue(redis, keys, result_ttl_s=60)
-    await queue.ensure_group(MODEL)
+    store, consumer = JobStore(redis, keys, result_ttl_s=60), Consumer(redis, keys, result_ttl_s=60)
+    await consumer.ensure_group(MODEL)
     rec = JobRecord(id=uuid.uuid4().hex, model=MODEL, queued_at=now_ms(),
                     request=GenerationRequest(prompt="hi", sampling=SamplingParams(max_tokens=3)))
-    await queue.enqueue(rec)
-    [d] = (await queue.pick(MODEL, "w1", 1)).deliveries
-    tokens = [Outbound(job_id=rec.id, event=Tokens(seq=s, deltas=[TokenDelta(token_ids=[s], text=f"t{s}")]),
-                       attempt=d.attempt) for s in (1, 2)]
-    assert (await queue.flush(MODEL, tokens, "w1")).lost == []
+    await store.enqueue(rec)
+    [d] = (await consumer.pick(MODEL, "w1", 1)).deliveries
+    tokens = [Outbound.of(rec.id, Tokens(seq=s, deltas=[TokenDelta(token_ids=[s], text=f"t{s}")]), attempt=d.attempt)
+              for s in (1, 2)]
+    assert (await consumer.flush(MODEL, tokens, "w1")).lost == []
     done, builder = _done(3)
     result = builder.result()
-    # w1 logs its end in the job's shard (flush.lua, as Queue.flush does first) and dies before
+    # w1 logs its end in the job's shard (flush.lua, as EventWriter.flush does first) and dies before
     # the record step (finish.lua).
     ending = scripts.Extra(status="done", field="result", payload=encode(result), entry=d.entry_id, entry_level=0,
                            prompt_tokens=2, generated_tokens=3)
-    lost, gaps, whole = await queue.scripts.run(scripts.flush(
+    lost, gaps, whole = await consumer.scripts.run(scripts.flush(
         keys, MODEL, writer="w1", result_ttl=60, shards=[shard_of(rec.id)],
         events=[d.attempt, 3, encode(done), rec.id, 0], endings=[(0, ending)]))
     assert (lost, gaps, whole) == ([], [], [0])
     # A follower has the end from the log already; the record does not say it yet, but a read
     # of the job does (its ending's): whoever saw the end never reads "running" after it.
-    assert [e.seq for e in await queue.read_events(MODEL, rec.id)] == [1, 2, 3]
+    assert [e.seq for e in await store.read_events(MODEL, rec.id)] == [1, 2, 3]
     assert await redis.hget(keys.job(MODEL, rec.id), "status") == b"running"
     assert await redis.exists(keys.ending(MODEL, rec.id))
-    read = await queue.get_job(MODEL, rec.id)
+    read = await store.get_job(MODEL, rec.id)
     assert read.status == "done" and read.result == result
-    assert [r and r.status for r in await queue.get_jobs(MODEL, [rec.id, "nope", rec.id])] == ["done", None, "done"]
+    assert [r and r.status for r in await store.get_jobs(MODEL, [rec.id, "nope", rec.id])] == ["done", None, "done"]
 
-    [taken] = await queue.take_over(MODEL, "w1", "w2", 1)
+    [taken] = await consumer.take_over(MODEL, "w1", "w2", 1)
     assert taken.state == "finished" and taken.attempt == d.attempt + 1 and taken.last_seq == 3
-    job = await queue.get_job(MODEL, rec.id)
+    job = await store.get_job(MODEL, rec.id)
     assert job.status == "done" and encode(job.result) == encode(result)
     assert (await redis.xpending(keys.queue(MODEL), GROUP))["pending"] == 0 and await redis.xlen(keys.queue(MODEL)) == 0
     assert await redis.hget(keys.usage(MODEL), f"{DEFAULT_TENANT}:requests") == b"1"
@@ -109,33 +109,32 @@ async def test_an_end_logged_by_a_writer_that_died_is_written_to_the_record_once
     # The shard is settled: no ending, no fence entry; the dead writer's late event is refused.
     assert not await redis.exists(keys.ending(MODEL, rec.id))
     assert await redis.hget(keys.fence(MODEL, shard_of(rec.id)), rec.id) is None
-    late = Outbound(job_id=rec.id, event=Tokens(seq=4, deltas=[TokenDelta(token_ids=[4], text="x")]), attempt=d.attempt)
-    assert (await queue.flush(MODEL, [late], "w1")).lost == [rec.id]
-    assert [e.seq for e in await queue.read_events(MODEL, rec.id)] == [1, 2, 3]
+    late = Outbound.of(rec.id, Tokens(seq=4, deltas=[TokenDelta(token_ids=[4], text="x")]), attempt=d.attempt)
+    assert (await consumer.flush(MODEL, [late], "w1")).lost == [rec.id]
+    assert [e.seq for e in await store.read_events(MODEL, rec.id)] == [1, 2, 3]
     # The claimer acks what it was handed (the runner's 'finished' path): nothing is ended twice.
-    await queue.ack(MODEL, taken.entry_id)
+    await consumer.ack(MODEL, taken.entry_id)
     assert await redis.hget(keys.usage(MODEL), f"{DEFAULT_TENANT}:requests") == b"1"
 
 
 async def test_a_writer_whose_claim_was_overtaken_writes_nothing(redis, keys):
     """Control for the fence: the owner writes; after a peer's claim and take it cannot, at its
     attempt or at the peer's."""
-    queue = Queue(redis, keys, result_ttl_s=60)
-    await queue.ensure_group(MODEL)
-    job_id = await submit(queue, "fence", 3)
-    [d] = (await queue.pick(MODEL, "w1", 1)).deliveries
+    store, consumer = JobStore(redis, keys, result_ttl_s=60), Consumer(redis, keys, result_ttl_s=60)
+    await consumer.ensure_group(MODEL)
+    job_id = await submit(store, "fence", 3)
+    [d] = (await consumer.pick(MODEL, "w1", 1)).deliveries
 
     def tokens(seq: int, attempt: int) -> list[Outbound]:
-        return [Outbound(job_id=job_id, event=Tokens(seq=seq, deltas=[TokenDelta(token_ids=[seq], text="a")]),
-                         attempt=attempt)]
+        return [Outbound.of(job_id, Tokens(seq=seq, deltas=[TokenDelta(token_ids=[seq], text="a")]), attempt=attempt)]
 
-    assert (await queue.flush(MODEL, tokens(1, d.attempt), "w1")).lost == []
-    [taken] = await queue.take_over(MODEL, "w1", "w2", 1)
+    assert (await consumer.flush(MODEL, tokens(1, d.attempt), "w1")).lost == []
+    [taken] = await consumer.take_over(MODEL, "w1", "w2", 1)
     assert taken.last_seq == 1
-    assert (await queue.flush(MODEL, tokens(2, d.attempt), "w1")).lost == [job_id]
-    assert (await queue.flush(MODEL, tokens(2, taken.attempt), "w1")).lost == [job_id]
-    assert (await queue.flush(MODEL, tokens(2, taken.attempt), "w2")).lost == []
-    assert [e.seq for e in await queue.read_events(MODEL, job_id)] == [1, 2]
+    assert (await consumer.flush(MODEL, tokens(2, d.attempt), "w1")).lost == [job_id]
+    assert (await consumer.flush(MODEL, tokens(2, taken.attempt), "w1")).lost == [job_id]
+    assert (await consumer.flush(MODEL, tokens(2, taken.attempt), "w2")).lost == []
+    assert [e.seq for e in await store.read_events(MODEL, job_id)] == [1, 2]
 
 
 async def test_a_killed_workers_job_continues_on_a_peer_with_every_token_once(make_worker, redis, keys):
@@ -163,41 +162,40 @@ async def test_the_prompts_ids_are_logged_with_the_first_event_and_read_back_for
     attempt's first event into its log entry, in the same write, so no log ever holds tokens without
     them; the record (the model's slot) never holds them; a first token's time still reaches the
     record."""
-    queue = Queue(redis, keys, result_ttl_s=60)
-    await queue.ensure_group(MODEL)
-    job_id = await submit(queue, "ids with the tokens", 3)
-    [d] = (await queue.pick(MODEL, "w1", 1)).deliveries
-    first = Outbound(job_id=job_id, event=Tokens(seq=1, deltas=[TokenDelta(token_ids=[1], text="a")]),
-                     attempt=d.attempt, prompt_ids=[105, 100], first_token_at=123.0)
-    second = Outbound(job_id=job_id, event=Tokens(seq=2, deltas=[TokenDelta(token_ids=[2], text="b")]),
-                      attempt=d.attempt)
-    assert (await queue.flush(MODEL, [first], "w1")).lost == []
-    assert (await queue.flush(MODEL, [first, second], "w1")).lost == []  # a retried first event: logged once
-    logged = await queue.read_log(MODEL, job_id)
+    store, consumer = JobStore(redis, keys, result_ttl_s=60), Consumer(redis, keys, result_ttl_s=60)
+    await consumer.ensure_group(MODEL)
+    job_id = await submit(store, "ids with the tokens", 3)
+    [d] = (await consumer.pick(MODEL, "w1", 1)).deliveries
+    first = Outbound.of(job_id, Tokens(seq=1, deltas=[TokenDelta(token_ids=[1], text="a")]), attempt=d.attempt,
+                        prompt_ids=[105, 100], first_token_at=123.0)
+    second = Outbound.of(job_id, Tokens(seq=2, deltas=[TokenDelta(token_ids=[2], text="b")]), attempt=d.attempt)
+    assert (await consumer.flush(MODEL, [first], "w1")).lost == []
+    assert (await consumer.flush(MODEL, [first, second], "w1")).lost == []  # a retried first event: logged once
+    logged = await consumer.read_log(MODEL, job_id)
     assert [e.seq for e in logged.events] == [1, 2] and logged.prompt_ids == [105, 100]
-    assert (await queue.read_log(MODEL, job_id, after_seq=1)).prompt_ids is None  # not among those read
+    assert (await consumer.read_log(MODEL, job_id, after_seq=1)).prompt_ids is None  # not among those read
     assert await redis.hmget(keys.job(MODEL, job_id), "prompt_ids", "first_token_at") == [None, b"123.0"]
     [entry] = await redis.xrange(keys.events(MODEL, job_id), "1-0", "1-0")
-    assert entry[1] == {b"e": encode(first.event), b"p": b"[105,100]"}
+    assert entry[1] == {b"e": first.data, b"p": b"[105,100]"}
 
 
 class _GatedTake:
-    """Queue._take held at a gate for the jobs of ``prompt`` (the other picks go through), and
+    """Consumer._take held at a gate for the jobs of ``prompt`` (the other picks go through), and
     what it then reports: the claims as take.lua answers, or none (``lost``: a peer's later
     attempt holds the shard)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, prompt: str, *, lost: bool = False) -> None:
         self.reached, self.gate, self.prompt, self.lost = asyncio.Event(), asyncio.Event(), prompt, lost
-        original = Queue._take
+        original = Consumer._take
 
-        async def take(queue: Queue, model: str, worker: str, deliveries: list) -> list:
+        async def take(queue: Consumer, model: str, worker: str, deliveries: list) -> list:
             if self.gate.is_set() or not any(d.request and d.request.prompt == self.prompt for d in deliveries):
                 return await original(queue, model, worker, deliveries)
             self.reached.set()
             await self.gate.wait()
             return [] if self.lost else await original(queue, model, worker, deliveries)
 
-        monkeypatch.setattr(Queue, "_take", take)
+        monkeypatch.setattr(Consumer, "_take", take)
 
 
 async def test_a_fresh_job_starts_in_the_engine_while_its_shard_is_fenced_and_writes_only_after(

@@ -26,7 +26,7 @@ import pytest
 
 from shared.config import load_settings
 from shared.keys import Keys
-from shared.queue import Queue
+from shared.queue import Consumer
 from shared.redis import connect
 from shared.schemas import GenerationRequest
 from tests.bench.cpu import children as child_pids
@@ -105,7 +105,7 @@ async def web_processes(redis_url: str, prefix: str, log: Path, engine: Scripted
     keys = Keys(prefix)
     redis = connect(redis_url)
     settings = load_settings({}, redis_url=redis_url, prefix=prefix, served_model_name=MODEL, block_ms=200)
-    worker = Worker(settings, Queue(redis, keys), engine, worker_id=f"w-{prefix}")
+    worker = Worker(settings, Consumer(redis, keys), engine, worker_id=f"w-{prefix}")
     worker_task = asyncio.create_task(worker.run())
     try:
         # Up: both children's listeners hold their home channel, and the worker is routable.

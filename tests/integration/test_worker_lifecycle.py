@@ -14,7 +14,7 @@ import pytest
 from shared.config import load_settings
 from shared.errors import JobCancelled
 from shared.keys import GROUP, Keys
-from shared.queue import Queue, now_ms
+from shared.queue import Consumer, JobStore, now_ms
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams
 from tests.support.scripted_engine import ScriptedEngine, expected_text
 from tests.support.waiting import eventually
@@ -25,11 +25,11 @@ from workers.runner import Worker
 async def make_worker(redis, prefix):
     started: list[tuple[Worker, asyncio.Task]] = []
 
-    async def start(delay_s: float = 0.001, **settings_overrides) -> tuple[Worker, Queue]:
+    async def start(delay_s: float = 0.001, **settings_overrides) -> tuple[Worker, JobStore]:
         settings = load_settings({}, prefix=prefix, served_model_name="m", **{"block_ms": 100, "heartbeat_s": 0.2,
                                                                               **settings_overrides})
-        queue = Queue(redis, Keys(prefix))
-        worker = Worker(settings, queue, ScriptedEngine(delay_s=delay_s))
+        queue = JobStore(redis, Keys(prefix))
+        worker = Worker(settings, Consumer(redis, Keys(prefix)), ScriptedEngine(delay_s=delay_s))
         task = asyncio.create_task(worker.run())
         started.append((worker, task))
         while not worker.ready:
@@ -42,13 +42,13 @@ async def make_worker(redis, prefix):
         await asyncio.wait_for(task, 10)
 
 
-async def _submit(queue: Queue, prompt: str, max_tokens: int) -> str:
+async def _submit(queue: JobStore, prompt: str, max_tokens: int) -> str:
     rec = JobRecord(id=uuid.uuid4().hex, model="m", queued_at=now_ms(),
                     request=GenerationRequest(prompt=prompt, sampling=SamplingParams(max_tokens=max_tokens)))
     return await queue.enqueue(rec)
 
 
-async def _wait_status(queue: Queue, job_id: str, *statuses: str, timeout: float = 10) -> str:
+async def _wait_status(queue: JobStore, job_id: str, *statuses: str, timeout: float = 10) -> str:
     async def status() -> str | None:
         job = await queue.get_job("m", job_id)
         return job.status if job is not None and job.status in statuses else None
@@ -146,13 +146,13 @@ async def test_a_cancel_that_arrives_before_its_job_task_starts_still_ends_the_j
     The job still ends as cancelled, its slot is free and its queue entry is gone."""
     keys = Keys(prefix)
     settings = load_settings({}, prefix=prefix, served_model_name="m")
-    queue = Queue(redis, keys)
-    await queue.ensure_group("m")
-    worker = Worker(settings, queue, ScriptedEngine(delay_s=0.01), worker_id="w-unstarted")
+    store, consumer = JobStore(redis, keys), Consumer(redis, keys)
+    await consumer.ensure_group("m")
+    worker = Worker(settings, consumer, ScriptedEngine(delay_s=0.01), worker_id="w-unstarted")
     record = JobRecord(id=uuid.uuid4().hex, model="m", queued_at=now_ms(),
                        request=GenerationRequest(prompt="x", sampling=SamplingParams(max_tokens=50)))
-    await queue.enqueue(record)
-    [delivery] = (await queue.pick("m", worker.worker_id, 1)).deliveries
+    await store.enqueue(record)
+    [delivery] = (await consumer.pick("m", worker.worker_id, 1)).deliveries
     async with asyncio.TaskGroup() as worker._tasks:  # the run's task group, where job tasks start
         with worker.slots.reserve(1) as slots:
             await worker._accept(delivery, slots)
@@ -161,7 +161,7 @@ async def test_a_cancel_that_arrives_before_its_job_task_starts_still_ends_the_j
             await asyncio.sleep(0)
     assert record.id not in worker._running and worker.slots.available == worker.slots.total
     await worker.outbox.flush()
-    stored = await queue.get_job("m", record.id)
+    stored = await store.get_job("m", record.id)
     assert stored.status == "cancelled" and stored.error.code == "cancelled"
     assert await redis.xlen(keys.queue("m")) == 0
     assert (await redis.xpending(keys.queue("m"), GROUP))["pending"] == 0

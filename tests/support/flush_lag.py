@@ -11,24 +11,24 @@ import functools
 from collections.abc import Iterator
 from unittest import mock
 
-from shared.queue import Queue
+from shared.queue import EventWriter
 
 __all__ = ["flush_lag"]
 
 
-_ON_TIME = Queue.flush  # as imported: a test's own lag (or none) replaces the whole run's
+_ON_TIME = EventWriter.flush  # as imported: a test's own lag (or none) replaces the whole run's
 
 
 @contextlib.contextmanager
 def flush_lag(seconds: float) -> Iterator[None]:
-    """Every worker's :meth:`Queue.flush` ``seconds`` late (0: on time, whatever the run's lag),
+    """Every worker's :meth:`EventWriter.flush` ``seconds`` late (0: on time, whatever the run's lag),
     while the context lasts."""
 
     @functools.wraps(_ON_TIME)
-    async def late(self: Queue, *args, **kwargs):
+    async def late(self: EventWriter, *args, **kwargs):
         if seconds:
             await asyncio.sleep(seconds)
         return await _ON_TIME(self, *args, **kwargs)
 
-    with mock.patch.object(Queue, "flush", late):
+    with mock.patch.object(EventWriter, "flush", late):
         yield

@@ -18,7 +18,7 @@ from api.follow import follow
 from shared.config import load_settings
 from shared.events import Done, Event, Tokens
 from shared.keys import Keys
-from shared.queue import Queue, now_ms
+from shared.queue import Consumer, JobStore, now_ms
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams
 from tests.support.scripted_engine import ContextEngine, expected_ids
 from tests.support.waiting import eventually
@@ -31,7 +31,8 @@ TAKEOVER_S = 0.5  # LLMQ_TAKEOVER_S's default
 @dataclass
 class Running:
     worker: Worker
-    queue: Queue
+    queue: JobStore
+    """The API's side, for the test (the worker reads through its own :class:`Consumer`)."""
     task: asyncio.Task
 
 
@@ -43,8 +44,9 @@ async def make_worker(redis, prefix):
                     **overrides) -> Running:
         settings = load_settings({}, prefix=prefix, served_model_name=MODEL, heartbeat_s=0.2,
                                  **{"lease_s": 1.0, "block_ms": 100, **overrides})
-        queue = Queue(redis, Keys(prefix))
-        worker = Worker(settings, queue, engine or ContextEngine(delay_s, die_after), tracing=tracing)
+        queue = JobStore(redis, Keys(prefix))
+        worker = Worker(settings, Consumer(redis, Keys(prefix)), engine or ContextEngine(delay_s, die_after),
+                        tracing=tracing)
         task = asyncio.create_task(worker.run())
         started.append(Running(worker, queue, task))
         await eventually(lambda: worker.ready, timeout_s=120, interval_s=0.01, what="the worker to be warm")
@@ -95,7 +97,7 @@ def _children(worker: Worker) -> list[asyncio.Task]:
     return found
 
 
-async def submit(queue: Queue, prompt: str, max_tokens: int, **sampling) -> str:
+async def submit(queue: JobStore, prompt: str, max_tokens: int, **sampling) -> str:
     rec = JobRecord(id=uuid.uuid4().hex, model=MODEL, queued_at=now_ms(), request=GenerationRequest(
         prompt=prompt, sampling=SamplingParams(max_tokens=max_tokens, **sampling)))
     return await queue.enqueue(rec)
@@ -105,7 +107,7 @@ class Client:
     """A streaming client as the API serves it: subscribed before the job is queued, then
     relayed by ``follow`` (live messages first, gaps filled from the event log by seq)."""
 
-    def __init__(self, redis, queue: Queue) -> None:
+    def __init__(self, redis, queue: JobStore) -> None:
         self.redis, self.queue = redis, queue
         self.events: list[Event] = []
 
@@ -154,7 +156,7 @@ async def wait_for(check, timeout: float = 10, every: float = 0.01):
     return await eventually(check, timeout_s=timeout, interval_s=every)
 
 
-async def running_on(queue: Queue, job_id: str, worker: Worker, min_tokens: int = 1) -> None:
+async def running_on(queue: JobStore, job_id: str, worker: Worker, min_tokens: int = 1) -> None:
     async def check() -> bool:
         job = await queue.get_job(MODEL, job_id)
         logged = len(await queue.read_events(MODEL, job_id))
@@ -191,7 +193,7 @@ async def subscribe_confirmed(redis, channel: str):
     return pubsub
 
 
-async def seconds_until_taken(queue: Queue, job_id: str, worker: Worker, since: float) -> float:
+async def seconds_until_taken(queue: JobStore, job_id: str, worker: Worker, since: float) -> float:
     async def taken() -> bool:
         return (await queue.get_job(MODEL, job_id)).worker == worker.worker_id
     await wait_for(taken, timeout=10, every=0.005)

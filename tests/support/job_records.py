@@ -6,7 +6,7 @@ from __future__ import annotations
 from redis.asyncio import Redis
 
 from shared.keys import Keys
-from shared.queue import Queue
+from shared.queue import JobStore
 from shared.schemas import JobRecord
 from tests.support.waiting import eventually
 
@@ -16,7 +16,7 @@ MODEL = "tiny"  # scripted_stack's model
 
 
 async def record(redis: Redis, prefix: str, job_id: str) -> JobRecord | None:
-    return await Queue(redis, Keys(prefix)).get_job(MODEL, job_id)
+    return await JobStore(redis, Keys(prefix)).get_job(MODEL, job_id)
 
 
 async def wait_status(redis: Redis, prefix: str, job_id: str, statuses: set[str], timeout: float = 20) -> JobRecord:

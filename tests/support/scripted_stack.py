@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 from api.app import create_app
 from shared.config import Settings, load_settings
 from shared.keys import Keys
-from shared.queue import Queue
+from shared.queue import Consumer
 from shared.redis import connect
 from tests.conftest import free_port
 from tests.support.scripted_engine import ScriptedEngine
@@ -82,7 +82,7 @@ async def scripted_stack(
         redis = connect(redis_url)
         engine = engine if engine is not None else ScriptedEngine(delay_s=0.001)
         durability = settings.acknowledgement
-        worker = Worker(settings, Queue(redis, Keys(prefix), durability=durability), engine, worker_id=f"w-{prefix}",
+        worker = Worker(settings, Consumer(redis, Keys(prefix), durability=durability), engine, worker_id=f"w-{prefix}",
                         tracing=tracing)
         worker_task = asyncio.create_task(worker.run())
         try:

@@ -24,7 +24,7 @@ from shared.codec import decode_event, encode
 from shared.config import load_settings
 from shared.events import Done, Event, TokenDelta, ToolCallDelta
 from shared.keys import Keys
-from shared.queue import Delivery, Queue
+from shared.queue import Consumer, Delivery
 from shared.result import ResultBuilder
 from shared.schemas import GenerationRequest, OutputOptions, PromptInfo, SamplingParams, TopLogprob
 from tests.support.scripted_engine import ScriptedEngine
@@ -301,7 +301,7 @@ async def outbox_of(dialect: str, tokens: int) -> tuple[list, Attempt]:
     """A job run through a worker whose flusher never took its outbox (every step came while it
     was busy): the outbox as a flush would take it, and the attempt."""
     settings = load_settings({}, redis_url="redis://127.0.0.1:1/0", served_model_name="m")
-    worker = Worker(settings, Queue(Redis(), Keys("t")), ScriptedEngine(), worker_id="w")
+    worker = Worker(settings, Consumer(Redis(), Keys("t")), ScriptedEngine(), worker_id="w")
     req = GenerationRequest(prompt="abc", dialect=dialect, sampling=SamplingParams(max_tokens=tokens))
     d = Delivery(entry_id=b"1-0", job_id="j", state="run", request=req, queued_at=1.0, attempt=1)
     worker._running["j"] = _Running(task=None, held=None)  # type: ignore[arg-type]  # what _generate reads

@@ -9,7 +9,7 @@ from redis.asyncio import Redis
 from shared.errors import JobCancelled
 from shared.events import Error, TokenDelta
 from shared.keys import Keys
-from shared.queue import Outbound, Queue
+from shared.queue import Consumer, Outbound
 from workers.attempt import Attempt
 from workers.outbox import Outbox
 from workers.protocol import Step
@@ -17,7 +17,7 @@ from workers.protocol import Step
 
 def _outbox(lost: list[str] | None = None) -> Outbox:
     """An outbox that never writes; the jobs it lets go are added to ``lost``."""
-    return Outbox(Queue(Redis(), Keys("t")), "m", "w", lose=(lost if lost is not None else []).extend)
+    return Outbox(Consumer(Redis(), Keys("t")), "m", "w", lose=(lost if lost is not None else []).extend)
 
 
 def _attempt(seq: int, steps: int) -> tuple[Attempt, list[Outbound]]:
@@ -48,7 +48,7 @@ def test_a_job_whose_log_lacks_events_from_before_its_attempt_is_let_go():
 
 def test_an_event_made_without_an_attempts_history_is_let_go_after_a_gap():
     lost: list[str] = []
-    dead = Outbound("j", event=Error.of(JobCancelled("x"), 4), attempt=1)  # a dead letter's: no history
+    dead = Outbound.of("j", Error.of(JobCancelled("x"), 4), attempt=1)  # a dead letter's: no history
     assert _outbox(lost)._refill([dead], {"j": 1}) == []
     assert lost == ["j"]
 
