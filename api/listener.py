@@ -241,7 +241,7 @@ class EventListener(Listener):
                      ) -> AsyncIterator[Inbox]:
         """Yield a queue of job ``job_id``'s events from relay ``channel`` (subscribing to it the
         first time), once Redis has confirmed that subscription; ``wait=False`` as in :meth:`subscribe`.
-        The job's record must name ``channel`` (Queue.enqueue / Queue.add_follower) for events to come."""
+        The job's record must name ``channel`` (JobStore.enqueue / JobStore.add_follower) for events to come."""
         key, job = channel.encode(), job_id.encode()
         queue = Inbox()
         jobs = self._relays.get(key)
