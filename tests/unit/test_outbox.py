@@ -13,7 +13,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from shared.codec import decode_event
 from shared.errors import JobCancelled
 from shared.events import Error, TokenDelta
-from shared.queue import Delivery, Flushed, Outbound, Queue
+from shared.queue import Consumer, Delivery, Flushed, Outbound
 from workers.attempt import Attempt
 from workers.outbox import Outbox
 from workers.protocol import Step
@@ -36,7 +36,7 @@ class FakeQueue:
 
 
 def outbox(queue: FakeQueue, lost: list[str] | None = None) -> Outbox:
-    return Outbox(cast("Queue", queue), "m", "w", lose=(lost if lost is not None else []).extend)
+    return Outbox(cast("Consumer", queue), "m", "w", lose=(lost if lost is not None else []).extend)
 
 
 D = Delivery(entry_id=b"1-0", job_id="j", state="run", request=None, queued_at=1.0, attempt=1)
@@ -93,7 +93,7 @@ async def test_a_jobs_end_seals_its_open_event_and_is_counted_until_written():
     box.end(D, end.terminal, data=end.data, entry_id=D.entry_id)
     await box.write_ends()
     [batch] = queue.batches
-    assert texts(batch[:2]) == ["a", "bc"] and batch[2].terminal and isinstance(batch[2].event, Error)
+    assert texts(batch[:2]) == ["a", "bc"] and batch[2].ending is not None and isinstance(batch[2].ending.event, Error)
     assert (batch[2].attempt, batch[2].level) == (D.attempt, D.level)  # the delivery's, unless given
 
 
