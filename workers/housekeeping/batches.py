@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
@@ -51,9 +50,7 @@ from shared.queue import now_ms
 from shared.redis import REDIS_DOWN
 from shared.schemas import TERMINAL_STATUSES, GenerationRequest, JobError, JobRecord
 from shared.tenants import DEFAULT_TENANT, TenantConfig, read_config
-
-if TYPE_CHECKING:  # the process module, which imports this one to schedule it
-    from workers.housekeeping import Housekeeper
+from workers.housekeeping.housekeeper import Housekeeper
 
 __all__ = ["advance_batches"]
 
