@@ -23,6 +23,7 @@ from pathlib import Path
 
 import uvloop
 
+from shared.admission import new_job
 from shared.durability import NOT_DURABLE, Durability
 from shared.keys import Keys
 from shared.queue import Queue
@@ -39,7 +40,7 @@ MODES = {"none": NOT_DURABLE, "replicas:1": Durability(replicas=1, timeout_ms=10
 
 def _record() -> JobRecord:
     req = GenerationRequest(model=MODEL, prompt="durable " * 16, sampling=SamplingParams(max_tokens=16))
-    return JobRecord.new(req, owner="", default_timeout_s=None)
+    return new_job(req, owner="", default_timeout_s=None)
 
 
 async def _enqueue_ms(queue: Queue, n: int) -> list[float]:

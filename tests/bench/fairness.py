@@ -42,6 +42,7 @@ from urllib.parse import urlparse
 import uvloop
 from redis.asyncio import Redis
 
+from shared.admission import new_job
 from shared.keys import Keys
 from shared.queue import Queue
 from shared.redis import connect
@@ -121,8 +122,8 @@ class Tenants:
     enqueue_rounds: list[dict] = field(default_factory=list)
 
     def job(self, tenant: str) -> JobRecord:
-        record = JobRecord.new(GenerationRequest(model=self.model, **REQUEST), owner="", default_timeout_s=None,
-                               tenant=tenant)
+        record = new_job(GenerationRequest(model=self.model, **REQUEST), owner="", default_timeout_s=None,
+                         tenant=tenant)
         self.owner[record.id] = tenant
         return record
 

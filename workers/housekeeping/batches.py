@@ -30,6 +30,7 @@ import uuid
 import msgspec
 import structlog
 
+from shared.admission import new_job
 from shared.batches import (
     MESSAGES,
     RESULTS,
@@ -157,8 +158,8 @@ class Tick:
         # Due when the batch expires (always set: POST /v1/batches gives every batch its window).
         window_s = max((batch.expires_at or 0) - now / 1000, 0.001)  # > 0: 0 would mean "no deadline"
         tenant = owner or DEFAULT_TENANT
-        record = JobRecord.new(req, owner=owner, default_timeout_s=window_s, now_ms=now, tenant=tenant,
-                               max_model_len=self.settings.max_model_len)
+        record = new_job(req, owner=owner, default_timeout_s=window_s, now_ms=now, tenant=tenant,
+                         max_model_len=self.settings.max_model_len)
         # Its tenant's weight, not its limits: a batch line waits for room rather than failing.
         config = await read_config(self.redis, self.keys, tenant)
         return await self.queue.enqueue(record, self.keys.batch_idempotency(batch.id, line, part),
