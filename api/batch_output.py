@@ -1,6 +1,6 @@
 """A batch's output and error files, rendered from the outcomes housekeeping gathered.
 
-Housekeeping (workers/batches.py) speaks no wire dialect: it leaves each produced file as its
+Housekeeping (workers/housekeeping/batches.py) speaks no wire dialect: it leaves each produced file as its
 lines' outcomes (shared/batches.py). The first time the API reads such a file (its object, a
 listing, its content) it renders every line here, in the shape OpenAI's Batch API gives it,
 with the response body the endpoint itself would have answered, then stores the bytes and their

@@ -28,6 +28,7 @@ from api.listener import Inbox
 from api.models import caller
 from api.services import Services
 from api.watches import JobWatch
+from shared.admission import new_job
 from shared.codec import decode_request, encode
 from shared.errors import InvalidRequest
 from shared.events import Event
@@ -100,9 +101,9 @@ async def admit(svc: Services, ctx: RequestContext, req: GenerationRequest) -> G
 def _record(svc: Services, ctx: RequestContext, req: GenerationRequest) -> JobRecord:
     if req.webhook and not svc.settings.webhook_secret:
         raise InvalidRequest("webhooks are not configured on this server (LLMQ_WEBHOOK_SECRET)", param="webhook")
-    record = JobRecord.new(req, owner=ctx.owner, default_timeout_s=svc.settings.deadline_s, tenant=ctx.tenant,
-                           traceparent=ctx.span.traceparent if ctx.span is not None else None,
-                           max_model_len=svc.settings.max_model_len)
+    record = new_job(req, owner=ctx.owner, default_timeout_s=svc.settings.deadline_s, tenant=ctx.tenant,
+                     traceparent=ctx.span.traceparent if ctx.span is not None else None,
+                     max_model_len=svc.settings.max_model_len)
     if ctx.span is not None:
         ctx.span.queued(record.id, record.model, ctx.tenant, req.dialect)
     if svc.settings.log_requests:  # LLMQ_LOG_REQUESTS: the only log line that holds a prompt, at debug

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-if TYPE_CHECKING:  # shared/schemas.py calls this when it makes a record
+if TYPE_CHECKING:  # shared/admission.py calls this when it makes a record
     from shared.schemas import GenerationRequest
 
 __all__ = ["prefix_key", "PREFIX_CHARS"]

@@ -2,7 +2,7 @@
 
 The API stores an uploaded file, validates a batch's input file into translated lines and
 answers the Files and Batches routes (api/routes/batches.py). The housekeeping process advances
-each batch (workers/batches.py): it queues the lines as ordinary jobs at a bounded rate and
+each batch (workers/housekeeping/batches.py): it queues the lines as ordinary jobs at a bounded rate and
 gathers each line's outcome (:data:`LineOutcome`: its results, or why it has none) into the
 output and error files. Only the API speaks the endpoints' wire shapes, so those files hold
 outcomes until the API first reads them; it renders them then (api/batch_output.py) and keeps

@@ -5,13 +5,11 @@ New fields always get defaults, so API and workers of different versions can sha
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
-from shared.affinity import prefix_key
 from shared.budget import generation_budget
 from shared.errors import ServiceError, error_from_code
 from shared.keys import new_job_id
@@ -425,20 +423,14 @@ class JobRecord(msgspec.Struct, kw_only=True):
         return token_counts_of(self.tokens)
 
     @classmethod
-    def new(cls, req: GenerationRequest, *, owner: str, default_timeout_s: float | None,
-            now_ms: float | None = None, tenant: str = "", traceparent: str | None = None,
-            max_model_len: int | None = None) -> JobRecord:
-        """The record of a job about to be queued, the one way every job is made (the API's
-        routes, batch lines): a fresh id tagged with its model, queued ``now_ms`` (default: now),
-        due ``req.timeout_s`` seconds later, else ``default_timeout_s`` (None or 0: no deadline).
-        ``max_model_len``: the context its estimate is cut to (:func:`estimate_tokens`)."""
-        queued_at = round(time.time() * 1000, 3) if now_ms is None else now_ms
-        timeout_s = req.timeout_s or default_timeout_s
+    def new(cls, req: GenerationRequest, *, owner: str, tenant: str, queued_at: float, deadline: float | None,
+            estimate: int, affinity: str | None, traceparent: str | None = None) -> JobRecord:
+        """The record of a job about to be queued: a fresh id tagged with its model, and the request's
+        fields the scripts read (webhook, adapter) copied out. What admission decided (deadline,
+        estimate, affinity) is given: :func:`shared.admission.new_job` is how a job is made."""
         return cls(id=new_job_id(req.model), model=req.model, request=req, queued_at=queued_at, owner=owner,
-                   deadline=queued_at + timeout_s * 1000 if timeout_s else None, webhook=req.webhook,
-                   tenant=tenant, estimate=estimate_tokens(req, max_model_len), traceparent=traceparent,
-                   adapter=req.adapter.name if req.adapter is not None else None,
-                   affinity=prefix_key(req, req.cache_key))
+                   deadline=deadline, webhook=req.webhook, tenant=tenant, estimate=estimate, traceparent=traceparent,
+                   adapter=req.adapter.name if req.adapter is not None else None, affinity=affinity)
 
 
 def runs_of(runs: str, attempt: int, worker: str, started_at: float | None) -> list[Run]:

@@ -95,6 +95,39 @@ def figures(request: pytest.FixtureRequest) -> Figures:
     return fig
 
 
+# --- the two tiers: `make check` runs `-m "not slow"` (about 4 minutes here), `make test` everything -----
+
+SLOW_DIRS = {"e2e", "engine"}
+"""Real vLLM: the end-to-end suite's processes and the engine tests."""
+SLOW_INTEGRATION = {
+    # benchmark smokes: each runs a benchmark's own rounds, real processes included
+    "test_bench_smoke", "test_bench_queue_smoke", "test_bench_tracing_smoke", "test_bench_memory_smoke",
+    "test_bench_fairness_smoke",
+    # fuzzers: hundreds of generated requests against the live app
+    "test_schemathesis", "test_fuzz_http",
+    # the real housekeeping process (python -m workers.housekeeping), started per test
+    "test_webhooks", "test_webhook_egress", "test_batches", "test_anthropic_batches", "test_quiet_housekeeping",
+    "test_sentinel_housekeeping", "test_redis_outage",
+    # Redis beyond one server: a Cluster, replicas, Sentinels
+    "test_redis_cluster", "test_token_shards", "test_takeover_cluster", "test_durability", "test_redis_policy",
+    # real web processes, and waits on wall-clock timeouts (a keep-alive, a lease, a preemption's turn)
+    "test_web_processes", "test_http_keepalive", "test_preemption", "test_deadlines_and_priorities",
+    "test_fast_takeover",
+}
+"""tests/integration modules whose tests take seconds each: with them, the fast tier took twice its
+5 minutes (`--durations` in `make test` shows the slowest)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:  # noqa: ARG001
+    """``slow`` by where a test lives, rather than on each test: everything under SLOW_DIRS, the
+    SLOW_INTEGRATION modules and every fault scenario (``faults``: they kill processes and wait out leases)."""
+    for item in items:
+        where = item.path.resolve().relative_to(REPO / "tests").parts
+        slow_module = where[0] == "integration" and item.path.stem in SLOW_INTEGRATION
+        if where[0] in SLOW_DIRS or slow_module or item.get_closest_marker("faults"):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ARG001
     if FIGURES:
         table = write_table(REPO / "faults.json")

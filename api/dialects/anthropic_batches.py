@@ -1,5 +1,5 @@
 """Anthropic's Message Batches (``/v1/messages/batches``), as the anthropic SDK (2.x) parses them,
-on llmq's one batch machinery (shared/batches.py, workers/batches.py).
+on llmq's one batch machinery (shared/batches.py, workers/housekeeping/batches.py).
 
 A Message Batch is stored as a batch of endpoint :data:`~shared.batches.MESSAGES` whose lines are
 the create body's ``requests``, each translated by the Messages dialect (anthropic_messages.py)

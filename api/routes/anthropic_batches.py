@@ -2,7 +2,7 @@
 
 A create validates and translates every request (api/dialects/anthropic_batches.py) and records
 a batch of endpoint ``/v1/messages`` in the one batch store (shared/batches.py); the housekeeping
-process runs it as it runs OpenAI's batches (workers/batches.py). Its results are its two
+process runs it as it runs OpenAI's batches (workers/housekeeping/batches.py). Its results are its two
 produced files, rendered as Anthropic's result lines on their first read (api/batch_output.py):
 the succeeded lines, then the others, each in request order (Anthropic promises no order: the
 ``custom_id`` matches a result to its request). Batches belong to the API key that created them:

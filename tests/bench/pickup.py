@@ -6,7 +6,7 @@ separate processes (never sharing the enqueuer's event loop), one llmq worker pe
 target. Jobs are enqueued one at a time, in interleaved rounds (every target once per round, the
 order rotated), each after a random gap so a polling queue is sampled at a random phase:
 
-- ``llmq``: ``Queue.enqueue`` (the API's call). Pickup = the record's ``started_at - queued_at``:
+- ``llmq``: ``JobStore.enqueue`` (the API's call). Pickup = the record's ``started_at - queued_at``:
   ``queued_at`` is taken right before the enqueue script, ``started_at`` by the worker's claim
   (the pick's, read.lua); both are ``now_ms()`` (``time.time()``) on the same host, so one clock.
 - ``llmq, 10k held``: the same on a model that already holds 10,000 unfinished jobs, delivered to
@@ -222,7 +222,7 @@ class LlmqTarget(Target):
             self.lost += 1
             return float("nan")
         # Read as the API reads a job: its end is logged (and published) a moment before its
-        # record says so, and a read in between takes the logged end's status (Queue.get_jobs).
+        # record says so, and a read in between takes the logged end's status (JobStore.get_jobs).
         record = await self.store.get_job(self.model, job_id)
         if record is None or record.status != "done" or record.started_at is None:
             self.lost += 1
@@ -245,7 +245,7 @@ class LlmqTarget(Target):
         return sum(int(c["pending"]) for c in summary["consumers"] if c["name"] != f"bench-{self.model}".encode())
 
     async def reclaim_cost(self, calls: int = 20) -> float:
-        """ms per ``Queue.reclaim`` call, as a worker with 64 free slots runs it (at most once a
+        """ms per ``Consumer.reclaim`` call, as a worker with 64 free slots runs it (at most once a
         second): with every lease live it takes nothing, so this is its pure scanning cost."""
         if self.held:
             await renew_held(self.redis, self.keys, self.model)
@@ -401,7 +401,7 @@ def table(result: dict) -> str:
     out = markdown_table(["target", "jobs", "p50 ms", "p90 ms", "p99 ms", "lost"], rows)
     ratios = result["ratios"]
     out += "\n\n" + markdown_table(["ratio (p50)", "value"], [[k, v] for k, v in ratios.items()])
-    out += "\n\n" + markdown_table(["Queue.reclaim call (a worker runs it <= once a second)", "ms"],
+    out += "\n\n" + markdown_table(["Consumer.reclaim call (a worker runs it <= once a second)", "ms"],
                                      [[k, v] for k, v in result["reclaim_call_ms"].items()])
     out += f"\n\nload average before/after: {result['machine']['loadavg_before_after']}"
     return out

@@ -4,7 +4,7 @@
 its own redis-server and one worker process (this module with ``--child``: a real
 :class:`workers.runner.Worker` whose engine is :class:`LockstepEngine`, every running job one
 token per engine step, all of them in the same step, as vLLM's output handler hands a step's
-outputs to every request at once). The parent queues jobs as the API does (``Queue.enqueue``, one
+outputs to every request at once). The parent queues jobs as the API does (``JobStore.enqueue``, one
 relay channel following them) and reads the worker process's CPU (``/proc/<pid>/stat``) around
 each run; runs of 1-token and of ``--tokens``-token jobs alternate, so a noisy spell falls on
 both. As in ``tests.bench.costs``:

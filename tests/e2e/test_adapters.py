@@ -4,7 +4,7 @@ whatever tenant header it sends; removed by an operator), broken ones failing on
 source swapped for a link out of the roots refused by the worker itself, and a SIGKILL mid-stream
 continued exactly on a peer.
 
-A small stack of its own (tests/e2e/test_crash_continuation.py's: two workers, one API, a short
+A small stack of its own (tests/support/crash_stack.py's: two workers, one API, a short
 lease) with LLMQ_MAX_LORAS, two tenants' keys and an operator's, a tenant header, and
 LLMQ_ADAPTER_ROOTS, serving the tiny model's random rank-8 adapters (workers/tiny_model.py). Greedy
 output on CPU depends on the batch, so every comparison runs its requests one at a time.
@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from shared.adapters import REFUSED
 from shared.tenants import key_hash
-from tests.e2e.test_crash_continuation import Small, compare_completions, small_stack
+from tests.support.crash_stack import Small, compare_completions, small_stack
 from workers.tiny_model import build_tiny_adapter
 
 pytestmark = [pytest.mark.e2e]
@@ -201,7 +201,7 @@ def test_broken_adapters_fail_their_jobs_and_the_workers_keep_serving(lora, adap
 def test_sigkill_mid_stream_of_an_adapter_job_continues_exactly_on_a_peer(lora, adapters, figures, monkeypatch):
     register(lora, "a2", adapters["a2"], load_inplace=True)
     body = {"model": "a2", "prompt": PROMPT, "max_tokens": 160, "temperature": 0, "ignore_eos": True}
-    # compare_completions (tests/e2e/test_crash_continuation.py) sends no key: its clients send tenant A's.
+    # compare_completions (tests/support/crash_stack.py) sends no key: its clients send tenant A's.
     # Only around it: the SDKs check their clients against httpx.Client itself.
     with monkeypatch.context() as patched:
         patched.setattr(httpx, "Client", functools.partial(httpx.Client, headers=auth(A)))

@@ -23,7 +23,6 @@ from redis import Redis
 
 from shared.config import load_settings
 from shared.keys import Keys
-from tests.e2e.conftest import one_worker
 from tests.support.agent_clis import (
     CLAUDE_CODE,
     CODEX,
@@ -36,6 +35,7 @@ from tests.support.agent_clis import (
     run,
 )
 from tests.support.event_log import record_text
+from tests.support.real_processes import one_worker
 
 pytestmark = pytest.mark.e2e
 

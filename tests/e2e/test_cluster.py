@@ -12,7 +12,8 @@ import openai
 import pytest
 
 from tests.conftest import free_port
-from tests.e2e.conftest import Stack, _spawn, stop_all, wait_ready
+from tests.e2e.conftest import Stack
+from tests.support.real_processes import spawn, stop_all, wait_ready
 from tests.support.redis_cluster import LocalCluster, start_cluster
 
 pytestmark = pytest.mark.e2e
@@ -23,8 +24,8 @@ def cluster_api(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Itera
     cluster = start_cluster(tmp_path_factory.mktemp("e2e-cluster"))
     env = {**stack.env, "LLMQ_REDIS_URL": cluster.url, "LLMQ_PREFIX": f"e2e-cluster-{uuid.uuid4().hex[:6]}"}
     port = free_port()
-    procs = [(_spawn(["-m", "workers"], env, stack.logs / "cluster-worker.log"), stack.logs / "cluster-worker.log"),
-             (_spawn(["-m", "api"], {**env, "LLMQ_PORT": str(port)}, stack.logs / "cluster-api.log"),
+    procs = [(spawn(["-m", "workers"], env, stack.logs / "cluster-worker.log"), stack.logs / "cluster-worker.log"),
+             (spawn(["-m", "api"], {**env, "LLMQ_PORT": str(port)}, stack.logs / "cluster-api.log"),
               stack.logs / "cluster-api.log")]
     url = f"http://127.0.0.1:{port}"
     try:

@@ -24,7 +24,7 @@ import pytest
 
 from shared.config import load_settings
 from tests.conftest import free_port
-from tests.e2e.conftest import _spawn, _tail, stop_all, wait_ready
+from tests.support.real_processes import spawn, stop_all, tail, wait_ready
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -51,7 +51,7 @@ def cold(redis_url: str, tmp_path: Path):
     port = free_port()
     procs: list[tuple[subprocess.Popen, Path]] = []
     log = tmp_path / "api.log"
-    procs.append((_spawn(["-m", "api"], {**env, "LLMQ_PORT": str(port)}, log), log))
+    procs.append((spawn(["-m", "api"], {**env, "LLMQ_PORT": str(port)}, log), log))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:  # the web process is up and reaches Redis; no worker anywhere on this prefix
@@ -60,18 +60,18 @@ def cold(redis_url: str, tmp_path: Path):
                 break
         except httpx.TransportError:
             pass
-        assert time.monotonic() < deadline, _tail(log)
+        assert time.monotonic() < deadline, tail(log)
         time.sleep(0.2)
 
     def start_worker() -> None:
         wlog = tmp_path / "worker.log"
-        procs.append((_spawn(["-m", "workers"], env, wlog), wlog))
+        procs.append((spawn(["-m", "workers"], env, wlog), wlog))
 
     def impatient_api() -> str:
         """A second web process on the same queue whose clients wait for a worker only 2 s."""
         port = free_port()
         log = tmp_path / "api-impatient.log"
-        procs.append((_spawn(["-m", "api"], {**env, "LLMQ_PORT": str(port), "LLMQ_COLD_WAIT_S": "2"}, log), log))
+        procs.append((spawn(["-m", "api"], {**env, "LLMQ_PORT": str(port), "LLMQ_COLD_WAIT_S": "2"}, log), log))
         return f"http://127.0.0.1:{port}"
 
     try:

@@ -31,9 +31,9 @@ from shared.config import load_settings
 from shared.keys import Keys
 from shared.tenants import key_hash
 from tests.conftest import free_port
-from tests.e2e.conftest import _spawn, _tail, ready_pids, stop_all
 from tests.support.browser import browser
 from tests.support.event_log import logged_events
+from tests.support.real_processes import ready_pids, spawn, stop_all, tail
 from tests.support.waiting import eventually_sync
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -56,12 +56,12 @@ class Deployment:
     spawned: int = 0
 
     def tails(self) -> str:
-        return "\n".join(f"--- {log.name}\n{_tail(log)}" for _, log in self.procs)
+        return "\n".join(f"--- {log.name}\n{tail(log)}" for _, log in self.procs)
 
     def start_worker(self, **extra: str) -> subprocess.Popen:
         log = self.logs / f"worker{self.spawned}.log"
         self.spawned += 1
-        proc = _spawn(["-m", "workers"], {**self.env, **extra}, log)
+        proc = spawn(["-m", "workers"], {**self.env, **extra}, log)
         self.procs.append((proc, log))
         return proc
 
@@ -100,7 +100,7 @@ def deployment(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
     d = Deployment(url=f"http://127.0.0.1:{port}", redis=redis, keys=Keys(prefix),
                    model=load_settings({}).model_name, env=env, logs=logs)
     for name, args in (("api", ["-m", "api"]), ("housekeeping", ["-m", "workers.housekeeping"])):
-        d.procs.append((_spawn(args, env, logs / f"{name}.log"), logs / f"{name}.log"))
+        d.procs.append((spawn(args, env, logs / f"{name}.log"), logs / f"{name}.log"))
     try:
         eventually_sync(lambda: _ok(f"{d.url}/readyz"), timeout_s=60, interval_s=0.2,
                         what=lambda: f"the API to start\n{d.tails()}")

@@ -14,10 +14,10 @@ import pytest
 import redis as redis_sync
 
 from shared.keys import Keys
+from tests.support.fair_share import HEADER, ttft_s
 
 pytestmark = pytest.mark.e2e
 
-HEADER = "x-tenant"
 FLOOD = 600  # 9 engine batches' worth for 2 workers of 32 slots, 200 tokens each: it outlasts the light tenant's
 # five probes even when they are slow (400 was drained before the last one ended once, in a CI simulation)
 
@@ -32,18 +32,6 @@ def drained(redis: redis_sync.Redis, keys: Keys, model: str) -> None:
     detail = {k: [(e, f, redis.hmget(keys.job(model, f[b"job"].decode()), "status", "cancel", "attempt", "worker"))
                   for e, f in entries] for k, entries in left.items()}
     assert not left, detail
-
-
-def ttft_s(client: openai.OpenAI, model: str, tenant: str) -> float:
-    start = time.perf_counter()
-    stream = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0,
-                                       stream=True, extra_headers={HEADER: tenant})
-    first = None
-    for chunk in stream:
-        if first is None and chunk.choices and chunk.choices[0].text:
-            first = time.perf_counter() - start
-    assert first is not None
-    return first
 
 
 def test_a_flooding_tenant_cannot_push_another_tenants_ttft_past_one_batch_turnover(stack):

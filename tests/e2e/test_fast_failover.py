@@ -36,10 +36,10 @@ from redis import Redis
 from shared.config import load_settings
 from shared.keys import GROUP, Keys
 from tests.conftest import free_port
-from tests.e2e.conftest import _tail, stop_all, wait_ready
-from tests.e2e.procfile import BIN, Stream, completion_body, kill_leftovers, log_events, start_honcho
 from tests.support.event_log import ended_record, logged_events, record_text, still_running
 from tests.support.faults import Figures, alive, lost_and_duplicated
+from tests.support.procfile import BIN, Stream, completion_body, kill_leftovers, log_events, start_honcho
+from tests.support.real_processes import stop_all, tail, wait_ready
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(900)]
 
@@ -66,7 +66,7 @@ class Stack:
     procs: list[tuple[object, Path]]
 
     def tails(self) -> str:
-        return "\n".join(f"--- {log.name}\n{_tail(log)}" for _, log in self.procs)
+        return "\n".join(f"--- {log.name}\n{tail(log)}" for _, log in self.procs)
 
     def logged_tokens(self, job_id: str) -> int:
         events = logged_events(self.redis, self.keys, self.model, job_id)  # a stream, or the compact log

@@ -21,8 +21,8 @@ import pytest
 from huggingface_hub import InferenceClient
 from huggingface_hub.errors import GenerationError
 
-from tests.e2e.conftest import one_worker
 from tests.support.fault_wrap import ENGINE_FAULT
+from tests.support.real_processes import one_worker
 from tests.support.waiting import eventually_sync
 
 pytestmark = pytest.mark.e2e

@@ -18,7 +18,7 @@ import pytest
 from shared.logging import HIDDEN_MESSAGE
 from shared.redis import redis_server_binary
 from tests.conftest import free_port, wait_for_ping
-from tests.e2e.conftest import _spawn, _tail, stop_all, wait_ready
+from tests.support.real_processes import spawn, stop_all, tail, wait_ready
 from tests.support.waiting import eventually_sync
 
 pytestmark = pytest.mark.e2e
@@ -48,7 +48,7 @@ def secured_redis(tmp_path: Path) -> Iterator[str]:
 
 def _wait_for_line(log: Path, needle: bytes, timeout_s: float = 60) -> None:
     eventually_sync(lambda: needle in log.read_bytes(), timeout_s=timeout_s, interval_s=0.2,
-                    what=lambda: f"{needle!r} to be logged\n{_tail(log)}")
+                    what=lambda: f"{needle!r} to be logged\n{tail(log)}")
 
 
 def _json_lines(log: Path) -> list[dict]:
@@ -75,7 +75,7 @@ def test_forced_errors_log_tracebacks_without_any_planted_secret_or_prompt(secur
            "LLMQ_PORT": str(port), "LLMQ_API_KEYS": f"other-key,{API_KEY}", "LLMQ_WEBHOOK_SECRET": WEBHOOK_SECRET,
            "LLMQ_LOG_JSON": "true", "LLMQ_MAX_NUM_SEQS": "8", "LLMQ_MAX_MODEL_LEN": "512", "LLMQ_HEARTBEAT_S": "1"}
     logs = {name: tmp_path / f"{name}.log" for name in ("api", "workers", "housekeeping")}
-    procs = [(_spawn(["-m", "tests.support.fault_wrap", name], env, log), log) for name, log in logs.items()]
+    procs = [(spawn(["-m", "tests.support.fault_wrap", name], env, log), log) for name, log in logs.items()]
     url = f"http://127.0.0.1:{port}"
     auth = {"Authorization": f"Bearer {API_KEY}"}
     body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}

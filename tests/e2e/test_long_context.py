@@ -28,7 +28,7 @@ import openai
 import pytest
 
 from tests.conftest import REPO
-from tests.e2e.conftest import one_worker
+from tests.support.real_processes import one_worker
 
 pytestmark = pytest.mark.e2e
 

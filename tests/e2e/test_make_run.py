@@ -17,7 +17,7 @@ from redis import Redis
 from shared.config import load_settings
 from shared.keys import Keys
 from tests.conftest import REPO, free_port
-from tests.e2e.test_engine_faults import Faulty, kill_engine_mid_stream
+from tests.support.engine_faults import Faulty, kill_engine_mid_stream
 from tests.support.processes import spawn_logged
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]

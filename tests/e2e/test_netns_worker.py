@@ -25,9 +25,9 @@ from shared.config import load_settings
 from shared.keys import Keys
 from shared.redis import redis_server_binary
 from tests.conftest import REPO, free_port, wait_for_ping
-from tests.e2e.conftest import _spawn, _tail, stop_all, wait_ready
 from tests.support.event_log import ended_record
 from tests.support.processes import spawn_logged
+from tests.support.real_processes import spawn, stop_all, tail, wait_ready
 from tests.support.waiting import eventually_sync
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -61,10 +61,10 @@ def _addresses() -> tuple[str, str]:
 def _wait_for_address(dev: str, addr: str, script: subprocess.Popen, log: Path) -> None:
     def set_up() -> bool:
         if script.poll() is not None:
-            pytest.fail(f"netns-worker.sh exited before it set up {dev}\n{_tail(log)}")
+            pytest.fail(f"netns-worker.sh exited before it set up {dev}\n{tail(log)}")
         return f"inet {addr}/30" in _ip("-4", "-o", "addr", "show", "dev", dev).stdout
     eventually_sync(set_up, timeout_s=30, interval_s=0.1,
-                    what=lambda: f"netns-worker.sh to set up {dev}\n{_tail(log)}")
+                    what=lambda: f"netns-worker.sh to set up {dev}\n{tail(log)}")
 
 
 def test_a_worker_in_another_network_namespace_serves_the_queue(tmp_path):
@@ -94,7 +94,7 @@ def test_a_worker_in_another_network_namespace_serves_the_queue(tmp_path):
         local_url = f"redis://127.0.0.1:{redis_port}/0"
         wait_for_ping(local_url)
         redis = Redis.from_url(local_url)
-        api = _spawn(["-m", "api"], {**env, "LLMQ_REDIS_URL": local_url, "LLMQ_PORT": str(api_port)}, api_log)
+        api = spawn(["-m", "api"], {**env, "LLMQ_REDIS_URL": local_url, "LLMQ_PORT": str(api_port)}, api_log)
         procs.append((api, api_log))
         wait_ready(url, procs, 1)
         _serve_and_check(url, redis, keys, model, ns, ns_addr, worker_log)
@@ -110,7 +110,7 @@ def test_a_worker_in_another_network_namespace_serves_the_queue(tmp_path):
             os.kill(int(pid), signal.SIGKILL)
         _ip("link", "del", host_if)
         _ip("netns", "del", ns)
-    assert script.returncode == 0, _tail(worker_log)
+    assert script.returncode == 0, tail(worker_log)
     assert not leftovers, f"processes left in {ns}: {leftovers}"
     assert ns not in _ip("netns", "list").stdout and _ip("link", "show", host_if).returncode != 0
 
@@ -119,7 +119,7 @@ def _serve_and_check(url: str, redis: Redis, keys: Keys, model: str, ns: str, ns
     (worker,) = [w.decode() for w in redis.zrange(keys.workers(model), 0, -1)]
     pid = int(redis.hget(keys.worker(worker), "pid"))
     # The worker in the heartbeat is the process in the namespace, not one on the host's network.
-    assert str(pid) in _ip("netns", "pids", ns).stdout.split(), (pid, _tail(log))
+    assert str(pid) in _ip("netns", "pids", ns).stdout.split(), (pid, tail(log))
     assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
     # Its Redis connections come from the namespace's side of the veth.
     clients = redis.client_list()
@@ -141,7 +141,7 @@ def _serve_and_check(url: str, redis: Redis, keys: Keys, model: str, ns: str, ns
         t.join(150)
     for i in range(4):
         r = results.get(i, {})
-        assert "choices" in r and r["usage"]["completion_tokens"] == MAX_TOKENS, (r, _tail(log))
+        assert "choices" in r and r["usage"]["completion_tokens"] == MAX_TOKENS, (r, tail(log))
         record = ended_record(redis, keys, model, r["id"].removeprefix("cmpl-"))
         assert record[b"status"] == b"done" and record[b"worker"].decode() == worker, record
     print(f"worker {worker} (pid {pid}) in {ns}; its Redis connections: {[c['addr'] for c in from_ns]}")

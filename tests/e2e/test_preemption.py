@@ -26,9 +26,9 @@ from redis import Redis
 
 from shared.config import load_settings
 from shared.keys import Keys
-from tests.e2e.conftest import one_worker
-from tests.e2e.test_fair_share import HEADER, ttft_s
 from tests.support.event_log import logged_events
+from tests.support.fair_share import HEADER, ttft_s
+from tests.support.real_processes import one_worker
 from tests.support.waiting import eventually_sync
 
 pytestmark = [pytest.mark.e2e]

@@ -40,10 +40,10 @@ from redis import Redis
 from shared.config import load_settings
 from shared.keys import GROUP, Keys
 from tests.conftest import free_port
-from tests.e2e.conftest import _tail, stop_all, wait_ready
-from tests.e2e.procfile import BIN, Stream, completion_body, kill_leftovers, log_events, start_honcho
 from tests.support.event_log import ended_record, logged_events, record_text
 from tests.support.faults import lost_and_duplicated
+from tests.support.procfile import BIN, Stream, completion_body, kill_leftovers, log_events, start_honcho
+from tests.support.real_processes import stop_all, tail, wait_ready
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(1500)]
 
@@ -132,7 +132,7 @@ def _wait_for_window(redis, keys, model, streams, victim, survivor) -> dict[str,
 
 
 def _scenario(url, redis, keys, model, formation, extra, procs, figures) -> None:
-    tails = lambda: "\n".join(f"--- {log.name}\n{_tail(log)}" for _, log in procs)  # noqa: E731
+    tails = lambda: "\n".join(f"--- {log.name}\n{tail(log)}" for _, log in procs)  # noqa: E731
     # The worker honcho started in the second formation is the one to stop: its parent is the
     # shell that honcho started (pid in honcho's "started" line).
     shells = {int(p) for p in re.findall(rb"started \(pid=(\d+)\)", procs[1][1].read_bytes())}

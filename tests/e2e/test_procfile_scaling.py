@@ -20,9 +20,9 @@ from redis import Redis
 from shared.config import load_settings
 from shared.keys import Keys
 from tests.conftest import free_port
-from tests.e2e.conftest import _tail, stop_all, wait_ready
-from tests.e2e.procfile import BIN, kill_leftovers, start_honcho
 from tests.support.event_log import ended_record
+from tests.support.procfile import BIN, kill_leftovers, start_honcho
+from tests.support.real_processes import stop_all, tail, wait_ready
 from workers.claim import claim_cpu_share
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -66,7 +66,7 @@ def test_honcho_scales_procfile_workers_that_claim_distinct_slots_and_share_the_
         served_by = {}
         for i in range(REQUESTS):
             r = results.get(i, {})
-            assert "choices" in r, (i, r, _tail(log))
+            assert "choices" in r, (i, r, tail(log))
             assert r["choices"][0]["finish_reason"] == "length", r
             assert r["usage"]["completion_tokens"] == MAX_TOKENS, r
             job_id = r["id"].removeprefix("cmpl-")

@@ -34,8 +34,8 @@ from redis import Redis
 
 from shared.keys import Keys
 from tests.conftest import REPO
-from tests.e2e.conftest import one_worker, ready_pids
 from tests.support.faults import alive, children
+from tests.support.real_processes import one_worker, ready_pids
 from workers.tiny_model import build_tiny_adapter
 
 # The stack loads its engine within the test's time (up to tests/e2e/conftest.py's READY_TIMEOUT_S on busy cores).

@@ -35,9 +35,9 @@ from redis import Redis
 from shared.config import load_settings
 from shared.keys import Keys
 from tests.conftest import free_port
-from tests.e2e.conftest import _tail, stop_all, wait_ready
-from tests.e2e.procfile import BIN, kill_leftovers, start_honcho
 from tests.support.event_log import ended_record, logged_events
+from tests.support.procfile import BIN, kill_leftovers, start_honcho
+from tests.support.real_processes import stop_all, tail, wait_ready
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(900)]
 
@@ -58,7 +58,7 @@ class Stack:
     procs: dict[str, tuple[object, Path]]
 
     def tails(self) -> str:
-        return "\n".join(f"--- {log.name}\n{_tail(log)}" for _, log in self.procs.values())
+        return "\n".join(f"--- {log.name}\n{tail(log)}" for _, log in self.procs.values())
 
     def client(self, web: str) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.urls[web]}/v1", api_key="x", max_retries=0, timeout=120)

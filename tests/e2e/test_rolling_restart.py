@@ -27,8 +27,8 @@ from redis import Redis
 
 from shared.keys import Keys
 from tests.conftest import free_port
-from tests.e2e.conftest import _spawn, _tail, stop_all, wait_ready
 from tests.support.faults import lost_and_duplicated
+from tests.support.real_processes import spawn, stop_all, tail, wait_ready
 from tests.support.waiting import eventually_sync
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.timeout(1200)]
@@ -97,11 +97,11 @@ def test_a_rolling_restart_of_every_worker_refuses_loses_and_doubles_nothing(red
 
     def worker(name: str) -> subprocess.Popen:
         log = tmp_path / f"{name}.log"
-        procs.append((_spawn(["-m", "workers"], env, log), log))
+        procs.append((spawn(["-m", "workers"], env, log), log))
         return procs[-1][0]
 
     log = tmp_path / "api.log"
-    procs.append((_spawn(["-m", "api"], env, log), log))
+    procs.append((spawn(["-m", "api"], env, log), log))
     first = [worker("worker-a"), worker("worker-b")]
     redis = Redis.from_url(redis_url)
     try:
@@ -168,7 +168,7 @@ def test_a_rolling_restart_of_every_worker_refuses_loses_and_doubles_nothing(red
     gap_sent = sum(stopped[-1] < o.sent_at < restarted_at for o in outcomes)
     print(f"{len(outcomes)} requests, {gap_sent} of them sent while no worker existed, {handed_back} handed "
           f"back mid-stream; no worker for {restarted_at - stopped[-1]:.1f} s")
-    detail = "\n".join(f"--- {log.name}\n{_tail(log)}" for _, log in procs)
+    detail = "\n".join(f"--- {log.name}\n{tail(log)}" for _, log in procs)
     assert not refused, [(o.status, o.errors) for o in refused]
     assert not failed, ([(o.prompt, o.errors) for o in failed], detail)
     assert (lost, dup) == (0, 0)

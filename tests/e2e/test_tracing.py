@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.test_crash_continuation import Small, json_lines, small_stack, stream_and_kill
+from tests.support.crash_stack import Small, json_lines, small_stack, stream_and_kill
 from tests.support.event_log import ended_record
 from tests.support.otlp_receiver import Receiver, Span
 from tests.support.waiting import eventually_sync

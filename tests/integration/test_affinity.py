@@ -1,7 +1,7 @@
 """Affinity in the pull, on real Redis (shared/lua/read.lua): a job whose prefix key or adapter
 another live worker holds is left for it, for at most the wait; fair share skips to the next tenant
 meanwhile; a worker alone, a dead holder, or affinity off pick as before; a preempted job is left to
-the worker that ran it. The pick is called as workers call it (``Queue.pick``), two consumers
+the worker that ran it. The pick is called as workers call it (``Consumer.pick``), two consumers
 standing for two workers."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import asyncio
 
 import pytest
 
+from shared.admission import new_job
 from shared.keys import Keys
 from shared.queue import Consumer, JobStore, now_ms
 from shared.schemas import AdapterSpec, GenerationRequest, JobRecord, SamplingParams
@@ -39,7 +40,7 @@ def store(redis, prefix):
 def job(tenant: str = "t", conversation: str | None = "c1", adapter: str | None = None) -> JobRecord:
     req = GenerationRequest(model=MODEL, prompt="hi", sampling=SamplingParams(max_tokens=4), cache_key=conversation,
                             adapter=AdapterSpec(name=adapter, source="/a") if adapter else None)
-    return JobRecord.new(req, owner="", default_timeout_s=None, tenant=tenant)
+    return new_job(req, owner="", default_timeout_s=None, tenant=tenant)
 
 
 async def pick(queue: Consumer, worker: str, affinity: Affinity = WAIT, count: int = 4) -> tuple[list[str], int]:
@@ -157,7 +158,7 @@ async def test_the_worker_loop_leaves_a_turn_to_its_holder_and_takes_it_once_the
     async def run(conversation: str | None, tokens: int = 2) -> JobRecord:
         req = GenerationRequest(model=inprocess_workers.MODEL, prompt="hi", cache_key=conversation,
                                 sampling=SamplingParams(max_tokens=tokens))
-        job_id = await queue.enqueue(JobRecord.new(req, owner="", default_timeout_s=None, tenant="t"))
+        job_id = await queue.enqueue(new_job(req, owner="", default_timeout_s=None, tenant="t"))
 
         async def ended() -> JobRecord | None:
             [record] = await queue.get_jobs(inprocess_workers.MODEL, [job_id])

@@ -10,12 +10,13 @@ import uuid
 
 import pytest
 
+from shared.admission import new_job
 from shared.durability import Durability, check_server
 from shared.errors import NotDurable
 from shared.keys import Keys
 from shared.queue import JobStore
 from shared.redis import connect
-from shared.schemas import GenerationRequest, JobRecord, SamplingParams
+from shared.schemas import GenerationRequest, SamplingParams
 from tests.support.replicated_redis import server_binaries, start_replicated
 from tests.support.scripted_engine import ScriptedEngine
 from tests.support.scripted_stack import scripted_stack
@@ -99,7 +100,7 @@ async def test_a_retry_from_another_connection_waits_for_the_first_write(replica
         try:
             for queue in queues:
                 with pytest.raises(NotDurable):
-                    await queue.enqueue(JobRecord.new(req, owner="", default_timeout_s=None), key)
+                    await queue.enqueue(new_job(req, owner="", default_timeout_s=None), key)
         finally:
             replicated.resume(1)
         replicated.wait_linked()
@@ -107,7 +108,7 @@ async def test_a_retry_from_another_connection_waits_for_the_first_write(replica
         # (more than 300 ms on a loaded box). The phase above is what tells a touch from none.
         patient = Durability(replicas=1, timeout_ms=5000)
         owners = {await JobStore(client, Keys(prefix), durability=patient).enqueue(
-            JobRecord.new(req, owner="", default_timeout_s=None), key) for client in (first, second)}
+            new_job(req, owner="", default_timeout_s=None), key) for client in (first, second)}
         assert len(owners) == 1  # one job for the key, whichever process answered
     finally:
         await first.aclose()
@@ -125,7 +126,7 @@ async def test_a_worker_writes_nothing_about_a_job_until_the_replica_holds_its_c
         req = GenerationRequest(model=MODEL, prompt="gated", sampling=SamplingParams(max_tokens=3))
         replicated.pause(1)
         try:
-            job_id = await plain.enqueue(JobRecord.new(req, owner="", default_timeout_s=None))
+            job_id = await plain.enqueue(new_job(req, owner="", default_timeout_s=None))
             # Claimed, and started in the engine, but held: its claim is only on the primary,
             # which could still lose it.
             await eventually(lambda: job_id in engine.started, what="the engine to start on the pick", timeout_s=5)
@@ -156,7 +157,7 @@ async def test_a_claim_lost_before_the_replica_confirms_it_aborts_the_engine_req
         req = GenerationRequest(model=MODEL, prompt="lost", sampling=SamplingParams(max_tokens=3))
         replicated.pause(1)
         try:
-            job_id = await plain.enqueue(JobRecord.new(req, owner="", default_timeout_s=None))
+            job_id = await plain.enqueue(new_job(req, owner="", default_timeout_s=None))
             await eventually(lambda: job_id in engine.started, what="the engine to start on the pick", timeout_s=5)
             await s.redis.hset(keys.job(MODEL, job_id), "worker", "a-peer")  # a peer took it meanwhile
             await eventually(lambda: job_id in engine.aborted, what="the engine request to be aborted", timeout_s=5)
@@ -184,11 +185,11 @@ async def test_fsync_waits_for_the_primarys_own_aof_where_the_server_has_waitaof
             await client.config_set("appendfsync", "always")
             queue = JobStore(client, Keys(prefix), durability=durable)
             req = GenerationRequest(model=MODEL, prompt="on disk", sampling=SamplingParams(max_tokens=3))
-            assert await queue.enqueue(JobRecord.new(req, owner="", default_timeout_s=None))
+            assert await queue.enqueue(new_job(req, owner="", default_timeout_s=None))
             await client.config_set("appendfsync", "no")  # the kernel's flush, ~30 s: WAITAOF times out
             with pytest.raises(NotDurable, match="on disk"):
                 await JobStore(client, Keys(prefix), durability=Durability.of("fsync", 200)).enqueue(
-                    JobRecord.new(req, owner="", default_timeout_s=None))
+                    new_job(req, owner="", default_timeout_s=None))
         await client.aclose()
     finally:
         node.stop()

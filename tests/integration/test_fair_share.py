@@ -10,6 +10,7 @@ import statistics
 
 import pytest
 
+from shared.admission import new_job
 from shared.keys import Keys
 from shared.queue import JobStore
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams
@@ -26,7 +27,7 @@ SLOTS = 8  # the worker's engine slots in the flood test
 
 def job(tenant: str, tokens: int, prompt: str = "abcdefgh", priority: int = 0) -> JobRecord:
     req = GenerationRequest(model=MODEL, prompt=prompt, sampling=SamplingParams(max_tokens=tokens), priority=priority)
-    return JobRecord.new(req, owner="", default_timeout_s=None, tenant=tenant)
+    return new_job(req, owner="", default_timeout_s=None, tenant=tenant)
 
 
 async def records(queue: JobStore, ids: list[str]) -> list[JobRecord]:

@@ -6,23 +6,13 @@ from __future__ import annotations
 
 import asyncio
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from shared.keys import Keys
+from tests.support.metrics import sample, samples
 from tests.support.scripted_engine import ScriptedEngine
 from tests.support.scripted_stack import scripted_stack
 from tests.support.waiting import job_status
 
 MODEL = "tiny"
-
-
-def _values(text: str) -> dict[tuple[str, frozenset], float]:
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def _get(values: dict, name: str, **labels: str) -> float:
-    return values[(name, frozenset(labels.items()))]
 
 
 async def test_metrics_count_jobs_tokens_latencies_and_refusals(redis_url, prefix):
@@ -32,11 +22,11 @@ async def test_metrics_count_jobs_tokens_latencies_and_refusals(redis_url, prefi
         held = (await s.client.post("/v1/jobs", json={"prompt": "hold", "sampling": {"max_tokens": 2000}})).json()["id"]
         await job_status(s.client, held, "running")
         await asyncio.sleep(0.3)  # so its end-to-end time lands above the 0.25 s bucket
-        busy = _values((await s.client.get("/metrics")).text)
+        busy = samples((await s.client.get("/metrics")).text)
         level0 = {"model": MODEL, "level": "0"}
-        assert [_get(busy, g, **level0) for g in ("llmq_queue_depth", "llmq_queue_lag", "llmq_queue_pending")] == [
+        assert [sample(busy, g, **level0) for g in ("llmq_queue_depth", "llmq_queue_lag", "llmq_queue_pending")] == [
             1, 0, 1]
-        assert 0.3 <= _get(busy, "llmq_queue_oldest_age_seconds", **level0) < 30
+        assert 0.3 <= sample(busy, "llmq_queue_oldest_age_seconds", **level0) < 30
         refused = await s.client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3})
         assert refused.status_code == 429  # the one allowed unfinished job is running
         await s.client.delete(f"/v1/jobs/{held}")
@@ -49,7 +39,7 @@ async def test_metrics_count_jobs_tokens_latencies_and_refusals(redis_url, prefi
 
         for _ in range(100):  # the worker pushes its figures with each heartbeat
             resp = await s.client.get("/metrics")
-            values = _values(resp.text)
+            values = samples(resp.text)
             if values.get(("llmq_worker_jobs_ended_total",
                            frozenset({"model": MODEL, "outcome": "done", "worker": worker}.items()))) == 2:
                 break
@@ -57,22 +47,22 @@ async def test_metrics_count_jobs_tokens_latencies_and_refusals(redis_url, prefi
         assert resp.headers["content-type"].startswith("text/plain; version=0.0.4")
 
         w = {"model": MODEL, "worker": worker}
-        assert _get(values, "llmq_worker_jobs_ended_total", **w, outcome="done") == 2
-        assert _get(values, "llmq_worker_jobs_ended_total", **w, outcome="cancelled") == 1
-        assert _get(values, "llmq_worker_jobs_started_total", **w) == 3
-        assert _get(values, "llmq_worker_tokens_total", **w) >= 2 * 3 + 1  # the held job made some too
+        assert sample(values, "llmq_worker_jobs_ended_total", **w, outcome="done") == 2
+        assert sample(values, "llmq_worker_jobs_ended_total", **w, outcome="cancelled") == 1
+        assert sample(values, "llmq_worker_jobs_started_total", **w) == 3
+        assert sample(values, "llmq_worker_tokens_total", **w) >= 2 * 3 + 1  # the held job made some too
         for histogram in ("llmq_queue_wait_seconds", "llmq_ttft_seconds", "llmq_e2e_seconds"):
-            assert _get(values, f"{histogram}_count", **w) == 3
-            assert _get(values, f"{histogram}_bucket", **w, le="+Inf") == 3
+            assert sample(values, f"{histogram}_count", **w) == 3
+            assert sample(values, f"{histogram}_bucket", **w, le="+Inf") == 3
         # The held job ran for a while before its cancel: one end-to-end time is above 0.25 s.
-        assert _get(values, "llmq_e2e_seconds_bucket", **w, le="0.25") <= 2
+        assert sample(values, "llmq_e2e_seconds_bucket", **w, le="0.25") <= 2
 
         for gauge in ("llmq_queue_depth", "llmq_queue_lag", "llmq_queue_pending"):
-            assert _get(values, gauge, **level0) == 0
-        assert _get(values, "llmq_workers_ready", model=MODEL) == 1
-        assert _get(values, "llmq_dead_letters", model=MODEL) == 0
+            assert sample(values, gauge, **level0) == 0
+        assert sample(values, "llmq_workers_ready", model=MODEL) == 1
+        assert sample(values, "llmq_dead_letters", model=MODEL) == 0
         # The API's own series carry its process id: the one process in the live set.
         [api] = [a.decode() for a in await s.redis.zrange(Keys(prefix).apis(), 0, -1)]
-        assert _get(values, "llmq_api_errors_total", api=api, status="429", code="overloaded") == 1
-        assert _get(values, "llmq_api_errors_total", api=api, status="400", code="invalid_request") == 1
-        assert _get(values, "llmq_api_streams_in_flight", api=api) == 0
+        assert sample(values, "llmq_api_errors_total", api=api, status="429", code="overloaded") == 1
+        assert sample(values, "llmq_api_errors_total", api=api, status="400", code="invalid_request") == 1
+        assert sample(values, "llmq_api_streams_in_flight", api=api) == 0

@@ -208,7 +208,8 @@ def test_jobs_that_cannot_continue_seamlessly_fail_clearly(sampling, prompt_ids)
 
 
 async def test_housekeeping_reports_orphans_and_removes_only_empty_dead_consumers(redis, keys, prefix, monkeypatch):
-    from workers import housekeeping
+    from workers.housekeeping import sweeps
+    from workers.housekeeping.housekeeper import Housekeeper
 
     store, consumer = JobStore(redis, keys), Consumer(redis, keys)
     await consumer.ensure_group(MODEL)
@@ -216,11 +217,11 @@ async def test_housekeeping_reports_orphans_and_removes_only_empty_dead_consumer
     await consumer.pick(MODEL, "dead-with-job", 1)  # delivered, never answered
     await redis.xgroup_createconsumer(keys.queue(MODEL), GROUP, "dead-empty")  # holds nothing
     await asyncio.sleep(0.3)
-    monkeypatch.setattr(housekeeping, "STALE_CONSUMER_MS", 100)
+    monkeypatch.setattr(sweeps, "STALE_CONSUMER_MS", 100)
     settings = load_settings({}, prefix=prefix, served_model_name=MODEL, lease_s=0.2)
     # A sweep enqueues no arq job and sends no webhook: no arq or HTTP client.
-    hk = housekeeping.Housekeeper(settings=settings, keys=keys, redis=redis, queue=store, arq=None, http=None)
-    stats = await housekeeping.sweep(hk)
+    hk = Housekeeper(settings=settings, keys=keys, redis=redis, queue=store, arq=None, http=None)
+    stats = await sweeps.sweep(hk)
     assert stats["orphaned"] == 1 and stats["oldest_orphan_s"] >= 0.2 and stats["consumers_removed"] == 1
     names = {c["name"] for c in await redis.xinfo_consumers(keys.queue(MODEL), GROUP)}
     assert names == {b"dead-with-job"}, "a consumer that still holds an entry is never deleted"

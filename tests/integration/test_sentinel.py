@@ -13,10 +13,11 @@ import time
 import pytest
 from redis import Redis as SyncRedis
 
+from shared.admission import new_job
 from shared.keys import Keys
 from shared.queue import JobStore
 from shared.redis import RedisRefused, connect
-from shared.schemas import GenerationRequest, JobRecord, SamplingParams
+from shared.schemas import GenerationRequest, SamplingParams
 from tests.conftest import REPO
 from tests.support.redis_cluster import redis7_binaries
 from tests.support.redis_sentinel import SENTINEL_CLIENT_LEAK, SERVICE, LocalSentinel, start_sentinel
@@ -182,7 +183,7 @@ async def test_a_job_refused_by_a_demoted_primary_is_a_refusal_and_the_next_goes
     queue = JobStore(client, Keys(prefix))
     req = GenerationRequest(model="tiny", prompt="demoted", sampling=SamplingParams(max_tokens=3))
     try:
-        await queue.enqueue(JobRecord.new(req, owner="", default_timeout_s=None))
+        await queue.enqueue(new_job(req, owner="", default_timeout_s=None))
         old = sentinel.manual_failover()
         await asyncio.to_thread(sentinel.wait_for_switch, old)
         new = sentinel.primary_port()
@@ -194,8 +195,8 @@ async def test_a_job_refused_by_a_demoted_primary_is_a_refusal_and_the_next_goes
         with SyncRedis(port=old, socket_timeout=5) as demoted:
             demoted.execute_command("REPLICAOF", "127.0.0.1", new)
         with pytest.raises(RedisRefused, match="READONLY"):
-            await queue.enqueue(JobRecord.new(req, owner="", default_timeout_s=None))
-        job_id = await queue.enqueue(JobRecord.new(req, owner="", default_timeout_s=None))
+            await queue.enqueue(new_job(req, owner="", default_timeout_s=None))
+        job_id = await queue.enqueue(new_job(req, owner="", default_timeout_s=None))
         with SyncRedis(port=new, socket_timeout=5) as primary:
             assert primary.hexists(Keys(prefix).job("tiny", job_id), "status")
     finally:

@@ -72,7 +72,7 @@ async def test_status_of_an_empty_prefix_says_so(redis_url, prefix):
 
 
 async def test_one_reading_of_a_queue_gives_every_levels_figures_in_one_round_trip(redis, keys):
-    """shared.inspection.read_queue, which status, /metrics, the sweep and Queue.depth all read:
+    """shared.inspection.read_queue, which status, /metrics, the sweep and JobStore.depth all read:
     a level with entries and a group, one whose group no worker created yet, one never used."""
     model = "m"
     await redis.xgroup_create(keys.queue(model, 0), GROUP, id="0", mkstream=True)

@@ -12,8 +12,8 @@ import sys
 from shared.keys import Keys
 from shared.status import render, snapshot
 from tests.conftest import REPO
-from tests.integration.test_metrics import _values
 from tests.support.job_records import MODEL, wait_status
+from tests.support.metrics import samples
 from tests.support.scripted_engine import ScriptedEngine
 from tests.support.scripted_stack import scripted_stack
 
@@ -64,7 +64,7 @@ async def test_each_tenant_has_exact_counters_gauges_and_a_rank_in_status(redis_
             assert f"# TYPE {name} counter" in text
         for name in GAUGES:
             assert f"# TYPE {name} gauge" in text
-        tenants = per_tenant(_values(text))
+        tenants = per_tenant(samples(text))
         assert set(tenants) == {"team-a", "team-b", "team-c"}  # under the cap of 50: no "other"
         expected = {"team-a": (1, 2, 3), "team-b": (3, 24, 30), "team-c": (2, 8, 10)}
         for tenant, figures in expected.items():
@@ -99,7 +99,7 @@ async def test_each_tenant_has_exact_counters_gauges_and_a_rank_in_status(redis_
             ids.append(resp.json()["id"])
             await wait_status(s.redis, prefix, ids[0], {"running"})  # the first one before the second comes
         assert (await s.redis.hget(Keys(prefix).job(MODEL, ids[1]), "status")) == b"queued"
-        tenants = per_tenant(_values((await s.client.get("/metrics")).text))
+        tenants = per_tenant(samples((await s.client.get("/metrics")).text))
         assert {t: [tenants[t][g] for g in GAUGES] for t in expected} == {
             "team-a": [0, 0], "team-b": [0, 0], "team-c": [1, 1]}
         for job_id in ids:
@@ -118,7 +118,7 @@ async def test_tenants_past_the_cap_are_summed_under_other_and_never_named(redis
 
         text = (await s.client.get("/metrics")).text
         assert "team-d" not in text
-        tenants = per_tenant(_values(text))
+        tenants = per_tenant(samples(text))
         assert set(tenants) == {"team-a", "team-b", "other"}
         assert {t: tuple(tenants[t][c] for c in COUNTERS) for t in tenants} == {
             "team-a": (1, 2, 3), "team-b": (2, 8, 10), "other": (1 + 1, 3 + 8, 4 + 6)}
@@ -131,6 +131,6 @@ async def test_tenants_past_the_cap_are_summed_under_other_and_never_named(redis
         await complete(s.client, "team-e", "ab", 2)
         text = (await s.client.get("/metrics")).text
         assert "team-d" not in text and "team-e" not in text
-        tenants = per_tenant(_values(text))
+        tenants = per_tenant(samples(text))
         assert {t: tuple(tenants[t][c] for c in COUNTERS) for t in tenants} == {
             "team-a": (1, 2, 3), "team-b": (2, 8, 10), "other": (3, 13, 12)}

@@ -1,6 +1,6 @@
 """A job's event log read straight from Redis by a synchronous test (the e2e suites): the stream
 while the job runs, the compact log (shared/eventlog.py) once its worker ended it.
-``Queue.read_events`` is the asynchronous reader the services use. And the same log as the API
+``JobStore.read_events`` is the asynchronous reader the services use. And the same log as the API
 serves it (``GET /v1/jobs/{id}/events``, from a seq on: the resume path), frame by frame."""
 
 from __future__ import annotations

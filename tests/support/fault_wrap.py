@@ -8,7 +8,7 @@ production modules have no hooks for this.
   body and the Services (holding the Settings) in its frames.
 - workers: ``workers.runner.plan_for(queue, model, delivery, req, parsed)``, the first call inside
   ``Worker._run_job`` for a job, with the request in its frames.
-- housekeeping: ``workers.housekeeping._remove_dead_consumers(hk, reading)``, which the ``sweep``
+- housekeeping: ``workers.housekeeping.sweeps._remove_dead_consumers(hk, reading)``, which the ``sweep``
   cron calls (at start-up, then every 30 s) with the Housekeeper (holding the Settings).
 
 ``python -m tests.support.fault_wrap engine`` is a worker whose vLLM fails, by itself, every request whose
@@ -28,7 +28,7 @@ TARGETS: dict[str, tuple[str, str, str, Callable[..., str]]] = {
                                                                     f"with {svc.settings!r}"),
     "workers": ("workers.__main__", "workers.runner", "plan_for",
                 lambda queue, model, d, req, parsed: f"forced fault running {req!r}"),
-    "housekeeping": ("workers.housekeeping", "workers.housekeeping", "_remove_dead_consumers",
+    "housekeeping": ("workers.housekeeping.__main__", "workers.housekeeping.sweeps", "_remove_dead_consumers",
                      lambda hk, reading: f"forced fault sweeping with {hk.settings!r}"),
 }
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from shared.admission import new_job
 from shared.budget import generation_budget
-from shared.schemas import ChatMessage, GenerationRequest, JobRecord, SamplingParams, estimate_tokens
+from shared.schemas import ChatMessage, GenerationRequest, SamplingParams, estimate_tokens
 
 
 @pytest.mark.parametrize(("max_tokens", "prompt", "context", "budget"), [
@@ -39,8 +40,8 @@ def test_the_estimate_charges_no_more_than_the_context_can_run():
 
 def test_a_record_made_with_the_context_carries_the_cut_estimate():
     req = GenerationRequest(prompt="hello", sampling=SamplingParams(max_tokens=32000))
-    assert JobRecord.new(req, owner="", default_timeout_s=None, max_model_len=2048).estimate == 2048
-    assert JobRecord.new(req, owner="", default_timeout_s=None).estimate == 2 + 32000
+    assert new_job(req, owner="", default_timeout_s=None, max_model_len=2048).estimate == 2048
+    assert new_job(req, owner="", default_timeout_s=None).estimate == 2 + 32000
 
 
 def test_any_int64_max_tokens_is_queued_and_a_larger_one_refused_with_the_dialects_400():

@@ -66,7 +66,7 @@ def check(translate) -> list[GenerationRequest]:
         return []
     for req in reqs:
         assert isinstance(req, GenerationRequest)
-        # What the worker reads back (shared.queue.Queue.pick -> decode_request) must be what was queued.
+        # What the worker reads back (shared.queue.Consumer.pick -> decode_request) must be what was queued.
         data = encode(req)
         try:
             back = decode_request(data)

@@ -81,7 +81,7 @@ def test_bad_settings_fail_fast(env):
 
 
 def test_housekeeping_gives_arq_the_whole_redis_url():
-    from workers.housekeeping import arq_redis_settings
+    from workers.housekeeping.arq_settings import arq_redis_settings
 
     rs = arq_redis_settings("rediss://llmq:p%40ss@redis.internal:6380/2?ssl_ca_certs=/ca.pem"
                             "&ssl_check_hostname=true&ssl_cert_reqs=required")

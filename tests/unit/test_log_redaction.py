@@ -63,7 +63,7 @@ def test_settings_repr_and_str_mask_every_secret(planted):
 
 
 def test_other_holders_of_secrets_mask_them_too(planted):
-    from workers.housekeeping import arq_redis_settings
+    from workers.housekeeping.arq_settings import arq_redis_settings
 
     assert API_KEY not in repr(KeyGuard((API_KEY,)))
     shown = repr(arq_redis_settings(planted.redis_dsn))

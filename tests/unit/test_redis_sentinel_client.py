@@ -13,7 +13,7 @@ from redis.asyncio.sentinel import MasterNotFoundError, SentinelConnectionPool, 
 from shared.cluster import pubsub_connection
 from shared.redis import _handshake, _Retry, connect, sentinel_target, wait_for_redis
 from tests.conftest import free_port
-from workers.housekeeping import arq_redis_settings
+from workers.housekeeping.arq_settings import arq_redis_settings
 
 
 @pytest.mark.parametrize(("url", "sentinels", "service"), [

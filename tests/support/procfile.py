@@ -1,6 +1,6 @@
 """The Procfile's processes under honcho, and a streaming client on its own thread: the helpers of
 the e2e tests that start ``web`` and ``worker`` as deployed (tests/e2e/test_procfile_drain.py,
-test_fast_failover.py, test_procfile_scaling.py)."""
+tests/e2e/test_fast_failover.py, tests/e2e/test_procfile_scaling.py)."""
 
 from __future__ import annotations
 

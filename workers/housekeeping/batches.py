@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
 
+from shared.admission import new_job
 from shared.batches import (
     MESSAGES,
     RESULTS,
@@ -51,9 +51,7 @@ from shared.queue import now_ms
 from shared.redis import REDIS_DOWN
 from shared.schemas import TERMINAL_STATUSES, GenerationRequest, JobError, JobRecord
 from shared.tenants import DEFAULT_TENANT, TenantConfig, read_config
-
-if TYPE_CHECKING:  # the process module, which imports this one to schedule it
-    from workers.housekeeping import Housekeeper
+from workers.housekeeping.housekeeper import Housekeeper
 
 __all__ = ["advance_batches"]
 
@@ -160,8 +158,8 @@ class Tick:
         # Due when the batch expires (always set: POST /v1/batches gives every batch its window).
         window_s = max((batch.expires_at or 0) - now / 1000, 0.001)  # > 0: 0 would mean "no deadline"
         tenant = owner or DEFAULT_TENANT
-        record = JobRecord.new(req, owner=owner, default_timeout_s=window_s, now_ms=now, tenant=tenant,
-                               max_model_len=self.settings.max_model_len)
+        record = new_job(req, owner=owner, default_timeout_s=window_s, now_ms=now, tenant=tenant,
+                         max_model_len=self.settings.max_model_len)
         # Its tenant's weight, not its limits: a batch line waits for room rather than failing.
         config = await read_config(self.redis, self.keys, tenant)
         return await self.queue.enqueue(record, self.keys.batch_idempotency(batch.id, line, part),

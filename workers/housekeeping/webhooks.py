@@ -19,8 +19,6 @@ destination is final: ``webhook_status=failed`` at once, no retries.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import httpx
 import structlog
 from arq import Retry
@@ -29,9 +27,7 @@ from shared.codec import encode
 from shared.egress import Refused, pin, policy
 from shared.schemas import JobView
 from shared.webhooks import headers
-
-if TYPE_CHECKING:  # the process module, which imports this one to schedule it
-    from workers.housekeeping import Housekeeper
+from workers.housekeeping.housekeeper import Housekeeper
 
 __all__ = ["drain_outbox", "deliver_webhook", "backoff_s", "DELIVER"]
 
@@ -41,7 +37,7 @@ OUTBOX_BATCH = 500
 RETRYABLE = {408, 425, 429}
 MAX_BACKOFF_S = 300.0
 DELIVER = "deliver_webhook"
-"""The arq function name of a delivery (workers/housekeeping.py registers it)."""
+"""The arq function name of a delivery (the process module, ``__main__``, registers it)."""
 
 
 def backoff_s(job_try: int, retry_after: str | None = None) -> float:
