@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Protocol, cast
 
 import structlog
 from litestar.datastructures import Headers
@@ -146,7 +146,7 @@ def _test_fault(svc: Services, headers: Headers) -> tuple[FaultMarker | None, In
                                     param="X-LLMQ-Test-Fault")
     if raw != "kill-engine":
         return None, InvalidRequest("X-LLMQ-Test-Fault must be kill-engine", param="X-LLMQ-Test-Fault")
-    return raw, None
+    return "kill-engine", None
 
 
 def request_context(scope: Scope, svc: Svc) -> RequestContext:
@@ -170,8 +170,9 @@ def request_context(scope: Scope, svc: Svc) -> RequestContext:
         bad_option=bad_option or bad_tenant or bad_fault,
         idempotency_key=headers.get("idempotency-key") or None,
         respond_async=any(token.strip().lower() == "respond-async" for token in prefer.split(",")),
-        watches=scope.get(WATCHES),  # type: ignore[typeddict-item]
-        span=scope.get(SPAN),  # type: ignore[typeddict-item]
+        # Our own scope keys, which Litestar's Scope type cannot list: their types are the writers'.
+        watches=cast("set[JobWatch] | None", scope.get(WATCHES)),
+        span=cast("RequestTrace | None", scope.get(SPAN)),
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -119,7 +119,7 @@ class Relay:
 
     __slots__ = ("_events", "lane")
 
-    def __init__(self, events: AsyncIterator[Event | Keepalive], lane: Lane) -> None:
+    def __init__(self, events: AsyncGenerator[Event | Keepalive, None], lane: Lane) -> None:
         self._events, self.lane = events, lane
 
     def __aiter__(self) -> Relay:
@@ -130,7 +130,7 @@ class Relay:
 
     async def aclose(self) -> None:
         self.lane.deliver = None
-        await self._events.aclose()  # type: ignore[attr-defined]
+        await self._events.aclose()
 
 
 async def follow(
@@ -147,7 +147,7 @@ async def follow(
     cold: ColdWait | None = None,
     watcher: Watcher | None = None,
     lane: Lane | None = None,
-) -> AsyncIterator[Event | Keepalive]:
+) -> AsyncGenerator[Event | Keepalive, None]:
     """Yield the job's events with seq > ``after_seq``, in order, ending with the terminal one.
 
     ``backfill`` reads the log first (resume, or re-attaching to an existing job). While nothing
@@ -419,6 +419,8 @@ class _Replay:
 
     async def aclose(self) -> None:
         self._let_go()
+        # Every job's events iterator closes (a Relay, or a generator of api/fanout.py or api/jobs.py):
+        # AsyncIterator, the type the modules pass them as, does not say so.
         await self._events.aclose()  # type: ignore[attr-defined]
 
     def __del__(self) -> None:  # dropped unread (the response ended early): as aclose, minus the await

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import AsyncIterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from litestar import Request, Response
 from litestar.enums import MediaType
@@ -86,14 +86,15 @@ class EventStream(Stream):
 
 
 class _Streamed(ASGIStreamingResponse):
-    __slots__ = ("_stream",)
+    __slots__ = ("_response",)
 
     def __init__(self, stream: EventStream, **kwargs: Any) -> None:
         super().__init__(iterator=(), **kwargs)
-        self._stream = stream
+        # Not ``_stream``: that name is the base class's sending method, which __call__ replaces.
+        self._response = stream
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        stream = self._stream
+        stream = self._response
         events = stream.events
         try:
             if stream.start_within_s is not None:
@@ -102,7 +103,8 @@ class _Streamed(ASGIStreamingResponse):
             renderer = stream.renderer
             chunks = drive(renderer, events)
             lane: Lane | None = getattr(events, "lane", None)
-            out: CoalescingSend | None = scope.get(OUT)  # type: ignore[assignment]
+            # Our own scope key (api/middleware.py), which Litestar's Scope type cannot list.
+            out = cast("CoalescingSend | None", scope.get(OUT))
             if lane is not None and out is not None:
                 # The events that come in sequence are rendered and written in the listener's step.
                 lane.deliver = functools.partial(_deliver, renderer, out)
@@ -116,7 +118,7 @@ class _Streamed(ASGIStreamingResponse):
                 await chunks.aclose()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            await events.aclose()  # type: ignore[attr-defined]
+            await events.aclose()  # type: ignore[attr-defined]  # it closes: see api/follow.py's _Replay.aclose
 
 
 def _deliver(renderer: StreamRenderer[bytes], out: CoalescingSend, event: Event) -> bool:

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import structlog
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ResponseError
@@ -60,7 +60,10 @@ class Inbox(asyncio.Queue[bytes]):
 class Listener:
     """What request handlers use: this module's EventListener, or api/shards.py's ClusterListener."""
 
-    channels: int
+    @property
+    def channels(self) -> int:
+        """Jobs being followed through this listener right now."""
+        raise NotImplementedError
 
     async def run(self) -> None:
         raise NotImplementedError
@@ -85,8 +88,8 @@ class Listener:
 
 
 class EventListener(Listener):
-    def __init__(self, redis: Redis, home_channel: str, *, idle_s: float = 5.0, node: ClusterNode | None = None,
-                 sharded: bool = False) -> None:
+    def __init__(self, redis: Redis | RedisCluster, home_channel: str, *, idle_s: float = 5.0,
+                 node: ClusterNode | None = None, sharded: bool = False) -> None:
         # Its own connection, opened like every other one of this client (URL, auth, TLS), with no
         # per-read timeout: liveness is checked by PING once a quiet window passes (see _read).
         self._new_connection = lambda: pubsub_connection(redis, node)

@@ -125,9 +125,12 @@ _PARAMS: dict[str, dict[str, Any]] = {
 }
 
 
-def _any_json(t: type) -> dict[str, Any] | None:
-    # ``dict[str, object]`` (chat template kwargs): any JSON value.
-    return {"description": "any JSON value"} if t is object else None
+def _any_json(t: type) -> dict[str, Any]:
+    # ``dict[str, object]`` (chat template kwargs): any JSON value. msgspec asks only of a type it
+    # cannot describe itself, and takes NotImplementedError as no schema from the hook.
+    if t is object:
+        return {"description": "any JSON value"}
+    raise NotImplementedError
 
 
 def _components(*types: type) -> dict[str, Any]:

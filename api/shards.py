@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 
 import structlog
 from redis.asyncio import RedisCluster
+from redis.asyncio.cluster import ClusterNode
 
 from api.listener import EventListener, Inbox, Listener
 from shared.cluster import sharded_pubsub
@@ -84,7 +85,7 @@ class ClusterListener(Listener):
             raise QueueUnavailable("the queue's pub/sub connection is not available") from None
         if self._plain is not None:
             return self._plain
-        node = self._redis.get_node_from_key(channel)
+        node = self._master(channel)
         listener = self._shards.get(node.name)
         if listener is None:
             listener = self._shards[node.name] = EventListener(self._redis, self._home, idle_s=self._idle_s,
@@ -92,6 +93,12 @@ class ClusterListener(Listener):
             task = asyncio.create_task(listener.run(), name=f"event-listener-{node.name}")
             self._tasks.add(task)
         return listener
+
+    def _master(self, channel: str) -> ClusterNode:
+        """The master serving ``channel``'s slot (an unserved slot raises SlotNotCoveredError)."""
+        node = self._redis.get_node_from_key(channel)
+        assert node is not None  # None answers only a request for a replica
+        return node
 
     @asynccontextmanager
     async def subscribe(self, channel: str, *, timeout_s: float = 2.0, wait: bool = True
@@ -117,7 +124,7 @@ class ClusterListener(Listener):
             return False
         if self._plain is not None:
             return self._plain.in_effect(channel)
-        listener = self._shards.get(self._redis.get_node_from_key(channel).name)
+        listener = self._shards.get(self._master(channel).name)
         return listener is not None and listener.in_effect(channel)
 
     async def confirmed(self, channel: str, *, timeout_s: float = 2.0) -> None:

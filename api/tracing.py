@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import structlog
 from litestar.datastructures import Headers
+from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
@@ -67,7 +68,7 @@ class Traced:
         self.tracer = tracing.tracer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in UNTRACED_PATHS:
+        if scope["type"] != ScopeType.HTTP or scope["path"] in UNTRACED_PATHS:
             await self.app(scope, receive, send)
             return
         method = scope["method"]
@@ -80,7 +81,7 @@ class Traced:
                                       attributes={"http.request.method": method, "url.path": scope["path"],
                                                   "http.route": route})
         request = RequestSpan(span)
-        scope[SPAN] = request  # type: ignore[literal-required]
+        scope[SPAN] = request  # type: ignore[literal-required]  # our own key: Litestar's Scope lists its own
         # Copied into the handler's task (api.middleware.RequestLifecycle creates it after this).
         structlog.contextvars.bind_contextvars(trace_id=request.trace_id)
 

@@ -40,7 +40,7 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(".")[:3] if part.isdigit())
 
 
-async def sharded_pubsub(redis: Redis) -> bool:
+async def sharded_pubsub(redis: Redis | RedisCluster) -> bool:
     """True when live events should use SPUBLISH/SSUBSCRIBE: a Cluster whose every master runs
     Redis >= 7 (INFO server, ``redis_version``). A standalone server always uses plain pub/sub
     (sharding buys nothing on one node), and so does a Cluster with any older master."""
@@ -65,7 +65,7 @@ def _cluster_node(redis: RedisCluster, node: ClusterNode | None) -> ClusterNode:
     return node or random.choice(redis.get_primaries())
 
 
-async def pubsub_connection(redis: Redis, node: ClusterNode | None = None) -> AbstractConnection:
+async def pubsub_connection(redis: Redis | RedisCluster, node: ClusterNode | None = None) -> AbstractConnection:
     """A new raw connection opened like the client's own (URL, auth, TLS, handshake), for a
     subscriber that reads it with no per-read timeout. On a Cluster: to ``node``, or to a random
     master. Not connected yet: the caller connects and owns it."""

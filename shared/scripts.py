@@ -28,7 +28,7 @@ import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from redis.asyncio import Redis, RedisCluster
 from redis.commands.core import AsyncScript
@@ -411,7 +411,9 @@ def flush(keys: Keys, model: str, *, writer: str, result_ttl: int, shards: Seque
     k = _shards(keys, model, shards)
     shards_at, shards_width, event_keys_at, event_keys_width = _places(1, FLUSH.key_groups, [len(shards), count])
     log_key = keys.events
-    k += [log_key(model, job_id) for job_id in events[3::width]]
+    # Every fifth value from the fourth is a job id: a flat list's type cannot say so per place.
+    job_ids = cast(Sequence[str], events[3::width])
+    k += [log_key(model, job_id) for job_id in job_ids]
     args: list[Value] = [writer, result_ttl, shards_at, shards_width, event_keys_at, event_keys_width,
                          shard_args_at, shard_args_width, events_at, events_width, endings_at, endings_width,
                          prompts_at, prompts_width]
@@ -611,7 +613,7 @@ class Scripts:
         """Run ``call``, then WAIT for ``durability.replicas`` on the same connection
         (shared/durability.py): the script's reply, and how many replicas hold its writes."""
         script = self._registered.get(call.script) or await self._register(call.script)
-        text_ = script.script if isinstance(script.script, str) else script.script.decode()
+        text_ = script.script if isinstance(script.script, str) else str(script.script, "utf-8")
         try:
             return await run_and_wait(self.redis, script.sha, text_, call.keys, call.args, durability)
         except ResponseError as exc:

@@ -11,6 +11,7 @@ import asyncio
 import os
 import signal
 from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
@@ -47,7 +48,7 @@ async def serve(settings: Settings, tracing: Tracing | None = None) -> None:
     if settings.model == DEFAULT_MODEL:
         from workers.tiny_model import ensure_tiny_model
 
-        ensure_tiny_model(model_path)
+        ensure_tiny_model(Path(model_path))
     apply_engine_environment(settings)
 
     async with AsyncExitStack() as stack:

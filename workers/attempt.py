@@ -293,6 +293,7 @@ class Attempt:
     def _close(self) -> None:
         """No later step joins the open event; encoded again if steps joined it."""
         if self._stale:
+            assert self._open is not None  # only steps that joined the open event make it stale
             self.encoded[-1] = tokens_json(self.seq, self._open)
             self._stale = False
         self._open = None

@@ -216,14 +216,11 @@ class Replay:
         return piece[cut:]
 
 
-_END = object()
-
-
 async def run_parts(parts: Sequence[Part], run: Callable[[Part], AsyncIterator[Step]]) -> AsyncIterator[Step]:
     """Run every part at once (``run`` streams one part's engine request, its deltas at index 0)
     and yield their steps as they come: each delta under its choice's index, replayed output
     dropped; only the step that ends the last part is ``finished``."""
-    queue: asyncio.Queue[object] = asyncio.Queue()
+    queue: asyncio.Queue[Step | Exception | None] = asyncio.Queue()  # None: a part ended
 
     async def pump(part: Part) -> None:
         replay = Replay(part.held) if part.replay and part.held is not None else None
@@ -232,26 +229,26 @@ async def run_parts(parts: Sequence[Part], run: Callable[[Part], AsyncIterator[S
                 kept = []
                 for delta in step.deltas:
                     delta.index = part.index
-                    if (delta := replay.trim(delta) if replay is not None else delta) is not None:
-                        kept.append(delta)
+                    if (shown := replay.trim(delta) if replay is not None else delta) is not None:
+                        kept.append(shown)
                 step.deltas = kept
                 queue.put_nowait(step)
         except Exception as exc:  # re-raised by the reader, in the job's task
             queue.put_nowait(exc)
         finally:
-            queue.put_nowait(_END)
+            queue.put_nowait(None)
 
     tasks = [asyncio.create_task(pump(part), name=f"part-{part.index}") for part in parts]
     running = unfinished = len(tasks)
     try:
         while running:
             item = await queue.get()
-            if item is _END:
+            if item is None:
                 running -= 1
             elif isinstance(item, Exception):
                 raise item
             else:
-                step: Step = item  # type: ignore[assignment]
+                step = item
                 if step.finished:
                     unfinished -= 1
                     step.finished = unfinished == 0

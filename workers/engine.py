@@ -321,7 +321,9 @@ class VllmEngine:
         positions = out.prompt_logprobs
         k = req.sampling.prompt_logprobs
         if positions is not None:
-            texts, logprobs, tops = [], [], []
+            texts: list[str] = []
+            logprobs: list[float | None] = []
+            tops: list[list[TopLogprob]] = []
             for tid, position in zip(ids, positions, strict=False):
                 if position is None:  # the first token: nothing before it to predict it from
                     texts.append(self.tokenizer.decode([tid]))

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 from msgspec import Meta
 
-from api.dialects.common import refuse, tool_use
+from api.dialects.common import refuse, required, tool_use
 from api.dialects.openai_chat_render import ChatCompletion, FunctionCall, MessageToolCall, render_result
 from api.dialects.openai_chat_stream import ChatCompletionChunk, ChatStream, stream
 from api.dialects.openai_completions import error_body
@@ -30,6 +30,7 @@ from shared.schemas import (
     Tool,
     ToolCall,
     ToolUse,
+    ToolUseChoice,
 )
 
 __all__ = [
@@ -186,8 +187,7 @@ def _content(m: Message, i: int) -> str:
     for part in m.content:
         unsupported = f"messages[{i}]: content parts of type `{part.type}` are not supported (text only)"
         refuse(part.type != "text", unsupported, "messages")
-        refuse(part.text is None, f"messages[{i}]: a `text` content part needs `text`", "messages")
-        texts.append(part.text)
+        texts.append(required(part.text, f"messages[{i}]: a `text` content part needs `text`", "messages"))
     return "\n".join(texts)
 
 
@@ -205,19 +205,24 @@ def _messages(b: ChatRequest) -> list[ChatMessage]:
     return out
 
 
+def _tool_choice(b: ChatRequest) -> tuple[ToolUseChoice | None, str | None]:
+    """The request's tool choice as :func:`tool_use` takes it, and the function a named one names."""
+    if isinstance(b.tool_choice, NamedToolChoice):
+        return "function", b.tool_choice.function.name
+    return b.tool_choice, None
+
+
 def _tools(b: ChatRequest) -> ToolUse | None:
+    choice, function = _tool_choice(b)
     if b.tools is None:
-        return tool_use(None, "function" if isinstance(b.tool_choice, NamedToolChoice) else b.tool_choice)
+        return tool_use(None, choice)
     tools = []
     for i, t in enumerate(b.tools):
         refuse(t.type != "function", f"tools[{i}]: tools of type `{t.type}` are not supported (function only)",
                "tools")
         f = t.function
         tools.append(Tool(name=f.name, description=f.description, parameters=f.parameters, strict=f.strict))
-    named = b.tool_choice if isinstance(b.tool_choice, NamedToolChoice) else None
-    return tool_use(tools, "function" if named is not None else b.tool_choice,
-                    named.function.name if named is not None else None,
-                    parallel=b.parallel_tool_calls is not False)
+    return tool_use(tools, choice, function, parallel=b.parallel_tool_calls is not False)
 
 
 def _template_kwargs(b: ChatRequest) -> dict[str, object]:

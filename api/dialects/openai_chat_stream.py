@@ -68,8 +68,8 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     usage: CompletionUsage | UnsetType = UNSET
 
 
-def _delta(d: TokenDelta, with_reasoning: bool) -> ChoiceDelta | None:
-    """What a delta adds to the message (None: nothing, a parser holding text back)."""
+def _delta(d: TokenDelta, with_reasoning: bool) -> ChoiceDelta:
+    """What a delta adds to the message (a delta that adds nothing makes no choice: _delta_choice)."""
     reasoning = d.reasoning if with_reasoning else ""
     if not (reasoning or d.tool_calls):
         return ChoiceDelta(content=d.text)

@@ -7,6 +7,7 @@ error. Errors are ``{"error": {"message", "type", "param", "code"}}`` with vLLM'
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Final
 
 import msgspec
@@ -219,10 +220,11 @@ class ModelList(msgspec.Struct, kw_only=True):
 
 def _logprobs(
     texts: list[str] | None,
-    logprobs: list[float | None] | None,
+    logprobs: Sequence[float | None] | None,
     tops: list[list[TopLogprob]] | None,
     offset: int,
 ) -> CompletionLogprobs | None:
+    """``logprobs``: a choice's floats, or with ``echo`` its prompt's first (None) and the rest."""
     if logprobs is None or texts is None:
         return None
     offsets = []
@@ -233,7 +235,8 @@ def _logprobs(
         None if lp is None else ({t.text: t.logprob for t in tops[i]} if tops else {})
         for i, lp in enumerate(logprobs)
     ]
-    return CompletionLogprobs(text_offset=offsets, token_logprobs=logprobs, tokens=texts, top_logprobs=top_dicts)
+    return CompletionLogprobs(text_offset=offsets, token_logprobs=list(logprobs), tokens=texts,
+                              top_logprobs=top_dicts)
 
 
 def usage_body(usage: Usage) -> CompletionUsage:

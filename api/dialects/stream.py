@@ -16,7 +16,7 @@ relay hands it (the first and the terminal event, gaps filled from the log, keep
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Generic, TypeVar
 
 from shared.errors import ServiceError
@@ -80,7 +80,8 @@ def render(renderer: StreamRenderer[F], item: Event | Keepalive) -> list[F]:
     return renderer.keepalive() if isinstance(item, Keepalive) else renderer.feed(item)
 
 
-async def drive(renderer: StreamRenderer[F], events: AsyncIterator[Event | Keepalive]) -> AsyncIterator[list[F]]:
+async def drive(renderer: StreamRenderer[F], events: AsyncIterator[Event | Keepalive]
+                ) -> AsyncGenerator[list[F], None]:
     """The one stream loop: the frames of ``events`` rendered by ``renderer``, one list per event
     (never empty), ending after the terminal event. A :class:`ServiceError` while relaying (or
     rendering) ends the stream with the renderer's in-band error."""

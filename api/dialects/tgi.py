@@ -279,10 +279,12 @@ class TgiStream(SseKeepalive, StreamRenderer[bytes]):
             self.generated += len(d.token_ids)
             tops = top_tokens_of(d.top_logprobs, self.special)
             pending += [(t, tops[i] if i < len(tops) else None) for i, t in enumerate(self.texts.delta(d))]
-        last = None
+        last: tuple[Token, list[Token] | None] | None = None
+        details: StreamDetails | None = None
         if isinstance(event, Done):
             # Done carries the last engine step's tokens: its last token is the final event.
             last = pending.pop() if pending else (Token(0, "", None, True), None)
+            details = _stream_details(self.req, event, self.generated)
         out = []
         for tok, top in pending:
             self.index += 1
@@ -290,7 +292,7 @@ class TgiStream(SseKeepalive, StreamRenderer[bytes]):
         if last is not None:
             self.ended = True
             text = full_text_prefix(self.req, self.inputs) + "".join(self.parts)
-            out.append(_event(self.index + 1, *last, text, _stream_details(self.req, event, self.generated)))
+            out.append(_event(self.index + 1, *last, text, details))
         return out
 
     def fail(self, exc: ServiceError) -> list[bytes]:

@@ -92,7 +92,7 @@ class Session:
                     for payload in payloads:
                         await self.send("TOKEN", payload)
             finally:
-                await sub.events.aclose()  # type: ignore[attr-defined]
+                await sub.events.aclose()  # type: ignore[attr-defined]  # a Relay: see api/follow.py's _Replay
         except ServiceError as exc:
             await self.send("TOKEN", lmtp.error_payload(frame.stream_id, exc.message))
         except REDIS_DOWN as exc:  # an outage, or a refusal (memory, failover): as a status would say
@@ -146,7 +146,7 @@ async def lmtp_socket(socket: WebSocket, svc: Svc, ctx: Ctx) -> None:
     try:
         while True:
             message = await socket.receive()
-            if message["type"] == "websocket.disconnect":
+            if message["type"] != "websocket.receive":  # a disconnect (accept() took the connect message)
                 break
             text = message.get("text")
             if text is None:  # a binary frame: LMTP is text, but be lenient about the frame type
