@@ -40,14 +40,17 @@ run: model
 		exec $(VENV)/bin/honcho -f Procfile.dev start web worker housekeeping ready; \
 	fi
 
-# Every test; --durations lists the slowest 25, so what the suite costs stays in view in CI's log.
+# The type checker ([tool.mypy]: api/, shared/, workers/), then every test; --durations lists the
+# slowest 25, so what the suite costs stays in view in CI's log.
 test: install
+	$(PY) -m mypy
 	$(PY) -m pytest --durations=25
 
 # The fast tier, for the loop between edits (about 4 minutes here): unit tests and the scripted
 # engine's integration tests, without the `slow` ones (tests/conftest.py says which: real vLLM,
 # the fault scenarios, and the integration modules that start processes or wait out timeouts).
 check: install
+	$(PY) -m mypy
 	$(PY) -m pytest -m "not slow" tests/unit tests/integration
 
 # Only the fault scenarios (they also run in `make test`); prints the figures table, writes faults.json.
@@ -98,4 +101,4 @@ docs: install
 	mv docs/settings.md.tmp docs/settings.md
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache
