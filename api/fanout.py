@@ -14,14 +14,14 @@ polled and cancelled at ``/v1/jobs/<group id>`` like one job, its result in the 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import msgspec
 
 from api.context import RequestContext
 from api.dialects import render_group_result
-from api.follow import collect
+from api.follow import Events, collect
 from api.models import caller
 from api.services import Services
 from api.submit import Submission, enqueue_detached, submit
@@ -53,7 +53,7 @@ async def submit_all(svc: Services, ctx: RequestContext, reqs: list[GenerationRe
             subs.append(await submit(svc, ctx, req, keepalive=keepalive and not subs, part=j, parts=len(reqs)))
     except BaseException:
         for sub in subs:
-            await sub.events.aclose()  # type: ignore[attr-defined]
+            await sub.events.aclose()
         raise
     return subs
 
@@ -133,13 +133,13 @@ def _job_deltas(event: Tokens | Done, offset: int) -> list[TokenDelta]:
     return deltas
 
 
-def merge(subs: list[Submission], n: int) -> AsyncIterator[Event | Keepalive]:
+def merge(subs: list[Submission], n: int) -> Events:
     """The jobs' events as one job's: interleaved as they arrive, indexes shifted, one terminal.
     One job's events are returned as they are: no extra generator on the per-token path."""
     return subs[0].events if len(subs) == 1 else _interleave(subs, n)
 
 
-async def _interleave(subs: list[Submission], n: int) -> AsyncIterator[Event | Keepalive]:
+async def _interleave(subs: list[Submission], n: int) -> AsyncGenerator[Event | Keepalive, None]:
     inbox: asyncio.Queue[tuple[int, Event | Keepalive]] = asyncio.Queue()
 
     async def pump(j: int, events: AsyncIterator[Event | Keepalive]) -> None:
@@ -176,7 +176,7 @@ async def _interleave(subs: list[Submission], n: int) -> AsyncIterator[Event | K
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for sub in subs:
-            await sub.events.aclose()  # type: ignore[attr-defined]
+            await sub.events.aclose()
 
 
 async def collect_all(subs: list[Submission], on_event: Callable[[Tokens | Done], None] | None = None
@@ -192,5 +192,5 @@ async def collect_all(subs: list[Submission], on_event: Callable[[Tokens | Done]
         raise group.exceptions[0] from None
     finally:
         for sub in subs:
-            await sub.events.aclose()  # type: ignore[attr-defined]
+            await sub.events.aclose()
     return [task.result() for task in tasks]

@@ -27,7 +27,7 @@ from shared.redis import REDIS_DOWN
 from shared.result import ResultBuilder
 from shared.schemas import JobResult
 
-__all__ = ["follow", "collect", "prefetch", "ColdWait", "Watcher", "Lane", "Relay", "DEADLINE_GRACE_MS"]
+__all__ = ["follow", "collect", "prefetch", "ColdWait", "Watcher", "Lane", "Relay", "Events", "DEADLINE_GRACE_MS"]
 
 T = TypeVar("T")
 
@@ -111,6 +111,19 @@ class Lane:
         state.sent(event)
         self.at = asyncio.get_running_loop().time()
         return True
+
+
+class Events(Protocol):
+    """A job's events as the API passes them around: a :class:`Relay`, a :func:`prefetch`'s
+    replay, or a generator of api/fanout.py or api/jobs.py. An async iterator that also closes:
+    whoever stops reading before the end closes it, which releases the job's subscription.
+    (Spelled out: on Python 3.11 a Protocol cannot extend AsyncIterator.)"""
+
+    def __aiter__(self) -> AsyncIterator[Event | Keepalive]: ...
+
+    def __anext__(self) -> Awaitable[Event | Keepalive]: ...
+
+    async def aclose(self) -> None: ...
 
 
 class Relay:
@@ -344,7 +357,7 @@ class _Outage:
         return result
 
 
-async def prefetch(events: AsyncIterator[Event | Keepalive], wait_s: float) -> AsyncIterator[Event | Keepalive]:
+async def prefetch(events: Events, wait_s: float) -> Events:
     """Wait up to ``wait_s`` for the first event before the response starts, so an error that
     comes first (say, a prompt too long for the model) still gets a real HTTP status. Raises that
     error; otherwise returns an iterator that replays what was read, then continues.
@@ -385,7 +398,7 @@ class _Replay:
     __slots__ = ("_first", "_events", "_ended", "lane")
 
     def __init__(self, head: Event | None, waiting: asyncio.Future[Event | Keepalive] | None,
-                 events: AsyncIterator[Event | Keepalive]) -> None:
+                 events: Events) -> None:
         self._first = waiting if waiting is not None else head
         self._events = events
         self._ended = False
@@ -419,9 +432,7 @@ class _Replay:
 
     async def aclose(self) -> None:
         self._let_go()
-        # Every job's events iterator closes (a Relay, or a generator of api/fanout.py or api/jobs.py):
-        # AsyncIterator, the type the modules pass them as, does not say so.
-        await self._events.aclose()  # type: ignore[attr-defined]
+        await self._events.aclose()
 
     def __del__(self) -> None:  # dropped unread (the response ended early): as aclose, minus the await
         self._let_go()

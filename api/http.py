@@ -16,20 +16,17 @@ from litestar.types import Receive, Scope, Send
 
 from api.body import decode
 from api.dialects.stream import StreamRenderer, drive, render
-from api.follow import Lane, prefetch
+from api.follow import Events, Lane, prefetch
 from api.middleware import OUT, CoalescingSend
 from shared.codec import encode
 from shared.events import Event
-from shared.framing import Keepalive
 
-__all__ = ["decode_body", "json_response", "stream_response", "stream_frames", "EventStream", "Events"]
+__all__ = ["decode_body", "json_response", "stream_response", "stream_frames", "EventStream"]
 
 T = TypeVar("T")
 
 # Streams must reach the client as they are produced: no proxy buffering, no caching.
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-Events = AsyncIterator[Event | Keepalive]
 
 
 async def decode_body(request: Request, kind: type[T]) -> T:
@@ -118,7 +115,7 @@ class _Streamed(ASGIStreamingResponse):
                 await chunks.aclose()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            await events.aclose()  # type: ignore[attr-defined]  # it closes: see api/follow.py's _Replay.aclose
+            await events.aclose()
 
 
 def _deliver(renderer: StreamRenderer[bytes], out: CoalescingSend, event: Event) -> bool:

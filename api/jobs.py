@@ -15,7 +15,7 @@ The mechanics underneath are :mod:`api.submit` (admission, enqueue, subscription
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
@@ -26,8 +26,8 @@ from api import dialects
 from api.context import JobRef, RequestContext
 from api.dialects.stream import StreamRenderer
 from api.fanout import collect_all, enqueue_all, merge, submit_all
-from api.follow import DEADLINE_GRACE_MS
-from api.http import Events, EventStream, json_response
+from api.follow import DEADLINE_GRACE_MS, Events
+from api.http import EventStream, json_response
 from api.services import Services
 from api.submit import Submission, follow_job, submit, subscribe_job
 from shared.errors import JobNotFound
@@ -129,7 +129,7 @@ async def events(svc: Services, model: str, record: JobRecord, *, after: int = 0
     return follow_job(svc, live, after_seq=after, backfill=True, keepalive=True, deadline=record.deadline)
 
 
-async def _replay(logged: list[Event]) -> AsyncIterator[Event]:
+async def _replay(logged: list[Event]) -> AsyncGenerator[Event, None]:
     for event in logged:
         yield event
 

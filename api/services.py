@@ -97,8 +97,7 @@ async def lifespan(app: Litestar) -> AsyncIterator[None]:
     redis = connect(settings.redis_dsn, block_ms=settings.block_ms)
     instance = os.urandom(4).hex()
     home = keys.api_home(instance)
-    sharded = is_cluster(redis)
-    listener = ClusterListener(redis, home) if sharded else EventListener(redis, home)
+    listener = ClusterListener(redis, home) if is_cluster(redis) else EventListener(redis, home)
     services = Services(
         settings=settings,
         keys=keys,
@@ -114,7 +113,7 @@ async def lifespan(app: Litestar) -> AsyncIterator[None]:
         keys_on=bool(configured_keys(settings)),
         operators=frozenset(owner_of(k) for k in parse_keys(settings.operator_keys)),
         instance=instance,
-        sharded=sharded,
+        sharded=is_cluster(redis),
     )
     # The listener reconnects by itself, so the API starts (and answers 503) before Redis is up.
     # Then the eviction policy is checked once Redis answers, and the process stops if it fails.

@@ -15,7 +15,6 @@ Idempotency-Key, its watches) arrives in its :class:`api.context.RequestContext`
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
@@ -23,7 +22,7 @@ import msgspec
 import structlog
 
 from api.context import RequestContext, RequestTrace
-from api.follow import ColdWait, Lane, Relay, follow
+from api.follow import ColdWait, Events, Lane, Relay, follow
 from api.listener import Inbox
 from api.models import caller
 from api.services import Services
@@ -32,7 +31,6 @@ from shared.admission import new_job
 from shared.codec import decode_request, encode
 from shared.errors import InvalidRequest
 from shared.events import Event
-from shared.framing import Keepalive
 from shared.schemas import GenerationRequest, JobRecord
 
 __all__ = ["Submission", "Live", "Following", "submit", "enqueue_detached", "admit", "subscribe_job", "follow_job",
@@ -46,7 +44,7 @@ class Submission:
     job_id: str
     created: int  # epoch seconds, for dialects that print it
     request: GenerationRequest  # as queued: the model filled in
-    events: AsyncIterator[Event | Keepalive]
+    events: Events
 
 
 def check_queueable(req: GenerationRequest) -> None:

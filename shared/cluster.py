@@ -20,6 +20,7 @@ the ``{model}`` hash tag, so redis-py routes them to the slot's node. Pub/sub is
 from __future__ import annotations
 
 import random
+from typing import TypeGuard
 
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode
@@ -32,7 +33,9 @@ __all__ = ["is_cluster", "sharded_pubsub", "publish", "pubsub_connection", "node
 SHARDED_FROM = (7, 0, 0)
 
 
-def is_cluster(redis: Redis) -> bool:
+def is_cluster(redis: Redis) -> TypeGuard[RedisCluster]:
+    """True when ``connect()`` made a Cluster client; a TypeGuard, so the caller's branch then
+    holds a RedisCluster (``connect()`` is annotated as returning a plain Redis)."""
     return isinstance(redis, RedisCluster)
 
 

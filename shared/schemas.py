@@ -437,8 +437,9 @@ def runs_of(runs: str, attempt: int, worker: str, started_at: float | None) -> l
     """A record's attempts from its fields (the record's own, or a few read with HMGET): its
     ``runs``, or, with none (one attempt: its end dropped the field), its worker and start."""
     if not runs:
-        one = attempt and worker and started_at is not None
-        return [Run(attempt=attempt, worker=worker, started_at=started_at)] if one else []
+        if attempt and worker and started_at is not None:
+            return [Run(attempt=attempt, worker=worker, started_at=started_at)]
+        return []
     return [parse_run(run) for run in runs.split()]
 
 

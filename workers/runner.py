@@ -586,6 +586,7 @@ class Worker:
             if out.merged:
                 continue  # its tokens joined the job's event still in the outbox (the flusher is behind)
             if out.terminal is not None:
+                assert out.result is not None  # a step's terminal event is its Done, which carries the result
                 self._emit(d, out.terminal, data=out.data, entry_id=d.entry_id, result=out.result,
                            first_token_at=out.first_token_at, log=out.log, history=attempt.encoded,
                            history_from=attempt.base, history_prompt_ids=attempt.logged_prompt_ids)
@@ -772,7 +773,7 @@ class Worker:
         log.info("worker_draining", in_flight=len(self._running) + len(suspects),
                  timeout_s=self.settings.drain_timeout_s)
         tasks = [r.task for r in self._running.values()]
-        pending = set()
+        pending: set[asyncio.Task[None]] = set()
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=self.settings.drain_timeout_s)
         if not pending and not suspects:

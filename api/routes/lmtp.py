@@ -92,7 +92,7 @@ class Session:
                     for payload in payloads:
                         await self.send("TOKEN", payload)
             finally:
-                await sub.events.aclose()  # type: ignore[attr-defined]  # a Relay: see api/follow.py's _Replay
+                await sub.events.aclose()
         except ServiceError as exc:
             await self.send("TOKEN", lmtp.error_payload(frame.stream_id, exc.message))
         except REDIS_DOWN as exc:  # an outage, or a refusal (memory, failover): as a status would say

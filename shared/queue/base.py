@@ -14,6 +14,7 @@ from shared.durability import NOT_DURABLE, Durability
 from shared.events import Event
 from shared.keys import Keys
 from shared.queue.writer import EventWriter
+from shared.redis import reply
 
 __all__ = ["Side", "Logged"]
 
@@ -60,19 +61,19 @@ class Side:
         never half of each; the same events and bytes either way). With the prompt's token ids
         when the events read include the one that carried them (a running job's log: what a
         continuation needs)."""
-        kind, *reply = await self.scripts.run(scripts.read_log(self.keys.events(model, job_id), after_seq + 1))
+        kind, *found = await self.scripts.run(scripts.read_log(self.keys.events(model, job_id), after_seq + 1))
         if kind == b"s":
             events, prompt_ids = [], None
-            for _, fields in reply[0]:
+            for _, fields in found[0]:
                 events.append(decode_event(fields[1]))
                 if len(fields) > 2 and fields[2] == b"p":  # the attempt's first event: 'e', event, 'p', ids
                     prompt_ids = _ids.decode(fields[3])
             return Logged(events, prompt_ids)
         # No stream in the shard: ended and settled (the compact log is in the record; settle.lua
         # drops the stream only after finish.lua put it there), or an older worker's string.
-        compact, result = (reply[0], None) if kind == b"c" else (None, None)
+        compact, result = (found[0], None) if kind == b"c" else (None, None)
         if compact is None or eventlog.needs_result(compact):
-            held, result = await self.redis.hmget(self.keys.job(model, job_id), "log", "result")
+            held, result = await reply(self.redis.hmget(self.keys.job(model, job_id), ["log", "result"]))
             compact = compact if compact is not None else held
         if compact is None:
             return Logged([])

@@ -91,7 +91,7 @@ class JobStore(Side):
         one (in place)."""
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
-            pipe.hmget(self.keys.ending(model, job_id), "status", "field", "payload", "finished_at")
+            pipe.hmget(self.keys.ending(model, job_id), ["status", "field", "payload", "finished_at"])
         settled = []
         for n, (raw, (status, field, payload, finished_at)) in enumerate(zip(raws, await pipe.execute(), strict=True)):
             if status:
@@ -118,7 +118,7 @@ class JobStore(Side):
         raw = await self.redis.get(self.keys.group(model, group_id))
         return _groups.decode(raw) if raw else None
 
-    async def note(self, model: str, job_id: str, fields: dict[str, str | int]) -> bool:
+    async def note(self, model: str, job_id: str, fields: dict[str, scripts.Value]) -> bool:
         """Set ``fields`` on the job record if it still exists (never recreates an expired one)."""
         return bool(await self.scripts.run(scripts.set_if_exists(self.keys.job(model, job_id), fields)))
 

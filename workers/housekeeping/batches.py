@@ -48,7 +48,7 @@ from shared.codec import encode
 from shared.errors import GenerationFailed, NotDurable, Overloaded, QueueRefused
 from shared.keys import LEVELS
 from shared.queue import now_ms
-from shared.redis import REDIS_DOWN
+from shared.redis import REDIS_DOWN, reply
 from shared.schemas import TERMINAL_STATUSES, GenerationRequest, JobError, JobRecord
 from shared.tenants import DEFAULT_TENANT, TenantConfig, read_config
 from workers.housekeeping.housekeeper import Housekeeper
@@ -72,15 +72,15 @@ class Tick:
         self.window = self.settings.batch_max_in_flight
 
     async def run(self) -> None:
-        ids = [raw.decode() for raw in await self.redis.smembers(self.keys.batches_active())]
+        active: set[bytes] = await reply(self.redis.smembers(self.keys.batches_active()))
         batches = []
-        for batch_id in ids:
+        for batch_id in (raw.decode() for raw in active):
             got = await self.store.get(batch_id)
             if got is None:
-                await self.redis.srem(self.keys.batches_active(), batch_id)
+                await reply(self.redis.srem(self.keys.batches_active(), batch_id))
                 continue
             batches.append(got)
-            self.window -= await self.redis.hlen(self.keys.batch_jobs(batch_id))
+            self.window -= await self._count_of(self.keys.batch_jobs(batch_id))
         for batch, owner in sorted(batches, key=lambda b: b[0].created_at):
             await self.advance(batch, owner)
 
@@ -97,17 +97,20 @@ class Tick:
         if pending:
             return
         if ending:
-            final = (await self.redis.hget(self.keys.batch(batch.id), "ending") or b"cancelled").decode()
+            how: bytes | None = await reply(self.redis.hget(self.keys.batch(batch.id), "ending"))
+            final = (how or b"cancelled").decode()
             await self.never_run(batch, final)
             await self.finish(batch, owner, "cancelling", final)
-        elif int(await self.redis.hget(self.keys.batch(batch.id), "next") or 0) >= batch.request_counts.total:
+        elif await self._next_line(batch.id) >= batch.request_counts.total:
             await self.finish(batch, owner, "in_progress", "completed")
         bound.debug("batch_advanced", pending=pending)
 
     async def gather(self, batch: BatchObject, *, cancel: bool) -> int:
         """Collect the lines whose jobs all ended; returns how many lines are still running."""
         pending = 0
-        for line, raw in (await self.redis.hgetall(self.keys.batch_jobs(batch.id))).items():
+        in_flight: dict[bytes, bytes] = await reply(self.redis.hgetall(self.keys.batch_jobs(batch.id)))
+        for field, raw in in_flight.items():
+            line = field.decode()  # the line's number, which names it in each of the batch's hashes
             model, job_ids = _jobs.decode(raw)
             records = [await self.queue.get_job(model, job_id) for job_id in job_ids]
             running = [r for r in records if r is not None and r.status not in TERMINAL_STATUSES]
@@ -117,11 +120,10 @@ class Tick:
                     for record in running:
                         await self.queue.cancel(model, record.id)
                 continue
-            stored = _stored.decode(await self.redis.lindex(self.keys.batch_lines(batch.id), int(line)))
-            out = _outcome(stored, job_ids, records)
+            out = _outcome(await self._stored_line(batch.id, int(line)), job_ids, records)
             target = self.keys.batch_output(batch.id) if isinstance(out, Answered) else self.keys.batch_errors(batch.id)
-            await self.redis.hset(target, line, encode(out))
-            await self.redis.hdel(self.keys.batch_jobs(batch.id), line)
+            await self._keep(target, line, out)
+            await reply(self.redis.hdel(self.keys.batch_jobs(batch.id), line))
         await self._count(batch)
         return pending
 
@@ -130,13 +132,13 @@ class Tick:
         key = self.keys.batch(batch.id)
         queued = 0
         while self.rate > 0 and self.window > 0:
-            line = int(await self.redis.hget(key, "next") or 0)
+            line = await self._next_line(batch.id)
             if line >= batch.request_counts.total:
                 break
-            stored = _stored.decode(await self.redis.lindex(self.keys.batch_lines(batch.id), line))
+            stored = await self._stored_line(batch.id, line)
             if stored.error is not None:
                 out = Refused(custom_id=stored.custom_id, request_id=f"{batch.id}_{line}", error=stored.error)
-                await self.redis.hset(self.keys.batch_errors(batch.id), str(line), encode(out))
+                await self._keep(self.keys.batch_errors(batch.id), str(line), out)
             else:
                 try:
                     job_ids = [await self._enqueue(batch, owner, line, part, req)
@@ -146,9 +148,9 @@ class Tick:
                     # failover): this line is queued again next tick, under the same idempotency key.
                     break
                 entry = encode((stored.requests[0].model, job_ids))
-                await self.redis.hset(self.keys.batch_jobs(batch.id), str(line), entry)
+                await reply(self.redis.hset(self.keys.batch_jobs(batch.id), mapping={str(line): entry}))
                 self.rate, self.window, queued = self.rate - 1, self.window - 1, queued + 1
-            await self.redis.hincrby(key, "next", 1)
+            await reply(self.redis.hincrby(key, "next", 1))
         await self._count(batch)
         return queued
 
@@ -169,12 +171,11 @@ class Tick:
         """Error-file lines for the lines a batch that ended ``final`` (cancelled or expired)
         never queued."""
         code, message = _NEVER_RUN["expired" if final == "expired" else "cancelled"]
-        start = int(await self.redis.hget(self.keys.batch(batch.id), "next") or 0)
-        for line in range(start, batch.request_counts.total):
-            stored = _stored.decode(await self.redis.lindex(self.keys.batch_lines(batch.id), line))
+        for line in range(await self._next_line(batch.id), batch.request_counts.total):
+            stored = await self._stored_line(batch.id, line)
             out = NotRun(custom_id=stored.custom_id, request_id=f"{batch.id}_{line}", code=code, message=message)
-            await self.redis.hset(self.keys.batch_errors(batch.id), str(line), encode(out))
-        await self.redis.hset(self.keys.batch(batch.id), "next", batch.request_counts.total)
+            await self._keep(self.keys.batch_errors(batch.id), str(line), out)
+        await reply(self.redis.hset(self.keys.batch(batch.id), mapping={"next": batch.request_counts.total}))
         await self._count(batch)
 
     async def finish(self, batch: BatchObject, owner: str, current: str, final: str) -> None:
@@ -185,7 +186,7 @@ class Tick:
         files: dict[str, str] = {}
         for field, key, name in (("output_file_id", self.keys.batch_output(batch.id), "output"),
                                  ("error_file_id", self.keys.batch_errors(batch.id), "error")):
-            lines = await self.redis.hgetall(key)
+            lines: dict[bytes, bytes] = await reply(self.redis.hgetall(key))
             if lines:
                 content = b"".join(lines[k] + b"\n" for k in sorted(lines, key=int))
                 # bytes: set when the API renders the outcomes, on the file's first read.
@@ -202,9 +203,28 @@ class Tick:
             log.info("batch_finished", batch_id=batch.id, status=final, **files)
 
     async def _count(self, batch: BatchObject) -> None:
-        completed = await self.redis.hlen(self.keys.batch_output(batch.id))
-        failed = await self.redis.hlen(self.keys.batch_errors(batch.id))
-        await self.redis.hset(self.keys.batch(batch.id), mapping={"completed": completed, "failed": failed})
+        completed = await self._count_of(self.keys.batch_output(batch.id))
+        failed = await self._count_of(self.keys.batch_errors(batch.id))
+        await reply(self.redis.hset(self.keys.batch(batch.id), mapping={"completed": completed, "failed": failed}))
+
+    # The reads below state their replies' types, which redis-py's annotations do not give for our
+    # asyncio client (shared.redis.reply).
+
+    async def _next_line(self, batch_id: str) -> int:
+        """The batch's next line to queue, or to count as never run (0 before its first)."""
+        raw: bytes | None = await reply(self.redis.hget(self.keys.batch(batch_id), "next"))
+        return int(raw or 0)
+
+    async def _stored_line(self, batch_id: str, line: int) -> StoredLine:
+        return _stored.decode(await reply(self.redis.lindex(self.keys.batch_lines(batch_id), line)))
+
+    async def _count_of(self, key: str) -> int:
+        """How many fields the hash at ``key`` holds (lines gathered into a file, or in flight)."""
+        return await reply(self.redis.hlen(key))
+
+    async def _keep(self, key: str, line: str, out: LineOutcome) -> None:
+        """``out`` as the outcome of ``line`` in the output or error file's hash at ``key``."""
+        await reply(self.redis.hset(key, mapping={line: encode(out)}))
 
 
 # OpenAI's error-file code for the lines a batch never queued, and its message, by how it ended.

@@ -32,16 +32,17 @@ async def sweep(hk: Housekeeper) -> dict[str, int | float]:
     pruned = await hk.redis.zremrangebyscore(hk.keys.workers(model), 0, now_ms())
     reading = await read_queue(hk.redis, hk.keys, model, now_ms=now_ms(), lease_ms=int(hk.settings.lease_s * 1000))
     levels = reading.levels  # every priority level, summed
+    orphaned = sum(lv.orphaned for lv in levels)
     stats: dict[str, int | float] = {
         "ready_workers": reading.ready_workers, "pruned_workers": pruned,
         "pending": sum(lv.pending for lv in levels), "lag": sum(lv.waiting for lv in levels),
-        "queued": reading.depth, "orphaned": sum(lv.orphaned for lv in levels),
+        "queued": reading.depth, "orphaned": orphaned,
         "oldest_orphan_s": round(max(lv.oldest_orphan_ms for lv in levels) / 1000, 1),
         "consumers_removed": await _remove_dead_consumers(hk, reading), "dead_letters": reading.dead_letters,
     }
     # Every 30 s: at info only the first time and when something changed that an operator acts on
     # (workers came or went, jobs wait orphaned, dead letters); the rest is in /metrics anyway.
-    notable = (stats["ready_workers"], stats["orphaned"], stats["dead_letters"])
+    notable = (reading.ready_workers, orphaned, reading.dead_letters)
     changed = notable != hk.last_sweep.get(model) or stats["pruned_workers"] or stats["consumers_removed"]
     hk.last_sweep[model] = notable
     (log.info if changed else log.debug)("housekeeping_sweep", model=model, **stats)
