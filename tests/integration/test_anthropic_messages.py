@@ -30,6 +30,7 @@ from tests.support.fuzzing import malformed_bodies, struct_body
 from tests.support.scripted_engine import ScriptedEngine
 from tests.support.scripted_stack import scripted_stack
 from tests.support.streams import chunked
+from tests.support.waiting import job_status
 from workers.protocol import Step
 
 SLOW_S = 1.6  # a "slow..." chat waits this long before its first token: several keep-alive intervals
@@ -279,11 +280,7 @@ async def test_respond_async_queues_a_job_to_poll(stack):
     resp = await stack.client.post("/v1/messages", headers={"Prefer": "respond-async"}, json=body)
     assert resp.status_code == 202
     job_id = resp.json()["id"]
-    for _ in range(100):
-        job = (await stack.client.get(f"/v1/jobs/{job_id}")).json()
-        if job["status"] == "done":
-            break
-        await asyncio.sleep(0.05)
+    job = await job_status(stack.client, job_id, "done")
     # The stored job's result is rendered in the dialect that queued it: an Anthropic message.
     assert job["result"]["type"] == "message" and job["result"]["content"] == [{"type": "text", "text": "aba"}]
     assert job["result"]["id"] == f"msg_{job_id}"

@@ -24,7 +24,7 @@ from tests.support.dialect_bodies import responses_bodies
 from tests.support.fuzzing import malformed_bodies, odd_bodies, struct_body
 from tests.support.scripted_engine import ScriptedEngine, expected_text
 from tests.support.scripted_stack import scripted_settings, serve_api
-from tests.support.waiting import eventually
+from tests.support.waiting import eventually, job_status
 from workers.protocol import Step
 
 SLOW_S = 1.5
@@ -296,11 +296,7 @@ async def test_respond_async_polls_at_v1_jobs_with_the_response_object(stack):
                                    headers={"Prefer": "respond-async"})
     assert resp.status_code == 202
     job_id = resp.json()["id"]
-    for _ in range(200):
-        view = (await stack.client.get(f"/v1/jobs/{job_id}")).json()
-        if view["status"] == "done":
-            break
-        await asyncio.sleep(0.05)
+    view = await job_status(stack.client, job_id, "done")
     assert view["dialect"] == "openai_responses"
     assert view["result"]["id"] == "resp_" + job_id and view["result"]["output"][0]["content"][0]["text"] == "eos"
 
