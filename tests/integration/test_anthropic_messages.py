@@ -16,8 +16,6 @@ from collections.abc import AsyncIterator, Sequence
 import anthropic
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from api.dialects import anthropic_messages as am
@@ -26,7 +24,7 @@ from shared.events import TokenDelta, ToolCallDelta
 from shared.schemas import GenerationRequest, Tool, ToolUse
 from tests.support.dialect_bodies import anthropic_bodies
 from tests.support.event_log import read_job_sse, sse_frames
-from tests.support.fuzzing import malformed_bodies, struct_body
+from tests.support.fuzzing import draw, malformed_bodies, struct_body
 from tests.support.scripted_engine import ScriptedEngine
 from tests.support.scripted_stack import scripted_stack
 from tests.support.streams import chunked
@@ -329,18 +327,6 @@ async def test_malformed_bodies_get_invalid_request_errors(stack):
         assert resp.status_code == 400, (raw[:40], resp.text)
         assert resp.json()["type"] == "error" and resp.json()["error"]["type"] == "invalid_request_error"
 
-
-def draw(strategy: st.SearchStrategy[bytes], n: int) -> list[bytes]:
-    out: list[bytes] = []
-
-    @settings(max_examples=n, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(strategy)
-    def collect(body: bytes) -> None:
-        out.append(body)
-
-    collect()
-    return out
 
 
 @pytest.mark.parametrize("route", ["/v1/messages", "/v1/messages/count_tokens"])

@@ -14,14 +14,13 @@ from collections.abc import AsyncIterator, Sequence
 import msgspec
 import openai
 import pytest
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from api.dialects import openai_responses as r
 from shared.events import TokenDelta, ToolCallDelta
 from shared.schemas import ChatMessage, GenerationRequest, ToolCall
 from tests.support.dialect_bodies import responses_bodies
-from tests.support.fuzzing import malformed_bodies, odd_bodies, struct_body
+from tests.support.fuzzing import draw, malformed_bodies, odd_bodies, struct_body
 from tests.support.scripted_engine import ScriptedEngine, expected_text
 from tests.support.scripted_stack import scripted_settings, serve_api
 from tests.support.waiting import eventually, job_status
@@ -250,18 +249,6 @@ async def test_malformed_bodies_are_openai_400s(stack):
         assert resp.status_code == 400, body
         assert resp.json()["error"]["type"] == "invalid_request_error"
 
-
-def draw(strategy: st.SearchStrategy, n: int) -> list:
-    out: list = []
-
-    @settings(max_examples=n, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(strategy)
-    def collect(body) -> None:
-        out.append(body)
-
-    collect()
-    return out
 
 
 async def test_fuzzed_and_malformed_bodies_never_500_or_hang(stack):
