@@ -62,7 +62,7 @@ class Captured:
 
 
 @dataclass
-class CaptureServer:
+class CaptureServer(LocalServer):
     """``with CaptureServer() as srv:`` serves on ``srv.url`` until the block ends;
     ``srv.requests`` is every request so far, in arrival order."""
 
@@ -76,15 +76,7 @@ class CaptureServer:
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._counter = 0
-        self._http = LocalServer(self._handler(), "capture-server")
-        self.url = self._http.url
-
-    def __enter__(self) -> CaptureServer:
-        self._http.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._http.stop()
+        self._serve(self._handler(), "capture-server")
 
     def captured(self) -> list[Captured]:
         with self._lock:

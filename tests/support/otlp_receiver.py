@@ -91,7 +91,7 @@ def decode(body: bytes) -> list[Span]:
     return spans
 
 
-class Receiver:
+class Receiver(LocalServer):
     """``with Receiver() as rx:`` serves until the block ends; point exporters at ``rx.url``."""
 
     def __init__(self) -> None:
@@ -99,18 +99,7 @@ class Receiver:
         self._spans: list[Span] = []
         self._bodies: list[bytes] = []  # raw, as received (possibly gzipped)
         self._errors: list[str] = []  # requests it could not decode
-        self._http = LocalServer(self._handler(), "otlp-receiver")
-        self.url = self._http.url
-
-    def __enter__(self) -> Receiver:
-        self._http.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._http.stop()
+        self._serve(self._handler(), "otlp-receiver")
 
     def spans(self) -> list[Span]:
         with self._lock:
