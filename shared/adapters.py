@@ -357,12 +357,9 @@ async def _run(args: argparse.Namespace, settings: Settings) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """``llmq-adapters``: register, remove and list LoRA adapters."""
-    from shared.config import load_settings
+    from shared.config import operator_cli
 
-    settings = load_settings()
-    p = argparse.ArgumentParser(prog="llmq-adapters", description=__doc__.split("\n")[0])
-    p.add_argument("--url", default=settings.redis_dsn, help="Redis URL (default: LLMQ_REDIS_URL)")
-    p.add_argument("--prefix", default=settings.prefix, help="key prefix (default: LLMQ_PREFIX)")
+    settings, p = operator_cli("llmq-adapters", __doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     add = sub.add_parser("add", help="register an adapter (nothing is loaded until its first request)")
     add.add_argument("name", help="the name requests send as `model`")

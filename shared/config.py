@@ -9,6 +9,7 @@ workers/environment.py, since no other process builds an engine.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from collections.abc import Mapping
@@ -28,6 +29,7 @@ __all__ = [
     "Settings",
     "load_settings",
     "load_tracing",
+    "operator_cli",
     "DEFAULT_MODEL",
     "TINY_MODEL_DIR",
     "TINY_ADAPTERS",
@@ -544,3 +546,13 @@ def load_tracing(default_service: str, process: str) -> Tracing | None:
         return Tracing.from_env(default_service, process, os.environ)
     except ValueError as exc:
         raise SettingsError(f"invalid tracing settings: {exc}") from None
+
+
+def operator_cli(prog: str, description: str) -> tuple[Settings, argparse.ArgumentParser]:
+    """An operator CLI's settings and parser (llmq-adapters, llmq-tenants), with the Redis it works
+    on: ``--url`` and ``--prefix``, by default the services' own."""
+    settings = load_settings()
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--url", default=settings.redis_dsn, help="Redis URL (default: LLMQ_REDIS_URL)")
+    p.add_argument("--prefix", default=settings.prefix, help="key prefix (default: LLMQ_PREFIX)")
+    return settings, p

@@ -56,11 +56,12 @@ class Library:
     uses: tuple[Library, ...] = ()
 
 
+ITEMS = Library("items.lua", "Items")
 FAIR = Library("tenants.lua", "Fair")
 JOB = Library("job.lua", "Job", uses=(FAIR,))
 CLAIM = Library("claim.lua", "Claim")
 PICK = Library("pick.lua", "Pick", uses=(FAIR, CLAIM))
-LIBRARIES = (FAIR, JOB, CLAIM, PICK)
+LIBRARIES = (ITEMS, FAIR, JOB, CLAIM, PICK)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +197,7 @@ PREEMPT = Script(
     argv=("group", "consumer", "tenant_prefix", "job_prefix", "now", "max_failed", "max_preemptions", "levels",
           "levels_at", "levels_width", "job_keys_at", "job_keys_width", "jobs_at", "jobs_width"),
     argv_groups=(Group("jobs", ("job_id", "entry", "attempt", "level", "used")),),
-    uses=(FAIR, PICK),
+    uses=(ITEMS, FAIR, PICK),
 )
 
 
@@ -253,6 +254,7 @@ RENEW = Script(
     key_groups=(Group("job_keys", ("job", "queue")),),
     argv=("group", "worker", "idle", "hand_back", "job_keys_at", "job_keys_width", "jobs_at", "jobs_width"),
     argv_groups=(Group("jobs", ("entry", "attempt")),),
+    uses=(ITEMS,),
 )
 
 
@@ -346,7 +348,7 @@ FLUSH = Script(
         # Per event that carries the prompt's token ids (an attempt's first): logged with it.
         Group("prompts", ("index", "ids")),
     ),
-    uses=(JOB,),
+    uses=(ITEMS, JOB),
     publishes=True,
 )
 
@@ -446,7 +448,7 @@ TAKE = Script(
     argv=("shards_at", "shards_width", "logs_at", "logs_width", "shard_args_at", "shard_args_width", "jobs_at",
           "jobs_width", "worker"),
     argv_groups=(Group("shard_args", ("ending_prefix",)), Group("jobs", ("job_id", "attempt", "followers", "shard"))),
-    uses=(JOB,),
+    uses=(ITEMS, JOB),
 )
 
 
@@ -471,6 +473,7 @@ SETTLE = Script(
     argv=("shards_at", "shards_width", "logs_at", "logs_width", "shard_args_at", "shard_args_width", "jobs_at",
           "jobs_width"),
     argv_groups=(Group("shard_args", ("ending_prefix",)), Group("jobs", ("job_id", "shard", "drop"))),
+    uses=(ITEMS,),
 )
 
 
@@ -495,7 +498,7 @@ FINISH = Script(
     argv_groups=(Group("items", ("job_id", "attempt", "first_token_at", "status", "field", "payload",
                                  "entry", "entry_level", "dead", "compact", "prompt_tokens", "generated_tokens",
                                  "finished_at")),),
-    uses=(JOB,),
+    uses=(ITEMS, JOB),
 )
 
 

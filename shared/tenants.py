@@ -260,12 +260,9 @@ async def _run(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """``llmq-tenants``: set, show and list tenants' weights and limits."""
-    from shared.config import load_settings
+    from shared.config import operator_cli
 
-    settings = load_settings()
-    p = argparse.ArgumentParser(prog="llmq-tenants", description=__doc__.split("\n")[0])
-    p.add_argument("--url", default=settings.redis_dsn, help="Redis URL (default: LLMQ_REDIS_URL)")
-    p.add_argument("--prefix", default=settings.prefix, help="key prefix (default: LLMQ_PREFIX)")
+    _, p = operator_cli("llmq-tenants", __doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     for name, text in (("set", "set a tenant's weight and limits ('none' removes one)"),
                        ("show", "a tenant's counter, jobs, last minute's tokens and share, per model")):

@@ -58,12 +58,18 @@ def start_redis(data_dir: Path | None = None) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def running_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A throwaway redis-server's URL for as long as a fixture holds it (the fixture picks the
+    scope: the session's ``redis_url``, or a module that needs a server of its own)."""
     proc, url = start_redis(tmp_path_factory.mktemp("redis"))
     yield url
     proc.terminate()
     proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    yield from running_redis(tmp_path_factory)
 
 
 @pytest.fixture

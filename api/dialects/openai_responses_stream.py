@@ -67,69 +67,59 @@ class ItemEvent(msgspec.Struct, kw_only=True):
     item: OutputItem
 
 
-class PartEvent(msgspec.Struct, kw_only=True):
-    """``response.content_part.added`` / ``.done``, of a message (``output_text``) or of a
-    reasoning item (``reasoning_text``, as vLLM streams it)."""
+class _OfItem(msgspec.Struct, kw_only=True):
+    """What every event inside one output item starts with: which item it belongs to. A subclass
+    adds its own fields after these (msgspec keeps a base's fields first, in order; a subclass
+    that gives ``type`` a default keeps it in its place), so the wire order is OpenAI's."""
 
     type: str
     sequence_number: int
     item_id: str
     output_index: int
+
+
+class _OfPart(_OfItem, kw_only=True):
+    """An event of an item's content part (a message's text, a reasoning item's text)."""
+
     content_index: int = 0
+
+
+class PartEvent(_OfPart, kw_only=True):
+    """``response.content_part.added`` / ``.done``, of a message (``output_text``) or of a
+    reasoning item (``reasoning_text``, as vLLM streams it)."""
+
     part: OutputText | ReasoningText
 
 
-class TextDelta(msgspec.Struct, kw_only=True):
+class TextDelta(_OfPart, kw_only=True):
     type: str = "response.output_text.delta"
-    sequence_number: int
-    item_id: str
-    output_index: int
-    content_index: int = 0
     delta: str
     logprobs: list[Any] = []
 
 
-class TextDone(msgspec.Struct, kw_only=True):
+class TextDone(_OfPart, kw_only=True):
     type: str = "response.output_text.done"
-    sequence_number: int
-    item_id: str
-    output_index: int
-    content_index: int = 0
     text: str
     logprobs: list[Any] = []
 
 
-class ReasoningDelta(msgspec.Struct, kw_only=True):
+class ReasoningDelta(_OfPart, kw_only=True):
     type: str = "response.reasoning_text.delta"
-    sequence_number: int
-    item_id: str
-    output_index: int
-    content_index: int = 0
     delta: str
 
 
-class ReasoningDone(msgspec.Struct, kw_only=True):
+class ReasoningDone(_OfPart, kw_only=True):
     type: str = "response.reasoning_text.done"
-    sequence_number: int
-    item_id: str
-    output_index: int
-    content_index: int = 0
     text: str
 
 
-class ArgumentsDelta(msgspec.Struct, kw_only=True):
+class ArgumentsDelta(_OfItem, kw_only=True):
     type: str = "response.function_call_arguments.delta"
-    sequence_number: int
-    item_id: str
-    output_index: int
     delta: str
 
 
-class ArgumentsDone(msgspec.Struct, kw_only=True):
+class ArgumentsDone(_OfItem, kw_only=True):
     type: str = "response.function_call_arguments.done"
-    sequence_number: int
-    item_id: str
-    output_index: int
     arguments: str
 
 

@@ -12,6 +12,7 @@ import importlib.metadata
 from typing import Any
 
 from litestar import Request, Response, get, post
+from litestar.handlers import HTTPRouteHandler
 from litestar.params import FromPath
 
 from api import jobs
@@ -76,32 +77,27 @@ async def _generate(
                               renderer=lambda q: tr.TritonStream(q.request, opts=opts))
 
 
-@documented("Triton generate", **_GENERATE)
-@post(f"{_MODEL}/generate", opt=_OPT, status_code=200)
-async def generate(request: Request, svc: Svc, ctx: Ctx, model: FromPath[str]) -> Response:
-    return await _generate(request, svc, ctx, model, None, streaming=False)
+def _generate_routes(name: str, *, streaming: bool) -> tuple[HTTPRouteHandler, HTTPRouteHandler]:
+    """The generate extension's route ``name`` at a model's path and at one of its versions' (Triton
+    serves both), each answered by :func:`_generate`."""
+
+    @documented(f"Triton {name}", **_GENERATE)
+    @post(f"{_MODEL}/{name}", opt=_OPT, status_code=200)
+    async def of_model(request: Request, svc: Svc, ctx: Ctx, model: FromPath[str]) -> Response:
+        return await _generate(request, svc, ctx, model, None, streaming=streaming)
+
+    @documented(f"Triton {name}", **_GENERATE)
+    @post(f"{_VERSIONED}/{name}", opt=_OPT, status_code=200)
+    async def of_version(
+        request: Request, svc: Svc, ctx: Ctx, model: FromPath[str], version: FromPath[str]
+    ) -> Response:
+        return await _generate(request, svc, ctx, model, version, streaming=streaming)
+
+    return of_model, of_version
 
 
-@documented("Triton generate", **_GENERATE)
-@post(f"{_VERSIONED}/generate", opt=_OPT, status_code=200)
-async def generate_versioned(
-    request: Request, svc: Svc, ctx: Ctx, model: FromPath[str], version: FromPath[str]
-) -> Response:
-    return await _generate(request, svc, ctx, model, version, streaming=False)
-
-
-@documented("Triton generate_stream", **_GENERATE)
-@post(f"{_MODEL}/generate_stream", opt=_OPT, status_code=200)
-async def generate_stream(request: Request, svc: Svc, ctx: Ctx, model: FromPath[str]) -> Response:
-    return await _generate(request, svc, ctx, model, None, streaming=True)
-
-
-@documented("Triton generate_stream", **_GENERATE)
-@post(f"{_VERSIONED}/generate_stream", opt=_OPT, status_code=200)
-async def generate_stream_versioned(
-    request: Request, svc: Svc, ctx: Ctx, model: FromPath[str], version: FromPath[str]
-) -> Response:
-    return await _generate(request, svc, ctx, model, version, streaming=True)
+generate, generate_versioned = _generate_routes("generate", streaming=False)
+generate_stream, generate_stream_versioned = _generate_routes("generate_stream", streaming=True)
 
 
 # --- health and metadata --------------------------------------------------------------------

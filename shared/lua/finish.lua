@@ -34,9 +34,7 @@ if levels > 0 then
 end
 
 local refused = {}
-local i = 0
-for a = items_at, #ARGV, items_width do
-  local j = jobs_at + i * jobs_width
+for i, a, j in Items.each(items_at, items_width, jobs_at, jobs_width) do
   local job = KEYS[j]
   local job_id, attempt, first_token_at, status = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
   local field, payload, entry, entry_level, dead = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6], ARGV[a + 7], ARGV[a + 8]
@@ -70,6 +68,5 @@ for a = items_at, #ARGV, items_width do
       end
     end
   end
-  i = i + 1
 end
 return refused

@@ -74,9 +74,7 @@ local lost, gaps, whole, outbox = {}, {}, {}, Job.outbox()
 -- events are not written after it (a reader would skip the missing ones); the worker writes the
 -- missing ones again first (workers/runner.py).
 local logged_before = {}
-local i = 0
-for a = events_at, endings_at - 1, events_width do
-  local j = event_keys_at + i * event_keys_width
+for i, a, j in Items.each(events_at, events_width, event_keys_at, event_keys_width, endings_at - 1) do
   local log = KEYS[j]
   local attempt, seq, event, job_id, shard = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
   local s = shard_args_at + tonumber(shard) * shard_args_width
@@ -127,7 +125,6 @@ for a = events_at, endings_at - 1, events_width do
       if redis.call('XLEN', log) == tonumber(seq) then table.insert(whole, i) end
     end
   end
-  i = i + 1
 end
 Job.send(outbox)
 return {lost, gaps, whole}

@@ -72,9 +72,7 @@ if not w then return {-1, {}, 0, Pick.tops(waitings)} end
 -- over its share; the worker lists each tenant's cheapest first.
 local ws = standing(w)
 local victim, best = nil, nil
-local i = 0
-for a = jobs_at, #ARGV, jobs_width do
-  local j = job_keys_at + i * job_keys_width
+for i, a, j in Items.each(jobs_at, jobs_width, job_keys_at, job_keys_width) do
   local job = KEYS[j]
   local job_id, entry, attempt, level, used = ARGV[a], ARGV[a + 1], ARGV[a + 2], tonumber(ARGV[a + 3]), ARGV[a + 4]
   local f = redis.call('HMGET', job, 'worker', 'attempt', 'status', 'tenant', 'preemptions', 'charged')
@@ -92,7 +90,6 @@ for a = jobs_at, #ARGV, jobs_width do
       victim, best = {index = i, job = job, id = job_id, entry = entry, level = level, used = used, tenant = f[4]}, rank
     end
   end
-  i = i + 1
 end
 if not victim then return {-1, {}, 1, {}} end
 

@@ -9,9 +9,7 @@ job_keys_at, job_keys_width = tonumber(job_keys_at), tonumber(job_keys_width)
 jobs_at, jobs_width = tonumber(jobs_at), tonumber(jobs_width)
 
 local lost = {}
-local i = 0
-for a = jobs_at, #ARGV, jobs_width do
-  local k = job_keys_at + i * job_keys_width
+for i, a, k in Items.each(jobs_at, jobs_width, job_keys_at, job_keys_width) do
   local job, queue = KEYS[k], KEYS[k + 1]
   local entry, attempt = ARGV[a], ARGV[a + 1]
   local f = redis.call('HMGET', job, 'worker', 'attempt')
@@ -24,6 +22,5 @@ for a = jobs_at, #ARGV, jobs_width do
   else
     table.insert(lost, i)
   end
-  i = i + 1
 end
 return lost

@@ -9,9 +9,7 @@ logs_at, logs_width = tonumber(logs_at), tonumber(logs_width)
 shard_args_at, shard_args_width = tonumber(shard_args_at), tonumber(shard_args_width)
 jobs_at, jobs_width = tonumber(jobs_at), tonumber(jobs_width)
 
-local i = 0
-for a = jobs_at, #ARGV, jobs_width do
-  local j = logs_at + i * logs_width
+for i, a, j in Items.each(jobs_at, jobs_width, logs_at, logs_width) do
   local log = KEYS[j]
   local job_id, shard, drop = ARGV[a], ARGV[a + 1], ARGV[a + 2]
   local k = shards_at + tonumber(shard) * shards_width
@@ -21,6 +19,5 @@ for a = jobs_at, #ARGV, jobs_width do
   redis.call('HDEL', fence, job_id)
   redis.call('DEL', ending_prefix .. job_id)
   if drop == '1' then redis.call('DEL', log) end
-  i = i + 1
 end
-return i
+return Items.count(jobs_at, jobs_width)

@@ -16,9 +16,7 @@ shard_args_at, shard_args_width = tonumber(shard_args_at), tonumber(shard_args_w
 jobs_at, jobs_width = tonumber(jobs_at), tonumber(jobs_width)
 
 local out = {}
-local i = 0
-for a = jobs_at, #ARGV, jobs_width do
-  local j = logs_at + i * logs_width
+for i, a, j in Items.each(jobs_at, jobs_width, logs_at, logs_width) do
   local log = KEYS[j]
   local job_id, attempt, followers, shard = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
   local k = shards_at + tonumber(shard) * shards_width
@@ -44,6 +42,5 @@ for a = jobs_at, #ARGV, jobs_width do
     redis.call('HSET', fence, job_id, all == '' and writer or writer .. ' ' .. all)
     table.insert(out, {'ok', Job.last_seq(log), {}})
   end
-  i = i + 1
 end
 return out

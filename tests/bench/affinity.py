@@ -36,7 +36,7 @@ import msgspec
 from shared.config import DEFAULT_MODEL, load_settings
 from shared.metrics import decode_samples
 from tests.bench import serving
-from tests.bench.procs import load_average, markdown_table, percentile, report_head, save
+from tests.bench.procs import markdown_table, measured_report, percentile, save
 from tests.bench.serving import TARGET_SETS
 
 __all__ = ["main"]
@@ -196,13 +196,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
     p.add_argument("--out", default="bench-affinity.json")
     a = p.parse_args(argv)
-    loads = [load_average()]
-    result = asyncio.run(measure(a.rounds))
-    loads.append(load_average())
-    report = {**report_head("affinity", "conversations and adapters on two workers, affinity on and off", loads),
-              **result}
+    report = measured_report("affinity", "conversations and adapters on two workers, affinity on and off",
+                             measure(a.rounds))
     rows = [[m["workload"], m["deployment"], m["prefix_cache_hit_rate"], m["ttft_p50_ms"], m["ttft_p99_ms"],
-             m["tokens_per_s"], m.get("adapter_loads", "")] for m in result["medians"]]
+             m["tokens_per_s"], m.get("adapter_loads", "")] for m in report["medians"]]
     save(report, a.out, markdown_table(["workload", "deployment", "prefix-cache hit rate", "TTFT p50 ms",
                                         "TTFT p99 ms", "tok/s", "adapter loads"], rows))
 

@@ -18,7 +18,6 @@ environment applies, so the two can be compared at several tokens per event.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
 import tempfile
@@ -28,7 +27,7 @@ from pathlib import Path
 
 from shared.config import load_settings
 from tests.bench.cpu import CpuMeter
-from tests.bench.procs import load_average, markdown_table, report_head, save
+from tests.bench.procs import markdown_table, measured_report, save
 from tests.bench.serving import TARGET_SETS, HttpTarget, start_targets
 from tests.bench.workload import prompts_for
 
@@ -86,16 +85,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=256, help="requests per run (default 256)")
     p.add_argument("--out", default="bench-costs.json")
     a = p.parse_args(argv)
-    loads = [load_average()]
-    result = asyncio.run(measure(a.rounds, a.concurrency, a.tokens, a.requests))
-    loads.append(load_average())
-    report = {**report_head("costs", "llmq's CPU per request and per further token, by process", loads), **result}
+    report = measured_report("costs", "llmq's CPU per request and per further token, by process",
+                             measure(a.rounds, a.concurrency, a.tokens, a.requests))
     table = markdown_table(["CPU µs", *ROLES], [
-        ["per request (1 token)", *(result["per_request_us"][r] for r in ROLES)],
-        ["per further token", *(result["per_token_us"][r] for r in ROLES)],
+        ["per request (1 token)", *(report["per_request_us"][r] for r in ROLES)],
+        ["per further token", *(report["per_token_us"][r] for r in ROLES)],
     ])
     save(report, a.out, f"{table}\n\nC={a.concurrency}, {a.tokens}-token requests, stream interval "
-                        f"{result['stream_interval']}")
+                        f"{report['stream_interval']}")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import httpx
 
 from shared.config import DEFAULT_MODEL, load_settings
 from tests.bench.affinity import _stream
-from tests.bench.procs import load_average, markdown_table, percentile, report_head, save
+from tests.bench.procs import markdown_table, measured_report, percentile, save
 from tests.bench.serving import TARGET_SETS, Deployment, start_deployment
 
 __all__ = ["main"]
@@ -117,13 +117,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
     p.add_argument("--out", default="bench-preemption.json")
     a = p.parse_args(argv)
-    loads = [load_average()]
-    result = asyncio.run(measure(a.rounds))
-    loads.append(load_average())
-    report = {**report_head("preemption", "a light tenant under a flood, preemption on and off", loads), **result}
+    report = measured_report("preemption", "a light tenant under a flood, preemption on and off",
+                             measure(a.rounds))
     rows = [[m["deployment"], m["ttft_alone_p50_ms"], m["ttft_flood_p50_ms"], m["ttft_flood_p99_ms"],
              m["ttft_flood_max_ms"], m["flood_job_s"], m["flood_tokens_per_s"], m["preemptions"]]
-            for m in result["medians"]]
+            for m in report["medians"]]
     save(report, a.out, markdown_table(["deployment", "light TTFT alone p50 ms", "under flood p50 ms", "p99 ms",
                                         "max ms", "flood job s", "flood tok/s", "preemptions"], rows))
 

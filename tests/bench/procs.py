@@ -4,20 +4,22 @@ the held jobs of pickup's "10,000 held" model."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
 from tests.conftest import REPO, free_port, start_redis
 
 __all__ = ["REPO", "percentile", "stats_ms", "load_average", "free_port", "start_redis", "report_head",
-           "markdown_table", "spawn", "stop", "fill_held", "renew_held", "save"]
+           "measured_report", "markdown_table", "spawn", "stop", "fill_held", "renew_held", "save"]
 
 HELD_MODEL_SLOTS = 64  # jobs per fake peer consumer in the held case (one worker's engine slots)
 
@@ -47,6 +49,15 @@ def report_head(benchmark: str, measured: str, loads: list[list[float]]) -> dict
     """What every queue benchmark's JSON report starts with."""
     return {"benchmark": benchmark, "measured": measured, "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
             "machine": {"cpus": os.cpu_count(), "loadavg_before_after": loads}}
+
+
+def measured_report(benchmark: str, measured: str, measure: Coroutine[Any, Any, dict]) -> dict:
+    """Run a benchmark's ``measure`` and return its report: the head, then what it measured. The
+    load average is read before and after, so a reader can tell a busy box from a slow llmq."""
+    loads = [load_average()]
+    result = asyncio.run(measure)
+    loads.append(load_average())
+    return {**report_head(benchmark, measured, loads), **result}
 
 
 def save(result: dict, out: str, table: str) -> None:

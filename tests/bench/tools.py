@@ -30,7 +30,7 @@ import httpx
 
 from shared.config import load_settings
 from tests.bench.cpu import CpuMeter
-from tests.bench.procs import load_average, markdown_table, report_head, save
+from tests.bench.procs import markdown_table, measured_report, save
 from tests.bench.serving import TARGET_SETS, HttpTarget, start_targets
 
 __all__ = ["main"]
@@ -130,13 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each request (default 128)")
     p.add_argument("--out", default="bench-tools.json")
     a = p.parse_args(argv)
-    loads = [load_average()]
-    result = asyncio.run(measure(a.rounds, a.concurrency, a.requests, a.max_tokens))
-    loads.append(load_average())
-    report = {**report_head("tools", "CPU per chat request with and without a tool call, by process", loads),
-              **result}
+    report = measured_report("tools", "CPU per chat request with and without a tool call, by process",
+                             measure(a.rounds, a.concurrency, a.requests, a.max_tokens))
     rows = []
-    for name, kinds in result["cpu_us_per_request"].items():
+    for name, kinds in report["cpu_us_per_request"].items():
         for kind, figures in kinds.items():
             rows.append([name, kind, *(figures[r] for r in ROLES), figures["tokens"], figures["called"]])
     table = markdown_table(["target", "request", *(f"{r} µs" for r in ROLES), "tokens", "called"], rows)

@@ -20,7 +20,6 @@ beside it is the same engine with no queue: the difference is what the queue's h
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
 import tempfile
@@ -32,7 +31,7 @@ import httpx
 from redis.asyncio import Redis
 
 from shared.config import load_settings
-from tests.bench.procs import load_average, markdown_table, report_head, save, stats_ms
+from tests.bench.procs import markdown_table, measured_report, save, stats_ms
 from tests.bench.serving import TARGET_SETS, HttpTarget, start_targets
 from tests.bench.workload import prompts_for, request_body
 
@@ -112,14 +111,12 @@ def main(argv: list[str] | None = None) -> None:
                         "longer one's end overlaps the next one's start as in the workload at C=1")
     p.add_argument("--out", default="bench-ttft.json")
     a = p.parse_args(argv)
-    loads = [load_average()]
-    result = asyncio.run(measure(a.requests, a.rounds, a.max_tokens))
-    loads.append(load_average())
-    report = {**report_head("ttft", "time to first token at C=1, llmq's split at each hop", loads), **result}
-    rows = [[f"TTFT, {name}", s["p50_ms"], s["p90_ms"], s["p99_ms"]] for name, s in result["ttft"].items()]
-    rows += [[f"llmq: {hop}", s["p50_ms"], s["p90_ms"], s["p99_ms"]] for hop, s in result["hops"].items()]
+    report = measured_report("ttft", "time to first token at C=1, llmq's split at each hop",
+                             measure(a.requests, a.rounds, a.max_tokens))
+    rows = [[f"TTFT, {name}", s["p50_ms"], s["p90_ms"], s["p99_ms"]] for name, s in report["ttft"].items()]
+    rows += [[f"llmq: {hop}", s["p50_ms"], s["p90_ms"], s["p99_ms"]] for hop, s in report["hops"].items()]
     table = markdown_table(["", "p50 ms", "p90 ms", "p99 ms"], rows)
-    save(report, a.out, f"{table}\n\nadded TTFT p50: {result['added_p50_ms']} ms")
+    save(report, a.out, f"{table}\n\nadded TTFT p50: {report['added_p50_ms']} ms")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from tests.support.agent_clis import (
     run,
     sanitize,
 )
-from tests.support.capture_server import CaptureServer
+from tests.support.capture_server import Captured, CaptureServer
 
 pytestmark = pytest.mark.e2e
 
@@ -56,6 +56,16 @@ def explain(srv: CaptureServer, done) -> str:
     return f"exit {done.returncode}; hits {srv.hits()}\nstdout: {done.stdout[-2000:]}\nstderr: {done.stderr[-2000:]}"
 
 
+def the_one_request(srv: CaptureServer, done, hit: str) -> tuple[Captured, dict]:
+    """The run's one model request, to ``hit`` (a path, and its query if any), answered 200: nothing
+    else, no probe and no call home through the proxy. The request, and it as a dict."""
+    assert srv.proxied() == [], explain(srv, done)
+    assert srv.hits() == [f"POST {hit} -> 200"], explain(srv, done)
+    first = srv.first("POST", hit.split("?", 1)[0])
+    assert first is not None
+    return first, first.as_dict()
+
+
 def test_claude_code_completes_a_turn_and_sends_the_recorded_shape(claude_exe: Path, tmp_path: Path) -> None:
     with CaptureServer(reply=REPLY) as srv:
         done = run(claude_argv(claude_exe, "say hi"), claude_env(srv.url, tmp_path / "home", proxy=srv.url),
@@ -65,11 +75,7 @@ def test_claude_code_completes_a_turn_and_sends_the_recorded_shape(claude_exe: P
         assert (result["type"], result["subtype"], result["is_error"]) == ("result", "success", False), result
         assert result["result"] == REPLY and result["num_turns"] == 1, result
 
-        # One model request, nothing else: no probe, no count_tokens, no call home through the proxy.
-        assert srv.proxied() == [], explain(srv, done)
-        assert srv.hits() == ["POST /v1/messages?beta=true -> 200"], explain(srv, done)
-        first = srv.first("POST", "/v1/messages")
-        request = first.as_dict()
+        first, request = the_one_request(srv, done, "/v1/messages?beta=true")  # no count_tokens either
 
     headers, body = request["headers"], request["body"]
     assert first.auth == ["x-api-key"]
@@ -103,10 +109,7 @@ def test_codex_completes_a_turn_and_sends_the_recorded_shape(codex_exe: Path, tm
         assert events[-1]["type"] == "turn.completed", events
         assert last.read_text().strip() == REPLY
 
-        assert srv.proxied() == [], explain(srv, done)
-        assert srv.hits() == ["POST /v1/responses -> 200"], explain(srv, done)
-        first = srv.first("POST", "/v1/responses")
-        request = first.as_dict()
+        first, request = the_one_request(srv, done, "/v1/responses")
 
     headers, body = request["headers"], request["body"]
     assert first.auth == ["authorization"]

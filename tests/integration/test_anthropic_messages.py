@@ -16,8 +16,6 @@ from collections.abc import AsyncIterator, Sequence
 import anthropic
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from api.dialects import anthropic_messages as am
@@ -26,10 +24,11 @@ from shared.events import TokenDelta, ToolCallDelta
 from shared.schemas import GenerationRequest, Tool, ToolUse
 from tests.support.dialect_bodies import anthropic_bodies
 from tests.support.event_log import read_job_sse, sse_frames
-from tests.support.fuzzing import malformed_bodies, struct_body
+from tests.support.fuzzing import draw, malformed_bodies, struct_body
 from tests.support.scripted_engine import ScriptedEngine
 from tests.support.scripted_stack import scripted_stack
 from tests.support.streams import chunked
+from tests.support.waiting import job_status
 from workers.protocol import Step
 
 SLOW_S = 1.6  # a "slow..." chat waits this long before its first token: several keep-alive intervals
@@ -279,11 +278,7 @@ async def test_respond_async_queues_a_job_to_poll(stack):
     resp = await stack.client.post("/v1/messages", headers={"Prefer": "respond-async"}, json=body)
     assert resp.status_code == 202
     job_id = resp.json()["id"]
-    for _ in range(100):
-        job = (await stack.client.get(f"/v1/jobs/{job_id}")).json()
-        if job["status"] == "done":
-            break
-        await asyncio.sleep(0.05)
+    job = await job_status(stack.client, job_id, "done")
     # The stored job's result is rendered in the dialect that queued it: an Anthropic message.
     assert job["result"]["type"] == "message" and job["result"]["content"] == [{"type": "text", "text": "aba"}]
     assert job["result"]["id"] == f"msg_{job_id}"
@@ -332,18 +327,6 @@ async def test_malformed_bodies_get_invalid_request_errors(stack):
         assert resp.status_code == 400, (raw[:40], resp.text)
         assert resp.json()["type"] == "error" and resp.json()["error"]["type"] == "invalid_request_error"
 
-
-def draw(strategy: st.SearchStrategy[bytes], n: int) -> list[bytes]:
-    out: list[bytes] = []
-
-    @settings(max_examples=n, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(strategy)
-    def collect(body: bytes) -> None:
-        out.append(body)
-
-    collect()
-    return out
 
 
 @pytest.mark.parametrize("route", ["/v1/messages", "/v1/messages/count_tokens"])

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 
@@ -19,7 +21,7 @@ from shared.redis import connect
 from shared.schemas import GenerationRequest, SamplingParams
 from tests.support.replicated_redis import server_binaries, start_replicated
 from tests.support.scripted_engine import ScriptedEngine
-from tests.support.scripted_stack import scripted_stack
+from tests.support.scripted_stack import ScriptedStack, scripted_stack
 from tests.support.waiting import eventually
 
 MODEL = "tiny"
@@ -115,6 +117,24 @@ async def test_a_retry_from_another_connection_waits_for_the_first_write(replica
         await second.aclose()
 
 
+@asynccontextmanager
+async def _picked_while_the_replica_is_paused(replicated, s: ScriptedStack, engine: ScriptedEngine, prompt: str
+                                              ) -> AsyncIterator[tuple[JobStore, str]]:
+    """With the replica paused, a job queued without waiting (LLMQ_DURABILITY=none elsewhere) that
+    the stack's worker has claimed and started in its engine, but holds: its claim is only on the
+    primary, which could still lose it. Yields the plain store and the job's id; the replica
+    resumes on the way out."""
+    plain = JobStore(s.redis, Keys(s.settings.prefix))
+    req = GenerationRequest(model=MODEL, prompt=prompt, sampling=SamplingParams(max_tokens=3))
+    replicated.pause(1)
+    try:
+        job_id = await plain.enqueue(new_job(req, owner="", default_timeout_s=None))
+        await eventually(lambda: job_id in engine.started, what="the engine to start on the pick", timeout_s=5)
+        yield plain, job_id
+    finally:
+        replicated.resume(1)
+
+
 async def test_a_worker_writes_nothing_about_a_job_until_the_replica_holds_its_claim(replicated, prefix):
     """The engine starts on the pick (its prompt is processed while the replica catches up), but
     no event, no first token and no end is written before the claim is confirmed; then the job
@@ -122,20 +142,12 @@ async def test_a_worker_writes_nothing_about_a_job_until_the_replica_holds_its_c
     engine = ScriptedEngine()
     keys = Keys(prefix)
     async with scripted_stack(replicated.url, prefix, engine, durability="replicas:1", durability_timeout_ms=200) as s:
-        plain = JobStore(s.redis, keys)  # a job queued without waiting (LLMQ_DURABILITY=none elsewhere)
-        req = GenerationRequest(model=MODEL, prompt="gated", sampling=SamplingParams(max_tokens=3))
-        replicated.pause(1)
-        try:
-            job_id = await plain.enqueue(new_job(req, owner="", default_timeout_s=None))
-            # Claimed, and started in the engine, but held: its claim is only on the primary,
-            # which could still lose it.
-            await eventually(lambda: job_id in engine.started, what="the engine to start on the pick", timeout_s=5)
+        async with _picked_while_the_replica_is_paused(replicated, s, engine, "gated") as (plain, job_id):
             await asyncio.sleep(1.0)
             assert await s.redis.exists(keys.events(MODEL, job_id)) == 0
             assert await s.redis.hmget(keys.job(MODEL, job_id), ["first_token_at", "log", "result"]) == [None] * 3
             assert await s.redis.hget(keys.job(MODEL, job_id), "status") == b"running"
-        finally:
-            replicated.resume(1)
+
         async def done() -> bool:
             record = await plain.get_job(MODEL, job_id)
             return record is not None and record.status == "done"
@@ -153,19 +165,12 @@ async def test_a_claim_lost_before_the_replica_confirms_it_aborts_the_engine_req
     engine = ScriptedEngine()
     keys = Keys(prefix)
     async with scripted_stack(replicated.url, prefix, engine, durability="replicas:1", durability_timeout_ms=200) as s:
-        plain = JobStore(s.redis, keys)  # a job queued without waiting (LLMQ_DURABILITY=none elsewhere)
-        req = GenerationRequest(model=MODEL, prompt="lost", sampling=SamplingParams(max_tokens=3))
-        replicated.pause(1)
-        try:
-            job_id = await plain.enqueue(new_job(req, owner="", default_timeout_s=None))
-            await eventually(lambda: job_id in engine.started, what="the engine to start on the pick", timeout_s=5)
+        async with _picked_while_the_replica_is_paused(replicated, s, engine, "lost") as (_, job_id):
             await s.redis.hset(keys.job(MODEL, job_id), "worker", "a-peer")  # a peer took it meanwhile
             await eventually(lambda: job_id in engine.aborted, what="the engine request to be aborted", timeout_s=5)
             await asyncio.sleep(0.3)
             assert await s.redis.exists(keys.events(MODEL, job_id)) == 0
             assert await s.redis.hget(keys.job(MODEL, job_id), "status") == b"running"  # untouched: the peer's
-        finally:
-            replicated.resume(1)
 
 
 @pytest.mark.parametrize("appendonly", ["yes", "no"])

@@ -19,11 +19,10 @@ from shared.codec import encode
 from shared.events import Done, Error, TokenDelta, Tokens
 from shared.keys import Keys
 from shared.queue import Consumer, Flushed, JobStore, Outbound
-from shared.result import ResultBuilder
-from shared.schemas import GenerationRequest, JobRecord, SamplingParams, Usage
+from shared.schemas import GenerationRequest, JobRecord, SamplingParams
 from tests.bench.workload import prompts_for
 from tests.support import inprocess_workers
-from tests.support.event_log import logged_events, read_job_sse
+from tests.support.event_log import finished_log, logged_events, read_job_sse
 from tests.support.event_log import sse_frames as frames
 from tests.support.inprocess_workers import MODEL, Client, assert_seamless, kill, running_on
 from tests.support.scripted_engine import ScriptedEngine
@@ -153,13 +152,7 @@ async def test_a_retried_terminal_flush_leaves_the_compact_log_as_it_was(redis, 
     store, consumer = JobStore(redis, keys), Consumer(redis, keys)
     rec = JobRecord(id="j1", model=MODEL, request=GenerationRequest(prompt="x", sampling=SamplingParams()))
     await store.enqueue(rec)
-    tokens = [Tokens(seq=i, deltas=[TokenDelta(token_ids=[i], text=f"t{i}")]) for i in (1, 2, 3)]
-    done = Done(seq=4, deltas=[TokenDelta(token_ids=[4], text="!", finish_reason="length")],
-                usage=Usage(prompt_tokens=1, completion_tokens=4))
-    builder = ResultBuilder()
-    for event in (*tokens, done):
-        builder.add(event)
-    result = builder.result()
+    tokens, done, result = finished_log(prompt_tokens=1)
     compact = eventlog.compact(encode([*tokens, done]), encode(result))
     batch = [*(Outbound.of("j1", e) for e in tokens),
              Outbound.of("j1", done, result=result, log=compact)]

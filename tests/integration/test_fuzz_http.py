@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 import pytest
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from api.dialects import anthropic_messages as am
@@ -42,29 +41,14 @@ from tests.support.dialect_bodies import (
     tgi_bodies,
     triton_bodies,
 )
-from tests.support.fuzzing import malformed_bodies, odd_bodies, struct_body
+from tests.support.fuzzing import draw, malformed_bodies, odd_bodies, struct_body
 from tests.support.scripted_engine import CappedEngine
-
-T = TypeVar("T")
 
 EXAMPLES = 60
 RAW_EXAMPLES = 30  # per route and kind (malformed, odd)
 REQUEST_TIMEOUT_S = 10.0
 CONCURRENCY = 8
 
-
-def draw(strategy: st.SearchStrategy[T], n: int = EXAMPLES) -> list[T]:
-    """n examples of ``strategy``, drawn by hypothesis (outside any event loop concern: sync)."""
-    out: list[T] = []
-
-    @settings(max_examples=n, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(strategy)
-    def collect(body: T) -> None:
-        out.append(body)
-
-    collect()
-    return out
 
 
 # (route, strategy of bodies)
@@ -98,7 +82,7 @@ async def post(stack, route: str, body: bytes, content_type: str = "application/
 
 @pytest.mark.parametrize("route,strategy", ROUTES, ids=[r[0] for r in ROUTES])
 async def test_fuzzed_bodies_never_500_or_hang(stack, route, strategy):
-    bodies = draw(strategy)
+    bodies = draw(strategy, EXAMPLES)
     limit = asyncio.Semaphore(CONCURRENCY)
     failures: list[str] = []
     statuses: dict[int, int] = {}
@@ -207,7 +191,7 @@ async def test_raw_bytes_get_4xx_never_5xx(stack, route, objects):
 async def test_lmtp_fuzzed_frames_never_break_the_socket(stack):
     """Fuzzed LMTP frames (text, and binary with any bytes) on one WebSocket: each gets an answer
     or nothing, the socket stays up, and a valid GENERATE afterwards still streams to the end."""
-    frames = draw(lmtp_frames.map(str.encode))
+    frames = draw(lmtp_frames.map(str.encode), EXAMPLES)
     # Binary frames too: raw bytes, and mutated payloads (invalid UTF-8, BOM, deep, NaN, ...).
     binary = draw(st.one_of(st.binary(max_size=64), st.tuples(
         st.sampled_from([b"GENERATE ", b"SCORE ", b"MODEL_INFO ", b""]),

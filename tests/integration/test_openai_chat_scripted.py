@@ -25,6 +25,7 @@ from api.services import Svc
 from shared.schemas import GenerationRequest
 from tests.support.scripted_engine import ScriptedEngine
 from tests.support.streams import chunked
+from tests.support.waiting import job_status
 from workers.protocol import Step
 
 SLOW_S = 1.6  # a "slow..." chat waits this long before its first token: several keep-alive intervals
@@ -202,11 +203,7 @@ async def test_fire_and_poll_renders_the_finished_job_as_a_chat_completion(clien
     )
     assert resp.status_code == 202
     job_id = resp.json()["id"]
-    for _ in range(200):
-        job = (await client.get(f"/v1/jobs/{job_id}")).json()
-        if job["status"] == "done":
-            break
-        await asyncio.sleep(0.05)
+    job = await job_status(client, job_id, "done")
     result = job["result"]
     assert result["id"] == f"chatcmpl-{job_id}" and result["object"] == "chat.completion"
     assert result["choices"][0]["message"] == {"role": "assistant", "content": "jobj"}

@@ -14,17 +14,16 @@ from collections.abc import AsyncIterator, Sequence
 import msgspec
 import openai
 import pytest
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from api.dialects import openai_responses as r
 from shared.events import TokenDelta, ToolCallDelta
 from shared.schemas import ChatMessage, GenerationRequest, ToolCall
 from tests.support.dialect_bodies import responses_bodies
-from tests.support.fuzzing import malformed_bodies, odd_bodies, struct_body
+from tests.support.fuzzing import draw, malformed_bodies, odd_bodies, struct_body
 from tests.support.scripted_engine import ScriptedEngine, expected_text
 from tests.support.scripted_stack import scripted_settings, serve_api
-from tests.support.waiting import eventually
+from tests.support.waiting import eventually, job_status
 from workers.protocol import Step
 
 SLOW_S = 1.5
@@ -251,18 +250,6 @@ async def test_malformed_bodies_are_openai_400s(stack):
         assert resp.json()["error"]["type"] == "invalid_request_error"
 
 
-def draw(strategy: st.SearchStrategy, n: int) -> list:
-    out: list = []
-
-    @settings(max_examples=n, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(strategy)
-    def collect(body) -> None:
-        out.append(body)
-
-    collect()
-    return out
-
 
 async def test_fuzzed_and_malformed_bodies_never_500_or_hang(stack):
     valid = st.one_of(st.sampled_from([{"input": "hi", "max_output_tokens": 2},
@@ -296,11 +283,7 @@ async def test_respond_async_polls_at_v1_jobs_with_the_response_object(stack):
                                    headers={"Prefer": "respond-async"})
     assert resp.status_code == 202
     job_id = resp.json()["id"]
-    for _ in range(200):
-        view = (await stack.client.get(f"/v1/jobs/{job_id}")).json()
-        if view["status"] == "done":
-            break
-        await asyncio.sleep(0.05)
+    view = await job_status(stack.client, job_id, "done")
     assert view["dialect"] == "openai_responses"
     assert view["result"]["id"] == "resp_" + job_id and view["result"]["output"][0]["content"][0]["text"] == "eos"
 

@@ -6,11 +6,11 @@ import asyncio
 import uuid
 
 from shared.codec import decode_event
-from shared.events import Done, Error, TokenDelta, Tokens
+from shared.events import Error, TokenDelta, Tokens
 from shared.keys import GROUP
 from shared.queue import Consumer, JobStore, Outbound, now_ms
-from shared.result import ResultBuilder
-from shared.schemas import GenerationRequest, JobRecord, Usage
+from shared.schemas import GenerationRequest, JobRecord
+from tests.support.event_log import finished_log
 
 MODEL = "m1"
 
@@ -127,14 +127,9 @@ async def test_event_log_resumes_by_sequence_and_finish_acks_the_entry(redis, ke
     running = await store.get_job(MODEL, rec.id)
     assert running.status == "running" and running.worker == "w" and running.started_at
 
-    events = [Tokens(seq=i, deltas=[TokenDelta(token_ids=[i], text=f"t{i}")]) for i in (1, 2, 3)]
-    done = Done(seq=4, deltas=[TokenDelta(token_ids=[4], text="!", finish_reason="length")],
-                usage=Usage(prompt_tokens=2, completion_tokens=4))
-    builder = ResultBuilder()
-    for e in (*events, done):
-        builder.add(e)
+    events, done, result = finished_log(prompt_tokens=2)
     await consumer.flush(MODEL, [Outbound.of(rec.id, e) for e in events])
-    await consumer.flush(MODEL, [Outbound.of(rec.id, done, entry_id=delivery.entry_id, result=builder.result())])
+    await consumer.flush(MODEL, [Outbound.of(rec.id, done, entry_id=delivery.entry_id, result=result)])
 
     assert [e.seq for e in await store.read_events(MODEL, rec.id)] == [1, 2, 3, 4]
     assert [e.seq for e in await store.read_events(MODEL, rec.id, after_seq=2)] == [3, 4]

@@ -26,7 +26,7 @@ from shared.queue import Consumer, JobStore, Outbound, now_ms
 from shared.result import ResultBuilder
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams
 from shared.tenants import DEFAULT_TENANT
-from tests.conftest import start_redis
+from tests.conftest import running_redis
 from tests.support import inprocess_workers
 from tests.support.inprocess_workers import MODEL, assert_seamless, kill, running_on, submit, wait_for
 from tests.support.redis_cluster import LocalCluster, redis7_binaries, start_cluster
@@ -55,10 +55,7 @@ def redis_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 @pytest.fixture(scope="module")
 def redis_url_single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    proc, url = start_redis(tmp_path_factory.mktemp("redis"))
-    yield url
-    proc.terminate()
-    proc.wait(10)
+    yield from running_redis(tmp_path_factory)
 
 
 def _done(seq: int) -> tuple[Done, ResultBuilder]:

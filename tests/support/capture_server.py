@@ -34,11 +34,11 @@ import threading
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from tests.conftest import free_port
+from tests.support.local_server import LocalServer
 
 __all__ = ["SECRET_HEADERS", "CaptureServer", "Captured"]
 
@@ -62,7 +62,7 @@ class Captured:
 
 
 @dataclass
-class CaptureServer:
+class CaptureServer(LocalServer):
     """``with CaptureServer() as srv:`` serves on ``srv.url`` until the block ends;
     ``srv.requests`` is every request so far, in arrival order."""
 
@@ -76,20 +76,7 @@ class CaptureServer:
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._counter = 0
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self._server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="capture-server", daemon=True)
-
-    def __enter__(self) -> CaptureServer:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(10)
+        self._serve(self._handler(), "capture-server")
 
     def captured(self) -> list[Captured]:
         with self._lock:

@@ -1,7 +1,8 @@
 """A job's event log read straight from Redis by a synchronous test (the e2e suites): the stream
 while the job runs, the compact log (shared/eventlog.py) once its worker ended it.
 ``JobStore.read_events`` is the asynchronous reader the services use. And the same log as the API
-serves it (``GET /v1/jobs/{id}/events``, from a seq on: the resume path), frame by frame."""
+serves it (``GET /v1/jobs/{id}/events``, from a seq on: the resume path), frame by frame. And a
+short finished log to write, for the queue's own tests."""
 
 from __future__ import annotations
 
@@ -11,10 +12,27 @@ import time
 from redis import Redis
 
 from shared import eventlog
+from shared.events import Done, TokenDelta, Tokens
 from shared.framing import KEEPALIVE
 from shared.keys import Keys
+from shared.result import ResultBuilder
+from shared.schemas import JobResult, Usage
 
-__all__ = ["logged_events", "sse_frames", "read_job_sse", "record_text", "ended_record", "still_running"]
+__all__ = ["logged_events", "sse_frames", "read_job_sse", "record_text", "ended_record", "still_running",
+           "finished_log"]
+
+
+def finished_log(prompt_tokens: int) -> tuple[list[Tokens], Done, JobResult]:
+    """A short job's whole log as its worker writes it: three tokens (seq 1-3, ``t1``..``t3``),
+    its Done at seq 4 (``!``, finished by length), and the result the worker stores with the Done
+    (built by the same ResultBuilder)."""
+    tokens = [Tokens(seq=i, deltas=[TokenDelta(token_ids=[i], text=f"t{i}")]) for i in (1, 2, 3)]
+    done = Done(seq=4, deltas=[TokenDelta(token_ids=[4], text="!", finish_reason="length")],
+                usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=4))
+    builder = ResultBuilder()
+    for event in (*tokens, done):
+        builder.add(event)
+    return tokens, done, builder.result()
 
 
 def record_text(raw: dict[bytes, bytes]) -> dict[str, str]:

@@ -11,6 +11,9 @@ bodies the way broken clients and hostile ones do: truncated, a byte order mark,
 spliced into a string, ``NaN``/``Infinity``/``1e999``/``10**30`` for a number, a value wrapped in
 deep nesting, a duplicated key, an empty body. Every body from ``malformed_bodies`` must get a
 4xx; ``odd_bodies`` may be valid JSON (a huge number, a duplicate key, nesting within the limit).
+
+:func:`draw` takes examples out of a strategy for a test that sends them itself (over HTTP, from
+an event loop hypothesis's ``@given`` cannot drive).
 """
 
 from __future__ import annotations
@@ -18,17 +21,34 @@ from __future__ import annotations
 import codecs
 import math
 import re
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import msgspec.inspect as mi
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared.json_input import MAX_DEPTH
 
 __all__ = ["junk", "texts", "typed", "struct_body", "dict_body", "encode_body", "raw_bodies", "single_field_bodies",
            "SPECIAL_NUMBERS", "NUMBER_STRINGS", "FIELD_VALUES", "malformed_bodies", "odd_bodies", "INVALID_UTF8",
-           "deep"]
+           "deep", "draw"]
+
+T = TypeVar("T")
+
+
+def draw(strategy: st.SearchStrategy[T], n: int) -> list[T]:
+    """n examples of ``strategy``, drawn by hypothesis (synchronously, outside any event loop)."""
+    out: list[T] = []
+
+    @settings(max_examples=n, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(strategy)
+    def collect(body: T) -> None:
+        out.append(body)
+
+    collect()
+    return out
 
 # Written as-is into the JSON text: a value msgspec cannot produce from a Python float.
 SPECIAL_NUMBERS = [msgspec.Raw(x) for x in (b"NaN", b"Infinity", b"-Infinity", b"1e400", b"-1e400", b"1e-400",

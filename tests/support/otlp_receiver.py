@@ -12,7 +12,7 @@ import gzip
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -23,7 +23,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
-from tests.conftest import free_port
+from tests.support.local_server import LocalServer
 from tests.support.waiting import eventually_sync
 
 __all__ = ["Receiver", "Span", "decode"]
@@ -91,7 +91,7 @@ def decode(body: bytes) -> list[Span]:
     return spans
 
 
-class Receiver:
+class Receiver(LocalServer):
     """``with Receiver() as rx:`` serves until the block ends; point exporters at ``rx.url``."""
 
     def __init__(self) -> None:
@@ -99,23 +99,7 @@ class Receiver:
         self._spans: list[Span] = []
         self._bodies: list[bytes] = []  # raw, as received (possibly gzipped)
         self._errors: list[str] = []  # requests it could not decode
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self._server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="otlp-receiver", daemon=True)
-
-    def __enter__(self) -> Receiver:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(10)
+        self._serve(self._handler(), "otlp-receiver")
 
     def spans(self) -> list[Span]:
         with self._lock:
