@@ -38,18 +38,18 @@ async def serve(settings: Settings, tracing: Tracing | None = None) -> None:
     # First: the claim sets CUDA_VISIBLE_DEVICES and the CPU affinity, which must precede any
     # torch import (the tiny-model build) and the OMP thread count (apply_engine_environment).
     try:
-        claim = claim_device(settings, on_cpu=cpu_engine())
+        claim = claim_device(settings, os.environ, on_cpu=cpu_engine())
     except NoFreeDevice as exc:
         log.error("no_free_device", detail=str(exc))
         raise SystemExit(1) from None
-    claim.apply()
+    claim.apply(os.environ)
     log.info("device_claimed", device=claim.label)
     model_path = settings.model_path
     if settings.model == DEFAULT_MODEL:
         from workers.tiny_model import ensure_tiny_model
 
         ensure_tiny_model(Path(model_path))
-    apply_engine_environment(settings)
+    apply_engine_environment(settings, os.environ)
 
     async with AsyncExitStack() as stack:
         stack.callback(claim.release)  # last out: the device stays claimed until the engine is gone
@@ -59,7 +59,7 @@ async def serve(settings: Settings, tracing: Tracing | None = None) -> None:
             # Before vLLM starts: its spans go out through our provider, in our protocol.
             tracing.make_global()
             if settings.engine_tracing:
-                traces_endpoint = apply_tracing_environment()
+                traces_endpoint = apply_tracing_environment(os.environ)
         redis = connect(settings.redis_dsn, block_ms=settings.block_ms)
         stack.push_async_callback(redis.aclose)
         await wait_for_redis(redis, what="worker")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import os
 import subprocess
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,10 +40,10 @@ class Claim:
     cpus: list[int] | None = None
     """The CPU share to pin this process to; None: every CPU it may use now (no pinning)."""
 
-    def apply(self) -> None:
+    def apply(self, env: MutableMapping[str, str]) -> None:
         """Before vLLM (and torch) are imported: CUDA reads CUDA_VISIBLE_DEVICES once, when it
         initialises, and OpenMP threads inherit the affinity of the process that starts them."""
-        apply_device_environment(self.cuda_visible_devices)
+        apply_device_environment(self.cuda_visible_devices, env)
         if self.cpus is not None:
             os.sched_setaffinity(0, self.cpus)
 
@@ -161,15 +162,16 @@ def claim_cpu_share(lock_dir: Path, shares: list[list[int]]) -> Claim:
     return Claim(f"cpu:{slot} cpus={_cpulist(share)}", [fd], cpus=share if len(shares) > 1 else None)
 
 
-def claim_device(settings: Settings, *, on_cpu: bool) -> Claim:
-    """This worker's claim, per the settings; raises :class:`NoFreeDevice` when none is free."""
+def claim_device(settings: Settings, env: Mapping[str, str], *, on_cpu: bool) -> Claim:
+    """This worker's claim, per the settings (``env``: the process environment, whose
+    CUDA_VISIBLE_DEVICES is the pool); raises :class:`NoFreeDevice` when none is free."""
     lock_dir = Path(settings.device_lock_dir)
     if on_cpu:
         usable = sorted(os.sched_getaffinity(0))  # `taskset` by the operator narrows the pool
         return claim_cpu_share(lock_dir, split_cpus(usable, settings.cpu_shares))
     if settings.devices:
         return pin_gpus(lock_dir, [d.strip() for d in settings.devices.split(",") if d.strip()])
-    pool = visible_gpus()  # an operator's CUDA_VISIBLE_DEVICES is the pool to choose from
+    pool = visible_gpus(env)  # an operator's CUDA_VISIBLE_DEVICES is the pool to choose from
     if pool is None:
         pool = [str(i) for i in range(gpu_count())]
     if not pool:

@@ -57,10 +57,9 @@ def _engine_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
-def apply_engine_environment(settings: Settings, environ: MutableMapping[str, str] | None = None) -> None:
-    """Defaults for vLLM's and torch's own variables, set by the worker before vLLM is imported.
-    Values already in the environment win."""
-    env = os.environ if environ is None else environ
+def apply_engine_environment(settings: Settings, env: MutableMapping[str, str]) -> None:
+    """Defaults for vLLM's and torch's own variables in ``env`` (the worker's process environment),
+    set before vLLM is imported. Values already in the environment win."""
     defaults = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     # vLLM's info lines (its whole engine config, load steps and timings, the KV cache size, each
     # shutdown step: ~30 per start) are details under llmq's own engine_loading and worker_ready:
@@ -85,12 +84,11 @@ def apply_engine_environment(settings: Settings, environ: MutableMapping[str, st
         env.setdefault(name, value)
 
 
-def apply_tracing_environment(environ: MutableMapping[str, str] | None = None) -> str:
+def apply_tracing_environment(env: MutableMapping[str, str]) -> str:
     """A traced worker, before its engine is built: returns the endpoint for vLLM's
     ``otlp_traces_endpoint``. vLLM takes the full traces URL (the SDK appends ``/v1/traces`` to a
     base endpoint itself), and its exporters (in its engine processes) default to gRPC whatever
     the SDK's default: the protocol llmq uses is named for them."""
-    env = os.environ if environ is None else environ
     protocol = env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = otlp_protocol(env)
     if url := env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         return url
@@ -98,13 +96,13 @@ def apply_tracing_environment(environ: MutableMapping[str, str] | None = None) -
     return base if protocol == "grpc" else f"{base.rstrip('/')}/v1/traces"
 
 
-def visible_gpus(environ: Mapping[str, str] | None = None) -> list[str] | None:
+def visible_gpus(env: Mapping[str, str]) -> list[str] | None:
     """The operator's CUDA_VISIBLE_DEVICES as a list (None: unset), the pool a worker claims from."""
-    value = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
+    value = env.get("CUDA_VISIBLE_DEVICES")
     return None if value is None else [d.strip() for d in value.split(",") if d.strip()]
 
 
-def apply_device_environment(cuda_visible_devices: str | None, environ: MutableMapping[str, str] | None = None) -> None:
+def apply_device_environment(cuda_visible_devices: str | None, env: MutableMapping[str, str]) -> None:
     """The worker's claimed GPUs (workers/claim.py), for the engine it is about to build."""
     if cuda_visible_devices is not None:
-        (os.environ if environ is None else environ)["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices

@@ -48,7 +48,7 @@ async def _serve(proto: IO[str]) -> None:
         from workers.tiny_model import ensure_tiny_model
 
         ensure_tiny_model(settings.model_path)
-    apply_engine_environment(settings)
+    apply_engine_environment(settings, os.environ)
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 

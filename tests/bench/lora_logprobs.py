@@ -73,7 +73,7 @@ async def _serve(proto) -> None:
 
     settings = load_settings()
     ensure_tiny_model(Path(settings.model_path))
-    apply_engine_environment(settings)
+    apply_engine_environment(settings, os.environ)
     from vllm import SamplingParams
 
     from workers.engine import VllmEngine

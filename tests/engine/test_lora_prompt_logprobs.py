@@ -487,7 +487,7 @@ async def _control() -> str:
     from workers.engine import VllmEngine
 
     settings = load_settings({"LLMQ_MAX_LORAS": "2", "LLMQ_MAX_LORA_RANK": "8"})
-    apply_engine_environment(settings)
+    apply_engine_environment(settings, os.environ)
     dirs = {k: Path(v) for k, v in json.loads(os.environ["LLMQ_TEST_ADAPTERS"]).items()}
     engine = VllmEngine.build(settings, settings.model_path)
     try:

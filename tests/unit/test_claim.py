@@ -81,19 +81,19 @@ def test_gpus_are_counted_on_the_host_without_cuda_visible_devices(tmp_path, mon
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(claims, "gpu_count", lambda: 2)
     settings = load_settings({}, device_lock_dir=str(tmp_path))
-    got = [claim_device(settings, on_cpu=False) for _ in range(2)]
+    got = [claim_device(settings, os.environ, on_cpu=False) for _ in range(2)]
     for c in got:
         release(c)
     assert [c.label for c in got] == ["gpu:0", "gpu:1"]
     with pytest.raises(NoFreeDevice, match="no 1 free GPU"):
-        claim_device(settings, on_cpu=False)
+        claim_device(settings, os.environ, on_cpu=False)
 
 
 def test_an_operator_set_cuda_visible_devices_is_the_pool(tmp_path, monkeypatch, release):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
     monkeypatch.setattr(claims, "gpu_count", lambda: pytest.fail("counted GPUs despite CUDA_VISIBLE_DEVICES"))
     settings = load_settings({}, device_lock_dir=str(tmp_path))
-    got = [claim_device(settings, on_cpu=False) for _ in range(2)]
+    got = [claim_device(settings, os.environ, on_cpu=False) for _ in range(2)]
     for c in got:
         release(c)
     assert [c.cuda_visible_devices for c in got] == ["2", "3"]
@@ -104,18 +104,18 @@ def test_llmq_devices_pins_exactly_those_gpus_even_when_claimed(tmp_path, monkey
     monkeypatch.setattr(claims, "gpu_count", lambda: 4)
     release(claim_gpus(tmp_path, ["0"]))
     settings = load_settings({"LLMQ_DEVICES": "0,1", "LLMQ_DEVICE_LOCK_DIR": str(tmp_path)})
-    pinned = claim_device(settings, on_cpu=False)
+    pinned = claim_device(settings, os.environ, on_cpu=False)
     release(pinned)
     assert (pinned.label, pinned.cuda_visible_devices) == ("gpu:0,1", "0,1")
     # GPU 1 is now locked by the pinned worker, so a claiming worker skips it.
-    auto = claim_device(load_settings({}, device_lock_dir=str(tmp_path)), on_cpu=False)
+    auto = claim_device(load_settings({}, device_lock_dir=str(tmp_path)), os.environ, on_cpu=False)
     release(auto)
     assert auto.label == "gpu:2"
 
 
 def test_a_host_with_no_visible_gpu_leaves_the_choice_to_vllm(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    c = claim_device(load_settings({}, device_lock_dir=str(tmp_path)), on_cpu=False)
+    c = claim_device(load_settings({}, device_lock_dir=str(tmp_path)), os.environ, on_cpu=False)
     assert (c.label, c.fds, c.cuda_visible_devices) == ("gpu:unclaimed", [], None)
 
 
@@ -142,7 +142,7 @@ def test_one_cpu_share_never_pins_and_never_refuses_a_worker(tmp_path, release):
     assert [c.label for c in got] == ["cpu:0 cpus=0-1", "cpu:1 cpus=0-1", "cpu:2 cpus=0-1"]
     assert all(c.cpus is None and c.cuda_visible_devices is None for c in got)
     affinity = os.sched_getaffinity(0)
-    got[0].apply()  # no pinning: a lone worker runs exactly as before claims existed
+    got[0].apply(os.environ)  # no pinning: a lone worker runs exactly as before claims existed
     assert os.sched_getaffinity(0) == affinity
 
 
