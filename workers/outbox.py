@@ -60,16 +60,19 @@ class Outbox:
 
     # --- queueing ---------------------------------------------------------------------------
 
-    def add(self, d: Delivery, attempt: Attempt, out: Emission) -> None:
+    def add(self, d: Delivery, attempt: Attempt, out: Emission, *, joinable: bool) -> None:
         """Queue the token event ``out`` of ``attempt`` at job ``d``: its bytes only, no event
-        object (the usual entry). It stays open to the job's next steps until sealed."""
+        object (the usual entry). ``joinable``: the job's steps may join it (its dialect's stream
+        renders text deltas, shared/chunking.py), so it stays open to them until sealed; any other
+        event is final as it is, and costs the flusher nothing more."""
         self._seal(d.job_id)
         outbound = Outbound(d.job_id, out.seq, out.data, attempt=d.attempt, level=d.level,
                             first_token_at=out.first_token_at, prompt_ids=out.prompt_ids, history=attempt.encoded,
                             history_from=attempt.base, history_prompt_ids=attempt.logged_prompt_ids)
         self._events.append(outbound)
         self._ready.set()
-        self._open[d.job_id] = (outbound, attempt)
+        if joinable:
+            self._open[d.job_id] = (outbound, attempt)
 
     def end(self, d: Delivery, event: Event, **extra: Any) -> None:
         """Queue ``event``, which ends job ``d``, with what its write also carries (``extra``:

@@ -592,7 +592,7 @@ class Worker:
                            history_from=attempt.base, history_prompt_ids=attempt.logged_prompt_ids)
                 self._log_finished(attempt.timings, attempt.usage, out.result)
                 return
-            self.outbox.add(d, attempt, out)
+            self.outbox.add(d, attempt, out, joinable=merges)
         raise GenerationFailed("the engine ended the job without a final output")
 
     @staticmethod

@@ -52,7 +52,7 @@ def feed(box: Outbox, attempt: Attempt, token: int, text: str) -> bool:
     out = attempt.on_step(step(token, text), lambda: 5.0, join=True)
     assert out is not None
     if not out.merged:
-        box.add(D, attempt, out)
+        box.add(D, attempt, out, joinable=True)
     return out.merged
 
 
