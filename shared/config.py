@@ -315,12 +315,38 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     on one host claim distinct GPUs / CPU shares (workers/claim.py). Containers sharing a host's
     GPUs must share this directory."""
     devices: str = ""
-    """LLMQ_DEVICES: GPUs for this worker, as CUDA_VISIBLE_DEVICES names them ("2", "0,1"); unset:
-    claim the first free one (of CUDA_VISIBLE_DEVICES, if the operator set it). Set, no free GPU is
-    needed: one another worker holds is shared, on purpose."""
+    """LLMQ_DEVICES: GPUs for this worker, as CUDA_VISIBLE_DEVICES names them ("2", "0,1"), exactly one
+    per rank of its engine on this host (tensor × pipeline / LLMQ_NNODES); unset: claim the first free
+    ones (of CUDA_VISIBLE_DEVICES, if the operator set it). Set, no free GPU is needed: one another
+    worker holds is shared, on purpose."""
     cpu_shares: int = 0
     """LLMQ_CPU_SHARES: CPU engines: split this process's CPUs into this many shares, one per
-    worker (more workers than shares share CPUs); 0: one share per NUMA node."""
+    worker, or per rank of a worker's engine (more than shares share CPUs); 0: one share per NUMA
+    node. With fewer shares than an engine's ranks, the CPUs are split into one part per rank."""
+
+    # parallelism: one engine over several devices, or hosts (docs/operations.md#sizing)
+    tensor_parallel_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    """LLMQ_TENSOR_PARALLEL_SIZE: devices each layer is split over (vLLM's `--tensor-parallel-size`). A
+    worker claims tensor × pipeline devices (over LLMQ_NNODES hosts, this host's share of them), all
+    at once; on CPU engines, that many parts of its CPU share, one per rank."""
+    pipeline_parallel_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    """LLMQ_PIPELINE_PARALLEL_SIZE: stages the layers are split into (vLLM's `--pipeline-parallel-size`)."""
+    distributed_executor_backend: Literal["mp", "ray"] | None = None
+    """LLMQ_DISTRIBUTED_EXECUTOR_BACKEND: how the engine runs its ranks (vLLM's
+    `--distributed-executor-backend`): `mp`, processes on this host and, with LLMQ_NNODES, headless
+    followers on others (`python -m workers.follower`); `ray`, a Ray cluster the operator runs (GPU
+    hosts only: vLLM refuses Ray on CPU). Unset: `mp` for an engine of more than one rank."""
+    nnodes: Annotated[int, msgspec.Meta(ge=1)] = 1
+    """LLMQ_NNODES: hosts one engine spans with the `mp` backend (vLLM's `--nnodes`). The leader is
+    an ordinary worker (node rank 0); each other host runs `python -m workers.follower` with the same
+    settings and its LLMQ_NODE_RANK. Tensor × pipeline must divide evenly over them."""
+    node_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """LLMQ_NODE_RANK: this host's rank in a multi-host engine (vLLM's `--node-rank`): 0 for the
+    leader (`python -m workers`), 1 .. LLMQ_NNODES-1 for its followers."""
+    master_addr: str = "127.0.0.1"
+    """LLMQ_MASTER_ADDR: the leader's address, which its followers reach (vLLM's `--master-addr`)."""
+    master_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 29501
+    """LLMQ_MASTER_PORT: the leader's torch.distributed port (vLLM's `--master-port`)."""
 
     # LoRA adapters (docs/adapters.md)
     max_loras: Annotated[int, msgspec.Meta(ge=0)] = 0
@@ -461,6 +487,24 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         return 2**28 if self.model == DEFAULT_MODEL else None
 
     @property
+    def world_size(self) -> int:
+        """The engine's ranks: tensor × pipeline, over every host it spans."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def local_ranks(self) -> int:
+        """The engine's ranks on this host: the devices (or CPU parts) a worker or follower claims."""
+        return self.world_size // self.nnodes
+
+    @property
+    def executor_backend(self) -> str | None:
+        """vLLM's ``distributed_executor_backend``: as set, else ``mp`` for more than one rank (None:
+        vLLM's own choice, its in-process executor, for one)."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "mp" if self.world_size > 1 else None
+
+    @property
     def model_path(self) -> str:
         """What the engine loads: the tiny model's cache directory, or the model as given."""
         if self.model == DEFAULT_MODEL:
@@ -527,9 +571,29 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: object)
         egress.policy(settings.webhook_allow)
     except ValueError as exc:  # at start-up, not at the first webhook
         bad.append(str(exc))
+    bad += _parallel_problems(settings)
     if bad:
         raise SettingsError("invalid llmq settings: " + "; ".join(bad))
     return settings
+
+
+def _parallel_problems(s: Settings) -> list[str]:
+    """What is wrong with the parallel layout, named by the settings that make it (vLLM's own
+    refusals come from deep in its engine, after the model has begun to load)."""
+    bad = []
+    layout = f"LLMQ_TENSOR_PARALLEL_SIZE × LLMQ_PIPELINE_PARALLEL_SIZE = {s.world_size}"
+    if s.world_size % s.nnodes:
+        bad.append(f"{layout} ranks do not divide over LLMQ_NNODES={s.nnodes} hosts")
+    if s.node_rank >= s.nnodes:
+        bad.append(f"LLMQ_NODE_RANK={s.node_rank} is not below LLMQ_NNODES={s.nnodes}")
+    if s.nnodes > 1 and s.distributed_executor_backend == "ray":
+        bad.append("LLMQ_NNODES is for the mp backend; with LLMQ_DISTRIBUTED_EXECUTOR_BACKEND=ray the Ray "
+                   "cluster places the ranks (leave LLMQ_NNODES at 1)")
+    devices = [d for d in s.devices.split(",") if d.strip()]
+    if devices and not s.world_size % s.nnodes and len(devices) != s.local_ranks:
+        bad.append(f"LLMQ_DEVICES={s.devices!r} names {len(devices)} GPU(s), but this host's share of the engine "
+                   f"({layout} over LLMQ_NNODES={s.nnodes}) is {s.local_ranks}")
+    return bad
 
 
 def load_tracing(default_service: str, process: str) -> Tracing | None:

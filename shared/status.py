@@ -21,7 +21,7 @@ import time
 import msgspec
 from redis.asyncio import Redis
 
-from shared.config import load_settings
+from shared.config import Settings, load_settings
 from shared.inspection import read_queue
 from shared.keys import Keys
 from shared.metrics import Sample, decode_samples
@@ -46,6 +46,20 @@ class LevelStatus(msgspec.Struct, kw_only=True):
     """Age of the oldest unfinished job on this level (a stream entry id is its enqueue time)."""
 
 
+class Parallel(msgspec.Struct, kw_only=True, frozen=True):
+    """How a worker's engine is laid out (docs/operations.md#sizing): its ranks are tensor × pipeline,
+    over ``nodes`` hosts; the queue sees one worker with one set of slots, whatever its size."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    nodes: int = 1
+
+    @classmethod
+    def of(cls, settings: Settings) -> Parallel:
+        return cls(tensor=settings.tensor_parallel_size, pipeline=settings.pipeline_parallel_size,
+                   nodes=settings.nnodes)
+
+
 class WorkerStatus(msgspec.Struct, kw_only=True):
     id: str
     model: str
@@ -56,6 +70,10 @@ class WorkerStatus(msgspec.Struct, kw_only=True):
     pid: int
     device: str = ""
     """The GPU(s) or CPU share it claimed on its host (``gpu:1``, ``cpu:0 cpus=0-7``)."""
+    devices: list[str] = []
+    """Its engine's devices on its host, one per rank there (``["gpu:0", "gpu:1"]``, ``["cpu:0", "cpu:1"]``)."""
+    parallel: Parallel = Parallel()
+    """Its engine's layout: tensor × pipeline ranks over ``nodes`` hosts."""
     last_heartbeat_age_s: float
     adapters: list[str] = []
     """The LoRA adapters its engine holds (docs/adapters.md): jobs for them are its first."""
@@ -154,6 +172,8 @@ async def _workers(redis: Redis, keys: Keys, now: float) -> list[WorkerStatus]:
             id=worker_id, model=raw.get("model", "?"), status=raw.get("status", "?"),
             slots=int(raw.get("slots", 0)), running=int(raw.get("running", 0)), host=raw.get("host", "?"),
             pid=int(raw.get("pid", 0)), device=raw.get("device", ""),
+            devices=msgspec.json.decode(raw["devices"], type=list[str]) if "devices" in raw else [],
+            parallel=msgspec.json.decode(raw["parallel"], type=Parallel) if "parallel" in raw else Parallel(),
             last_heartbeat_age_s=round(max(0.0, now - float(raw.get("last_heartbeat", 0)) / 1000), 3),
             adapters=msgspec.json.decode(raw["adapters"], type=list[str]) if "adapters" in raw else [],
             metrics=decode_samples(raw["metrics"]) if "metrics" in raw else [],

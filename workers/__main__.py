@@ -43,7 +43,8 @@ async def serve(settings: Settings, tracing: Tracing | None = None) -> None:
         log.error("no_free_device", detail=str(exc))
         raise SystemExit(1) from None
     claim.apply(os.environ)
-    log.info("device_claimed", device=claim.label)
+    log.info("device_claimed", device=claim.label, tensor=settings.tensor_parallel_size,
+             pipeline=settings.pipeline_parallel_size, nodes=settings.nnodes)
     model_path = settings.model_path
     if settings.model == DEFAULT_MODEL:
         from workers.tiny_model import ensure_tiny_model
@@ -92,7 +93,7 @@ async def serve(settings: Settings, tracing: Tracing | None = None) -> None:
 
         queue = Consumer(redis, Keys(settings.prefix), result_ttl_s=settings.result_ttl_s,
                          usage_days=settings.usage_days, durability=durability)
-        worker = Worker(settings, queue, engine, device=claim.label, tracing=tracing)
+        worker = Worker(settings, queue, engine, device=claim.label, devices=claim.devices, tracing=tracing)
         loop = asyncio.get_running_loop()
 
         def on_signal() -> None:

@@ -6,6 +6,10 @@ claims its device by itself through a host-local lock: one file per device in
 process. The kernel drops a flock when the last descriptor on it closes, so a worker that dies in
 any way (SIGKILL and the OOM killer included) frees its device with no cleanup; a stale file is
 harmless. The files hold the holder's pid, for an operator's ``cat``.
+
+An engine of several ranks (tensor × pipeline, docs/operations.md#sizing) claims one device per
+rank on this host, all at once: its claim holds the host's claim lock while it takes them, so two
+workers that each need two GPUs never each end up holding one.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from __future__ import annotations
 import fcntl
 import os
 import subprocess
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,11 +44,15 @@ class Claim:
     cuda_visible_devices: str | None = None
     cpus: list[int] | None = None
     """The CPU share to pin this process to; None: every CPU it may use now (no pinning)."""
+    omp_bind: str | None = None
+    """A CPU engine of several ranks: each rank's CPUs, ``|``-separated (vLLM's VLLM_CPU_OMP_THREADS_BIND)."""
+    devices: list[str] = field(default_factory=list)
+    """What the heartbeat reports as ``devices``: one entry per local rank (``gpu:0``, ``cpu:0-3``)."""
 
     def apply(self, env: MutableMapping[str, str]) -> None:
         """Before vLLM (and torch) are imported: CUDA reads CUDA_VISIBLE_DEVICES once, when it
         initialises, and OpenMP threads inherit the affinity of the process that starts them."""
-        apply_device_environment(self.cuda_visible_devices, env)
+        apply_device_environment(self.cuda_visible_devices, self.omp_bind, env)
         if self.cpus is not None:
             os.sched_setaffinity(0, self.cpus)
 
@@ -69,6 +78,19 @@ def _lock(lock_dir: Path, name: str) -> int | None:
     return fd
 
 
+@contextmanager
+def _claiming(lock_dir: Path) -> Iterator[None]:
+    """The host's claim lock, held while one process takes its devices: a claim of several is
+    atomic against every other claim on this host (a lone device's is anyway)."""
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_dir / "claim.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held for milliseconds: waiting is right
+        yield
+    finally:
+        os.close(fd)
+
+
 def _holder(lock_dir: Path, name: str) -> str:
     try:
         return (lock_dir / f"{name}.lock").read_text().strip() or "?"
@@ -92,34 +114,40 @@ def gpu_count() -> int:
 
 
 def claim_gpus(lock_dir: Path, pool: list[str], count: int = 1) -> Claim:
-    """The first ``count`` free GPUs of ``pool`` (CUDA ids as CUDA_VISIBLE_DEVICES names them)."""
+    """The first ``count`` free GPUs of ``pool`` (CUDA ids as CUDA_VISIBLE_DEVICES names them), all
+    or none."""
     held: list[tuple[str, int]] = []
-    for gpu in pool:
-        fd = _lock(lock_dir, f"gpu-{gpu}")
-        if fd is not None:
-            held.append((gpu, fd))
-            if len(held) == count:
-                ids = ",".join(g for g, _ in held)
-                return Claim(f"gpu:{ids}", [fd for _, fd in held], cuda_visible_devices=ids)
-    for _, fd in held:
-        os.close(fd)
+    with _claiming(lock_dir):
+        for gpu in pool:
+            fd = _lock(lock_dir, f"gpu-{gpu}")
+            if fd is not None:
+                held.append((gpu, fd))
+                if len(held) == count:
+                    return _gpu_claim([g for g, _ in held], [fd for _, fd in held])
+        for _, fd in held:
+            os.close(fd)
     holders = ", ".join(f"{g} (pid {_holder(lock_dir, f'gpu-{g}')})" for g in pool) or "none visible"
     raise NoFreeDevice(f"no {count} free GPU(s) among {holders}; locks in {lock_dir}: stop a worker, "
                        "or set LLMQ_DEVICES to share a GPU on purpose")
+
+
+def _gpu_claim(gpus: list[str], fds: list[int]) -> Claim:
+    ids = ",".join(gpus)
+    return Claim(f"gpu:{ids}", fds, cuda_visible_devices=ids, devices=[f"gpu:{g}" for g in gpus])
 
 
 def pin_gpus(lock_dir: Path, devices: list[str]) -> Claim:
     """LLMQ_DEVICES: exactly these GPUs, the operator's choice. Locked where free so that
     claiming workers avoid them; already held means shared on purpose, which is allowed."""
     fds = []
-    for gpu in devices:
-        fd = _lock(lock_dir, f"gpu-{gpu}")
-        if fd is None:
-            log.warning("device_shared", device=f"gpu:{gpu}", holder_pid=_holder(lock_dir, f"gpu-{gpu}"))
-        else:
-            fds.append(fd)
-    ids = ",".join(devices)
-    return Claim(f"gpu:{ids}", fds, cuda_visible_devices=ids)
+    with _claiming(lock_dir):
+        for gpu in devices:
+            fd = _lock(lock_dir, f"gpu-{gpu}")
+            if fd is None:
+                log.warning("device_shared", device=f"gpu:{gpu}", holder_pid=_holder(lock_dir, f"gpu-{gpu}"))
+            else:
+                fds.append(fd)
+    return _gpu_claim(devices, fds)
 
 
 def split_cpus(usable: list[int], shares: int) -> list[list[int]]:
@@ -149,27 +177,46 @@ def _cpulist(cpus: list[int]) -> str:
     return f"{cpus[0]}-{cpus[-1]}" if contiguous else ",".join(map(str, cpus))
 
 
-def claim_cpu_share(lock_dir: Path, shares: list[list[int]]) -> Claim:
-    """Slot k: the first free one, never refused. Slot k runs on share k mod len(shares), so with
-    more workers than shares some share CPUs (warned); one share means no pinning at all, which
-    keeps a lone worker exactly as it ran before claims existed."""
-    slot = 0
-    while (fd := _lock(lock_dir, f"cpu-{slot}")) is None:
-        slot += 1
-    share = shares[slot % len(shares)]
-    if slot >= len(shares):
-        log.warning("cpu_share_oversubscribed", slot=slot, shares=len(shares), cpus=_cpulist(share))
-    return Claim(f"cpu:{slot} cpus={_cpulist(share)}", [fd], cpus=share if len(shares) > 1 else None)
+def claim_cpu_share(lock_dir: Path, shares: list[list[int]], ranks: int = 1) -> Claim:
+    """Slots: the first ``ranks`` free ones, never refused. Slot k runs on share k mod len(shares),
+    so with more slots taken than shares some share CPUs (warned). One rank on one share means no
+    pinning at all, which keeps a lone worker exactly as it ran before claims existed; several
+    ranks are each bound to their share's CPUs by vLLM (VLLM_CPU_OMP_THREADS_BIND), since every
+    rank's OpenMP threads otherwise spin on every CPU and each stalls the others' steps."""
+    slots: list[int] = []
+    fds: list[int] = []
+    with _claiming(lock_dir):
+        slot = 0
+        while len(slots) < ranks:
+            if (fd := _lock(lock_dir, f"cpu-{slot}")) is not None:
+                slots.append(slot)
+                fds.append(fd)
+            slot += 1
+    parts = [shares[k % len(shares)] for k in slots]
+    if slots[-1] >= len(shares):  # distinct slots below it are distinct shares
+        log.warning("cpu_share_oversubscribed", slots=slots, shares=len(shares),
+                    cpus="|".join(_cpulist(p) for p in parts))
+    label = f"cpu:{','.join(map(str, slots))} cpus={'|'.join(_cpulist(p) for p in parts)}"
+    devices = [f"cpu:{_cpulist(p)}" for p in parts]
+    if ranks == 1:
+        return Claim(label, fds, cpus=parts[0] if len(shares) > 1 else None, devices=devices)
+    every = sorted({c for p in parts for c in p})
+    return Claim(label, fds, cpus=every if len(every) < sum(map(len, shares)) else None,
+                 omp_bind="|".join(_cpulist(p) for p in parts), devices=devices)
 
 
 def claim_device(settings: Settings, env: Mapping[str, str], *, on_cpu: bool) -> Claim:
     """This worker's claim, per the settings (``env``: the process environment, whose
     CUDA_VISIBLE_DEVICES is the pool); raises :class:`NoFreeDevice` when none is free."""
     lock_dir = Path(settings.device_lock_dir)
+    ranks = settings.local_ranks
     if on_cpu:
         usable = sorted(os.sched_getaffinity(0))  # `taskset` by the operator narrows the pool
-        return claim_cpu_share(lock_dir, split_cpus(usable, settings.cpu_shares))
-    if settings.devices:
+        shares = split_cpus(usable, settings.cpu_shares)
+        if len(shares) < ranks:  # fewer shares than ranks: one part per rank, as vLLM's own binding
+            shares = split_cpus(usable, ranks)
+        return claim_cpu_share(lock_dir, shares, ranks)
+    if settings.devices:  # as many as ranks: load_settings checks
         return pin_gpus(lock_dir, [d.strip() for d in settings.devices.split(",") if d.strip()])
     pool = visible_gpus(env)  # an operator's CUDA_VISIBLE_DEVICES is the pool to choose from
     if pool is None:
@@ -177,4 +224,4 @@ def claim_device(settings: Settings, env: Mapping[str, str], *, on_cpu: bool) ->
     if not pool:
         log.warning("no_gpu_to_claim", detail="leaving device selection to vLLM")
         return Claim("gpu:unclaimed")
-    return claim_gpus(lock_dir, pool, count=1)
+    return claim_gpus(lock_dir, pool, count=ranks)

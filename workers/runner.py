@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, assert_never
 
@@ -125,7 +126,7 @@ class _Suspect:
 
 class Worker:
     def __init__(self, settings: Settings, queue: Consumer, engine: Engine, *, worker_id: str | None = None,
-                 device: str = "", tracing: Tracing | None = None):
+                 device: str = "", devices: Sequence[str] = (), tracing: Tracing | None = None):
         self.settings = settings
         self.tracing = tracing  # None: tracing off, and no span work anywhere below
         self.queue = queue
@@ -151,7 +152,7 @@ class Worker:
         self._next_reclaim = 0.0
         self.metrics = Recorder(self.model)  # pushed with each heartbeat (shared/metrics.py)
         self.presence = Presence(settings, Registry(queue.redis, queue.keys), self.worker_id, self.metrics,
-                                 device=device)
+                                 device=device, devices=devices)
 
     # --- lifecycle ----------------------------------------------------------------------------
 

@@ -338,6 +338,11 @@ def vllm_server_args(settings: Settings, port: int) -> list[str]:
                  "--max-lora-rank", str(settings.max_lora_rank)]
         if settings.max_cpu_loras:
             args += ["--max-cpu-loras", str(settings.max_cpu_loras)]
+    if settings.world_size > 1:  # one engine over several devices (docs/operations.md#sizing)
+        args += ["--tensor-parallel-size", str(settings.tensor_parallel_size),
+                 "--pipeline-parallel-size", str(settings.pipeline_parallel_size)]
+    if settings.executor_backend:
+        args += ["--distributed-executor-backend", settings.executor_backend]
     return args
 
 

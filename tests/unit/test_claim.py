@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import load_settings
+from shared.config import SettingsError, load_settings
 from shared.status import Status, WorkerStatus, render
 from tests.conftest import REPO
 from workers import claim as claims
@@ -103,7 +103,8 @@ def test_an_operator_set_cuda_visible_devices_is_the_pool(tmp_path, monkeypatch,
 def test_llmq_devices_pins_exactly_those_gpus_even_when_claimed(tmp_path, monkeypatch, release):
     monkeypatch.setattr(claims, "gpu_count", lambda: 4)
     release(claim_gpus(tmp_path, ["0"]))
-    settings = load_settings({"LLMQ_DEVICES": "0,1", "LLMQ_DEVICE_LOCK_DIR": str(tmp_path)})
+    settings = load_settings({"LLMQ_DEVICES": "0,1", "LLMQ_DEVICE_LOCK_DIR": str(tmp_path),
+                              "LLMQ_TENSOR_PARALLEL_SIZE": "2"})
     pinned = claim_device(settings, os.environ, on_cpu=False)
     release(pinned)
     assert (pinned.label, pinned.cuda_visible_devices) == ("gpu:0,1", "0,1")
@@ -121,9 +122,9 @@ def test_a_host_with_no_visible_gpu_leaves_the_choice_to_vllm(tmp_path, monkeypa
 
 def test_the_claimed_gpus_reach_the_engine_environment():
     env: dict[str, str] = {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
-    apply_device_environment("2", env)
+    apply_device_environment("2", None, env)
     assert env == {"CUDA_VISIBLE_DEVICES": "2"}
-    apply_device_environment(None, env)
+    apply_device_environment(None, None, env)
     assert env == {"CUDA_VISIBLE_DEVICES": "2"}
 
 
@@ -185,3 +186,94 @@ async def test_a_worker_with_no_free_gpu_exits_non_zero_before_loading_anything(
     finally:
         busy.release()
     assert exited.value.code == 1
+
+
+def test_a_worker_of_two_ranks_claims_two_gpus_of_its_pool(tmp_path, monkeypatch, release):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    settings = load_settings({}, device_lock_dir=str(tmp_path), tensor_parallel_size=2)
+    pair = claim_device(settings, os.environ, on_cpu=False)
+    release(pair)
+    assert (pair.label, pair.cuda_visible_devices, pair.devices) == ("gpu:4,5", "4,5", ["gpu:4", "gpu:5"])
+    with pytest.raises(NoFreeDevice, match="no 2 free GPU"):  # one is left: all or none
+        claim_device(settings, os.environ, on_cpu=False)
+    assert claim_gpus(tmp_path, ["4", "5", "6"]).label == "gpu:6", "the refused claim kept nothing"
+
+
+def test_a_multi_host_engine_claims_this_hosts_share_of_its_ranks(tmp_path, monkeypatch, release):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    settings = load_settings({}, device_lock_dir=str(tmp_path), tensor_parallel_size=8, pipeline_parallel_size=2,
+                             nnodes=2)
+    mine = claim_device(settings, os.environ, on_cpu=False)
+    release(mine)
+    assert mine.cuda_visible_devices == "0,1,2,3,4,5,6,7"
+
+
+def test_claims_of_several_devices_wait_for_each_other(tmp_path):
+    """The host's claim lock: while one process claims, another's claim waits for it."""
+    script = ("import sys; from pathlib import Path; from workers.claim import claim_gpus; "
+              "print(claim_gpus(Path(sys.argv[1]), ['0', '1'], count=2).label, flush=True)")
+    with claims._claiming(tmp_path):
+        other = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
+                                 text=True)
+        with pytest.raises(subprocess.TimeoutExpired):
+            other.wait(1.5)
+    assert other.communicate(timeout=60)[0].strip() == "gpu:0,1"
+
+
+@pytest.mark.parametrize(("env", "problem"), [
+    ({"LLMQ_TENSOR_PARALLEL_SIZE": "2", "LLMQ_DEVICES": "0"},
+     "LLMQ_DEVICES='0' names 1 GPU(s), but this host's share of the engine"),
+    ({"LLMQ_TENSOR_PARALLEL_SIZE": "2", "LLMQ_DEVICES": "0,1,2"}, "names 3 GPU(s)"),
+    ({"LLMQ_TENSOR_PARALLEL_SIZE": "3", "LLMQ_NNODES": "2"}, "3 ranks do not divide over LLMQ_NNODES=2"),
+    ({"LLMQ_NNODES": "2", "LLMQ_TENSOR_PARALLEL_SIZE": "2", "LLMQ_NODE_RANK": "2"},
+     "LLMQ_NODE_RANK=2 is not below LLMQ_NNODES=2"),
+    ({"LLMQ_NNODES": "2", "LLMQ_TENSOR_PARALLEL_SIZE": "2", "LLMQ_DISTRIBUTED_EXECUTOR_BACKEND": "ray"},
+     "LLMQ_NNODES is for the mp backend"),
+    ({"LLMQ_TENSOR_PARALLEL_SIZE": "0"}, "tensor_parallel_size"),
+])
+def test_a_layout_that_cannot_be_built_is_refused_at_start_naming_the_settings(env, problem):
+    with pytest.raises(SettingsError, match="invalid llmq settings") as refused:
+        load_settings(env)
+    assert problem in str(refused.value)
+
+
+def test_layouts_that_can_be_built_load():
+    s = load_settings({"LLMQ_TENSOR_PARALLEL_SIZE": "4", "LLMQ_PIPELINE_PARALLEL_SIZE": "2", "LLMQ_NNODES": "2",
+                       "LLMQ_DEVICES": "0,1,2,3"})
+    assert (s.world_size, s.local_ranks, s.executor_backend) == (8, 4, "mp")
+    one = load_settings({})
+    assert (one.world_size, one.local_ranks, one.executor_backend) == (1, 1, None)
+
+
+def test_a_cpu_engine_of_two_ranks_binds_each_rank_to_its_own_cpus(tmp_path, release, monkeypatch):
+    """A 2-CPU host, one NUMA node: two ranks get a CPU each (vLLM's VLLM_CPU_OMP_THREADS_BIND),
+    and a worker of one rank started beside them shares a CPU, warned."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(claims, "split_cpus", lambda usable, shares: [[0, 1]] if shares <= 1 else [[0], [1]])
+    tp2 = claim_device(load_settings({}, device_lock_dir=str(tmp_path), tensor_parallel_size=2), {}, on_cpu=True)
+    release(tp2)
+    assert (tp2.label, tp2.omp_bind, tp2.cpus, tp2.devices) == ("cpu:0,1 cpus=0|1", "0|1", None, ["cpu:0", "cpu:1"])
+    env: dict[str, str] = {}
+    tp2.apply(env)
+    assert env == {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    tp1 = claim_device(load_settings({}, device_lock_dir=str(tmp_path)), {}, on_cpu=True)
+    release(tp1)
+    assert (tp1.label, tp1.omp_bind, tp1.cpus) == ("cpu:2 cpus=0-1", None, None), "oversubscribed, not refused"
+
+
+def test_a_cpu_engine_of_two_ranks_on_two_numa_nodes_gets_one_node_per_rank(tmp_path, release):
+    tp2 = claim_cpu_share(tmp_path, [[0, 1, 2, 3], [4, 5, 6, 7]], ranks=2)
+    release(tp2)
+    assert (tp2.omp_bind, tp2.cpus) == ("0-3|4-7", None)
+    again = claim_cpu_share(tmp_path, [[0, 1, 2, 3], [4, 5, 6, 7]], ranks=1)
+    release(again)
+    assert again.cpus == [0, 1, 2, 3]  # slot 2 wraps to share 0
+
+
+def test_a_pipeline_parallel_cpu_engine_compiles_unless_told_otherwise(monkeypatch):
+    from workers import environment
+
+    monkeypatch.setattr(environment, "cpu_engine", lambda: True)
+    assert environment.eager(load_settings({})) is True
+    assert environment.eager(load_settings({}, pipeline_parallel_size=2)) is False
+    assert environment.eager(load_settings({}, pipeline_parallel_size=2, enforce_eager=True)) is True
