@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +21,8 @@ from tests.support.event_log import ended_record, logged_events
 from tests.support.faults import Figures, alive, children
 from tests.support.procfile import Stream, log_events
 
-__all__ = ["PROMPT_IDS", "MAX_TOKENS", "Faulty", "streamed", "running_job", "check_exact", "engine_pid", "answered",
-           "kill_engine_mid_stream"]
+__all__ = ["PROMPT_IDS", "MAX_TOKENS", "Faulty", "streamed", "running_job", "check_exact", "engine_pid", "rank_pids",
+           "answered", "kill_engine_mid_stream", "greedy_ids"]
 
 PROMPT_IDS = [1, 245, 92, 311, 48, 203, 77, 130]  # a prompt as token ids: the reference extends it exactly
 MAX_TOKENS = 900  # ~2 s of tokens here: the others still stream when the killer arrives
@@ -82,8 +83,9 @@ def greedy_ids(f: Faulty, prompt: list[int], max_tokens: int) -> list[int]:
     return result_ids(f, resp.json()["id"].removeprefix("cmpl-"))
 
 
-def check_exact(f: Faulty, stream: Stream, figures: Figures | None = None) -> None:
-    """Streamed once, whole, and after the death the greedy continuation of what was published."""
+def check_exact(f: Faulty, stream: Stream, figures: Figures | None = None, *, attempt: int = 1) -> None:
+    """Streamed once, whole, and after the death the greedy continuation of what was published;
+    ``attempt``: the delivery that ended it (1: its worker survived, 2: a peer took it over)."""
     stream.thread.join(300)
     assert not stream.thread.is_alive()
     assert not stream.errors and stream.done and stream.finish_reasons == ["length"], (stream.errors, stream.text)
@@ -91,7 +93,7 @@ def check_exact(f: Faulty, stream: Stream, figures: Figures | None = None) -> No
     ids = result_ids(f, stream.job_id)
     assert len(ids) == MAX_TOKENS
     record = ended_record(f.redis, f.keys, f.model, stream.job_id)
-    assert record[b"attempt"] == b"1", "a rebuild is not a failed delivery: the same attempt continued"
+    assert record[b"attempt"] == str(attempt).encode(), "a rebuild is not a failed delivery: the same attempt continued"
     seqs = [seq for seq, _ in logged_events(f.redis, f.keys, f.model, stream.job_id)]
     assert seqs == list(range(1, len(seqs) + 1)), "every event once, in order"
     [continued] = [e for e in f.worker_events("job_continued") if e["job_id"] == stream.job_id]
@@ -106,6 +108,12 @@ def check_exact(f: Faulty, stream: Stream, figures: Figures | None = None) -> No
     assert ids[emitted:] == rest, "the continuation is the greedy run from the published tokens"
 
 
+def rank_pids(f: Faulty) -> list[int]:
+    """The engine's rank processes (an engine of several ranks: vLLM titles them VLLM::Worker_TP0 ...)."""
+    return sorted(p for p in children(engine_pid(f))
+                  if Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"VLLM::Worker"))
+
+
 def engine_pid(f: Faulty) -> int:
     [pid] = [p for p in children(f.worker_pid()) if b"EngineCore" in Path(f"/proc/{p}/cmdline").read_bytes()
              or "EngineCore" in Path(f"/proc/{p}/comm").read_text()]
@@ -117,14 +125,16 @@ def answered(f: Faulty) -> None:
     assert resp.status_code == 200, resp.text
 
 
-def kill_engine_mid_stream(f: Faulty, figures: Figures, salt: int) -> tuple[Stream, int]:
-    """SIGKILL the worker's engine once a stream has 20 tokens; the stream must end exact, its
-    worker the same process, serving the next request. Returns the stream and the dead engine's pid."""
+def kill_engine_mid_stream(f: Faulty, figures: Figures, salt: int,
+                           victim: Callable[[Faulty], int] = engine_pid) -> tuple[Stream, int]:
+    """SIGKILL the worker's engine (``victim``: a process of it, by default its core) once a stream
+    has 20 tokens; the stream must end exact, its worker the same process, serving the next request.
+    Returns the stream and the dead engine's pid."""
     worker = f.worker_pid()
     stream = streamed(f.url, salt)
     running_job(f, stream, 20)
     engine = engine_pid(f)
-    os.kill(engine, signal.SIGKILL)
+    os.kill(victim(f), signal.SIGKILL)
     killed_at = time.monotonic()
     stream.thread.join(300)
     figures.seconds["stream_done_after_kill_s"] = time.monotonic() - killed_at

