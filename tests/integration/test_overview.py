@@ -9,16 +9,22 @@ real one with a SIGKILLed vLLM worker (tests/e2e/test_console.py).
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 
 import httpx
 import msgspec
 import pytest
 
+from shared.config import load_settings
 from shared.keys import Keys
+from shared.metrics import Recorder
+from shared.registry import Registry
 from shared.tenants import key_hash
 from tests.support.scripted_stack import ScriptedStack
 from tests.support.waiting import eventually
+from workers.presence import Presence
 
 A, B, OP = "key-of-tenant-a", "key-of-tenant-b", "key-of-the-operator"
 pytestmark = pytest.mark.stack(api_keys=f"{A},{B}", operator_keys=OP)
@@ -142,6 +148,27 @@ async def test_the_deployment_names_the_model_its_worker_and_levels(stack: Scrip
     assert model["ready_workers"] == 1 and model["slots"] == stack.settings.max_num_seqs
     assert [w["id"] for w in body["workers"]] == [stack.worker.worker_id]
     assert body["workers"][0]["metrics"] == []  # /metrics shows them
+
+
+async def test_the_deployment_shows_each_workers_devices_and_engine_layout(stack: ScriptedStack):
+    """A worker of two tensor-parallel ranks on two GPUs, its heartbeat as workers/presence.py
+    writes it; loading, so its model joins no list the module's other tests read."""
+    settings = load_settings({}, served_model_name="big", tensor_parallel_size=2)
+    big = Presence(settings, Registry(stack.redis, Keys(stack.settings.prefix)), "w-big", Recorder("big"),
+                   device="gpu:0,1", devices=["gpu:0", "gpu:1"])
+    await big.beat("warming", running=0)
+    try:
+        body = (await get(stack, "/v1/deployment", A)).json()  # a tenant's key: the workers are no one's data
+    finally:
+        await big.unregister()
+    [shown] = [w for w in body["workers"] if w["id"] == "w-big"]
+    assert 0 <= shown.pop("last_heartbeat_age_s") < 5
+    assert shown == {"id": "w-big", "model": "big", "status": "warming", "slots": settings.max_num_seqs, "running": 0,
+                     "host": socket.gethostname(), "pid": os.getpid(), "device": "gpu:0,1",
+                     "devices": ["gpu:0", "gpu:1"], "parallel": {"tensor": 2, "pipeline": 1, "nodes": 1},
+                     "adapters": [], "metrics": []}
+    [tiny] = [w for w in body["workers"] if w["id"] == stack.worker.worker_id]
+    assert (tiny["devices"], tiny["parallel"]) == ([], {"tensor": 1, "pipeline": 1, "nodes": 1})
 
 
 async def test_history_samples_give_each_level_its_throughput(stack: ScriptedStack):
