@@ -17,14 +17,11 @@ import httpx
 import msgspec
 import pytest
 
-from shared.config import load_settings
 from shared.keys import Keys
-from shared.metrics import Recorder
-from shared.registry import Registry
 from shared.tenants import key_hash
+from tests.support.heartbeats import beating
 from tests.support.scripted_stack import ScriptedStack
 from tests.support.waiting import eventually
-from workers.presence import Presence
 
 A, B, OP = "key-of-tenant-a", "key-of-tenant-b", "key-of-the-operator"
 pytestmark = pytest.mark.stack(api_keys=f"{A},{B}", operator_keys=OP)
@@ -151,20 +148,15 @@ async def test_the_deployment_names_the_model_its_worker_and_levels(stack: Scrip
 
 
 async def test_the_deployment_shows_each_workers_devices_and_engine_layout(stack: ScriptedStack):
-    """A worker of two tensor-parallel ranks on two GPUs, its heartbeat as workers/presence.py
-    writes it; loading, so its model joins no list the module's other tests read."""
-    settings = load_settings({}, served_model_name="big", tensor_parallel_size=2)
-    big = Presence(settings, Registry(stack.redis, Keys(stack.settings.prefix)), "w-big", Recorder("big"),
-                   device="gpu:0,1", devices=["gpu:0", "gpu:1"])
-    await big.beat("warming", running=0)
-    try:
+    """A worker of two tensor-parallel ranks on two GPUs, as its heartbeat says, beside the
+    scripted one's single device."""
+    async with beating(stack.redis, stack.settings.prefix, "w-big", "big", device="gpu:0,1",
+                       devices=["gpu:0", "gpu:1"], tensor_parallel_size=2) as big:
         body = (await get(stack, "/v1/deployment", A)).json()  # a tenant's key: the workers are no one's data
-    finally:
-        await big.unregister()
     [shown] = [w for w in body["workers"] if w["id"] == "w-big"]
     assert 0 <= shown.pop("last_heartbeat_age_s") < 5
-    assert shown == {"id": "w-big", "model": "big", "status": "warming", "slots": settings.max_num_seqs, "running": 0,
-                     "host": socket.gethostname(), "pid": os.getpid(), "device": "gpu:0,1",
+    assert shown == {"id": "w-big", "model": "big", "status": "warming", "slots": big.settings.max_num_seqs,
+                     "running": 0, "host": socket.gethostname(), "pid": os.getpid(), "device": "gpu:0,1",
                      "devices": ["gpu:0", "gpu:1"], "parallel": {"tensor": 2, "pipeline": 1, "nodes": 1},
                      "adapters": [], "metrics": []}
     [tiny] = [w for w in body["workers"] if w["id"] == stack.worker.worker_id]
