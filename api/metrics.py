@@ -124,6 +124,12 @@ async def collect(svc: Services) -> list[Sample]:
     out += await affinity_series(svc.queue.redis, svc.keys, [m.name for m in status.models])
     for w in status.workers:
         out += [Sample(s.name, {**s.labels, "worker": w.id}, s.value) for s in w.metrics]
+        # Its engine's layout, from the heartbeat's field (as llmq-status and /v1/deployment show
+        # it): the layout in the labels, its ranks as the value, so a sum by model is the devices
+        # (GPUs, or CPU shares) the model's engines hold.
+        p = w.parallel
+        out.append(Sample("llmq_worker_ranks", {"model": w.model, "tensor": str(p.tensor), "pipeline": str(p.pipeline),
+                                                "nodes": str(p.nodes), "worker": w.id}, p.tensor * p.pipeline))
     out += _own(svc)
     out += await _peers(svc)
     return out

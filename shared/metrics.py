@@ -15,7 +15,8 @@ Where each figure comes from:
 - each worker counts its jobs, tokens, reclaims and outcomes and keeps the latency histograms,
   and pushes them through Redis: one JSON field of its heartbeat hash, rewritten every beat. The
   API serves them with a ``worker`` label. No port per worker: a worker on any host is scraped
-  through the one API, and its figures vanish with its heartbeat key;
+  through the one API, and its figures vanish with its heartbeat key. Its engine's layout (the
+  heartbeat's ``parallel``) is served from there too, as one gauge per worker;
 - the API counts what only it sees (error answers such as 429s, streams in flight).
 
 Every family is declared from the first scrape, and every series known in advance starts at 0
@@ -52,6 +53,8 @@ CATALOGUE: dict[str, Metric] = {
     "llmq_queue_oldest_age_seconds": Metric("gauge", "Age of the oldest unfinished job on the level (0: none)."),
     "llmq_dead_letters": Metric("gauge", "Records in the model's dead-letter stream."),
     "llmq_workers_ready": Metric("gauge", "Warm workers serving the model."),
+    "llmq_worker_ranks": Metric("gauge", "Ranks of the worker's engine (tensor x pipeline, over its nodes), its layout "
+                                         "in the labels."),
     "llmq_tenant_requests_total": Metric("counter", "Jobs of the tenant that ended on the model, however they ended."),
     "llmq_tenant_prompt_tokens_total": Metric("counter", "Prompt tokens of the tenant's jobs that ended on the model."),
     "llmq_tenant_generated_tokens_total": Metric("counter",

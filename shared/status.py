@@ -3,9 +3,9 @@
 The friendly face of the redis-cli recipes in docs/redis.md. Per model and priority level: jobs waiting
 (queued, not yet delivered), running (delivered and unfinished: the consumer group's pending
 entries) and the oldest unfinished job's age; the dead-letter count; and every worker's heartbeat
-(model, status, slots, running, last beat); per model, the top tenants of the day (UTC) by tokens,
-with their requests, prompt and generated tokens and engine time. ``--json`` prints the same as one
-JSON document.
+(model, status, slots, running, device, its engine's layout, last beat); per model, the top tenants
+of the day (UTC) by tokens, with their requests, prompt and generated tokens and engine time.
+``--json`` prints the same as one JSON document.
 
 Everything is read, nothing written, so it is safe against a live deployment. The queue's figures
 come from ``shared.inspection.read_queue`` (one pipeline per model), as /metrics' and the sweep's do.
@@ -199,6 +199,13 @@ def _table(header: list[str], rows: list[list[object]]) -> list[str]:
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
 
 
+def _layout(p: Parallel) -> str:
+    """A worker's engine layout in vLLM's terms (``tp=2``, ``tp=2 pp=2``, ``tp=8 pp=2 nodes=2``): the
+    tensor size always, so a one-device worker reads ``tp=1``; pipeline and hosts only past 1."""
+    return " ".join([f"tp={p.tensor}", *([f"pp={p.pipeline}"] if p.pipeline > 1 else []),
+                     *([f"nodes={p.nodes}"] if p.nodes > 1 else [])])
+
+
 def render(status: Status) -> str:
     lines = [f"llmq status, prefix {status.prefix}, at {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(status.at))}Z"]
     if not status.models:
@@ -220,10 +227,10 @@ def render(status: Status) -> str:
                               t.preemptions, round(t.preempted_seconds, 3)] for t in m.top_tenants])
     lines += ["", f"workers: {len(status.workers)}"]
     if status.workers:
-        lines += _table(["id", "model", "status", "slots", "running", "host", "pid", "device", "last beat (s ago)",
-                         "adapters"],
+        lines += _table(["id", "model", "status", "slots", "running", "host", "pid", "device", "layout",
+                         "last beat (s ago)", "adapters"],
                         [[w.id, w.model, w.status, w.slots, w.running, w.host, w.pid, w.device or None,
-                          w.last_heartbeat_age_s, ", ".join(w.adapters) or None]
+                          _layout(w.parallel), w.last_heartbeat_age_s, ", ".join(w.adapters) or None]
                          for w in status.workers])
     return "\n".join(lines)
 

@@ -302,6 +302,7 @@ async def test_the_overview_shows_workers_slots_queues_and_their_history(deploym
     await page.wait_for_selector("svg", timeout=30_000)
     text = await page.inner_text("main")
     assert deployment.model in text and "ready" in text
+    assert "tp=1" in text  # each worker's engine layout: one device each here
     await shot(page, "overview")
     dark = await console(OP, "#/overview", dark=True)
     await dark.wait_for_selector("svg", timeout=30_000)

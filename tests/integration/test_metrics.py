@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from shared.keys import Keys
+from tests.support.heartbeats import beating
 from tests.support.metrics import sample, samples
 from tests.support.scripted_engine import ScriptedEngine
 from tests.support.scripted_stack import scripted_stack
@@ -66,3 +67,21 @@ async def test_metrics_count_jobs_tokens_latencies_and_refusals(redis_url, prefi
         assert sample(values, "llmq_api_errors_total", api=api, status="429", code="overloaded") == 1
         assert sample(values, "llmq_api_errors_total", api=api, status="400", code="invalid_request") == 1
         assert sample(values, "llmq_api_streams_in_flight", api=api) == 0
+
+
+async def test_each_workers_engine_layout_is_a_gauge_of_its_ranks(redis_url, prefix):
+    """One series per worker, its layout in the labels and its ranks (tensor × pipeline) the value:
+    the scripted worker's one, and a worker of 8 × 2 ranks over two hosts, as its heartbeat says
+    (loading: its layout shows before its engine is up)."""
+    async with scripted_stack(redis_url, prefix, ScriptedEngine(), heartbeat_s=0.2) as s, \
+            beating(s.redis, prefix, "w-big", "big", tensor_parallel_size=8, pipeline_parallel_size=2, nnodes=2):
+        text = (await s.client.get("/metrics")).text
+    assert [line for line in text.splitlines() if "llmq_worker_ranks" in line] == [
+        "# HELP llmq_worker_ranks Ranks of the worker's engine (tensor x pipeline, over its nodes), its layout in the "
+        "labels.",
+        "# TYPE llmq_worker_ranks gauge",
+        'llmq_worker_ranks{model="big",tensor="8",pipeline="2",nodes="2",worker="w-big"} 16',
+        f'llmq_worker_ranks{{model="{MODEL}",tensor="1",pipeline="1",nodes="1",worker="{s.worker.worker_id}"}} 1']
+    # As Prometheus reads it.
+    assert sample(samples(text), "llmq_worker_ranks", model="big", tensor="8", pipeline="2", nodes="2",
+                  worker="w-big") == 16

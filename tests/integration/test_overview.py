@@ -9,6 +9,8 @@ real one with a SIGKILLed vLLM worker (tests/e2e/test_console.py).
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 
 import httpx
@@ -17,6 +19,7 @@ import pytest
 
 from shared.keys import Keys
 from shared.tenants import key_hash
+from tests.support.heartbeats import beating
 from tests.support.scripted_stack import ScriptedStack
 from tests.support.waiting import eventually
 
@@ -142,6 +145,22 @@ async def test_the_deployment_names_the_model_its_worker_and_levels(stack: Scrip
     assert model["ready_workers"] == 1 and model["slots"] == stack.settings.max_num_seqs
     assert [w["id"] for w in body["workers"]] == [stack.worker.worker_id]
     assert body["workers"][0]["metrics"] == []  # /metrics shows them
+
+
+async def test_the_deployment_shows_each_workers_devices_and_engine_layout(stack: ScriptedStack):
+    """A worker of two tensor-parallel ranks on two GPUs, as its heartbeat says, beside the
+    scripted one's single device."""
+    async with beating(stack.redis, stack.settings.prefix, "w-big", "big", device="gpu:0,1",
+                       devices=["gpu:0", "gpu:1"], tensor_parallel_size=2) as big:
+        body = (await get(stack, "/v1/deployment", A)).json()  # a tenant's key: the workers are no one's data
+    [shown] = [w for w in body["workers"] if w["id"] == "w-big"]
+    assert 0 <= shown.pop("last_heartbeat_age_s") < 5
+    assert shown == {"id": "w-big", "model": "big", "status": "warming", "slots": big.settings.max_num_seqs,
+                     "running": 0, "host": socket.gethostname(), "pid": os.getpid(), "device": "gpu:0,1",
+                     "devices": ["gpu:0", "gpu:1"], "parallel": {"tensor": 2, "pipeline": 1, "nodes": 1},
+                     "adapters": [], "metrics": []}
+    [tiny] = [w for w in body["workers"] if w["id"] == stack.worker.worker_id]
+    assert (tiny["devices"], tiny["parallel"]) == ([], {"tensor": 1, "pipeline": 1, "nodes": 1})
 
 
 async def test_history_samples_give_each_level_its_throughput(stack: ScriptedStack):

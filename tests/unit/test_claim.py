@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from shared.config import SettingsError, load_settings
-from shared.status import Status, WorkerStatus, render
 from tests.conftest import REPO
 from workers import claim as claims
 from workers.claim import NoFreeDevice, claim_cpu_share, claim_device, claim_gpus, split_cpus
@@ -158,13 +157,6 @@ def test_cpu_shares_go_to_workers_in_turn_and_wrap_when_oversubscribed(tmp_path,
     reuse = claim_cpu_share(tmp_path, shares)  # the lowest free slot first
     release(reuse)
     assert reuse.label == "cpu:0 cpus=0-3"
-
-
-def test_status_shows_each_workers_device():
-    w = WorkerStatus(id="h:1:ab", model="m", status="ready", slots=2, running=0, host="h", pid=1,
-                     device="cpu:1 cpus=0-1", last_heartbeat_age_s=0.5)
-    text = render(Status(prefix="p", at=0.0, models=[], workers=[w]))
-    assert "device" in text and "cpu:1 cpus=0-1" in text
 
 
 def test_lock_files_name_their_holder(tmp_path, release):

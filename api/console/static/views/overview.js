@@ -34,6 +34,12 @@ function chart(model) {
     ` · last ${Math.round(span / 60)} min · top of the chart: ${top}`));
 }
 
+// A worker's engine layout as llmq-status writes it (tp=2, tp=2 pp=2, tp=8 pp=2 nodes=2): the tensor
+// size always, so a one-device worker reads tp=1; pipeline and hosts only past 1.
+function layout(p) {
+  return [`tp=${p.tensor}`, p.pipeline > 1 && `pp=${p.pipeline}`, p.nodes > 1 && `nodes=${p.nodes}`].filter(Boolean).join(' ');
+}
+
 function modelSection() {
   const [levels, body] = table('Levels', ['Level', 'Waiting', 'Running', 'Oldest waiting', 'Finished / min']);
   const section = h('section', { class: 'model' }, h('h2'), h('p', { class: 'summary' }), h('div', { class: 'chart-box' }), levels);
@@ -58,7 +64,7 @@ function fillModel(section, m) {
 
 export function mount(main, ctx) {
   const models = h('div', { class: 'models' });
-  const [workers, workerRows] = table('Workers', ['Worker', 'Model', 'Status', 'Running / slots', 'Host', 'PID', 'Device', 'Heartbeat', 'Adapters']);
+  const [workers, workerRows] = table('Workers', ['Worker', 'Model', 'Status', 'Running / slots', 'Host', 'PID', 'Device', 'Layout', 'Heartbeat', 'Adapters']);
   main.append(h('h1', {}, 'Models and queues'), models, h('h2', {}, 'Workers'), workers);
   const sections = new Map();
 
@@ -79,6 +85,6 @@ export function mount(main, ctx) {
     syncRows(workerRows, d.workers, (w) => w.id, (w) => h('tr', {},
       h('td', {}, w.id), h('td', {}, w.model), h('td', {}, h('span', { class: `tag ${w.status}` }, w.status)),
       h('td', {}, `${w.running} / ${w.slots}`), h('td', {}, w.host), h('td', {}, num(w.pid)), h('td', {}, w.device),
-      h('td', {}, ago(Date.now() - w.last_heartbeat_age_s * 1000)), h('td', {}, w.adapters.join(', ') || dash)));
+      h('td', {}, layout(w.parallel)), h('td', {}, ago(Date.now() - w.last_heartbeat_age_s * 1000)), h('td', {}, w.adapters.join(', ') || dash)));
   });
 }
