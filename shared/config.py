@@ -592,7 +592,10 @@ def _parallel_problems(s: Settings) -> list[str]:
         bad.append("LLMQ_NNODES is for the mp backend; with LLMQ_DISTRIBUTED_EXECUTOR_BACKEND=ray the Ray "
                    "cluster places the ranks (leave LLMQ_NNODES at 1)")
     devices = [d for d in s.devices.split(",") if d.strip()]
-    if devices and not s.world_size % s.nnodes and len(devices) != s.local_ranks:
+    if devices and s.distributed_executor_backend == "ray":
+        bad.append("LLMQ_DEVICES is for a worker's own devices; with LLMQ_DISTRIBUTED_EXECUTOR_BACKEND=ray the Ray "
+                   "cluster places every rank (unset LLMQ_DEVICES)")
+    elif devices and not s.world_size % s.nnodes and len(devices) != s.local_ranks:
         bad.append(f"LLMQ_DEVICES={s.devices!r} names {len(devices)} GPU(s), but this host's share of the engine "
                    f"({layout} over LLMQ_NNODES={s.nnodes}) is {s.local_ranks}")
     return bad

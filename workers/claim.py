@@ -209,6 +209,11 @@ def claim_device(settings: Settings, env: Mapping[str, str], *, on_cpu: bool) ->
     """This worker's claim, per the settings (``env``: the process environment, whose
     CUDA_VISIBLE_DEVICES is the pool); raises :class:`NoFreeDevice` when none is free."""
     lock_dir = Path(settings.device_lock_dir)
+    if settings.executor_backend == "ray":
+        # Ray places every rank on its cluster's GPUs, this host's included, and Ray's own
+        # accounting keeps two engines off one GPU: a claim here would count ranks on other hosts.
+        log.info("devices_left_to_ray", ranks=settings.world_size)
+        return Claim("ray")
     ranks = settings.local_ranks
     if on_cpu:
         usable = sorted(os.sched_getaffinity(0))  # `taskset` by the operator narrows the pool

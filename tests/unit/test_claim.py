@@ -222,6 +222,7 @@ def test_claims_of_several_devices_wait_for_each_other(tmp_path):
     ({"LLMQ_NNODES": "2", "LLMQ_TENSOR_PARALLEL_SIZE": "2", "LLMQ_DISTRIBUTED_EXECUTOR_BACKEND": "ray"},
      "LLMQ_NNODES is for the mp backend"),
     ({"LLMQ_TENSOR_PARALLEL_SIZE": "0"}, "tensor_parallel_size"),
+    ({"LLMQ_DISTRIBUTED_EXECUTOR_BACKEND": "ray", "LLMQ_DEVICES": "0"}, "the Ray cluster places every rank"),
 ])
 def test_a_layout_that_cannot_be_built_is_refused_at_start_naming_the_settings(env, problem):
     with pytest.raises(SettingsError, match="invalid llmq settings") as refused:
@@ -269,3 +270,12 @@ def test_a_pipeline_parallel_cpu_engine_compiles_unless_told_otherwise(monkeypat
     assert environment.eager(load_settings({})) is True
     assert environment.eager(load_settings({}, pipeline_parallel_size=2)) is False
     assert environment.eager(load_settings({}, pipeline_parallel_size=2, enforce_eager=True)) is True
+
+
+def test_a_ray_engine_claims_no_device_of_its_own(tmp_path, monkeypatch):
+    """Sixteen ranks over two 8-GPU hosts: Ray places them all; a claim of 16 here would fail."""
+    monkeypatch.setattr(claims, "gpu_count", lambda: 8)
+    settings = load_settings({}, device_lock_dir=str(tmp_path), tensor_parallel_size=8, pipeline_parallel_size=2,
+                             distributed_executor_backend="ray")
+    claim = claim_device(settings, {}, on_cpu=False)
+    assert (claim.label, claim.fds, claim.cuda_visible_devices) == ("ray", [], None)
