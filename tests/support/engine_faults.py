@@ -130,11 +130,10 @@ def kill_engine_mid_stream(f: Faulty, figures: Figures, salt: int,
     """SIGKILL the worker's engine (``victim``: a process of it, by default its core) once a stream
     has 20 tokens; the stream must end exact, its worker the same process, serving the next request.
     Returns the stream and the dead engine's pid."""
-    worker = f.worker_pid()
+    worker, engine, target = f.worker_pid(), engine_pid(f), victim(f)  # before: a /proc scan takes a while
     stream = streamed(f.url, salt)
     running_job(f, stream, 20)
-    engine = engine_pid(f)
-    os.kill(victim(f), signal.SIGKILL)
+    os.kill(target, signal.SIGKILL)
     killed_at = time.monotonic()
     stream.thread.join(300)
     figures.seconds["stream_done_after_kill_s"] = time.monotonic() - killed_at
