@@ -11,13 +11,12 @@ import asyncio
 import os
 import signal
 from contextlib import AsyncExitStack
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
 import uvloop
 
-from shared.config import DEFAULT_MODEL, Settings, SettingsError, load_settings, load_tracing
+from shared.config import Settings, SettingsError, load_settings, load_tracing
 from shared.durability import check_server
 from shared.keys import Keys
 from shared.logging import configure_logging
@@ -25,8 +24,8 @@ from shared.queue import Consumer
 from shared.redis import connect, wait_for_redis
 from shared.redis_memory import EvictingRedis, check_policy
 from workers import lora_fixes  # no vLLM import
-from workers.claim import NoFreeDevice, claim_device
-from workers.environment import apply_engine_environment, apply_tracing_environment, cpu_engine
+from workers.claim import prepare_host
+from workers.environment import apply_tracing_environment
 from workers.lifeline import bind_children
 
 if TYPE_CHECKING:
@@ -35,22 +34,8 @@ if TYPE_CHECKING:
 
 async def serve(settings: Settings, tracing: Tracing | None = None) -> None:
     log = structlog.get_logger()
-    # First: the claim sets CUDA_VISIBLE_DEVICES and the CPU affinity, which must precede any
-    # torch import (the tiny-model build) and the OMP thread count (apply_engine_environment).
-    try:
-        claim = claim_device(settings, os.environ, on_cpu=cpu_engine())
-    except NoFreeDevice as exc:
-        log.error("no_free_device", detail=str(exc))
-        raise SystemExit(1) from None
-    claim.apply(os.environ)
-    log.info("device_claimed", device=claim.label, tensor=settings.tensor_parallel_size,
-             pipeline=settings.pipeline_parallel_size, nodes=settings.nnodes)
+    claim = prepare_host(settings, os.environ)
     model_path = settings.model_path
-    if settings.model == DEFAULT_MODEL:
-        from workers.tiny_model import ensure_tiny_model
-
-        ensure_tiny_model(Path(model_path))
-    apply_engine_environment(settings, os.environ)
 
     async with AsyncExitStack() as stack:
         stack.callback(claim.release)  # last out: the device stays claimed until the engine is gone

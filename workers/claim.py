@@ -24,10 +24,11 @@ from pathlib import Path
 
 import structlog
 
-from shared.config import Settings
-from workers.environment import apply_device_environment, visible_gpus
+from shared.config import DEFAULT_MODEL, Settings
+from workers.environment import apply_device_environment, apply_engine_environment, cpu_engine, visible_gpus
 
-__all__ = ["Claim", "NoFreeDevice", "claim_device", "claim_gpus", "claim_cpu_share", "split_cpus", "gpu_count"]
+__all__ = ["Claim", "NoFreeDevice", "prepare_host", "claim_device", "claim_gpus", "claim_cpu_share", "split_cpus",
+           "gpu_count"]
 
 log = structlog.get_logger()
 
@@ -230,3 +231,25 @@ def claim_device(settings: Settings, env: Mapping[str, str], *, on_cpu: bool) ->
         log.warning("no_gpu_to_claim", detail="leaving device selection to vLLM")
         return Claim("gpu:unclaimed")
     return claim_gpus(lock_dir, pool, count=ranks)
+
+
+def prepare_host(settings: Settings, env: MutableMapping[str, str]) -> Claim:
+    """What a process that runs engine ranks (a worker, a follower) does first, in this order: claim
+    its devices (exit 1 with one ``no_free_device`` line when none is free), set them in ``env``
+    (CUDA_VISIBLE_DEVICES and the CPU affinity must precede any torch import, the tiny model's build
+    included), build the tiny model if it is the model, then set the engine's own variables (the
+    OMP thread count follows the affinity)."""
+    try:
+        claim = claim_device(settings, env, on_cpu=cpu_engine())
+    except NoFreeDevice as exc:
+        log.error("no_free_device", detail=str(exc))
+        raise SystemExit(1) from None
+    claim.apply(env)
+    log.info("device_claimed", device=claim.label, tensor=settings.tensor_parallel_size,
+             pipeline=settings.pipeline_parallel_size, nodes=settings.nnodes, node_rank=settings.node_rank)
+    if settings.model == DEFAULT_MODEL:
+        from workers.tiny_model import ensure_tiny_model
+
+        ensure_tiny_model(Path(settings.model_path))
+    apply_engine_environment(settings, env)
+    return claim

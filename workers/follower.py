@@ -25,15 +25,13 @@ import select
 import signal
 import socket
 import threading
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
 
-from shared.config import DEFAULT_MODEL, Settings, load_settings
+from shared.config import Settings, load_settings
 from shared.logging import configure_logging
-from workers.claim import NoFreeDevice, claim_device
-from workers.environment import apply_engine_environment, cpu_engine
+from workers.claim import prepare_host
 from workers.lifeline import bind_children
 
 if TYPE_CHECKING:
@@ -113,18 +111,7 @@ def main() -> None:
                   f"over several hosts; LLMQ_NNODES={settings.nnodes}, LLMQ_NODE_RANK={settings.node_rank} "
                   "(node rank 0 is the leader: python -m workers)")
         raise SystemExit(2)
-    try:
-        claim = claim_device(settings, os.environ, on_cpu=cpu_engine())
-    except NoFreeDevice as exc:
-        log.error("no_free_device", detail=str(exc))
-        raise SystemExit(1) from None
-    claim.apply(os.environ)
-    log.info("device_claimed", device=claim.label, node_rank=settings.node_rank)
-    if settings.model == DEFAULT_MODEL:
-        from workers.tiny_model import ensure_tiny_model
-
-        ensure_tiny_model(Path(settings.model_path))
-    apply_engine_environment(settings, os.environ)
+    claim = prepare_host(settings, os.environ)
     bind_children()  # a SIGKILLed follower takes its ranks with it
 
     stop, joining = threading.Event(), threading.Event()

@@ -169,8 +169,8 @@ async def test_a_worker_with_no_free_gpu_exits_non_zero_before_loading_anything(
     import workers.__main__ as entry
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    monkeypatch.setattr(entry, "cpu_engine", lambda: False)
-    monkeypatch.setattr(entry, "apply_engine_environment", lambda s: pytest.fail("got past the claim"))
+    monkeypatch.setattr(claims, "cpu_engine", lambda: False)
+    monkeypatch.setattr(claims, "apply_engine_environment", lambda s, env: pytest.fail("got past the claim"))
     busy = claim_gpus(tmp_path, ["0"])
     try:
         with pytest.raises(SystemExit) as exited:
