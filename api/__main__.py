@@ -43,7 +43,7 @@ import structlog
 import uvicorn
 
 from api.auth import refuse_open_bind
-from shared.config import Settings, load_settings, load_tracing
+from shared.config import Settings, load_tracing, settings_or_exit
 from shared.logging import configure_logging
 
 log = structlog.get_logger()
@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--socket-fd", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--parent", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    settings = load_settings()
+    settings = settings_or_exit(STARTUP_FAILURE)
     configure_logging(settings.log_level, settings.log_json, log_requests=settings.log_requests)
     refuse_open_bind(settings)
     if args.socket_fd is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
@@ -599,6 +600,16 @@ def _parallel_problems(s: Settings) -> list[str]:
         bad.append(f"LLMQ_DEVICES={s.devices!r} names {len(devices)} GPU(s), but this host's share of the engine "
                    f"({layout} over LLMQ_NNODES={s.nnodes}) is {s.local_ranks}")
     return bad
+
+
+def settings_or_exit(code: int = 1) -> Settings:
+    """A process entrypoint's settings: invalid ones end it with ``code`` and one line naming them
+    on stderr (logging is configured from the settings, so it is not up yet), not a traceback."""
+    try:
+        return load_settings()
+    except SettingsError as exc:
+        print(f"llmq: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(code) from None
 
 
 def load_tracing(default_service: str, process: str) -> Tracing | None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import structlog
 import uvloop
 
-from shared.config import Settings, SettingsError, load_settings, load_tracing
+from shared.config import Settings, SettingsError, load_tracing, settings_or_exit
 from shared.durability import check_server
 from shared.keys import Keys
 from shared.logging import configure_logging
@@ -96,7 +96,7 @@ async def serve(settings: Settings, tracing: Tracing | None = None) -> None:
 
 
 def main() -> None:
-    settings = load_settings()
+    settings = settings_or_exit()
     configure_logging(settings.log_level, settings.log_json, log_requests=settings.log_requests)
     tracing = load_tracing("llmq-worker", "worker")
     # uvloop, as uvicorn runs the API and vLLM runs its own server: the worker's loop carries the

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from shared.config import Settings, load_settings
+from shared.config import Settings, settings_or_exit
 from shared.logging import configure_logging
 from workers.claim import prepare_host
 from workers.lifeline import bind_children
@@ -104,7 +104,7 @@ def follow(settings: Settings, stop: threading.Event, joining: threading.Event) 
 
 
 def main() -> None:
-    settings = load_settings()
+    settings = settings_or_exit()
     configure_logging(settings.log_level, settings.log_json, log_requests=False)
     if settings.nnodes == 1 or settings.node_rank == 0:
         log.error("follower_not_needed", detail="a follower runs node ranks 1 .. LLMQ_NNODES-1 of an engine "

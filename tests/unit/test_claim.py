@@ -279,3 +279,17 @@ def test_a_ray_engine_claims_no_device_of_its_own(tmp_path, monkeypatch):
                              distributed_executor_backend="ray")
     claim = claim_device(settings, {}, on_cpu=False)
     assert (claim.label, claim.fds, claim.cuda_visible_devices) == ("ray", [], None)
+
+
+@pytest.mark.parametrize(("module", "code"), [("workers", 1), ("workers.follower", 1), ("workers.housekeeping", 1),
+                                              ("api", 3)])
+def test_every_process_refuses_a_layout_it_cannot_build_in_one_line(module, code):
+    """No traceback: one line naming the settings, and the exit code its supervisor reads (the web
+    process's is uvicorn's "never started", which a restart cannot mend)."""
+    env = {**os.environ, "LLMQ_TENSOR_PARALLEL_SIZE": "2", "LLMQ_DEVICES": "0"}
+    done = subprocess.run([sys.executable, "-m", module], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == code
+    assert done.stderr.splitlines() == [
+        "llmq: invalid llmq settings: LLMQ_DEVICES='0' names 1 GPU(s), but this host's share of the engine "
+        "(LLMQ_TENSOR_PARALLEL_SIZE × LLMQ_PIPELINE_PARALLEL_SIZE = 2 over LLMQ_NNODES=1) is 2"]

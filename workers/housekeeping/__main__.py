@@ -21,7 +21,7 @@ from arq import cron, func
 from arq.worker import Worker, get_kwargs
 
 from shared.browse import SAMPLE_S
-from shared.config import load_settings
+from shared.config import settings_or_exit
 from shared.keys import Keys
 from shared.logging import configure_logging
 from shared.redis import REDIS_DOWN, connect, wait_for_redis
@@ -117,7 +117,7 @@ def _demote_arq_job_lines(record: logging.LogRecord) -> bool:
 
 
 def main() -> None:
-    settings = load_settings()
+    settings = settings_or_exit()
     configure_logging(settings.log_level, settings.log_json, log_requests=settings.log_requests)
     logging.getLogger("arq.worker").addFilter(_demote_arq_job_lines)
 
