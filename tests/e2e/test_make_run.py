@@ -4,6 +4,7 @@ vLLM engine SIGKILLed mid-stream. Before, the worker exited and honcho stopped t
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from redis import Redis
 from shared.config import load_settings
 from shared.keys import Keys
 from tests.conftest import REPO, free_port
-from tests.support.engine_faults import Faulty, kill_engine_mid_stream
+from tests.support.engine_faults import Faulty, kill_engine_mid_stream, rank_pids
 from tests.support.processes import spawn_logged
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
@@ -25,13 +26,15 @@ pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 READY_S = 420  # the model build, and an engine loading and warming up on 2 shared cores
 
 
-@pytest.fixture(scope="module")
-def made(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faulty]:
+@pytest.fixture(scope="module", params=["1", "2"], ids=["tp1", "tp2"])
+def made(request: pytest.FixtureRequest, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faulty]:
+    """`make run`, and `LLMQ_TENSOR_PARALLEL_SIZE=2 make run`: an engine of two ranks, a core each, on
+    this 2-core box (docs/operations.md#sizing)."""
     log = tmp_path_factory.mktemp("make-run") / "make-run.log"
     port = free_port()
     prefix = f"mkrun-{uuid.uuid4().hex[:6]}"
     env = {**os.environ, "LLMQ_REDIS_URL": redis_url, "LLMQ_PREFIX": prefix, "LLMQ_PORT": str(port),
-           "LLMQ_LOG_JSON": "true", "LLMQ_HEARTBEAT_S": "1"}
+           "LLMQ_LOG_JSON": "true", "LLMQ_HEARTBEAT_S": "1", "LLMQ_TENSOR_PARALLEL_SIZE": request.param}
     proc = spawn_logged(["make", "run"], log, cwd=REPO, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + READY_S
@@ -50,5 +53,10 @@ def made(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[F
             proc.wait(30)
 
 
-def test_make_run_serves_on_when_its_engine_is_killed_mid_stream(made, figures):
+def test_make_run_serves_on_when_its_engine_is_killed_mid_stream(made, figures, request):
+    tensor = int(request.node.callspec.params["made"])
+    [key] = list(made.redis.scan_iter(match=made.keys.worker("*")))
+    assert json.loads(made.redis.hget(key, "parallel"))["tensor"] == tensor
+    assert len(rank_pids(made)) == (tensor if tensor > 1 else 0), "one engine core, and a process per rank"
     kill_engine_mid_stream(made, figures, salt=7)  # the worker lives on: honcho stopped nothing
+    assert len(rank_pids(made)) == (tensor if tensor > 1 else 0), "rebuilt whole"
