@@ -82,7 +82,8 @@ def test_honcho_scales_procfile_workers_that_claim_distinct_slots_and_share_the_
         assert all(d.startswith("cpu:") for d in devices.values()), devices
         slots = {d.split()[0] for d in devices.values()}
         assert slots == {"cpu:0", "cpu:1"}, f"the workers did not claim distinct slots: {devices}"
-        assert sorted(p.name for p in (tmp_path / "locks").iterdir()) == ["cpu-0.lock", "cpu-1.lock"]
+        # A lock per slot, and the host's claim lock that makes a claim of several devices atomic.
+        assert sorted(p.name for p in (tmp_path / "locks").iterdir()) == ["claim.lock", "cpu-0.lock", "cpu-1.lock"]
     finally:
         stop_all(procs)
         kill_leftovers([log])
