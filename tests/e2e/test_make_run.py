@@ -4,6 +4,7 @@ vLLM engine SIGKILLed mid-stream. Before, the worker exited and honcho stopped t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -11,7 +12,9 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import pytest
 from redis import Redis
 
@@ -26,15 +29,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 READY_S = 420  # the model build, and an engine loading and warming up on 2 shared cores
 
 
-@pytest.fixture(scope="module", params=["1", "2"], ids=["tp1", "tp2"])
-def made(request: pytest.FixtureRequest, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faulty]:
-    """`make run`, and `LLMQ_TENSOR_PARALLEL_SIZE=2 make run`: an engine of two ranks, a core each, on
-    this 2-core box (docs/operations.md#sizing)."""
-    log = tmp_path_factory.mktemp("make-run") / "make-run.log"
+@contextlib.contextmanager
+def make_run(redis_url: str, log: Path, **settings: str) -> Iterator[Faulty]:
+    """`make run` with ``settings`` (``LLMQ_*``), until it says it is ready; stopped after."""
     port = free_port()
     prefix = f"mkrun-{uuid.uuid4().hex[:6]}"
     env = {**os.environ, "LLMQ_REDIS_URL": redis_url, "LLMQ_PREFIX": prefix, "LLMQ_PORT": str(port),
-           "LLMQ_LOG_JSON": "true", "LLMQ_HEARTBEAT_S": "1", "LLMQ_TENSOR_PARALLEL_SIZE": request.param}
+           "LLMQ_LOG_JSON": "true", "LLMQ_HEARTBEAT_S": "1", **settings}
     proc = spawn_logged(["make", "run"], log, cwd=REPO, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + READY_S
@@ -53,10 +54,25 @@ def made(request: pytest.FixtureRequest, redis_url: str, tmp_path_factory: pytes
             proc.wait(30)
 
 
-def test_make_run_serves_on_when_its_engine_is_killed_mid_stream(made, figures, request):
-    tensor = int(request.node.callspec.params["made"])
-    [key] = list(made.redis.scan_iter(match=made.keys.worker("*")))
-    assert json.loads(made.redis.hget(key, "parallel"))["tensor"] == tensor
-    assert len(rank_pids(made)) == (tensor if tensor > 1 else 0), "one engine core, and a process per rank"
+@pytest.fixture(scope="module")
+def made(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faulty]:
+    with make_run(redis_url, tmp_path_factory.mktemp("make-run") / "make-run.log") as stack:
+        yield stack
+
+
+def test_make_run_serves_on_when_its_engine_is_killed_mid_stream(made, figures):
     kill_engine_mid_stream(made, figures, salt=7)  # the worker lives on: honcho stopped nothing
-    assert len(rank_pids(made)) == (tensor if tensor > 1 else 0), "rebuilt whole"
+
+
+def test_make_run_with_two_ranks_serves_on_a_2_core_box(redis_url, tmp_path):
+    """`LLMQ_TENSOR_PARALLEL_SIZE=2 make run`: an engine of two ranks, a core each (docs/operations.md#sizing),
+    streamed as answered. A rank's death mid-stream is tests/e2e/test_parallel.py's."""
+    with make_run(redis_url, tmp_path / "make-run.log", LLMQ_TENSOR_PARALLEL_SIZE="2") as made:
+        [key] = list(made.redis.scan_iter(match=made.keys.worker("*")))
+        assert json.loads(made.redis.hget(key, "parallel")) == {"tensor": 2, "pipeline": 1, "nodes": 1}
+        assert len(rank_pids(made)) == 2, "one engine core, and a process per rank"
+        body = {"prompt": "Hello", "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+        answered = httpx.post(f"{made.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        with httpx.stream("POST", f"{made.url}/v1/completions", json={**body, "stream": True}, timeout=120) as resp:
+            chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == answered
