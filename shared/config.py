@@ -490,6 +490,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         return 2**28 if self.model == DEFAULT_MODEL else None
 
     @property
+    def device_ids(self) -> tuple[str, ...]:
+        """LLMQ_DEVICES as GPU ids (empty: unset, claim free ones)."""
+        return tuple(d.strip() for d in self.devices.split(",") if d.strip())
+
+    @property
     def world_size(self) -> int:
         """The engine's ranks: tensor × pipeline, over every host it spans."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
@@ -592,7 +597,7 @@ def _parallel_problems(s: Settings) -> list[str]:
     if s.nnodes > 1 and s.distributed_executor_backend == "ray":
         bad.append("LLMQ_NNODES is for the mp backend; with LLMQ_DISTRIBUTED_EXECUTOR_BACKEND=ray the Ray "
                    "cluster places the ranks (leave LLMQ_NNODES at 1)")
-    devices = [d for d in s.devices.split(",") if d.strip()]
+    devices = s.device_ids
     if devices and s.distributed_executor_backend == "ray":
         bad.append("LLMQ_DEVICES is for a worker's own devices; with LLMQ_DISTRIBUTED_EXECUTOR_BACKEND=ray the Ray "
                    "cluster places every rank (unset LLMQ_DEVICES)")

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import sys
 import time
+from typing import TypeVar
 
 import msgspec
 from redis.asyncio import Redis
@@ -165,6 +166,14 @@ async def _held(redis: Redis, keys: Keys, model: str) -> list[Held]:
     return [msgspec.structs.replace(h, adapters=sorted(h.adapters)) for _, h in sorted(held.items())]
 
 
+_T = TypeVar("_T")
+
+
+def _json(raw: dict[str, str], field: str, kind: type[_T], default: _T) -> _T:
+    """A heartbeat field the worker writes as JSON (``default``: absent, from an older worker)."""
+    return msgspec.json.decode(raw[field], type=kind) if field in raw else default
+
+
 async def _workers(redis: Redis, keys: Keys, now: float) -> list[WorkerStatus]:
     workers = []
     async for worker_id, raw in Registry(redis, keys).heartbeats():
@@ -172,10 +181,10 @@ async def _workers(redis: Redis, keys: Keys, now: float) -> list[WorkerStatus]:
             id=worker_id, model=raw.get("model", "?"), status=raw.get("status", "?"),
             slots=int(raw.get("slots", 0)), running=int(raw.get("running", 0)), host=raw.get("host", "?"),
             pid=int(raw.get("pid", 0)), device=raw.get("device", ""),
-            devices=msgspec.json.decode(raw["devices"], type=list[str]) if "devices" in raw else [],
-            parallel=msgspec.json.decode(raw["parallel"], type=Parallel) if "parallel" in raw else Parallel(),
+            devices=_json(raw, "devices", list[str], []),
+            parallel=_json(raw, "parallel", Parallel, Parallel()),
             last_heartbeat_age_s=round(max(0.0, now - float(raw.get("last_heartbeat", 0)) / 1000), 3),
-            adapters=msgspec.json.decode(raw["adapters"], type=list[str]) if "adapters" in raw else [],
+            adapters=_json(raw, "adapters", list[str], []),
             metrics=decode_samples(raw["metrics"]) if "metrics" in raw else [],
         ))
     return sorted(workers, key=lambda w: (w.model, w.id))

@@ -194,16 +194,16 @@ def claim_cpu_share(lock_dir: Path, shares: list[list[int]], ranks: int = 1) -> 
                 fds.append(fd)
             slot += 1
     parts = [shares[k % len(shares)] for k in slots]
+    bind = "|".join(_cpulist(p) for p in parts)  # one CPU list per rank, as VLLM_CPU_OMP_THREADS_BIND has them
     if slots[-1] >= len(shares):  # distinct slots below it are distinct shares
-        log.warning("cpu_share_oversubscribed", slots=slots, shares=len(shares),
-                    cpus="|".join(_cpulist(p) for p in parts))
-    label = f"cpu:{','.join(map(str, slots))} cpus={'|'.join(_cpulist(p) for p in parts)}"
+        log.warning("cpu_share_oversubscribed", slots=slots, shares=len(shares), cpus=bind)
+    label = f"cpu:{','.join(map(str, slots))} cpus={bind}"
     devices = [f"cpu:{_cpulist(p)}" for p in parts]
     if ranks == 1:
         return Claim(label, fds, cpus=parts[0] if len(shares) > 1 else None, devices=devices)
     every = sorted({c for p in parts for c in p})
-    return Claim(label, fds, cpus=every if len(every) < sum(map(len, shares)) else None,
-                 omp_bind="|".join(_cpulist(p) for p in parts), devices=devices)
+    return Claim(label, fds, cpus=every if len(every) < sum(map(len, shares)) else None, omp_bind=bind,
+                 devices=devices)
 
 
 def claim_device(settings: Settings, env: Mapping[str, str], *, on_cpu: bool) -> Claim:
@@ -222,8 +222,8 @@ def claim_device(settings: Settings, env: Mapping[str, str], *, on_cpu: bool) ->
         if len(shares) < ranks:  # fewer shares than ranks: one part per rank, as vLLM's own binding
             shares = split_cpus(usable, ranks)
         return claim_cpu_share(lock_dir, shares, ranks)
-    if settings.devices:  # as many as ranks: load_settings checks
-        return pin_gpus(lock_dir, [d.strip() for d in settings.devices.split(",") if d.strip()])
+    if settings.device_ids:  # as many as ranks: load_settings checks
+        return pin_gpus(lock_dir, list(settings.device_ids))
     pool = visible_gpus(env)  # an operator's CUDA_VISIBLE_DEVICES is the pool to choose from
     if pool is None:
         pool = [str(i) for i in range(gpu_count())]

@@ -30,6 +30,7 @@ from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
+from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
 from shared.adapters import Sources
 from shared.budget import generation_budget
@@ -48,7 +49,7 @@ from workers.parsing import ChoiceParser, OutputParsers, Parsing
 from workers.protocol import AdapterState, Death, Part, Step
 from workers.ranks import Ranks
 
-__all__ = ["VllmEngine", "to_sampling_params", "engine_args"]
+__all__ = ["VllmEngine", "to_sampling_params", "engine_args", "follower_ranks"]
 
 log = structlog.get_logger()
 
@@ -244,10 +245,24 @@ def _exit_code(proc: BaseProcess, timeout_s: float) -> int | None:
     return code
 
 
+def _core_processes(engine: AsyncLLM) -> list[BaseProcess]:
+    """``engine``'s engine core processes (vLLM's process manager holds them)."""
+    return list(getattr(engine.engine_core.resources.engine_manager, "processes", ()))
+
+
 def _ranks(engine: AsyncLLM) -> Ranks:
     """``engine``'s rank processes, watched (none: an engine of one rank runs it in its core)."""
-    manager = engine.engine_core.resources.engine_manager
-    return Ranks(proc.pid for proc in getattr(manager, "processes", ()) if proc.pid is not None)
+    return Ranks(proc.pid for proc in _core_processes(engine) if proc.pid is not None)
+
+
+def follower_ranks(settings: Settings) -> MultiprocExecutor:
+    """This host's ranks of a multi-host engine (workers/follower.py): vLLM's headless executor, as
+    ``vllm serve --headless`` runs it, from the leader's own engine arguments (made afresh each
+    time: vLLM fills them in as an engine starts). Returns once every rank of the engine, the
+    leader's included, has met; raises if they cannot."""
+    config = engine_args(settings, settings.model_path).create_engine_config(UsageContext.OPENAI_API_SERVER,
+                                                                              headless=True)
+    return MultiprocExecutor(config, monitor_workers=False)
 
 
 _NO_SOURCES = Sources(roots=())  # an engine given none loads no adapter from anywhere
@@ -343,10 +358,9 @@ class VllmEngine:
         death was seen here is that (workers/ranks.py)."""
         self._seen_dead()
         assert self._dead_seen_at is not None
-        manager = self.engine.engine_core.resources.engine_manager
-        processes = list(getattr(manager, "processes", ()))
         loop = asyncio.get_running_loop()
-        codes = await asyncio.gather(*(loop.run_in_executor(None, _exit_code, proc, 30.0) for proc in processes))
+        codes = await asyncio.gather(*(loop.run_in_executor(None, _exit_code, proc, 30.0)
+                                       for proc in _core_processes(self.engine)))
         rank_first = self._ranks.gone_before(self._dead_seen_at)
         log.info("engine_exited", exit_codes=codes, rank_exited_first=rank_first)
         if rank_first:

@@ -73,21 +73,14 @@ def _serve(settings: Settings, executor: MultiprocExecutor, stop: threading.Even
 def follow(settings: Settings, stop: threading.Event, joining: threading.Event) -> None:
     """Join the leader's engine, serve it until it ends, and join the next, until ``stop``;
     ``joining`` is set while it waits for the leader (a signal then ends the wait at once)."""
-    from vllm.usage.usage_lib import UsageContext
-    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
-
-    from workers.engine import engine_args
+    from workers.engine import follower_ranks  # heavy import: vLLM
 
     while not stop.is_set():
         log.info("follower_joining", leader=f"{settings.master_addr}:{settings.master_port}",
                  node_rank=settings.node_rank, nnodes=settings.nnodes)
         joining.set()
         try:
-            # Blocks until every rank of the engine, the leader's included, has met.
-            # Arguments afresh each time: vLLM fills its config in as an engine starts.
-            args = engine_args(settings, settings.model_path)
-            config = args.create_engine_config(UsageContext.OPENAI_API_SERVER, headless=True)
-            executor = MultiprocExecutor(config, monitor_workers=False)
+            executor = follower_ranks(settings)  # blocks until every rank of the engine has met
         except Exception as exc:  # the leader is not up, or went away while its ranks met
             log.warning("follower_join_failed", error=f"{type(exc).__name__}: {exc}"[:300])
             stop.wait(JOIN_RETRY_S)
