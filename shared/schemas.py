@@ -16,6 +16,7 @@ from shared.keys import new_job_id
 from shared.tenants import DEFAULT_TENANT
 
 __all__ = [
+    "Slo",
     "AdapterSpec",
     "StructuredOutput",
     "SamplingParams",
@@ -244,6 +245,18 @@ FaultMarker = Literal["kill-engine"]
 """What a fault test may ask of a worker (:attr:`GenerationRequest.test_fault`)."""
 
 
+class Slo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A request's service-level objectives (llm-d's ``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` headers,
+    ``slo`` in /v1/jobs, or its tenant's defaults): docs/guarantees.md#slos."""
+
+    ttft_ms: Annotated[int, Meta(gt=0, le=86_400_000)] | None = None
+    """Milliseconds from enqueue to its first token. Admission refuses a request predicted to miss
+    it (``slo_unattainable``), its tenant's waiting jobs are ordered by it (earliest first-token
+    deadline first), and a job not started by then is never started."""
+    tpot_ms: Annotated[int, Meta(gt=0, le=86_400_000)] | None = None
+    """Milliseconds per output token after the first: recorded and reported, never enforced."""
+
+
 class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One generation job, whatever wire dialect it arrived in."""
 
@@ -274,6 +287,9 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     timeout_s: Annotated[float, Meta(gt=0.0)] | None = None
     """Seconds from enqueue until the job must have finished; None: the header or the default
     (``LLMQ_DEADLINE_S``). The API turns it into the record's absolute ``deadline``."""
+    slo: Slo | None = None
+    """Its SLOs; None: the ``x-slo-*`` headers, or its tenant's defaults, or none. Resolved by the
+    API before queueing."""
     webhook: Annotated[str, Meta(pattern=r"^https?://[^\s/?#]+[^\s]*$", max_length=2048)] | None = None
     """An http(s) URL POSTed the finished job (signed; see shared/webhooks.py). /v1/jobs only."""
     test_fault: FaultMarker | None = None
@@ -388,6 +404,10 @@ class JobRecord(msgspec.Struct, kw_only=True):
     deadline: float | None = None
     """Epoch ms by which the job must be finished: past it a queued job never starts and a running
     one is aborted, both ending with ``deadline_exceeded``."""
+    first_token_deadline: float | None = None
+    """Epoch ms by which its first token is due (its request's ``slo.ttft_ms`` after queueing):
+    the pick orders its tenant's waiting jobs by it, and a job not started by then ends with
+    ``deadline_exceeded`` unstarted. A job that has sent a token is never ended by it."""
     preemptions: int = 0
     """How often the job gave its engine slot to a job owed it, and waited again
     (docs/tenants.md#preemption)."""
@@ -424,13 +444,15 @@ class JobRecord(msgspec.Struct, kw_only=True):
 
     @classmethod
     def new(cls, req: GenerationRequest, *, owner: str, tenant: str, queued_at: float, deadline: float | None,
-            estimate: int, affinity: str | None, traceparent: str | None = None) -> JobRecord:
+            estimate: int, affinity: str | None, traceparent: str | None = None,
+            first_token_deadline: float | None = None) -> JobRecord:
         """The record of a job about to be queued: a fresh id tagged with its model, and the request's
         fields the scripts read (webhook, adapter) copied out. What admission decided (deadline,
         estimate, affinity) is given: :func:`shared.admission.new_job` is how a job is made."""
         return cls(id=new_job_id(req.model), model=req.model, request=req, queued_at=queued_at, owner=owner,
                    deadline=deadline, webhook=req.webhook, tenant=tenant, estimate=estimate, traceparent=traceparent,
-                   adapter=req.adapter.name if req.adapter is not None else None, affinity=affinity)
+                   adapter=req.adapter.name if req.adapter is not None else None, affinity=affinity,
+                   first_token_deadline=first_token_deadline)
 
 
 def runs_of(runs: str, attempt: int, worker: str, started_at: float | None) -> list[Run]:
