@@ -25,6 +25,7 @@ from shared.errors import (
     QueueRefused,
     QueueUnavailable,
     RateLimited,
+    SloUnattainable,
     ServiceError,
 )
 from shared.redis import REDIS_DOWN, refusal
@@ -87,8 +88,8 @@ def handle(request: Request, exc: Exception) -> Response:
         services.errors[(status, err.code)] = services.errors.get((status, err.code), 0) + 1
     headers = None
     if status in (429, 503, 529):  # 529: Anthropic's overloaded_error, its full queue
-        # A tenant's own limit says when it will have room again; anything else: soon.
-        headers = {"Retry-After": str(err.retry_after_s if isinstance(err, RateLimited) else 1)}
+        # A tenant's own limit, or a missed SLO's margin, says when to try again; anything else: soon.
+        headers = {"Retry-After": str(err.retry_after_s if isinstance(err, RateLimited | SloUnattainable) else 1)}
     elif status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
     return Response(encode(body), status_code=status, media_type="application/json", headers=headers)

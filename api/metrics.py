@@ -81,7 +81,7 @@ async def tenant_series(redis: Redis, keys: Keys, model: str, cap: int) -> list[
     pipe = redis.pipeline(transaction=False)
     for tenant in labelled:
         for level in range(LEVELS):
-            pipe.llen(keys.tenant_waiting(model, tenant, level))
+            pipe.zcard(keys.tenant_waiting(model, tenant, level))
         pipe.scard(keys.tenant_running(model, tenant))
     replies = await pipe.execute()
     for i, tenant in enumerate(labelled):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import msgspec
 from redis.asyncio import Redis
 
 from api.auth import Viewer
@@ -39,12 +40,16 @@ from shared.errors import ModelNotFound
 from shared.keys import Keys
 from shared.queue import now_ms
 from shared.schemas import AdapterSpec
+from shared.slo import Capacity, Rates, capacity_of
 
 if TYPE_CHECKING:
     from api.context import RequestContext
     from api.services import Services
 
 __all__ = ["ModelRegistry", "caller"]
+
+_rates = msgspec.json.Decoder(Rates)
+NO_CAPACITY = Capacity()
 
 _MISSING_MAX = 10_000
 """The most names the negative cache remembers (past it, it starts again)."""
@@ -72,6 +77,7 @@ class ModelRegistry:
         self._known: tuple[str, ...] = self.configured
         self._known_at = float("-inf")
         self._context: dict[str, tuple[float, int]] = {}  # model -> (when read, its context length)
+        self._capacity: dict[str, tuple[float, Capacity]] = {}  # model -> (when read, its capacity)
         self.adapter_store = AdapterStore(redis, keys)
         self._adapters: dict[str, Adapter] = {}
         self._adapters_at = float("-inf")
@@ -113,9 +119,10 @@ class ModelRegistry:
                else await self.redis.zrangebyscore(key, since_ms, "+inf"))
         return [n.decode() if isinstance(n, bytes) else n for n in raw]
 
-    async def context_lengths(self, models: list[str]) -> dict[str, int]:
-        """Each model's context length: the least its warm workers report (the ``max_model_len``
-        of their heartbeats), else :attr:`max_model_len`. Two round trips, whatever the count."""
+    async def _warm_fields(self, models: list[str], fields: list[str]) -> list[list[list[bytes | None]]]:
+        """Per model, per warm worker, ``fields`` of its heartbeat. Two round trips, whatever the
+        count. A worker's hash may have expired since the read of the set (left out), or predate a
+        field (None)."""
         now = now_ms()
         pipe = self.redis.pipeline(transaction=False)
         for model in models:
@@ -124,14 +131,28 @@ class ModelRegistry:
         pipe = self.redis.pipeline(transaction=False)
         for workers in warm:
             for worker in workers:
-                pipe.hget(self.keys.worker(worker.decode() if isinstance(worker, bytes) else worker), "max_model_len")
+                pipe.hmget(self.keys.worker(worker.decode() if isinstance(worker, bytes) else worker), fields)
         reported = iter(await pipe.execute() if any(warm) else ())
-        lengths = {}
-        for model, workers in zip(models, warm, strict=True):
-            # A worker's hash may have expired since the read of the set, or predate the field.
-            known = [int(v) for v in (next(reported) for _ in workers) if v is not None]
-            lengths[model] = min(known, default=self.max_model_len)
-        return lengths
+        return [[values for values in (next(reported) for _ in workers) if any(v is not None for v in values)]
+                for workers in warm]
+
+    async def context_lengths(self, models: list[str]) -> dict[str, int]:
+        """Each model's context length: the least its warm workers report (the ``max_model_len``
+        of their heartbeats), else :attr:`max_model_len`."""
+        warm = await self._warm_fields(models, ["max_model_len"])
+        return {model: min((int(v) for [v] in workers if v is not None), default=self.max_model_len)
+                for model, workers in zip(models, warm, strict=True)}
+
+    async def capacity(self, model: str) -> Capacity:
+        """What ``model``'s warm workers can do (shared/slo.py): their slots and measured rates, from
+        their heartbeats; cached for ``cache_s`` (admission reads it for every request)."""
+        at, capacity = self._capacity.get(model, (float("-inf"), NO_CAPACITY))
+        if time.monotonic() - at >= self.cache_s:
+            [workers] = await self._warm_fields([model], ["slots", "rates"])
+            capacity = capacity_of((int(slots or 0), _rates.decode(rates) if rates else Rates())
+                                   for slots, rates in workers)
+            self._capacity[model] = (time.monotonic(), capacity)
+        return capacity
 
     async def context_length(self, model: str, *, cached: bool = False) -> int:
         """One model's :meth:`context_lengths`; ``cached``: as read within ``cache_s`` (TGI checks

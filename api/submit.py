@@ -129,7 +129,8 @@ async def enqueue_detached(svc: Services, ctx: RequestContext, req: GenerationRe
     the job outlives the request that queued it."""
     record = _record(svc, ctx, await admit(svc, ctx, req))
     return await svc.queue.enqueue(record, _scoped_key(ctx, part, parts), max_queued=svc.settings.max_queued,
-                                   tenant=await svc.tenants.get(ctx.tenant))
+                                   tenant=await svc.tenants.get(ctx.tenant),
+                                   capacity=await svc.models.capacity(record.model))
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +230,8 @@ async def submit(svc: Services, ctx: RequestContext, req: GenerationRequest, *, 
         backfill = not svc.listener.in_effect(channel)
         live = Live(model, record.id, stack, messages)
         job_id = await svc.queue.enqueue(record, _scoped_key(ctx, part, parts), max_queued=svc.settings.max_queued,
-                                         relay=channel, tenant=await svc.tenants.get(ctx.tenant))
+                                         relay=channel, tenant=await svc.tenants.get(ctx.tenant),
+                                         capacity=await svc.models.capacity(model))
         await svc.listener.confirmed(channel)
         if job_id != record.id:
             # A repeated Idempotency-Key: follow the earlier job from its first event. That job

@@ -40,6 +40,7 @@ __all__ = [
     "Unauthorized",
     "Overloaded",
     "RateLimited",
+    "SloUnattainable",
     "PayloadTooLarge",
     "DeadlineExceeded",
     "error_from_code",
@@ -186,6 +187,16 @@ class Unauthorized(ServiceError, status=401, code="unauthorized"):
 class Overloaded(ServiceError, status=429, code="overloaded"):
     """The model's queue is at its depth limit: refused now (429 + Retry-After) rather than
     queued behind work it could not be served after."""
+
+
+class SloUnattainable(Overloaded, code="slo_unattainable"):
+    """The request's TTFT SLO cannot be met: the work ahead of it is predicted to take longer
+    (docs/guarantees.md#slos). Refused at once, as a full queue is, before it costs any engine
+    time; Retry-After is how far past the SLO the prediction is."""
+
+    def __init__(self, message: str, *, retry_after_s: int = 1, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.retry_after_s = retry_after_s
 
 
 class RateLimited(ServiceError, status=429, code="rate_limited"):

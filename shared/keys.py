@@ -142,8 +142,10 @@ class Keys:
         return f"{self._model(model)}:tenant:{tenant}"
 
     def tenant_waiting(self, model: str, tenant: str, level: int = 0) -> str:
-        """List: the tenant's waiting jobs on a level, oldest first, as ``<waiting entry id> <job id>``."""
-        return self.tenant(model, tenant) + ":waiting" + (f":{level}" if level else "")
+        """Sorted set: the tenant's waiting jobs on a level (its line), ``<waiting entry id> <job id>``,
+        the first to start lowest (Fair.order, :func:`shared.scripts.line_score`): preempted, then by
+        first-token deadline, then by arrival."""
+        return self.tenant(model, tenant) + ":line" + (f":{level}" if level else "")
 
     def tenant_running(self, model: str, tenant: str) -> str:
         """Set: the ids of the tenant's jobs picked and not yet ended (running, or about to)."""

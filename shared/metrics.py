@@ -84,6 +84,12 @@ CATALOGUE: dict[str, Metric] = {
                                                    "job for its holder (wait)."),
     "llmq_queue_wait_seconds": Metric("histogram", "From enqueue to the job's start on a worker."),
     "llmq_ttft_seconds": Metric("histogram", "From enqueue to the job's first token."),
+    "llmq_ttft_predicted_seconds": Metric("histogram", "The time to first token admission predicted for the job "
+                                                       "(docs/guarantees.md#slos), observed at its first token."),
+    "llmq_ttft_prediction_error_seconds": Metric("histogram", "How far the job's first token came from the "
+                                                              "predicted time, either way."),
+    "llmq_ttft_predictions_total": Metric("counter", "Predicted jobs whose first token came later than predicted "
+                                                     "(direction late) or no later (early)."),
     "llmq_e2e_seconds": Metric("histogram", "From enqueue to the job's end."),
 }
 

@@ -479,19 +479,24 @@ def parse_run(run: str) -> Run:
     return Run(attempt=int(attempt), worker=worker, started_at=float(started))
 
 
+def estimate_prompt_tokens(req: GenerationRequest) -> int:
+    """Its prompt's tokens, before it is rendered: exact for token ids, else about 4 bytes of text
+    per token."""
+    if req.prompt_token_ids is not None:
+        return len(req.prompt_token_ids)
+    size = len(req.prompt.encode()) if req.prompt is not None else sum(
+        len(m.content.encode()) + sum(len(c.arguments) for c in m.tool_calls) for m in req.messages or ())
+    if req.tools is not None:  # the template renders each tool's schema into the prompt
+        size += len(msgspec.json.encode(req.tools.tools))
+    return size // 4 + 1
+
+
 def estimate_tokens(req: GenerationRequest, max_model_len: int | None = None) -> int:
     """What a job will use, before it runs: its prompt (about 4 bytes of text per token) and
     every token it may generate: with ``max_model_len``, only what the context leaves after that
     prompt (the worker clamps ``max_tokens`` so, shared/budget.py). The fair share charges this
     when the job starts and corrects it to the real count when it ends."""
-    if req.prompt_token_ids is not None:
-        prompt = len(req.prompt_token_ids)
-    else:
-        size = len(req.prompt.encode()) if req.prompt is not None else sum(
-            len(m.content.encode()) + sum(len(c.arguments) for c in m.tool_calls) for m in req.messages or ())
-        if req.tools is not None:  # the template renders each tool's schema into the prompt
-            size += len(msgspec.json.encode(req.tools.tools))
-        prompt = size // 4 + 1
+    prompt = estimate_prompt_tokens(req)
     sampling = req.sampling
     generated = sampling.max_tokens if max_model_len is None else generation_budget(sampling.max_tokens, prompt,
                                                                                      max_model_len)

@@ -38,11 +38,13 @@ from shared.cluster import sharded_pubsub
 from shared.durability import Durability, run_and_wait
 from shared.keys import GROUP, LEVELS, Keys, shard_of
 from shared.redis import refusal
+from shared.slo import Capacity
 
 __all__ = ["Library", "Group", "Script", "Call", "Scripts", "SCRIPTS", "LIBRARIES", "source", "sharded",
            "Extra", "Candidate"]
 
 Value = str | bytes | int | float
+NO_CAPACITY = Capacity()
 
 
 # --- libraries, scripts and their layouts ------------------------------------------------------
@@ -61,7 +63,8 @@ FAIR = Library("tenants.lua", "Fair")
 JOB = Library("job.lua", "Job", uses=(FAIR,))
 CLAIM = Library("claim.lua", "Claim")
 PICK = Library("pick.lua", "Pick", uses=(FAIR, CLAIM))
-LIBRARIES = (ITEMS, FAIR, JOB, CLAIM, PICK)
+SLO = Library("slo.lua", "Slo", uses=(FAIR,))
+LIBRARIES = (ITEMS, FAIR, JOB, CLAIM, PICK, SLO)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,21 +131,25 @@ ENQUEUE = Script(
     key_groups=(Group("levels", ("queue", "waiting_stream", "fair")), Group("idempotency", ("idempotency",))),
     argv=("job_id", "idempotency_ttl", "max_depth", "levels", "level", "tenant", "weight", "max_running",
           "max_queued", "tokens_per_minute", "now", "levels_at", "levels_width", "idempotency_at", "touch",
-          "recent_max", "dialect", "owner"),
+          "recent_max", "dialect", "owner", "queued_at", "first_token_deadline", "slo_ttft_ms", "prefill_ms",
+          "slots", "decode_tps", "generated_per_job"),
     tail=True,  # the job record's field, value pairs
-    uses=(FAIR,),
+    uses=(FAIR, SLO),
 )
 
 
 def enqueue(keys: Keys, model: str, job_id: str, tenant: str, *, idempotency: str | None, idempotency_ttl: int,
             max_depth: int, level: int, weight: float, max_running: int, max_queued: int, tokens_per_minute: int,
             now: float, record: Iterable[Value], touch: bool = False, recent: int = 0, dialect: str = "",
-            owner: str = "") -> Call:
+            owner: str = "", queued_at: float | None = None, first_token_deadline: float | None = None,
+            slo_ttft_ms: int | None = None, prefill_ms: float = 0.0, capacity: Capacity = NO_CAPACITY) -> Call:
     """``max_running``, ``max_queued``, ``tokens_per_minute``: -1 for no limit. ``record``: the
     job hash's field, value pairs. ``touch``: a repeated idempotency key is written again (its
     TTL), so a WAIT after the script covers the earlier job too. ``recent``: how many entries the
     model's recent stream keeps (0: the job is not added), each its id, tenant, ``dialect`` and
-    ``owner`` (a tenant's list reads only its own entries' records)."""
+    ``owner`` (a tenant's list reads only its own entries' records). ``queued_at`` (default
+    ``now``) and ``first_token_deadline``: where it stands in its tenant's line (Fair.order);
+    ``capacity``, ``prefill_ms`` and ``slo_ttft_ms``: its predicted TTFT, and its SLO."""
     k = [keys.job(model, job_id), keys.tenant(model, tenant), keys.tenants(model), keys.fair_clock(model),
          keys.recent(model)]
     for lvl in range(LEVELS):
@@ -153,7 +160,48 @@ def enqueue(keys: Keys, model: str, job_id: str, tenant: str, *, idempotency: st
                                                         [LEVELS, 1 if idempotency else 0])
     return Call(ENQUEUE, k, [job_id, idempotency_ttl, max_depth, LEVELS, level, tenant, repr(weight), max_running,
                              max_queued, tokens_per_minute, now, levels_at, levels_width, idempotency_at,
-                             int(touch), recent, dialect, owner, *record])
+                             int(touch), recent, dialect, owner, now if queued_at is None else queued_at,
+                             "" if first_token_deadline is None else first_token_deadline,
+                             "" if slo_ttft_ms is None else slo_ttft_ms, round(prefill_ms, 3),
+                             *_capacity(capacity), *record])
+
+
+def _capacity(capacity: Capacity) -> list[Value]:
+    """A model's capacity as the scripts take it (Slo.wait_ms): slots, decode_tps, generated_per_job."""
+    return [capacity.slots, repr(capacity.decode_tps), repr(capacity.generated_per_job)]
+
+
+POSITION = Script(
+    "position.lua",
+    key_groups=(Group("levels", ("queue", "waiting", "fair")),),
+    argv=("tenant_prefix", "tenant", "level", "score", "slots", "decode_tps", "generated_per_job", "levels",
+          "levels_at", "levels_width"),
+    uses=(PICK, SLO),
+)
+
+
+def position(keys: Keys, model: str, tenant: str, level: int, score: float, capacity: Capacity) -> Call:
+    """A waiting job's standing: ``tenant``'s job on ``level`` whose score in its line is
+    ``score`` (:func:`line_score`)."""
+    k: list[str] = []
+    for lvl in range(LEVELS):
+        k += [keys.queue(model, lvl), keys.waiting(model, lvl), keys.fair(model, lvl)]
+    return Call(POSITION, k, [keys.tenant(model, ""), tenant, level, repr(score), *_capacity(capacity), LEVELS,
+                              *_places(1, POSITION.key_groups, [LEVELS])])
+
+
+LATER = 1e13
+"""Fair.order's band of jobs without a first-token deadline (shared/lua/tenants.lua)."""
+
+
+def line_score(queued_at: float, first_token_deadline: float | None, preempted_at: float | None) -> float:
+    """A waiting job's score in its tenant's line, as Fair.order gives it (tests/unit/test_scripts.py
+    holds the two together)."""
+    if preempted_at is not None:
+        return -preempted_at
+    if first_token_deadline is not None:
+        return first_token_deadline
+    return LATER + queued_at
 
 
 READ = Script(
@@ -552,7 +600,7 @@ def file_rendered(file: str, meta: bytes, content: bytes) -> Call:
     return Call(FILE_RENDERED, [file], [meta, content])
 
 
-SCRIPTS = (ENQUEUE, READ, PREEMPT, CLAIM_TAKEN, TAKEOVER, RENEW, ACK, CANCEL, ADD_FOLLOWER, FOLLOW, SET_IF_EXISTS,
+SCRIPTS = (ENQUEUE, READ, PREEMPT, POSITION, CLAIM_TAKEN, TAKEOVER, RENEW, ACK, CANCEL, ADD_FOLLOWER, FOLLOW, SET_IF_EXISTS,
            READ_LOG, EXPIRE, FLUSH, TAKE, RELEASE, SETTLE, FINISH, BATCH_CREATE, BATCH_STATUS, FILE_RENDERED)
 
 

@@ -146,7 +146,7 @@ async def read_states(redis: Redis, keys: Keys, model: str, tenants: list[str]) 
     for tenant in tenants:
         pipe.hmget(keys.tenant(model, tenant), ["vtc", "weight"])
         for level in range(LEVELS):
-            pipe.llen(keys.tenant_waiting(model, tenant, level))
+            pipe.zcard(keys.tenant_waiting(model, tenant, level))
         pipe.scard(keys.tenant_running(model, tenant))
         pipe.hgetall(keys.tenant_tokens(model, tenant))
         pipe.hgetall(keys.tenant_config(tenant))

@@ -460,6 +460,10 @@ class Worker:
             case "expired":
                 log.info("job_expired_in_queue", job_id=d.job_id, waited_ms=round(now_ms() - d.queued_at, 1))
                 self._end_unstarted(d, DeadlineExceeded("the request's deadline passed while it was queued"))
+            case "late":
+                log.info("job_late_in_queue", job_id=d.job_id, waited_ms=round(now_ms() - d.queued_at, 1))
+                self._end_unstarted(d, DeadlineExceeded("the request's first-token deadline (its TTFT SLO) passed "
+                                                        "while it was queued"))
             case "invalid":
                 self._end_unstarted(d, InvalidRequest("the queued request is not valid for this worker"))
             case "dead":
@@ -584,6 +588,11 @@ class Worker:
             self.metrics.inc("llmq_worker_tokens_total", out.tokens)
             if out.first_token_at is not None:
                 self.metrics.observe("llmq_ttft_seconds", (out.first_token_at - d.queued_at) / 1000)
+                if d.predicted_ttft is not None:  # how far admission's prediction was off (docs/guarantees.md#slos)
+                    error = (out.first_token_at - d.queued_at - d.predicted_ttft) / 1000
+                    self.metrics.observe("llmq_ttft_predicted_seconds", d.predicted_ttft / 1000)
+                    self.metrics.observe("llmq_ttft_prediction_error_seconds", abs(error))
+                    self.metrics.inc("llmq_ttft_predictions_total", direction="late" if error > 0 else "early")
             if out.merged:
                 continue  # its tokens joined the job's event still in the outbox (the flusher is behind)
             if out.terminal is not None:

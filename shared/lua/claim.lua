@@ -5,11 +5,14 @@ local Claim = {}
 
 -- key: the job hash; worker, now (epoch ms), max failed deliveries.
 -- Returns {state, request, queued_at, attempt, deadline, traceparent,
---          lost_worker, lost_started, tenant, relay, preemptions}; state is
+--          lost_worker, lost_started, tenant, relay, preemptions, predicted_ttft}; state is
 --   'missing'   no record (expired or never written): the caller only acks the entry;
 --   'finished'  already terminal (the entry outlived its job): the caller only acks it;
 --   'cancelled' cancelled before (re)start;   'dead' out of deliveries;
---   'expired'   its deadline passed (it never reaches the engine);   'run' start it.
+--   'expired'   its deadline passed (it never reaches the engine);
+--   'late'      its first-token deadline passed before it ever started (it never reaches the
+--               engine; a job that ran before, preempted or lost, may have sent tokens, and is
+--               never ended by it);   'run' start it.
 -- lost_worker/lost_started: the worker and start of the previous attempt when it was lost (the
 -- record still says running under another worker: it died or stalled; a hand-back says queued),
 -- for its trace ('' otherwise).
@@ -22,11 +25,11 @@ local Claim = {}
 function Claim.start(key, worker, now, max_failed)
   local f = redis.call('HMGET', key, 'request', 'queued_at', 'cancel', 'status', 'attempt', 'handoffs', 'deadline',
                        'traceparent', 'worker', 'started_at', 'tenant', 'relay', 'preempted_at', 'preemptions',
-                       'runs')
+                       'runs', 'first_token_deadline', 'predicted_ttft')
   if not f[1] then
-    return {'missing', '', '0', 0, '', '', '', '', '', '', 0}
+    return {'missing', '', '0', 0, '', '', '', '', '', '', 0, ''}
   elseif f[4] == 'done' or f[4] == 'failed' or f[4] == 'cancelled' then
-    return {'finished', '', '0', 0, '', '', '', '', '', '', 0}
+    return {'finished', '', '0', 0, '', '', '', '', '', '', 0, ''}
   end
   -- Deliveries that ended without a hand-back: crashes or stalls.
   local failed = tonumber(f[5] or '0') - tonumber(f[6] or '0')
@@ -49,11 +52,13 @@ function Claim.start(key, worker, now, max_failed)
     state = 'cancelled'
   elseif f[7] and tonumber(f[7]) <= tonumber(now) then
     state = 'expired'
+  elseif f[16] and tonumber(f[16]) <= tonumber(now) and not f[10] and not f[14] then
+    state = 'late'
   elseif failed >= tonumber(max_failed) then
     state = 'dead'
   else
     redis.call('HSET', key, 'status', 'running', 'started_at', now)
   end
   return {state, f[1], f[2] or '0', attempt, f[7] or '', f[8] or '', lost_worker, lost_started, f[11] or '',
-          f[12] or '', tonumber(f[14] or '0')}
+          f[12] or '', tonumber(f[14] or '0'), f[17] or ''}
 end

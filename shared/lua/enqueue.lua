@@ -2,11 +2,14 @@
 -- Slots: shared/scripts.py, ENQUEUE and enqueue(): after the fixed keys, per level its queue
 -- stream, waiting stream and fair set, then (one or none) the idempotency key; after the fixed
 -- values, the job record's field, value pairs. -1 for max_running, max_queued or
--- tokens_per_minute: no limit.
+-- tokens_per_minute: no limit. slots, decode_tps, generated_per_job: the model's warm capacity
+-- (shared/slo.py; 0: not known); slo_ttft_ms: the job's TTFT SLO ('': none), prefill_ms: its
+-- prompt's predicted prefill.
 -- Returns the job id that owns the request (ours, or the earlier one for a repeated key), or a
 -- refusal: {'full', depth} when the model holds the limit of unfinished jobs; {'queued', running,
 -- waiting} when the tenant may have no more jobs waiting; {'tokens', used, retry after (s)} when
--- its last minute's tokens reached its limit.
+-- its last minute's tokens reached its limit; {'slo', predicted TTFT (ms)} when the job is
+-- predicted to miss its TTFT SLO (Slo.ahead, Slo.wait_ms: docs/guarantees.md#slos).
 -- Checks and writes in one script, so concurrent submitters can never overshoot a limit.
 -- Every check reads only, and the first write is the job record: Redis checks its memory limit at
 -- a script's first write, and lets the rest of the script run past it (atomicity). A first write
@@ -15,7 +18,8 @@
 local job, tenant_key, tenants, clock, recent = unpack(KEYS, 1, 5)
 local job_id, idempotency_ttl, max_depth, levels, level, tenant, weight, max_running, max_queued,
       tokens_per_minute, now, levels_at, levels_width, idempotency_at, touch, recent_max, dialect,
-      owner = unpack(ARGV, 1, 18)
+      owner, queued_at, first_token_deadline, slo_ttft_ms, prefill_ms, slots, decode_tps,
+      generated_per_job = unpack(ARGV, 1, 25)
 level, max_running, max_queued = tonumber(level), tonumber(max_running), tonumber(max_queued)
 tokens_per_minute, now = tonumber(tokens_per_minute), tonumber(now)
 levels, levels_at, levels_width = tonumber(levels), tonumber(levels_at), tonumber(levels_width)
@@ -32,13 +36,13 @@ if idempotency then
   end
 end
 -- The model's unfinished jobs (both streams of every level) and the tenant's waiting ones.
-local depth, waiting, streams, fairs = 0, 0, {}, {}
+local depth, waiting, queues, streams, fairs = 0, 0, {}, {}, {}
 for l = 0, levels - 1 do
   local k = levels_at + l * levels_width
   local queue, waiting_stream, fair = KEYS[k], KEYS[k + 1], KEYS[k + 2]
   depth = depth + redis.call('XLEN', queue) + redis.call('XLEN', waiting_stream)
-  waiting = waiting + redis.call('LLEN', Fair.waiting_list(tenant_key, l))
-  streams[l + 1], fairs[l + 1] = waiting_stream, fair
+  waiting = waiting + redis.call('ZCARD', Fair.waiting_list(tenant_key, l))
+  queues[l + 1], streams[l + 1], fairs[l + 1] = queue, waiting_stream, fair
 end
 if depth >= tonumber(max_depth) then return {'full', depth} end
 
@@ -64,10 +68,23 @@ if tokens_per_minute >= 0 then
   end
 end
 
-redis.call('HSET', job, unpack(ARGV, 19))
+-- Its time to first token, predicted from the jobs that start before it; past its SLO, refused
+-- before it costs any engine time. The prediction stays on its record: the worker measures its
+-- error at the first token.
+local score = Fair.order(queued_at, first_token_deadline, false)
+local predicted = -1
+if tonumber(slots) > 0 then
+  local wait = Slo.wait_ms(Slo.ahead(tenant_key, tenant, level, score, streams, fairs), queues, slots, decode_tps,
+                           generated_per_job)
+  if wait >= 0 then predicted = wait + tonumber(prefill_ms) end
+end
+if predicted >= 0 and slo_ttft_ms ~= '' and predicted > tonumber(slo_ttft_ms) then return {'slo', predicted} end
+
+redis.call('HSET', job, unpack(ARGV, 26))
+if predicted >= 0 then redis.call('HSET', job, 'predicted_ttft', predicted) end
 if idempotency then redis.call('SET', idempotency, job_id, 'EX', idempotency_ttl) end
 local entry = redis.call('XADD', streams[level + 1], '*', 'job', job_id, 'tenant', tenant)
-redis.call('RPUSH', Fair.waiting_list(tenant_key, level), entry .. ' ' .. job_id)
+redis.call('ZADD', Fair.waiting_list(tenant_key, level), score, entry .. ' ' .. job_id)
 -- The model's newest jobs, for the console's list (shared/browse.py): what it filters on, in order.
 if recent_max ~= '0' then
   redis.call('XADD', recent, 'MAXLEN', '~', recent_max, '*', 'job', job_id, 'tenant', tenant, 'dialect', dialect,

@@ -41,13 +41,13 @@ end
 local function live_head(tenant, level)
   local list = Fair.waiting_list(tenant_prefix .. tenant, level)
   for _ = 1, 100 do
-    local item = redis.call('LINDEX', list, 0)
+    local item = redis.call('ZRANGE', list, 0, 0)[1]
     if not item then return false end
     local space = string.find(item, ' ', 1, true)
     if redis.call('HGET', job_prefix .. string.sub(item, space + 1), 'status') == 'queued' then return true end
-    redis.call('LPOP', list)
+    redis.call('ZREM', list, item)
     redis.call('XDEL', waitings[level + 1], string.sub(item, 1, space - 1))
-    if redis.call('LLEN', list) == 0 then redis.call('ZREM', fairs[level + 1], tenant) end
+    if redis.call('ZCARD', list) == 0 then redis.call('ZREM', fairs[level + 1], tenant) end
   end
   return false
 end
@@ -106,14 +106,14 @@ redis.call('HSET', v.job, 'status', 'queued', 'worker', '', 'preempted_at', now,
 local rkey = tenant_prefix .. v.tenant
 redis.call('SREM', Fair.running(rkey), v.id)
 local back = redis.call('XADD', waitings[v.level + 1], '*', 'job', v.id, 'tenant', v.tenant)
-redis.call('LPUSH', Fair.waiting_list(rkey, v.level), back .. ' ' .. v.id)
+redis.call('ZADD', Fair.waiting_list(rkey, v.level), Fair.order(now, nil, true), back .. ' ' .. v.id)
 Fair.rejoin(rkey, fairs, clock, v.tenant)
 
 -- Pick the waiting job into the slot, and claim it.
 local wkey = tenant_prefix .. w
 local list = Fair.waiting_list(wkey, w_level)
-local item = redis.call('LPOP', list)
-if redis.call('LLEN', list) == 0 then redis.call('ZREM', fairs[w_level + 1], w) end
+local item = redis.call('ZPOPMIN', list)[1]
+if redis.call('ZCARD', list) == 0 then redis.call('ZREM', fairs[w_level + 1], w) end
 Pick.take(item, w, w_score, wkey, fairs, waitings[w_level + 1], queues[w_level + 1], job_prefix)
 redis.call('HSET', clock, tostring(w_level), w_score)
 local out = {}

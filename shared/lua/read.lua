@@ -69,7 +69,7 @@ local function next_tenant(fair, passed, n_passed, level)
   -- The first tenant as it would stand with the slot: a preemption then judges it so, and the
   -- job it took is the one that would give way.
   local h = Pick.standing(tenant_prefix .. first[1])
-  local item = redis.call('LINDEX', Fair.waiting_list(tenant_prefix .. first[1], level), 0)
+  local item = redis.call('ZRANGE', Fair.waiting_list(tenant_prefix .. first[1], level), 0, 0)[1]
   local slack = 0
   if item then
     local id = string.sub(item, string.find(item, ' ', 1, true) + 1)
@@ -105,7 +105,7 @@ for level = 0, levels - 1 do
     local item, f, pass = nil, nil, false
     if affinity_ms > 0 then
       -- Look before taking: the job may be another worker's for a moment.
-      item = redis.call('LINDEX', list, 0)
+      item = redis.call('ZRANGE', list, 0, 0)[1]
       if item then
         local space = string.find(item, ' ', 1, true)
         f = redis.call('HMGET', job_prefix .. string.sub(item, space + 1), unpack(Pick.FIELDS))
@@ -126,8 +126,8 @@ for level = 0, levels - 1 do
       end
     end
     if not pass then
-      item = redis.call('LPOP', list)
-      if redis.call('LLEN', list) == 0 then redis.call('ZREM', fair, tenant) end
+      item = redis.call('ZPOPMIN', list)[1]
+      if redis.call('ZCARD', list) == 0 then redis.call('ZREM', fair, tenant) end
     end
     if item and not pass then
       f = Pick.take(item, tenant, top[2], tkey, fairs, waiting, queue, job_prefix, f)

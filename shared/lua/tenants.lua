@@ -9,10 +9,23 @@
 -- holds the two together).
 local Fair = {}
 
--- Keys.tenant_waiting: the tenant's waiting jobs on a level.
+-- Keys.tenant_waiting: the tenant's waiting jobs on a level, its line: a sorted set of
+-- '<waiting entry id> <job id>' items, the first to start lowest (Fair.order).
 function Fair.waiting_list(tkey, level)
-  if tonumber(level) == 0 then return tkey .. ':waiting' end
-  return tkey .. ':waiting:' .. level
+  if tonumber(level) == 0 then return tkey .. ':line' end
+  return tkey .. ':line:' .. level
+end
+
+-- Where a job stands in its tenant's line (its score; docs/tenants.md#a-tenants-own-jobs): jobs
+-- that wait again (preempted) first, the most recently preempted first, as they always came; then
+-- jobs with a first-token deadline, the earliest first (EDF); then the rest, oldest first. The
+-- classes are bands of one number: epoch ms is about 1.8e12, so -now sorts before every deadline,
+-- and 1e13 + queued_at after them all (exact in a double to the microsecond).
+Fair.LATER = 1e13
+function Fair.order(now, first_token_deadline, again)
+  if again then return -tonumber(now) end
+  if first_token_deadline and first_token_deadline ~= '' then return tonumber(first_token_deadline) end
+  return Fair.LATER + tonumber(now)
 end
 
 -- Keys.tenant_running: the tenant's jobs picked and not ended.
@@ -58,7 +71,7 @@ end
 function Fair.rejoin(tkey, fairs, clock, tenant)
   if not Fair.has_room(tkey) then return end
   for level = 0, #fairs - 1 do
-    if redis.call('LLEN', Fair.waiting_list(tkey, level)) > 0 then
+    if redis.call('ZCARD', Fair.waiting_list(tkey, level)) > 0 then
       Fair.join(tkey, fairs, clock, level, tenant)
     end
   end

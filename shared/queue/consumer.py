@@ -59,17 +59,17 @@ async def _unless(stop: asyncio.Event, call: Callable[[], Awaitable[T]]) -> T | 
     return None
 
 
-DeliveryState = Literal["run", "cancelled", "dead", "expired", "missing", "finished", "invalid"]
+DeliveryState = Literal["run", "cancelled", "dead", "expired", "late", "missing", "finished", "invalid"]
 """What a worker does with a delivered entry, as claim.lua decided (``invalid``: the record's
 request does not decode here):
 
 - ``run``: start it (the claim took ownership: attempt + 1, worker = us);
-- ``cancelled``, ``expired`` (its deadline passed), ``dead`` (out of deliveries), ``invalid``:
-  owned too, and ended at once with that error, never reaching the engine;
+- ``cancelled``, ``expired`` (its deadline passed), ``late`` (its first-token deadline passed
+  before it ever started), ``dead`` (out of deliveries), ``invalid``: owned too, and ended at once with that error, never reaching the engine;
 - ``missing`` (no record: expired or never written), ``finished`` (the entry outlived its job):
   nothing to own; the entry is only cleared."""
 _STATES: frozenset[str] = frozenset(get_args(DeliveryState))
-_OWNED: frozenset[str] = frozenset({"run", "cancelled", "dead", "expired"})  # states whose row holds the request
+_OWNED: frozenset[str] = frozenset({"run", "cancelled", "dead", "expired", "late"})  # states whose row holds the request
 
 
 @dataclass(slots=True)
@@ -99,6 +99,8 @@ class Delivery:
     """The relay channels its record named at the claim (take.lua puts them in its shard's fence)."""
     preemptions: int = 0
     """How often it gave its slot to a job owed it before this claim (preempt.lua)."""
+    predicted_ttft: float | None = None
+    """Its time to first token (ms) as admission predicted it (enqueue.lua; None: not predicted)."""
 
     @property
     def held(self) -> Held:
@@ -324,7 +326,8 @@ class Consumer(Side):
         """Deliveries from entries (level, entry id, job id) and their claim rows (claim.lua)."""
         deliveries = []
         for (level, entry_id, job_id), row in zip(entries, states, strict=True):
-            raw, request, queued_at, attempt, deadline, trace, lost, lost_started, tenant, relay, preemptions = row
+            (raw, request, queued_at, attempt, deadline, trace, lost, lost_started, tenant, relay, preemptions,
+             predicted) = row
             state: DeliveryState = raw.decode()
             assert state in _STATES, f"claim.lua returned an unknown state {state!r}"
             decoded = None
@@ -352,6 +355,7 @@ class Consumer(Side):
                 lost_started=float(lost_started) if lost_started else 0.0,
                 tenant=tenant.decode() if tenant else "",
                 preemptions=preemptions,
+                predicted_ttft=float(predicted) if predicted else None,
             ))
         return deliveries
 

@@ -9,6 +9,8 @@ end in place of its worker is the fenced writer's (shared/queue/writer.py).
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import structlog
 from redis.asyncio import Redis
@@ -25,19 +27,32 @@ from shared.errors import (
     QueueRefused,
     RateLimited,
     ServiceError,
+    SloUnattainable,
 )
 from shared.events import Error, Event
 from shared.keys import LEVELS, Keys
 from shared.queue.base import Side
 from shared.queue.writer import now_ms
 from shared.redis_memory import MemoryGuard
-from shared.schemas import JobError, JobGroup, JobRecord, estimate_tokens
+from shared.schemas import JobError, JobGroup, JobRecord, estimate_prompt_tokens, estimate_tokens
+from shared.slo import Capacity, Standing
 from shared.tenants import DEFAULT_TENANT, TenantConfig
 
 __all__ = ["JobStore", "level_of"]
 
+NO_CAPACITY = Capacity()
+
 log = structlog.get_logger()
 _groups = msgspec.json.Decoder(JobGroup)
+
+
+class _Priority(msgspec.Struct):
+    """The one field of a queued request its standing needs: its level."""
+
+    priority: int | None = None
+
+
+_priority = msgspec.json.Decoder(_Priority)
 
 
 def level_of(priority: int | None) -> int:
@@ -111,6 +126,22 @@ class JobStore(Side):
                 raws[n].clear()
                 raws[n].update(raw)
 
+    async def position(self, model: str, job_id: str, capacity: Capacity) -> Standing | None:
+        """Where a waiting job stands (shared/slo.py): how many jobs of its model are estimated to
+        start before it and, from the model's warm ``capacity``, in how long it should start. None
+        when it does not wait (it runs, it ended, or it is gone)."""
+        status, tenant, queued_at, due, preempted_at, request = await self.redis.hmget(
+            self.keys.job(model, job_id), ["status", "tenant", "queued_at", "first_token_deadline", "preempted_at",
+                                           "request"])
+        if status != b"queued" or request is None:
+            return None
+        score = scripts.line_score(float(queued_at or 0), float(due) if due else None,
+                                   float(preempted_at) if preempted_at else None)
+        level = level_of(_priority.decode(request).priority)
+        ahead, wait_ms = await self.scripts.run(scripts.position(
+            self.keys, model, (tenant or b"").decode() or DEFAULT_TENANT, level, score, capacity))
+        return Standing(position=int(ahead), eta_s=round(wait_ms / 1000, 1) if wait_ms >= 0 else None)
+
     async def save_group(self, group: JobGroup, ttl_s: int) -> None:
         await self.redis.set(self.keys.group(group.model, group.id), encode(group), ex=ttl_s)
 
@@ -132,13 +163,16 @@ class JobStore(Side):
     # --- writes -------------------------------------------------------------------------------
 
     async def enqueue(self, record: JobRecord, idempotency_key: str | None = None, *,
-                      max_queued: int = 2**62, relay: str | None = None, tenant: TenantConfig | None = None) -> str:
+                      max_queued: int = 2**62, relay: str | None = None, tenant: TenantConfig | None = None,
+                      capacity: Capacity = NO_CAPACITY) -> str:
         """Write the record and queue the job on its priority level, atomically, to wait for its
         tenant's turn (read.lua picks); returns the owning job id (an earlier job's id when
         ``idempotency_key`` was seen before). Raises :class:`Overloaded` when the model already has
         ``max_queued`` unfinished jobs, :class:`RateLimited` when the job's tenant is past one of
-        the limits in ``tenant`` (its settings). ``relay``: the relay channel (Keys.relay) of the
-        API process following the job, where its events go."""
+        the limits in ``tenant`` (its settings), :class:`SloUnattainable` when its TTFT is
+        predicted past its SLO from the model's ``capacity`` (shared/slo.py; unknown: never).
+        ``relay``: the relay channel (Keys.relay) of the API process following the job, where its
+        events go."""
         model, name = record.model, record.tenant or DEFAULT_TENANT
         config = tenant or TenantConfig()
         if not record.tenant or not record.estimate:  # a record not made by JobRecord.new
@@ -156,13 +190,18 @@ class JobStore(Side):
             raise QueueRefused(f"The queue is at its memory limit (over {self.memory.watermark:.0%} of Redis's "
                                "maxmemory): no new jobs until running ones finish; retry shortly")
         durable = self.durability.wanted > 0
+        request = record.request
+        prefill_ms = (estimate_prompt_tokens(request) / capacity.prefill_tps * 1000 if capacity.prefill_tps > 0
+                      else 0.0)
         call = scripts.enqueue(
             self.keys, model, record.id, name, idempotency=idempotency_key, idempotency_ttl=self.idempotency_ttl_s,
             max_depth=max_queued, level=level_of(record.request.priority), weight=config.weight,
             max_running=limit(config.max_running), max_queued=limit(config.max_queued),
             tokens_per_minute=limit(config.tokens_per_minute), now=now_ms(), recent=self.recent_jobs,
             dialect=record.request.dialect, owner=record.owner, record=[v for pair in fields.items() for v in pair],
-            touch=durable)
+            touch=durable, queued_at=record.queued_at, first_token_deadline=record.first_token_deadline,
+            slo_ttft_ms=request.slo.ttft_ms if request.slo is not None else None, prefill_ms=prefill_ms,
+            capacity=capacity)
         owner, acked = await self._run(call)
         match owner:
             case [b"full", depth]:
@@ -174,6 +213,14 @@ class JobStore(Side):
                 raise RateLimited(f"Too many requests in flight for this tenant on model {model}: {running} running "
                                   f"and {waiting} waiting (max_running {config.max_running}, max_queued "
                                   f"{config.max_queued}); retry when one has finished")
+            case [b"slo", predicted]:
+                assert request.slo is not None and request.slo.ttft_ms is not None  # only a job with one is refused so
+                log.info("slo_unattainable", model=model, tenant=name, predicted_ttft_ms=predicted,
+                         slo_ttft_ms=request.slo.ttft_ms)
+                raise SloUnattainable(
+                    f"Model {model} cannot meet this request's TTFT SLO of {request.slo.ttft_ms} ms: the work queued "
+                    f"ahead of it is predicted to take {predicted} ms to its first token; retry later",
+                    retry_after_s=max(1, math.ceil((predicted - request.slo.ttft_ms) / 1000)))
             case [b"tokens", used, retry]:
                 log.info("tenant_tokens_exceeded", model=model, tenant=name, used=used, retry_after_s=retry)
                 raise RateLimited(f"Rate limit reached for this tenant on model {model}: {used} tokens used in the "

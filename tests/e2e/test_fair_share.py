@@ -49,9 +49,9 @@ def test_a_flooding_tenant_cannot_push_another_tenants_ttft_past_one_batch_turno
     try:
         contended = []
         for _ in range(5):
-            assert redis.llen(keys.tenant_waiting(stack.model, "heavy")) > 0, "the flood must still be waiting"
+            assert redis.zcard(keys.tenant_waiting(stack.model, "heavy")) > 0, "the flood must still be waiting"
             contended.append(ttft_s(client, stack.model, "light"))
-        waiting_after = redis.llen(keys.tenant_waiting(stack.model, "heavy"))
+        waiting_after = redis.zcard(keys.tenant_waiting(stack.model, "heavy"))
         durations = []
         for job_id in flood:
             raw = redis.hmget(keys.job(stack.model, job_id), "started_at", "finished_at")
@@ -110,7 +110,7 @@ def test_shares_converge_across_web_processes_and_workers(stack):
             while sum(served().values()) - sum(before.values()) < 50_000 and time.monotonic() < deadline:
                 time.sleep(0.2)
             after = served()
-            waiting = [redis.llen(keys.tenant_waiting(stack.model, t)) for t in weights]
+            waiting = [redis.zcard(keys.tenant_waiting(stack.model, t)) for t in weights]
         tokens = {t: after[t] - before[t] for t in weights}
         total = sum(tokens.values())
         shares = {t: tokens[t] / total for t in weights}

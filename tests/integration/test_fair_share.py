@@ -111,7 +111,7 @@ async def test_backlogged_tenants_share_tokens_by_weight(redis, prefix, make_wor
     async with asyncio.timeout(60):
         while sum((tokens := await served()).values()) < 12_000:
             await asyncio.sleep(0.1)
-    waiting = [await redis.llen(keys.tenant_waiting(MODEL, t)) for t in configs]
+    waiting = [await redis.zcard(keys.tenant_waiting(MODEL, t)) for t in configs]
     total = sum(tokens.values())
     shares = {t: tokens[t] / total for t in configs}
     normalised = [shares[t] / configs[t].weight for t in configs]

@@ -283,7 +283,7 @@ async def test_tenants_are_read_in_one_round_trip_per_model_however_many_there_a
         await redis.zadd(keys.tenants("m"), {f"t{n}": n})
         await redis.hset(keys.tenant("m", f"t{n}"), mapping={"vtc": n, "weight": 1 + n % 2})
     await redis.sadd(keys.tenant_running("m", "t1"), "job-1")
-    await redis.rpush(keys.tenant_waiting("m", "t2", 1), "1-0 job-2")
+    await redis.zadd(keys.tenant_waiting("m", "t2", 1), {"1-0 job-2": 1.0})
     await redis.hset(keys.tenant_tokens("m", "t1"), str(now), 30)
     await redis.hset(keys.tokens("m"), str(now), 120)
     await redis.hset(keys.tenant_config("t2"), "max_running", 3)

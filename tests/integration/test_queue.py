@@ -30,7 +30,7 @@ async def test_enqueue_writes_record_and_stream_entry_together(redis, keys):
     # It waits its tenant's turn: in the waiting stream and its tenant's list, not yet picked.
     entries = await redis.xrange(keys.waiting(MODEL))
     assert [(f[b"job"].decode(), f[b"tenant"].decode()) for _, f in entries] == [(rec.id, "default")]
-    listed = await redis.lrange(keys.tenant_waiting(MODEL, "default"), 0, -1)
+    listed = await redis.zrange(keys.tenant_waiting(MODEL, "default"), 0, -1)
     assert listed == [f"{entries[0][0].decode()} {rec.id}".encode()]
     assert await redis.xlen(keys.queue(MODEL)) == 0
     assert stored.tenant == "default" and stored.estimate == 1 + 1 + 16  # "hello": 5 bytes // 4 + 1; max_tokens 16

@@ -49,7 +49,7 @@ local records, statuses = redis.call('KEYS', ARGV[1]), {}
 for i, key in ipairs(records) do statuses[i] = redis.call('HGET', key, 'status') or '' end
 local streams, lists = {}, {}
 for i = 1, tonumber(ARGV[2]) do streams[i] = redis.call('XRANGE', KEYS[i], '-', '+') end
-for i = tonumber(ARGV[2]) + 1, #KEYS do lists[#lists + 1] = redis.call('LRANGE', KEYS[i], 0, -1) end
+for i = tonumber(ARGV[2]) + 1, #KEYS do lists[#lists + 1] = redis.call('ZRANGE', KEYS[i], 0, -1) end
 return {records, statuses, streams, lists}
 """
 
