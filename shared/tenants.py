@@ -255,7 +255,8 @@ async def _run(args: argparse.Namespace) -> str:
     redis = connect(args.url)
     keys = Keys(args.prefix)
     try:
-        tenant = key_hash(args.key) if getattr(args, "key", None) else args.tenant
+        # `list` names no tenant (its parser has neither argument)
+        tenant = key_hash(args.key) if getattr(args, "key", None) else getattr(args, "tenant", "")
         if args.command == "set":
             changes = {name: getattr(args, name) for name in TenantConfig.__struct_fields__
                        if getattr(args, name) is not None}
