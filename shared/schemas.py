@@ -529,7 +529,8 @@ class SloReport(msgspec.Struct, kw_only=True):
     """From enqueue to its first token: the time its client waited, queueing included."""
     tpot_ms: float | None
     """Once it ended: from its first token to its end, per token after the first (a preempted
-    job's wait counts: its client saw that pause). None with fewer than two tokens."""
+    job's wait counts: its client saw that pause; with ``n`` > 1 the tokens are every choice's).
+    None with fewer than two tokens."""
     ttft_met: bool | None
     """Its first token came within ``objective.ttft_ms``; False too once it ended without one."""
     tpot_met: bool | None
@@ -545,6 +546,9 @@ class SloReport(msgspec.Struct, kw_only=True):
         if record.first_token_at is not None:
             ttft = round(record.first_token_at - record.queued_at, 3)
             _, generated = record.token_counts()
+            if generated is None and record.result is not None:
+                # Read from its ending before its record's end wrote the counts (JobStore._ended).
+                generated = record.result.usage.completion_tokens
             if record.finished_at is not None and generated is not None and generated > 1:
                 tpot = round((record.finished_at - record.first_token_at) / (generated - 1), 3)
         ttft_met = None

@@ -11,7 +11,7 @@ from litestar.datastructures import Headers
 from api.context import _slo
 from api.submit import resolve_slo
 from shared.errors import InvalidRequest
-from shared.schemas import GenerationRequest, JobRecord, JobView, SamplingParams, Slo, SloReport
+from shared.schemas import GenerationRequest, JobRecord, JobResult, JobView, SamplingParams, Slo, SloReport, Usage
 from shared.tenants import TenantConfig, _config_of
 
 # --- the headers ---------------------------------------------------------------------------------
@@ -125,3 +125,11 @@ def test_the_view_carries_the_report_as_json():
     body = msgspec.json.decode(msgspec.json.encode(JobView.of(done, None)))
     assert body["slo"] == {"objective": {"ttft_ms": 500}, "ttft_ms": 250.0, "tpot_ms": 100.0, "ttft_met": True,
                            "tpot_met": None}
+
+
+def test_a_job_read_from_its_ending_counts_its_result_tokens():
+    # Its ending is read a moment before its record's end writes the token counts (JobStore._ended).
+    done = record(Slo(tpot_ms=50), status="done", first_token_at=1_000_100.0, finished_at=1_000_400.0,
+                  result=JobResult(usage=Usage(prompt_tokens=4, completion_tokens=4)))
+    report = SloReport.of(done)
+    assert report is not None and (report.tpot_ms, report.tpot_met) == (100.0, False)
