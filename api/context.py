@@ -1,7 +1,7 @@
 """What one request carries through the API, built once and passed explicitly.
 
 - :class:`RequestContext`: who sent the request (the API key's owner hash), the dialect its errors
-  are rendered in, the per-request option headers (deadline, priority), its Idempotency-Key and
+  are rendered in, the per-request option headers (deadline, priority, SLOs), its Idempotency-Key and
   ``Prefer: respond-async``, and the set of jobs it watches (cancelled when the request ends early;
   the set belongs to :class:`api.middleware.RequestLifecycle`, which ends them). Handlers that queue work
   take ``ctx: Ctx`` and hand it to :func:`api.submit.submit`.
@@ -16,9 +16,11 @@ dependency binds ``dialect``, :func:`api.submit.submit` binds ``job_id`` and ``m
 from __future__ import annotations
 
 import hmac
+import re
 from dataclasses import dataclass, replace
 from typing import Protocol, cast
 
+import msgspec
 import structlog
 from litestar.datastructures import Headers
 from litestar.di import NamedDependency
@@ -31,17 +33,23 @@ from api.watches import JobWatch
 from shared.errors import InvalidRequest, JobNotFound
 from shared.events import Event
 from shared.keys import TAG_CHARS, model_tag
-from shared.schemas import GROUP_PREFIX, FaultMarker, JobGroup, JobRecord
-from shared.tenants import DEFAULT_TENANT, valid_tenant
+from shared.schemas import GROUP_PREFIX, FaultMarker, JobGroup, JobRecord, Slo
+from shared.tenants import DEFAULT_TENANT, SLO_MAX_MS, valid_tenant
 
 __all__ = ["RequestContext", "Ctx", "JobRef", "Job", "request_context", "job_ref", "TIMEOUT_HEADER",
-           "PRIORITY_HEADER", "AFFINITY_HEADER", "FAULT_HEADER", "WATCHES", "SPAN", "RequestTrace", "owner_of_request"]
+           "PRIORITY_HEADER", "SLO_TTFT_HEADER", "SLO_TPOT_HEADER", "AFFINITY_HEADER", "FAULT_HEADER",
+           "WATCHES", "SPAN", "RequestTrace", "owner_of_request"]
 
 # Per-request options every dialect accepts as headers (most wire formats have no field for them).
 TIMEOUT_HEADER = "x-llmq-timeout"
 """Seconds from enqueue until the request must have finished (its deadline)."""
 PRIORITY_HEADER = "x-llmq-priority"
 """An integer, lower runs earlier; a body field (OpenAI's ``priority``) wins over it."""
+SLO_TTFT_HEADER = "x-slo-ttft-ms"
+"""Milliseconds from enqueue to the first token (:attr:`shared.schemas.Slo.ttft_ms`): llm-d's
+header name, so a client written for its gateway sends the same. A body ``slo`` wins field by field."""
+SLO_TPOT_HEADER = "x-slo-tpot-ms"
+"""Milliseconds per output token after the first (:attr:`shared.schemas.Slo.tpot_ms`), llm-d's too."""
 AFFINITY_HEADER = "x-llmq-affinity"
 """What the client's requests share (a conversation, an agent's session): their jobs' prefix key
 (shared/affinity.py); a body field (OpenAI's ``prompt_cache_key``) wins over it."""
@@ -80,6 +88,9 @@ class RequestContext:
     """``X-LLMQ-Timeout``: the deadline when the body sets none."""
     priority: int | None = None
     """``X-LLMQ-Priority``: the priority when the body sets none."""
+    slo: Slo | None = None
+    """``x-slo-ttft-ms`` / ``x-slo-tpot-ms``: the SLOs for what the body's ``slo`` leaves unset
+    (:func:`api.submit.admit` fills the rest from the tenant's defaults)."""
     affinity: str | None = None
     """``X-LLMQ-Affinity``: the prefix key when the body gives none."""
     test_fault: FaultMarker | None = None
@@ -138,6 +149,27 @@ def _parse_options(headers: Headers) -> tuple[float | None, int | None, InvalidR
     return timeout, priority, None
 
 
+_MS = re.compile(r"\s*[0-9]{1,18}\s*")  # whole milliseconds: no sign, no fraction, no exponent
+
+
+def _slo(headers: Headers) -> tuple[Slo | None, InvalidRequest | None]:
+    """The SLO headers, each checked against :class:`~shared.schemas.Slo`'s own bounds (one place
+    says what an SLO may be); None when neither is sent."""
+    given: dict[str, int] = {}
+    for header, field in ((SLO_TTFT_HEADER, "ttft_ms"), (SLO_TPOT_HEADER, "tpot_ms")):
+        if (raw := headers.get(header)) is None:
+            continue
+        try:
+            if not _MS.fullmatch(raw):
+                raise ValueError(raw)
+            msgspec.convert({field: int(raw)}, Slo)  # its bounds
+            given[field] = int(raw)
+        except (ValueError, msgspec.ValidationError):
+            return None, InvalidRequest(f"{header} must be a whole number of milliseconds, 1 to {SLO_MAX_MS}",
+                                        param=header)
+    return (msgspec.convert(given, Slo), None) if given else (None, None)
+
+
 def _test_fault(svc: Services, headers: Headers) -> tuple[FaultMarker | None, InvalidRequest | None]:
     if (raw := headers.get(FAULT_HEADER)) is None:
         return None, None
@@ -155,6 +187,7 @@ def request_context(scope: Scope, svc: Svc) -> RequestContext:
     dialect = _dialect(scope)
     structlog.contextvars.bind_contextvars(dialect=dialect)
     timeout_s, priority, bad_option = _parse_options(headers)
+    slo, bad_slo = _slo(headers)
     owner = owner_of_request(svc, headers)
     tenant, bad_tenant = _tenant(svc, headers, owner)
     test_fault, bad_fault = _test_fault(svc, headers)
@@ -165,9 +198,10 @@ def request_context(scope: Scope, svc: Svc) -> RequestContext:
         tenant=tenant,
         timeout_s=timeout_s,
         priority=priority,
+        slo=slo,
         affinity=headers.get(AFFINITY_HEADER) or None,
         test_fault=test_fault,
-        bad_option=bad_option or bad_tenant or bad_fault,
+        bad_option=bad_option or bad_slo or bad_tenant or bad_fault,
         idempotency_key=headers.get("idempotency-key") or None,
         respond_async=any(token.strip().lower() == "respond-async" for token in prefer.split(",")),
         # Our own scope keys, which Litestar's Scope type cannot list: their types are the writers'.

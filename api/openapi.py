@@ -77,6 +77,8 @@ def _param(name: str, where: str, *, schema: dict[str, Any] | None = None, descr
     return out
 
 
+# Whole milliseconds, 1 to SLO_MAX_MS (api/context.py reads them; anything else is a 400).
+_SLO_MS = {"type": "string", "pattern": r"^\s*[0-9]+\s*$"}
 _PARAMS: dict[str, dict[str, Any]] = {
     "model": _param("model", "path", description="A served model name; any other is 404."),
     "version": _param("version", "path", description='Triton model version: llmq serves every model as "1".'),
@@ -99,6 +101,14 @@ _PARAMS: dict[str, dict[str, Any]] = {
                                          "past it: 504 deadline_exceeded. Default: LLMQ_DEADLINE_S."),
     "X-LLMQ-Priority": _param("X-LLMQ-Priority", "header", schema={"type": "string", "pattern": r"^\s*-?[0-9]+\s*$"},
                               description="Lower runs earlier (default 0); a body `priority` field wins."),
+    "x-slo-ttft-ms": _param("x-slo-ttft-ms", "header", schema=_SLO_MS,
+                            description="SLO: milliseconds from enqueue to the first token (llm-d's header). A request "
+                                        "predicted to miss it is refused, and a job not started by then never starts. "
+                                        "/v1/jobs: a body `slo` wins; default: the tenant's `slo_ttft_ms`."),
+    "x-slo-tpot-ms": _param("x-slo-tpot-ms", "header", schema=_SLO_MS,
+                            description="SLO: milliseconds per output token after the first (llm-d's header); "
+                                        "recorded and reported (GET /v1/jobs/{job_id}), never enforced. /v1/jobs: a "
+                                        "body `slo` wins; default: the tenant's `slo_tpot_ms`."),
     "file_id": _param("file_id", "path"),
     "batch_id": _param("batch_id", "path"),
     "message_batch_id": _param("message_batch_id", "path"),
@@ -246,8 +256,10 @@ def _operation_id(op: Operation) -> str:
 
 
 def _options(op: Operation) -> tuple[str, ...]:
-    """Every route that queues work reads the deadline and priority headers (api.submit.admit)."""
-    return ("X-LLMQ-Timeout", "X-LLMQ-Priority") if op.body is not None and op.queues else ()
+    """Every route that queues work reads the deadline, priority and SLO headers (api.submit.admit)."""
+    if op.body is None or not op.queues:
+        return ()
+    return ("X-LLMQ-Timeout", "X-LLMQ-Priority", "x-slo-ttft-ms", "x-slo-tpot-ms")
 
 
 def _operation(op: Operation, bodies: dict[str, Any], schema: dict[Any, dict[str, Any]], keys_on: bool

@@ -31,10 +31,11 @@ from shared.admission import new_job
 from shared.codec import decode_request, encode
 from shared.errors import InvalidRequest
 from shared.events import Event
-from shared.schemas import GenerationRequest, JobRecord
+from shared.schemas import GenerationRequest, JobRecord, Slo
+from shared.tenants import TenantConfig
 
 __all__ = ["Submission", "Live", "Following", "submit", "enqueue_detached", "admit", "subscribe_job", "follow_job",
-           "check_queueable", "check_tools", "part_key"]
+           "check_queueable", "check_tools", "part_key", "resolve_slo"]
 
 log = structlog.get_logger()
 
@@ -70,14 +71,28 @@ def check_tools(req: GenerationRequest, tool_parser: str | None) -> None:
                              "(vLLM's --tool-call-parser), or force a tool with tool_choice", param="tool_choice")
 
 
+def resolve_slo(body: Slo | None, headers: Slo | None, tenant: TenantConfig) -> Slo | None:
+    """A request's SLOs, field by field: the body's, else the ``x-slo-*`` header's, else its
+    tenant's default (so a header's TTFT and the tenant's TPOT make one SLO); None when none is set."""
+    ttft = next((s.ttft_ms for s in (body, headers) if s is not None and s.ttft_ms is not None), tenant.slo_ttft_ms)
+    tpot = next((s.tpot_ms for s in (body, headers) if s is not None and s.tpot_ms is not None), tenant.slo_tpot_ms)
+    return Slo(ttft_ms=ttft, tpot_ms=tpot) if ttft is not None or tpot is not None else None
+
+
 async def admit(svc: Services, ctx: RequestContext, req: GenerationRequest) -> GenerationRequest:
     """Route the request to its model (the default when it names none) and fill in what the body
-    left unset from the request's option headers; or refuse a model this deployment does not know
-    (the prompt-length check happens in the engine, which knows the prompt's tokens). A known model
-    is admitted whether or not a worker is warm: the job waits in its queue."""
+    left unset from the request's option headers and its tenant's defaults; or refuse a model this
+    deployment does not know (the prompt-length check happens in the engine, which knows the
+    prompt's tokens). A known model is admitted whether or not a worker is warm: the job waits in
+    its queue."""
     if ctx.bad_option is not None:
         raise ctx.bad_option
     changes: dict[str, object] = {}
+    # The tenant's settings are read here and again by the enqueue: the second is the cache's
+    # (ConfigCache), no round trip.
+    slo = resolve_slo(req.slo, ctx.slo, await svc.tenants.get(ctx.tenant))
+    if slo != req.slo:
+        changes["slo"] = slo
     if req.priority is None:  # an explicit body priority (0 too) wins over the header
         changes["priority"] = ctx.priority if ctx.priority is not None else 0
     if req.timeout_s is None and ctx.timeout_s is not None:

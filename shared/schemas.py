@@ -36,6 +36,7 @@ __all__ = [
     "JobResult",
     "JobError",
     "JobView",
+    "SloReport",
     "JobStatus",
     "DialectName",
     "JobRecord",
@@ -522,6 +523,48 @@ class JobGroup(msgspec.Struct, kw_only=True):
     """As on a job record: the API key hash that queued it (only that key may read or cancel it)."""
 
 
+class SloReport(msgspec.Struct, kw_only=True):
+    """A job's SLOs beside what it achieved (:attr:`JobView.slo`), in milliseconds. A measure or
+    verdict is None while it is not known."""
+
+    objective: Slo
+    """What its request asked for (the body's ``slo``, else the ``x-slo-*`` headers, else its
+    tenant's defaults)."""
+    ttft_ms: float | None
+    """From enqueue to its first token: the time its client waited, queueing included."""
+    tpot_ms: float | None
+    """Once it ended: from its first token to its end, per token after the first (a preempted
+    job's wait counts: its client saw that pause; with ``n`` > 1 the tokens are every choice's).
+    None with fewer than two tokens."""
+    ttft_met: bool | None
+    """Its first token came within ``objective.ttft_ms``; False too once it ended without one."""
+    tpot_met: bool | None
+    """Its ``tpot_ms`` was within ``objective.tpot_ms``: recorded and reported, never enforced."""
+
+    @classmethod
+    def of(cls, record: JobRecord) -> SloReport | None:
+        """The record's report; None when its request had no SLO."""
+        objective = record.request.slo
+        if objective is None:
+            return None
+        ttft = tpot = None
+        if record.first_token_at is not None:
+            ttft = round(record.first_token_at - record.queued_at, 3)
+            _, generated = record.token_counts()
+            if generated is None and record.result is not None:
+                # Read from its ending before its record's end wrote the counts (JobStore._ended).
+                generated = record.result.usage.completion_tokens
+            if record.finished_at is not None and generated is not None and generated > 1:
+                tpot = round((record.finished_at - record.first_token_at) / (generated - 1), 3)
+        ttft_met = None
+        if objective.ttft_ms is not None and ttft is not None:
+            ttft_met = ttft <= objective.ttft_ms
+        elif objective.ttft_ms is not None and record.status in TERMINAL_STATUSES:
+            ttft_met = False  # ended without a token: it never met it
+        tpot_met = tpot <= objective.tpot_ms if objective.tpot_ms is not None and tpot is not None else None
+        return cls(objective=objective, ttft_ms=ttft, tpot_ms=tpot, ttft_met=ttft_met, tpot_met=tpot_met)
+
+
 class JobView(msgspec.Struct, kw_only=True):
     """A job as ``GET /v1/jobs/{id}`` shows it, and as its webhook delivers it."""
 
@@ -540,10 +583,14 @@ class JobView(msgspec.Struct, kw_only=True):
     result: Any
     """The result in the submitting dialect's shape (a JobResult for /v1/jobs)."""
     error: JobError | None
+    slo: SloReport | msgspec.UnsetType = msgspec.UNSET
+    """Its SLOs and how it did against them; absent when its request had none."""
 
     @classmethod
     def of(cls, record: JobRecord, result: Any) -> JobView:
+        slo = SloReport.of(record)
         return cls(id=record.id, model=record.model, status=record.status, dialect=record.request.dialect,
                    attempt=record.attempt, worker=record.worker or None, queued_at=record.queued_at,
                    started_at=record.started_at, first_token_at=record.first_token_at,
-                   finished_at=record.finished_at, deadline=record.deadline, result=result, error=record.error)
+                   finished_at=record.finished_at, deadline=record.deadline, result=result, error=record.error,
+                   slo=msgspec.UNSET if slo is None else slo)

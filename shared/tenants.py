@@ -13,6 +13,8 @@ holds the defaults for every tenant without its own), editable with redis-cli or
   is refused with 429.
 - ``tokens_per_minute``: once its jobs that ended in the last 60 s used this many tokens (prompt +
   generated), its requests are refused with 429 until enough of them leave the window.
+- ``slo_ttft_ms``, ``slo_tpot_ms``: the SLOs (milliseconds to the first token, per token after it)
+  of its requests that set none, field by field (``x-slo-*`` headers and a body's ``slo`` win).
 
 Limits apply per model: each model is its own pool of engines, with its own fair share (as a
 provider's per-model rate limits). The scripts that act on them are in shared/lua (tenants.lua).
@@ -27,6 +29,7 @@ import hashlib
 import re
 import sys
 import time
+from typing import Annotated
 
 import msgspec
 from redis.asyncio import Redis
@@ -34,8 +37,8 @@ from redis.asyncio import Redis
 from shared.keys import LEVELS, Keys
 from shared.redis import connect, reply
 
-__all__ = ["DEFAULT_TENANT", "DEFAULTS", "key_hash", "TenantConfig", "TenantState", "UsageRow", "usage_row",
-           "valid_tenant", "read_config", "ConfigCache", "read_state", "read_states",
+__all__ = ["DEFAULT_TENANT", "DEFAULTS", "SLO_MAX_MS", "key_hash", "TenantConfig", "TenantState", "UsageRow",
+           "usage_row", "valid_tenant", "read_config", "ConfigCache", "read_state", "read_states",
            "read_usage", "top_tenants", "today", "main"]
 
 DEFAULT_TENANT = "default"
@@ -57,11 +60,20 @@ def valid_tenant(name: str) -> bool:
     return _TENANT.fullmatch(name) is not None
 
 
+SLO_MAX_MS = 86_400_000
+"""The longest SLO a tenant's default may set, as a request's (shared.schemas.Slo, which imports this module)."""
+_SloMs = Annotated[int, msgspec.Meta(gt=0, le=SLO_MAX_MS)]
+
+
 class TenantConfig(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     weight: float = 1.0
     max_running: int | None = None
     max_queued: int | None = None
     tokens_per_minute: int | None = None
+    slo_ttft_ms: _SloMs | None = None
+    """The TTFT SLO of its requests that set none (api.submit.resolve_slo)."""
+    slo_tpot_ms: _SloMs | None = None
+    """The TPOT SLO of its requests that set none."""
 
 
 def _config_of(raw: dict[bytes, bytes], defaults: dict[bytes, bytes]) -> TenantConfig:
@@ -231,11 +243,20 @@ def _limit(text: str) -> str:
     raise argparse.ArgumentTypeError("a whole number, or none")
 
 
+def _slo_ms(text: str) -> str:
+    # Refused here, not stored: a value the config cannot read would void every setting of the
+    # tenant (_config_of), its limits too.
+    if text == "none" or (text.isascii() and text.isdigit() and 0 < int(text) <= SLO_MAX_MS):
+        return text
+    raise argparse.ArgumentTypeError(f"a whole number of milliseconds, 1 to {SLO_MAX_MS}, or none")
+
+
 async def _run(args: argparse.Namespace) -> str:
     redis = connect(args.url)
     keys = Keys(args.prefix)
     try:
-        tenant = key_hash(args.key) if getattr(args, "key", None) else args.tenant
+        # `list` names no tenant (its parser has neither argument)
+        tenant = key_hash(args.key) if getattr(args, "key", None) else getattr(args, "tenant", "")
         if args.command == "set":
             changes = {name: getattr(args, name) for name in TenantConfig.__struct_fields__
                        if getattr(args, name) is not None}
@@ -259,12 +280,12 @@ async def _run(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``llmq-tenants``: set, show and list tenants' weights and limits."""
+    """``llmq-tenants``: set, show and list tenants' weights, limits and default SLOs."""
     from shared.config import operator_cli
 
     _, p = operator_cli("llmq-tenants", __doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    for name, text in (("set", "set a tenant's weight and limits ('none' removes one)"),
+    for name, text in (("set", "set a tenant's weight, limits and default SLOs ('none' removes one)"),
                        ("show", "a tenant's counter, jobs, last minute's tokens and share, per model")):
         cmd = sub.add_parser(name, help=text)
         who = cmd.add_mutually_exclusive_group(required=True)
@@ -275,6 +296,10 @@ def main(argv: list[str] | None = None) -> None:
             cmd.add_argument("--max-running", dest="max_running", type=_limit)
             cmd.add_argument("--max-queued", dest="max_queued", type=_limit)
             cmd.add_argument("--tokens-per-minute", dest="tokens_per_minute", type=_limit)
+            cmd.add_argument("--slo-ttft-ms", dest="slo_ttft_ms", type=_slo_ms,
+                             help="milliseconds to the first token, for its requests that set none")
+            cmd.add_argument("--slo-tpot-ms", dest="slo_tpot_ms", type=_slo_ms,
+                             help="milliseconds per token after the first, for its requests that set none")
     sub.add_parser("list", help="every tenant with settings of its own")
     args = p.parse_args(argv)
     sys.stdout.write(asyncio.run(_run(args)) + "\n")

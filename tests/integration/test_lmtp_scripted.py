@@ -18,7 +18,7 @@ from shared.codec import job_from_hash
 from shared.errors import InvalidRequest
 from shared.events import TokenDelta
 from shared.keys import Keys
-from shared.schemas import GenerationRequest, PromptInfo, TopLogprob
+from shared.schemas import GenerationRequest, PromptInfo, Slo, TopLogprob
 from tests.support.scripted_engine import ScriptedEngine
 from workers.protocol import Step
 
@@ -284,3 +284,28 @@ async def test_closing_the_socket_cancels_its_jobs(stack):
     assert record is not None and record.status == "cancelled", record
     assert record.error is not None and record.error.code == "cancelled"
     assert record.id in worker.engine.aborted
+
+
+async def test_the_upgrades_slo_headers_are_every_streams_slo(stack):
+    # LMTP's commands have no field for them: the WebSocket upgrade's headers hold for the socket.
+    url, redis, _ = stack
+    prompts = [[1, 61], [1, 62]]
+    headers = {"x-slo-ttft-ms": "60000", "x-slo-tpot-ms": "50"}
+    async with aiohttp.ClientSession() as session, session.ws_connect(url, headers=headers) as ws:
+        for stream_id, prompt in enumerate(prompts, 1):
+            await ws.send_str(generate(stream_id, prompt, max_tokens=1))
+        frames = [await asyncio.wait_for(ws.receive_str(), 10) for _ in prompts]
+    assert all(p["finish_reason"] == "length" for p in payloads(frames))
+    for prompt in prompts:
+        record = await find_job(redis, prompt)
+        assert record is not None and record.request.slo == Slo(ttft_ms=60000, tpot_ms=50)
+        assert record.first_token_deadline == record.queued_at + 60000
+
+
+async def test_a_bad_slo_header_at_the_upgrade_is_each_streams_error(stack):
+    url, _, _ = stack
+    async with aiohttp.ClientSession() as session, session.ws_connect(url, headers={"x-slo-ttft-ms": "0"}) as ws:
+        await ws.send_str(generate(1, [1, 63], max_tokens=1))
+        frame = await asyncio.wait_for(ws.receive_str(), 10)
+    [payload] = payloads([frame])
+    assert payload["stream_id"] == 1 and "x-slo-ttft-ms" in payload["error"]
