@@ -32,6 +32,7 @@ from shared.queue.base import Side
 from shared.queue.writer import now_ms
 from shared.redis_memory import MemoryGuard
 from shared.schemas import JobError, JobGroup, JobRecord, estimate_tokens
+from shared.slo import Standing
 from shared.tenants import DEFAULT_TENANT, TenantConfig
 
 __all__ = ["JobStore", "level_of"]
@@ -128,6 +129,19 @@ class JobStore(Side):
         never half of each; the same events and bytes either way)."""
         return (await self.read_log(model, job_id, after_seq)).events
 
+    # STAND-IN: replaced by the real one at merge (issue 44, part 4: shared/lua/slo.lua's count
+    # of the jobs that start before this one, and its ETA). Here: every entry of the model's
+    # waiting streams, and no ETA.
+    async def position(self, model: str, job_id: str) -> Standing | None:
+        """Where the job stands in its model's queue; None when it is not waiting (running, ended, gone)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hget(self.keys.job(model, job_id), "status")
+        for stream in self.keys.waitings(model):
+            pipe.xlen(stream)
+        status, *lengths = await pipe.execute()
+        if status != b"queued":
+            return None
+        return Standing(position=sum(lengths), eta_s=None)
 
     # --- writes -------------------------------------------------------------------------------
 
