@@ -15,6 +15,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from redis.exceptions import RedisError
+
 from api.dialects.stream import StreamRenderer, drive
 from api.follow_state import FollowState
 from api.listener import Inbox
@@ -26,6 +28,7 @@ from shared.queue import JobStore, now_ms
 from shared.redis import REDIS_DOWN
 from shared.result import ResultBuilder
 from shared.schemas import JobResult
+from shared.slo import Capacity
 
 __all__ = ["follow", "collect", "prefetch", "ColdWait", "Watcher", "Lane", "Relay", "Events", "DEADLINE_GRACE_MS"]
 
@@ -160,6 +163,7 @@ async def follow(
     cold: ColdWait | None = None,
     watcher: Watcher | None = None,
     lane: Lane | None = None,
+    capacity: Callable[[], Awaitable[Capacity]] | None = None,
 ) -> AsyncGenerator[Event | Keepalive, None]:
     """Yield the job's events with seq > ``after_seq``, in order, ending with the terminal one.
 
@@ -171,6 +175,8 @@ async def follow(
     warm worker has served its model for ``cold.wait_s`` while it was quiet. ``watcher`` hears
     of the terminal event and of the end (a hook here rather than a wrapping generator: no extra
     layer per event). With a ``lane``, events may go out through it while this waits (see :class:`Lane`).
+    With ``capacity`` (the model's, shared/slo.py), a keep-alive while the job waits carries its
+    standing: its queue position and ETA.
 
     This generator only yields; :class:`_Awaiting` does the waiting and reading, and the order is
     :class:`api.follow_state.FollowState`'s, which the lane drives too.
@@ -179,7 +185,7 @@ async def follow(
     if lane is not None:
         lane.state = state
     awaiting = _Awaiting(queue, live, model, job_id, state, lane, check_log_s=check_log_s, keepalive_s=keepalive_s,
-                         deadline=deadline, cold=cold)
+                         deadline=deadline, cold=cold, capacity=capacity)
     try:
         if backfill:
             await awaiting.read_log()
@@ -193,12 +199,16 @@ async def follow(
                 yield event
             if await awaiting.wait():  # quiet for a while
                 if keepalive_s:
-                    yield KEEPALIVE_TICK
+                    yield await awaiting.tick()
                 await awaiting.read_log_if_due()
     finally:
         if watcher is not None:
             await watcher.closed()
 
+
+# The least time between two reads of a waiting job's standing (one script call each): the
+# keep-alive ticks that come sooner are plain.
+STANDING_EVERY_S = 2.0
 
 # How long a relay rides out Redis being away (a restart, a Sentinel or Cluster failover: seconds)
 # before it ends the client's stream with a 503; and how soon it reads the log again meanwhile.
@@ -209,12 +219,13 @@ RETRY_LOG_S = 0.25
 class _Awaiting:
     """The waiting half of :func:`follow`, and all of its I/O: the next live message (while the
     lane may send events meanwhile), the log read after a gap, a reconnect or a quiet stretch, the
-    job ended past its deadline or its cold wait, and Redis ridden out while it is away. What it
-    receives goes into the relay's :class:`FollowState` for :func:`follow` to yield."""
+    job ended past its deadline or its cold wait, Redis ridden out while it is away, and the
+    waiting job's standing for the keep-alive (:meth:`tick`). What it receives goes into the
+    relay's :class:`FollowState` for :func:`follow` to yield."""
 
     def __init__(self, queue: JobStore, live: Inbox, model: str, job_id: str, state: FollowState, lane: Lane | None,
                  *, check_log_s: float, keepalive_s: float | None, deadline: float | None,
-                 cold: ColdWait | None) -> None:
+                 cold: ColdWait | None, capacity: Callable[[], Awaitable[Capacity]] | None = None) -> None:
         self.queue, self.live, self.model, self.job_id = queue, live, model, job_id
         self.state, self.lane = state, lane
         self.check_log_s = check_log_s
@@ -228,6 +239,10 @@ class _Awaiting:
         self.log_due = False  # Redis was away at the last read: the log is read again soon, not in check_log_s
         self.outage = _Outage()
         self.loop = asyncio.get_running_loop()
+        # When the standing was last read (loop time); None once the job has started (or a resume
+        # came after its first events): from then on the keep-alives are plain.
+        self.standing_at: float | None = -STANDING_EVERY_S if state.last == 0 and capacity is not None else None
+        self.capacity = capacity
 
     async def read_log(self) -> None:
         """Hold the log's events after the last one delivered (or, while Redis is away, read it again soon)."""
@@ -259,6 +274,29 @@ class _Awaiting:
         else:  # a gap, or a reconnect: the log has everything after the last event delivered
             await self.read_log()
         return False
+
+    async def tick(self) -> Keepalive:
+        """The keep-alive after a quiet wait: while the job waits, where it stands in its model's
+        queue (read at most every :data:`STANDING_EVERY_S`: one script call, never per token).
+        The standing is a courtesy: a failed read is a plain keep-alive, never the stream's end."""
+        if self.standing_at is None:
+            return KEEPALIVE_TICK
+        if self.state.last:  # an event went out: the job has started
+            self.standing_at = None
+            return KEEPALIVE_TICK
+        now = self.loop.time()
+        if now - self.standing_at < STANDING_EVERY_S:
+            return KEEPALIVE_TICK
+        self.standing_at = now
+        try:
+            assert self.capacity is not None  # without it, standing_at is None from the start
+            standing = await self.queue.position(self.model, self.job_id, await self.capacity())
+        except (RedisError, *REDIS_DOWN):  # the log read rides out an outage; this one just skips a beat
+            return KEEPALIVE_TICK
+        if standing is None:  # no longer queued: started, or ended (its events follow)
+            self.standing_at = None
+            return KEEPALIVE_TICK
+        return Keepalive(standing=standing)
 
     async def _wait_s(self) -> float:
         """How long the next wait may last: until the log, the deadline or the cold wait is due,
@@ -367,7 +405,7 @@ async def prefetch(events: Events, wait_s: float) -> Events:
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
-    head: Event | None = None
+    head: Event | Keepalive | None = None
     waiting: asyncio.Future[Event | Keepalive] | None = None
     while head is None:
         step = asyncio.ensure_future(anext(events))
@@ -382,8 +420,9 @@ async def prefetch(events: Events, wait_s: float) -> Events:
         match step.result():
             case Error() as error:
                 raise error.exception()
-            case Keepalive():
+            case Keepalive() as tick:
                 if loop.time() >= deadline:
+                    head = tick  # the response's first frame: where a waiting job stands, at once
                     break
             case event:
                 head = event
@@ -397,7 +436,7 @@ class _Replay:
 
     __slots__ = ("_first", "_events", "_ended", "lane")
 
-    def __init__(self, head: Event | None, waiting: asyncio.Future[Event | Keepalive] | None,
+    def __init__(self, head: Event | Keepalive | None, waiting: asyncio.Future[Event | Keepalive] | None,
                  events: Events) -> None:
         self._first = waiting if waiting is not None else head
         self._events = events
@@ -415,7 +454,7 @@ class _Replay:
             return self._stop()
         return self._events.__anext__()
 
-    async def _head(self, first: Event | asyncio.Future[Event | Keepalive]) -> Event | Keepalive:
+    async def _head(self, first: Event | Keepalive | asyncio.Future[Event | Keepalive]) -> Event | Keepalive:
         item = await first if isinstance(first, asyncio.Future) else first
         if not isinstance(item, Keepalive) and is_terminal(item):
             self._ended = True

@@ -5,9 +5,9 @@
   rendered in the route's dialect.
 - :func:`enqueue`: queue without following (fire and poll; a background response).
 - :func:`submit`: one job and its events, for a route that drives its own stream (LMTP's socket).
-- :func:`poll`, :func:`record`, :func:`events`, :func:`cancel`, :func:`delete`: a job already
-  queued, as a poll sees it: its record (ended here once overdue), its events from the log then
-  live, its end.
+- :func:`poll`, :func:`record`, :func:`standing`, :func:`events`, :func:`cancel`, :func:`delete`: a
+  job already queued, as a poll sees it: its record (ended here once overdue), where it stands
+  while it waits, its events from the log then live, its end.
 
 The mechanics underneath are :mod:`api.submit` (admission, enqueue, subscription),
 :mod:`api.fanout` (one request, several jobs) and :mod:`api.follow` (ordering, gaps, deadlines).
@@ -34,9 +34,10 @@ from shared.errors import JobNotFound
 from shared.events import Done, Event, Tokens
 from shared.queue import now_ms
 from shared.schemas import TERMINAL_STATUSES, GenerationRequest, JobGroup, JobRecord, JobResult
+from shared.slo import Standing
 
-__all__ = ["Queued", "Accepted", "Submission", "respond", "accepted", "enqueue", "submit", "poll", "record", "events",
-           "cancel", "delete"]
+__all__ = ["Queued", "Accepted", "Submission", "respond", "accepted", "enqueue", "submit", "poll", "record", "standing",
+           "standing_of", "events", "cancel", "delete"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +118,16 @@ async def poll(svc: Services, job: JobRef) -> JobRecord:
         if await svc.queue.expire(job.model, job.id, grace_ms=DEADLINE_GRACE_MS):
             return await _reread(svc, job)
     return record
+
+
+async def standing(svc: Services, record: JobRecord) -> Standing | None:
+    """Where a queued job stands in its model's queue (one script call); None for any other."""
+    return await standing_of(svc, record.model, record.id) if record.status == "queued" else None
+
+
+async def standing_of(svc: Services, model: str, job_id: str) -> Standing | None:
+    """Where a job of ``model`` stands, against the model's warm capacity (None: it does not wait)."""
+    return await svc.queue.position(model, job_id, await svc.models.capacity(model))
 
 
 async def events(svc: Services, model: str, record: JobRecord, *, after: int = 0) -> Events:

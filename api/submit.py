@@ -215,6 +215,7 @@ def follow_job(
         cold = ColdWait(functools.partial(svc.models.warm, live.model), svc.settings.cold_wait_s)
     lane = Lane()
     return Relay(follow(svc.queue, live.messages, live.model, live.job_id, after_seq=after_seq, backfill=backfill,
+                        capacity=functools.partial(svc.models.capacity, live.model) if keepalive else None,
                         keepalive_s=svc.settings.sse_keepalive_s if keepalive else None, deadline=deadline,
                         cold=cold, watcher=Following(live, watch, span), lane=lane), lane)
 

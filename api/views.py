@@ -15,6 +15,7 @@ import msgspec
 
 from shared import browse
 from shared.schemas import GenerationRequest, JobError, JobRecord, Run
+from shared.slo import Standing
 from shared.status import WorkerStatus
 from shared.tenants import UsageRow
 
@@ -105,9 +106,13 @@ class RecordView(msgspec.Struct, kw_only=True):
     request: GenerationRequest
     result: Any
     error: JobError | None
+    queue_position: int | None = None
+    """While it waits: how many jobs of its model are estimated to start before it."""
+    eta_s: float | None = None
+    """While it waits: seconds until it is estimated to start (null while unknown)."""
 
     @classmethod
-    def of(cls, r: JobRecord) -> RecordView:
+    def of(cls, r: JobRecord, standing: Standing | None = None) -> RecordView:
         prompt_tokens, generated_tokens = r.token_counts()
         return cls(id=r.id, model=r.model, status=r.status, dialect=r.request.dialect, tenant=r.tenant_of(),
                    priority=r.request.priority, queued_at=r.queued_at, started_at=r.started_at,
@@ -115,7 +120,9 @@ class RecordView(msgspec.Struct, kw_only=True):
                    attempts=r.attempt, preemptions=r.preemptions, preempted_ms=r.preempted_ms, runs=r.attempts(),
                    trace_id=r.traceparent.split("-")[1] if r.traceparent and r.traceparent.count("-") >= 3 else None,
                    prompt_tokens=prompt_tokens, generated_tokens=generated_tokens, request=r.request,
-                   result=r.result, error=r.error)
+                   result=r.result, error=r.error,
+                   queue_position=standing.position if standing is not None else None,
+                   eta_s=standing.eta_s if standing is not None else None)
 
 
 class JobList(msgspec.Struct, kw_only=True):

@@ -76,6 +76,10 @@ class JobSummary(msgspec.Struct, kw_only=True):
     workers: list[str]
     """Every worker that ran it, in order, each once."""
     error: ErrorSummary | None
+    queue_position: int | None = None
+    """While it waits (the list's first queued rows only): jobs of its model estimated to start before it."""
+    eta_s: float | None = None
+    """While it waits: seconds until it is estimated to start (null while unknown)."""
 
 
 def _float(raw: bytes | None) -> float | None:

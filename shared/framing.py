@@ -4,24 +4,46 @@ comments and OpenAI's ``[DONE]``.
 
 Here, not in the API's relay, because dialect modules render streams and depend only on
 ``shared/``; :class:`Keepalive` is the tick the relay interleaves with a job's events when it has
-been quiet, which each dialect frames its own way (a comment, or nothing).
+been quiet, which each dialect frames its own way (a comment, or nothing). While the job waits its
+tick carries the job's :class:`shared.slo.Standing`, which SSE writes as the comment
+``: queue position=N eta_s=X`` (:func:`comment`) in place of ``: keep-alive``.
 """
 
 from __future__ import annotations
 
-from shared.codec import encode
+import msgspec
 
-__all__ = ["sse", "jsonline", "SSE_DONE", "KEEPALIVE", "Keepalive", "KEEPALIVE_TICK"]
+from shared.codec import encode
+from shared.slo import Standing
+
+__all__ = ["sse", "jsonline", "comment", "SSE_DONE", "KEEPALIVE", "Keepalive", "KEEPALIVE_TICK"]
 
 SSE_DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keep-alive\n\n"
 
 
-class Keepalive:
-    """Yielded by :func:`follow` when nothing happened for ``keepalive_s`` (SSE sends a comment)."""
+class Keepalive(msgspec.Struct, frozen=True):
+    """Yielded by :func:`api.follow.follow` when nothing happened for ``keepalive_s`` (SSE sends a
+    comment). ``standing``: where the job stands in its model's queue, when it still waits and the
+    relay read it for this tick (every few seconds at most: one script call)."""
+
+    standing: Standing | None = None
 
 
 KEEPALIVE_TICK = Keepalive()
+"""The plain tick: nothing to say but that the stream is alive."""
+
+
+def comment(tick: Keepalive) -> bytes:
+    """The SSE comment for ``tick``: ``: queue position=N eta_s=X`` (X in seconds, one decimal)
+    while the job waits and its start can be predicted, else ``: keep-alive``. Always both fields,
+    so a client parses one fixed shape: a standing with no ETA (no warm worker has measured its
+    speed yet) is the plain comment. Any SSE parser drops a comment line, so clients that know
+    nothing of it read the stream as before."""
+    standing = tick.standing
+    if standing is None or standing.eta_s is None:
+        return KEEPALIVE
+    return f": queue position={max(0, standing.position)} eta_s={max(0.0, standing.eta_s):.1f}\n\n".encode()
 
 
 def sse(payload: object, *, event: str | None = None, event_id: int | None = None, space: bool = True) -> bytes:

@@ -13,6 +13,7 @@ from msgspec import Meta
 from shared.budget import generation_budget
 from shared.errors import ServiceError, error_from_code
 from shared.keys import new_job_id
+from shared.slo import Standing
 from shared.tenants import DEFAULT_TENANT
 
 __all__ = [
@@ -583,14 +584,22 @@ class JobView(msgspec.Struct, kw_only=True):
     result: Any
     """The result in the submitting dialect's shape (a JobResult for /v1/jobs)."""
     error: JobError | None
+    queue_position: int | None = None
+    """While the job waits: how many jobs of its model are estimated to start before it (null otherwise)."""
+    eta_s: float | None = None
+    """While the job waits: seconds until it is estimated to start (null otherwise, or while no
+    warm worker has measured its speed)."""
+
     slo: SloReport | msgspec.UnsetType = msgspec.UNSET
     """Its SLOs and how it did against them; absent when its request had none."""
 
     @classmethod
-    def of(cls, record: JobRecord, result: Any) -> JobView:
+    def of(cls, record: JobRecord, result: Any, standing: Standing | None = None) -> JobView:
         slo = SloReport.of(record)
         return cls(id=record.id, model=record.model, status=record.status, dialect=record.request.dialect,
                    attempt=record.attempt, worker=record.worker or None, queued_at=record.queued_at,
                    started_at=record.started_at, first_token_at=record.first_token_at,
                    finished_at=record.finished_at, deadline=record.deadline, result=result, error=record.error,
-                   slo=msgspec.UNSET if slo is None else slo)
+                   slo=msgspec.UNSET if slo is None else slo,
+                   queue_position=standing.position if standing is not None else None,
+                   eta_s=standing.eta_s if standing is not None else None)

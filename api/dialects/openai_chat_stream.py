@@ -17,7 +17,7 @@ from api.dialects.openai_completions import CompletionUsage, error_body, usage_b
 from api.dialects.stream import JSONLINES, SSE, StreamRenderer
 from shared.errors import ServiceError
 from shared.events import Done, TokenDelta, Tokens
-from shared.framing import KEEPALIVE, SSE_DONE, jsonline, sse
+from shared.framing import KEEPALIVE_TICK, SSE_DONE, Keepalive, comment, jsonline, sse
 from shared.schemas import GenerationRequest
 
 __all__ = ["ChatCompletionChunk", "ChatStream", "stream"]
@@ -135,8 +135,9 @@ class ChatStream(StreamRenderer[bytes]):
     def fail(self, exc: ServiceError) -> list[bytes]:
         return [self.frame(error_body(exc)[1])]
 
-    def keepalive(self) -> list[bytes]:
-        return [KEEPALIVE] if self.sse_format else []  # JSON lines has no comment line
+    def keepalive(self, tick: Keepalive = KEEPALIVE_TICK) -> list[bytes]:
+        # SSE's comment (the queue standing included, as SseKeepalive's), unless JSON lines: no comment line there.
+        return [comment(tick)] if self.sse_format else []
 
     def close(self) -> list[bytes]:
         return [SSE_DONE] if self.sse_format else []

@@ -3,7 +3,7 @@
 
 A renderer turns each event into the frames to send after it (as TGI's ``ChatState.push`` does):
 ``open`` before any event, ``feed`` per event (tokens, the final ``done``, or the job's ``error``),
-``keepalive`` when the job was quiet, ``fail`` when the stream itself broke (the relay lost
+``keepalive`` when the job was quiet (the tick may carry the waiting job's queue standing), ``fail`` when the stream itself broke (the relay lost
 Redis, or a renderer found the events inconsistent), ``close`` after the last event. Frames are
 bytes on HTTP and payloads on LMTP's WebSocket; they go out per event, in order. A renderer keeps
 whatever state its dialect needs (offsets, held tokens, numbering) and does no I/O.
@@ -21,7 +21,7 @@ from typing import Generic, TypeVar
 
 from shared.errors import ServiceError
 from shared.events import Done, Error, Event, Tokens
-from shared.framing import KEEPALIVE, Keepalive
+from shared.framing import KEEPALIVE_TICK, Keepalive, comment
 
 __all__ = ["StreamRenderer", "drive", "render", "SSE", "JSONLINES", "NDJSON", "SseKeepalive"]
 
@@ -57,7 +57,7 @@ class StreamRenderer(Generic[F]):
         """The stream broke (the relay failed mid-stream), or the job failed: the in-band error."""
         raise NotImplementedError
 
-    def keepalive(self) -> list[F]:
+    def keepalive(self, tick: Keepalive = KEEPALIVE_TICK) -> list[F]:
         """What a quiet stretch sends: nothing, unless the framing has comments."""
         return []
 
@@ -68,16 +68,18 @@ class StreamRenderer(Generic[F]):
 
 class SseKeepalive:
     """For renderers whose framing is SSE: a quiet stretch sends a comment, which every SSE
-    parser drops (and which keeps proxies from closing an idle connection)."""
+    parser drops (and which keeps proxies from closing an idle connection). While the job waits,
+    the comment says where it stands (``: queue position=N eta_s=X``, :func:`shared.framing.comment`):
+    every SSE dialect the same, from here."""
 
-    def keepalive(self) -> list[bytes]:
-        return [KEEPALIVE]
+    def keepalive(self, tick: Keepalive = KEEPALIVE_TICK) -> list[bytes]:
+        return [comment(tick)]
 
 
 def render(renderer: StreamRenderer[F], item: Event | Keepalive) -> list[F]:
     """The frames one event (or a quiet stretch) releases: what :func:`drive` sends per item, and
     what a stream whose events are taken in the listener's step (api.follow.Lane) writes for one."""
-    return renderer.keepalive() if isinstance(item, Keepalive) else renderer.feed(item)
+    return renderer.keepalive(item) if isinstance(item, Keepalive) else renderer.feed(item)
 
 
 async def drive(renderer: StreamRenderer[F], events: AsyncIterator[Event | Keepalive]

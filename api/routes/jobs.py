@@ -20,6 +20,7 @@ from api.services import Svc
 from shared.egress import Refused, check_url, policy
 from shared.errors import InvalidRequest
 from shared.schemas import GenerationRequest, JobGroup, JobRecord, JobView
+from shared.slo import Standing
 
 __all__ = ["ROUTES", "create_job", "get_job", "job_events", "cancel_job"]
 
@@ -27,12 +28,13 @@ _OPT = {"dialect": llmq_jobs.NAME}
 _ERROR = llmq_jobs.ErrorBody
 
 
-def job_view(record: JobRecord) -> JobView:
-    """A job as ``GET /v1/jobs/{id}`` shows it; the result in the submitting dialect's shape."""
+def job_view(record: JobRecord, standing: Standing | None = None) -> JobView:
+    """A job as ``GET /v1/jobs/{id}`` shows it; the result in the submitting dialect's shape, and
+    while it waits its ``standing`` in the queue."""
     result = None
     if record.result is not None:
         result = render_result(record.request, record.result, record.id, int(record.queued_at // 1000))
-    return JobView.of(record, result)
+    return JobView.of(record, result, standing)
 
 
 @documented("Queue a job (llmq's internal request)", "jobs", body="job",
@@ -58,7 +60,8 @@ async def create_job(request: Request, svc: Svc, ctx: Ctx) -> Response:
 async def get_job(svc: Svc, job: Job) -> Response:
     if isinstance(job.found, JobGroup):
         return json_response(await group_view(svc, job.found))
-    return json_response(job_view(await jobs.poll(svc, job)))
+    record = await jobs.poll(svc, job)
+    return json_response(job_view(record, await jobs.standing(svc, record)))
 
 
 @documented("Cancel a job", "jobs", errors=(404, 503), answer=JobView | GroupView, error=_ERROR)

@@ -13,6 +13,8 @@ record does, to its owner and operators.
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 from litestar import Request, Response, delete, get, post
 from litestar.connection import ASGIConnection
@@ -23,6 +25,7 @@ from api.auth import Viewer, viewer
 from api.context import Ctx, Job
 from api.dialects.jobs import ErrorBody
 from api.http import json_response
+from api.jobs import standing, standing_of
 from api.operations import documented
 from api.query import query_int
 from api.services import Services, Svc
@@ -49,6 +52,8 @@ __all__ = ["ROUTES"]
 _OPT = {"dialect": "jobs"}
 _STATUSES = frozenset(JobStatus.__args__)  # type: ignore[attr-defined]
 _MAX_LIST = 500
+_STANDINGS = 20
+"""At most this many queued jobs of a ``GET /v1/jobs`` page are given their queue position and ETA."""
 
 
 def _viewer(connection: ASGIConnection, svc: Services) -> Viewer:
@@ -143,6 +148,12 @@ async def list_jobs(request: Request, svc: Svc) -> Response:
     jobs = await browse.recent_jobs(svc.queue.redis, svc.keys, [model] if model else known, owner=who.only,
                                     limit=limit, tenant=_query(request, "tenant"),
                                     status=_query(request, "status", _STATUSES), dialect=_query(request, "dialect"))
+    # Where the waiting ones stand: one script call each, so only the first few of the page.
+    waiting = [j for j in jobs if j.status == "queued"][:_STANDINGS]
+    for job, standing in zip(waiting, await asyncio.gather(*(standing_of(svc, j.model, j.id) for j in waiting)),
+                             strict=True):
+        if standing is not None:
+            job.queue_position, job.eta_s = standing.position, standing.eta_s
     return json_response(JobList(data=jobs))
 
 
@@ -156,7 +167,8 @@ async def job_record(svc: Svc, job: Job) -> Response:
     if isinstance(job.found, JobGroup):
         raise InvalidRequest(f"job {job.id} is a group: read each of {job.found.jobs}", param="job_id")
     [record] = await svc.queue.get_jobs(job.model, [job.id])  # its end settled, if logged (get_jobs)
-    return json_response(RecordView.of(record or job.found))
+    record = record or job.found
+    return json_response(RecordView.of(record, await standing(svc, record)))
 
 
 @documented("Jobs that failed too many deliveries, newest first", "console", errors=(400, 403, 503),

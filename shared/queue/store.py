@@ -159,7 +159,6 @@ class JobStore(Side):
         never half of each; the same events and bytes either way)."""
         return (await self.read_log(model, job_id, after_seq)).events
 
-
     # --- writes -------------------------------------------------------------------------------
 
     async def enqueue(self, record: JobRecord, idempotency_key: str | None = None, *,

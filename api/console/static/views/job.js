@@ -1,6 +1,6 @@
 // One job: its record (re-read while it is live), its runs, and its event log followed live.
 import { api, followEvents } from '../api.js';
-import { h, table, syncRows, poller, ago, ms, num, dash } from '../dom.js';
+import { h, table, syncRows, poller, ago, ms, num, secs, dash } from '../dom.js';
 
 const since = (r, at) => (r[at] == null ? dash : ms(r[at] - r.queued_at));
 
@@ -12,6 +12,9 @@ const FIELDS = [
   ['Tenant', null, (r) => r.tenant],
   ['Priority', null, (r) => num(r.priority)],
   ['Queued', null, (r) => ago(r.queued_at)],
+  // While it waits: the jobs of its model estimated to start before it, and when it should start.
+  ['Queue position', 'job-position', (r) => num(r.queue_position)],
+  ['Starts in (ETA)', 'job-eta', (r) => secs(r.eta_s)],
   // The first start: a takeover or a preemption starts it again (the runs below list each).
   ['Started after', null, (r) => (r.runs.length ? ms(r.runs[0].started_at - r.queued_at) : since(r, 'started_at'))],
   ['First token after', null, (r) => since(r, 'first_token_at')],

@@ -1,6 +1,6 @@
 // Recent jobs with filters; the filters live in this module so they survive leaving the page.
 import { api } from '../api.js';
-import { h, table, syncRows, poller, onRowAction, ago, ms, num, dash, jobLink } from '../dom.js';
+import { h, table, syncRows, poller, onRowAction, ago, ms, num, secs, dash, jobLink } from '../dom.js';
 
 const STATUSES = ['queued', 'running', 'done', 'failed', 'cancelled'];
 const DIALECTS = ['openai_chat', 'openai_responses', 'anthropic_messages', 'lmi', 'tgi', 'triton', 'jobs',
@@ -20,14 +20,16 @@ export function mount(main, ctx) {
     h('label', {}, 'Tenant ', h('input', { name: 'tenant', type: 'text', 'data-testid': 'filter-tenant' })),
     select('status', 'Status', STATUSES),
     select('dialect', 'Dialect', DIALECTS));
-  const [t, body] = table('Recent jobs', ['Job', 'Status', 'Dialect', 'Tenant', 'Queued', 'Queue time', 'TTFT',
-    'Tokens (prompt / generated)', 'Attempts', 'Preemptions', 'Workers', 'Actions'], { 'data-testid': 'jobs-table' });
+  const [t, body] = table('Recent jobs', ['Job', 'Status', 'Dialect', 'Tenant', 'Queued', 'Position / ETA',
+    'Queue time', 'TTFT', 'Tokens (prompt / generated)', 'Attempts', 'Preemptions', 'Workers', 'Actions'], { 'data-testid': 'jobs-table' });
   main.append(h('h1', {}, 'Recent jobs'), form, t);
 
   const row = (j) => h('tr', { 'data-testid': 'job-row', 'data-job': j.id },
     h('td', {}, jobLink(j.id)),
     h('td', { title: j.error ? `${j.error.code}: ${j.error.message}` : null }, h('span', { class: `tag ${j.status}` }, j.status)),
     h('td', {}, j.dialect), h('td', {}, j.tenant), h('td', {}, ago(j.queued_at)),
+    // A waiting job's place in its model's queue and its estimated start (dashes once it runs).
+    h('td', { 'data-testid': 'job-standing' }, j.queue_position == null ? dash : `${j.queue_position} / ${secs(j.eta_s)}`),
     h('td', {}, ms(j.queue_ms)), h('td', {}, ms(j.ttft_ms)),
     h('td', {}, `${num(j.prompt_tokens)} / ${num(j.generated_tokens)}`),
     h('td', {}, j.attempts), h('td', {}, j.preemptions), h('td', {}, j.workers.join(', ') || dash),
