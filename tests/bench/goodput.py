@@ -52,6 +52,11 @@ SLO_HEADER = "x-slo-ttft-ms"
 LOADS = (0.5, 2.0)
 """Arrival rates as multiples of capacity: one the engine keeps up with, one it cannot."""
 CAPACITY_CONCURRENCY = 64
+# vLLM's client strips every read of a stream before it splits messages, so an SSE comment read
+# alone (llmq's keep-alive while a request waits) runs into the data after it and the client sees
+# no token at all: a request that waited 15 s would count as skipped. Past any run's length, no
+# keep-alive is sent; the targets are judged on first tokens well inside it anyway.
+OVERLAY = {**FAST.overlay, "LLMQ_SSE_KEEPALIVE_S": "3600"}
 # vLLM's client keeps only a failed response's reason phrase (endpoint_request_func.py), so a
 # refusal is told from other failures by 429's phrase, and a stream that carried no token (llmq's
 # in-band error for a job skipped past its deadline) by the message the client gives it.
@@ -160,9 +165,10 @@ def render(report: dict) -> str:
     s, cap = report["settings"], report["capacity"]
     lines = [
         headline(report),
-        f"fast set · {s['input_tokens']} random prompt tokens, {s['max_tokens']} out · SLO TTFT {s['slo_ttft_ms']} ms "
-        f"· {s['arrivals_s']} s of Poisson arrivals per run · {s['rounds']} round(s) · capacity "
-        f"{cap['requests_per_s']:.2f} req/s (vllm serve at C={cap['concurrency']}, median of {len(cap['runs'])}) "
+        f"fast set · {s['input_tokens']} random prompt tokens, {s['max_tokens']} out "
+        f"· SLO TTFT {s['slo_ttft_ms']} ms · {s['arrivals_s']} s of Poisson arrivals per run "
+        f"· {s['rounds']} round(s) · capacity {cap['requests_per_s']:.2f} req/s "
+        f"(vllm serve at C={cap['concurrency']}, median of {len(cap['runs'])}) "
         "· rates and TTFTs medians across rounds, counts summed",
         "",
         markdown_table(
@@ -188,14 +194,14 @@ def render(report: dict) -> str:
 
 
 async def measure(rounds: int, arrivals_s: float, capacity_runs: int, logs: Path | None) -> tuple[list, dict, dict]:
-    settings = load_settings({**os.environ, **FAST.overlay})
+    settings = load_settings({**os.environ, **OVERLAY})
     tokenizer = settings.model_path
     async with AsyncExitStack() as stack:
         if logs is None:
             logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llmq-goodput-")))
         logs.mkdir(parents=True, exist_ok=True)
         print(f"starting llmq and vllm serve (logs in {logs})", file=sys.stderr, flush=True)
-        targets = await start_targets(stack, settings, logs, FAST.targets, FAST.overlay)
+        targets = await start_targets(stack, settings, logs, FAST.targets, OVERLAY)
         vllm = next(t for t in targets if t.name == "vllm-serve")
         assert isinstance(vllm, HttpTarget)
         n = requests_for(CAPACITY_CONCURRENCY, None, FAST.per_lane, FAST.least)
@@ -226,9 +232,9 @@ async def measure(rounds: int, arrivals_s: float, capacity_runs: int, logs: Path
                           f"throughput {run.throughput:7.2f} refused {run.refused} skipped {run.skipped} failed "
                           f"{run.failed} TTFT p50 {fmt(run.ttft_p50_ms)} p99 {fmt(run.ttft_p99_ms)} ms",
                           file=sys.stderr, flush=True)
-    record = {"config": FAST.name, **engine_record(settings, FAST.overlay), "client": "vllm bench serve",
-              "input_tokens": INPUT_TOKENS, "max_tokens": FAST.max_tokens, "slo_ttft_ms": SLO_TTFT_MS,
-              "loads": list(LOADS), "arrivals_s": arrivals_s, "rounds": rounds}
+    record = {"config": FAST.name, **engine_record(settings, OVERLAY), "sse_keepalive_s": settings.sse_keepalive_s,
+              "client": "vllm bench serve", "input_tokens": INPUT_TOKENS, "max_tokens": FAST.max_tokens,
+              "slo_ttft_ms": SLO_TTFT_MS, "loads": list(LOADS), "arrivals_s": arrivals_s, "rounds": rounds}
     return runs, capacity, record
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.bench.goodput import GoodputRun, build_report, checks, medians, render, run_of
+from shared.config import load_settings
+from tests.bench.goodput import OVERLAY, GoodputRun, build_report, checks, medians, render, run_of
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-bench-goodput.json"
 
@@ -64,3 +65,8 @@ def test_a_missing_target_is_no_figure_and_the_report_renders():
     table = render(report)
     assert "| llmq | 2× | 200.0 | 6000 | 70.00 | 70.00 | 0 | 0 | 0 | 100.0 | 500.0 |" in table
     assert "| 2×: llmq goodput / vllm serve's | n/a | >= 2 | n/a |" in table
+
+
+def test_the_benchmarks_llmq_sends_no_keepalive_within_a_run():
+    # vLLM's client merges an SSE comment read alone into the data after it and then sees no token.
+    assert load_settings(OVERLAY).sse_keepalive_s >= 600
