@@ -31,14 +31,10 @@ from pathlib import Path
 
 from shared.config import load_settings
 from tests.bench.report import build_report, render
-from tests.bench.serving import TARGET_SETS, HttpTarget, Target, engine_env, measure, start_targets
+from tests.bench.serving import TARGET_SETS, HttpTarget, Target, engine_record, measure, start_targets
 from tests.bench.vllm_client import INPUT_TOKENS, vllm_client
 from tests.conftest import REPO
-from workers.environment import eager
 
-# The engine environment the report records: what moves the engine's speed on a CPU host.
-ENGINE_VARIABLES = ("OMP_NUM_THREADS", "TORCHDYNAMO_DISABLE", "VLLM_ENABLE_V1_MULTIPROCESSING",
-                    "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")
 SMOKE = {"rounds": 1, "concurrency": "1,4", "requests": 8, "max_tokens": 16}
 # The workload arguments a target set gives a value to when the command line does not.
 SET_ARGS = ("rounds", "concurrency", "max_tokens", "targets")
@@ -108,13 +104,7 @@ async def _main(a: argparse.Namespace) -> int:
             print(f"starting {', '.join(names)} (engine loads take a minute or two; logs in {logs})",
                   file=sys.stderr, flush=True)
             targets = await start_targets(stack, settings, logs, names, overlay)
-            env = engine_env(settings, overlay)
-            engine = {"model": settings.model_name, "model_path": settings.model_path,
-                      "max_num_seqs": settings.max_num_seqs, "max_model_len": settings.max_model_len,
-                      "kv_cache_bytes": settings.kv_cache_bytes, "enforce_eager": eager(settings),
-                      "stream_interval": settings.stream_interval,
-                      "scheduling_policy": "priority",
-                      "environment": {k: env.get(k) for k in ENGINE_VARIABLES}}
+            engine = engine_record(settings, overlay)
         if a.client == "vllm":
             client = vllm_client(a.tokenizer or settings.model_path, a.input_tokens)
             for target in targets:

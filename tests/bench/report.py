@@ -23,7 +23,7 @@ from tests.bench.serving import Run
 from tests.bench.workload import median
 from tests.conftest import REPO
 
-__all__ = ["build_report", "render", "machine", "versions"]
+__all__ = ["build_report", "render", "headline", "fmt", "machine", "versions"]
 
 # The Summary fields a report takes the median of across rounds.
 FIELDS = ("output_tokens_per_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
@@ -147,7 +147,7 @@ def _diff(a: object, b: object) -> float | None:
     return round(a - b, 2) if isinstance(a, float) and isinstance(b, float) else None
 
 
-def _fmt(x: object, nd: int = 1) -> str:
+def fmt(x: object, nd: int = 1) -> str:
     return "n/a" if x is None else f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
 
@@ -165,17 +165,21 @@ def _render_cpu(medians: Sequence[dict]) -> list[str]:
     for m in rows:
         cpu = m["cpu_us_per_token"]
         lines.append(f"| {m['target']} | {m['concurrency']} | "
-                     + " | ".join(_fmt(cpu[r], 1) if r in cpu else "" for r in roles) + " |")
+                     + " | ".join(fmt(cpu[r], 1) if r in cpu else "" for r in roles) + " |")
     return lines
 
 
+def headline(report: dict) -> str:
+    """A report's first line: when, on what machine, at which versions (:func:`machine`, :func:`versions`)."""
+    m, v = report["machine"], report["versions"]
+    return (f"{report['date']} · {m['cores']} cores, {m['cpu']} · load {m['load_average']} · vllm {v['vllm']}, "
+            f"torch {v['torch']}, llmq {v['llmq_commit']}")
+
+
 def render(report: dict) -> str:
-    m = report["machine"]
-    v = report["versions"]
     s = report["settings"]
     lines = [
-        f"{report['date']} · {m['cores']} cores, {m['cpu']} · load {m['load_average']} · vllm {v['vllm']}, "
-        f"torch {v['torch']}, llmq {v['llmq_commit']}",
+        headline(report),
         f"target set {s.get('config', 'n/a')} · model {s.get('model')} · max_tokens {s.get('max_tokens')} · "
         f"rounds {s.get('rounds')} · requests {s.get('requests')} · medians across rounds",
         "",
@@ -185,9 +189,9 @@ def render(report: dict) -> str:
     ]
     for r in report["medians"]:
         lines.append(
-            f"| {r['target']} | {r['concurrency']} | {_fmt(r['output_tokens_per_s'])} | {_fmt(r['requests_per_s'], 2)} "
-            f"| {_fmt(r['ttft_p50_ms'], 2)} | {_fmt(r['ttft_p99_ms'], 2)} | {_fmt(r['itl_p50_ms'], 2)} "
-            f"| {_fmt(r['itl_p99_ms'], 2)} | {_fmt(r['tpot_p50_ms'], 2)} | {_fmt(r['tokens_per_chunk'], 2)} "
+            f"| {r['target']} | {r['concurrency']} | {fmt(r['output_tokens_per_s'])} | {fmt(r['requests_per_s'], 2)} "
+            f"| {fmt(r['ttft_p50_ms'], 2)} | {fmt(r['ttft_p99_ms'], 2)} | {fmt(r['itl_p50_ms'], 2)} "
+            f"| {fmt(r['itl_p99_ms'], 2)} | {fmt(r['tpot_p50_ms'], 2)} | {fmt(r['tokens_per_chunk'], 2)} "
             f"| {'yes' if r['ok'] else 'FAILED'} |"
         )
     if report["comparisons"]:
@@ -195,9 +199,9 @@ def render(report: dict) -> str:
                   "deployment | worker main / API server CPU |",
                   "|---:|---|---:|---:|---:|---:|---:|"]
         for c in report["comparisons"]:
-            lines.append(f"| {c['concurrency']} | {c['against']} | {_fmt(c['tokens_per_s_ratio'], 3)} "
-                         f"| {_fmt(c['added_ttft_p50_ms'], 2)} | {_fmt(c['added_ttft_p99_ms'], 2)} "
-                         f"| {_fmt(c.get('total_cpu_ratio'), 3)} | {_fmt(c.get('worker_over_api_server_cpu'), 3)} |")
+            lines.append(f"| {c['concurrency']} | {c['against']} | {fmt(c['tokens_per_s_ratio'], 3)} "
+                         f"| {fmt(c['added_ttft_p50_ms'], 2)} | {fmt(c['added_ttft_p99_ms'], 2)} "
+                         f"| {fmt(c.get('total_cpu_ratio'), 3)} | {fmt(c.get('worker_over_api_server_cpu'), 3)} |")
     lines += _render_cpu(report["medians"])
     if not report["ok"]:
         failed = [r for r in report["runs"] if not r["summary"]["ok"]]

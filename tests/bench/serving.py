@@ -39,6 +39,7 @@ from tests.support.processes import spawn_logged
 from workers.environment import apply_engine_environment, eager
 
 __all__ = ["Run", "Target", "HttpTarget", "TargetSet", "TARGET_SETS", "measure", "start_targets", "vllm_server_args",
+           "engine_env", "engine_record",
            "owned_processes", "spawn_redis", "Deployment", "start_deployment"]
 
 READY_TIMEOUT_S = 600.0  # three engines loading and warming up at once on 2 shared cores
@@ -344,6 +345,20 @@ def vllm_server_args(settings: Settings, port: int) -> list[str]:
     if settings.executor_backend:
         args += ["--distributed-executor-backend", settings.executor_backend]
     return args
+
+
+# The engine environment a report records: what moves the engine's speed on a CPU host.
+ENGINE_VARIABLES = ("OMP_NUM_THREADS", "TORCHDYNAMO_DISABLE", "VLLM_ENABLE_V1_MULTIPROCESSING",
+                    "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")
+
+
+def engine_record(settings: Settings, overlay: Mapping[str, str] | None = None) -> dict[str, object]:
+    """The engine the started targets share, as a report's settings record it."""
+    env = engine_env(settings, overlay)
+    return {"model": settings.model_name, "model_path": settings.model_path, "max_num_seqs": settings.max_num_seqs,
+            "max_model_len": settings.max_model_len, "kv_cache_bytes": settings.kv_cache_bytes,
+            "enforce_eager": eager(settings), "stream_interval": settings.stream_interval,
+            "scheduling_policy": "priority", "environment": {k: env.get(k) for k in ENGINE_VARIABLES}}
 
 
 def engine_env(settings: Settings, overlay: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import sys
 import tempfile
 import zlib
@@ -29,7 +30,7 @@ from tests.bench.procs import percentile
 from tests.bench.serving import Client
 from tests.bench.workload import Summary
 
-__all__ = ["INPUT_TOKENS", "run_vllm_client", "vllm_client"]
+__all__ = ["INPUT_TOKENS", "bench_serve", "run_vllm_client", "vllm_client"]
 
 INPUT_TOKENS = 32
 """The random dataset's prompt length by default: near the project client's 24-word prompts, so the
@@ -37,19 +38,23 @@ two clients differ in the client only. ``--input-tokens`` changes it (vLLM's own
 TIMEOUT_S = 1800.0
 
 
-async def run_vllm_client(url: str, model: str, tokenizer: str, *, concurrency: int, requests: int,
-                          max_tokens: int, input_tokens: int = INPUT_TOKENS, seed: int = 0) -> Summary:
-    """One run of ``vllm bench serve`` against ``url`` (random prompts from ``seed``, so every
-    target of a cell gets the same ones), read back as a :class:`Summary`. A request that did not
-    return ``max_tokens`` tokens fails the run, as in the project's client."""
+async def bench_serve(url: str, model: str, tokenizer: str, *, requests: int, max_tokens: int,
+                      input_tokens: int = INPUT_TOKENS, seed: int = 0, concurrency: int | None = None,
+                      request_rate: float = math.inf, extra: Sequence[str] = ()) -> dict:
+    """One run of ``vllm bench serve`` against ``url``: ``requests`` random prompts from ``seed``
+    (so every target of a cell gets the same ones), at most ``concurrency`` in flight (None: no
+    limit, an open loop), sent at ``request_rate`` a second (inf: all at once), with ``extra``
+    flags after the rest (``--goodput``, ``--header``). Returns its detailed result JSON."""
     with tempfile.TemporaryDirectory(prefix="llmq-vllm-client-") as out:
         args = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", model,
                 "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(input_tokens),
                 "--random-output-len", str(max_tokens), "--random-range-ratio", "0", "--ignore-eos",
-                "--num-prompts", str(requests), "--max-concurrency", str(concurrency), "--request-rate", "inf",
+                "--num-prompts", str(requests), "--request-rate", str(request_rate),
+                *(["--max-concurrency", str(concurrency)] if concurrency is not None else []),
                 "--seed", str(seed), "--temperature", "0", "--disable-tqdm", "--ready-check-timeout-sec", "0",
                 "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-                "--save-result", "--save-detailed", "--result-dir", out, "--result-filename", "result.json"]
+                "--save-result", "--save-detailed", "--result-dir", out, "--result-filename", "result.json",
+                *extra]
         proc = await asyncio.create_subprocess_exec(sys.executable, "-m", __name__, *args,
                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         async with asyncio.timeout(TIMEOUT_S):
@@ -58,7 +63,17 @@ async def run_vllm_client(url: str, model: str, tokenizer: str, *, concurrency: 
         if proc.returncode != 0 or not path.exists():
             tail = printed.decode(errors="replace")[-2000:]
             raise RuntimeError(f"vllm bench serve exited {proc.returncode}:\n{tail}")
-        return summary_of(json.loads(path.read_text()), concurrency=concurrency, max_tokens=max_tokens)
+        return json.loads(path.read_text())
+
+
+async def run_vllm_client(url: str, model: str, tokenizer: str, *, concurrency: int, requests: int,
+                          max_tokens: int, input_tokens: int = INPUT_TOKENS, seed: int = 0) -> Summary:
+    """One closed-loop run of ``vllm bench serve`` (:func:`bench_serve`, ``concurrency`` lanes),
+    read back as a :class:`Summary`. A request that did not return ``max_tokens`` tokens fails the
+    run, as in the project's client."""
+    result = await bench_serve(url, model, tokenizer, requests=requests, max_tokens=max_tokens,
+                               input_tokens=input_tokens, seed=seed, concurrency=concurrency)
+    return summary_of(result, concurrency=concurrency, max_tokens=max_tokens)
 
 
 def vllm_client(tokenizer: str, input_tokens: int = INPUT_TOKENS) -> Client:
