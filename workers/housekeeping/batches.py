@@ -155,7 +155,9 @@ class Tick:
         return queued
 
     async def _enqueue(self, batch: BatchObject, owner: str, line: int, part: int, req: GenerationRequest) -> str:
-        req = msgspec.structs.replace(req, priority=max(req.priority or 0, BATCH_PRIORITY))
+        # No SLO: a line is bulk work whose deadline is its batch's window. A tenant's interactive
+        # TTFT default would end lines that wait behind interactive traffic, as they are meant to.
+        req = msgspec.structs.replace(req, priority=max(req.priority or 0, BATCH_PRIORITY), slo=None)
         now = now_ms()
         # Due when the batch expires (always set: POST /v1/batches gives every batch its window).
         window_s = max((batch.expires_at or 0) - now / 1000, 0.001)  # > 0: 0 would mean "no deadline"
