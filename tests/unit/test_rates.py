@@ -1,11 +1,16 @@
 """A worker's measured speed (workers/rates.py): the decode rate over busy time only, the prefill
-rate weighed by prompt, the moving means."""
+rate weighed by prompt, the moving means, and the heartbeat field that carries them."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
+from shared.config import load_settings
+from shared.metrics import Recorder
 from shared.slo import Rates
+from shared.status import _json
+from workers.presence import Presence
 from workers.rates import RateMeter
 
 
@@ -143,3 +148,26 @@ def test_rates_are_rounded_to_a_tenth(clock):
     meter.finished(2)
     meter.first_token(1, 3000)
     assert meter.rates() == Rates(prefill_tps=0.3, generated_per_job=1.1)
+
+
+def test_the_heartbeat_carries_the_rates_as_json_and_the_status_reads_them(clock):
+    meter = RateMeter(clock=clock)
+    meter.started()
+    run(meter, clock, 2, 40)
+    meter.first_token(500, 100)
+    meter.finished(12)
+    presence = Presence(load_settings({}, served_model_name="m"), None, "w", Recorder("m"),  # type: ignore[arg-type]
+                        rates=meter.rates)
+    fields = presence._heartbeat_fields("ready", 1, [])
+    assert msgspec.json.decode(fields["rates"]) == {"prefill_tps": 5000.0, "decode_tps": 40.0,
+                                                    "generated_per_job": 12.0}
+    # As Redis hands it back (strings), read as llmq-status and /v1/deployment read it.
+    raw = {k: v.decode() if isinstance(v, bytes) else str(v) for k, v in fields.items()}
+    assert _json(raw, "rates", Rates, Rates()) == Rates(prefill_tps=5000.0, decode_tps=40.0, generated_per_job=12.0)
+    del raw["rates"]  # a worker older than the field
+    assert _json(raw, "rates", Rates, Rates()) == Rates()
+
+
+def test_a_presence_without_a_meter_reports_no_rates():
+    presence = Presence(load_settings({}, served_model_name="m"), None, "w", Recorder("m"))  # type: ignore[arg-type]
+    assert msgspec.json.decode(presence._heartbeat_fields("warming", 0, [])["rates"], type=Rates) == Rates()
