@@ -28,6 +28,7 @@ from shared.keys import Keys
 from shared.metrics import Sample, decode_samples
 from shared.redis import connect
 from shared.registry import Registry
+from shared.slo import Rates
 from shared.tenants import today, top_tenants
 
 __all__ = ["Status", "ModelStatus", "LevelStatus", "TenantUsage", "WorkerStatus", "Held", "snapshot", "render",
@@ -80,6 +81,9 @@ class WorkerStatus(msgspec.Struct, kw_only=True):
     """The LoRA adapters its engine holds (docs/adapters.md): jobs for them are its first."""
     metrics: list[Sample] = []
     """Its Prometheus counters and histograms (shared/metrics.py), as of its last heartbeat."""
+    rates: Rates = msgspec.field(default_factory=Rates)  # Rates is mutable: one per worker
+    """Its measured prefill and decode rates (workers/rates.py); zeros until it measured them,
+    and from a worker older than them."""
 
 
 class TenantUsage(msgspec.Struct, kw_only=True):
@@ -185,6 +189,7 @@ async def _workers(redis: Redis, keys: Keys, now: float) -> list[WorkerStatus]:
             parallel=_json(raw, "parallel", Parallel, Parallel()),
             last_heartbeat_age_s=round(max(0.0, now - float(raw.get("last_heartbeat", 0)) / 1000), 3),
             adapters=_json(raw, "adapters", list[str], []),
+            rates=_json(raw, "rates", Rates, Rates()),
             metrics=decode_samples(raw["metrics"]) if "metrics" in raw else [],
         ))
     return sorted(workers, key=lambda w: (w.model, w.id))

@@ -27,6 +27,7 @@ import structlog
 from shared.metrics import encode_samples
 from shared.queue import now_ms
 from shared.redis import REDIS_DOWN
+from shared.slo import Rates
 from shared.status import Parallel
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ class Presence:
     advertise at each :meth:`beat` and what a cancel notice does (:meth:`control`)."""
 
     def __init__(self, settings: Settings, registry: Registry, worker_id: str, metrics: Recorder, *,
-                 device: str = "", devices: Sequence[str] = ()) -> None:
+                 device: str = "", devices: Sequence[str] = (), rates: Callable[[], Rates] = Rates) -> None:
         self.settings = settings
         self.registry = registry
         self.model = settings.model_name
@@ -64,6 +65,9 @@ class Presence:
         self.devices = msgspec.json.encode(list(devices))
         """Its engine's devices on this host, one per rank here, as JSON (they never change)."""
         self.parallel = msgspec.json.encode(Parallel.of(settings))
+        self.rates = rates
+        """Its speed as measured so far (workers/rates.py), read at each beat; by default none
+        (a heartbeat with no engine behind it, tests/support/heartbeats.py)."""
         self.started_at = now_ms()
         self.control_up = asyncio.Event()
         """Set while the control subscription is confirmed: the worker reads jobs only then."""
@@ -92,6 +96,9 @@ class Presence:
             "last_heartbeat": now_ms(),
             # The LoRA adapters its engine holds (workers/adapters.py), as JSON: read by llmq-status.
             "adapters": msgspec.json.encode(list(adapters)),
+            # Its measured prefill and decode rates, as JSON: SLO-aware admission predicts a waiting
+            # job's first token from its model's warm workers' (shared/slo.py).
+            "rates": msgspec.json.encode(self.rates()),
             # Its Prometheus counters and histograms, served by the API's /metrics.
             "metrics": encode_samples(self.metrics.samples()),
         }

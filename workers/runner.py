@@ -71,6 +71,7 @@ from workers.continuation import plan_for
 from workers.outbox import Outbox
 from workers.presence import Presence, Status
 from workers.protocol import Death, Engine
+from workers.rates import RateMeter
 from workers.slots import Reservation, Slots
 
 if TYPE_CHECKING:  # OpenTelemetry is imported only with tracing on
@@ -151,8 +152,9 @@ class Worker:
         self._lease_ms = int(settings.lease_s * 1000)
         self._next_reclaim = 0.0
         self.metrics = Recorder(self.model)  # pushed with each heartbeat (shared/metrics.py)
+        self.rates = RateMeter()  # its measured speed, in each heartbeat (workers/rates.py)
         self.presence = Presence(settings, Registry(queue.redis, queue.keys), self.worker_id, self.metrics,
-                                 device=device, devices=devices)
+                                 device=device, devices=devices, rates=self.rates.rates)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -509,6 +511,7 @@ class Worker:
         with structlog.contextvars.bound_contextvars(job_id=d.job_id, model=self.model, worker=self.worker_id,
                                                      attempt=d.attempt):
             try:
+                self.rates.started()  # paired with stopped() below: the meter's busy clock
                 await self._generate(d, req, attempt, spans)
                 outcome = "done"
             except asyncio.CancelledError:
@@ -545,6 +548,7 @@ class Worker:
             finally:
                 if spans is not None:
                     spans.ended(outcome, attempt.usage, attempt.result)
+                self.rates.stopped()
                 self._release(d.job_id)
 
     async def _claimed(self, d: Delivery) -> None:
@@ -586,8 +590,13 @@ class Worker:
                 await self._claimed(d)
                 held = False
             self.metrics.inc("llmq_worker_tokens_total", out.tokens)
-            if out.first_token_at is not None:
+            self.rates.generated(out.tokens)
+            if out.first_token_at is not None:  # only a fresh attempt's: no earlier one published a token
                 self.metrics.observe("llmq_ttft_seconds", (out.first_token_at - d.queued_at) / 1000)
+                # Its whole prompt prefilled: the prefill rate's sample (a continuation's prefill
+                # also covers the tokens it carries, and it never reports a first token).
+                self.rates.first_token(attempt.usage.prompt_tokens,
+                                       out.first_token_at - (attempt.timings.started_at or out.first_token_at))
                 if d.predicted_ttft is not None:  # how far admission's prediction was off (docs/guarantees.md#slos)
                     error = (out.first_token_at - d.queued_at - d.predicted_ttft) / 1000
                     self.metrics.observe("llmq_ttft_predicted_seconds", d.predicted_ttft / 1000)
@@ -601,6 +610,9 @@ class Worker:
                            first_token_at=out.first_token_at, log=out.log, history=attempt.encoded,
                            history_from=attempt.base, history_prompt_ids=attempt.logged_prompt_ids)
                 self._log_finished(attempt.timings, attempt.usage, out.result)
+                # Only a Done's tokens: a job cut short (cancelled, past its deadline) says little
+                # of what a waiting job will ask for.
+                self.rates.finished(attempt.usage.completion_tokens)
                 return
             self.outbox.add(d, attempt, out, joinable=merges)
         raise GenerationFailed("the engine ended the job without a final output")

@@ -158,7 +158,7 @@ async def test_the_deployment_shows_each_workers_devices_and_engine_layout(stack
     assert shown == {"id": "w-big", "model": "big", "status": "warming", "slots": big.settings.max_num_seqs,
                      "running": 0, "host": socket.gethostname(), "pid": os.getpid(), "device": "gpu:0,1",
                      "devices": ["gpu:0", "gpu:1"], "parallel": {"tensor": 2, "pipeline": 1, "nodes": 1},
-                     "adapters": [], "metrics": []}
+                     "adapters": [], "metrics": [], "rates": {}}
     [tiny] = [w for w in body["workers"] if w["id"] == stack.worker.worker_id]
     assert (tiny["devices"], tiny["parallel"]) == ([], {"tensor": 1, "pipeline": 1, "nodes": 1})
 

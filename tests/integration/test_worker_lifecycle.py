@@ -9,6 +9,7 @@ import asyncio
 import json
 import uuid
 
+import msgspec
 import pytest
 
 from shared.config import load_settings
@@ -16,6 +17,8 @@ from shared.errors import JobCancelled
 from shared.keys import GROUP, Keys
 from shared.queue import Consumer, JobStore, now_ms
 from shared.schemas import GenerationRequest, JobRecord, SamplingParams
+from shared.slo import Rates
+from shared.status import snapshot
 from tests.support.scripted_engine import ScriptedEngine, expected_text
 from tests.support.waiting import eventually
 from workers.runner import Worker
@@ -82,6 +85,26 @@ async def test_heartbeat_reports_slots_and_running(make_worker, redis, keys):
     assert beat[b"max_model_len"] == b"2048"  # what the API advertises as the context (api/models.py)
     assert beat[b"running"] == b"1"
     assert 0 < await redis.ttl(keys.worker(worker.worker_id)) <= 2
+
+
+async def test_heartbeat_reports_the_rates_measured_on_its_jobs(make_worker, redis, keys):
+    """After a job ran: its prefill, the tokens per second while it ran, and its tokens, in the
+    heartbeat as JSON, and in the status read from it (what SLO-aware admission reads)."""
+    worker, queue = await make_worker(delay_s=0.005)
+    first = await eventually(lambda: redis.hget(keys.worker(worker.worker_id), "rates"), timeout_s=5,
+                             interval_s=0.05, what="the first heartbeat")
+    assert msgspec.json.decode(first, type=Rates) == Rates()  # the warm-up is no job's
+    await _wait_status(queue, await _submit(queue, "rated", 20), "done")
+
+    async def rates() -> Rates | None:
+        beat = await redis.hgetall(keys.worker(worker.worker_id))
+        measured = msgspec.json.decode(beat[b"rates"], type=Rates)
+        return measured if measured.generated_per_job else None
+
+    measured = await eventually(rates, timeout_s=5, interval_s=0.05, what="a heartbeat with the job's rates")
+    assert measured.prefill_tps > 0 and measured.decode_tps > 0 and measured.generated_per_job == 20.0
+    [shown] = [w for w in (await snapshot(redis, keys, top=0, held=False)).workers if w.id == worker.worker_id]
+    assert shown.rates.generated_per_job == 20.0 and shown.rates.decode_tps > 0
 
 
 async def test_worker_never_holds_more_jobs_than_slots(make_worker, redis, keys):
