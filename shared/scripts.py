@@ -209,7 +209,7 @@ READ = Script(
     keys=("clock", "workers", "affinity"),
     key_groups=(Group("levels", ("queue", "waiting", "fair")),),
     argv=("group", "consumer", "count", "tenant_prefix", "job_prefix", "now", "max_failed", "levels", "levels_at",
-          "levels_width", "holder_prefix", "affinity_ms", "hold_ms", "own"),
+          "levels_width", "holder_prefix", "affinity_ms", "hold_ms", "own", "lead_ms"),
     uses=(FAIR, PICK),
 )
 
@@ -229,13 +229,14 @@ NO_AFFINITY = Affinity(0, 1)
 
 
 def read(keys: Keys, model: str, consumer: str, count: int, *, now: float, max_failed: int,
-         affinity: Affinity = NO_AFFINITY) -> Call:
+         affinity: Affinity = NO_AFFINITY, lead_ms: float = 0) -> Call:
+    """``lead_ms``: as :func:`preempt`'s."""
     k = [keys.fair_clock(model), keys.workers(model), keys.affinity(model)]
     for lvl in range(LEVELS):
         k += [keys.queue(model, lvl), keys.waiting(model, lvl), keys.fair(model, lvl)]
     return Call(READ, k, [GROUP, consumer, count, keys.tenant(model, ""), keys.job(model, ""), now, max_failed, LEVELS,
                           *_places(len(READ.keys) + 1, READ.key_groups, [LEVELS]), keys.holder(model, ""),
-                          affinity.wait_ms, affinity.hold_ms, "\n".join(affinity.adapters)])
+                          affinity.wait_ms, affinity.hold_ms, "\n".join(affinity.adapters), round(lead_ms)])
 
 
 PREEMPT = Script(
@@ -243,7 +244,7 @@ PREEMPT = Script(
     keys=("clock",),
     key_groups=(Group("levels", ("queue", "waiting", "fair")), Group("job_keys", ("job",))),
     argv=("group", "consumer", "tenant_prefix", "job_prefix", "now", "max_failed", "max_preemptions", "levels",
-          "levels_at", "levels_width", "job_keys_at", "job_keys_width", "jobs_at", "jobs_width"),
+          "levels_at", "levels_width", "job_keys_at", "job_keys_width", "jobs_at", "jobs_width", "lead_ms"),
     argv_groups=(Group("jobs", ("job_id", "entry", "attempt", "level", "used")),),
     uses=(ITEMS, FAIR, PICK),
 )
@@ -262,7 +263,9 @@ class Candidate(NamedTuple):
 
 
 def preempt(keys: Keys, model: str, consumer: str, candidates: Sequence[Candidate], *, now: float, max_failed: int,
-            max_preemptions: int) -> Call:
+            max_preemptions: int, lead_ms: float = 0) -> Call:
+    """``lead_ms``: the worker's mean time from a start to the first token: a waiting job whose
+    first-token deadline passes within it is not started (claim.lua, ``late``)."""
     k = [keys.fair_clock(model)]
     for lvl in range(LEVELS):
         k += [keys.queue(model, lvl), keys.waiting(model, lvl), keys.fair(model, lvl)]
@@ -270,7 +273,7 @@ def preempt(keys: Keys, model: str, consumer: str, candidates: Sequence[Candidat
     args: list[Value] = [GROUP, consumer, keys.tenant(model, ""), keys.job(model, ""), now, max_failed,
                          max_preemptions, LEVELS,
                          *_places(len(PREEMPT.keys) + 1, PREEMPT.key_groups, [LEVELS, len(candidates)]),
-                         *_places(len(PREEMPT.argv) + 1, PREEMPT.argv_groups, [len(candidates)])]
+                         *_places(len(PREEMPT.argv) + 1, PREEMPT.argv_groups, [len(candidates)]), round(lead_ms)]
     for c in candidates:
         args += [c.job_id, c.entry, c.attempt, c.level, f"{c.prompt_tokens} {c.generated_tokens}"]
     return Call(PREEMPT, k, args)

@@ -102,6 +102,12 @@ class RateMeter:
         self._per_job = self._mean(self._per_job, tokens, self._jobs)
         self._jobs += 1
 
+    def lead_ms(self) -> float:
+        """The mean time from a job's start here to its first token (0: not measured yet): a job
+        whose first-token deadline comes sooner than that after its pick cannot make it, and is
+        not started (claim.lua, ``late``)."""
+        return self._prefill_s * 1000
+
     # --- read by the heartbeat ----------------------------------------------------------------
 
     def rates(self) -> Rates:

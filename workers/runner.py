@@ -248,7 +248,7 @@ class Worker:
             if not slots.held:
                 return None
             picked = await self.queue.pick(self.model, self.worker_id, slots.held, self.settings.max_deliveries,
-                                           confirm=False, affinity=self._affinity())
+                                           confirm=False, affinity=self._affinity(), lead_ms=self.rates.lead_ms())
             if picked.acked is not None:
                 await self._start_confirming(picked.deliveries, picked.acked, slots)
         return None if picked.deliveries else (picked.tops, picked.wake_ms)
@@ -265,7 +265,8 @@ class Worker:
             await self.outbox.write_ends()
             swap = await self.queue.preempt(self.model, self.worker_id, candidates,
                                             max_failed=self.settings.max_deliveries,
-                                            max_preemptions=self.settings.preempt_max)
+                                            max_preemptions=self.settings.preempt_max,
+                                            lead_ms=self.rates.lead_ms())
             if swap.victim is not None:
                 await self._swap(swap)
                 return

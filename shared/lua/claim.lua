@@ -3,16 +3,18 @@
 -- shared/scripts.py puts it before them.
 local Claim = {}
 
--- key: the job hash; worker, now (epoch ms), max failed deliveries.
+-- key: the job hash; worker, now (epoch ms), max failed deliveries; lead: the ms the worker takes
+-- from a start to the first token (its measured mean; nil: 0).
 -- Returns {state, request, queued_at, attempt, deadline, traceparent,
 --          lost_worker, lost_started, tenant, relay, preemptions, predicted_ttft}; state is
 --   'missing'   no record (expired or never written): the caller only acks the entry;
 --   'finished'  already terminal (the entry outlived its job): the caller only acks it;
 --   'cancelled' cancelled before (re)start;   'dead' out of deliveries;
 --   'expired'   its deadline passed (it never reaches the engine);
---   'late'      its first-token deadline passed before it ever started (it never reaches the
---               engine; a job that ran before, preempted or lost, may have sent tokens, and is
---               never ended by it);   'run' start it.
+--   'late'      its first-token deadline passed before it ever started, or passes before the
+--               worker could send a first token (``lead``): it never reaches the engine, whose slot
+--               goes to a job that can still make it. A job that ran before, preempted or lost,
+--               may have sent tokens, and is never ended by it;   'run' start it.
 -- lost_worker/lost_started: the worker and start of the previous attempt when it was lost (the
 -- record still says running under another worker: it died or stalled; a hand-back says queued),
 -- for its trace ('' otherwise).
@@ -22,7 +24,7 @@ local Claim = {}
 -- its token shard (Keys.events), another slot: the claimer fences the shard at the new attempt next
 -- (take.lua: its previous worker's flushes are then refused there), which also says where its log
 -- ends.
-function Claim.start(key, worker, now, max_failed)
+function Claim.start(key, worker, now, max_failed, lead)
   local f = redis.call('HMGET', key, 'request', 'queued_at', 'cancel', 'status', 'attempt', 'handoffs', 'deadline',
                        'traceparent', 'worker', 'started_at', 'tenant', 'relay', 'preempted_at', 'preemptions',
                        'runs', 'first_token_deadline', 'predicted_ttft')
@@ -52,7 +54,7 @@ function Claim.start(key, worker, now, max_failed)
     state = 'cancelled'
   elseif f[7] and tonumber(f[7]) <= tonumber(now) then
     state = 'expired'
-  elseif f[16] and tonumber(f[16]) <= tonumber(now) and not f[10] and not f[14] then
+  elseif f[16] and tonumber(f[16]) <= tonumber(now) + tonumber(lead or 0) and not f[10] and not f[14] then
     state = 'late'
   elseif failed >= tonumber(max_failed) then
     state = 'dead'

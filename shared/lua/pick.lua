@@ -72,8 +72,9 @@ function Pick.owed(w, r, slack)
 end
 
 -- Read up to ``want`` new entries of a level's queue stream for ``consumer`` and claim each
--- (Claim.start), appending {level, entry id, job id, claim row} to ``out``. Returns how many.
-function Pick.claim(out, level, queue, group, consumer, want, job_prefix, now, max_failed)
+-- (Claim.start, with the worker's ``lead``), appending {level, entry id, job id, claim row} to
+-- ``out``. Returns how many.
+function Pick.claim(out, level, queue, group, consumer, want, job_prefix, now, max_failed, lead)
   local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', want, 'STREAMS', queue, '>')
   if not reply then return 0 end
   for _, entry in ipairs(reply[1][2]) do
@@ -81,7 +82,7 @@ function Pick.claim(out, level, queue, group, consumer, want, job_prefix, now, m
     for j = 1, #fields, 2 do
       if fields[j] == 'job' then job = fields[j + 1] end
     end
-    table.insert(out, {level, entry[1], job, Claim.start(job_prefix .. job, consumer, now, max_failed)})
+    table.insert(out, {level, entry[1], job, Claim.start(job_prefix .. job, consumer, now, max_failed, lead)})
   end
   return #reply[1][2]
 end

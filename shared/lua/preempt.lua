@@ -18,7 +18,7 @@
 -- the worker asks again soon); tops = each waiting stream's newest entry id when nothing waits.
 local clock = KEYS[1]
 local group, consumer, tenant_prefix, job_prefix, now, max_failed, max_preemptions, levels, levels_at,
-      levels_width, job_keys_at, job_keys_width, jobs_at, jobs_width = unpack(ARGV, 1, 14)
+      levels_width, job_keys_at, job_keys_width, jobs_at, jobs_width, lead_ms = unpack(ARGV, 1, 15)
 max_preemptions, levels, levels_at = tonumber(max_preemptions), tonumber(levels), tonumber(levels_at)
 levels_width, job_keys_at, job_keys_width = tonumber(levels_width), tonumber(job_keys_at), tonumber(job_keys_width)
 jobs_at, jobs_width = tonumber(jobs_at), tonumber(jobs_width)
@@ -117,5 +117,5 @@ if redis.call('ZCARD', list) == 0 then redis.call('ZREM', fairs[w_level + 1], w)
 Pick.take(item, w, w_score, wkey, fairs, waitings[w_level + 1], queues[w_level + 1], job_prefix)
 redis.call('HSET', clock, tostring(w_level), w_score)
 local out = {}
-Pick.claim(out, w_level, queues[w_level + 1], group, consumer, 1, job_prefix, now, max_failed)
+Pick.claim(out, w_level, queues[w_level + 1], group, consumer, 1, job_prefix, now, max_failed, lead_ms)
 return {v.index, out, 1, {}}

@@ -21,7 +21,7 @@
 -- caller may block.
 local clock, workers, affinity = KEYS[1], KEYS[2], KEYS[3]
 local group, consumer, count, tenant_prefix, job_prefix, now, max_failed,
-      levels, levels_at, levels_width, holder_prefix, affinity_ms, hold_ms, own = unpack(ARGV, 1, 14)
+      levels, levels_at, levels_width, holder_prefix, affinity_ms, hold_ms, own, lead_ms = unpack(ARGV, 1, 15)
 levels, levels_at, levels_width = tonumber(levels), tonumber(levels_at), tonumber(levels_width)
 affinity_ms = tonumber(affinity_ms)
 -- Alone, a worker has nobody to leave a job for: the pick is the plain one.
@@ -146,7 +146,7 @@ for level = 0, levels - 1 do
   if last then redis.call('HSET', clock, tostring(level), last) end
   if skipped >= 100 then more = 1 end
   if want > 0 then
-    want = want - Pick.claim(out, level, queue, group, consumer, want, job_prefix, now, max_failed)
+    want = want - Pick.claim(out, level, queue, group, consumer, want, job_prefix, now, max_failed, lead_ms)
   end
 end
 if #out == 0 then tops = Pick.tops(waitings) end  -- only a reader about to block needs them

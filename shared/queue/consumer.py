@@ -170,7 +170,7 @@ class Consumer(Side):
                     raise
 
     async def pick(self, model: str, consumer: str, count: int, max_deliveries: int = 3, *,
-                   confirm: bool = True, affinity: scripts.Affinity = scripts.NO_AFFINITY) -> Picked:
+                   confirm: bool = True, affinity: scripts.Affinity = scripts.NO_AFFINITY, lead_ms: float = 0) -> Picked:
         """Pick, read and claim up to ``count`` new jobs, the most urgent level first, by fair
         share between tenants within a level: read.lua, one round trip, never blocking. Ask only
         for as many as can start now (the engine's free slots): nothing is claimed that could not.
@@ -178,9 +178,10 @@ class Consumer(Side):
         LLMQ_DURABILITY held until the replicas have them); ``confirm=False`` leaves that to the
         caller (:attr:`Picked.acked`), which may start the engine meanwhile but must write nothing
         until then. ``affinity``: leave jobs a moment for the workers that hold their keys
-        (read.lua)."""
+        (read.lua). ``lead_ms``: the worker's mean time from a start to a first token; a job whose
+        first-token deadline passes within it is not started (claim.lua, ``late``)."""
         call = scripts.read(self.keys, model, consumer, count, now=now_ms(), max_failed=max_deliveries,
-                            affinity=affinity)
+                            affinity=affinity, lead_ms=lead_ms)
         while True:  # again at once while it stops early on waiting jobs that had already ended
             (rows, tops, more, wake_ms), acked = await self._run(call)
             if rows or not more:
@@ -194,12 +195,12 @@ class Consumer(Side):
         return Picked(await self.confirm(model, consumer, deliveries, acked), tops, wake_ms=wake_ms)
 
     async def preempt(self, model: str, consumer: str, candidates: Sequence[scripts.Candidate], *,
-                      max_failed: int, max_preemptions: int) -> Swap:
+                      max_failed: int, max_preemptions: int, lead_ms: float = 0) -> Swap:
         """Whether one of ``candidates`` (running jobs of ``consumer``, whose engine has no free
         slot) gives way to a waiting job, and if so the swap, in one round trip (preempt.lua): the
         candidate handed back to wait again, the waiting job picked and claimed in its place."""
         call = scripts.preempt(self.keys, model, consumer, candidates, now=now_ms(), max_failed=max_failed,
-                               max_preemptions=max_preemptions)
+                               max_preemptions=max_preemptions, lead_ms=lead_ms)
         (victim, rows, waiting, tops), acked = await self._run(call)
         deliveries = self._deliveries([(int(level), entry_id, job.decode()) for level, entry_id, job, _ in rows],
                                       [state for *_, state in rows], reclaimed=False)

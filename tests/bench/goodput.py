@@ -15,8 +15,9 @@ loop, whether the server keeps up or not), every one with ``x-slo-ttft-ms: 1000`
 
 Per run, from vLLM's result JSON: **goodput** and **throughput** (vLLM's: good and completed
 requests over the run's duration, the first send to the last answer); **refused** (HTTP 429: the
-admission judged the SLO out of reach); **skipped** (a 200 stream that ended with no token: a job
-dropped past its first-token deadline, whose in-band error vLLM's client does not read);
+admission judged the SLO out of reach); **skipped** (a job not started because its first-token
+deadline had passed, or would before its first token: HTTP 504, or a 200 stream that ended with no
+token, whose in-band error vLLM's client does not read);
 **failed** (anything else); TTFT p50/p99 over the requests that got a first token: vLLM's client
 computes them over successful requests only, so refused and skipped ones are not in them.
 """
@@ -58,10 +59,11 @@ CAPACITY_CONCURRENCY = 64
 # keep-alive is sent; the targets are judged on first tokens well inside it anyway.
 OVERLAY = {**FAST.overlay, "LLMQ_SSE_KEEPALIVE_S": "3600"}
 # vLLM's client keeps only a failed response's reason phrase (endpoint_request_func.py), so a
-# refusal is told from other failures by 429's phrase, and a stream that carried no token (llmq's
-# in-band error for a job skipped past its deadline) by the message the client gives it.
+# refusal is told from other failures by 429's phrase, and a job skipped past its first-token
+# deadline by 504's (the stream had sent nothing yet, so it is the response's status), or, once a
+# stream had begun (a keep-alive), by the message the client gives a stream that carried no token.
 REFUSED = "Too Many Requests"
-NO_TOKEN = "Never received a valid chunk"
+SKIPPED = ("Gateway Timeout", "Never received a valid chunk")
 
 
 class GoodputRun(msgspec.Struct):
@@ -92,8 +94,8 @@ def run_of(result: dict, *, rnd: int, target: str, load: float, rate: float) -> 
     """One ``bench serve`` result (``--save-detailed``, ``--goodput``) as a :class:`GoodputRun`."""
     errors = [e for e in result["errors"] if e]
     refused = sum(e == REFUSED for e in errors)
-    skipped = sum(e.startswith(NO_TOKEN) for e in errors)
-    others = [e for e in errors if e != REFUSED and not e.startswith(NO_TOKEN)]
+    skipped = sum(e.startswith(SKIPPED) for e in errors)
+    others = [e for e in errors if e != REFUSED and not e.startswith(SKIPPED)]
     # With no request answered, vLLM's percentiles are of an empty list (0): no figure, not 0 ms.
     answered = result["completed"] > 0
     return GoodputRun(

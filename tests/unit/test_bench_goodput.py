@@ -19,6 +19,11 @@ def test_a_result_splits_its_failures_into_refused_skipped_and_failed():
     assert (run.ttft_p50_ms, run.ttft_p99_ms) == (750.0, 1485.0)
     # A traceback's last line names the failure.
     assert run.errors == ["aiohttp.client_exceptions.ServerDisconnectedError: Server disconnected"]
+    # A job skipped before its stream began is its response's 504.
+    result = json.loads(FIXTURE.read_text())
+    result["errors"] = ["Gateway Timeout" if e == "Too Many Requests" else e for e in result["errors"]]
+    run = run_of(result, rnd=1, target="llmq", load=2.0, rate=1.0)
+    assert (run.refused, run.skipped, run.failed) == (0, 2, 1)
 
 
 def test_a_run_with_nothing_answered_has_no_ttft_figures():
