@@ -145,7 +145,8 @@ async def enqueue_detached(svc: Services, ctx: RequestContext, req: GenerationRe
     record = _record(svc, ctx, await admit(svc, ctx, req))
     return await svc.queue.enqueue(record, _scoped_key(ctx, part, parts), max_queued=svc.settings.max_queued,
                                    tenant=await svc.tenants.get(ctx.tenant),
-                                   capacity=await svc.models.capacity(record.model))
+                                   capacity=await svc.models.capacity(record.model),
+                                   slo_margin_ms=svc.settings.slo_margin_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,7 +248,8 @@ async def submit(svc: Services, ctx: RequestContext, req: GenerationRequest, *, 
         live = Live(model, record.id, stack, messages)
         job_id = await svc.queue.enqueue(record, _scoped_key(ctx, part, parts), max_queued=svc.settings.max_queued,
                                          relay=channel, tenant=await svc.tenants.get(ctx.tenant),
-                                         capacity=await svc.models.capacity(model))
+                                         capacity=await svc.models.capacity(model),
+                                         slo_margin_ms=svc.settings.slo_margin_ms)
         await svc.listener.confirmed(channel)
         if job_id != record.id:
             # A repeated Idempotency-Key: follow the earlier job from its first event. That job

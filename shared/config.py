@@ -183,6 +183,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     deadline_s: float = 0.0
     """LLMQ_DEADLINE_S: default seconds a request may take from enqueue to its last token (0: no
     deadline). Per request: the `X-LLMQ-Timeout` header (seconds) or `timeout_s` in /v1/jobs."""
+    slo_margin_ms: Annotated[int, msgspec.Meta(ge=0)] = 200
+    """LLMQ_SLO_MARGIN_MS: the part of a TTFT SLO kept for what happens outside the queue and the
+    engine: the request's way in before it is queued, and its first token's way out to the client
+    (docs/guarantees.md#slos). Admission refuses a request whose first token is predicted later than
+    its SLO less this; a worker starts no job whose first-token deadline is nearer than its own
+    measured time to a first token plus this."""
     cold_wait_s: float = 300.0
     """LLMQ_COLD_WAIT_S: how long a synchronous or streaming request waits while no warm worker serves
     its model (a cold start, a rolling restart, scale from zero) before it ends with 504. Fire-and-poll

@@ -61,6 +61,7 @@ class RateMeter:
         # job by its prompt, as the prediction (prompt tokens ahead / rate) does.
         self._prompt = 0.0
         self._prefill_s = 0.0
+        self._prefill_var = 0.0
         self._per_job = 0.0
         self._prefills = self._jobs = 0
 
@@ -94,6 +95,9 @@ class RateMeter:
         if prompt_tokens <= 0 or after_ms <= 0:
             return  # nothing measured (a clock's resolution, or an engine that reports no prompt)
         self._prompt = self._mean(self._prompt, prompt_tokens, self._prefills)
+        if self._prefills:  # the moving variance of the seconds to a first token (West, 1979)
+            diff = after_ms / 1000 - self._prefill_s
+            self._prefill_var = (1 - self._weight) * (self._prefill_var + self._weight * diff * diff)
         self._prefill_s = self._mean(self._prefill_s, after_ms / 1000, self._prefills)
         self._prefills += 1
 
@@ -103,10 +107,10 @@ class RateMeter:
         self._jobs += 1
 
     def lead_ms(self) -> float:
-        """The mean time from a job's start here to its first token (0: not measured yet): a job
-        whose first-token deadline comes sooner than that after its pick cannot make it, and is
-        not started (claim.lua, ``late``)."""
-        return self._prefill_s * 1000
+        """The time from a job's start here to its first token that most jobs make: the mean plus
+        two standard deviations (0: not measured yet). A job whose first-token deadline comes
+        sooner than that after its pick would likely miss it, and is not started (claim.lua, ``late``)."""
+        return (self._prefill_s + 2 * self._prefill_var ** 0.5) * 1000
 
     # --- read by the heartbeat ----------------------------------------------------------------
 

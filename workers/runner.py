@@ -248,7 +248,7 @@ class Worker:
             if not slots.held:
                 return None
             picked = await self.queue.pick(self.model, self.worker_id, slots.held, self.settings.max_deliveries,
-                                           confirm=False, affinity=self._affinity(), lead_ms=self.rates.lead_ms())
+                                           confirm=False, affinity=self._affinity(), lead_ms=self._lead_ms())
             if picked.acked is not None:
                 await self._start_confirming(picked.deliveries, picked.acked, slots)
         return None if picked.deliveries else (picked.tops, picked.wake_ms)
@@ -266,7 +266,7 @@ class Worker:
             swap = await self.queue.preempt(self.model, self.worker_id, candidates,
                                             max_failed=self.settings.max_deliveries,
                                             max_preemptions=self.settings.preempt_max,
-                                            lead_ms=self.rates.lead_ms())
+                                            lead_ms=self._lead_ms())
             if swap.victim is not None:
                 await self._swap(swap)
                 return
@@ -310,6 +310,13 @@ class Worker:
         # Its slot went to a dead peer's job meanwhile: the picked job goes back for a peer.
         held = [d.held for d in swap.deliveries]
         await self.queue.renew(self.model, self.worker_id, held, hand_back_idle_ms=self._lease_ms + 60_000)
+
+    def _lead_ms(self) -> float:
+        """How near its first-token deadline a job may be picked and still make it: this worker's
+        time from a start to a first token (its measured mean, two deviations up: most jobs make
+        it within that) plus LLMQ_SLO_MARGIN_MS for the token's way out. A job nearer than that is
+        not started (claim.lua, ``late``)."""
+        return self.rates.lead_ms() + self.settings.slo_margin_ms
 
     def _affinity(self) -> Affinity:
         """What this worker's pick says of affinity: the settings, and the adapters its engine holds."""

@@ -163,13 +163,14 @@ class JobStore(Side):
 
     async def enqueue(self, record: JobRecord, idempotency_key: str | None = None, *,
                       max_queued: int = 2**62, relay: str | None = None, tenant: TenantConfig | None = None,
-                      capacity: Capacity = NO_CAPACITY) -> str:
+                      capacity: Capacity = NO_CAPACITY, slo_margin_ms: int = 0) -> str:
         """Write the record and queue the job on its priority level, atomically, to wait for its
         tenant's turn (read.lua picks); returns the owning job id (an earlier job's id when
         ``idempotency_key`` was seen before). Raises :class:`Overloaded` when the model already has
         ``max_queued`` unfinished jobs, :class:`RateLimited` when the job's tenant is past one of
         the limits in ``tenant`` (its settings), :class:`SloUnattainable` when its TTFT is
-        predicted past its SLO from the model's ``capacity`` (shared/slo.py; unknown: never).
+        predicted past its SLO less ``slo_margin_ms`` (LLMQ_SLO_MARGIN_MS) from the model's
+        ``capacity`` (shared/slo.py; unknown: never).
         ``relay``: the relay channel (Keys.relay) of the API process following the job, where its
         events go."""
         model, name = record.model, record.tenant or DEFAULT_TENANT
@@ -190,6 +191,8 @@ class JobStore(Side):
                                "maxmemory): no new jobs until running ones finish; retry shortly")
         durable = self.durability.wanted > 0
         request = record.request
+        # What the queue and the engine may take of the SLO: the rest is the request's way in and out.
+        budget_ms = max(1, request.slo.ttft_ms - slo_margin_ms) if request.slo and request.slo.ttft_ms else None
         prefill_ms = (estimate_prompt_tokens(request) / capacity.prefill_tps * 1000 if capacity.prefill_tps > 0
                       else 0.0)
         call = scripts.enqueue(
@@ -199,7 +202,7 @@ class JobStore(Side):
             tokens_per_minute=limit(config.tokens_per_minute), now=now_ms(), recent=self.recent_jobs,
             dialect=record.request.dialect, owner=record.owner, record=[v for pair in fields.items() for v in pair],
             touch=durable, queued_at=record.queued_at, first_token_deadline=record.first_token_deadline,
-            slo_ttft_ms=request.slo.ttft_ms if request.slo is not None else None, prefill_ms=prefill_ms,
+            slo_ttft_ms=budget_ms, prefill_ms=prefill_ms,
             capacity=capacity)
         owner, acked = await self._run(call)
         match owner:
@@ -213,13 +216,14 @@ class JobStore(Side):
                                   f"and {waiting} waiting (max_running {config.max_running}, max_queued "
                                   f"{config.max_queued}); retry when one has finished")
             case [b"slo", predicted]:
-                assert request.slo is not None and request.slo.ttft_ms is not None  # only a job with one is refused so
+                assert request.slo is not None and budget_ms is not None  # only a job with an SLO is refused so
                 log.info("slo_unattainable", model=model, tenant=name, predicted_ttft_ms=predicted,
                          slo_ttft_ms=request.slo.ttft_ms)
                 raise SloUnattainable(
                     f"Model {model} cannot meet this request's TTFT SLO of {request.slo.ttft_ms} ms: the work queued "
-                    f"ahead of it is predicted to take {predicted} ms to its first token; retry later",
-                    retry_after_s=max(1, math.ceil((predicted - request.slo.ttft_ms) / 1000)))
+                    f"ahead of it is predicted to take {predicted} ms to its first token, and {slo_margin_ms} ms "
+                    "are kept for its way in and out; retry later",
+                    retry_after_s=max(1, math.ceil((predicted - budget_ms) / 1000)))
             case [b"tokens", used, retry]:
                 log.info("tenant_tokens_exceeded", model=model, tenant=name, used=used, retry_after_s=retry)
                 raise RateLimited(f"Rate limit reached for this tenant on model {model}: {used} tokens used in the "

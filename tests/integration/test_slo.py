@@ -116,6 +116,18 @@ async def test_a_job_whose_first_token_deadline_passed_is_never_started(redis, k
     assert await redis.hget(keys.job(MODEL, late.id), "started_at") is None
 
 
+async def test_a_job_that_could_not_send_its_first_token_in_time_is_not_started(redis, keys):
+    """Its deadline still ahead at the pick, but nearer than the worker's lead (its mean time from a
+    start to a first token): it could not make it, and its slot goes to one that can."""
+    store, consumer = JobStore(redis, keys), Consumer(redis, keys)
+    await consumer.ensure_group(MODEL)
+    near, far = job(ttft_ms=300), job(ttft_ms=60_000)
+    await store.enqueue(near)
+    await store.enqueue(far)
+    deliveries = (await consumer.pick(MODEL, "w", 2, lead_ms=1000)).deliveries
+    assert {d.job_id: d.state for d in deliveries} == {near.id: "late", far.id: "run"}
+
+
 async def test_a_job_that_ran_before_is_never_ended_by_its_first_token_deadline(redis, keys):
     """A lost (or preempted) job may have sent tokens: its first-token deadline no longer ends it."""
     store, consumer = JobStore(redis, keys), Consumer(redis, keys)

@@ -171,3 +171,13 @@ def test_the_heartbeat_carries_the_rates_as_json_and_the_status_reads_them(clock
 def test_a_presence_without_a_meter_reports_no_rates():
     presence = Presence(load_settings({}, served_model_name="m"), None, "w", Recorder("m"))  # type: ignore[arg-type]
     assert msgspec.json.decode(presence._heartbeat_fields("warming", 0, [])["rates"], type=Rates) == Rates()
+
+
+def test_the_lead_is_the_mean_time_to_a_first_token_two_deviations_up():
+    meter = RateMeter(clock=lambda: 0.0, weight=0.5)
+    assert meter.lead_ms() == 0.0
+    meter.first_token(10, 100.0)
+    assert meter.lead_ms() == pytest.approx(100.0)  # one sample: no spread yet
+    meter.first_token(10, 300.0)
+    # mean 200 ms; variance (1 - 0.5) * (0 + 0.5 * 0.2 ** 2) = 0.01 s²: 100 ms a deviation
+    assert meter.lead_ms() == pytest.approx(200.0 + 2 * 100.0)
