@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 
+import httpx
 import msgspec
 
 from shared.config import load_settings
@@ -88,6 +89,40 @@ class GoodputRun(msgspec.Struct):
     duration_s: float
     errors: list[str] = msgspec.field(default_factory=list)
     """Up to 3 distinct reasons among ``failed``."""
+    predictions: Predictions | None = None
+    """llmq's: how its admission's TTFT predictions of the run's jobs turned out (its /metrics)."""
+
+
+class Predictions(msgspec.Struct):
+    """llmq's TTFT predictions over a run, from its /metrics: the jobs predicted at admission whose
+    first token came, and how far off the prediction was (docs/guarantees.md#slos)."""
+
+    count: int
+    late: int
+    """First tokens later than predicted."""
+    mean_error_ms: float | None
+    """The mean of |first token - predicted|, queueing to first token as the worker measures it."""
+
+
+PREDICTION_SERIES = ("llmq_ttft_prediction_error_seconds_sum", "llmq_ttft_prediction_error_seconds_count",
+                     'llmq_ttft_predictions_total{direction="late"')
+
+
+def prediction_totals(exposition: str) -> tuple[float, float, float]:
+    """The error histogram's sum and count and the late predictions, summed over every worker."""
+    totals = [0.0, 0.0, 0.0]
+    for line in exposition.splitlines():
+        for i, name in enumerate(PREDICTION_SERIES):
+            if line.startswith(name) and (i == 2 or line[len(name)] in " {"):
+                totals[i] += float(line.rsplit(" ", 1)[1])
+    return totals[0], totals[1], totals[2]
+
+
+def predictions_between(before: str, after: str) -> Predictions:
+    (s0, n0, l0), (s1, n1, l1) = prediction_totals(before), prediction_totals(after)
+    count = round(n1 - n0)
+    return Predictions(count=count, late=round(l1 - l0),
+                       mean_error_ms=round((s1 - s0) / count * 1000, 1) if count else None)
 
 
 def run_of(result: dict, *, rnd: int, target: str, load: float, rate: float) -> GoodputRun:
@@ -187,12 +222,23 @@ def render(report: dict) -> str:
         "TTFT percentiles are vLLM's client's, over the requests that got a first token: refused and skipped "
         "ones are not in them.",
     ]
+    predicted = [r for r in report["runs"] if r.get("predictions")]
+    if predicted:
+        lines += ["", "llmq's TTFT predictions (its /metrics; queueing to first token as its worker measures it):", "",
+                  markdown_table(["round", "load", "jobs predicted", "late", "mean |error| ms"],
+                                 [[r["round"], f"{r['load']:g}×", r["predictions"]["count"], r["predictions"]["late"],
+                                   fmt(r["predictions"]["mean_error_ms"], 1)] for r in predicted])]
     if not report["ok"]:
         broken = [r for r in report["runs"] if r["failed"]]
         lines += ["", "FAILED: requests failed other than by refusal or skip: "
                   + "; ".join(f"{r['target']} {r['load']:g}× round {r['round']}: {r['failed']} ({r['errors']})"
                               for r in broken[:5])]
     return "\n".join(lines)
+
+
+async def _metrics(target: HttpTarget) -> str:
+    async with httpx.AsyncClient(timeout=30) as client:
+        return (await client.get(target.url.rstrip("/").removesuffix("/v1") + "/metrics")).text
 
 
 async def measure(rounds: int, arrivals_s: float, capacity_runs: int, logs: Path | None) -> tuple[list, dict, dict]:
@@ -224,11 +270,15 @@ async def measure(rounds: int, arrivals_s: float, capacity_runs: int, logs: Path
                 seed = zlib.crc32(f"goodput-r{r}-x{load}".encode())  # the same prompts for both targets
                 for target in targets[r % 2:] + targets[:r % 2]:
                     assert isinstance(target, HttpTarget)
+                    before = await _metrics(target) if target.name == "llmq" else ""
                     result = await bench_serve(
                         target.url, target.model, tokenizer, requests=max(1, round(rate * arrivals_s)),
                         max_tokens=FAST.max_tokens, seed=seed, request_rate=rate,
                         extra=["--goodput", f"ttft:{SLO_TTFT_MS}", "--header", f"{SLO_HEADER}={SLO_TTFT_MS}"])
                     run = run_of(result, rnd=r + 1, target=target.name, load=load, rate=rate)
+                    if target.name == "llmq":
+                        await asyncio.sleep(settings.heartbeat_s + 1)  # the workers' metrics come with heartbeats
+                        run.predictions = predictions_between(before, await _metrics(target))
                     runs.append(run)
                     print(f"round {r + 1} {load:g}x {target.name:<10} rate {run.rate:7.1f} goodput {run.goodput:7.2f} "
                           f"throughput {run.throughput:7.2f} refused {run.refused} skipped {run.skipped} failed "

@@ -75,3 +75,16 @@ def test_a_missing_target_is_no_figure_and_the_report_renders():
 def test_the_benchmarks_llmq_sends_no_keepalive_within_a_run():
     # vLLM's client merges an SSE comment read alone into the data after it and then sees no token.
     assert load_settings(OVERLAY).sse_keepalive_s >= 600
+
+
+def test_the_predictions_are_what_the_workers_metrics_added_over_the_run():
+    from tests.bench.goodput import Predictions, predictions_between
+
+    before = ('llmq_ttft_prediction_error_seconds_sum{model="m",worker="a"} 1.5\n'
+              'llmq_ttft_prediction_error_seconds_count{model="m",worker="a"} 10\n'
+              'llmq_ttft_prediction_error_seconds_bucket{model="m",worker="a",le="0.1"} 4\n'
+              'llmq_ttft_predictions_total{direction="late",model="m",worker="a"} 3\n'
+              'llmq_ttft_predictions_total{direction="early",model="m",worker="a"} 7\n')
+    after = before.replace(" 1.5\n", " 3.5\n").replace(" 10\n", " 30\n").replace('"a"} 3\n', '"a"} 8\n')
+    assert predictions_between(before, after) == Predictions(count=20, late=5, mean_error_ms=100.0)
+    assert predictions_between(before, before) == Predictions(count=0, late=0, mean_error_ms=None)
