@@ -25,8 +25,8 @@ from shared.errors import (
     QueueRefused,
     QueueUnavailable,
     RateLimited,
-    SloUnattainable,
     ServiceError,
+    SloUnattainable,
 )
 from shared.redis import REDIS_DOWN, refusal
 from shared.schemas import DialectName

@@ -603,8 +603,9 @@ def file_rendered(file: str, meta: bytes, content: bytes) -> Call:
     return Call(FILE_RENDERED, [file], [meta, content])
 
 
-SCRIPTS = (ENQUEUE, READ, PREEMPT, POSITION, CLAIM_TAKEN, TAKEOVER, RENEW, ACK, CANCEL, ADD_FOLLOWER, FOLLOW, SET_IF_EXISTS,
-           READ_LOG, EXPIRE, FLUSH, TAKE, RELEASE, SETTLE, FINISH, BATCH_CREATE, BATCH_STATUS, FILE_RENDERED)
+SCRIPTS = (ENQUEUE, READ, PREEMPT, POSITION, CLAIM_TAKEN, TAKEOVER, RENEW, ACK, CANCEL, ADD_FOLLOWER, FOLLOW,
+           SET_IF_EXISTS, READ_LOG, EXPIRE, FLUSH, TAKE, RELEASE, SETTLE, FINISH, BATCH_CREATE, BATCH_STATUS,
+           FILE_RENDERED)
 
 
 # --- loading and running ----------------------------------------------------------------------

@@ -3,8 +3,9 @@
 
 A renderer turns each event into the frames to send after it (as TGI's ``ChatState.push`` does):
 ``open`` before any event, ``feed`` per event (tokens, the final ``done``, or the job's ``error``),
-``keepalive`` when the job was quiet (the tick may carry the waiting job's queue standing), ``fail`` when the stream itself broke (the relay lost
-Redis, or a renderer found the events inconsistent), ``close`` after the last event. Frames are
+``keepalive`` when the job was quiet (the tick may carry the waiting job's queue standing), ``fail``
+when the stream itself broke (the relay lost Redis, or a renderer found the events inconsistent),
+``close`` after the last event. Frames are
 bytes on HTTP and payloads on LMTP's WebSocket; they go out per event, in order. A renderer keeps
 whatever state its dialect needs (offsets, held tokens, numbering) and does no I/O.
 

@@ -150,10 +150,10 @@ async def list_jobs(request: Request, svc: Svc) -> Response:
                                     status=_query(request, "status", _STATUSES), dialect=_query(request, "dialect"))
     # Where the waiting ones stand: one script call each, so only the first few of the page.
     waiting = [j for j in jobs if j.status == "queued"][:_STANDINGS]
-    for job, standing in zip(waiting, await asyncio.gather(*(standing_of(svc, j.model, j.id) for j in waiting)),
-                             strict=True):
-        if standing is not None:
-            job.queue_position, job.eta_s = standing.position, standing.eta_s
+    for job, stands in zip(waiting, await asyncio.gather(*(standing_of(svc, j.model, j.id) for j in waiting)),
+                           strict=True):
+        if stands is not None:
+            job.queue_position, job.eta_s = stands.position, stands.eta_s
     return json_response(JobList(data=jobs))
 
 

@@ -65,11 +65,13 @@ request does not decode here):
 
 - ``run``: start it (the claim took ownership: attempt + 1, worker = us);
 - ``cancelled``, ``expired`` (its deadline passed), ``late`` (its first-token deadline passed
-  before it ever started), ``dead`` (out of deliveries), ``invalid``: owned too, and ended at once with that error, never reaching the engine;
+  before it ever started), ``dead`` (out of deliveries), ``invalid``: owned too, and ended at once
+  with that error, never reaching the engine;
 - ``missing`` (no record: expired or never written), ``finished`` (the entry outlived its job):
   nothing to own; the entry is only cleared."""
 _STATES: frozenset[str] = frozenset(get_args(DeliveryState))
-_OWNED: frozenset[str] = frozenset({"run", "cancelled", "dead", "expired", "late"})  # states whose row holds the request
+# The states whose row holds the request.
+_OWNED: frozenset[str] = frozenset({"run", "cancelled", "dead", "expired", "late"})
 
 
 @dataclass(slots=True)
@@ -170,7 +172,8 @@ class Consumer(Side):
                     raise
 
     async def pick(self, model: str, consumer: str, count: int, max_deliveries: int = 3, *,
-                   confirm: bool = True, affinity: scripts.Affinity = scripts.NO_AFFINITY, lead_ms: float = 0) -> Picked:
+                   confirm: bool = True, affinity: scripts.Affinity = scripts.NO_AFFINITY,
+                   lead_ms: float = 0) -> Picked:
         """Pick, read and claim up to ``count`` new jobs, the most urgent level first, by fair
         share between tenants within a level: read.lua, one round trip, never blocking. Ask only
         for as many as can start now (the engine's free slots): nothing is claimed that could not.

@@ -33,6 +33,7 @@ from shared.events import Error, Event
 from shared.keys import LEVELS, Keys
 from shared.queue.base import Side
 from shared.queue.writer import now_ms
+from shared.redis import reply
 from shared.redis_memory import MemoryGuard
 from shared.schemas import JobError, JobGroup, JobRecord, estimate_prompt_tokens, estimate_tokens
 from shared.slo import Capacity, Standing
@@ -130,9 +131,9 @@ class JobStore(Side):
         """Where a waiting job stands (shared/slo.py): how many jobs of its model are estimated to
         start before it and, from the model's warm ``capacity``, in how long it should start. None
         when it does not wait (it runs, it ended, or it is gone)."""
-        status, tenant, queued_at, due, preempted_at, request = await self.redis.hmget(
+        status, tenant, queued_at, due, preempted_at, request = await reply(self.redis.hmget(
             self.keys.job(model, job_id), ["status", "tenant", "queued_at", "first_token_deadline", "preempted_at",
-                                           "request"])
+                                           "request"]))
         if status != b"queued" or request is None:
             return None
         score = scripts.line_score(float(queued_at or 0), float(due) if due else None,

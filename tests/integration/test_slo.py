@@ -24,7 +24,8 @@ MODEL = "m1"
 CAPACITY = Capacity(slots=2, prefill_tps=1000.0, decode_tps=100.0, generated_per_job=100.0)
 
 
-def job(*, ttft_ms: int | None = None, tenant: str = "default", prompt: str = "hi", now: float | None = None) -> JobRecord:
+def job(*, ttft_ms: int | None = None, tenant: str = "default", prompt: str = "hi",
+        now: float | None = None) -> JobRecord:
     req = GenerationRequest(model=MODEL, prompt=prompt, sampling=SamplingParams(max_tokens=100),
                             slo=Slo(ttft_ms=ttft_ms) if ttft_ms else None)
     return new_job(req, owner="", tenant=tenant, default_timeout_s=None, now_ms=now)

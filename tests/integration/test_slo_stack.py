@@ -9,7 +9,6 @@ import asyncio
 import uuid
 
 import msgspec
-import pytest
 
 from shared.keys import Keys
 from shared.slo import Rates
