@@ -420,9 +420,11 @@ async def prefetch(events: Events, wait_s: float) -> Events:
         match step.result():
             case Error() as error:
                 raise error.exception()
-            case Keepalive() as tick:
+            case Keepalive():
+                # The tick that ends the wait only starts the response: its first frame stays an
+                # event, as it always was (a client that reads a lone comment badly, as vLLM's
+                # benchmark client does, meets one only on a longer wait).
                 if loop.time() >= deadline:
-                    head = tick  # the response's first frame: where a waiting job stands, at once
                     break
             case event:
                 head = event

@@ -129,7 +129,7 @@ function Fair.ended(job, id, m, prompt, generated)
   -- Nothing reads them once the job has ended (its usage is counted): a finished record keeps
   -- only what its readers need, for LLMQ_RESULT_TTL_S. Its tenant only when a gateway's header
   -- named it: otherwise it is its owner, or 'default' (JobRecord.tenant_of).
-  redis.call('HDEL', job, 'estimate', 'charged', 'used', 'run_ms', 'preempted_at')
+  redis.call('HDEL', job, 'estimate', 'charged', 'used', 'run_ms', 'preempted_at', 'predicted_ttft')
   if tenant == ((f[9] and f[9] ~= '') and f[9] or 'default') then redis.call('HDEL', job, 'tenant') end
   if known and prompt + generated > 0 then
     local second = math.floor(m.now / 1000)
