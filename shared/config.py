@@ -221,7 +221,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """LLMQ_AFFINITY_MS: how long a waiting job is left for the worker that holds its prefix (it ran the
     conversation's last turn) or its LoRA adapter, before any worker takes it (docs/adapters.md#affinity).
     Other workers' picks pass over it meanwhile; fair share and priorities otherwise hold. 0: off."""
-    affinity_hold_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    affinity_hold_s: Annotated[float, msgspec.Meta(gt=0.0)] = 60.0
     """LLMQ_AFFINITY_HOLD_S: how long a worker counts as holding a prefix key or an adapter after its last
     job of it (`llmq:{model}:holder:<key>` in Redis); about as long as its prefix cache keeps a conversation."""
     preempt: bool = True
@@ -290,7 +290,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """LLMQ_ENGINE_RESTARTS: how many engine deaths a worker survives within LLMQ_ENGINE_RESTART_WINDOW_S by
     rebuilding its engine in place (same process, slots and heartbeat; docs/guarantees.md#a-dead-engine-loses-no-job).
     One more death in the window and the worker exits for its supervisor to restart. 0: exit at the first."""
-    engine_restart_window_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+    engine_restart_window_s: Annotated[float, msgspec.Meta(gt=0.0)] = 600.0
     """LLMQ_ENGINE_RESTART_WINDOW_S: the window LLMQ_ENGINE_RESTARTS counts engine deaths in."""
     test_faults: bool = False
     """LLMQ_TEST_FAULTS: for llmq's own fault tests only. On, a request carrying `X-LLMQ-Test-Fault: kill-engine`
