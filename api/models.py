@@ -40,7 +40,7 @@ from shared.errors import ModelNotFound
 from shared.keys import Keys
 from shared.queue import now_ms
 from shared.schemas import AdapterSpec
-from shared.slo import Capacity, Rates, capacity_of
+from shared.slo import UNKNOWN, Capacity, Rates, capacity_of
 
 if TYPE_CHECKING:
     from api.context import RequestContext
@@ -49,7 +49,6 @@ if TYPE_CHECKING:
 __all__ = ["ModelRegistry", "caller"]
 
 _rates = msgspec.json.Decoder(Rates)
-NO_CAPACITY = Capacity()
 
 _MISSING_MAX = 10_000
 """The most names the negative cache remembers (past it, it starts again)."""
@@ -146,7 +145,7 @@ class ModelRegistry:
     async def capacity(self, model: str) -> Capacity:
         """What ``model``'s warm workers can do (shared/slo.py): their slots and measured rates, from
         their heartbeats; cached for ``cache_s`` (admission reads it for every request)."""
-        at, capacity = self._capacity.get(model, (float("-inf"), NO_CAPACITY))
+        at, capacity = self._capacity.get(model, (float("-inf"), UNKNOWN))
         if time.monotonic() - at >= self.cache_s:
             [workers] = await self._warm_fields([model], ["slots", "rates"])
             capacity = capacity_of((int(slots or 0), _rates.decode(rates) if rates else Rates())

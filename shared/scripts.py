@@ -38,13 +38,12 @@ from shared.cluster import sharded_pubsub
 from shared.durability import Durability, run_and_wait
 from shared.keys import GROUP, LEVELS, Keys, shard_of
 from shared.redis import refusal
-from shared.slo import Capacity
+from shared.slo import UNKNOWN, Capacity
 
 __all__ = ["Library", "Group", "Script", "Call", "Scripts", "SCRIPTS", "LIBRARIES", "source", "sharded",
            "Extra", "Candidate"]
 
 Value = str | bytes | int | float
-NO_CAPACITY = Capacity()
 
 
 # --- libraries, scripts and their layouts ------------------------------------------------------
@@ -142,7 +141,7 @@ def enqueue(keys: Keys, model: str, job_id: str, tenant: str, *, idempotency: st
             max_depth: int, level: int, weight: float, max_running: int, max_queued: int, tokens_per_minute: int,
             now: float, record: Iterable[Value], touch: bool = False, recent: int = 0, dialect: str = "",
             owner: str = "", queued_at: float | None = None, first_token_deadline: float | None = None,
-            slo_ttft_ms: int | None = None, prefill_ms: float = 0.0, capacity: Capacity = NO_CAPACITY) -> Call:
+            slo_ttft_ms: int | None = None, prefill_ms: float = 0.0, capacity: Capacity = UNKNOWN) -> Call:
     """``max_running``, ``max_queued``, ``tokens_per_minute``: -1 for no limit. ``record``: the
     job hash's field, value pairs. ``touch``: a repeated idempotency key is written again (its
     TTL), so a WAIT after the script covers the earlier job too. ``recent``: how many entries the

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-__all__ = ["Rates", "Capacity", "Standing", "capacity_of"]
+__all__ = ["Rates", "Capacity", "UNKNOWN", "Standing", "capacity_of"]
 
 
 class Rates(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -47,6 +47,10 @@ class Capacity(msgspec.Struct, frozen=True, kw_only=True):
         """Whether it predicts anything: a warm worker measured its speed. Unknown, admission
         refuses nothing (a cold pool's first requests are how it learns)."""
         return self.slots > 0 and self.decode_tps > 0 and self.generated_per_job > 0
+
+
+UNKNOWN = Capacity()
+"""No warm worker, or none that has measured its speed: predicts nothing, refuses nothing."""
 
 
 def capacity_of(workers: Iterable[tuple[int, Rates]]) -> Capacity:

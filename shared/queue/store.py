@@ -36,12 +36,11 @@ from shared.queue.writer import now_ms
 from shared.redis import reply
 from shared.redis_memory import MemoryGuard
 from shared.schemas import JobError, JobGroup, JobRecord, estimate_prompt_tokens, estimate_tokens
-from shared.slo import Capacity, Standing
+from shared.slo import UNKNOWN, Capacity, Standing
 from shared.tenants import DEFAULT_TENANT, TenantConfig
 
 __all__ = ["JobStore", "level_of"]
 
-NO_CAPACITY = Capacity()
 
 log = structlog.get_logger()
 _groups = msgspec.json.Decoder(JobGroup)
@@ -164,7 +163,7 @@ class JobStore(Side):
 
     async def enqueue(self, record: JobRecord, idempotency_key: str | None = None, *,
                       max_queued: int = 2**62, relay: str | None = None, tenant: TenantConfig | None = None,
-                      capacity: Capacity = NO_CAPACITY, slo_margin_ms: int = 0) -> str:
+                      capacity: Capacity = UNKNOWN, slo_margin_ms: int = 0) -> str:
         """Write the record and queue the job on its priority level, atomically, to wait for its
         tenant's turn (read.lua picks); returns the owning job id (an earlier job's id when
         ``idempotency_key`` was seen before). Raises :class:`Overloaded` when the model already has
