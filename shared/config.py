@@ -146,8 +146,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     connections: a balancer that reuses a connection llmq is just closing returns a spurious 502."""
     sse_keepalive_s: float = 15.0
     """LLMQ_SSE_KEEPALIVE_S: SSE comment interval while a request waits."""
-    max_body_bytes: int = 10_000_000
-    """LLMQ_MAX_BODY_BYTES: the largest request body accepted (413 past it)."""
+    max_body_bytes: int = 32 * 2**20
+    """LLMQ_MAX_BODY_BYTES: the largest request body accepted (413 past it). 32 MiB: a body may
+    carry images as base64 (a 5 MB image is about 6.7 MB of it)."""
     console: bool = True
     """LLMQ_CONSOLE: serve the web console at `/console` (docs/console.md). Its JSON routes stay."""
     lmi_output_formatter: str = "jsonlines"
@@ -403,6 +404,22 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     CIDRs. Unset: any public address; loopback, link-local, private and cloud-metadata addresses are
     refused (at submit, and again after DNS resolution at delivery)."""
 
+    # images (docs/images.md)
+    media_allow: str = ""
+    """LLMQ_MEDIA_ALLOW: comma-separated hosts the API may fetch image URLs from, as host names or
+    CIDRs (as LLMQ_WEBHOOK_ALLOW). Unset: any public address; loopback, link-local, private and
+    cloud-metadata addresses are refused, and so is every redirect to one."""
+    media_ttl_s: Annotated[int, msgspec.Meta(ge=1)] = 3600
+    """LLMQ_MEDIA_TTL_S: how long a stored image is kept after the last job naming it was queued or
+    claimed (never less than that job's deadline)."""
+    max_image_bytes: Annotated[int, msgspec.Meta(ge=1)] = 5 * 2**20
+    """LLMQ_MAX_IMAGE_BYTES: the largest image accepted, decoded (Anthropic's 5 MB)."""
+    max_image_px: Annotated[int, msgspec.Meta(ge=1)] = 8000
+    """LLMQ_MAX_IMAGE_PX: the largest width or height accepted (Anthropic's 8000)."""
+    media_fetch_timeout_s: float = 10.0
+    """LLMQ_MEDIA_FETCH_TIMEOUT_S: how long the API may take to fetch one image URL, redirects
+    included."""
+
     # batch files (run by the housekeeping process)
     batch_rate: int = 20
     """LLMQ_BATCH_RATE: batch lines queued per second, over all batches."""
@@ -581,10 +598,11 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: object)
         replicas_of(settings.durability)
     except ValueError as exc:
         bad.append(str(exc))
-    try:
-        egress.policy(settings.webhook_allow)
-    except ValueError as exc:  # at start-up, not at the first webhook
-        bad.append(str(exc))
+    for allow in (settings.webhook_allow, settings.media_allow):
+        try:
+            egress.policy(allow)
+        except ValueError as exc:  # at start-up, not at the first webhook or image
+            bad.append(str(exc))
     bad += _parallel_problems(settings)
     if bad:
         raise SettingsError("invalid llmq settings: " + "; ".join(bad))

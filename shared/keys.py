@@ -281,6 +281,19 @@ class Keys:
         """Sorted set: ready worker id -> heartbeat expiry (ms); how the API knows it can serve."""
         return f"{self._model(model)}:workers"
 
+    def media(self, sha256: str) -> str:
+        """String with TTL (LLMQ_MEDIA_TTL_S, renewed whenever a job naming it is queued or
+        claimed): an image's bytes as the client sent them, named by their SHA-256 (api/media.py
+        stores, workers read; docs/images.md). Not JSON: ``redis-cli --raw GET`` writes the image
+        file. No model tag: one image serves every model's jobs, and no script touches it."""
+        return f"{self.prefix}:media:{sha256}"
+
+    def model_info(self) -> str:
+        """Hash: model name -> what its workers last said it takes (JSON ``ModelInfo``,
+        shared/media.py): its input modalities and how its processor counts an image's tokens.
+        Written by each worker as it comes up; nothing removes it, like :meth:`models`."""
+        return f"{self.prefix}:model-info"
+
     def models(self) -> str:
         """Sorted set: model name -> latest heartbeat expiry (ms) of any worker serving it."""
         return f"{self.prefix}:models"

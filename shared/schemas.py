@@ -22,6 +22,10 @@ __all__ = [
     "StructuredOutput",
     "SamplingParams",
     "ChatMessage",
+    "Text",
+    "Image",
+    "Part",
+    "IMAGE_FORMATS",
     "Tool",
     "ToolCall",
     "ToolUse",
@@ -176,13 +180,59 @@ class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
     """The arguments as JSON text (OpenAI's form; Anthropic's ``input`` object is dumped to it)."""
 
 
+IMAGE_FORMATS = ("png", "jpeg", "gif", "webp")
+"""The image formats llmq takes (Anthropic's four; OpenAI's are the same), as Pillow names them,
+lower-cased."""
+
+
+class Text(msgspec.Struct, frozen=True, kw_only=True, tag="text"):
+    """A text part of a turn that also holds images (:attr:`ChatMessage.parts`)."""
+
+    text: str
+
+
+class Image(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="image"):
+    """An image in a turn (docs/images.md). A dialect reads it as a source: ``url`` (an http(s)
+    URL, or a ``data:`` URL) or ``data`` (base64, with its ``media_type``). Admission
+    (api/media.py) reads it, stores its bytes under their SHA-256 (``llmq:media:<sha256>``) and
+    queues only the reference: ``sha256``, what its header says, and its estimated tokens. A
+    queued job never carries a source, so a worker needs no egress and a conversation that sends
+    one screenshot every turn stores it once."""
+
+    sha256: str = ""
+    format: str = ""
+    """One of :data:`IMAGE_FORMATS`."""
+    width: int = 0
+    height: int = 0
+    tokens: int = 0
+    """What the model's processor makes of it, estimated at admission from its size: counted in
+    the job's estimate (fair share, quotas) and in ``count_tokens``."""
+    detail: Literal["auto", "low", "high"] | None = None
+    """OpenAI's ``detail``, as sent (kept and passed on; the tiny model's processor ignores it)."""
+    url: str | None = None
+    data: str | None = None
+    media_type: str | None = None
+
+    @property
+    def stored(self) -> bool:
+        """Whether this is a reference to stored bytes, as every queued image is."""
+        return bool(self.sha256)
+
+
+Part = Text | Image
+"""A part of a turn that holds images: its text and images in the order the client sent them."""
+
+
 class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """One chat turn. Dialects flatten multi-part content to text before queueing, and map their
-    tool history to OpenAI's form: an assistant turn's ``tool_calls``, then one ``tool`` turn per
-    result, naming its call."""
+    """One chat turn. Dialects flatten multi-part content to text before queueing, unless it holds
+    an image: then ``parts`` holds its text and images in order and ``content`` is empty. They map
+    their tool history to OpenAI's form: an assistant turn's ``tool_calls``, then one ``tool`` turn
+    per result, naming its call (a result's images in its ``parts``)."""
 
     role: str
     content: str = ""
+    parts: list[Part] = []
+    """A turn with images: its texts and images in order (``content`` is then empty)."""
     name: str | None = None
     tool_calls: list[ToolCall] = []
     tool_call_id: str | None = None
@@ -298,6 +348,11 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     """llmq's own fault tests only (``X-LLMQ-Test-Fault``, honoured while LLMQ_TEST_FAULTS is on in
     the API and the worker): ``kill-engine`` makes its worker kill its engine at each of the job's
     starts. Set at admission from the header alone, whatever a body says."""
+
+    @property
+    def images(self) -> list[Image]:
+        """Every image of its chat, in order."""
+        return [p for m in self.messages or () for p in m.parts if isinstance(p, Image)]
 
     @property
     def served_name(self) -> str:
@@ -483,14 +538,15 @@ def parse_run(run: str) -> Run:
 
 def estimate_prompt_tokens(req: GenerationRequest) -> int:
     """Its prompt's tokens, before it is rendered: exact for token ids, else about 4 bytes of text
-    per token."""
+    per token, plus each image's estimate (:attr:`Image.tokens`)."""
     if req.prompt_token_ids is not None:
         return len(req.prompt_token_ids)
     size = len(req.prompt.encode()) if req.prompt is not None else sum(
-        len(m.content.encode()) + sum(len(c.arguments) for c in m.tool_calls) for m in req.messages or ())
+        len(m.content.encode()) + sum(len(p.text.encode()) for p in m.parts if isinstance(p, Text))
+        + sum(len(c.arguments) for c in m.tool_calls) for m in req.messages or ())
     if req.tools is not None:  # the template renders each tool's schema into the prompt
         size += len(msgspec.json.encode(req.tools.tools))
-    return size // 4 + 1
+    return size // 4 + 1 + sum(image.tokens for image in req.images)
 
 
 def estimate_tokens(req: GenerationRequest, max_model_len: int | None = None) -> int:
