@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shared.errors import InvalidRequest
-from shared.schemas import ChatMessage, ChatOptions, ToolUse
+from shared.schemas import ChatMessage, ChatOptions, Text, ToolUse
 
 __all__ = ["chat_token_ids", "openai_tools"]
 
@@ -23,9 +23,12 @@ def chat_token_ids(tokenizer: Any, messages: Sequence[ChatMessage], options: Cha
     the template's BOS is not doubled. A template that refuses them (a role it does not know, a bad
     kwarg) is the client's 400. Tools go to the template even with ``tool_choice: none``, as vLLM
     sends them."""
+    rendered = _developer_roles(tokenizer, [_template_message(m) for m in messages])
+    if any(m.parts for m in messages):
+        rendered = [_as_parts(m) for m in rendered]
     try:
         encoded = tokenizer.apply_chat_template(
-            _developer_roles(tokenizer, [_template_message(m) for m in messages]), tools=openai_tools(tools),
+            rendered, tools=openai_tools(tools),
             tokenize=True,
             add_generation_prompt=options.add_generation_prompt,
             continue_final_message=options.continue_final_message, **options.template_kwargs,
@@ -41,9 +44,14 @@ def _developer_roles(tokenizer: Any, rendered: list[dict[str, Any]]) -> list[dic
     start (joined with a blank line), since many templates refuse a system turn anywhere else."""
     if not any(m["role"] == "developer" for m in rendered) or _names_developer(tokenizer):
         return rendered
-    system = [m["content"] for m in rendered if m["role"] in ("system", "developer") and m["content"]]
+    system = [_text(m["content"]) for m in rendered if m["role"] in ("system", "developer") and m["content"]]
     rest = [m for m in rendered if m["role"] not in ("system", "developer")]
     return [{"role": "system", "content": "\n\n".join(system)}, *rest]
+
+
+def _text(content: str | list[dict[str, str]]) -> str:
+    """A system turn's text (it holds no image: dialects put images in user and tool turns only)."""
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
 
 
 def _names_developer(tokenizer: Any) -> bool:
@@ -52,11 +60,25 @@ def _names_developer(tokenizer: Any) -> bool:
     return any('"developer"' in t or "'developer'" in t for t in texts)
 
 
+def _as_parts(message: dict[str, Any]) -> dict[str, Any]:
+    """A turn of a chat with images, its content as a list of parts, as multimodal templates
+    (Idefics3's, SmolVLM's) take every turn of such a chat: vLLM's "openai" content format."""
+    content = message["content"]
+    if isinstance(content, str):
+        message = {**message, "content": [{"type": "text", "text": content}] if content else []}
+    return message
+
+
 def _template_message(m: ChatMessage) -> dict[str, Any]:
     """A turn as chat templates take it (OpenAI's form). A call's arguments go as an object, as
     vLLM's ``_postprocess_messages`` passes them ("how tool-use chat templates expect them"),
-    unless they are not a JSON object."""
-    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    unless they are not a JSON object. A turn with images is a list of parts, an image as
+    ``{"type": "image"}``: the template writes its placeholder, which the engine's processor
+    expands to the image's tokens (the image itself goes to the engine beside the prompt)."""
+    content: str | list[dict[str, str]] = m.content
+    if m.parts:
+        content = [{"type": "text", "text": p.text} if isinstance(p, Text) else {"type": "image"} for p in m.parts]
+    out: dict[str, Any] = {"role": m.role, "content": content}
     if m.name is not None:
         out["name"] = m.name
     if m.tool_calls:
