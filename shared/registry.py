@@ -17,6 +17,7 @@ from redis.asyncio.client import PubSub
 from shared.cluster import node_client, subscribers
 from shared.keys import GROUP, Keys
 from shared.queue import now_ms
+from shared.redis import reply
 
 __all__ = ["Registry"]
 
@@ -47,6 +48,11 @@ class Registry:
             pipe.zrem(self.keys.workers(model), worker)
         pipe.zremrangebyscore(self.keys.workers(model), 0, now_ms())
         await pipe.execute()
+
+    async def describe(self, model: str, info: bytes) -> None:
+        """What ``model`` takes (JSON ``shared.media.ModelInfo``), for the APIs: written by each of
+        its workers as it comes up, the last one's standing."""
+        await reply(self.redis.hset(self.keys.model_info(), mapping={model: info}))
 
     async def deregister(self, model: str, worker: str) -> None:
         """Remove ``worker``'s hash and its place in the model's ready set."""

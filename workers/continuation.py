@@ -100,7 +100,9 @@ def needs_replay(req: GenerationRequest, parsed: bool = False) -> bool:
     docstring): prompt extension would change what comes next. A parsed chat (``parsed``: tools or
     a reasoning parser, workers/parsing.py) is replayed too: its parser must see every token."""
     s = req.sampling
-    return (parsed or s.structured is not None or bool(s.stop) or s.presence_penalty != 0
+    # A chat with images is run again from its messages (the engine's processor expands each
+    # image from the original placeholders, never from already expanded ids): forced, so exact.
+    return (parsed or bool(req.images) or s.structured is not None or bool(s.stop) or s.presence_penalty != 0
             or s.frequency_penalty != 0 or (s.seed is not None and s.temperature > 0))
 
 
@@ -145,8 +147,11 @@ def plan_continuation(req: GenerationRequest, prior: list[Event], prompt_ids: li
 
 
 def _from_ids(req: GenerationRequest, ids: list[int], sampling: SamplingParams) -> GenerationRequest:
+    """``req`` run again from the prompt ``ids`` (a chat with images: from its messages, which
+    render to the same ids; the engine needs the placeholders to place the images)."""
+    prompt: dict[str, object] = {} if req.images else {"prompt": None, "messages": None, "prompt_token_ids": ids}
     return msgspec.structs.replace(
-        req, prompt=None, messages=None, prompt_token_ids=ids,
+        req, **prompt,
         sampling=msgspec.structs.replace(sampling, prompt_logprobs=None),  # published with the first event
         output=msgspec.structs.replace(req.output, prompt_tokens=False),
     )

@@ -44,6 +44,7 @@ from workers import forcing
 from workers.adapters import EngineAdapters
 from workers.beam import beam_search
 from workers.continuation import run_parts
+from workers.media import Images
 from workers.environment import cpu_engine, eager
 from workers.parsing import ChoiceParser, OutputParsers, Parsing
 from workers.protocol import AdapterState, Death, Part, Step
@@ -373,21 +374,31 @@ class VllmEngine:
             return "killed"
         return "failed" if any((code or 0) > 0 for code in codes) else "killed"
 
-    def _prompt(self, req: GenerationRequest) -> TextPrompt | TokensPrompt:
+    def _prompt(self, req: GenerationRequest, images: Images | None = None) -> TextPrompt | TokensPrompt:
         if req.prompt_token_ids is not None:
             return TokensPrompt(prompt_token_ids=list(req.prompt_token_ids))
         if req.messages is not None:
-            return TokensPrompt(prompt_token_ids=chat_token_ids(self.tokenizer, req.messages, req.chat, req.tools))
+            prompt = TokensPrompt(prompt_token_ids=chat_token_ids(self.tokenizer, req.messages, req.chat, req.tools))
+            if shas := [image.sha256 for image in req.images]:
+                # The template wrote one placeholder per image; the engine's processor expands each
+                # to its tokens. The hash is the image's key in vLLM's processor cache too.
+                if images is None or any(sha not in images for sha in shas):
+                    raise InvalidRequest("the job's images were not loaded")
+                prompt["multi_modal_data"] = {"image": [images[sha] for sha in shas]}
+                prompt["multi_modal_uuids"] = {"image": shas}
+            return prompt
         assert req.prompt is not None
         return TextPrompt(prompt=req.prompt)
 
     def _budget(self, req: GenerationRequest, prompt: TextPrompt | TokensPrompt) -> int:
         """``max_tokens`` clamped to what the context leaves after the prompt, as vLLM's server
-        does: exact for a prompt of token ids (a chat is rendered to ids here); a text prompt is
-        tokenised inside vLLM, so it counts as one token, and the engine ends the generation at
-        the context's end (``length``) all the same."""
+        does: exact for a prompt of token ids (a chat is rendered to ids here, each image's
+        placeholder counted as the tokens admission estimated for it); a text prompt is tokenised
+        inside vLLM, so it counts as one token, and the engine ends the generation at the
+        context's end (``length``) all the same."""
         ids = prompt.get("prompt_token_ids")
-        return generation_budget(req.sampling.max_tokens, None if ids is None else len(ids), self.max_model_len)
+        length = None if ids is None else len(ids) + sum(max(image.tokens - 1, 0) for image in req.images)
+        return generation_budget(req.sampling.max_tokens, length, self.max_model_len)
 
     def _prompt_info(self, out: RequestOutput, req: GenerationRequest) -> PromptInfo:
         ids = list(out.prompt_token_ids or ())
@@ -420,7 +431,7 @@ class VllmEngine:
         return self.loras.state()
 
     def stream(self, job_id: str, req: GenerationRequest, parts: Sequence[Part] | None = None,
-               trace_headers: Mapping[str, str] | None = None) -> AsyncIterator[Step]:
+               trace_headers: Mapping[str, str] | None = None, images: Images | None = None) -> AsyncIterator[Step]:
         """The job's steps: ``req`` as one engine request, or (a continued job) each of ``parts``
         as its own, merged under the parts' choice indices. A plain job's steps come straight from
         :meth:`_generate`, with no generator in between (one fewer resume per token). A chat's
@@ -431,11 +442,12 @@ class VllmEngine:
         except ValueError as exc:  # vLLM's checks of the tools (a schema it cannot constrain, ...)
             raise InvalidRequest(str(exc)) from None
         if parts is None:
-            return self._generate(job_id, req, trace_headers=trace_headers, parsing=parsing, job_id=job_id)
-        return self._stream_parts(job_id, parts, trace_headers, parsing)
+            return self._generate(job_id, req, trace_headers=trace_headers, parsing=parsing, job_id=job_id,
+                                  images=images)
+        return self._stream_parts(job_id, parts, trace_headers, parsing, images)
 
     async def _stream_parts(self, job_id: str, parts: Sequence[Part], trace_headers: Mapping[str, str] | None,
-                            parsing: Parsing | None) -> AsyncIterator[Step]:
+                            parsing: Parsing | None, images: Images | None) -> AsyncIterator[Step]:
         if not parts:  # every choice had finished: only the final event is missing
             yield Step(deltas=[], finished=True)
             return
@@ -444,20 +456,22 @@ class VllmEngine:
         try:
             async for step in run_parts(parts, lambda part: self._generate(
                     ids[part.index], part.request, part.replay, trace_headers, parsing=parsing, job_id=job_id,
-                    choice=part.index)):
+                    choice=part.index, images=images)):
                 yield step
         finally:
             self._requests.pop(job_id, None)
 
     async def _generate(self, request_id: str, req: GenerationRequest, forced: Sequence[int] = (),
                         trace_headers: Mapping[str, str] | None = None, *, parsing: Parsing | None = None,
-                        job_id: str = "", choice: int | None = None) -> AsyncIterator[Step]:
+                        job_id: str = "", choice: int | None = None, images: Images | None = None
+                        ) -> AsyncIterator[Step]:
         """One engine request's steps. ``parsing``: the chat's output parsers (built from the job's
         own request: a part's request is its prompt ids); ``choice``: the job's choice this engine
-        request runs (a part), else each output's own index."""
+        request runs (a part), else each output's own index; ``images``: the job's, decoded
+        (workers/media.py)."""
         want_top = req.sampling.logprobs
         try:
-            prompt = self._prompt(req)
+            prompt = self._prompt(req, images)
             params = to_sampling_params(req, forced, self._budget(req, prompt), faults=self.faults)
         except (ValueError, VLLMValidationError) as exc:  # SamplingParams' own checks (min_tokens past the budget)
             raise InvalidRequest(str(exc)) from None

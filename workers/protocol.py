@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 from shared.events import TokenDelta
 from shared.schemas import GenerationRequest, PromptInfo
@@ -78,10 +78,12 @@ class Engine(Protocol):
     ``tests/support/scripted_engine.py`` holds the fakes)."""
 
     def stream(self, job_id: str, req: GenerationRequest, parts: Sequence[Part] | None = None,
-               trace_headers: Mapping[str, str] | None = None) -> AsyncIterator[Step]:
+               trace_headers: Mapping[str, str] | None = None, images: Mapping[str, Any] | None = None
+               ) -> AsyncIterator[Step]:
         """``req``'s steps; with ``parts`` (a continued job, workers/continuation.py), those of each
         part, merged under their choice indices, the last one ``finished``. ``trace_headers``: the
-        W3C context the engine's own spans continue (tracing on)."""
+        W3C context the engine's own spans continue (tracing on); ``images``: the job's images,
+        decoded, by SHA-256 (workers/media.py)."""
 
     def parses(self, req: GenerationRequest) -> bool:
         """Whether ``req``'s output goes through the engine's output parsers (a chat with tools,

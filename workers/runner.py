@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, assert_never
 
+import msgspec
 import structlog
 from redis.exceptions import ResponseError
 
@@ -59,6 +60,7 @@ from shared.errors import (
     ServiceError,
 )
 from shared.events import Done, Error, Timings
+from shared.media import TEXT_ONLY, MediaStore, ModelInfo
 from shared.metrics import Recorder
 from shared.queue import Consumer, Delivery, Held, Swap, now_ms
 from shared.redis import REDIS_DOWN
@@ -68,6 +70,7 @@ from shared.scripts import NO_AFFINITY, Affinity, Candidate
 from workers import preemption
 from workers.attempt import Attempt
 from workers.continuation import plan_for
+from workers.media import load_images
 from workers.outbox import Outbox
 from workers.presence import Presence, Status
 from workers.protocol import Death, Engine
@@ -81,6 +84,14 @@ if TYPE_CHECKING:  # OpenTelemetry is imported only with tracing on
 __all__ = ["Worker"]
 
 log = structlog.get_logger()
+
+
+_info_json = msgspec.json.Encoder().encode
+
+
+def _until(deadline: float | None) -> float | None:
+    """Seconds from now to ``deadline`` (epoch ms; None: none)."""
+    return None if deadline is None else max(deadline - now_ms(), 0) / 1000
 
 
 async def _cancel(*tasks: asyncio.Task[None]) -> None:
@@ -127,8 +138,11 @@ class _Suspect:
 
 class Worker:
     def __init__(self, settings: Settings, queue: Consumer, engine: Engine, *, worker_id: str | None = None,
-                 device: str = "", devices: Sequence[str] = (), tracing: Tracing | None = None):
+                 device: str = "", devices: Sequence[str] = (), tracing: Tracing | None = None,
+                 info: ModelInfo = TEXT_ONLY):
         self.settings = settings
+        self.info = info  # what its model takes: told to the APIs as it comes up (shared/media.py)
+        self.media = MediaStore(queue.redis, queue.keys, settings.media_ttl_s)  # its jobs' images
         self.tracing = tracing  # None: tracing off, and no span work anywhere below
         self.queue = queue
         self.engine = engine
@@ -183,6 +197,7 @@ class Worker:
             control = tg.create_task(self.presence.control(self._cancel_requested))
             await self.warm_up()
             self._engine_up.set()
+            await self.presence.registry.describe(self.model, _info_json(self.info))
             await self._beat()
             log.info("worker_ready", worker=self.worker_id, slots=self.slots.total)
             flusher = tg.create_task(self.outbox.run())
@@ -588,8 +603,11 @@ class Worker:
         merges = merges_steps(req)
         if self.engine.dead():  # it died before this job reached it: not this job's doing
             raise EngineDead("the engine was dead when the job started")
+        # Read by hash as the job starts (and as a continuation starts), renewed until its deadline.
+        images = await load_images(self.media, req, hold_s=_until(d.deadline)) if req.images else None
         running.in_engine = True
-        async for step in self.engine.stream(d.job_id, plan.request, plan.parts, trace_headers=headers):
+        async for step in self.engine.stream(d.job_id, plan.request, plan.parts, trace_headers=headers,
+                                             images=images):
             # The step joins the job's last event if the outbox has not sealed it (workers/outbox.py).
             out = attempt.on_step(step, now_ms, join=merges)
             if out is None:

@@ -77,7 +77,8 @@ class LockstepEngine:
                     self._left[job_id] = (prompt, made + 1, n)
 
     async def stream(self, job_id: str, req: GenerationRequest, parts: Sequence[object] | None = None,
-                     trace_headers: Mapping[str, str] | None = None) -> AsyncIterator[Step]:
+                     trace_headers: Mapping[str, str] | None = None, images: Mapping[str, object] | None = None
+                     ) -> AsyncIterator[Step]:
         if self._ticker is None:
             self._ticker = asyncio.get_running_loop().create_task(self._tick())
         queue = self._queues[job_id] = asyncio.Queue()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
 
 import msgspec
 
@@ -46,6 +47,7 @@ class ScriptedEngine:
         self.requests: list[GenerationRequest] = []  # their requests, the warm-up's first
         self.parts: list[list[Part]] = []  # the parts of each continued job that came in parts
         self.trace_headers: list[Mapping[str, str] | None] = []  # what each job's engine request was given
+        self.images: list[Mapping[str, Any] | None] = []  # the decoded images each was given
         self.active = 0
         self.peak_active = 0  # most jobs generating at once: what the engine's slots bound
         self.log: list[tuple[str, str]] = []
@@ -79,10 +81,12 @@ class ScriptedEngine:
         self.log.append(("restart", ""))
 
     async def stream(self, job_id: str, req: GenerationRequest, parts: Sequence[Part] | None = None,
-                     trace_headers: Mapping[str, str] | None = None) -> AsyncIterator[Step]:
+                     trace_headers: Mapping[str, str] | None = None, images: Mapping[str, Any] | None = None
+                     ) -> AsyncIterator[Step]:
         self.started.append(job_id)
         self.log.append(("start", job_id))
         self.trace_headers.append(trace_headers)
+        self.images.append(images)
         self.requests.append(req)
         self.active += 1
         self.peak_active = max(self.peak_active, self.active)

@@ -11,7 +11,15 @@ import pytest
 
 from shared.errors import WorkerLost
 from shared.events import TokenDelta, Tokens
-from shared.schemas import GenerationRequest, OutputOptions, SamplingParams, StructuredOutput
+from shared.schemas import (
+    ChatMessage,
+    GenerationRequest,
+    Image,
+    OutputOptions,
+    SamplingParams,
+    StructuredOutput,
+    Text,
+)
 from workers.continuation import Replay, needs_replay, plan_continuation, published, run_parts
 from workers.protocol import Part, Published, Step
 
@@ -212,3 +220,17 @@ async def test_a_failing_part_fails_the_job_and_stops_the_others():
         async for _ in run_parts([Part(0, req), Part(1, req)], run):
             pass
     assert cancelled == [0]
+
+
+def test_a_chat_with_images_continues_by_replay_from_its_messages_not_its_expanded_ids():
+    """The engine's processor expands each image from its placeholder: a continuation renders the
+    chat (and reads the images) again, never the recorded ids, where every image is expanded."""
+    image = Image(sha256="ab" * 32, format="png", width=64, height=48, tokens=23)
+    messages = [ChatMessage(role="user", parts=[Text(text="what is this?"), image])]
+    req = GenerationRequest(messages=messages, sampling=SamplingParams(max_tokens=10, temperature=0))
+    assert needs_replay(req) and not needs_replay(msgspec.structs.replace(req, messages=[ChatMessage(
+        role="user", content="what is this?")]))
+    plan = plan_continuation(req, [event(1, d(0, [5, 6], "xy"))], PROMPT_IDS)
+    (part,) = plan.parts
+    assert part.replay == (5, 6) and part.request.messages == messages and part.request.prompt_token_ids is None
+    assert part.request.images == [image] and part.request.sampling.max_tokens == 10
