@@ -19,6 +19,7 @@ from redis.asyncio import Redis
 from api.app import create_app
 from shared.config import Settings, load_settings
 from shared.keys import Keys
+from shared.media import TEXT_ONLY, ModelInfo
 from shared.queue import Consumer
 from shared.redis import connect
 from tests.conftest import free_port
@@ -74,16 +75,18 @@ async def scripted_stack(
     *,
     routes: Sequence[object] = (),
     tracing: Tracing | None = None,
+    info: ModelInfo = TEXT_ONLY,
     **overrides: object,
 ) -> AsyncIterator[ScriptedStack]:
-    """``tracing``: one tracer for the API and the worker alike (tests/integration/test_tracing.py)."""
+    """``tracing``: one tracer for the API and the worker alike (tests/integration/test_tracing.py);
+    ``info``: what the worker says its model takes (images: tests/integration/test_images.py)."""
     settings = scripted_settings(redis_url, prefix, **overrides)
     async with serve_api(settings, routes, tracing) as url:
         redis = connect(redis_url)
         engine = engine if engine is not None else ScriptedEngine(delay_s=0.001)
         durability = settings.acknowledgement
         worker = Worker(settings, Consumer(redis, Keys(prefix), durability=durability), engine, worker_id=f"w-{prefix}",
-                        tracing=tracing)
+                        tracing=tracing, info=info)
         worker_task = asyncio.create_task(worker.run())
         try:
             # Registered in the model's worker set, not just warm: only then does the API route to it.
