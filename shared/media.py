@@ -37,25 +37,56 @@ Modality = Literal["text", "image"]
 
 class ImageCost(msgspec.Struct, frozen=True, kw_only=True):
     """How a model's processor turns an image into tokens, as its worker reads it from the
-    processor's config, for the API's estimate (:meth:`tokens`). The Idefics3 / SmolVLM family:
-    the image is resized so its longest edge is ``longest_edge``, cut into ``tile`` × ``tile``
-    tiles (when ``split``), each ``per_tile`` tokens, plus one global image of ``per_global``.
-    A model of another family reports ``tile`` 0: each image is then ``per_global`` tokens."""
+    processor's config (workers/vision.py), for the API's estimate (:meth:`tokens`). The Idefics3 /
+    SmolVLM family: the image is resized so its longest edge is ``longest_edge``, cut into
+    ``tile`` × ``tile`` tiles (when ``split`` and it is larger than one tile), each ``per_tile``
+    tokens, each row of tiles followed by ``per_row`` (a newline), the whole by ``per_split`` once
+    (a second newline, where the tokenizer does not merge the two), plus one global image of
+    ``per_global``. An image of one tile is the global image alone. A model of another family
+    reports ``tile`` 0: each image is then ``per_global`` tokens."""
 
     longest_edge: int = 0
     tile: int = 0
     per_tile: int = 0
     per_global: int = 0
     split: bool = True
+    per_row: int = 0
+    per_split: int = 0
 
     def tokens(self, width: int, height: int) -> int:
-        """The tokens an image of ``width`` × ``height`` pixels becomes, estimated."""
+        """The tokens an image of ``width`` × ``height`` pixels becomes: exactly as many as the
+        Idefics3 processor (transformers' ``get_number_of_image_patches``, which vLLM counts by) makes."""
         if self.tile <= 0 or not self.split or width <= 0 or height <= 0:
             return self.per_global
-        scale = self.longest_edge / max(width, height) if self.longest_edge else 1.0
-        w, h = max(1, round(width * scale)), max(1, round(height * scale))
-        tiles = math.ceil(w / self.tile) * math.ceil(h / self.tile)
-        return (tiles * self.per_tile if tiles > 1 else 0) + self.per_global
+        w, h = _resized(width, height, self.longest_edge or max(width, height))
+        rows, cols = math.ceil(h / self.tile), math.ceil(w / self.tile)
+        if rows * cols <= 1:
+            return self.per_global
+        return rows * cols * self.per_tile + rows * self.per_row + self.per_split + self.per_global
+
+
+_MAX_SIDE = 4096  # transformers' Idefics3 MAX_IMAGE_SIZE: no side is resized past it
+
+
+def _resized(width: int, height: int, longest: int) -> tuple[int, int]:
+    """An image's size once its longest edge is ``longest``, as Idefics3 resizes it: the other edge
+    truncated, then rounded up to even, then both kept within :data:`_MAX_SIDE`."""
+    aspect = width / height
+    if width >= height:
+        width = longest
+        height = int(width / aspect)
+        height += height % 2
+    else:
+        height = longest
+        width = int(height * aspect)
+        width += width % 2
+    width, height = max(width, 1), max(height, 1)
+    aspect = width / height
+    if width >= height and width > _MAX_SIDE:
+        width, height = _MAX_SIDE, int(_MAX_SIDE / aspect)
+    elif height > width and height > _MAX_SIDE:
+        height, width = _MAX_SIDE, int(_MAX_SIDE * aspect)
+    return max(width, 1), max(height, 1)
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
