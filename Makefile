@@ -33,12 +33,13 @@ run: export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 run: export LLMQ_LOG_JSON ?= false
 # The tiny model's LoRA adapters (docs/adapters.md): registered by api/announce.py once a worker is warm.
 run: export LLMQ_MAX_LORAS ?= 2
+# VISION=1: a second worker serves tiny-vision, the tiny image model, beside the text model
+# (docs/images.md); the API knows it from the start.
+run: export LLMQ_MODELS ?= $(if $(VISION),tiny-vision,)
 run: model
-	@if [ -z "$$LLMQ_REDIS_URL" ]; then \
-		exec $(VENV)/bin/honcho -f Procfile.dev start; \
-	else \
-		exec $(VENV)/bin/honcho -f Procfile.dev start web worker housekeeping ready; \
-	fi
+	@procs="web worker housekeeping ready$(if $(VISION), vision,)"; \
+	if [ -z "$$LLMQ_REDIS_URL" ]; then procs="redis $$procs"; fi; \
+	exec $(VENV)/bin/honcho -f Procfile.dev start $$procs
 
 # The type checker ([tool.mypy]: api/, shared/, workers/), then every test; --durations lists the
 # slowest 25, so what the suite costs stays in view in CI's log.

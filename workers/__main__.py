@@ -60,7 +60,9 @@ async def serve(settings: Settings, tracing: Tracing | None = None) -> None:
             raise SystemExit(1) from None
 
         from workers.engine import VllmEngine  # heavy import: only once Redis is known good
+        from workers.media import model_info
         from workers.runner import Worker
+        from workers.vision import image_cost
 
         bind_children()  # a SIGKILLed worker takes its engine process with it
         log.info("engine_loading", model=model_path)
@@ -78,7 +80,9 @@ async def serve(settings: Settings, tracing: Tracing | None = None) -> None:
 
         queue = Consumer(redis, Keys(settings.prefix), result_ttl_s=settings.result_ttl_s,
                          usage_days=settings.usage_days, durability=durability)
-        worker = Worker(settings, queue, engine, device=claim.label, devices=claim.devices, tracing=tracing)
+        info = model_info(engine.multimodal, image_cost(model_path))
+        worker = Worker(settings, queue, engine, device=claim.label, devices=claim.devices, tracing=tracing,
+                        info=info)
         loop = asyncio.get_running_loop()
 
         def on_signal() -> None:

@@ -424,6 +424,11 @@ class VllmEngine:
             info.token_texts = [self.tokenizer.decode([tid]) for tid in ids]
         return info
 
+    @property
+    def multimodal(self) -> bool:
+        """Whether vLLM serves its model as multimodal (it takes images beside the prompt)."""
+        return bool(self.engine.model_config.is_multimodal_model)
+
     def parses(self, req: GenerationRequest) -> bool:
         return self.parsers.parses(req)
 
