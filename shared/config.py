@@ -415,9 +415,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """LLMQ_MEDIA_ALLOW: comma-separated hosts the API may fetch image URLs from, as host names or
     CIDRs (as LLMQ_WEBHOOK_ALLOW). Unset: any public address; loopback, link-local, private and
     cloud-metadata addresses are refused, and so is every redirect to one."""
-    media_ttl_s: Annotated[int, msgspec.Meta(ge=1)] = 3600
+    media_ttl_s: Annotated[int, msgspec.Meta(ge=1)] = 86_400
     """LLMQ_MEDIA_TTL_S: how long a stored image is kept after the last job naming it was queued or
-    claimed (never less than that job's deadline)."""
+    claimed, and never less than that job's deadline. A job with images and no deadline gets this
+    one, so no job outlives its images."""
     max_image_bytes: Annotated[int, msgspec.Meta(ge=1)] = 5 * 2**20
     """LLMQ_MAX_IMAGE_BYTES: the largest image accepted, decoded (Anthropic's 5 MB)."""
     max_image_px: Annotated[int, msgspec.Meta(ge=1)] = 8000
