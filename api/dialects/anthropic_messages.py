@@ -21,8 +21,16 @@ server maps it (``vllm/entrypoints/anthropic/serving.py``):
 - History: an assistant turn's ``tool_use`` blocks are its ``tool_calls`` (``input`` as JSON
   text), its ``thinking`` blocks its ``reasoning`` (the signature is not checked), and
   ``redacted_thinking`` is dropped (llmq cannot read it). A user turn's ``tool_result`` blocks are
-  ``tool`` turns (one per result, before the turn's text, which follows as a user turn); a result
-  with ``is_error`` reaches the model as ``Error: <content>``.
+  ``tool`` turns (one per result, before the turn's text and images, which follow as a user turn);
+  a result with ``is_error`` reaches the model as ``Error: <content>``.
+- Images: ``image`` blocks (``source`` ``base64``, with ``media_type`` image/jpeg, image/png,
+  image/gif or image/webp, or ``url``, an http(s) URL or a ``data:`` URL) in ``user`` turns, and in
+  a ``tool_result``'s content (Claude Code's ``Read`` returns images there). Only their shape is
+  checked here (admission, api/media.py, reads them); a ``file`` source (llmq has no files API) or
+  an image anywhere else (``system``, an assistant turn) is a 400. Text blocks are joined with
+  newlines, as before: a user turn or result without an image is that text (``content``), as it
+  always was; with one it is its ``parts`` in order (``content`` empty), consecutive text blocks
+  joined with newlines into one part, each image in place between them.
 - ``thinking`` (``enabled``, ``adaptive``, ``disabled``) is the template's ``enable_thinking``
   (the Qwen3 convention) and ``output_config.effort`` its ``reasoning_effort``: what a template
   does with them is the template's affair. A thinking budget is checked as Anthropic checks it,
@@ -30,8 +38,8 @@ server maps it (``vllm/entrypoints/anthropic/serving.py``):
 
 Accepted and without effect: ``cache_control`` anywhere (llmq has no prompt cache to steer),
 ``metadata``, ``context_management``, signatures, ``thinking.display``; unknown fields are ignored,
-as newer SDKs send fields older servers do not know. Anything llmq cannot honour (images,
-documents, other block types) is refused with Anthropic's ``invalid_request_error``, never ignored.
+as newer SDKs send fields older servers do not know. Anything llmq cannot honour (documents, other
+block types) is refused with Anthropic's ``invalid_request_error``, never ignored.
 """
 
 from __future__ import annotations
@@ -54,15 +62,19 @@ from api.dialects.anthropic_render import (
     stop_of,
     stream,
 )
-from api.dialects.common import refuse, required, tool_use
+from api.dialects.common import content_of, refuse, required, tool_use, url_image
 from api.dialects.tiers import priority_of_tier
+from shared.errors import InvalidRequest
 from shared.schemas import (
     ChatMessage,
     ChatOptions,
     GenerationRequest,
+    Image,
     OutputOptions,
+    Part,
     SamplingParams,
     StructuredOutput,
+    Text,
     Tool,
     ToolCall,
     ToolUse,
@@ -100,11 +112,26 @@ MIN_THINKING_BUDGET = 1024  # Anthropic's
 # --- request ------------------------------------------------------------------------------------
 
 
+MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+"""A ``base64`` image source's ``media_type``s (Anthropic's)."""
+
+
+class ImageSource(msgspec.Struct, kw_only=True):
+    """An ``image`` block's ``source``: ``base64`` (``media_type``, ``data``) or ``url``. Other
+    blocks' sources (a document's) decode to it too, unread: their blocks are refused by type."""
+
+    type: str | None = None
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
 class ResultBlock(msgspec.Struct, kw_only=True):
-    """A block of a ``tool_result``'s content; only ``text`` is served."""
+    """A block of a ``tool_result``'s content; ``text`` and ``image`` are served."""
 
     type: str
     text: str | None = None
+    source: ImageSource | str | None = None  # image; a search_result's is a string (refused by type)
 
 
 class ContentBlock(msgspec.Struct, kw_only=True):
@@ -121,6 +148,7 @@ class ContentBlock(msgspec.Struct, kw_only=True):
     content: str | list[ResultBlock] | None = None
     is_error: bool | None = None
     thinking: str | None = None  # thinking (its signature is accepted and not checked)
+    source: ImageSource | str | None = None  # image; a search_result's is a string (refused by type)
 
 
 class InputMessage(msgspec.Struct, kw_only=True):
@@ -194,7 +222,7 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
 Located = tuple[str, ContentBlock]
 """A block and where the request has it (``messages.2.content.1``), for error messages."""
 _BLOCK_ROLE = {"tool_use": "assistant", "thinking": "assistant", "redacted_thinking": "assistant",
-               "tool_result": "user"}
+               "tool_result": "user", "image": "user"}
 
 
 def _text_blocks(content: str | list[ContentBlock], where: str) -> list[str]:
@@ -239,42 +267,69 @@ def _tool_call(block: ContentBlock, where: str) -> ToolCall:
     return ToolCall(id=block.id or "", name=block.name or "", arguments=msgspec.json.encode(block.input).decode())
 
 
+def _image(source: ImageSource | str | None, where: str) -> Image:
+    """An ``image`` block's source (at ``where``), its shape checked: the module's docstring."""
+    refuse(source is None, f"{where}.source: Field required", "messages")
+    if not isinstance(source, ImageSource):
+        raise InvalidRequest(f"{where}.source: Input should be an object", param="messages")
+    refuse(source.type not in ("base64", "url"), f"{where}.source.type: Input should be 'base64' or 'url' "
+           "(this server has no files API)", "messages")
+    if source.type == "url":
+        url = required(source.url, f"{where}.source.url: Field required", "messages")
+        return url_image(url, url_at=f"{where}.source.url", param="messages")
+    data = required(source.data, f"{where}.source.data: Field required", "messages")
+    media_type = required(source.media_type, f"{where}.source.media_type: Field required", "messages")
+    refuse(media_type not in MEDIA_TYPES, f"{where}.source.media_type: Input should be 'image/jpeg', 'image/png', "
+           "'image/gif' or 'image/webp'", "messages")
+    return Image(data=data, media_type=media_type)
+
+
 def _tool_result(block: ContentBlock, where: str) -> ChatMessage:
-    """One ``tool`` turn; a failed call's content is marked ``Error: `` for the model, whose chat
-    template has no other way to tell (OpenAI's form has no error flag)."""
+    """One ``tool`` turn, its images in its parts; a failed call's content is marked ``Error: ``
+    for the model, whose chat template has no other way to tell (OpenAI's form has no error flag)."""
     refuse(block.tool_use_id is None, f"{where}.tool_use_id: Field required", "messages")
+    parts: list[Part] = []
     if block.content is None or isinstance(block.content, str):
         text = block.content or ""
     else:
-        texts = []
+        found: list[Part] = []
         for k, part in enumerate(block.content):
+            if part.type == "image":
+                found.append(_image(part.source, f"{where}.content.{k}"))
+                continue
             refuse(part.type != "text", f"{where}.content.{k}: content blocks of type `{part.type}` are not "
-                   "supported in a tool_result by this server (text only)", "messages")
-            texts.append(required(part.text, f"{where}.content.{k}.text: Field required", "messages"))
-        text = "\n".join(texts)
-    if block.is_error:
+                   "supported in a tool_result by this server (text and image only)", "messages")
+            found.append(Text(text=required(part.text, f"{where}.content.{k}.text: Field required", "messages")))
+        text, parts = content_of(found)
+    if block.is_error and parts:  # the mark goes before the first text, or is one of its own
+        first = parts[0]
+        parts = [Text(text=f"Error: {first.text}"), *parts[1:]] if isinstance(first, Text) else \
+            [Text(text="Error"), *parts]
+    elif block.is_error:
         text = f"Error: {text}" if text else "Error"
-    return ChatMessage(role="tool", content=text, tool_call_id=block.tool_use_id)
+    return ChatMessage(role="tool", content=text, parts=parts, tool_call_id=block.tool_use_id)
 
 
 def _turn(role: str, blocks: list[Located]) -> list[ChatMessage]:
     """One turn as chat messages. An assistant turn is one message (text, reasoning, calls); a
     user turn is its tool results, then its text (as vLLM orders them); a system turn is one
     system message in place, none when it says nothing."""
-    texts: list[str] = []
+    parts: list[Part] = []
     reasoning: list[str] = []
     calls: list[ToolCall] = []
     results: list[ChatMessage] = []
     for where, block in blocks:
         if block.type == "text":
             refuse(block.text is None, f"{where}.text: Field required", "messages")
-            texts.append(block.text or "")
+            parts.append(Text(text=block.text or ""))
             continue
         place = _BLOCK_ROLE.get(block.type)
         refuse(place is None, f"{where}: content blocks of type `{block.type}` are not supported by this server "
-               "(text, tool use and thinking only)", "messages")
+               "(text, image, tool use and thinking only)", "messages")
         refuse(place != role, f"{where}: `{block.type}` blocks can only be in `{place}` messages", "messages")
-        if block.type == "tool_use":
+        if block.type == "image":
+            parts.append(_image(block.source, where))
+        elif block.type == "tool_use":
             calls.append(_tool_call(block, where))
         elif block.type == "tool_result":
             results.append(_tool_result(block, where))
@@ -282,13 +337,17 @@ def _turn(role: str, blocks: list[Located]) -> list[ChatMessage]:
             refuse(block.thinking is None, f"{where}.thinking: Field required", "messages")
             reasoning.append(block.thinking or "")
         # redacted_thinking: accepted and dropped (its data is Anthropic's to read, not llmq's)
+    texts = [p.text for p in parts if isinstance(p, Text)]  # system and assistant turns hold no image
     if role == "system":
         text = _system_text(texts)
         return [ChatMessage(role="system", content=text)] if text else []
     if role == "assistant":
         return [ChatMessage(role="assistant", content="\n".join(texts), tool_calls=calls,
                             reasoning="\n".join(reasoning) if reasoning else None)]
-    return results + ([ChatMessage(role="user", content="\n".join(texts))] if texts or not results else [])
+    if parts or not results:
+        content, parts = content_of(parts)
+        results.append(ChatMessage(role="user", content=content, parts=parts))
+    return results
 
 
 def _tools(b: CountTokensRequest) -> ToolUse | None:

@@ -1,16 +1,17 @@
-"""What several dialects share: refusing a request in one line, the checks of a chat's tools, and
-OpenAI's error object (vLLM's OpenAI server and the Responses API frame errors alike)."""
+"""What several dialects share: refusing a request in one line, the checks of a chat's tools, a
+turn's text and image parts in the internal form, and OpenAI's error object (vLLM's OpenAI server
+and the Responses API frame errors alike)."""
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import msgspec
 
 from shared.errors import InvalidRequest
-from shared.schemas import Tool, ToolUse, ToolUseChoice
+from shared.schemas import Image, Part, Text, Tool, ToolUse, ToolUseChoice
 
-__all__ = ["refuse", "required", "tool_use", "ErrorObject", "ErrorResponse"]
+__all__ = ["refuse", "required", "tool_use", "url_image", "content_of", "ErrorObject", "ErrorResponse"]
 
 T = TypeVar("T")
 
@@ -28,6 +29,49 @@ def required(value: T | None, message: str, param: str | None = None) -> T:
     if value is None:
         raise InvalidRequest(message, param=param)
     return value
+
+
+_DETAILS: dict[str | None, Literal["auto", "low", "high"] | None] = {None: None, "auto": "auto", "low": "low",
+                                                                    "high": "high"}
+
+
+def _image_url(url: str) -> bool:
+    scheme, colon, rest = url.partition(":")
+    scheme = scheme.lower()
+    return bool(colon) and (scheme == "data" or scheme in ("http", "https") and len(rest) > 2
+                            and rest.startswith("//"))
+
+
+def url_image(url: str, detail: str | None = None, *, url_at: str, detail_at: str = "",
+              param: str | None = None) -> Image:
+    """An image a dialect names by URL, its shape checked and nothing more: ``url`` a ``data:`` URL
+    or an http(s) URL, ``detail`` (OpenAI's) ``auto``, ``low`` or ``high``. Admission
+    (api/media.py) decodes or fetches it later, and checks what it holds. ``url_at`` and
+    ``detail_at`` name the fields in the request (the messages say where); ``param``: the error's
+    ``param``, else ``url_at`` or ``detail_at`` itself."""
+    refuse(not _image_url(url), f"{url_at}: an image URL must be an http(s) URL or a data: URL",
+           param or url_at)
+    refuse(detail not in _DETAILS, f"{detail_at}: Input should be 'auto', 'low' or 'high', got {detail!r}",
+           param or detail_at)
+    return Image(url=url, detail=_DETAILS[detail])
+
+
+def content_of(parts: list[Part], sep: str = "\n") -> tuple[str, list[Part]]:
+    """A turn's ``content`` and ``parts`` (:class:`shared.schemas.ChatMessage`) from its texts and
+    images in the client's order. Without an image: its texts joined with ``sep`` (the dialect's
+    join, as before images were taken) and no parts, so a text-only turn is what it always was.
+    With one: no content, and its parts in order, consecutive texts joined with ``sep`` into one
+    part, each image in place between them."""
+    if not any(isinstance(p, Image) for p in parts):
+        return sep.join(p.text for p in parts if isinstance(p, Text)), []
+    out: list[Part] = []
+    for p in parts:
+        last = out[-1] if out else None
+        if isinstance(p, Text) and isinstance(last, Text):
+            out[-1] = Text(text=last.text + sep + p.text)
+        else:
+            out.append(p)
+    return "", out
 
 
 def tool_use(tools: list[Tool] | None, choice: ToolUseChoice | None, function: str | None = None, *,

@@ -5,6 +5,14 @@ This module is the side coming in: the request and its translation (the worker r
 :mod:`api.dialects.openai_chat_render`'s, a stream :mod:`api.dialects.openai_chat_stream`'s;
 their names a route or the dialect registry needs are importable from here too. Errors have the
 OpenAI shape of :mod:`api.dialects.openai_completions`.
+
+Content parts: ``text``, and ``image_url`` (``{"url", "detail"}``, or the older bare URL string)
+in ``user`` turns only; any other type, or an image in another role, is a 400. An image's URL must
+be a ``data:`` URL or an http(s) URL, and its ``detail`` ``auto``, ``low`` or ``high``; nothing
+more is checked here (admission, api/media.py, reads it). A turn's text parts are joined with
+newlines, as vLLM joins them: a turn without an image is that text (``content``), as it always
+was; a turn with one is its ``parts`` in order (``content`` empty), consecutive text parts joined
+with newlines into one, each image in place between them.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 from msgspec import Meta
 
-from api.dialects.common import refuse, required, tool_use
+from api.dialects.common import content_of, refuse, required, tool_use, url_image
 from api.dialects.openai_chat_render import ChatCompletion, FunctionCall, MessageToolCall, render_result
 from api.dialects.openai_chat_stream import ChatCompletionChunk, ChatStream, stream
 from api.dialects.openai_completions import error_body
@@ -27,6 +35,8 @@ from shared.schemas import (
     ChatOptions,
     GenerationRequest,
     OutputOptions,
+    Part,
+    Text,
     Tool,
     ToolCall,
     ToolUse,
@@ -57,9 +67,20 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
+class ImageUrl(msgspec.Struct, kw_only=True):
+    url: str | None = None
+    """An http(s) URL, or a ``data:<media type>;base64,<data>`` URL."""
+    detail: str | None = None
+    """``auto``, ``low`` or ``high``."""
+
+
 class ContentPart(msgspec.Struct, kw_only=True):
+    """A ``text`` part, or an ``image_url`` part (``user`` turns only)."""
+
     type: str = "text"
     text: str | None = None
+    image_url: ImageUrl | str | None = None
+    """An ``image_url`` part's image: ``{"url", "detail"}``, or (the older form) the URL itself."""
 
 
 class Message(msgspec.Struct, kw_only=True):
@@ -179,16 +200,32 @@ def _cross_checks(b: ChatRequest, temperature: float, max_tokens: int) -> None:
     refuse(n > 1 and temperature < GREEDY_EPS, f"n must be 1 when using greedy sampling, got {n}.", "n")
 
 
-def _content(m: Message, i: int) -> str:
-    """Text parts are joined with newlines, as vLLM does for text-only models."""
+def _image(part: ContentPart, m: Message, where: str) -> Part:
+    refuse(m.role != "user", f"{where}: `image_url` content parts are only supported in `user` messages, not "
+           f"`{m.role}`", "messages")
+    ref = part.image_url
+    refuse(ref is None, f"{where}.image_url: Field required", "messages")
+    if not isinstance(ref, ImageUrl):  # the older form: the URL itself
+        return url_image(ref or "", url_at=f"{where}.image_url", param="messages")
+    url = required(ref.url, f"{where}.image_url.url: Field required", "messages")
+    return url_image(url, ref.detail, url_at=f"{where}.image_url.url", detail_at=f"{where}.image_url.detail",
+                     param="messages")
+
+
+def _content(m: Message, i: int) -> tuple[str, list[Part]]:
+    """The turn's ``content`` and ``parts``: text parts joined with newlines, as vLLM does (the
+    module's docstring)."""
     if m.content is None or isinstance(m.content, str):
-        return m.content or ""
-    texts = []
-    for part in m.content:
-        unsupported = f"messages[{i}]: content parts of type `{part.type}` are not supported (text only)"
+        return m.content or "", []
+    parts: list[Part] = []
+    for j, part in enumerate(m.content):
+        if part.type == "image_url":
+            parts.append(_image(part, m, f"messages[{i}].content[{j}]"))
+            continue
+        unsupported = f"messages[{i}]: content parts of type `{part.type}` are not supported (text and image_url only)"
         refuse(part.type != "text", unsupported, "messages")
-        texts.append(required(part.text, f"messages[{i}]: a `text` content part needs `text`", "messages"))
-    return "\n".join(texts)
+        parts.append(Text(text=required(part.text, f"messages[{i}]: a `text` content part needs `text`", "messages")))
+    return content_of(parts)
 
 
 def _messages(b: ChatRequest) -> list[ChatMessage]:
@@ -199,7 +236,8 @@ def _messages(b: ChatRequest) -> list[ChatMessage]:
             refuse(call.type != "function", f"messages[{i}]: tool calls of type `{call.type}` are not supported",
                    "messages")
             calls.append(ToolCall(id=call.id, name=call.function.name, arguments=call.function.arguments))
-        out.append(ChatMessage(role=m.role, content=_content(m, i), name=m.name, tool_calls=calls,
+        content, parts = _content(m, i)
+        out.append(ChatMessage(role=m.role, content=content, parts=parts, name=m.name, tool_calls=calls,
                                tool_call_id=m.tool_call_id,
                                reasoning=m.reasoning if m.reasoning is not None else m.reasoning_content))
     return out

@@ -12,6 +12,15 @@ first, as a system message), rendered with the model's chat template by the work
 - ``function_call`` items become an assistant turn's tool calls (consecutive ones, and a
   reasoning item or assistant message next to them, make one assistant turn, vLLM's rule), and
   ``function_call_output`` items ``tool`` turns naming their ``call_id``;
+- images: ``input_image`` parts (``image_url``: an http(s) URL or a ``data:`` URL; ``detail``
+  ``auto``, ``low`` or ``high``) in a ``user`` message's content, and in a
+  ``function_call_output``'s ``output`` list (``input_text`` and ``input_image`` items: what
+  Codex's ``view_image`` tool returns). Only their shape is checked here (admission, api/media.py,
+  reads them); ``file_id`` (llmq has no files API), an image in another role, and any other
+  non-text part are a 400. Text parts are joined with newlines, as vLLM joins them: content
+  without an image is that text (``content``), as it always was; with one it is the turn's
+  ``parts`` in order (``content`` empty), consecutive text parts joined with newlines into one,
+  each image in place between them;
 - a ``reasoning`` item's text is the reasoning of its assistant turn (``encrypted_content`` is
   ignored: this server never makes any);
 - function tools are offered to the model, a ``namespace`` tool's functions as
@@ -33,7 +42,7 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 from msgspec import Meta
 
-from api.dialects.common import ErrorObject, ErrorResponse, refuse, tool_use
+from api.dialects.common import ErrorObject, ErrorResponse, content_of, refuse, tool_use, url_image
 from api.dialects.openai_responses_render import (
     RESPONSE_PREFIX,
     Deleted,
@@ -61,10 +70,13 @@ from shared.schemas import (
     ChatMessage,
     ChatOptions,
     GenerationRequest,
+    Image,
     JobResult,
     OutputOptions,
+    Part,
     Reported,
     SamplingParams,
+    Text,
     Tool,
     ToolCall,
     ToolUse,
@@ -102,12 +114,17 @@ NAME: Final = "openai_responses"
 
 
 class InputContent(msgspec.Struct, kw_only=True):
-    """One content part; only text parts are honoured (``output_text`` is an earlier assistant turn
-    sent back, as the SDK does; ``reasoning_text`` and ``summary_text`` a reasoning item's). Other
-    types are refused by name."""
+    """One content part: text (``output_text`` is an earlier assistant turn sent back, as the SDK
+    does; ``reasoning_text`` and ``summary_text`` a reasoning item's), or an ``input_image`` where
+    an image may be (the module's docstring). Other types are refused by name."""
 
     type: str
     text: str | None = None
+    image_url: str | None = None
+    """An ``input_image``'s: an http(s) URL or a ``data:`` URL."""
+    detail: str | None = None
+    file_id: str | None = None
+    """Refused: llmq has no files API."""
 
 
 class InputItem(msgspec.Struct, kw_only=True):
@@ -294,19 +311,40 @@ def _tools(b: ResponsesRequest) -> ToolUse | None:
 # Roles a message item may have (``developer`` goes to the template as it is: shared/chat_template.py).
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text")
+_IMAGE_PARTS = (*_TEXT_PARTS, "input_image")
+"""What a user message's content and a ``function_call_output``'s ``output`` list may hold."""
 
 
-def _text(parts: str | list[InputContent] | None, where: str, kinds: Sequence[str] = _TEXT_PARTS) -> str:
-    """Content as text: a string, or its text parts joined with ``\\n`` (as vLLM joins them)."""
+def _image(part: InputContent, at: str) -> Image:
+    refuse(part.file_id is not None, f"{at}: an input_image by `file_id` is not supported (this server has no "
+           "files API): send `image_url`, an http(s) URL or a data URL", f"{at}.file_id")
+    refuse(part.image_url is None, f"{at}: an input_image needs `image_url`", f"{at}.image_url")
+    return url_image(part.image_url or "", part.detail, url_at=f"{at}.image_url", detail_at=f"{at}.detail")
+
+
+def _content(parts: str | list[InputContent] | None, where: str, kinds: Sequence[str] = _TEXT_PARTS,
+             only: str = "text only") -> tuple[str, list[Part]]:
+    """Content as a turn's ``content`` and ``parts``: a string, or its text parts joined with
+    ``\\n`` (as vLLM joins them) and, where ``kinds`` has ``input_image``, its images in place (the
+    module's docstring). ``only``: what the refusal of another kind says is allowed here."""
     if parts is None or isinstance(parts, str):
-        return parts or ""
-    texts = []
+        return parts or "", []
+    out: list[Part] = []
     for j, part in enumerate(parts):
-        refuse(part.type not in kinds, f"{where}[{j}]: content of type {part.type!r} is not supported (text "
-                "only)", f"{where}[{j}].type")
-        refuse(part.text is None, f"{where}[{j}]: a text part needs `text`", f"{where}[{j}]")
-        texts.append(part.text or "")
-    return "\n".join(texts)
+        at = f"{where}[{j}]"
+        refuse(part.type not in kinds, f"{at}: content of type {part.type!r} is not supported ({only})", f"{at}.type")
+        if part.type == "input_image":
+            out.append(_image(part, at))
+            continue
+        refuse(part.text is None, f"{at}: a text part needs `text`", at)
+        out.append(Text(text=part.text or ""))
+    return content_of(out)
+
+
+def _text(parts: str | list[InputContent] | None, where: str, kinds: Sequence[str] = _TEXT_PARTS,
+          only: str = "text only") -> str:
+    """Content that may only be text, as text (no ``kinds`` is an image)."""
+    return _content(parts, where, kinds, only)[0]
 
 
 class _Turn:
@@ -343,7 +381,12 @@ class _Chat:
             case "message":
                 refuse(item.role not in _ROLES, f"{where}: role must be one of {sorted(_ROLES)}, got "
                         f"{item.role!r}", f"{where}.role")
-                text = _text(item.content, f"{where}.content")
+                if item.role == "user":
+                    content, parts = _content(item.content, f"{where}.content", _IMAGE_PARTS, "text and images only")
+                    self.turns.append(ChatMessage(role="user", content=content, parts=parts))
+                    return
+                text = _text(item.content, f"{where}.content", only=f"text only: images go in user messages, not "
+                             f"{item.role} messages")
                 if item.role == "assistant":
                     self._assistant("content").content = text
                 else:
@@ -356,8 +399,8 @@ class _Chat:
                                                         arguments=item.arguments or ""))
             case "function_call_output":
                 refuse(item.call_id is None, f"{where}: a function_call_output needs `call_id`", f"{where}.call_id")
-                self.turns.append(ChatMessage(role="tool", content=_text(item.output, f"{where}.output"),
-                                              tool_call_id=item.call_id))
+                content, parts = _content(item.output, f"{where}.output", _IMAGE_PARTS, "text and images only")
+                self.turns.append(ChatMessage(role="tool", content=content, parts=parts, tool_call_id=item.call_id))
             case "reasoning":
                 text = _text(item.content, f"{where}.content", ("reasoning_text", "text")) \
                     or _text(item.summary, f"{where}.summary", ("summary_text",))

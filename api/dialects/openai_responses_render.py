@@ -27,6 +27,7 @@ from shared.schemas import (
     ChatMessage,
     Choice,
     GenerationRequest,
+    Image,
     JobRecord,
     JobResult,
     Reported,
@@ -382,19 +383,29 @@ class InputText(msgspec.Struct, kw_only=True, tag="input_text", tag_field="type"
     text: str
 
 
+class InputImage(msgspec.Struct, kw_only=True, tag="input_image", tag_field="type"):
+    """A stored turn's image. A queued job keeps an image by its hash, not by the URL it came as
+    (shared/schemas.py ``Image``), so ``image_url`` is null once the image was read."""
+
+    detail: str = "auto"
+    image_url: str | None = None
+    file_id: str | None = None
+
+
 class InputMessageItem(msgspec.Struct, kw_only=True, tag="message", tag_field="type"):
     """A stored turn's message: an assistant's with ``output_text`` (the output it once was)."""
 
     id: str
     role: str
-    content: list[InputText | OutputText]
+    content: list[InputText | InputImage | OutputText]
     status: str = "completed"
 
 
 class FunctionCallOutputItem(msgspec.Struct, kw_only=True, tag="function_call_output", tag_field="type"):
     id: str
     call_id: str
-    output: str
+    output: str | list[InputText | InputImage]
+    """Text, or (a result with images) its texts and images in order."""
     status: str = "completed"
 
 
@@ -409,13 +420,22 @@ class ItemList(msgspec.Struct, kw_only=True):
     has_more: bool = False
 
 
+def _input_parts(m: ChatMessage) -> list[InputText | InputImage]:
+    """A turn with images as its input parts, in order."""
+    return [InputImage(detail=p.detail or "auto", image_url=p.url) if isinstance(p, Image) else InputText(text=p.text)
+            for p in m.parts]
+
+
 def _listed(m: ChatMessage, ref: str, names: dict[str, tuple[str, str]]) -> list[ListedItem]:
     """One stored turn as input items: a tool result as its ``function_call_output``; an
     assistant turn as its reasoning, its message and its calls (as the output it once was)."""
     if m.role == "tool":
-        return [FunctionCallOutputItem(id=f"fco_{ref}", call_id=m.tool_call_id or "", output=m.content)]
+        output: str | list[InputText | InputImage] = _input_parts(m) if m.parts else m.content
+        return [FunctionCallOutputItem(id=f"fco_{ref}", call_id=m.tool_call_id or "", output=output)]
     if m.role != "assistant":
-        return [InputMessageItem(id=MESSAGE_PREFIX + ref, role=m.role, content=[InputText(text=m.content)])]
+        content: list[InputText | InputImage | OutputText] = [*_input_parts(m)] if m.parts else \
+            [InputText(text=m.content)]
+        return [InputMessageItem(id=MESSAGE_PREFIX + ref, role=m.role, content=content)]
     items: list[ListedItem] = []
     if m.reasoning:
         items.append(ReasoningItem(id=REASONING_PREFIX + ref, content=[ReasoningText(text=m.reasoning)],

@@ -216,9 +216,10 @@ async def test_error_classes(client, stack):
     with pytest.raises(openai.NotFoundError) as gone:
         await client.responses.create(model="tiny", input="x", previous_response_id="resp_x")
     assert gone.value.body["param"] == "previous_response_id"
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.BadRequestError) as by_file:  # an image by file_id: llmq has no files API
         await client.responses.create(model="tiny", input=[{"role": "user", "content": [
-            {"type": "input_image", "image_url": "http://x/y.png"}]}])
+            {"type": "input_image", "file_id": "file_1", "detail": "auto"}]}])
+    assert by_file.value.body["param"] == "input[0].content[0].file_id"
     with pytest.raises(openai.NotFoundError):
         await client.responses.retrieve("resp_0000deadbeef")
     with pytest.raises(openai.NotFoundError):

@@ -125,8 +125,10 @@ FN = {"name": "f", "input_schema": {"type": "object"}}
 
 @pytest.mark.parametrize("fields,message", [
     (dict(messages=[said("user", {"type": "image", "source": {}})]),
-     "messages.0.content.0: content blocks of type `image` are not supported by this server "
-     "(text, tool use and thinking only)"),
+     "messages.0.content.0.source.type: Input should be 'base64' or 'url'"),
+    (dict(messages=[said("user", {"type": "video", "source": {}})]),
+     "messages.0.content.0: content blocks of type `video` are not supported by this server "
+     "(text, image, tool use and thinking only)"),
     (dict(messages=[said("user", {"type": "document", "source": {}})]), "`document`"),
     (dict(messages=[said("user", TOOL_USE)]), "messages.0.content.0: `tool_use` blocks can only be in `assistant` "
                                              "messages"),
@@ -140,7 +142,9 @@ FN = {"name": "f", "input_schema": {"type": "object"}}
      "messages.1.content.0.id: Field required"),
     (dict(messages=[said("user", {"type": "tool_result"})]), "messages.0.content.0.tool_use_id: Field required"),
     (dict(messages=[said("user", {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]})]),
-     "messages.0.content.0.content.0: content blocks of type `image` are not supported in a tool_result"),
+     "messages.0.content.0.content.0.source: Field required"),
+    (dict(messages=[said("user", {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "document"}]})]),
+     "messages.0.content.0.content.0: content blocks of type `document` are not supported in a tool_result"),
     (dict(messages=[said("user", {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text"}]})]),
      "messages.0.content.0.content.0.text: Field required"),
     (dict(messages=[*HI, said("assistant", {"type": "thinking", "signature": "s"}), *HI]),

@@ -186,10 +186,10 @@ def test_structured_outputs_need_exactly_one_constraint():
     assert empty.message == "structured output `choice` must not be empty" and empty.param == "structured_outputs"
 
 
-def test_non_text_content_is_refused():
-    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
-    err = refused({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, image]}]})
-    assert err.message == "messages[0]: content parts of type `image_url` are not supported (text only)"
+def test_content_other_than_text_and_images_is_refused():
+    audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    err = refused({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, audio]}]})
+    assert err.message == "messages[0]: content parts of type `input_audio` are not supported (text and image_url only)"
 
 
 BAD_RANGES = [{"temperature": 2.5}, {"top_p": 0}, {"n": 0}, {"top_logprobs": 21, "logprobs": True}]

@@ -176,7 +176,7 @@ def test_a_stored_job_reports_what_its_first_answer_did():
     ({"input": []}, "input"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+    ({"input": [{"role": "system", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
      "input[0].content[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_file",
                                                                                     "file_id": "f"}]}]},
@@ -199,7 +199,7 @@ def test_a_stored_job_reports_what_its_first_answer_did():
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
     ({"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]}, "input[0].name"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image"}]}]},
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_file"}]}]},
      "input[0].output[0].type"),
     ({"input": [{"type": "reasoning", "summary": [], "content": [{"type": "image"}]}]}, "input[0].content[0].type"),
 ])
