@@ -25,6 +25,7 @@ __all__ = [
     "Text",
     "Image",
     "Part",
+    "ImageDetail",
     "IMAGE_FORMATS",
     "Tool",
     "ToolCall",
@@ -185,6 +186,10 @@ IMAGE_FORMATS = ("png", "jpeg", "gif", "webp")
 lower-cased."""
 
 
+ImageDetail = Literal["auto", "low", "high", "original"]
+"""OpenAI's image ``detail`` values (``original`` is Responses')."""
+
+
 class Text(msgspec.Struct, frozen=True, kw_only=True, tag="text"):
     """A text part of a turn that also holds images (:attr:`ChatMessage.parts`)."""
 
@@ -207,8 +212,9 @@ class Image(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="
     tokens: int = 0
     """What the model's processor makes of it, estimated at admission from its size: counted in
     the job's estimate (fair share, quotas) and in ``count_tokens``."""
-    detail: Literal["auto", "low", "high"] | None = None
-    """OpenAI's ``detail``, as sent (kept and passed on; the tiny model's processor ignores it)."""
+    detail: ImageDetail | None = None
+    """OpenAI's ``detail``, as sent: kept with the job, and without effect (the engine's processor
+    sizes an image by its own config)."""
     url: str | None = None
     data: str | None = None
     media_type: str | None = None

@@ -9,7 +9,7 @@ from typing import Literal, TypeVar
 import msgspec
 
 from shared.errors import InvalidRequest
-from shared.schemas import Image, Part, Text, Tool, ToolUse, ToolUseChoice
+from shared.schemas import Image, ImageDetail, Part, Text, Tool, ToolUse, ToolUseChoice
 
 __all__ = ["refuse", "required", "tool_use", "url_image", "content_of", "ErrorObject", "ErrorResponse"]
 
@@ -31,8 +31,8 @@ def required(value: T | None, message: str, param: str | None = None) -> T:
     return value
 
 
-_DETAILS: dict[str | None, Literal["auto", "low", "high"] | None] = {None: None, "auto": "auto", "low": "low",
-                                                                    "high": "high"}
+_DETAILS: dict[str | None, ImageDetail | None] = {None: None, "auto": "auto", "low": "low", "high": "high",
+                                                 "original": "original"}
 
 
 def _image_url(url: str) -> bool:
@@ -45,13 +45,13 @@ def _image_url(url: str) -> bool:
 def url_image(url: str, detail: str | None = None, *, url_at: str, detail_at: str = "",
               param: str | None = None) -> Image:
     """An image a dialect names by URL, its shape checked and nothing more: ``url`` a ``data:`` URL
-    or an http(s) URL, ``detail`` (OpenAI's) ``auto``, ``low`` or ``high``. Admission
+    or an http(s) URL, ``detail`` (OpenAI's) ``auto``, ``low``, ``high`` or ``original``. Admission
     (api/media.py) decodes or fetches it later, and checks what it holds. ``url_at`` and
     ``detail_at`` name the fields in the request (the messages say where); ``param``: the error's
     ``param``, else ``url_at`` or ``detail_at`` itself."""
     refuse(not _image_url(url), f"{url_at}: an image URL must be an http(s) URL or a data: URL",
            param or url_at)
-    refuse(detail not in _DETAILS, f"{detail_at}: Input should be 'auto', 'low' or 'high', got {detail!r}",
+    refuse(detail not in _DETAILS, f"{detail_at}: Input should be 'auto', 'low', 'high' or 'original', got {detail!r}",
            param or detail_at)
     return Image(url=url, detail=_DETAILS[detail])
 

@@ -111,8 +111,8 @@ def test_lmi_chat_vision_example():
      "messages[0].content[0].image_url.url: an image URL must be an http(s) URL or a data: URL"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": "file:///etc/passwd"}]}],
      "messages[0].content[0].image_url: an image URL must be an http(s) URL or a data: URL"),
-    ([{"role": "user", "content": [image_url(HTTP_URL, "original")]}],
-     "messages[0].content[0].image_url.detail: Input should be 'auto', 'low' or 'high', got 'original'"),
+    ([{"role": "user", "content": [image_url(HTTP_URL, "ultra")]}],
+     "messages[0].content[0].image_url.detail: Input should be 'auto', 'low', 'high' or 'original', got 'ultra'"),
     ([{"role": "user", "content": [{"type": "image", "image": HTTP_URL}]}],
      "messages[0]: content parts of type `image` are not supported (text and image_url only)"),
 ])
@@ -217,7 +217,7 @@ def test_responses_input_items_list_images_in_place():
      "input[0].content[1].image_url",
      "input[0].content[1].image_url: an image URL must be an http(s) URL or a data: URL"),
     ([{"role": "user", "content": [input_image(detail="ultra")]}], "input[0].content[0].detail",
-     "input[0].content[0].detail: Input should be 'auto', 'low' or 'high', got 'ultra'"),
+     "input[0].content[0].detail: Input should be 'auto', 'low', 'high' or 'original', got 'ultra'"),
     ([{"role": "developer", "content": [input_image()]}], "input[0].content[0].type",
      "input[0].content[0]: content of type 'input_image' is not supported (text only: images go in user messages, "
      "not developer messages)"),
