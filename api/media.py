@@ -22,22 +22,19 @@ import math
 import time
 from dataclasses import dataclass
 from http.cookiejar import CookieJar, DefaultCookiePolicy
-from typing import TYPE_CHECKING
 
 import httpx
 import msgspec
 import structlog
 from redis.asyncio import Redis
 
+from shared.config import Settings
 from shared.egress import Policy, Refused, pin, policy
 from shared.errors import InternalError, InvalidRequest
 from shared.keys import Keys
 from shared.media import MediaStore, ModelInfo, Sniffed, data_url, decode_base64, sniff
 from shared.redis import reply
 from shared.schemas import IMAGE_FORMATS, GenerationRequest, Image
-
-if TYPE_CHECKING:
-    from shared.config import Settings
 
 __all__ = ["MediaFetcher", "ModelInfos", "Media", "store_images", "fallback_tokens", "hold_for", "MAX_REDIRECTS",
            "FETCH_CONCURRENCY", "HOLD_MARGIN_S", "USER_AGENT", "admit_images", "media_client"]
