@@ -307,8 +307,8 @@ async def store_images(req: GenerationRequest, *, store: MediaStore, fetcher: Me
 
 
 def _first(eg: BaseExceptionGroup) -> BaseException:
-    """The error a failed group answers with: the first client error (the order the request names
-    its images), else the first error of any kind."""
+    """The error a failed group answers with: a client error if there is one (the first raised:
+    the group cancels the other reads then), else the first error of any kind (Redis down: 503)."""
     leaves: list[BaseException] = []
 
     def walk(e: BaseException) -> None:
