@@ -240,12 +240,13 @@ async def _read(image: Image, where: str, fetcher: MediaFetcher) -> bytes:
 
 
 async def store_images(req: GenerationRequest, *, store: MediaStore, fetcher: MediaFetcher, info: ModelInfo | None,
-                       settings: Settings, hold_s: float | None) -> GenerationRequest:
+                       settings: Settings, hold_s: float | None, keep: bool = True) -> GenerationRequest:
     """``req`` with every image source read, checked, stored (once per content) and replaced by its
     reference; ``req`` itself when it holds no image (no Redis call). ``info``: the model's
     (None: unknown, images admitted with :func:`fallback_tokens`). A reference already in ``req``
     (a conversation continued from a stored one) is renewed, and refused if it is gone. Raises
-    :class:`InvalidRequest` naming the image (``messages[i].parts[j]``) for anything refused."""
+    :class:`InvalidRequest` naming the image (``messages[i].parts[j]``) for anything refused.
+    ``keep`` False: read and checked only, nothing stored or renewed (``count_tokens``)."""
     places = [(i, j, part) for i, m in enumerate(req.messages or ()) for j, part in enumerate(m.parts)
               if isinstance(part, Image)]
     if not places:
@@ -266,7 +267,8 @@ async def store_images(req: GenerationRequest, *, store: MediaStore, fetcher: Me
                 # Anthropic's words for a base64 source whose media_type is not what its bytes are
                 raise InvalidRequest(f"{where}: Image does not match the provided media type {image.media_type}",
                                      param=where)
-            await store.put(found.sha256, raw, hold_s=hold_s)
+            if keep:
+                await store.put(found.sha256, raw, hold_s=hold_s)
             return found
 
     async def _reference(image: Image, where: str) -> Sniffed:
@@ -275,7 +277,7 @@ async def store_images(req: GenerationRequest, *, store: MediaStore, fetcher: Me
             raise InvalidRequest(f"{where}: an image needs a `url` or `data`", param=where)
         if image.width <= 0 or image.height <= 0 or max(image.width, image.height) > max_px:
             raise InvalidRequest(f"{where}: the stored image's size is not valid", param=where)
-        [held] = await store.renew([sha], hold_s=hold_s)
+        [held] = await store.renew([sha], hold_s=hold_s) if keep else [True]
         if not held:
             raise InvalidRequest(f"{where}: the image {sha} is no longer stored; send the image again", param=where)
         return Sniffed(sha256=sha, format=image.format, width=image.width, height=image.height, size=0)
@@ -338,11 +340,23 @@ class Media:
                    infos=ModelInfos(redis, keys), settings=settings)
 
     async def admit(self, req: GenerationRequest) -> GenerationRequest:
-        """:func:`store_images` for a request whose model is resolved; held until its deadline."""
+        """:func:`store_images` for a request whose model is resolved; held until its deadline. A
+        job with images and no deadline gets ``LLMQ_MEDIA_TTL_S`` as its deadline: no job outlives
+        the images it names."""
+        if not req.images:
+            return req
+        if req.timeout_s is None and not self.settings.deadline_s:
+            req = msgspec.structs.replace(req, timeout_s=float(self.settings.media_ttl_s))
+        return await store_images(req, store=self.store, fetcher=self.fetcher, info=await self.infos.get(req.model),
+                                  settings=self.settings, hold_s=hold_for(req, self.settings.deadline_s))
+
+    async def measure(self, req: GenerationRequest) -> GenerationRequest:
+        """``req`` with each image read and checked, its tokens estimated, nothing stored
+        (Anthropic's ``count_tokens``)."""
         if not req.images:
             return req
         return await store_images(req, store=self.store, fetcher=self.fetcher, info=await self.infos.get(req.model),
-                                  settings=self.settings, hold_s=hold_for(req, self.settings.deadline_s))
+                                  settings=self.settings, hold_s=None, keep=False)
 
     async def aclose(self) -> None:
         await self.fetcher.aclose()

@@ -44,8 +44,8 @@ from workers import forcing
 from workers.adapters import EngineAdapters
 from workers.beam import beam_search
 from workers.continuation import run_parts
-from workers.media import Images
 from workers.environment import cpu_engine, eager
+from workers.media import Images
 from workers.parsing import ChoiceParser, OutputParsers, Parsing
 from workers.protocol import AdapterState, Death, Part, Step
 from workers.ranks import Ranks

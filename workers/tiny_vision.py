@@ -188,8 +188,13 @@ def build_processor():
 def build_tiny_vision(path: Path) -> Path:
     """Build the model directory at ``path`` (created or overwritten in place)."""
     import torch
-    from transformers import (GenerationConfig, Idefics3Config, Idefics3ForConditionalGeneration,
-                              Idefics3VisionConfig, LlamaConfig)
+    from transformers import (
+        GenerationConfig,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3VisionConfig,
+        LlamaConfig,
+    )
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@ and the Responses API frame errors alike)."""
 
 from __future__ import annotations
 
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import msgspec
 

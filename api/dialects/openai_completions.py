@@ -209,6 +209,10 @@ class Model(msgspec.Struct, kw_only=True):
     root: str
     parent: str | None = None
     max_model_len: int
+    input_modalities: list[str] = msgspec.field(default_factory=lambda: ["text"])
+    """What the model takes (llmq's, as OpenRouter names it): ``["text", "image"]`` for a model
+    its workers serve with images (docs/images.md); ``["text"]`` otherwise, or while no worker
+    has said."""
 
 
 class ModelList(msgspec.Struct, kw_only=True):

@@ -13,6 +13,7 @@ from api.models import caller
 from api.operations import ASYNC, ASYNC_HEADERS, JSON, documented
 from api.services import Svc
 from shared.errors import TokenizerUnavailable
+from shared.schemas import GenerationRequest
 
 __all__ = ["ROUTES", "messages", "count_tokens"]
 
@@ -40,15 +41,17 @@ async def messages(request: Request, svc: Svc, ctx: Ctx) -> Response:
 async def count_tokens(request: Request, svc: Svc, ctx: Ctx) -> Response:
     """The prompt's tokens as the worker will render it: the same conversation and tools
     (:func:`am.chat_of`) through the same chat template, so the count equals a create's
-    ``usage.input_tokens``."""
+    ``usage.input_tokens``; each image is its template placeholder's place taken by the tokens
+    admission estimates for it (exact for the Idefics3 family: docs/images.md)."""
     body = await decode_body(request, am.CountTokensRequest)
     chat, options, tools = am.chat_of(body)
     # An unknown model is a 404 here too, and so is a private adapter of another key's.
     model = await svc.models.resolve(body.model, caller(svc, ctx))
     if model != svc.models.default:  # the API holds one tokenizer: LLMQ_MODEL's
         raise TokenizerUnavailable(f"No tokenizer for `{model}` here: count_tokens serves `{svc.models.default}`")
+    images = (await svc.media.measure(GenerationRequest(model=model, messages=chat))).images if svc.media else []
     ids = await svc.tokenizer.chat_ids(chat, options, tools)
-    return json_response(am.TokenCount(input_tokens=len(ids)))
+    return json_response(am.TokenCount(input_tokens=len(ids) + sum(image.tokens - 1 for image in images)))
 
 
 ROUTES = [messages, count_tokens]

@@ -13,6 +13,7 @@ from api.http import decode_body, json_response
 from api.models import caller
 from api.operations import ASYNC, ASYNC_HEADERS, JSON, OPENAI_ERROR, OPENAI_ERRORS, documented
 from api.services import Svc
+from shared.media import TEXT_ONLY
 
 __all__ = ["ROUTES", "completions", "models", "completions_response"]
 
@@ -43,13 +44,19 @@ async def models(svc: Svc, ctx: Ctx) -> Response:
     names = list(await svc.models.known())
     who = caller(svc, ctx)
     adapters = await svc.models.visible_adapters(who)
-    lengths = await svc.models.context_lengths(list(dict.fromkeys([*names, *(a.base for a in adapters)])))
+    bases = list(dict.fromkeys([*names, *(a.base for a in adapters)]))
+    lengths = await svc.models.context_lengths(bases)
+    modalities: dict[str, list[str]] = {}
+    for name in bases:  # one read of llmq:model-info for all of them (cached a second)
+        info = await svc.media.infos.get(name) if svc.media is not None else None
+        modalities[name] = list((info or TEXT_ONLY).input_modalities)
     cards = [
-        oc.Model(id=name, root=svc.settings.model if name == svc.model else name, max_model_len=lengths[name])
+        oc.Model(id=name, root=svc.settings.model if name == svc.model else name, max_model_len=lengths[name],
+                 input_modalities=modalities[name])
         for name in names
     ]
     cards += [oc.Model(id=a.name, root=a.source if who.operator else a.name, parent=a.base,
-                       max_model_len=lengths[a.base]) for a in adapters]
+                       max_model_len=lengths[a.base], input_modalities=modalities[a.base]) for a in adapters]
     return json_response(oc.ModelList(data=cards))
 
 

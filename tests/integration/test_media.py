@@ -21,7 +21,7 @@ import msgspec
 import pytest
 from PIL import Image as PILImage
 
-from api.media import MediaFetcher, ModelInfos, fallback_tokens, store_images
+from api.media import HOLD_MARGIN_S, MediaFetcher, ModelInfos, fallback_tokens, store_images
 from shared.codec import decode_request
 from shared.config import Settings, load_settings
 from shared.errors import InvalidRequest
@@ -459,7 +459,12 @@ async def test_the_api_stores_an_image_and_queues_its_reference(described):
     [ref] = queued.images
     assert ref.url is None and (ref.format, ref.width, ref.height, ref.tokens) == ("png", 64, 48, 4 * 3 * 64 + 64)
     assert await s.redis.get(keys.media(ref.sha256)) == image
-    assert 3500 < await s.redis.ttl(keys.media(ref.sha256)) <= s.settings.media_ttl_s
+    # With no deadline of its own, the job gets LLMQ_MEDIA_TTL_S as its deadline, and its image is
+    # kept past it: no job outlives its images.
+    ttl, ttl_s = await s.redis.ttl(keys.media(ref.sha256)), s.settings.media_ttl_s
+    assert ttl_s < ttl <= ttl_s + HOLD_MARGIN_S
+    record = await s.redis.hmget(keys.job("vision", resp.json()["id"]), ["queued_at", "deadline"])
+    assert float(record[1]) - float(record[0]) == ttl_s * 1000
 
 
 async def test_the_api_refuses_an_image_for_a_text_only_model(described):
