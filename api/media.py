@@ -32,7 +32,7 @@ from shared.config import Settings
 from shared.egress import Policy, Refused, pin, policy
 from shared.errors import InternalError, InvalidRequest
 from shared.keys import Keys
-from shared.media import MediaStore, ModelInfo, Sniffed, data_url, decode_base64, sniff
+from shared.media import HOLD_MARGIN_S, MediaStore, ModelInfo, Sniffed, data_url, decode_base64, sniff
 from shared.redis import reply
 from shared.schemas import IMAGE_FORMATS, GenerationRequest, Image
 
@@ -45,9 +45,6 @@ MAX_REDIRECTS = 5
 """Redirects one image URL may take (each checked as a new hop); the sixth is a 400."""
 FETCH_CONCURRENCY = 4
 """Sources of one request read at once (fetches, and decoding in threads)."""
-HOLD_MARGIN_S = 60.0
-"""Past a job's deadline, how much longer its images are kept at least (a worker's claim renews them
-again): clocks differ, and a takeover reads them after the first worker."""
 USER_AGENT = "llmq"
 _ACCEPT = "image/png,image/jpeg,image/gif,image/webp,image/*;q=0.8,*/*;q=0.1"
 _SHA256_HEX = frozenset("0123456789abcdef")

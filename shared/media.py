@@ -30,10 +30,14 @@ from shared.keys import Keys
 from shared.redis import reply
 from shared.schemas import IMAGE_FORMATS
 
-__all__ = ["Modality", "ImageCost", "ModelInfo", "Sniffed", "sniff", "decode_base64", "data_url", "MediaStore",
+__all__ = ["HOLD_MARGIN_S", "Modality", "ImageCost", "ModelInfo", "Sniffed", "sniff", "decode_base64", "data_url", "MediaStore",
            "TEXT_ONLY"]
 
 Modality = Literal["text", "image"]
+
+HOLD_MARGIN_S = 60.0
+"""Past a job's deadline, how much longer its images are kept at least (at admission, and again at
+each claim): clocks differ, and a takeover reads them after the first worker."""
 
 
 class ImageCost(msgspec.Struct, frozen=True, kw_only=True):

@@ -60,7 +60,7 @@ from shared.errors import (
     ServiceError,
 )
 from shared.events import Done, Error, Timings
-from shared.media import TEXT_ONLY, MediaStore, ModelInfo
+from shared.media import HOLD_MARGIN_S, TEXT_ONLY, MediaStore, ModelInfo
 from shared.metrics import Recorder
 from shared.queue import Consumer, Delivery, Held, Swap, now_ms
 from shared.redis import REDIS_DOWN
@@ -89,9 +89,10 @@ log = structlog.get_logger()
 _info_json = msgspec.json.Encoder().encode
 
 
-def _until(deadline: float | None) -> float | None:
-    """Seconds from now to ``deadline`` (epoch ms; None: none)."""
-    return None if deadline is None else max(deadline - now_ms(), 0) / 1000
+def _hold(deadline: float | None) -> float | None:
+    """How long a job's images are kept from its claim: to its ``deadline`` (epoch ms) and a
+    margin past it (None: no deadline, the store's TTL)."""
+    return None if deadline is None else max(deadline - now_ms(), 0) / 1000 + HOLD_MARGIN_S
 
 
 async def _cancel(*tasks: asyncio.Task[None]) -> None:
@@ -604,7 +605,7 @@ class Worker:
         if self.engine.dead():  # it died before this job reached it: not this job's doing
             raise EngineDead("the engine was dead when the job started")
         # Read by hash as the job starts (and as a continuation starts), renewed until its deadline.
-        images = await load_images(self.media, req, hold_s=_until(d.deadline)) if req.images else None
+        images = await load_images(self.media, req, hold_s=_hold(d.deadline)) if req.images else None
         running.in_engine = True
         async for step in self.engine.stream(d.job_id, plan.request, plan.parts, trace_headers=headers,
                                              images=images):

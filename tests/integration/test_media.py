@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import io
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Self
 
@@ -21,14 +23,17 @@ import msgspec
 import pytest
 from PIL import Image as PILImage
 
-from api.media import HOLD_MARGIN_S, MediaFetcher, ModelInfos, fallback_tokens, store_images
+from api.media import MediaFetcher, ModelInfos, fallback_tokens, store_images
 from shared.codec import decode_request
 from shared.config import Settings, load_settings
 from shared.errors import InvalidRequest
 from shared.keys import Keys
-from shared.media import ImageCost, MediaStore, ModelInfo
+from shared.media import HOLD_MARGIN_S, ImageCost, MediaStore, ModelInfo
 from shared.schemas import ChatMessage, GenerationRequest, Image, Text
 from tests.conftest import free_port
+from tests.support.scripted_stack import scripted_stack
+from tests.support.waiting import eventually
+from workers.media import load_images
 
 LIMIT = 100_000  # max_image_bytes of the fetcher tests
 VISION = ModelInfo(input_modalities=["text", "image"],
@@ -491,3 +496,36 @@ async def test_the_api_refuses_an_image_past_the_limit_and_a_body_past_its_own(d
                                headers={"content-type": "application/json"})
     assert resp.status_code == 413, resp.text[:300]
     assert await s.redis.keys(Keys(s.settings.prefix).media("*")) == stored
+
+
+async def test_models_say_what_each_model_takes(described):
+    resp = await described.client.get("/v1/models")
+    assert resp.status_code == 200
+    taken = {card["id"]: card["input_modalities"] for card in resp.json()["data"]}
+    # "tiny": its worker said text only (the scripted stack's); the others as their infos say.
+    assert taken == {"tiny": ["text"], "text-only": ["text"], "vision": ["text", "image"]}
+
+
+async def test_the_worker_reads_a_jobs_images_by_hash_and_hands_them_to_the_engine(redis_url):
+    image = png((64, 48), color=7)
+    async with scripted_stack(redis_url, f"imgw-{uuid.uuid4().hex[:6]}", info=VISION) as s:
+        resp = await s.client.post("/v1/jobs", json=job("tiny", f"data:image/png;base64,{b64(image)}"))
+        assert resp.status_code == 202, resp.text
+        url = resp.json()["url"]
+
+        async def done() -> bool:
+            return (await s.client.get(url)).json()["status"] == "done"
+        await eventually(done, timeout_s=10, what="the job to finish")
+        [given] = [i for i in s.worker.engine.images if i]
+        [(sha, decoded)] = given.items()
+        assert sha == hashlib.sha256(image).hexdigest() and (decoded.mode, decoded.size) == ("RGB", (64, 48))
+        # Claimed: renewed past the job's deadline (LLMQ_MEDIA_TTL_S, as it had none).
+        assert await s.redis.ttl(Keys(s.settings.prefix).media(sha)) > s.settings.media_ttl_s
+
+
+async def test_a_worker_fails_a_job_whose_image_is_gone_as_the_clients_to_send_again(redis):
+    store = MediaStore(redis, Keys(f"gone-{uuid.uuid4().hex[:6]}"), ttl_s=60)
+    ref = Image(sha256="0" * 64, format="png", width=1, height=1, tokens=1)
+    req = GenerationRequest(messages=[ChatMessage(role="user", parts=[ref])])
+    with pytest.raises(InvalidRequest, match="no longer stored"):
+        await load_images(store, req)
