@@ -30,8 +30,8 @@ from shared.keys import Keys
 from shared.redis import reply
 from shared.schemas import IMAGE_FORMATS
 
-__all__ = ["HOLD_MARGIN_S", "Modality", "ImageCost", "ModelInfo", "Sniffed", "sniff", "decode_base64", "data_url", "MediaStore",
-           "TEXT_ONLY"]
+__all__ = ["HOLD_MARGIN_S", "Modality", "ImageCost", "ModelInfo", "Sniffed", "sniff", "decode_base64", "data_url",
+           "MediaStore", "TEXT_ONLY"]
 
 Modality = Literal["text", "image"]
 
