@@ -1,4 +1,5 @@
-"""What request handlers use, owned by the app's lifespan (one Redis client, one listener)."""
+"""What request handlers use, owned by the app's lifespan (one Redis client, one listener, one HTTP
+client for image URLs)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from redis.asyncio import Redis
 
 from api.auth import configured_keys, owner_of, parse_keys
 from api.listener import EventListener, Listener
+from api.media import Media
 from api.models import ModelRegistry
 from api.shards import ClusterListener
 from api.tokenizer import Tokenizer
@@ -43,6 +45,9 @@ class Services:
     """The served model's tokenizer (TGI's /tokenize and truncate, special-token ids), loaded on first use."""
     tenants: ConfigCache
     """Tenants' weights and limits, as operators set them in Redis (shared/tenants.py)."""
+    media: Media | None = None
+    """Images at admission: their store, the fetcher of image URLs and what each model takes
+    (api/media.py). None only in services a test builds without: a request with images then fails."""
     instance: str = "0"
     """This API process's id: its home channel and relay channels (Keys.relay) carry it."""
     keys_on: bool = False
@@ -110,6 +115,7 @@ async def lifespan(app: Litestar) -> AsyncIterator[None]:
                              max_model_len=settings.max_model_len),
         tokenizer=Tokenizer(settings.model_path),
         tenants=ConfigCache(redis, keys),
+        media=Media.of(redis, keys, settings),
         keys_on=bool(configured_keys(settings)),
         operators=frozenset(owner_of(k) for k in parse_keys(settings.operator_keys)),
         instance=instance,
@@ -132,6 +138,8 @@ async def lifespan(app: Litestar) -> AsyncIterator[None]:
             await task
         except asyncio.CancelledError:
             pass
+        if services.media is not None:
+            await services.media.aclose()
         await redis.aclose()
 
 

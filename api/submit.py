@@ -24,6 +24,7 @@ import structlog
 from api.context import RequestContext, RequestTrace
 from api.follow import ColdWait, Events, Lane, Relay, follow
 from api.listener import Inbox
+from api.media import admit_images
 from api.models import caller
 from api.services import Services
 from api.watches import JobWatch
@@ -84,7 +85,7 @@ async def admit(svc: Services, ctx: RequestContext, req: GenerationRequest) -> G
     left unset from the request's option headers and its tenant's defaults; or refuse a model this
     deployment does not know (the prompt-length check happens in the engine, which knows the
     prompt's tokens). A known model is admitted whether or not a worker is warm: the job waits in
-    its queue."""
+    its queue. Images are stored last (api/media.py): the request returned holds their references."""
     if ctx.bad_option is not None:
         raise ctx.bad_option
     changes: dict[str, object] = {}
@@ -106,9 +107,12 @@ async def admit(svc: Services, ctx: RequestContext, req: GenerationRequest) -> G
     check_queueable(req)
     check_tools(req, svc.settings.tool_parser_name)
     model, adapter = await svc.models.target(req.model, caller(svc, ctx))
-    if req.model == model and req.adapter == adapter:
-        return req
-    return msgspec.structs.replace(req, model=model, adapter=adapter)
+    if req.model != model or req.adapter != adapter:
+        req = msgspec.structs.replace(req, model=model, adapter=adapter)
+    # Last, once the request is otherwise admissible and its model known: every image read,
+    # checked and stored by hash (api/media.py), so the record holds references only. The same
+    # request object when it has no image.
+    return await admit_images(svc.media, req)
 
 
 def _record(svc: Services, ctx: RequestContext, req: GenerationRequest) -> JobRecord:

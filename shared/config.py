@@ -116,7 +116,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     LLMQ_DURABILITY_TIMEOUT_MS: a 503 with Retry-After (docs/guarantees.md#redis-fails-over)."""
     durability_timeout_ms: Annotated[int, msgspec.Meta(ge=1)] = 1000
     """LLMQ_DURABILITY_TIMEOUT_MS: how long an admission waits for its replicas under `replicas:N`."""
-    redis_memory_watermark: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.85
+    redis_memory_watermark: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.85
     """LLMQ_REDIS_MEMORY_WATERMARK: new jobs are refused (503 + Retry-After) once a Redis node that holds them uses
     this share of its `maxmemory`, so the jobs already running can still write their tokens. 1: no watermark."""
     redis_allow_eviction: bool = False

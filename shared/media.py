@@ -19,6 +19,7 @@ import binascii
 import hashlib
 import io
 import math
+import warnings
 from typing import Literal
 
 import msgspec
@@ -123,8 +124,13 @@ def sniff(data: bytes, *, max_bytes: int, max_px: int, where: str = "image") -> 
     from PIL import Image as PILImage  # the API's one image dependency, read on first use
 
     try:
-        with PILImage.open(io.BytesIO(data)) as img:
-            fmt, (width, height) = (img.format or "").lower(), img.size
+        with warnings.catch_warnings():  # a huge header is refused below by its size, not warned of
+            warnings.simplefilter("ignore", PILImage.DecompressionBombWarning)
+            with PILImage.open(io.BytesIO(data)) as img:
+                fmt, (width, height) = (img.format or "").lower(), img.size
+    except PILImage.DecompressionBombError:  # past twice Pillow's pixel bound: far past max_px too
+        raise InvalidRequest(f"{where}: image dimensions exceed max allowed size: {max_px} pixels",
+                             param=where) from None
     except Exception:  # Pillow's UnidentifiedImageError, and whatever a truncated header raises
         raise InvalidRequest(f"{where}: the data is not a valid image", param=where) from None
     if fmt not in IMAGE_FORMATS:
