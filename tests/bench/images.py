@@ -51,7 +51,8 @@ from tests.bench.serving import FAST, HttpTarget, engine_record, requests_for, s
 from tests.bench.vllm_client import run_bench, summary_of
 from tests.conftest import REPO
 
-__all__ = ["ImagesRun", "bench_args", "run_of", "medians", "ratios", "build_report", "render", "main"]
+__all__ = ["ImagesRun", "bench_args", "run_of", "medians", "ratios", "prompt_mismatches", "build_report", "render",
+           "main"]
 
 # The fast set's engine on tiny-vision. vLLM's client merges an SSE comment read alone into the data
 # after it (tests/bench/goodput.py): no keep-alive within a run.
@@ -110,6 +111,8 @@ class ImagesRun(msgspec.Struct):
     prompt_tokens: float | None
     """The median prompt length the server reported (its ``usage``) over the completed requests:
     text, template and the image's tokens."""
+    prompt_tokens_total: int
+    """Their sum: equal across the targets of a cell when both saw the same prompts."""
     duration_s: float
     errors: list[str] = msgspec.field(default_factory=list)
     """Up to 3 distinct reasons among ``failed``."""
@@ -131,7 +134,8 @@ def run_of(result: dict, *, rnd: int, target: str, concurrency: int, max_tokens:
         round=rnd, target=target, concurrency=concurrency, requests=s.requests, completed=s.completed,
         failed=s.requests - s.completed, requests_per_s=s.requests_per_s, output_tokens_per_s=s.output_tokens_per_s,
         ttft_p50_ms=_finite(s.ttft_p50_ms), ttft_p99_ms=_finite(s.ttft_p99_ms),
-        prompt_tokens=statistics.median(prompt) if prompt else None, duration_s=s.duration_s,
+        prompt_tokens=statistics.median(prompt) if prompt else None, prompt_tokens_total=sum(prompt),
+        duration_s=s.duration_s,
         # A traceback's last line names the failure; vLLM's client keeps only a refusal's reason phrase.
         errors=sorted({e.strip().splitlines()[-1][:200] for e in reasons})[:3])
 
@@ -170,6 +174,15 @@ def ratios(rows: Sequence[dict], baseline: str = "vllm-serve") -> list[dict]:
     return out
 
 
+def prompt_mismatches(runs: Sequence[ImagesRun]) -> list[str]:
+    """The cells (round, C) whose targets, all requests completed, counted different prompt tokens."""
+    totals: dict[tuple[int, int], set[int]] = {}
+    for r in runs:
+        if not r.failed:
+            totals.setdefault((r.round, r.concurrency), set()).add(r.prompt_tokens_total)
+    return [f"round {rnd} C={c}: {sorted(t)}" for (rnd, c), t in totals.items() if len(t) > 1]
+
+
 def build_report(runs: Sequence[ImagesRun], *, settings: dict) -> dict:
     rows = medians(runs)
     llmq = [r for r in runs if r.target == "llmq"]
@@ -180,7 +193,8 @@ def build_report(runs: Sequence[ImagesRun], *, settings: dict) -> dict:
         "llmq_completed_all": bool(llmq) and all(r.failed == 0 for r in llmq),
         "ok": bool(runs) and all(r.failed == 0 for r in runs),
         "machine": machine(), "versions": versions(), "settings": settings,
-        "medians": rows, "ratios": ratios(rows), "runs": [msgspec.to_builtins(r) for r in runs],
+        "medians": rows, "ratios": ratios(rows), "prompt_mismatches": prompt_mismatches(runs),
+        "runs": [msgspec.to_builtins(r) for r in runs],
     }
 
 
@@ -205,6 +219,8 @@ def render(report: dict) -> str:
                   markdown_table(["C", "req/s", "output tok/s", "TTFT p50", "TTFT p99"],
                                  [[r["concurrency"], fmt(r["requests_per_s"], 3), fmt(r["output_tokens_per_s"], 3),
                                    fmt(r["ttft_p50_ms"], 3), fmt(r["ttft_p99_ms"], 3)] for r in report["ratios"]])]
+    if report["prompt_mismatches"]:
+        lines += ["", "The targets counted different prompt tokens: " + "; ".join(report["prompt_mismatches"])]
     broken = [r for r in report["runs"] if r["failed"]]
     if broken:
         lines += ["", "FAILED requests: " + "; ".join(

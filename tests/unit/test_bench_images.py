@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 import json
 
+import msgspec
+
 from shared.config import VISION_MODEL, load_settings
 from tests.bench.images import (
     OVERLAY,
@@ -14,6 +16,7 @@ from tests.bench.images import (
     build_report,
     cell_seed,
     medians,
+    prompt_mismatches,
     ratios,
     render,
     run_of,
@@ -84,7 +87,8 @@ def test_a_result_counts_a_request_short_of_its_tokens_or_refused_as_failed():
     run = run_of(result([32, 32, 0, 0], errors=errors), rnd=1, target="llmq", concurrency=1)
     assert (run.requests, run.completed, run.failed) == (4, 2, 2)
     assert run.errors == ["Bad Request", "aiohttp.ClientPayloadError: Response payload is not completed"]
-    assert (run.requests_per_s, run.output_tokens_per_s, run.prompt_tokens) == (1.0, 32.0, 54)
+    assert (run.requests_per_s, run.output_tokens_per_s, run.prompt_tokens, run.prompt_tokens_total) == (1.0, 32.0,
+                                                                                                           54, 108)
     assert (run.ttft_p50_ms, run.ttft_p99_ms) == (15.0, 19.9)
     short = run_of(result([32, 31]), rnd=1, target="llmq", concurrency=1)
     assert (short.completed, short.failed, short.errors) == (1, 1, ["returned fewer than 32 tokens"])
@@ -98,7 +102,8 @@ def test_a_run_with_nothing_completed_has_no_ttft_figures():
 def cell(target: str, c: int, rnd: int, rps: float, *, failed: int = 0, p50: float | None = 20.0) -> ImagesRun:
     return ImagesRun(round=rnd, target=target, concurrency=c, requests=64, completed=64 - failed, failed=failed,
                      requests_per_s=rps, output_tokens_per_s=rps * 32, ttft_p50_ms=p50, ttft_p99_ms=40.0,
-                     prompt_tokens=54.0, duration_s=10.0, errors=["Bad Request"] if failed else [])
+                     prompt_tokens=54.0, prompt_tokens_total=3456, duration_s=10.0,
+                     errors=["Bad Request"] if failed else [])
 
 
 def test_medians_across_rounds_counts_summed_and_ratios_of_medians():
@@ -135,3 +140,14 @@ def test_the_report_holds_llmq_to_every_request_and_renders():
     assert "FAILED requests: vllm-serve C=1 round 1: 2 of 64 (['Bad Request'])" in table
     report = build_report([cell("llmq", 1, 1, 8.0, failed=1)], settings=SETTINGS)
     assert not report["llmq_completed_all"] and report["ratios"] == []
+
+
+def test_a_cell_whose_targets_counted_different_prompts_is_named():
+    same = [cell("llmq", 1, 1, 8.0), cell("vllm-serve", 1, 1, 10.0)]
+    assert prompt_mismatches(same) == []
+    other = msgspec.structs.replace(cell("vllm-serve", 16, 2, 10.0), prompt_tokens_total=3400)
+    # A run with failures counts fewer prompts: not compared.
+    partial = msgspec.structs.replace(cell("vllm-serve", 1, 1, 10.0, failed=1), prompt_tokens_total=3400)
+    assert prompt_mismatches([*same, cell("llmq", 16, 2, 8.0), other, partial]) == ["round 2 C=16: [3400, 3456]"]
+    report = build_report([cell("llmq", 16, 2, 8.0), other], settings=SETTINGS)
+    assert "The targets counted different prompt tokens: round 2 C=16: [3400, 3456]" in render(report)
