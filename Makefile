@@ -69,8 +69,10 @@ faults: install
 # conversations and LoRA adapters, on and off), preemption (a light tenant's TTFT under a
 # flood of long jobs, and the flood's throughput, on and off), the console (the workload with
 # it closed, its requests alone, and open in Chromium), and what the LoRA fixes cost (prompt
-# logprobs and plain requests, fixed vs unfixed vs no LoRA), and goodput under overload (requests
-# meeting a 1 s TTFT SLO per second, llmq and vllm serve at 0.5x and 2x capacity). bench-smoke: one short round
+# logprobs and plain requests, fixed vs unfixed vs no LoRA), goodput under overload (requests
+# meeting a 1 s TTFT SLO per second, llmq and vllm serve at 0.5x and 2x capacity), and images (vLLM's client's
+# random-image chat requests on tiny-vision, llmq and vllm serve at C=1,16: completed requests, req/s, tok/s,
+# TTFT). bench-smoke: one short round
 # of the first two at C=1,4 on the real engines. BENCH_ARGS go to the first two,
 # e.g. BENCH_ARGS="--rounds 5".
 bench: model
@@ -91,6 +93,7 @@ bench: model
 	$(PY) -m tests.bench.console
 	$(PY) -m tests.bench.lora_logprobs
 	$(PY) -m tests.bench.goodput
+	$(PY) -m tests.bench.images
 
 bench-smoke: model
 	$(PY) -m tests.bench --config fast --smoke

@@ -30,7 +30,7 @@ from tests.bench.procs import percentile
 from tests.bench.serving import Client
 from tests.bench.workload import Summary
 
-__all__ = ["INPUT_TOKENS", "bench_serve", "run_vllm_client", "vllm_client"]
+__all__ = ["INPUT_TOKENS", "bench_serve", "run_bench", "run_vllm_client", "vllm_client"]
 
 INPUT_TOKENS = 32
 """The random dataset's prompt length by default: near the project client's 24-word prompts, so the
@@ -45,17 +45,22 @@ async def bench_serve(url: str, model: str, tokenizer: str, *, requests: int, ma
     (so every target of a cell gets the same ones), at most ``concurrency`` in flight (None: no
     limit, an open loop), sent at ``request_rate`` a second (inf: all at once), with ``extra``
     flags after the rest (``--goodput``, ``--header``). Returns its detailed result JSON."""
+    args = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", model,
+            "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(input_tokens),
+            "--random-output-len", str(max_tokens), "--random-range-ratio", "0", "--ignore-eos",
+            "--num-prompts", str(requests), "--request-rate", str(request_rate),
+            *(["--max-concurrency", str(concurrency)] if concurrency is not None else []),
+            "--seed", str(seed), "--temperature", "0", "--disable-tqdm", "--ready-check-timeout-sec", "0",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", *extra]
+    return await run_bench(args)
+
+
+async def run_bench(args: Sequence[str]) -> dict:
+    """``vllm bench serve`` with ``args`` (every flag but where its result goes) in a subprocess;
+    returns its detailed result JSON (``--save-result --save-detailed``)."""
     with tempfile.TemporaryDirectory(prefix="llmq-vllm-client-") as out:
-        args = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", model,
-                "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(input_tokens),
-                "--random-output-len", str(max_tokens), "--random-range-ratio", "0", "--ignore-eos",
-                "--num-prompts", str(requests), "--request-rate", str(request_rate),
-                *(["--max-concurrency", str(concurrency)] if concurrency is not None else []),
-                "--seed", str(seed), "--temperature", "0", "--disable-tqdm", "--ready-check-timeout-sec", "0",
-                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-                "--save-result", "--save-detailed", "--result-dir", out, "--result-filename", "result.json",
-                *extra]
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", __name__, *args,
+        saved = ["--save-result", "--save-detailed", "--result-dir", out, "--result-filename", "result.json"]
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", __name__, *args, *saved,
                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         async with asyncio.timeout(TIMEOUT_S):
             printed, _ = await proc.communicate()
