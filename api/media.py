@@ -32,7 +32,16 @@ from shared.config import Settings
 from shared.egress import Policy, Refused, pin, policy
 from shared.errors import InternalError, InvalidRequest
 from shared.keys import Keys
-from shared.media import HOLD_MARGIN_S, MediaStore, ModelInfo, Sniffed, data_url, decode_base64, sniff
+from shared.media import (
+    HOLD_MARGIN_S,
+    MediaStore,
+    ModelInfo,
+    Sniffed,
+    data_url,
+    decode_base64,
+    default_timeout_s,
+    sniff,
+)
 from shared.redis import reply
 from shared.schemas import IMAGE_FORMATS, GenerationRequest, Image
 
@@ -337,15 +346,13 @@ class Media:
                    infos=ModelInfos(redis, keys), settings=settings)
 
     async def admit(self, req: GenerationRequest) -> GenerationRequest:
-        """:func:`store_images` for a request whose model is resolved; held until its deadline. A
-        job with images and no deadline gets ``LLMQ_MEDIA_TTL_S`` as its deadline: no job outlives
-        the images it names."""
+        """:func:`store_images` for a request whose model is resolved; held until its deadline (a
+        job with images and no deadline gets ``LLMQ_MEDIA_TTL_S``: :func:`default_timeout_s`)."""
         if not req.images:
             return req
-        if req.timeout_s is None and not self.settings.deadline_s:
-            req = msgspec.structs.replace(req, timeout_s=float(self.settings.media_ttl_s))
+        default = default_timeout_s(req, self.settings.deadline_s, self.settings.media_ttl_s)
         return await store_images(req, store=self.store, fetcher=self.fetcher, info=await self.infos.get(req.model),
-                                  settings=self.settings, hold_s=hold_for(req, self.settings.deadline_s))
+                                  settings=self.settings, hold_s=hold_for(req, default))
 
     async def measure(self, req: GenerationRequest) -> GenerationRequest:
         """``req`` with each image read and checked, its tokens estimated, nothing stored

@@ -32,6 +32,7 @@ from shared.admission import new_job
 from shared.codec import decode_request, encode
 from shared.errors import InvalidRequest
 from shared.events import Event
+from shared.media import default_timeout_s
 from shared.schemas import GenerationRequest, JobRecord, Slo
 from shared.tenants import TenantConfig
 
@@ -118,7 +119,8 @@ async def admit(svc: Services, ctx: RequestContext, req: GenerationRequest) -> G
 def _record(svc: Services, ctx: RequestContext, req: GenerationRequest) -> JobRecord:
     if req.webhook and not svc.settings.webhook_secret:
         raise InvalidRequest("webhooks are not configured on this server (LLMQ_WEBHOOK_SECRET)", param="webhook")
-    record = new_job(req, owner=ctx.owner, default_timeout_s=svc.settings.deadline_s, tenant=ctx.tenant,
+    default = default_timeout_s(req, svc.settings.deadline_s, svc.settings.media_ttl_s)
+    record = new_job(req, owner=ctx.owner, default_timeout_s=default, tenant=ctx.tenant,
                      traceparent=ctx.span.traceparent if ctx.span is not None else None,
                      max_model_len=svc.settings.max_model_len)
     if ctx.span is not None:

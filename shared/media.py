@@ -28,16 +28,24 @@ from redis.asyncio import Redis
 from shared.errors import InvalidRequest
 from shared.keys import Keys
 from shared.redis import reply
-from shared.schemas import IMAGE_FORMATS
+from shared.schemas import IMAGE_FORMATS, GenerationRequest
 
 __all__ = ["HOLD_MARGIN_S", "Modality", "ImageCost", "ModelInfo", "Sniffed", "sniff", "decode_base64", "data_url",
-           "MediaStore", "TEXT_ONLY"]
+           "MediaStore", "TEXT_ONLY", "default_timeout_s"]
 
 Modality = Literal["text", "image"]
 
 HOLD_MARGIN_S = 60.0
 """Past a job's deadline, how much longer its images are kept at least (at admission, and again at
 each claim): clocks differ, and a takeover reads them after the first worker."""
+
+
+def default_timeout_s(req: GenerationRequest, deadline_s: float, media_ttl_s: int) -> float:
+    """A job's deadline when its request names none (seconds from queueing; 0: none): the
+    deployment's LLMQ_DEADLINE_S, and for a job with images that has none, LLMQ_MEDIA_TTL_S, so
+    no job outlives the images it names (they are kept past its deadline: :data:`HOLD_MARGIN_S`).
+    A batch line's default is its batch's window instead (workers/housekeeping/batches.py)."""
+    return deadline_s or (float(media_ttl_s) if req.images else 0.0)
 
 
 class ImageCost(msgspec.Struct, frozen=True, kw_only=True):

@@ -46,6 +46,11 @@ async def create_job(request: Request, svc: Svc, ctx: Ctx) -> Response:
     whose destination ``LLMQ_WEBHOOK_ALLOW`` refuses is a 400 before anything is queued (the
     delivery checks again, after its own lookup)."""
     req = await decode_body(request, GenerationRequest)
+    if any(image.stored for image in req.images):
+        # Images are stored by content hash for every tenant alike: a client naming a hash would
+        # reach an image another tenant sent. Only llmq's own records carry references.
+        raise InvalidRequest("an image is sent by its `url` or `data`: a client cannot name a stored image's "
+                             "`sha256`", param="messages")
     # Without a secret every webhook is refused further on, so no lookup is made on a client's behalf.
     if req.webhook and svc.settings.webhook_secret:
         try:

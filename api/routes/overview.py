@@ -26,6 +26,7 @@ from api.context import Ctx, Job
 from api.dialects.jobs import ErrorBody
 from api.http import json_response
 from api.jobs import standing, standing_of
+from api.media import admit_images
 from api.operations import documented
 from api.query import query_int
 from api.services import Services, Svc
@@ -44,6 +45,7 @@ from api.views import (
 from shared import browse
 from shared.admission import new_job
 from shared.errors import Forbidden, InvalidRequest, JobNotFound
+from shared.media import default_timeout_s
 from shared.schemas import GROUP_PREFIX, JobGroup, JobRecord, JobStatus
 from shared.status import snapshot
 
@@ -201,11 +203,14 @@ async def requeue(request: Request, svc: Svc, job_id: FromPath[str]) -> Response
     take it off the dead letters. Operators only."""
     _operator(request, svc, "requeue a dead letter")
     model, entry, fields, old = await _dead(svc, job_id)
+    # Its images renewed to its new deadline (a 400 if one is gone: the client must send it again).
+    req = await admit_images(svc.media, old.request)
     # Taken off first, so two operators clicking at once queue it once; put back if it cannot be queued.
     if not await browse.discard_dead_letter(svc.queue.redis, svc.keys, model, entry):
         raise JobNotFound(f"job {job_id} is not a dead letter")
     tenant = old.tenant_of()
-    record = new_job(old.request, owner=old.owner, default_timeout_s=svc.settings.deadline_s, tenant=tenant,
+    default = default_timeout_s(req, svc.settings.deadline_s, svc.settings.media_ttl_s)
+    record = new_job(req, owner=old.owner, default_timeout_s=default, tenant=tenant,
                      max_model_len=svc.settings.max_model_len)
     try:
         new_id = await svc.queue.enqueue(record, max_queued=svc.settings.max_queued,

@@ -529,3 +529,16 @@ async def test_a_worker_fails_a_job_whose_image_is_gone_as_the_clients_to_send_a
     req = GenerationRequest(messages=[ChatMessage(role="user", parts=[ref])])
     with pytest.raises(InvalidRequest, match="no longer stored"):
         await load_images(store, req)
+
+
+async def test_a_client_cannot_name_a_stored_image_by_its_hash(described):
+    """Images are kept by content hash for every tenant alike: a hash a client names could be an
+    image another tenant sent, so only llmq's own records carry references."""
+    s = described
+    image = png((9, 9), color=3)
+    sha = hashlib.sha256(image).hexdigest()
+    await MediaStore(s.redis, Keys(s.settings.prefix), 60).put(sha, image)  # another tenant's image
+    body = {"model": "vision", "sampling": {"max_tokens": 1}, "messages": [{"role": "user", "parts": [
+        {"type": "image", "sha256": sha, "format": "png", "width": 9, "height": 9}]}]}
+    resp = await s.client.post("/v1/jobs", json=body)
+    assert resp.status_code == 400 and "sha256" in resp.json()["error"]["message"], resp.text

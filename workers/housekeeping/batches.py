@@ -47,6 +47,7 @@ from shared.batches import (
 from shared.codec import encode
 from shared.errors import GenerationFailed, NotDurable, Overloaded, QueueRefused
 from shared.keys import LEVELS
+from shared.media import HOLD_MARGIN_S, MediaStore
 from shared.queue import now_ms
 from shared.redis import REDIS_DOWN, reply
 from shared.schemas import TERMINAL_STATUSES, GenerationRequest, JobError, JobRecord
@@ -68,6 +69,7 @@ class Tick:
     def __init__(self, hk: Housekeeper) -> None:
         self.settings, self.keys, self.redis, self.queue = hk.settings, hk.keys, hk.redis, hk.queue
         self.store = BatchStore(self.redis, self.keys)
+        self.media = MediaStore(self.redis, self.keys, self.settings.media_ttl_s)  # its lines' images
         self.rate = self.settings.batch_rate
         self.window = self.settings.batch_max_in_flight
 
@@ -162,6 +164,8 @@ class Tick:
         # Due when the batch expires (always set: POST /v1/batches gives every batch its window).
         window_s = max((batch.expires_at or 0) - now / 1000, 0.001)  # > 0: 0 would mean "no deadline"
         tenant = owner or DEFAULT_TENANT
+        if req.images:  # kept to the line's deadline (a worker fails the line should one be gone)
+            await self.media.renew([image.sha256 for image in req.images], hold_s=window_s + HOLD_MARGIN_S)
         record = new_job(req, owner=owner, default_timeout_s=window_s, now_ms=now, tenant=tenant,
                          max_model_len=self.settings.max_model_len)
         # Its tenant's weight, not its limits: a batch line waits for room rather than failing.
