@@ -468,8 +468,10 @@ async def test_the_api_stores_an_image_and_queues_its_reference(described):
     # kept past it: no job outlives its images.
     ttl, ttl_s = await s.redis.ttl(keys.media(ref.sha256)), s.settings.media_ttl_s
     assert ttl_s < ttl <= ttl_s + HOLD_MARGIN_S
-    record = await s.redis.hmget(keys.job("vision", resp.json()["id"]), ["queued_at", "deadline"])
+    record = await s.redis.hmget(keys.job("vision", resp.json()["id"]), ["queued_at", "deadline", "estimate"])
     assert float(record[1]) - float(record[0]) == ttl_s * 1000
+    # What the fair share and the quotas charge: its text, its image's tokens, what it may generate.
+    assert int(record[2]) == len("what is it?") // 4 + 1 + ref.tokens + 1
 
 
 async def test_the_api_refuses_an_image_for_a_text_only_model(described):
