@@ -61,6 +61,7 @@ import sys
 from pathlib import Path
 
 from workers.tiny_model import AGENT_TOKENS, _ensure, build_tokenizer
+from workers.tiny_model import CHAT_TEMPLATE as TEXT_TEMPLATE
 
 SEED = 4321
 TEXT_HIDDEN = 64
@@ -79,11 +80,12 @@ IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<
                 *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))]
 
 # tiny-llama's template (workers/tiny_model.py CHAT_TEMPLATE, whose comment explains its parts),
-# its content rendered by `content`: a string as it is, a list of parts as its texts and an
+# each content rendered by `render`: a string as it is, a list of parts as its texts and an
 # <image> per image. vLLM reads it as taking content parts ("openai" content format: the macro's
-# argument is a message's content), so `vllm serve` passes images as {"type": "image"} too.
-CHAT_TEMPLATE = r"""
-{%- macro content(parts) %}
+# argument is a message's content), so `vllm serve` passes images as {"type": "image"} too. Made
+# from tiny-llama's by two substitutions, so the two templates cannot drift apart.
+_RENDER = r"""
+{%- macro render(parts) %}
     {%- if parts is string %}
         {{- parts }}
     {%- elif parts is iterable and parts is not mapping %}
@@ -95,80 +97,23 @@ CHAT_TEMPLATE = r"""
             {%- endif %}
         {%- endfor %}
     {%- endif %}
-{%- endmacro %}
-{%- set preamble = tools or reasoning_effort %}
-{%- set merged_system = preamble and messages and messages[0]['role'] == 'system' %}
-{%- set seen = namespace(tags=tools) %}
-{{- bos_token }}
-{%- if preamble %}
-    {{- '<|system|>\n' }}
-    {%- if merged_system %}
-        {{- content(messages[0]['content']) + '\n\n' }}
-    {%- endif %}
-    {%- if reasoning_effort %}
-        {{- 'Reasoning effort: ' + reasoning_effort }}
-        {%- if tools %}
-            {{- '\n\n' }}
-        {%- endif %}
-    {%- endif %}
-    {%- if tools %}
-        {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' }}
-        {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
-        {%- for tool in tools %}
-            {{- '\n' + tool | tojson }}
-        {%- endfor %}
-        {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments '
-            'within <tool_call></tool_call> XML tags:\n<tool_call>\n'
-            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>' }}
-    {%- endif %}
-    {{- eos_token + '\n' }}
-{%- endif %}
-{%- for message in messages %}
-    {%- set text = content(message['content']) %}
-    {%- set reasoning = message['reasoning'] or message['reasoning_content'] %}
-    {%- if loop.first and merged_system %}
-        {#- in the preamble #}
-    {%- elif message['role'] == 'assistant' and (message['tool_calls'] or reasoning) %}
-        {%- set seen.tags = true %}
-        {{- '<|assistant|>\n' }}
-        {%- if reasoning and reasoning is string %}
-            {{- '<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' }}
-        {%- endif %}
-        {{- text }}
-        {%- for call in message['tool_calls'] or [] %}
-            {%- set call = call['function'] if call['function'] is defined else call %}
-            {%- if text or not loop.first %}
-                {{- '\n' }}
-            {%- endif %}
-            {{- '<tool_call>\n{"name": "' + call['name'] + '", "arguments": ' }}
-            {%- if call['arguments'] is string and call['arguments'] %}
-                {{- call['arguments'] }}
-            {%- else %}
-                {{- (call['arguments'] or {}) | tojson }}
-            {%- endif %}
-            {{- '}\n</tool_call>' }}
-        {%- endfor %}
-        {{- eos_token + '\n' }}
-    {%- elif message['role'] == 'tool' %}
-        {%- if loop.first or loop.previtem['role'] != 'tool' %}
-            {{- '<|user|>' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' + text + '\n</tool_response>' }}
-        {%- if loop.last or loop.nextitem['role'] != 'tool' %}
-            {{- eos_token + '\n' }}
-        {%- endif %}
-    {%- else %}
-        {{- '<|' + message['role'] + '|>\n' + text + eos_token + '\n' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|assistant|>\n' }}
-    {%- if enable_thinking is false %}
-        {{- '<think>\n\n</think>\n\n' }}
-    {%- elif enable_thinking is true or (enable_thinking is not boolean and seen.tags) %}
-        {{- '<think>\n' }}
-    {%- endif %}
-{%- endif %}"""
+{%- endmacro %}"""
+_PARTS = {
+    "{%- if merged_system and messages[0]['content'] is string %}\n        {{- messages[0]['content'] + '\\n\\n' }}":
+        "{%- if merged_system %}\n        {{- render(messages[0]['content']) + '\\n\\n' }}",
+    "{%- set content = message['content'] if message['content'] is string else '' %}":
+        "{%- set content = render(message['content']) %}",
+}
+
+
+def _with_parts(template: str) -> str:
+    for old, new in _PARTS.items():
+        assert template.count(old) == 1, f"tiny-llama's template no longer has {old!r}"
+        template = template.replace(old, new)
+    return _RENDER + template
+
+
+CHAT_TEMPLATE = _with_parts(TEXT_TEMPLATE)
 
 
 def build_processor():
