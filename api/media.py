@@ -260,6 +260,10 @@ async def store_images(req: GenerationRequest, *, store: MediaStore, fetcher: Me
     if info is not None and not info.images:
         i, j, _ = places[0]
         raise InvalidRequest(f"model `{req.served_name}` does not take images", param=f"messages[{i}].parts[{j}]")
+    if len(places) > settings.max_images:
+        i, j, _ = places[settings.max_images]
+        raise InvalidRequest(f"too many images: at most {settings.max_images} in a request (LLMQ_MAX_IMAGES), "
+                             f"got {len(places)}", param=f"messages[{i}].parts[{j}]")
     max_bytes, max_px = settings.max_image_bytes, settings.max_image_px
     gate = asyncio.Semaphore(FETCH_CONCURRENCY)
 

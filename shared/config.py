@@ -423,6 +423,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """LLMQ_MAX_IMAGE_BYTES: the largest image accepted, decoded (Anthropic's 5 MB)."""
     max_image_px: Annotated[int, msgspec.Meta(ge=1)] = 8000
     """LLMQ_MAX_IMAGE_PX: the largest width or height accepted (Anthropic's 8000)."""
+    max_images: Annotated[int, msgspec.Meta(ge=1)] = 100
+    """LLMQ_MAX_IMAGES: the most images one request may hold (Anthropic's 100): each is read,
+    checked and stored, so a body of thousands of tiny images would cost thousands of writes."""
     media_fetch_timeout_s: float = 10.0
     """LLMQ_MEDIA_FETCH_TIMEOUT_S: how long the API may take to fetch one image URL, redirects
     included."""

@@ -500,6 +500,20 @@ async def test_the_api_refuses_an_image_past_the_limit_and_a_body_past_its_own(d
     assert await s.redis.keys(Keys(s.settings.prefix).media("*")) == stored
 
 
+async def test_the_api_refuses_more_images_than_a_request_may_hold(described):
+    s = described
+    stored = await s.redis.keys(Keys(s.settings.prefix).media("*"))
+    many = s.settings.max_images + 1
+    parts = [{"type": "image", "url": f"data:image/png;base64,{b64(png((1, 1), color=n % 256))}"} for n in range(many)]
+    body = {"model": "vision", "sampling": {"max_tokens": 1}, "messages": [{"role": "user", "parts": parts}]}
+    resp = await s.client.post("/v1/jobs", json=body)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["message"] == f"too many images: at most 100 in a request (LLMQ_MAX_IMAGES), got {many}"
+    assert error["param"] == "messages[0].parts[100]"
+    assert await s.redis.keys(Keys(s.settings.prefix).media("*")) == stored  # none read or stored
+
+
 async def test_models_say_what_each_model_takes(described):
     resp = await described.client.get("/v1/models")
     assert resp.status_code == 200
