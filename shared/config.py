@@ -288,6 +288,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     --stream-interval; the first token always goes at once). 1 streams each token as it comes. Every
     hop after the engine (the worker's flush, Redis, the API's relay, the client) works per event,
     so N divides llmq's CPU per token by about N, for streams that arrive N tokens at a time."""
+    gc_freeze: bool = True
+    """LLMQ_GC_FREEZE: after its warm-up (and each engine rebuild's), a worker moves everything it
+    holds (the engine's client, the tokenizer, the model's config) out of the cyclic GC's reach
+    (``gc.freeze()``, as `vllm serve` does after start-up), so a collection scans only what jobs
+    allocate since. Thawed before a rebuild, so a dead engine is collected (docs/benchmarks.md#gc-freeze)."""
     engine_tracing: bool = True
     """LLMQ_ENGINE_TRACING: with tracing on (the OTEL_* variables, docs/operations.md#tracing),
     also vLLM's own span of each job (``llm_request``: its queue, prefill and decode times), under

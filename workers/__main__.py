@@ -82,7 +82,7 @@ async def serve(settings: Settings, tracing: Tracing | None = None) -> None:
                          usage_days=settings.usage_days, durability=durability)
         info = model_info(engine.multimodal, image_cost(model_path))
         worker = Worker(settings, queue, engine, device=claim.label, devices=claim.devices, tracing=tracing,
-                        info=info)
+                        info=info, freeze_heap=settings.gc_freeze)
         loop = asyncio.get_running_loop()
 
         def on_signal() -> None:

@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import gc
 import os
 import socket
 from collections.abc import Sequence
@@ -140,8 +141,9 @@ class _Suspect:
 class Worker:
     def __init__(self, settings: Settings, queue: Consumer, engine: Engine, *, worker_id: str | None = None,
                  device: str = "", devices: Sequence[str] = (), tracing: Tracing | None = None,
-                 info: ModelInfo = TEXT_ONLY):
+                 info: ModelInfo = TEXT_ONLY, freeze_heap: bool = False):
         self.settings = settings
+        self._freeze_heap = freeze_heap  # LLMQ_GC_FREEZE, set by the process that owns the heap
         self.info = info  # what its model takes: told to the APIs as it comes up (shared/media.py)
         self.media = MediaStore(queue.redis, queue.keys, settings.media_ttl_s)  # its jobs' images
         self.tracing = tracing  # None: tracing off, and no span work anywhere below
@@ -187,6 +189,9 @@ class Worker:
         req = GenerationRequest(prompt="warm up", dialect="jobs")
         async for _ in self.engine.stream(f"warmup-{self.worker_id}", req):
             pass
+        if self._freeze_heap:  # what the worker holds from now on is never scanned again (LLMQ_GC_FREEZE)
+            gc.collect()
+            gc.freeze()
         self.ready = True
 
     async def run(self) -> None:
@@ -733,6 +738,8 @@ class Worker:
         while self._may_rebuild():
             log.info("engine_rebuilding", suspects=len(self._suspects))
             try:
+                if self._freeze_heap:
+                    gc.unfreeze()  # the dead engine's client was frozen with the rest: collectable again
                 await self.engine.restart()
                 await self.warm_up()
             except EngineDead:  # it died again before any job ran

@@ -6,6 +6,7 @@ The scripted engine makes timing controllable; the same loop runs on vLLM in tes
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import uuid
 
@@ -188,3 +189,28 @@ async def test_a_cancel_that_arrives_before_its_job_task_starts_still_ends_the_j
     assert stored.status == "cancelled" and stored.error.code == "cancelled"
     assert await redis.xlen(keys.queue("m")) == 0
     assert (await redis.xpending(keys.queue("m"), GROUP))["pending"] == 0
+
+
+async def test_a_worker_that_owns_its_heap_freezes_it_after_warm_up_and_serves_on(redis, prefix):
+    """LLMQ_GC_FREEZE: what the worker holds once warm is out of the cyclic GC's reach (as `vllm
+    serve` freezes its heap after start-up); jobs allocated after it still run and end."""
+    gc.unfreeze()
+    settings = load_settings({}, prefix=prefix, served_model_name="m", block_ms=100, heartbeat_s=0.2)
+    worker = Worker(settings, Consumer(redis, Keys(prefix)), ScriptedEngine(delay_s=0.001), freeze_heap=True)
+    task = asyncio.create_task(worker.run())
+    try:
+        await eventually(lambda: worker.ready, timeout_s=10, what="the worker to warm up")
+        assert gc.get_freeze_count() > 0
+        queue = JobStore(redis, Keys(prefix))
+        job_id = await _submit(queue, "after the freeze", 4)
+        assert await _wait_status(queue, job_id, "done") == "done"
+    finally:
+        worker.stop()
+        await asyncio.wait_for(task, 10)
+        gc.unfreeze()  # the test process's heap is pytest's, not the worker's
+
+
+async def test_a_worker_in_a_shared_process_leaves_the_heap_alone(make_worker):
+    gc.unfreeze()
+    await make_worker()
+    assert gc.get_freeze_count() == 0
