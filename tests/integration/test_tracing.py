@@ -186,7 +186,10 @@ async def test_a_preempted_attempt_ends_preempted_and_the_next_one_continues_the
                                                                                      exported):
     """docs/tenants.md#preemption: the attempt that gave its slot away ends ``preempted``, not an
     error, and the job's next attempt is the next span of the same trace."""
-    w = await make_worker(delay_s=0.01, max_num_seqs=2, tracing=tracing, preempt_min_run_ms=50, preempt_min_tokens=1)
+    # A lease longer than the in-process default (1 s): on a loaded CI box a lapsed lease ended an
+    # attempt "released" (a takeover), which is not what this test is about.
+    w = await make_worker(delay_s=0.01, max_num_seqs=2, tracing=tracing, preempt_min_run_ms=50, preempt_min_tokens=1,
+                          lease_s=10.0)
     heavy = [Client(redis, w.queue) for _ in range(2)]
     for i, client in enumerate(heavy):
         await client.start(f"long {i}", 150, traceparent=f"00-{TRACE}-{CLIENT_SPAN}-01" if i else None,
