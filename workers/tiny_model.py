@@ -256,8 +256,12 @@ def build_tiny_model(path: Path) -> Path:
 
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    # save_pretrained writes the weights as 0600 (via a temp file) and mkdtemp
-    # makes 0700 dirs; make the result readable like any other model dir.
+    return readable(path)
+
+
+def readable(path: Path) -> Path:
+    """``path`` and its files made readable like any other model directory: save_pretrained writes
+    the weights as 0600 (via a temp file), and mkdtemp makes 0700 directories."""
     path.chmod(0o755)
     for f in path.iterdir():
         f.chmod(0o644)
@@ -332,10 +336,7 @@ def build_tiny_adapter(path: Path, *, seed: int, rank: int = ADAPTER_RANK, base:
               "lora_alpha": rank, "lora_dropout": 0.0, "target_modules": list(ADAPTER_TARGETS), "bias": "none",
               "fan_in_fan_out": False, "modules_to_save": None, "use_rslora": False, "use_dora": False}
     (path / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    path.chmod(0o755)
-    for f in path.iterdir():
-        f.chmod(0o644)
-    return path
+    return readable(path)
 
 
 def ensure_tiny_adapter(path: Path, *, seed: int) -> Path:

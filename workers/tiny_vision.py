@@ -60,7 +60,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from workers.tiny_model import AGENT_TOKENS, _ensure, build_tokenizer
+from workers.tiny_model import AGENT_TOKENS, _ensure, build_tokenizer, readable
 from workers.tiny_model import CHAT_TEMPLATE as TEXT_TEMPLATE
 
 SEED = 4321
@@ -188,11 +188,7 @@ def build_tiny_vision(path: Path) -> Path:
 
     model.save_pretrained(path)
     processor.save_pretrained(path)
-    # save_pretrained writes the weights as 0600 (via a temp file) and mkdtemp makes 0700 dirs.
-    path.chmod(0o755)
-    for f in path.iterdir():
-        f.chmod(0o644)
-    return path
+    return readable(path)
 
 
 def _is_built(path: Path) -> bool:
