@@ -87,8 +87,10 @@ async def kill(r: Running) -> None:
 
 
 def _children(worker: Worker) -> list[asyncio.Task]:
-    """The tasks running one of ``worker``'s (or its presence's) loops."""
-    owners = (worker, worker.presence)
+    """The tasks running one of ``worker``'s (or its presence's, or its outbox's) loops: the outbox's
+    flusher is a child of the worker's task group too, and one that dropped its cancel kept the
+    group waiting (seen once in CI)."""
+    owners = (worker, worker.presence, worker.outbox)
     found = []
     for task in asyncio.all_tasks():
         frame = getattr(task.get_coro(), "cr_frame", None)
