@@ -39,6 +39,7 @@ from tests.conftest import REPO
 from tests.support.engine_faults import (
     PROMPT_IDS,
     Faulty,
+    answered,
     check_exact,
     kill_engine_mid_stream,
     rank_pids,
@@ -173,6 +174,9 @@ def test_a_job_that_fails_the_step_of_a_tensor_parallel_engine_is_still_the_one_
     assert [d["cause"] for d in tp2.worker_events("engine_died")[deaths:]] == ["failed"]
     assert tp2.worker_events("engine_exited")[-1]["rank_exited_first"] is False
     figures.requests_sent, figures.ended_with_error = 1, 1
+    # The engine is rebuilt after the killer's answer (about 30 s for two ranks here): the next test
+    # needs this worker serving, not rebuilding, or its peer takes every job.
+    answered(tp2)
 
 
 def test_a_tp2_and_a_tp1_worker_of_one_model_share_one_queue(tp2, redis_url, tmp_path, figures):

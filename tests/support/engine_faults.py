@@ -129,12 +129,27 @@ def kill_engine_mid_stream(f: Faulty, figures: Figures, salt: int,
                            victim: Callable[[Faulty], int] = engine_pid) -> tuple[Stream, int]:
     """SIGKILL the worker's engine (``victim``: a process of it, by default its core) once a stream
     has 20 tokens; the stream must end exact, its worker the same process, serving the next request.
-    Returns the stream and the dead engine's pid."""
+    Returns the stream and the dead engine's pid.
+
+    The engine is paused (SIGSTOP) before the kill, and the stream checked to be mid-way: on a
+    loaded box the engine's ranks can starve this process long enough for the whole stream to end
+    before the kill lands, and a kill after the stream kills an idle engine, whose death the next
+    test then sees. A stream that ended first is let go, and another one tried."""
     worker, engine, target = f.worker_pid(), engine_pid(f), victim(f)  # before: a /proc scan takes a while
-    stream = streamed(f.url, salt)
-    running_job(f, stream, 20)
+    frozen = [engine, *children(engine)]
+    for attempt in range(3):
+        stream = streamed(f.url, salt + 50 * attempt)
+        running_job(f, stream, 20)
+        _signal(frozen, signal.SIGSTOP)
+        if _mid_way(f, stream):
+            break
+        _signal(frozen, signal.SIGCONT)
+        stream.thread.join(300)
+    else:
+        raise AssertionError("every stream ended before its engine could be paused")
     os.kill(target, signal.SIGKILL)
     killed_at = time.monotonic()
+    _signal([pid for pid in frozen if pid != target], signal.SIGCONT)
     stream.thread.join(300)
     figures.seconds["stream_done_after_kill_s"] = time.monotonic() - killed_at
     check_exact(f, stream, figures)
@@ -142,3 +157,15 @@ def kill_engine_mid_stream(f: Faulty, figures: Figures, salt: int,
     assert not alive(engine)
     answered(f)
     return stream, engine
+
+
+def _signal(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        os.kill(pid, sig)
+
+
+def _mid_way(f: Faulty, stream: Stream) -> bool:
+    """With the engine paused: whether ``stream``'s job still has tokens to come. What the engine
+    made before the pause reaches the log within the settling time (the worker is not paused)."""
+    time.sleep(0.5)
+    return logged_tokens(f, stream.job_id) < MAX_TOKENS - 10 and not stream.done
