@@ -39,6 +39,7 @@ __all__ = [
     "EMBEDDED_REDIS_URL",
     "SettingsError",
     "redact_url",
+    "EngineFront",
 ]
 
 # The sentinel model name: the tiny model the project builds for itself (no download needed).
@@ -54,6 +55,8 @@ TINY_ADAPTERS = {"tiny-lora-1": 1, "tiny-lora-2": 2}
 # its cache directory named by its build, as TINY_MODEL_DIR is.
 VISION_MODEL = "tiny-vision"
 TINY_VISION_DIR = f"{VISION_MODEL}-v1"
+# What reads a worker's engine outputs (Settings.engine_front).
+EngineFront = Literal["asyncllm", "loop"]
 # Where the embedded development Redis listens when LLMQ_REDIS_URL is unset.
 EMBEDDED_REDIS_URL = "redis://127.0.0.1:6399/0"
 
@@ -293,6 +296,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     holds (the engine's client, the tokenizer, the model's config) out of the cyclic GC's reach
     (``gc.freeze()``, as `vllm serve` does after start-up), so a collection scans only what jobs
     allocate since. Thawed before a rebuild, so a dead engine is collected (docs/benchmarks.md#gc-freeze)."""
+    engine_front: EngineFront = "asyncllm"
+    """LLMQ_ENGINE_FRONT: what reads the engine's outputs in the worker. `asyncllm`: vLLM's own front
+    end (``AsyncLLM``: a ``RequestOutput`` per job per step, each job's task woken for it). `loop`:
+    llmq's loop over vLLM's engine-core client (workers/engine_loop.py), with vLLM's detokenizer and
+    logprobs as libraries: the same steps, less CPU per token (docs/benchmarks.md#engine-front).
+    vLLM's own ``llm_request`` span (LLMQ_ENGINE_TRACING) comes from its front end, so `asyncllm`
+    only."""
     engine_tracing: bool = True
     """LLMQ_ENGINE_TRACING: with tracing on (the OTEL_* variables, docs/operations.md#tracing),
     also vLLM's own span of each job (``llm_request``: its queue, prefill and decode times), under

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from typing import Protocol
 
 import structlog
 from vllm.lora.request import LoRARequest
-from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from shared.adapters import Sources
@@ -36,10 +36,19 @@ log = structlog.get_logger(__name__)
 _NONE = AdapterState()
 
 
+class LoraHost(Protocol):
+    """Where adapters load: either engine front (workers/engine.py), which both forward to vLLM's
+    engine-core client."""
+
+    async def add_lora(self, lora: LoRARequest) -> bool: ...
+
+    async def list_loras(self) -> set[int]: ...
+
+
 class EngineAdapters:
     """One engine's adapters: a stable id per (name, source), and loads and evictions counted."""
 
-    def __init__(self, engine: AsyncLLM, max_loras: int, sources: Sources, counted: AdapterState = _NONE) -> None:
+    def __init__(self, engine: LoraHost, max_loras: int, sources: Sources, counted: AdapterState = _NONE) -> None:
         """``counted``: the loads and evictions of the engines before this one (a rebuild's)."""
         self.engine = engine
         self.max_loras = max_loras

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 import structlog
 from vllm import SamplingParams as VllmSamplingParams
@@ -35,17 +36,19 @@ from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 from shared.adapters import Sources
 from shared.budget import generation_budget
 from shared.chat_template import chat_token_ids
-from shared.config import Settings, SettingsError
+from shared.config import EngineFront, Settings, SettingsError
 from shared.errors import EngineDead, InvalidRequest
 from shared.events import TokenDelta
-from shared.schemas import GenerationRequest, PromptInfo, StructuredOutput, TopLogprob
+from shared.schemas import GenerationRequest, StructuredOutput, TopLogprob
 from workers import faults as faults_
 from workers import forcing
 from workers.adapters import EngineAdapters
 from workers.beam import beam_search
 from workers.continuation import run_parts
+from workers.engine_loop import EngineLoop
 from workers.environment import cpu_engine, eager
 from workers.media import Images
+from workers.outputs import add_logprobs, prompt_info
 from workers.parsing import ChoiceParser, OutputParsers, Parsing
 from workers.protocol import AdapterState, Death, Part, Step
 from workers.ranks import Ranks
@@ -123,13 +126,6 @@ def _structured_config(compact_json: bool, reasoning_parser: str | None) -> Stru
     return StructuredOutputsConfig(reasoning_parser=reasoning_parser or "")
 
 
-def _top(position: dict, k: int) -> list[TopLogprob]:
-    """The k best alternatives of one position; vLLM's dict also holds the sampled token when it
-    ranked lower, which the caller reports separately."""
-    ranked = sorted((lp.rank or 0, tid, lp) for tid, lp in position.items() if (lp.rank or 0) <= k)
-    return [TopLogprob(tid, lp.decoded_token or "", lp.logprob) for _, tid, lp in ranked]
-
-
 def _step(out: RequestOutput, want_top: int | None) -> Step:
     deltas = []
     for comp in out.outputs:
@@ -141,15 +137,7 @@ def _step(out: RequestOutput, want_top: int | None) -> Step:
             stop_reason=comp.stop_reason,
         )
         if comp.logprobs is not None and want_top is not None:
-            logprobs, texts, tops = [], [], []
-            for token_id, position in zip(comp.token_ids, comp.logprobs, strict=False):
-                sampled = position[token_id]
-                logprobs.append(sampled.logprob)
-                texts.append(sampled.decoded_token or "")
-                if want_top:
-                    tops.append(_top(position, want_top))
-            delta.logprobs, delta.token_texts = logprobs, texts
-            delta.top_logprobs = tops if want_top else None
+            add_logprobs(delta, comp.logprobs, want_top)
         deltas.append(delta)
     return Step(deltas=deltas, finished=out.finished, prompt_tokens=len(out.prompt_token_ids or ()),
                 cached_tokens=out.num_cached_tokens or 0)
@@ -246,14 +234,9 @@ def _exit_code(proc: BaseProcess, timeout_s: float) -> int | None:
     return code
 
 
-def _core_processes(engine: AsyncLLM) -> list[BaseProcess]:
-    """``engine``'s engine core processes (vLLM's process manager holds them)."""
-    return list(getattr(engine.engine_core.resources.engine_manager, "processes", ()))
-
-
-def _ranks(engine: AsyncLLM) -> Ranks:
-    """``engine``'s rank processes, watched (none: an engine of one rank runs it in its core)."""
-    return Ranks(proc.pid for proc in _core_processes(engine) if proc.pid is not None)
+def _ranks(front: Front) -> Ranks:
+    """``front``'s rank processes, watched (none: an engine of one rank runs it in its core)."""
+    return Ranks(proc.pid for proc in front.processes() if proc.pid is not None)
 
 
 def follower_ranks(settings: Settings) -> MultiprocExecutor:
@@ -269,25 +252,82 @@ def follower_ranks(settings: Settings) -> MultiprocExecutor:
 _NO_SOURCES = Sources(roots=())  # an engine given none loads no adapter from anywhere
 
 
-def _new_engine(args: AsyncEngineArgs, faults: bool = False) -> AsyncLLM:
+def _new_engine(args: AsyncEngineArgs, faults: bool = False, front: EngineFront = "asyncllm") -> Front:
     """An engine of ``args``: its config made afresh each time (the engine fills a config in as it
     starts), with the forcing processor of the model runner that config chose, and with
-    ``faults`` (LLMQ_TEST_FAULTS) the fault tests' engine killer."""
+    ``faults`` (LLMQ_TEST_FAULTS) the fault tests' engine killer; read through ``front``."""
     config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
     v2 = config.use_v2_model_runner
     config.model_config.logits_processors = [forcing.processor_for(v2), *([faults_.killer_for(v2)] if faults else [])]
-    return AsyncLLM.from_vllm_config(config, enable_log_requests=args.enable_log_requests,
-                                     disable_log_stats=args.disable_log_stats)
+    if front == "loop":
+        return EngineLoop(config)
+    return AsyncFront(AsyncLLM.from_vllm_config(config, enable_log_requests=args.enable_log_requests,
+                                                disable_log_stats=args.disable_log_stats))
+
+
+class AsyncFront:
+    """vLLM's own front end, ``AsyncLLM`` (``LLMQ_ENGINE_FRONT=asyncllm``): its output handler
+    turns each step into a ``RequestOutput`` per request and wakes that request's task, which makes
+    llmq's :class:`Step` of it. Kept for one release beside workers/engine_loop.py's loop, which
+    must write the same steps (tests/engine/test_engine_fronts.py)."""
+
+    def __init__(self, llm: AsyncLLM) -> None:
+        self.llm = llm
+        self.model_config = llm.model_config
+
+    @property
+    def errored(self) -> bool:
+        return self.llm.errored
+
+    def get_tokenizer(self) -> Any:
+        return self.llm.get_tokenizer()
+
+    async def add_lora(self, lora: LoRARequest) -> bool:
+        return await self.llm.add_lora(lora)
+
+    async def list_loras(self) -> set[int]:
+        return await self.llm.list_loras()
+
+    def processes(self) -> list[BaseProcess]:
+        """The engine core's processes (vLLM's process manager holds them)."""
+        return list(getattr(self.llm.engine_core.resources.engine_manager, "processes", ()))
+
+    async def abort(self, request_ids: list[str]) -> None:
+        await self.llm.abort(request_ids)
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+    async def steps(self, request_id: str, prompt: TextPrompt | TokensPrompt, params: VllmSamplingParams, *,
+                    priority: int = 0, lora_request: LoRARequest | None = None,
+                    trace_headers: Mapping[str, str] | None = None, reasoning_ended: bool | None = None,
+                    want_top: int | None = None, want_prompt: bool = False) -> AsyncIterator[Step]:
+        first = True
+        async for out in self.llm.generate(prompt, params, request_id=request_id, priority=priority,
+                                           lora_request=lora_request, trace_headers=trace_headers,
+                                           reasoning_ended=reasoning_ended):
+            step = _step(out, want_top)
+            if first:
+                step.prompt_token_ids = list(out.prompt_token_ids or ())
+                if want_prompt:
+                    step.prompt = prompt_info(self.llm.get_tokenizer().decode, step.prompt_token_ids,
+                                              out.prompt_logprobs, params.prompt_logprobs)
+            first = False
+            yield step
+
+
+Front = AsyncFront | EngineLoop
+"""What reads an engine's outputs (``LLMQ_ENGINE_FRONT``): vLLM's ``AsyncLLM``, or llmq's loop."""
 
 
 class VllmEngine:
     """One vLLM engine. ``stream`` yields a :class:`Step` per engine step for one job; after a death
     :meth:`restart` builds the next one in its place."""
 
-    def __init__(self, engine: AsyncLLM, max_model_len: int, *, tool_parser: str | None = None,
+    def __init__(self, engine: Front, max_model_len: int, *, tool_parser: str | None = None,
                  reasoning_parser: str | None = None, tool_strict_level: str = "auto",
                  compact_json: bool = False, max_loras: int = 0,
-                 rebuild: Callable[[], AsyncLLM] | None = None, faults: bool = False,
+                 rebuild: Callable[[], Front] | None = None, faults: bool = False,
                  sources: Sources = _NO_SOURCES, spans_hosts: bool = False) -> None:
         self.engine = engine
         self._rebuild = rebuild
@@ -309,7 +349,7 @@ class VllmEngine:
             raise refused
         args = engine_args(settings, model_path, traces_endpoint)
         try:
-            engine = _new_engine(args, settings.test_faults)
+            engine = _new_engine(args, settings.test_faults, settings.engine_front)
         except ValueError as exc:  # pydantic's ValidationError of vLLM's config is one
             if (refused := _too_long(exc, settings)) is None:
                 raise
@@ -320,7 +360,7 @@ class VllmEngine:
                    # Arguments afresh: vLLM fills them in as an engine starts (a multi-host one's
                    # no longer validate a second time).
                    rebuild=lambda: _new_engine(engine_args(settings, model_path, traces_endpoint),
-                                               settings.test_faults),
+                                               settings.test_faults, settings.engine_front),
                    faults=settings.test_faults, sources=Sources.of(settings), spans_hosts=settings.nnodes > 1)
 
     def dead(self) -> bool:
@@ -361,7 +401,7 @@ class VllmEngine:
         assert self._dead_seen_at is not None
         loop = asyncio.get_running_loop()
         codes = await asyncio.gather(*(loop.run_in_executor(None, _exit_code, proc, 30.0)
-                                       for proc in _core_processes(self.engine)))
+                                       for proc in self.engine.processes()))
         rank_first = self._ranks.gone_before(self._dead_seen_at)
         log.info("engine_exited", exit_codes=codes, rank_exited_first=rank_first)
         if rank_first:
@@ -399,30 +439,6 @@ class VllmEngine:
         ids = prompt.get("prompt_token_ids")
         length = None if ids is None else len(ids) + sum(max(image.tokens - 1, 0) for image in req.images)
         return generation_budget(req.sampling.max_tokens, length, self.max_model_len)
-
-    def _prompt_info(self, out: RequestOutput, req: GenerationRequest) -> PromptInfo:
-        ids = list(out.prompt_token_ids or ())
-        info = PromptInfo(token_ids=ids)
-        positions = out.prompt_logprobs
-        k = req.sampling.prompt_logprobs
-        if positions is not None:
-            texts: list[str] = []
-            logprobs: list[float | None] = []
-            tops: list[list[TopLogprob]] = []
-            for tid, position in zip(ids, positions, strict=False):
-                if position is None:  # the first token: nothing before it to predict it from
-                    texts.append(self.tokenizer.decode([tid]))
-                    logprobs.append(None)
-                    tops.append([])
-                    continue
-                texts.append(position[tid].decoded_token or "")
-                logprobs.append(position[tid].logprob)
-                tops.append(_top(position, k or 0) if k else [])
-            info.token_texts, info.logprobs = texts, logprobs
-            info.top_logprobs = tops if k else None
-        else:
-            info.token_texts = [self.tokenizer.decode([tid]) for tid in ids]
-        return info
 
     @property
     def multimodal(self) -> bool:
@@ -474,7 +490,6 @@ class VllmEngine:
         own request: a part's request is its prompt ids); ``choice``: the job's choice this engine
         request runs (a part), else each output's own index; ``images``: the job's, decoded
         (workers/media.py)."""
-        want_top = req.sampling.logprobs
         try:
             prompt = self._prompt(req, images)
             params = to_sampling_params(req, forced, self._budget(req, prompt), faults=self.faults)
@@ -493,16 +508,14 @@ class VllmEngine:
             primed = self._primed_text(req)
             parsers: dict[int, ChoiceParser] = {}
             prompt_ids: list[int] | None = None
-            async for out in self.engine.generate(prompt, params, request_id=request_id, priority=_priority(req),
-                                                  lora_request=lora, trace_headers=trace_headers,
-                                                  reasoning_ended=reasoning_ended):
-                step = _step(out, want_top)
+            async for step in self.engine.steps(request_id, prompt, params, priority=_priority(req), lora_request=lora,
+                                                trace_headers=trace_headers, reasoning_ended=reasoning_ended,
+                                                want_top=req.sampling.logprobs,
+                                                want_prompt=req.output.prompt_tokens):
                 if primed:
                     primed = _strip_primed(step, primed)
                 if first:
-                    prompt_ids = step.prompt_token_ids = list(out.prompt_token_ids or ())
-                if first and req.output.prompt_tokens:
-                    step.prompt = self._prompt_info(out, req)
+                    prompt_ids = step.prompt_token_ids
                 first = False
                 if parsing is not None:
                     for delta in step.deltas:
@@ -541,15 +554,13 @@ class VllmEngine:
         async def next_tokens(tokens: list[int], k: int) -> dict[int, tuple[float, str]]:
             nonlocal calls
             calls += 1
-            params = VllmSamplingParams(max_tokens=1, temperature=0.0, logprobs=k)
-            final = None
-            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=tokens), params,
-                                                  request_id=f"{job_id}-beam-{calls}", priority=_priority(req),
-                                                  lora_request=lora):
-                final = out
-            assert final is not None
-            (position,) = final.outputs[0].logprobs or [{}]
-            return {tid: (lp.logprob, lp.decoded_token or "") for tid, lp in position.items()}
+            params = VllmSamplingParams(max_tokens=1, temperature=0.0, logprobs=k, output_kind=RequestOutputKind.DELTA)
+            tops: list[TopLogprob] = []
+            async for step in self.engine.steps(f"{job_id}-beam-{calls}", TokensPrompt(prompt_token_ids=tokens),
+                                                params, priority=_priority(req), lora_request=lora, want_top=k):
+                for delta in step.deltas:
+                    tops += (delta.top_logprobs or [[]])[0]
+            return {top.id: (top.logprob, top.text) for top in tops}
 
         beams = await beam_search(
             ids, next_tokens, width=s.beam_width, max_tokens=generation_budget(s.max_tokens, len(ids),
@@ -567,7 +578,7 @@ class VllmEngine:
         return Step(deltas=deltas, finished=True, prompt_tokens=len(ids))
 
     async def abort(self, job_id: str) -> None:
-        await self.engine.abort(self._requests.get(job_id, job_id))
+        await self.engine.abort(self._requests.get(job_id, [job_id]))
 
     def shutdown(self) -> None:
         self._ranks.close()

@@ -55,7 +55,7 @@ async def _serve(proto: IO[str]) -> None:
     from workers.engine import VllmEngine
 
     engine = VllmEngine.build(settings, settings.model_path)
-    llm = engine.engine
+    llm = engine.engine.llm  # vLLM's AsyncLLM itself (the default front)
 
     async def one(prompt: str, max_tokens: int) -> RequestRecord:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,

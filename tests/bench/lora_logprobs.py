@@ -79,7 +79,7 @@ async def _serve(proto) -> None:
     from workers.engine import VllmEngine
 
     engine = VllmEngine.build(settings, settings.model_path)
-    llm = engine.engine
+    llm = engine.engine.llm  # vLLM's AsyncLLM itself (the default front)
 
     async def one(prompt: str, plp: int | None, max_tokens: int) -> float:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=plp)

@@ -329,7 +329,7 @@ def engine_of(adapter_dirs):
             for name, value in environ.items():
                 env.setenv(name, value)
             engine = VllmEngine.build(settings, settings.model_path)
-            runner = Engine(engine.engine, adapter_dirs)
+            runner = Engine(engine.engine.llm, adapter_dirs)  # vLLM's AsyncLLM itself (the default front)
             try:
                 await runner.run(runner.ids("warm up"), SamplingParams(max_tokens=2))
                 yield runner
@@ -491,7 +491,7 @@ async def _control() -> str:
     dirs = {k: Path(v) for k, v in json.loads(os.environ["LLMQ_TEST_ADAPTERS"]).items()}
     engine = VllmEngine.build(settings, settings.model_path)
     try:
-        eng = Engine(engine.engine, dirs)
+        eng = Engine(engine.engine.llm, dirs)
         await eng.run(eng.ids("warm up"), SamplingParams(max_tokens=2))
         try:
             await eng.shared([eng.score(eng.ids(p), a) for a in (None, "a1") for p in PROMPTS], [None, "a1"])

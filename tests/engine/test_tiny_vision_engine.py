@@ -61,7 +61,7 @@ async def test_vllm_expands_each_image_placeholder_of_rendered_ids_by_image_cost
         for name, value in environ.items():
             env.setenv(name, value)
         engine = VllmEngine.build(settings, model_dir)
-    llm, tokenizer, cost = engine.engine, engine.tokenizer, image_cost(model_dir)
+    llm, tokenizer, cost = engine.engine.llm, engine.tokenizer, image_cost(model_dir)
     assert cost is not None
     placeholder = tokenizer.convert_tokens_to_ids("<image>")
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
