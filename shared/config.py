@@ -296,13 +296,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     holds (the engine's client, the tokenizer, the model's config) out of the cyclic GC's reach
     (``gc.freeze()``, as `vllm serve` does after start-up), so a collection scans only what jobs
     allocate since. Thawed before a rebuild, so a dead engine is collected (docs/benchmarks.md#gc-freeze)."""
-    engine_front: EngineFront = "asyncllm"
-    """LLMQ_ENGINE_FRONT: what reads the engine's outputs in the worker. `asyncllm`: vLLM's own front
-    end (``AsyncLLM``: a ``RequestOutput`` per job per step, each job's task woken for it). `loop`:
-    llmq's loop over vLLM's engine-core client (workers/engine_loop.py), with vLLM's detokenizer and
-    logprobs as libraries: the same steps, less CPU per token (docs/benchmarks.md#engine-front).
-    vLLM's own ``llm_request`` span (LLMQ_ENGINE_TRACING) comes from its front end, so `asyncllm`
-    only."""
+    engine_front: EngineFront = "loop"
+    """LLMQ_ENGINE_FRONT: what reads the engine's outputs in the worker. `loop`: llmq's own loop over
+    vLLM's engine-core client (workers/engine_loop.py), with vLLM's detokenizer and logprobs as
+    libraries, each step handed to its job from the loop. `asyncllm`: vLLM's own front end
+    (``AsyncLLM``: a ``RequestOutput`` per job per step, each job's task woken for it), kept for one
+    release; the two hand a job the same steps (docs/architecture.md#engine-front), the loop at
+    less CPU per token (docs/benchmarks.md#engine-front). vLLM's own ``llm_request`` span
+    (LLMQ_ENGINE_TRACING with tracing on) comes from its front end: the worker then runs `asyncllm`."""
     engine_tracing: bool = True
     """LLMQ_ENGINE_TRACING: with tracing on (the OTEL_* variables, docs/operations.md#tracing),
     also vLLM's own span of each job (``llm_request``: its queue, prefill and decode times), under

@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 from vllm import SamplingParams as VllmSamplingParams
@@ -50,7 +50,7 @@ from workers.environment import cpu_engine, eager
 from workers.media import Images
 from workers.outputs import add_logprobs, prompt_info
 from workers.parsing import ChoiceParser, OutputParsers, Parsing
-from workers.protocol import AdapterState, Death, Part, Step
+from workers.protocol import AdapterState, Death, Part, Step, drain
 from workers.ranks import Ranks
 
 __all__ = ["VllmEngine", "to_sampling_params", "engine_args", "follower_ranks"]
@@ -320,6 +320,43 @@ Front = AsyncFront | EngineLoop
 """What reads an engine's outputs (``LLMQ_ENGINE_FRONT``): vLLM's ``AsyncLLM``, or llmq's loop."""
 
 
+class _Submission(NamedTuple):
+    prompt: TextPrompt | TokensPrompt
+    params: VllmSamplingParams
+    parsing: Parsing | None
+    reasoning_ended: bool | None
+    lora: LoRARequest | None
+
+
+class _Reader:
+    """What llmq does to each step of one engine request as it comes, on either front: the
+    prompt's text dropped from a primed first text (see ``VllmEngine._primed_text``), and a
+    chat's output parsed per choice (``choice``: the job's choice a part runs, else each
+    output's own index)."""
+
+    __slots__ = ("primed", "parsing", "job_id", "choice", "parsers", "prompt_ids", "first")
+
+    def __init__(self, primed: dict[int, str] | None, parsing: Parsing | None, job_id: str,
+                 choice: int | None) -> None:
+        self.primed, self.parsing, self.job_id, self.choice = primed, parsing, job_id, choice
+        self.parsers: dict[int, ChoiceParser] = {}
+        self.prompt_ids: list[int] | None = None
+        self.first = True
+
+    def __call__(self, step: Step) -> Step:
+        if self.primed:
+            self.primed = _strip_primed(step, self.primed)
+        if self.first:
+            self.prompt_ids, self.first = step.prompt_token_ids, False
+        if self.parsing is not None:
+            for delta in step.deltas:
+                index = delta.index if self.choice is None else self.choice
+                parser = self.parsers.get(index) or self.parsers.setdefault(index,
+                                                                            self.parsing.choice(self.job_id, index))
+                parser.feed(delta, self.prompt_ids)
+        return step
+
+
 class VllmEngine:
     """One vLLM engine. ``stream`` yields a :class:`Step` per engine step for one job; after a death
     :meth:`restart` builds the next one in its place."""
@@ -348,8 +385,14 @@ class VllmEngine:
         if (refused := _unbuildable(settings)) is not None:
             raise refused
         args = engine_args(settings, model_path, traces_endpoint)
+        front = settings.engine_front
+        if traces_endpoint is not None and front != "asyncllm":
+            # vLLM's own request span (LLMQ_ENGINE_TRACING) is made by its front end.
+            log.info("engine_front_asyncllm_for_tracing", asked=front)
+            front = "asyncllm"
+        log.info("engine_front", front=front)
         try:
-            engine = _new_engine(args, settings.test_faults, settings.engine_front)
+            engine = _new_engine(args, settings.test_faults, front)
         except ValueError as exc:  # pydantic's ValidationError of vLLM's config is one
             if (refused := _too_long(exc, settings)) is None:
                 raise
@@ -360,7 +403,7 @@ class VllmEngine:
                    # Arguments afresh: vLLM fills them in as an engine starts (a multi-host one's
                    # no longer validate a second time).
                    rebuild=lambda: _new_engine(engine_args(settings, model_path, traces_endpoint),
-                                               settings.test_faults, settings.engine_front),
+                                               settings.test_faults, front),
                    faults=settings.test_faults, sources=Sources.of(settings), spans_hosts=settings.nnodes > 1)
 
     def dead(self) -> bool:
@@ -458,14 +501,40 @@ class VllmEngine:
         :meth:`_generate`, with no generator in between (one fewer resume per token). A chat's
         output is parsed per choice (workers/parsing.py), also in each part: a part replays the
         choice's published tokens through a fresh parser."""
-        try:
-            parsing = self.parsers.plan(req)
-        except ValueError as exc:  # vLLM's checks of the tools (a schema it cannot constrain, ...)
-            raise InvalidRequest(str(exc)) from None
+        parsing = self._parsing(req)
         if parts is None:
             return self._generate(job_id, req, trace_headers=trace_headers, parsing=parsing, job_id=job_id,
                                   images=images)
         return self._stream_parts(job_id, parts, trace_headers, parsing, images)
+
+    async def run(self, job_id: str, req: GenerationRequest, parts: Sequence[Part] | None = None,
+                  trace_headers: Mapping[str, str] | None = None, images: Images | None = None, *,
+                  on_step: Callable[[Step], None]) -> None:
+        """:meth:`stream`'s batch form: with the loop front (workers/engine_loop.py) a plain job's
+        steps go to ``on_step`` from the engine's loop as they are made, parsed there, and the
+        job's task wakes only at its end. A continued job, a beam search or the ``AsyncLLM`` front
+        goes through :meth:`stream`."""
+        if parts is not None or req.sampling.beam_width > 1 or not isinstance(self.engine, EngineLoop):
+            await drain(self.stream(job_id, req, parts, trace_headers, images), on_step)
+            return
+        submit = await self._submission(req, (), self._parsing(req), images)
+        reader = _Reader(self._primed_text(req), submit.parsing, job_id, None)
+        try:
+            await self.engine.run(job_id, submit.prompt, submit.params, on_step=lambda step: on_step(reader(step)),
+                                  priority=_priority(req), lora_request=submit.lora, trace_headers=trace_headers,
+                                  reasoning_ended=submit.reasoning_ended, want_top=req.sampling.logprobs,
+                                  want_prompt=req.output.prompt_tokens)
+        except VLLMValidationError as exc:
+            raise InvalidRequest(str(exc)) from None
+        except EngineDeadError as exc:
+            self._seen_dead()
+            raise EngineDead(f"the engine died: {exc}") from None
+
+    def _parsing(self, req: GenerationRequest) -> Parsing | None:
+        try:
+            return self.parsers.plan(req)
+        except ValueError as exc:  # vLLM's checks of the tools (a schema it cannot constrain, ...)
+            raise InvalidRequest(str(exc)) from None
 
     async def _stream_parts(self, job_id: str, parts: Sequence[Part], trace_headers: Mapping[str, str] | None,
                             parsing: Parsing | None, images: Images | None) -> AsyncIterator[Step]:
@@ -482,14 +551,10 @@ class VllmEngine:
         finally:
             self._requests.pop(job_id, None)
 
-    async def _generate(self, request_id: str, req: GenerationRequest, forced: Sequence[int] = (),
-                        trace_headers: Mapping[str, str] | None = None, *, parsing: Parsing | None = None,
-                        job_id: str = "", choice: int | None = None, images: Images | None = None
-                        ) -> AsyncIterator[Step]:
-        """One engine request's steps. ``parsing``: the chat's output parsers (built from the job's
-        own request: a part's request is its prompt ids); ``choice``: the job's choice this engine
-        request runs (a part), else each output's own index; ``images``: the job's, decoded
-        (workers/media.py)."""
+    async def _submission(self, req: GenerationRequest, forced: Sequence[int], parsing: Parsing | None,
+                          images: Images | None) -> _Submission:
+        """What the engine is given for ``req``: its prompt, vLLM's parameters (constrained by the
+        chat's parsers), whether the prompt already ended its reasoning, and its adapter, loaded."""
         try:
             prompt = self._prompt(req, images)
             params = to_sampling_params(req, forced, self._budget(req, prompt), faults=self.faults)
@@ -501,28 +566,31 @@ class VllmEngine:
             reasoning_ended = parsing.reasoning_ended(list(prompt.get("prompt_token_ids") or ()))
         try:
             lora = None if req.adapter is None else await self.loras.request(req.adapter)
+        except EngineDeadError as exc:
+            self._seen_dead()
+            raise EngineDead(f"the engine died: {exc}") from None
+        return _Submission(prompt, params, parsing, reasoning_ended, lora)
+
+    async def _generate(self, request_id: str, req: GenerationRequest, forced: Sequence[int] = (),
+                        trace_headers: Mapping[str, str] | None = None, *, parsing: Parsing | None = None,
+                        job_id: str = "", choice: int | None = None, images: Images | None = None
+                        ) -> AsyncIterator[Step]:
+        """One engine request's steps. ``parsing``: the chat's output parsers (built from the job's
+        own request: a part's request is its prompt ids); ``choice``: the job's choice this engine
+        request runs (a part), else each output's own index; ``images``: the job's, decoded
+        (workers/media.py)."""
+        submit = await self._submission(req, forced, parsing, images)
+        try:
             if req.sampling.beam_width > 1:
-                yield await self._beam_search(request_id, req, prompt, lora)
+                yield await self._beam_search(request_id, req, submit.prompt, submit.lora)
                 return
-            first = True
-            primed = self._primed_text(req)
-            parsers: dict[int, ChoiceParser] = {}
-            prompt_ids: list[int] | None = None
-            async for step in self.engine.steps(request_id, prompt, params, priority=_priority(req), lora_request=lora,
-                                                trace_headers=trace_headers, reasoning_ended=reasoning_ended,
+            reader = _Reader(self._primed_text(req), parsing, job_id, choice)
+            async for step in self.engine.steps(request_id, submit.prompt, submit.params, priority=_priority(req),
+                                                lora_request=submit.lora, trace_headers=trace_headers,
+                                                reasoning_ended=submit.reasoning_ended,
                                                 want_top=req.sampling.logprobs,
                                                 want_prompt=req.output.prompt_tokens):
-                if primed:
-                    primed = _strip_primed(step, primed)
-                if first:
-                    prompt_ids = step.prompt_token_ids
-                first = False
-                if parsing is not None:
-                    for delta in step.deltas:
-                        index = delta.index if choice is None else choice
-                        parser = parsers.get(index) or parsers.setdefault(index, parsing.choice(job_id, index))
-                        parser.feed(delta, prompt_ids)
-                yield step
+                yield reader(step)
         except VLLMValidationError as exc:  # the engine's checks: prompt too long, bad token ids, ...
             raise InvalidRequest(str(exc)) from None
         except EngineDeadError as exc:

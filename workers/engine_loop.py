@@ -21,7 +21,7 @@ an abort's final output with the text a stop string held back.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from copy import copy
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
@@ -58,22 +58,31 @@ logprobs) does not hold every lease and flush behind it (vLLM's VLLM_V1_OUTPUT_P
 
 @dataclass(slots=True)
 class _Job:
-    """One call of :meth:`EngineLoop.steps`: its engine requests (n > 1: one child per choice) and
-    the step they produced that the caller has not read yet."""
+    """One submitted request (n > 1: its children, one per choice): where its steps go as the loop
+    makes them (``deliver``), and where its failure goes (``fail``)."""
 
+    deliver: Callable[[Step], None]
+    fail: Callable[[BaseException], None]
     want_top: int | None
     want_prompt: bool
     k_prompt: int | None
     children: set[str] = field(default_factory=set)
     unfinished: set[str] = field(default_factory=set)
-    pending: Step | None = None
-    error: BaseException | None = None
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
     emitted: bool = False  # a step has been made: only the first carries the prompt's info
 
+
+class _Collector:
+    """The steps of a job read as an iterator (:meth:`EngineLoop.steps`): a step not read yet takes
+    the next one in, as vLLM's ``RequestOutputCollector`` does in DELTA mode (``RequestOutput.add``)."""
+
+    __slots__ = ("pending", "error", "ready")
+
+    def __init__(self) -> None:
+        self.pending: Step | None = None
+        self.error: BaseException | None = None
+        self.ready = asyncio.Event()
+
     def put(self, step: Step) -> None:
-        """As vLLM's ``RequestOutputCollector.put`` in DELTA mode: a step not read yet takes the
-        next one in (``RequestOutput.add``)."""
         if self.pending is None:
             self.pending = step
             self.ready.set()
@@ -83,6 +92,36 @@ class _Job:
     def fail(self, exc: BaseException) -> None:
         self.error = exc
         self.ready.set()
+
+    async def get(self) -> Step:
+        if self.pending is None and self.error is None:
+            await self.ready.wait()
+        if self.error is not None:
+            raise self.error
+        step, self.pending = self.pending, None
+        self.ready.clear()
+        assert step is not None
+        return step
+
+
+class _Handed:
+    """The steps of a job handed to a callback as the loop makes them (:meth:`EngineLoop.run`): its
+    task is not woken per step, only at the end (``done``)."""
+
+    __slots__ = ("on_step", "done")
+
+    def __init__(self, on_step: Callable[[Step], None]) -> None:
+        self.on_step = on_step
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def put(self, step: Step) -> None:
+        self.on_step(step)
+        if step.finished and not self.done.done():
+            self.done.set_result(None)
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.done.done():
+            self.done.set_exception(exc)
 
 
 def _merge(into: Step, then: Step) -> None:
@@ -136,6 +175,7 @@ class EngineLoop:
         self._requests: dict[str, _Request] = {}  # internal request id -> its state
         self._by_external: dict[str, list[str]] = {}  # the caller's request id -> internal ids
         self._loop: asyncio.Task[None] | None = None
+        self._failed: list[_Job] = []  # jobs whose callback raised in the chunk being handled
         self._supported: tuple[Any, ...] | None = None
 
     def get_tokenizer(self) -> Any:
@@ -173,6 +213,47 @@ class EngineLoop:
                     want_top: int | None = None, want_prompt: bool = False) -> AsyncIterator[Step]:
         """One request's steps, as llmq reads them (``want_top``: the logprobs' alternatives asked
         for; ``want_prompt``: the first step carries the prompt's tokens, workers/outputs.py)."""
+        collector = _Collector()
+        job = await self._submit(request_id, prompt, params, collector.put, collector.fail, priority=priority,
+                                 lora_request=lora_request, trace_headers=trace_headers,
+                                 reasoning_ended=reasoning_ended, want_top=want_top, want_prompt=want_prompt)
+        try:
+            finished = False
+            while not finished:
+                step = await collector.get()
+                finished = step.finished
+                yield step
+        except (asyncio.CancelledError, GeneratorExit):
+            await self._stop(job)  # the job's task was cancelled, or it stopped reading
+            raise
+        finally:
+            self._unregister(request_id, job)
+
+    async def run(self, request_id: str, prompt: Mapping[str, Any], params: SamplingParams, *,
+                  on_step: Callable[[Step], None], priority: int = 0, lora_request: LoRARequest | None = None,
+                  trace_headers: Mapping[str, str] | None = None, reasoning_ended: bool | None = None,
+                  want_top: int | None = None, want_prompt: bool = False) -> None:
+        """:meth:`steps`' batch form: each step handed to ``on_step`` from the loop as it is made,
+        and this returns after the last. ``on_step`` runs inside the loop: what it raises fails
+        this request only (raised here), and its engine requests are stopped."""
+        handed = _Handed(on_step)
+        job = await self._submit(request_id, prompt, params, handed.put, handed.fail, priority=priority,
+                                 lora_request=lora_request, trace_headers=trace_headers,
+                                 reasoning_ended=reasoning_ended, want_top=want_top, want_prompt=want_prompt)
+        try:
+            await handed.done
+        except asyncio.CancelledError:
+            await self._stop(job)
+            raise
+        finally:
+            self._unregister(request_id, job)
+
+    async def _submit(self, request_id: str, prompt: Mapping[str, Any], params: SamplingParams,
+                      deliver: Callable[[Step], None], fail: Callable[[BaseException], None], *, priority: int,
+                      lora_request: LoRARequest | None, trace_headers: Mapping[str, str] | None,
+                      reasoning_ended: bool | None, want_top: int | None, want_prompt: bool) -> _Job:
+        """``prompt`` rendered and processed as ``AsyncLLM.add_request`` does, its engine requests
+        registered with the loop and sent to the engine."""
         if self.errored:
             raise EngineDeadError()
         if self._supported is None:
@@ -183,7 +264,8 @@ class EngineLoop:
         if reasoning_ended is not None:
             request.reasoning_ended = reasoning_ended
         self.input_processor.assign_request_id(request)
-        job = _Job(want_top=want_top, want_prompt=want_prompt, k_prompt=request.sampling_params.prompt_logprobs)
+        job = _Job(deliver=deliver, fail=fail, want_top=want_top, want_prompt=want_prompt,
+                   k_prompt=request.sampling_params.prompt_logprobs if request.sampling_params else None)
         requests = self._fan_out(request)
         for child, index in requests:
             self._register(job, child, index)
@@ -192,29 +274,24 @@ class EngineLoop:
         try:
             for child, _ in requests:
                 await self.engine_core.add_request_async(child)
-            finished = False
-            while not finished:
-                if job.pending is None and job.error is None:
-                    await job.ready.wait()
-                if job.error is not None:
-                    raise job.error
-                step, job.pending = job.pending, None
-                job.ready.clear()
-                assert step is not None
-                finished = step.finished
-                yield step
-        except (asyncio.CancelledError, GeneratorExit):
-            # The job's task was cancelled, or it stopped reading: the engine stops its requests.
-            if live := self._forget(job.children):
-                await self.engine_core.abort_requests_async(live)
+        except BaseException:
+            await self._stop(job)
+            self._unregister(request_id, job)
             raise
-        finally:
-            self._forget(job.children)
-            ids = self._by_external.get(request_id)
-            if ids is not None:
-                ids[:] = [i for i in ids if i not in job.children]
-                if not ids:
-                    del self._by_external[request_id]
+        return job
+
+    async def _stop(self, job: _Job) -> None:
+        """The engine stops ``job``'s requests still running, and the loop forgets them."""
+        if live := self._forget(job.children):
+            await self.engine_core.abort_requests_async(live)
+
+    def _unregister(self, request_id: str, job: _Job) -> None:
+        self._forget(job.children)
+        ids = self._by_external.get(request_id)
+        if ids is not None:
+            ids[:] = [i for i in ids if i not in job.children]
+            if not ids:
+                del self._by_external[request_id]
 
     @staticmethod
     def _fan_out(request: EngineCoreRequest) -> list[tuple[EngineCoreRequest, int]]:
@@ -260,7 +337,7 @@ class EngineLoop:
                 continue
             live.append(rid)
             if (step := self._output(rid, state, [], FinishReason.ABORT, None)) is not None:
-                state.job.put(step)
+                self._deliver(state.job, step)
         if live:
             await self.engine_core.abort_requests_async(live)
 
@@ -274,6 +351,9 @@ class EngineLoop:
                 outputs = (await self.engine_core.get_output_async()).outputs
                 for start in range(0, len(outputs), CHUNK):
                     stopped = self._handle(outputs[start:start + CHUNK])
+                    for job in self._failed:
+                        stopped += self._forget(job.children)
+                    self._failed.clear()
                     if stopped:
                         # Ended by a stop string here, not in the engine: the engine stops them too.
                         await self.engine_core.abort_requests_async(stopped)
@@ -282,8 +362,8 @@ class EngineLoop:
         except Exception as exc:  # noqa: BLE001 - every caller gets it (EngineDeadError: the engine died)
             if not isinstance(exc, EngineDeadError):
                 log.exception("engine_loop_failed")
-            for state in self._requests.values():
-                state.job.fail(exc)
+            for job in {id(state.job): state.job for state in self._requests.values()}.values():
+                job.fail(exc)
             self._requests.clear()
 
     def _handle(self, outputs: list[EngineCoreOutput]) -> list[str]:
@@ -310,13 +390,24 @@ class EngineLoop:
                         out.new_logprobs = out.new_logprobs.slice_request(0, kept)
             if state.logprobs is not None:
                 state.logprobs.update_from_output(out)
-            if (step := self._output(rid, state, ids, finish_reason, stop_reason)) is not None:
-                state.job.put(step)
             if finish_reason is not None:
                 del self._requests[rid]
                 if not out.finished:
                     stopped.append(rid)
+            if (step := self._output(rid, state, ids, finish_reason, stop_reason)) is not None:
+                self._deliver(state.job, step)
         return stopped
+
+    def _deliver(self, job: _Job, step: Step) -> None:
+        """``step`` to its job; what its callback raises fails that job alone (its engine requests
+        are stopped after the chunk)."""
+        if job in self._failed:
+            return
+        try:
+            job.deliver(step)
+        except Exception as exc:  # noqa: BLE001 - the job's own failure, raised in its task
+            job.fail(exc)
+            self._failed.append(job)
 
     def _output(self, rid: str, state: _Request, ids: list[int], finish_reason: FinishReason | None,
                 stop_reason: int | str | None) -> Step | None:

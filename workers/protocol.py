@@ -7,14 +7,15 @@ crash continuation and every test's fake engine use these names without loading 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
 
 from shared.events import TokenDelta
 from shared.schemas import GenerationRequest, PromptInfo
 
-__all__ = ["Engine", "Step", "AdapterState", "Death", "Part", "Published"]
+__all__ = ["Engine", "Step", "AdapterState", "Death", "Part", "Published", "drain"]
 
 
 @dataclass(slots=True)
@@ -85,6 +86,15 @@ class Engine(Protocol):
         W3C context the engine's own spans continue (tracing on); ``images``: the job's images,
         decoded, by SHA-256 (workers/media.py)."""
 
+    async def run(self, job_id: str, req: GenerationRequest, parts: Sequence[Part] | None = None,
+                  trace_headers: Mapping[str, str] | None = None, images: Mapping[str, Any] | None = None, *,
+                  on_step: Callable[[Step], None]) -> None:
+        """:meth:`stream`'s batch form, which the worker runs its jobs with: each step handed to
+        ``on_step`` as the engine makes it (from the engine's own loop, where it has one:
+        workers/engine_loop.py, so a job's task is not woken per step); returns after the last.
+        What ``on_step`` raises ends the job, raised here. An engine without a loop of its own
+        drains its stream (:func:`drain`)."""
+
     def parses(self, req: GenerationRequest) -> bool:
         """Whether ``req``'s output goes through the engine's output parsers (a chat with tools,
         or a reasoning parser: workers/parsing.py), so a continuation must replay it."""
@@ -107,3 +117,11 @@ class Engine(Protocol):
         """How the engine died (once :meth:`dead`): ``failed`` when a step of its own raised, so
         the requests in that step caused it; ``killed`` by a signal from outside (an OOM kill, an
         operator) or of no known cause."""
+
+
+async def drain(steps: AsyncIterator[Step], on_step: Callable[[Step], None]) -> None:
+    """An engine's stream handed step by step to ``on_step`` (:meth:`Engine.run` for an engine
+    without a loop of its own), closed however it ends."""
+    async with contextlib.aclosing(steps):  # type: ignore[type-var]  # an async generator in practice
+        async for step in steps:
+            on_step(step)

@@ -69,12 +69,12 @@ from shared.registry import Registry
 from shared.schemas import GenerationRequest, JobResult, Usage
 from shared.scripts import NO_AFFINITY, Affinity, Candidate
 from workers import preemption
-from workers.attempt import Attempt
+from workers.attempt import Attempt, Emission
 from workers.continuation import plan_for
 from workers.media import load_images
 from workers.outbox import Outbox
 from workers.presence import Presence, Status
-from workers.protocol import Death, Engine
+from workers.protocol import Death, Engine, Step
 from workers.rates import RateMeter
 from workers.slots import Reservation, Slots
 
@@ -306,7 +306,7 @@ class Worker:
         """The running jobs that may give way now, and the seconds until another may
         (:func:`workers.preemption.candidates`)."""
         running = [preemption.RunningJob(job_id, r.held, r.tenant, r.started, r.preemptions,
-                                         confirmed=r.claim is None, attempt=r.attempt)
+                                         confirmed=r.claim is None or r.claim.is_set(), attempt=r.attempt)
                    for job_id, r in self._running.items() if r.preemptible and r.stop_reason is None]
         return preemption.candidates(running, asyncio.get_running_loop().time(), self.settings)
 
@@ -605,49 +605,51 @@ class Worker:
         if not self.settings.engine_tracing:
             headers = None  # vLLM traces nothing: it would only warn of the headers
         running = self._running[d.job_id]
-        held = running.claim is not None
-        merges = merges_steps(req)
+        claim = running.claim
         if self.engine.dead():  # it died before this job reached it: not this job's doing
             raise EngineDead("the engine was dead when the job started")
         # Read by hash as the job starts (and as a continuation starts), renewed until its deadline.
         images = await load_images(self.media, req, hold_s=_hold(d.deadline)) if req.images else None
         running.in_engine = True
-        async for step in self.engine.stream(d.job_id, plan.request, plan.parts, trace_headers=headers,
-                                             images=images):
-            # The step joins the job's last event if the outbox has not sealed it (workers/outbox.py).
-            out = attempt.on_step(step, now_ms, join=merges)
-            if out is None:
-                continue
-            if held:  # the engine started before the claim was confirmed: its first event waits for it
-                await self._claimed(d)
-                held = False
-            self.metrics.inc("llmq_worker_tokens_total", out.tokens)
-            self.rates.generated(out.tokens)
-            if out.first_token_at is not None:  # only a fresh attempt's: no earlier one published a token
-                self.metrics.observe("llmq_ttft_seconds", (out.first_token_at - d.queued_at) / 1000)
-                # Its whole prompt prefilled: the prefill rate's sample (a continuation's prefill
-                # also covers the tokens it carries, and it never reports a first token).
-                self.rates.first_token(attempt.usage.prompt_tokens,
-                                       out.first_token_at - (attempt.timings.started_at or out.first_token_at))
-                if d.predicted_ttft is not None:  # how far admission's prediction was off (docs/guarantees.md#slos)
-                    error = (out.first_token_at - d.queued_at - d.predicted_ttft) / 1000
-                    self.metrics.observe("llmq_ttft_predicted_seconds", d.predicted_ttft / 1000)
-                    self.metrics.observe("llmq_ttft_prediction_error_seconds", abs(error))
-                    self.metrics.inc("llmq_ttft_predictions_total", direction="late" if error > 0 else "early")
-            if out.merged:
-                continue  # its tokens joined the job's event still in the outbox (the flusher is behind)
-            if out.terminal is not None:
-                assert out.result is not None  # a step's terminal event is its Done, which carries the result
-                self._emit(d, out.terminal, data=out.data, entry_id=d.entry_id, result=out.result,
-                           first_token_at=out.first_token_at, log=out.log, history=attempt.encoded,
-                           history_from=attempt.base, history_prompt_ids=attempt.logged_prompt_ids)
-                self._log_finished(attempt.timings, attempt.usage, out.result)
-                # Only a Done's tokens: a job cut short (cancelled, past its deadline) says little
-                # of what a waiting job will ask for.
-                self.rates.finished(attempt.usage.completion_tokens)
-                return
-            self.outbox.add(d, attempt, out, joinable=merges)
-        raise GenerationFailed("the engine ended the job without a final output")
+        steps = _JobSteps(self, d, attempt, merges=merges_steps(req), claim=claim)
+        await self.engine.run(d.job_id, plan.request, plan.parts, trace_headers=headers, images=images,
+                              on_step=steps.take)
+        if claim is not None:
+            await self._claimed(d)
+        steps.release()
+        if not steps.ended:
+            raise GenerationFailed("the engine ended the job without a final output")
+
+    def _published(self, d: Delivery, attempt: Attempt, out: Emission, merges: bool) -> bool:
+        """One step's emission counted, and its event to the outbox (the job's end: emitted with
+        its result); returns whether it ended the job."""
+        self.metrics.inc("llmq_worker_tokens_total", out.tokens)
+        self.rates.generated(out.tokens)
+        if out.first_token_at is not None:  # only a fresh attempt's: no earlier one published a token
+            self.metrics.observe("llmq_ttft_seconds", (out.first_token_at - d.queued_at) / 1000)
+            # Its whole prompt prefilled: the prefill rate's sample (a continuation's prefill
+            # also covers the tokens it carries, and it never reports a first token).
+            self.rates.first_token(attempt.usage.prompt_tokens,
+                                   out.first_token_at - (attempt.timings.started_at or out.first_token_at))
+            if d.predicted_ttft is not None:  # how far admission's prediction was off (docs/guarantees.md#slos)
+                error = (out.first_token_at - d.queued_at - d.predicted_ttft) / 1000
+                self.metrics.observe("llmq_ttft_predicted_seconds", d.predicted_ttft / 1000)
+                self.metrics.observe("llmq_ttft_prediction_error_seconds", abs(error))
+                self.metrics.inc("llmq_ttft_predictions_total", direction="late" if error > 0 else "early")
+        if out.merged:
+            return False  # its tokens joined the job's event still in the outbox (the flusher is behind)
+        if out.terminal is not None:
+            assert out.result is not None  # a step's terminal event is its Done, which carries the result
+            self._emit(d, out.terminal, data=out.data, entry_id=d.entry_id, result=out.result,
+                       first_token_at=out.first_token_at, log=out.log, history=attempt.encoded,
+                       history_from=attempt.base, history_prompt_ids=attempt.logged_prompt_ids)
+            self._log_finished(attempt.timings, attempt.usage, out.result)
+            # Only a Done's tokens: a job cut short (cancelled, past its deadline) says little
+            # of what a waiting job will ask for.
+            self.rates.finished(attempt.usage.completion_tokens)
+            return True
+        self.outbox.add(d, attempt, out, joinable=merges)
+        return False
 
     @staticmethod
     def _log_finished(timings: Timings, usage: Usage, result: JobResult) -> None:
@@ -875,3 +877,53 @@ class Worker:
             except REDIS_DOWN as exc:
                 log.warning("heartbeat_failed", error=str(exc))
             await asyncio.sleep(period)
+
+
+class _JobSteps:
+    """One job's engine steps as the engine hands them over (:meth:`Engine.run`: from the engine's
+    loop, so this runs there, not in the job's task): each made the attempt's emission, and
+    published. A fresh job starts in the engine before its claim is confirmed
+    (:meth:`Worker._start_confirming`): until then its first emission and the steps after it wait
+    here, and go out with the first step after the confirmation, or when the engine is done."""
+
+    __slots__ = ("worker", "delivery", "attempt", "merges", "claim", "first", "waiting", "ended")
+
+    def __init__(self, worker: Worker, d: Delivery, attempt: Attempt, *, merges: bool,
+                 claim: asyncio.Event | None) -> None:
+        self.worker, self.delivery, self.attempt, self.merges = worker, d, attempt, merges
+        self.claim = claim  # None: confirmed (or never held)
+        self.first: Emission | None = None
+        self.waiting: list[Step] = []
+        self.ended = False
+
+    def take(self, step: Step) -> None:
+        if self.ended:
+            return
+        if self.claim is not None:
+            if not self.claim.is_set():
+                self._hold(step)
+                return
+            self.release()
+        self._publish(step)
+
+    def _hold(self, step: Step) -> None:
+        if self.first is None and not self.waiting:
+            # The step is made an emission at once (its first token's time is now), and waits.
+            self.first = self.attempt.on_step(step, now_ms, join=self.merges)
+        else:
+            self.waiting.append(step)
+
+    def release(self) -> None:
+        """The claim is confirmed: what waited goes out, in order."""
+        self.claim = None
+        first, waiting, self.first, self.waiting = self.first, self.waiting, None, []
+        if first is not None:
+            self.ended = self.worker._published(self.delivery, self.attempt, first, self.merges)
+        for step in waiting:
+            if not self.ended:
+                self._publish(step)
+
+    def _publish(self, step: Step) -> None:
+        out = self.attempt.on_step(step, now_ms, join=self.merges)
+        if out is not None:
+            self.ended = self.worker._published(self.delivery, self.attempt, out, self.merges)

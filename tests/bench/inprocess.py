@@ -43,7 +43,7 @@ class Answer(msgspec.Struct):
 
 
 async def _serve(proto: IO[str]) -> None:
-    settings = load_settings()
+    settings = load_settings(engine_front="asyncllm")  # the workload runs on AsyncLLM itself
     if settings.model == DEFAULT_MODEL:
         from workers.tiny_model import ensure_tiny_model
 

@@ -71,7 +71,7 @@ async def _serve(proto) -> None:
     from workers.environment import apply_engine_environment
     from workers.tiny_model import ensure_tiny_model
 
-    settings = load_settings()
+    settings = load_settings(engine_front="asyncllm")  # the workload runs on AsyncLLM itself
     ensure_tiny_model(Path(settings.model_path))
     apply_engine_environment(settings, os.environ)
     from vllm import SamplingParams

@@ -28,7 +28,7 @@ import statistics
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 
 from redis.asyncio import Redis
@@ -50,13 +50,14 @@ MODEL = "cpu"
 
 
 class LockstepEngine:
-    """Every running job advances one token per engine step, in the same step (``step_s`` apart).
-    Each job's steps wait on its own queue, filled by one ticker: vLLM's RequestOutputCollector
-    and output handler in miniature."""
+    """Every running job advances one token per engine step, in the same step (``step_s`` apart),
+    made by one ticker: workers/engine_loop.py in miniature. The worker runs jobs through
+    :meth:`run`, each step handed to the job's callback from the ticker; :meth:`stream` (the
+    warm-up's) waits on a queue per job, as vLLM's RequestOutputCollector does."""
 
     def __init__(self, step_s: float = 0.002) -> None:
         self.step_s = step_s
-        self._queues: dict[str, asyncio.Queue[Step]] = {}
+        self._sinks: dict[str, Callable[[Step], None]] = {}
         self._left: dict[str, tuple[str, int, int]] = {}  # job -> (prompt, made, max_tokens)
         self._ticker: asyncio.Task[None] | None = None
 
@@ -70,19 +71,27 @@ class LockstepEngine:
                 step = Step(deltas=[delta], finished=last, prompt_tokens=len(prompt))
                 if made == 0:
                     step.prompt_token_ids = [ord(c) for c in prompt]
-                self._queues[job_id].put_nowait(step)
+                self._sinks[job_id](step)
                 if last:
                     del self._left[job_id]
                 else:
                     self._left[job_id] = (prompt, made + 1, n)
 
+    def _start(self, job_id: str, req: GenerationRequest, sink: Callable[[Step], None]) -> None:
+        if self._ticker is None:
+            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+        self._sinks[job_id] = sink
+        self._left[job_id] = (req.prompt or "a", 0, req.sampling.max_tokens)
+
+    def _forget(self, job_id: str) -> None:
+        self._sinks.pop(job_id, None)
+        self._left.pop(job_id, None)
+
     async def stream(self, job_id: str, req: GenerationRequest, parts: Sequence[object] | None = None,
                      trace_headers: Mapping[str, str] | None = None, images: Mapping[str, object] | None = None
                      ) -> AsyncIterator[Step]:
-        if self._ticker is None:
-            self._ticker = asyncio.get_running_loop().create_task(self._tick())
-        queue = self._queues[job_id] = asyncio.Queue()
-        self._left[job_id] = (req.prompt or "a", 0, req.sampling.max_tokens)
+        queue: asyncio.Queue[Step] = asyncio.Queue()
+        self._start(job_id, req, queue.put_nowait)
         try:
             while True:
                 step = await queue.get()
@@ -90,8 +99,25 @@ class LockstepEngine:
                 if step.finished:
                     return
         finally:
-            self._queues.pop(job_id, None)
-            self._left.pop(job_id, None)
+            self._forget(job_id)
+
+    async def run(self, job_id: str, req: GenerationRequest, parts: Sequence[object] | None = None,
+                  trace_headers: Mapping[str, str] | None = None, images: Mapping[str, object] | None = None, *,
+                  on_step: Callable[[Step], None]) -> None:
+        """The batch form, as the real engine's loop runs it: each tick hands every job its step,
+        and a job's task wakes only at its end."""
+        done = asyncio.get_running_loop().create_future()
+
+        def sink(step: Step) -> None:
+            on_step(step)
+            if step.finished and not done.done():
+                done.set_result(None)
+
+        self._start(job_id, req, sink)
+        try:
+            await done
+        finally:
+            self._forget(job_id)
 
     def parses(self, req: GenerationRequest) -> bool:
         return False

@@ -321,7 +321,8 @@ def engine_of(adapter_dirs):
 
         from workers.engine import VllmEngine
 
-        settings = load_settings({"LLMQ_MAX_LORAS": str(max_loras), "LLMQ_MAX_LORA_RANK": "8"})
+        settings = load_settings({"LLMQ_MAX_LORAS": str(max_loras), "LLMQ_MAX_LORA_RANK": "8",
+                                  "LLMQ_ENGINE_FRONT": "asyncllm"})  # driven through AsyncLLM itself
         with pytest.MonkeyPatch.context() as env:
             env.delenv("VLLM_PLUGINS", raising=False)  # every installed plugin, ours included, as in a worker
             environ = dict(os.environ)
@@ -486,7 +487,7 @@ async def _control() -> str:
 
     from workers.engine import VllmEngine
 
-    settings = load_settings({"LLMQ_MAX_LORAS": "2", "LLMQ_MAX_LORA_RANK": "8"})
+    settings = load_settings({"LLMQ_MAX_LORAS": "2", "LLMQ_MAX_LORA_RANK": "8", "LLMQ_ENGINE_FRONT": "asyncllm"})
     apply_engine_environment(settings, os.environ)
     dirs = {k: Path(v) for k, v in json.loads(os.environ["LLMQ_TEST_ADAPTERS"]).items()}
     engine = VllmEngine.build(settings, settings.model_path)

@@ -54,7 +54,8 @@ async def test_vllm_expands_each_image_placeholder_of_rendered_ids_by_image_cost
     from workers.engine import VllmEngine
 
     model_dir = str(build_tiny_vision(tmp_path / "tiny-vision"))
-    settings = load_settings({"LLMQ_MODEL": VISION_MODEL, "LLMQ_MAX_MODEL_LEN": "2048"})
+    settings = load_settings({"LLMQ_MODEL": VISION_MODEL, "LLMQ_MAX_MODEL_LEN": "2048",
+                              "LLMQ_ENGINE_FRONT": "asyncllm"})  # driven through AsyncLLM itself
     with pytest.MonkeyPatch.context() as env:
         environ = dict(os.environ)
         apply_engine_environment(settings, environ)

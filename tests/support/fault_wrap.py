@@ -52,23 +52,28 @@ ENGINE_FAULT = "ENGINE-FAULT"
 
 
 def fail_marked_requests() -> None:
-    """vLLM's ``AsyncLLM.generate`` handed, for a prompt that holds :data:`ENGINE_FAULT`, a seed
+    """vLLM's engine handed (through either front), for a prompt that holds :data:`ENGINE_FAULT`, a seed
     no engine request can carry (past 2**64 - 1; every API refuses it). vLLM then fails that one
     request itself, as it fails any request its own code cannot process: ``EngineGenerateError``
     from the ``OverflowError`` of its request serialisation. The engine goes on serving the rest.
     The fault is vLLM's; only the seed is planted."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    original = AsyncLLM.generate
+    from workers.engine_loop import EngineLoop
 
-    def generate(self: AsyncLLM, prompt: Any, sampling_params: Any, request_id: str, **kwargs: Any) -> Any:
-        text = prompt.get("prompt") or self.tokenizer.decode(prompt.get("prompt_token_ids") or [])
+    def planted(tokenizer: Any, prompt: Any, sampling_params: Any) -> Any:
+        text = prompt.get("prompt") or tokenizer.decode(prompt.get("prompt_token_ids") or [])
         if ENGINE_FAULT in text:
             sampling_params = sampling_params.clone()
             sampling_params.seed = 2**64
-        return original(self, prompt, sampling_params, request_id, **kwargs)
+        return sampling_params
 
-    AsyncLLM.generate = generate  # type: ignore[method-assign]
+    generate = AsyncLLM.generate  # the AsyncLLM front's way in (LLMQ_ENGINE_FRONT=asyncllm)
+    AsyncLLM.generate = lambda self, prompt, params, request_id, **kwargs: generate(  # type: ignore[method-assign]
+        self, prompt, planted(self.tokenizer, prompt, params), request_id, **kwargs)
+    submit = EngineLoop._submit  # the loop front's (LLMQ_ENGINE_FRONT=loop)
+    EngineLoop._submit = lambda self, request_id, prompt, params, *args, **kwargs: submit(  # type: ignore[method-assign]
+        self, request_id, prompt, planted(self.tokenizer, prompt, params), *args, **kwargs)
 
 
 def main(process: str) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -26,7 +26,7 @@ from shared.errors import EngineDead, GenerationFailed, InvalidRequest
 from shared.events import TokenDelta
 from shared.schemas import GenerationRequest, PromptInfo
 from workers.continuation import run_parts
-from workers.protocol import AdapterState, Death, Part, Step
+from workers.protocol import AdapterState, Death, Part, Step, drain
 
 __all__ = ["ScriptedEngine", "CappedEngine", "ContextEngine", "expected_text", "expected_ids", "next_token"]
 
@@ -111,6 +111,11 @@ class ScriptedEngine:
             self.active -= 1
             self._yielded.discard(job_id)
             self.log.append(("end", job_id))
+
+    async def run(self, job_id: str, req: GenerationRequest, parts: Sequence[Part] | None = None,
+                  trace_headers: Mapping[str, str] | None = None, images: Mapping[str, Any] | None = None, *,
+                  on_step: Callable[[Step], None]) -> None:
+        await drain(self.stream(job_id, req, parts, trace_headers, images), on_step)
 
     async def steps(self, job_id: str, req: GenerationRequest, replay: Sequence[int] = ()) -> AsyncIterator[Step]:
         """One engine request's steps: the hook a subclass overrides. ``replay``: output tokens to
