@@ -1,11 +1,13 @@
-"""The engine adapter: the one module in llmq that drives vLLM.
+"""The engine adapter: what llmq asks of one vLLM engine, and the one place a job meets it.
 
-It builds one ``AsyncLLM`` from Settings, maps the internal request to vLLM (one function:
-:func:`to_sampling_params`) and turns vLLM's DELTA outputs into llmq token deltas. A continued
-job's parts (workers/continuation.py) run as one engine request each; the logits processor that
-forces a replayed prefix lives in workers/forcing.py, because vLLM imports it by its module path
-inside its engine core. A job's LoRA adapter is loaded by workers/adapters.py before the job's
-engine request names it, so a bad adapter fails that job, not the engine's step.
+It builds the engine from Settings, read through one of two fronts (``LLMQ_ENGINE_FRONT``):
+workers/engine_loop.py's loop over vLLM's engine-core client (the default), or vLLM's own
+``AsyncLLM`` (:class:`AsyncFront`). It maps the internal request to vLLM (one function:
+:func:`to_sampling_params`), and a chat's output goes through its parsers here, on either front. A
+continued job's parts (workers/continuation.py) run as one engine request each; the logits
+processor that forces a replayed prefix lives in workers/forcing.py, because vLLM imports it by its
+module path inside its engine core. A job's LoRA adapter is loaded by workers/adapters.py before
+the job's engine request names it, so a bad adapter fails that job, not the engine's step.
 """
 
 from __future__ import annotations

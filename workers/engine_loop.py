@@ -21,6 +21,7 @@ an abort's final output with the text a stop string held back.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import AsyncIterator, Callable, Mapping
 from copy import copy
 from dataclasses import dataclass, field
@@ -108,14 +109,17 @@ class _Handed:
     """The steps of a job handed to a callback as the loop makes them (:meth:`EngineLoop.run`): its
     task is not woken per step, only at the end (``done``)."""
 
-    __slots__ = ("on_step", "done")
+    __slots__ = ("on_step", "done", "context")
 
     def __init__(self, on_step: Callable[[Step], None]) -> None:
         self.on_step = on_step
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # The caller's context (a job's task: its job_id and attempt bound for structlog), which
+        # the callback runs in, not the loop's own.
+        self.context = contextvars.copy_context()
 
     def put(self, step: Step) -> None:
-        self.on_step(step)
+        self.context.run(self.on_step, step)
         if step.finished and not self.done.done():
             self.done.set_result(None)
 
@@ -343,7 +347,8 @@ class EngineLoop:
 
     def _start(self) -> None:
         if self._loop is None:
-            self._loop = asyncio.create_task(self._run(), name="engine-loop")
+            # A context of its own: started from a job's task, it would otherwise log as that job.
+            self._loop = asyncio.create_task(self._run(), name="engine-loop", context=contextvars.Context())
 
     async def _run(self) -> None:
         try:

@@ -91,7 +91,8 @@ class Engine(Protocol):
                   on_step: Callable[[Step], None]) -> None:
         """:meth:`stream`'s batch form, which the worker runs its jobs with: each step handed to
         ``on_step`` as the engine makes it (from the engine's own loop, where it has one:
-        workers/engine_loop.py, so a job's task is not woken per step); returns after the last.
+        workers/engine_loop.py, so a job's task is not woken per step), in the caller's context
+        (the job's, bound for its log lines); returns after the last.
         What ``on_step`` raises ends the job, raised here. An engine without a loop of its own
         drains its stream (:func:`drain`)."""
 

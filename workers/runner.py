@@ -881,7 +881,7 @@ class Worker:
 
 class _JobSteps:
     """One job's engine steps as the engine hands them over (:meth:`Engine.run`: from the engine's
-    loop, so this runs there, not in the job's task): each made the attempt's emission, and
+    loop, in the job task's context): each made the attempt's emission, and
     published. A fresh job starts in the engine before its claim is confirmed
     (:meth:`Worker._start_confirming`): until then its first emission and the steps after it wait
     here, and go out with the first step after the confirmation, or when the engine is done."""

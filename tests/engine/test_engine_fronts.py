@@ -17,6 +17,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import structlog
 
 pytest.importorskip("vllm")  # the engine tier: collected everywhere, run where a worker extra is installed
 
@@ -229,3 +230,22 @@ async def test_an_image_prompt_on_tiny_vision():
     finally:
         for engine in built.values():
             engine.shutdown()
+
+
+async def test_the_batch_form_hands_the_same_steps_over_in_the_callers_context(fronts):
+    """``VllmEngine.run`` (what the worker runs jobs with): on the loop front each step comes from
+    the engine's loop task, yet in the job's context (its log lines name the job), and the steps
+    are those of the iterator form."""
+    req = request(ignore_eos=True)
+    for name, engine in fronts.items():
+        handed: list[Step] = []
+        seen: set[object] = set()
+
+        def take(step: Step, handed=handed, seen=seen) -> None:
+            handed.append(step)
+            seen.add(structlog.contextvars.get_contextvars().get("job_id"))
+
+        with structlog.contextvars.bound_contextvars(job_id=f"batch-{name}"):
+            await engine.run(f"batch-{name}", req, on_step=take)
+        assert seen == {f"batch-{name}"}, name
+        assert folded(handed) == folded(await run(engine, f"iter-{name}", req)), name

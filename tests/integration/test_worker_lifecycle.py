@@ -12,6 +12,7 @@ import uuid
 
 import msgspec
 import pytest
+import structlog
 
 from shared.config import load_settings
 from shared.errors import JobCancelled
@@ -29,11 +30,12 @@ from workers.runner import Worker
 async def make_worker(redis, prefix):
     started: list[tuple[Worker, asyncio.Task]] = []
 
-    async def start(delay_s: float = 0.001, **settings_overrides) -> tuple[Worker, JobStore]:
+    async def start(delay_s: float = 0.001, engine: ScriptedEngine | None = None,
+                    **settings_overrides) -> tuple[Worker, JobStore]:
         settings = load_settings({}, prefix=prefix, served_model_name="m", **{"block_ms": 100, "heartbeat_s": 0.2,
                                                                               **settings_overrides})
         queue = JobStore(redis, Keys(prefix))
-        worker = Worker(settings, Consumer(redis, Keys(prefix)), ScriptedEngine(delay_s=delay_s))
+        worker = Worker(settings, Consumer(redis, Keys(prefix)), engine or ScriptedEngine(delay_s=delay_s))
         task = asyncio.create_task(worker.run())
         started.append((worker, task))
         while not worker.ready:
@@ -74,6 +76,22 @@ async def test_stop_drains_in_flight_jobs_then_unregisters(make_worker, redis, k
         while await redis.exists(keys.worker(worker.worker_id)):
             await asyncio.sleep(0.05)
     assert await redis.zscore(keys.workers("m"), worker.worker_id) is None
+
+
+@pytest.mark.parametrize("hands_from_loop", [False, True], ids=["from-the-job", "from-the-engine-loop"])
+async def test_each_jobs_finished_line_names_that_job_whichever_task_hands_its_steps_over(make_worker,
+                                                                                         hands_from_loop):
+    """The real engine hands steps over from its own loop (workers/engine_loop.py), not from the
+    job's task: the job's lines still carry its job_id and attempt (bound in the job's task), and
+    never another job's."""
+    worker, queue = await make_worker(engine=ScriptedEngine(0.002, hands_from_loop=hands_from_loop))
+    with structlog.testing.capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+        ids = [await _submit(queue, f"job{i}", 8) for i in range(3)]
+        for job_id in ids:
+            await _wait_status(queue, job_id, "done")
+    finished = [e for e in logs if e["event"] == "job_finished"]
+    assert sorted(e.get("job_id", "") for e in finished) == sorted(ids)
+    assert all(e.get("attempt") == 1 and e.get("worker") == worker.worker_id for e in finished)
 
 
 async def test_heartbeat_reports_slots_and_running(make_worker, redis, keys):

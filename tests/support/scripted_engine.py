@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
@@ -40,8 +41,11 @@ class ScriptedEngine:
     """Whether :meth:`steps` forces ``replay`` (a continued job's published tokens); an engine
     that cannot refuses such a job rather than ignore its replay."""
 
-    def __init__(self, delay_s: float = 0.0) -> None:
+    def __init__(self, delay_s: float = 0.0, *, hands_from_loop: bool = False) -> None:
         self.delay_s = delay_s
+        self.hands_from_loop = hands_from_loop
+        """:meth:`run` hands each step over from a task of its own, as the real engine's loop does,
+        not from the job's task."""
         self.aborted: list[str] = []
         self.started: list[str] = []  # job ids in the order they reached the engine
         self.requests: list[GenerationRequest] = []  # their requests, the warm-up's first
@@ -115,7 +119,20 @@ class ScriptedEngine:
     async def run(self, job_id: str, req: GenerationRequest, parts: Sequence[Part] | None = None,
                   trace_headers: Mapping[str, str] | None = None, images: Mapping[str, Any] | None = None, *,
                   on_step: Callable[[Step], None]) -> None:
-        await drain(self.stream(job_id, req, parts, trace_headers, images), on_step)
+        if not self.hands_from_loop:
+            await drain(self.stream(job_id, req, parts, trace_headers, images), on_step)
+            return
+        # As workers/engine_loop.py does: from a task of the engine's own, in a context of its own,
+        # each step handed over in the caller's.
+        caller = contextvars.copy_context()
+        steps = drain(self.stream(job_id, req, parts, trace_headers, images),
+                      lambda step: caller.run(on_step, step))
+        loop = asyncio.get_running_loop().create_task(steps, context=contextvars.Context())
+        try:
+            await asyncio.shield(loop)
+        except asyncio.CancelledError:
+            loop.cancel()
+            raise
 
     async def steps(self, job_id: str, req: GenerationRequest, replay: Sequence[int] = ()) -> AsyncIterator[Step]:
         """One engine request's steps: the hook a subclass overrides. ``replay``: output tokens to
