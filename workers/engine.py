@@ -13,10 +13,11 @@ the job's engine request names it, so a bad adapter fails that job, not the engi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.process import BaseProcess
 from typing import Any, NamedTuple
@@ -521,11 +522,18 @@ class VllmEngine:
             return
         submit = await self._submission(req, (), self._parsing(req), images)
         reader = _Reader(self._primed_text(req), submit.parsing, job_id, None)
-        try:
+        with self._engine_errors():
             await self.engine.run(job_id, submit.prompt, submit.params, on_step=lambda step: on_step(reader(step)),
                                   priority=_priority(req), lora_request=submit.lora, trace_headers=trace_headers,
                                   reasoning_ended=submit.reasoning_ended, want_top=req.sampling.logprobs,
                                   want_prompt=req.output.prompt_tokens)
+
+    @contextlib.contextmanager
+    def _engine_errors(self) -> Iterator[None]:
+        """vLLM's errors as llmq's: its checks of a request (prompt too long, bad token ids, ...)
+        are the request's 400; its engine's death is :class:`EngineDead`."""
+        try:
+            yield
         except VLLMValidationError as exc:
             raise InvalidRequest(str(exc)) from None
         except EngineDeadError as exc:
@@ -566,11 +574,8 @@ class VllmEngine:
         if parsing is not None:
             parsing.constrain(params)
             reasoning_ended = parsing.reasoning_ended(list(prompt.get("prompt_token_ids") or ()))
-        try:
+        with self._engine_errors():
             lora = None if req.adapter is None else await self.loras.request(req.adapter)
-        except EngineDeadError as exc:
-            self._seen_dead()
-            raise EngineDead(f"the engine died: {exc}") from None
         return _Submission(prompt, params, parsing, reasoning_ended, lora)
 
     async def _generate(self, request_id: str, req: GenerationRequest, forced: Sequence[int] = (),
@@ -582,7 +587,7 @@ class VllmEngine:
         request runs (a part), else each output's own index; ``images``: the job's, decoded
         (workers/media.py)."""
         submit = await self._submission(req, forced, parsing, images)
-        try:
+        with self._engine_errors():
             if req.sampling.beam_width > 1:
                 yield await self._beam_search(request_id, req, submit.prompt, submit.lora)
                 return
@@ -593,11 +598,6 @@ class VllmEngine:
                                                 want_top=req.sampling.logprobs,
                                                 want_prompt=req.output.prompt_tokens):
                 yield reader(step)
-        except VLLMValidationError as exc:  # the engine's checks: prompt too long, bad token ids, ...
-            raise InvalidRequest(str(exc)) from None
-        except EngineDeadError as exc:
-            self._seen_dead()
-            raise EngineDead(f"the engine died: {exc}") from None
 
     def _primed_text(self, req: GenerationRequest) -> dict[int, str] | None:
         """Work around vLLM 0.32's detokenizer for a token-id prompt whose text ends inside a
