@@ -49,7 +49,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=0,
                    help="requests per run (default: the set's, max(4*C, 16) or max(8*C, 32))")
     p.add_argument("--max-tokens", type=int, help="tokens per request, ignore_eos (default: the set's, 32 or 64)")
-    p.add_argument("--targets", help="which of llmq, vllm-serve, in-process to run (default: the set's)")
+    p.add_argument("--targets", help="which of llmq, llmq-asyncllm (the worker on vLLM's AsyncLLM), vllm-serve, "
+                                     "in-process to run (default: the set's)")
     p.add_argument("--url", help="measure only this OpenAI-compatible server (no targets started)")
     p.add_argument("--model", help="with --url: the model name to send (default: the server's first /v1/models)")
     p.add_argument("--smoke", action="store_true", help="one round, C=1,4, 8 requests of 16 tokens")

@@ -5,8 +5,10 @@ set's target (tests/bench/serving.py), warms it, then records that one process (
 ``--role api``, with ``--tokens 1`` its cost per request) with py-spy
 (``--nonblocking``, raw stacks) while streamed requests of ``--tokens`` tokens run at
 ``--concurrency``, and prints its CPU µs per generated token over the recording and the top
-frames by own time. Both front ends run vLLM's ``AsyncLLM`` (detokenising, the output handler),
-so the difference between them is the queue's part.
+frames by own time. ``vllm serve`` reads its engine through vLLM's ``AsyncLLM``; llmq's worker
+through its own engine loop (``workers/engine_loop.py``), or through ``AsyncLLM`` as
+``--target llmq-asyncllm`` (LLMQ_ENGINE_FRONT). Both detokenise with vLLM's detokenizer, so what
+llmq's worker does beyond that is the queue's part.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from tests.bench.cpu import cpu_seconds
 from tests.bench.serving import TARGET_SETS, HttpTarget, start_targets
 from tests.bench.workload import prompts_for
 
-ROOT_ROLE = {"llmq": "worker", "vllm-serve": "api-server"}
+ROOT_ROLE = {"llmq": "worker", "llmq-asyncllm": "worker", "vllm-serve": "api-server"}
 
 
 def _own_samples(raw: Path) -> collections.Counter[str]:

@@ -37,12 +37,12 @@ __all__ = ["capacity", "cluster_efficiency", "costs_from_report", "main"]
 GPUS = (1, 8, 64)
 
 
-def costs_from_report(report: Mapping) -> tuple[int, dict[str, float], float | None]:
-    """(concurrency, llmq's CPU µs per token by role, vllm serve's API-server µs per token) at the
-    report's highest concurrency."""
+def costs_from_report(report: Mapping, target: str = "llmq") -> tuple[int, dict[str, float], float | None]:
+    """(concurrency, ``target``'s CPU µs per token by role, vllm serve's API-server µs per token) at
+    the report's highest concurrency."""
     medians = report["medians"]
     top = max(m["concurrency"] for m in medians)
-    llmq = next(m for m in medians if m["target"] == "llmq" and m["concurrency"] == top)
+    llmq = next(m for m in medians if m["target"] == target and m["concurrency"] == top)
     serve = next((m for m in medians if m["target"] == "vllm-serve" and m["concurrency"] == top), None)
     api_server = serve["cpu_us_per_token"].get("api-server") if serve else None
     return top, dict(llmq["cpu_us_per_token"]), api_server
@@ -108,9 +108,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--cluster-report", type=Path, default=REPO / "bench-relay-shards.json",
                    help="python -m tests.bench.relay_shards's report (no Cluster column without it)")
     p.add_argument("--redis-busy", type=float, default=0.7, help="how busy one Redis master may run (default 0.7)")
+    p.add_argument("--target", default="llmq", help="which llmq of the report (default llmq; llmq-asyncllm)")
     a = p.parse_args(argv)
     report = json.loads(a.report.read_text())
-    top, costs, api_server = costs_from_report(report)
+    top, costs, api_server = costs_from_report(report, a.target)
     print(f"from {a.report.name} ({report['date']}, llmq {report['versions']['llmq_commit']}), C={top}: "
           + ", ".join(f"{role} {costs[role]:g} µs/token" for role in ("api", "worker", "redis")))
     per_master = None

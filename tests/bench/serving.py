@@ -40,7 +40,7 @@ from workers.environment import apply_engine_environment, eager
 
 __all__ = ["Run", "Target", "HttpTarget", "TargetSet", "TARGET_SETS", "measure", "start_targets", "vllm_server_args",
            "engine_env", "engine_record",
-           "owned_processes", "spawn_redis", "Deployment", "start_deployment"]
+           "owned_processes", "spawn_redis", "LLMQ_TARGETS", "Deployment", "start_deployment"]
 
 READY_TIMEOUT_S = 600.0  # three engines loading and warming up at once on 2 shared cores
 
@@ -369,12 +369,37 @@ def engine_env(settings: Settings, overlay: Mapping[str, str] | None = None) -> 
     return env
 
 
+# llmq as the benchmark runs it, by target name: the settings each adds to the engine's environment.
+# ``llmq-asyncllm`` is the worker on vLLM's AsyncLLM front end (LLMQ_ENGINE_FRONT, kept for one
+# release beside the engine loop that is the default: docs/benchmarks.md#engine-front).
+LLMQ_TARGETS: dict[str, dict[str, str]] = {"llmq": {}, "llmq-asyncllm": {"LLMQ_ENGINE_FRONT": "asyncllm"}}
+
+
+def _spawn_llmq(name: str, env: dict[str, str], logs: Path,
+                model: str) -> tuple[HttpTarget, list[tuple[subprocess.Popen, Path]]]:
+    """The Procfile's three processes (web, worker and housekeeping: its sweeps cost CPU too) and a
+    redis-server of their own, logging under ``logs`` as ``name``."""
+    redis_port, api_port = free_port(), free_port()
+    redis, redis_log = spawn_redis(redis_port, logs / f"{name}-redis", env)
+    llmq_env = {**env, "LLMQ_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
+                "LLMQ_PREFIX": f"bench-{uuid.uuid4().hex[:6]}", "LLMQ_PORT": str(api_port), "LLMQ_HOST": "127.0.0.1"}
+    modules = {"worker": "workers", "api": "api", "housekeeping": "workers.housekeeping"}
+    spawned = {role: (_spawn([sys.executable, "-m", module], llmq_env, logs / f"{name}-{role}.log"),
+                      logs / f"{name}-{role}.log") for role, module in modules.items()}
+    meter = CpuMeter({"api": spawned["api"][0].pid, "worker": spawned["worker"][0].pid, "redis": redis.pid,
+                      "housekeeping": spawned["housekeeping"][0].pid})
+    return (HttpTarget(name, f"http://127.0.0.1:{api_port}", model, meter),
+            [(redis, redis_log), *spawned.values()])
+
+
 async def start_targets(
     stack: AsyncExitStack, settings: Settings, logs: Path, names: Sequence[str] = ("llmq", "vllm-serve", "in-process"),
     overlay: Mapping[str, str] | None = None,
 ) -> list[Target]:
     """Start the named targets at once (engine loads overlap), wait until each is warm, and push
     their shutdown onto ``stack``. ``settings`` must be read from the same ``overlay``."""
+    if unknown := set(names) - {*LLMQ_TARGETS, "vllm-serve", "in-process"}:
+        raise SystemExit(f"no such target: {', '.join(sorted(unknown))}")
     if settings.model == DEFAULT_MODEL:
         from workers.tiny_model import ensure_tiny_model
 
@@ -383,24 +408,11 @@ async def start_targets(
     procs = owned_processes(stack)
     targets: dict[str, Target] = {}
     waits = []
-    if "llmq" in names:
-        redis_port, api_port = free_port(), free_port()
-        redis, redis_log = spawn_redis(redis_port, logs / "redis", env)
-        llmq_env = {**env, "LLMQ_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
-                    "LLMQ_PREFIX": f"bench-{uuid.uuid4().hex[:6]}", "LLMQ_PORT": str(api_port),
-                    "LLMQ_HOST": "127.0.0.1"}
-        # The Procfile's three processes: web, worker and housekeeping (its sweeps cost CPU too).
-        llmq_logs = {"worker": logs / "llmq-workers.log", "api": logs / "llmq-api.log",
-                     "housekeeping": logs / "llmq-housekeeping.log"}
-        modules = {"worker": "workers", "api": "api", "housekeeping": "workers.housekeeping"}
-        llmq = {role: _spawn([sys.executable, "-m", modules[role]], llmq_env, log) for role, log in llmq_logs.items()}
-        llmq_procs = [(redis, redis_log), *((llmq[role], log) for role, log in llmq_logs.items())]
-        procs += llmq_procs
-        url = f"http://127.0.0.1:{api_port}"
-        meter = CpuMeter({"api": llmq["api"].pid, "worker": llmq["worker"].pid, "redis": redis.pid,
-                          "housekeeping": llmq["housekeeping"].pid})
-        targets["llmq"] = HttpTarget("llmq", url, settings.model_name, meter)
-        waits.append(_until_200(f"{url}/ping", llmq_procs))
+    for name in (n for n in names if n in LLMQ_TARGETS):
+        target, procs_of = _spawn_llmq(name, {**env, **LLMQ_TARGETS[name]}, logs, settings.model_name)
+        procs += procs_of
+        targets[name] = target
+        waits.append(_until_200(f"{target.url}/ping", procs_of))
     if "vllm-serve" in names:
         port = free_port()
         log = logs / "vllm-serve.log"

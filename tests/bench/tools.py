@@ -23,6 +23,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -91,20 +92,21 @@ async def _run(target: HttpTarget, kind: str, n: int, concurrency: int, max_toke
     return {role: (after[role] - before[role]) / n * 1e6 for role in ROLES}, statistics.median(tokens), called / n
 
 
-async def measure(rounds: int, concurrency: int, requests: int, max_tokens: int) -> dict:
+async def measure(rounds: int, concurrency: int, requests: int, max_tokens: int,
+                  names: Sequence[str] = ("llmq", "vllm-serve")) -> dict:
     fast = TARGET_SETS["fast"]
     settings = load_settings({**os.environ, **fast.overlay})
     out: dict = {}
     async with AsyncExitStack() as stack:
         logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llmq-tools-")))
-        targets = await start_targets(stack, settings, logs, ["llmq", "vllm-serve"], fast.overlay)
+        targets = await start_targets(stack, settings, logs, names, fast.overlay)
         samples = {(t.name, kind): {r: [] for r in (*ROLES, "tokens", "called")} for t in targets
                    for kind in ("plain", "tools")}
         plain_tokens = max_tokens
         for t in targets:  # warm: the grammar compiler and the parser's first use
             assert isinstance(t, HttpTarget)
             _, tokens, _ = await _run(t, "tools", concurrency, concurrency, max_tokens)
-            if t.name == "llmq":
+            if t.name == names[0]:
                 plain_tokens = max(1, round(tokens))
         for r in range(rounds):  # alternated, so a noisy spell falls on both kinds and targets
             order = [(t, kind) for t in targets for kind in ("plain", "tools")]
@@ -128,10 +130,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--concurrency", type=int, default=16, help="requests at once (default 16)")
     p.add_argument("--requests", type=int, default=128, help="requests per run (default 128)")
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each request (default 128)")
+    p.add_argument("--targets", default="llmq,vllm-serve",
+                   help="comma-separated, the first setting the plain requests' length (default llmq,vllm-serve)")
     p.add_argument("--out", default="bench-tools.json")
     a = p.parse_args(argv)
     report = measured_report("tools", "CPU per chat request with and without a tool call, by process",
-                             measure(a.rounds, a.concurrency, a.requests, a.max_tokens))
+                             measure(a.rounds, a.concurrency, a.requests, a.max_tokens, a.targets.split(",")))
     rows = []
     for name, kinds in report["cpu_us_per_request"].items():
         for kind, figures in kinds.items():

@@ -9,12 +9,17 @@ from tests.bench.scale import capacity, cluster_efficiency, costs_from_report, t
 REPORT = {"medians": [
     {"target": "llmq", "concurrency": 1, "cpu_us_per_token": {"api": 200.0, "worker": 500.0, "redis": 100.0}},
     {"target": "llmq", "concurrency": 64, "cpu_us_per_token": {"api": 40.0, "worker": 80.0, "redis": 8.0}},
+    {"target": "llmq-asyncllm", "concurrency": 64, "cpu_us_per_token": {"api": 41.0, "worker": 95.0, "redis": 8.5}},
     {"target": "vllm-serve", "concurrency": 64, "cpu_us_per_token": {"api-server": 70.0}},
 ]}
 
 
 def test_the_highest_concurrency_is_read():
     assert costs_from_report(REPORT) == (64, {"api": 40.0, "worker": 80.0, "redis": 8.0}, 70.0)
+
+
+def test_another_llmq_of_the_report_is_read_by_name():
+    assert costs_from_report(REPORT, "llmq-asyncllm") == (64, {"api": 41.0, "worker": 95.0, "redis": 8.5}, 70.0)
 
 
 def test_cores_are_rate_times_cpu_per_token():
