@@ -32,6 +32,7 @@ from api.dialects.happy_vllm import HappyOptions, VllmSampling
 from api.dialects.lmi import LmiRequest
 from api.dialects.openai_chat import ChatRequest
 from api.dialects.openai_completions import CompletionRequest
+from api.dialects.openai_embeddings import EmbeddingRequest
 from api.dialects.tgi import GenerateRequest as TgiRequest
 from api.dialects.triton import _Inputs as TritonInputs
 from api.jobs import Accepted
@@ -49,6 +50,7 @@ from api.routes import (
     openai_batches,
     openai_chat,
     openai_completions,
+    openai_embeddings,
     openai_responses,
     overview,
     tgi,
@@ -184,7 +186,7 @@ def _invocations_body(schema: dict[Any, dict[str, Any]]) -> dict[str, Any]:
     ]}
 
 
-_REQUESTS = (CompletionRequest, ChatRequest, LmiRequest, TgiRequest,
+_REQUESTS = (CompletionRequest, EmbeddingRequest, ChatRequest, LmiRequest, TgiRequest,
              GenerationRequest, BatchCreate, responses.ResponsesRequest, anthropic.MessagesRequest,
              anthropic.CountTokensRequest, message_batches.CreateBatch, LoadAdapter, UnloadAdapter)
 
@@ -207,6 +209,7 @@ def _schemas() -> tuple[dict[Any, dict[str, Any]], dict[str, Any]]:
 def _bodies(schema: dict[Any, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {
         "completions": schema[CompletionRequest],
+        "embeddings": schema[EmbeddingRequest],
         "chat": schema[ChatRequest],
         "lmi": schema[LmiRequest],
         "invocations": _invocations_body(schema),
@@ -322,6 +325,7 @@ HTTP_ROUTES = (
     *openai_responses.ROUTES,
     *anthropic_messages.ROUTES,
     *anthropic_batches.ROUTES,
+    *openai_embeddings.ROUTES,
     openai_completions.models,
     *adapters.ROUTES,
     *lmi.ROUTES,

@@ -33,7 +33,7 @@ from shared.codec import decode_request, encode
 from shared.errors import InvalidRequest
 from shared.events import Event
 from shared.media import default_timeout_s
-from shared.schemas import GenerationRequest, JobRecord, Slo
+from shared.schemas import GenerationRequest, JobRecord, Slo, wrong_kind
 from shared.tenants import TenantConfig
 
 __all__ = ["Submission", "Live", "Following", "submit", "enqueue_detached", "admit", "subscribe_job", "follow_job",
@@ -110,10 +110,22 @@ async def admit(svc: Services, ctx: RequestContext, req: GenerationRequest) -> G
     model, adapter = await svc.models.target(req.model, caller(svc, ctx))
     if req.model != model or req.adapter != adapter:
         req = msgspec.structs.replace(req, model=model, adapter=adapter)
+    await check_kind(svc, req)
     # Last, once the request is otherwise admissible and its model known: every image read,
     # checked and stored by hash (api/media.py), so the record holds references only. The same
     # request object when it has no image.
     return await admit_images(svc.media, req)
+
+
+async def check_kind(svc: Services, req: GenerationRequest) -> None:
+    """Refuse a job its model does not make (an embedding of a generator, a completion of an
+    embedder) with its dialect's 400, by what the model's workers last reported (shared/media.py
+    ModelInfo), or for LLMQ_MODEL by this deployment's own LLMQ_MODEL_KIND. A model no worker has
+    reported yet takes the job: its worker refuses it the same way if it must."""
+    info = await svc.media.infos.get(req.model) if svc.media is not None else None
+    kind = info.kind if info is not None else svc.settings.kind if req.model == svc.model else None
+    if kind is not None and kind != req.kind:
+        raise wrong_kind(kind)
 
 
 def _record(svc: Services, ctx: RequestContext, req: GenerationRequest) -> JobRecord:

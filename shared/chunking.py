@@ -51,6 +51,8 @@ MERGES_STEPS: dict[DialectName, bool] = {
     "triton": False,
     # One TOKEN frame per token with its own logprob and alternatives.
     "lmtp": False,
+    # Never streamed: a pooling job's one event is its end.
+    "openai_embeddings": False,
 }
 assert set(MERGES_STEPS) == set(get_args(DialectName)), "every dialect says whether it merges"
 

@@ -35,6 +35,10 @@ __all__ = [
     "TINY_MODEL_DIR",
     "VISION_MODEL",
     "TINY_VISION_DIR",
+    "EMBED_MODEL",
+    "TINY_POOLING_DIRS",
+    "RERANK_MODEL",
+    "ModelKind",
     "TINY_ADAPTERS",
     "EMBEDDED_REDIS_URL",
     "SettingsError",
@@ -55,6 +59,13 @@ TINY_ADAPTERS = {"tiny-lora-1": 1, "tiny-lora-2": 2}
 # its cache directory named by its build, as TINY_MODEL_DIR is.
 VISION_MODEL = "tiny-vision"
 TINY_VISION_DIR = f"{VISION_MODEL}-v1"
+# The tiny pooling models (workers/tiny_pooling.py): an embedder and a cross-encoder, built on first
+# use as tiny-llama is, their cache directories named by their builds.
+EMBED_MODEL = "tiny-embed"
+RERANK_MODEL = "tiny-rerank"
+TINY_POOLING_DIRS = {EMBED_MODEL: f"{EMBED_MODEL}-v1", RERANK_MODEL: f"{RERANK_MODEL}-v1"}
+# What a model does (Settings.kind): generate text, or pool (embeddings; a cross-encoder's scores).
+ModelKind = Literal["generate", "embed", "rerank"]
 # What reads a worker's engine outputs (Settings.engine_front).
 EngineFront = Literal["asyncllm", "loop"]
 # Where the embedded development Redis listens when LLMQ_REDIS_URL is unset.
@@ -132,6 +143,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     served_model_name: str = ""
     """LLMQ_SERVED_MODEL_NAME: the name clients send as `model`, also in Redis key names; default: the
     model's last path part."""
+    model_kind: ModelKind | None = None
+    """LLMQ_MODEL_KIND: what LLMQ_MODEL does. `generate`: text (vLLM's generate runner); `embed`: a vector
+    per input (vLLM's pooling runner, a generator converted to an embedder where it is one); `rerank`:
+    a cross-encoder's score per (query, document) pair (pooling, classify). Default: the tiny models'
+    own kinds, else `generate`. A job of the other kind is refused with its dialect's 400."""
     models: str = ""
     """LLMQ_MODELS: comma-separated model names this deployment serves besides LLMQ_MODEL's. Requests
     for them are queued even while no worker is warm (workers started later take them); any model a
@@ -503,8 +519,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def tiny(self) -> bool:
-        """The model is one the project builds for itself (tiny-llama, tiny-vision)."""
-        return self.model in (DEFAULT_MODEL, VISION_MODEL)
+        """The model is one the project builds for itself (tiny-llama, tiny-vision, tiny-embed, tiny-rerank)."""
+        return self.model in (DEFAULT_MODEL, VISION_MODEL, *TINY_POOLING_DIRS)
+
+    @property
+    def kind(self) -> ModelKind:
+        """What the model does: LLMQ_MODEL_KIND, else the tiny pooling models' own, else generate."""
+        if self.model_kind is not None:
+            return self.model_kind
+        return "embed" if self.model == EMBED_MODEL else "rerank" if self.model == RERANK_MODEL else "generate"
 
     @property
     def json_compact(self) -> bool:
@@ -513,7 +536,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def tool_parser_name(self) -> str | None:
         if self.tool_parser is None:
-            return "hermes" if self.tiny else None
+            return "hermes" if self.tiny and self.kind == "generate" else None
         return None if self.tool_parser in ("", "none") else self.tool_parser
 
     @property
@@ -536,7 +559,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         tiny-vision's are its text model's (vLLM updates a nested config from a nested dict)."""
         if self.model == VISION_MODEL:
             return {"text_config": {"max_position_embeddings": self.max_model_len}}
-        return {"max_position_embeddings": self.max_model_len} if self.model == DEFAULT_MODEL else {}
+        return {"max_position_embeddings": self.max_model_len} if self.model in (DEFAULT_MODEL, EMBED_MODEL) else {}
 
     @property
     def kv_cache_bytes(self) -> int | None:
@@ -576,6 +599,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             return str(self.cache_path / "models" / TINY_MODEL_DIR)
         if self.model == VISION_MODEL:
             return str(self.cache_path / "models" / TINY_VISION_DIR)
+        if self.model in TINY_POOLING_DIRS:
+            return str(self.cache_path / "models" / TINY_POOLING_DIRS[self.model])
         return self.model
 
     @property

@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from shared.errors import ServiceError, error_from_code
-from shared.schemas import PromptInfo, TopLogprob, Usage
+from shared.schemas import Pooled, PromptInfo, TopLogprob, Usage
 
 __all__ = ["LOGPROB_FLOOR", "ToolCallDelta", "TokenDelta", "Tokens", "Timings", "Done", "Error", "Event", "is_terminal"]
 
@@ -80,6 +80,8 @@ class Done(msgspec.Struct, tag="done", kw_only=True, omit_defaults=True):
     prompt: PromptInfo | None = None
     usage: Usage = msgspec.field(default_factory=Usage)
     timings: Timings = msgspec.field(default_factory=Timings)
+    pooled: Pooled | None = None
+    """A pooling job's outputs: its one event, as nothing of it streams."""
 
 
 class Error(msgspec.Struct, tag="error", kw_only=True):

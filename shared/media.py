@@ -25,6 +25,7 @@ from typing import Literal
 import msgspec
 from redis.asyncio import Redis
 
+from shared.config import ModelKind
 from shared.errors import InvalidRequest
 from shared.keys import Keys
 from shared.redis import reply
@@ -103,8 +104,11 @@ def _resized(width: int, height: int, longest: int) -> tuple[int, int]:
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """What a model takes (``/v1/models``' ``input_modalities``), as its workers report it."""
+    """What a model does and takes (``/v1/models``' ``kind`` and ``input_modalities``), as its workers
+    report it."""
 
+    kind: ModelKind = "generate"
+    """A generator, or a pooling model (an embedder, a cross-encoder): the jobs it takes."""
     input_modalities: list[Modality] = msgspec.field(default_factory=lambda: ["text"])
     image: ImageCost | None = None
     """How it counts an image; None for a text-only model."""

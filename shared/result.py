@@ -7,7 +7,7 @@ answer non-streaming requests from the events it relayed, so both always agree.
 from __future__ import annotations
 
 from shared.events import Done, Error, Event, TokenDelta, Tokens
-from shared.schemas import Choice, JobResult, PromptInfo, ToolCall, Usage
+from shared.schemas import Choice, JobResult, Pooled, PromptInfo, ToolCall, Usage
 
 __all__ = ["ResultBuilder"]
 
@@ -30,6 +30,7 @@ class ResultBuilder:
         self._calls: dict[int, dict[int, list[str]]] = {}  # choice -> call index -> [id, name, *arguments]
         self.usage = Usage()
         self.prompt: PromptInfo | None = None
+        self.pooled: Pooled | None = None
 
     def _choice(self, index: int) -> Choice:
         choice = self._choices.get(index)
@@ -45,6 +46,7 @@ class ResultBuilder:
             case Done():
                 self._deltas(event)
                 self.usage = event.usage
+                self.pooled = event.pooled
             case Error():
                 pass  # a terminal error has no result: the caller raises it
 
@@ -86,4 +88,4 @@ class ResultBuilder:
                 choice.tool_calls = [ToolCall(id=calls[i][0], name=calls[i][1], arguments="".join(calls[i][2:]))
                                      for i in sorted(calls)]
             choices.append(choice)
-        return JobResult(choices=choices, usage=self.usage, prompt=self.prompt)
+        return JobResult(choices=choices, usage=self.usage, prompt=self.prompt, pooled=self.pooled)

@@ -5,13 +5,16 @@ New fields always get defaults, so API and workers of different versions can sha
 
 from __future__ import annotations
 
+import array
+import sys
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
 from shared.budget import generation_budget
-from shared.errors import ServiceError, error_from_code
+from shared.config import ModelKind
+from shared.errors import InvalidRequest, ServiceError, error_from_code
 from shared.keys import new_job_id
 from shared.slo import Standing
 from shared.tenants import DEFAULT_TENANT
@@ -35,6 +38,9 @@ __all__ = [
     "OutputOptions",
     "Reported",
     "GenerationRequest",
+    "Pooling",
+    "PoolingTask",
+    "Pooled",
     "ChatOptions",
     "Choice",
     "TopLogprob",
@@ -54,12 +60,13 @@ __all__ = [
     "GROUP_PREFIX",
     "TERMINAL_STATUSES",
     "estimate_tokens",
+    "wrong_kind",
 ]
 
 JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
 
 DialectName = Literal["jobs", "lmi", "lmi_tgi", "lmi_batch", "openai_completions", "openai_chat", "tgi", "triton",
-                      "happy_vllm", "lmtp", "anthropic_messages", "openai_responses"]
+                      "happy_vllm", "lmtp", "anthropic_messages", "openai_responses", "openai_embeddings"]
 """Every shape a result or an error is rendered in (``api/dialects``: one module each; LMI has three
 shapes). A request naming another is refused when it is decoded, never rendered by a fallback."""
 
@@ -315,6 +322,57 @@ class Slo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Milliseconds per output token after the first: recorded and reported, never enforced."""
 
 
+PoolingTask = Literal["embed", "score"]
+
+
+class Pooling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A pooling job: one output per input, computed whole (nothing streams), by a worker whose model
+    pools (``LLMQ_MODEL`` of kind ``embed`` or ``rerank``: Settings.model_kind)."""
+
+    task: PoolingTask
+    """``embed``: a vector per input; ``score``: a cross-encoder's relevance per (query, input) pair."""
+    texts: list[str] = []
+    """The inputs as text (embed), or the documents scored against :attr:`queries` (score)."""
+    token_ids: list[list[TokenId]] = []
+    """The inputs as token ids (embed only), when not :attr:`texts`."""
+    queries: list[str] = []
+    """score: one query for every document, or one per document."""
+    dimensions: Annotated[int, Meta(ge=1)] | None = None
+    """embed: the vector's first ``dimensions`` components, normalised again (a Matryoshka model's)."""
+    activation: bool = True
+    """embed: normalised to unit length; score: through the model's sigmoid (TEI's ``normalize``,
+    ``raw_scores``)."""
+    truncate: bool = False
+    """An input longer than the model takes is cut to its end, not refused (TEI's ``truncate``)."""
+    encoding: Literal["float", "base64"] = "float"
+    """How its dialect renders the vectors (OpenAI's ``encoding_format``)."""
+
+    @property
+    def size(self) -> int:
+        """How many outputs the job makes."""
+        return len(self.texts) or len(self.token_ids)
+
+    def __post_init__(self) -> None:
+        if bool(self.texts) == bool(self.token_ids):
+            raise ValueError("a pooling job takes its inputs as `texts` or `token_ids`, one of them")
+        if self.task == "score" and (self.token_ids or len(self.queries) not in (1, len(self.texts))):
+            raise ValueError("a score job takes texts, and one query or one per text")
+
+
+class Pooled(msgspec.Struct, frozen=True, kw_only=True):
+    """A pooling job's outputs: one row of ``width`` float32 values per input, in input order,
+    little-endian (a JSON event carries them as base64: the bytes the engine made, none rounded)."""
+
+    data: bytes
+    width: int
+
+    def rows(self) -> list[list[float]]:
+        values = array.array("f", self.data)
+        if sys.byteorder != "little":
+            values.byteswap()
+        return [values[i:i + self.width].tolist() for i in range(0, len(values), self.width)]
+
+
 class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One generation job, whatever wire dialect it arrived in."""
 
@@ -329,6 +387,8 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     prompt_token_ids: list[TokenId] | None = None
     messages: list[ChatMessage] | None = None
     """A chat: the worker renders it with the model's chat template."""
+    pooling: Pooling | None = None
+    """A pooling job (embeddings, scores) in place of a prompt: its inputs and what to make of them."""
     chat: ChatOptions = msgspec.field(default_factory=ChatOptions)
     tools: ToolUse | None = None
     """A chat's tools; the worker renders them with the chat template and parses the output into
@@ -365,10 +425,17 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
         """The name the client asked for, as answers echo it: the adapter's, else the model's."""
         return self.adapter.name if self.adapter is not None else self.model
 
+    @property
+    def kind(self) -> ModelKind:
+        """The kind of model that makes this job: a generator, an embedder or a cross-encoder."""
+        if self.pooling is None:
+            return "generate"
+        return "embed" if self.pooling.task == "embed" else "rerank"
+
     def __post_init__(self) -> None:
-        given = sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages))
+        given = sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages, self.pooling))
         if given != 1:
-            raise ValueError("exactly one of `prompt`, `prompt_token_ids` or `messages` is required")
+            raise ValueError("exactly one of `prompt`, `prompt_token_ids`, `messages` or `pooling` is required")
 
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -410,6 +477,8 @@ class JobResult(msgspec.Struct, kw_only=True):
     usage: Usage = msgspec.field(default_factory=Usage)
     prompt: PromptInfo | None = None
     """Present when the request asked for ``output.prompt_tokens``."""
+    pooled: Pooled | None = None
+    """A pooling job's outputs (its choices are empty)."""
 
 
 class JobError(msgspec.Struct, kw_only=True):
@@ -544,7 +613,13 @@ def parse_run(run: str) -> Run:
 
 def estimate_prompt_tokens(req: GenerationRequest) -> int:
     """Its prompt's tokens, before it is rendered: exact for token ids, else about 4 bytes of text
-    per token, plus each image's estimate (:attr:`Image.tokens`)."""
+    per token, plus each image's estimate (:attr:`Image.tokens`); a pooling job's inputs (a score's
+    queries once per document)."""
+    if (pooling := req.pooling) is not None:
+        if pooling.token_ids:
+            return sum(len(ids) for ids in pooling.token_ids)
+        queries = sum(map(len, map(str.encode, pooling.queries))) * (pooling.size if len(pooling.queries) == 1 else 1)
+        return (sum(len(t.encode()) for t in pooling.texts) + queries) // 4 + pooling.size
     if req.prompt_token_ids is not None:
         return len(req.prompt_token_ids)
     size = len(req.prompt.encode()) if req.prompt is not None else sum(
@@ -561,10 +636,24 @@ def estimate_tokens(req: GenerationRequest, max_model_len: int | None = None) ->
     prompt (the worker clamps ``max_tokens`` so, shared/budget.py). The fair share charges this
     when the job starts and corrects it to the real count when it ends."""
     prompt = estimate_prompt_tokens(req)
+    if req.pooling is not None:
+        return prompt  # nothing generated
     sampling = req.sampling
     generated = sampling.max_tokens if max_model_len is None else generation_budget(sampling.max_tokens, prompt,
                                                                                      max_model_len)
     return prompt + generated * max(sampling.n, sampling.beam_width)
+
+
+# What each kind of model does, and does not: (it ..., it does not ...).
+_KIND_DOES = {"generate": ("generates text", "generate text"), "embed": ("makes embeddings", "make embeddings"),
+              "rerank": ("scores (query, document) pairs", "score (query, document) pairs")}
+
+
+def wrong_kind(kind: ModelKind) -> ServiceError:
+    """The 400 of a job its model does not make (an embedding of a generator, a completion of an
+    embedder), named by what the model does."""
+    others = " or ".join(not_ for k, (_, not_) in _KIND_DOES.items() if k != kind)
+    return InvalidRequest(f"this model {_KIND_DOES[kind][0]}: it does not {others}", param="model")
 
 
 GROUP_PREFIX = "grp-"

@@ -80,7 +80,7 @@ async def serve(settings: Settings, tracing: Tracing | None = None) -> None:
 
         queue = Consumer(redis, Keys(settings.prefix), result_ttl_s=settings.result_ttl_s,
                          usage_days=settings.usage_days, durability=durability)
-        info = model_info(engine.multimodal, image_cost(model_path))
+        info = model_info(engine.multimodal, image_cost(model_path), settings.kind)
         worker = Worker(settings, queue, engine, device=claim.label, devices=claim.devices, tracing=tracing,
                         info=info, freeze_heap=settings.gc_freeze)
         loop = asyncio.get_running_loop()

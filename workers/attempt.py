@@ -254,7 +254,8 @@ class Attempt:
         self._close()
         if step.finished:
             self.timings.finished_at = clock()
-            done = Done(seq=self.seq + 1, deltas=deltas, prompt=step.prompt, usage=self.usage, timings=self.timings)
+            done = Done(seq=self.seq + 1, deltas=deltas, prompt=step.prompt, usage=self.usage, timings=self.timings,
+                        pooled=step.pooled)
             data = self._add(done)
             self.result = self.builder.result()
             return Emission(data, done.seq, done, tokens, first_token_at, result=self.result,

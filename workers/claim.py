@@ -24,7 +24,7 @@ from pathlib import Path
 
 import structlog
 
-from shared.config import DEFAULT_MODEL, VISION_MODEL, Settings
+from shared.config import DEFAULT_MODEL, TINY_POOLING_DIRS, VISION_MODEL, Settings
 from workers.environment import apply_device_environment, apply_engine_environment, cpu_engine, visible_gpus
 
 __all__ = ["Claim", "NoFreeDevice", "prepare_host", "claim_device", "claim_gpus", "claim_cpu_share", "split_cpus",
@@ -237,8 +237,8 @@ def prepare_host(settings: Settings, env: MutableMapping[str, str]) -> Claim:
     """What a process that runs engine ranks (a worker, a follower) does first, in this order: claim
     its devices (exit 1 with one ``no_free_device`` line when none is free), set them in ``env``
     (CUDA_VISIBLE_DEVICES and the CPU affinity must precede any torch import, the tiny model's build
-    included), build a tiny model (tiny-llama, tiny-vision) if it is the model, then set the engine's
-    own variables (the OMP thread count follows the affinity)."""
+    included), build a tiny model (tiny-llama, tiny-vision, tiny-embed, tiny-rerank) if it is the
+    model, then set the engine's own variables (the OMP thread count follows the affinity)."""
     try:
         claim = claim_device(settings, env, on_cpu=cpu_engine())
     except NoFreeDevice as exc:
@@ -255,5 +255,9 @@ def prepare_host(settings: Settings, env: MutableMapping[str, str]) -> Claim:
         from workers.tiny_vision import ensure_tiny_vision
 
         ensure_tiny_vision(Path(settings.model_path))
+    elif settings.model in TINY_POOLING_DIRS:
+        from workers.tiny_pooling import ensure_tiny_pooling
+
+        ensure_tiny_pooling(settings.model, Path(settings.model_path))
     apply_engine_environment(settings, env)
     return claim

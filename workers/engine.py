@@ -39,10 +39,10 @@ from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 from shared.adapters import Sources
 from shared.budget import generation_budget
 from shared.chat_template import chat_token_ids
-from shared.config import EngineFront, Settings, SettingsError
+from shared.config import EngineFront, ModelKind, Settings, SettingsError
 from shared.errors import EngineDead, InvalidRequest
 from shared.events import TokenDelta
-from shared.schemas import GenerationRequest, StructuredOutput, TopLogprob
+from shared.schemas import GenerationRequest, StructuredOutput, TopLogprob, wrong_kind
 from workers import faults as faults_
 from workers import forcing
 from workers.adapters import EngineAdapters
@@ -53,6 +53,7 @@ from workers.environment import cpu_engine, eager
 from workers.media import Images
 from workers.outputs import add_logprobs, prompt_info
 from workers.parsing import ChoiceParser, OutputParsers, Parsing
+from workers.pooling import pooled, pooling_inputs
 from workers.protocol import AdapterState, Death, Part, Step, drain
 from workers.ranks import Ranks
 
@@ -180,6 +181,9 @@ def engine_args(settings: Settings, model_path: str, traces_endpoint: str | None
     return AsyncEngineArgs(
         model=model_path,
         served_model_name=[settings.model_name],
+        # A pooling model (LLMQ_MODEL_KIND embed or rerank) on vLLM's pooling runner: a classifier
+        # (a cross-encoder) as it is, a generator converted to an embedder (vLLM's convert "auto").
+        runner="generate" if settings.kind == "generate" else "pooling",
         max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_num_seqs,
         # None: the engine sizes its KV cache itself (GPU memory utilisation, CPU default).
@@ -252,7 +256,8 @@ def follower_ranks(settings: Settings) -> MultiprocExecutor:
     return MultiprocExecutor(config, monitor_workers=False)
 
 
-_NO_SOURCES = Sources(roots=())  # an engine given none loads no adapter from anywhere
+_NO_SOURCES = Sources(roots=())
+  # an engine given none loads no adapter from anywhere
 
 
 def _new_engine(args: AsyncEngineArgs, faults: bool = False, front: EngineFront = "asyncllm") -> Front:
@@ -368,8 +373,9 @@ class VllmEngine:
                  reasoning_parser: str | None = None, tool_strict_level: str = "auto",
                  compact_json: bool = False, max_loras: int = 0,
                  rebuild: Callable[[], Front] | None = None, faults: bool = False,
-                 sources: Sources = _NO_SOURCES, spans_hosts: bool = False) -> None:
+                 sources: Sources = _NO_SOURCES, spans_hosts: bool = False, kind: ModelKind = "generate") -> None:
         self.engine = engine
+        self.kind = kind  # what its model does: a job of the other kind is refused (InvalidRequest)
         self._rebuild = rebuild
         self.spans_hosts = spans_hosts  # LLMQ_NNODES > 1: some of its ranks run on other hosts
         self._ranks = _ranks(engine)
@@ -389,7 +395,9 @@ class VllmEngine:
             raise refused
         args = engine_args(settings, model_path, traces_endpoint)
         front = settings.engine_front
-        if traces_endpoint is not None and front != "asyncllm":
+        if settings.kind != "generate":
+            front = "loop"  # a pooling job's outputs are read in llmq's loop (EngineLoop.pool) only
+        elif traces_endpoint is not None and front != "asyncllm":
             # vLLM's own request span (LLMQ_ENGINE_TRACING) is made by its front end.
             log.info("engine_front_asyncllm_for_tracing", asked=front)
             front = "asyncllm"
@@ -407,7 +415,8 @@ class VllmEngine:
                    # no longer validate a second time).
                    rebuild=lambda: _new_engine(engine_args(settings, model_path, traces_endpoint),
                                                settings.test_faults, front),
-                   faults=settings.test_faults, sources=Sources.of(settings), spans_hosts=settings.nnodes > 1)
+                   faults=settings.test_faults, sources=Sources.of(settings), spans_hosts=settings.nnodes > 1,
+                   kind=settings.kind)
 
     def dead(self) -> bool:
         if self.engine.errored:
@@ -516,7 +525,12 @@ class VllmEngine:
         """:meth:`stream`'s batch form: with the loop front (workers/engine_loop.py) a plain job's
         steps go to ``on_step`` from the engine's loop as they are made, parsed there, and the
         job's task wakes only at its end. A continued job, a beam search or the ``AsyncLLM`` front
-        goes through :meth:`stream`."""
+        goes through :meth:`stream`. A pooling job is one step: its outputs."""
+        if req.kind != self.kind:  # the API refuses most before they are queued (api/submit.py)
+            raise wrong_kind(self.kind)
+        if req.pooling is not None:
+            on_step(await self._pool(job_id, req))
+            return
         if parts is not None or req.sampling.beam_width > 1 or not isinstance(self.engine, EngineLoop):
             await drain(self.stream(job_id, req, parts, trace_headers, images), on_step)
             return
@@ -527,6 +541,16 @@ class VllmEngine:
                                   priority=_priority(req), lora_request=submit.lora, trace_headers=trace_headers,
                                   reasoning_ended=submit.reasoning_ended, want_top=req.sampling.logprobs,
                                   want_prompt=req.output.prompt_tokens)
+
+    async def _pool(self, job_id: str, req: GenerationRequest) -> Step:
+        """A pooling job's one step: every input pooled (workers/pooling.py), re-run whole if the
+        job is taken over (nothing of it was published before its end)."""
+        assert req.pooling is not None and isinstance(self.engine, EngineLoop)  # build() gives a pooling model the loop
+        inputs = await asyncio.to_thread(pooling_inputs, self.tokenizer, req.pooling, self.max_model_len)
+        with self._engine_errors():
+            outputs = await self.engine.pool(job_id, inputs, priority=_priority(req))
+        return Step(deltas=[], finished=True, prompt_tokens=sum(len(p["prompt_token_ids"]) for p, _ in inputs),
+                    pooled=pooled(outputs))
 
     @contextlib.contextmanager
     def _engine_errors(self) -> Iterator[None]:

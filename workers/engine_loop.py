@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from copy import copy
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 import structlog
-from vllm import SamplingParams
+from vllm import PoolingParams, SamplingParams
 from vllm.config import VllmConfig
 from vllm.lora.request import LoRARequest
 from vllm.renderers import renderer_from_config
@@ -176,11 +176,13 @@ class EngineLoop:
         # Rendering and input processing block (tokenising a text prompt, an image's processor):
         # one hop to the renderer's thread per request, as AsyncLLM's raw-prompt path takes.
         self._process = make_async(self._engine_request, executor=self.renderer._executor)
+        self._process_pooling = make_async(self._pooling_requests, executor=self.renderer._executor)
         self._requests: dict[str, _Request] = {}  # internal request id -> its state
         self._by_external: dict[str, list[str]] = {}  # the caller's request id -> internal ids
         self._loop: asyncio.Task[None] | None = None
         self._failed: list[_Job] = []  # jobs whose callback raised in the chunk being handled
         self._supported: tuple[Any, ...] | None = None
+        self._pooling: dict[str, asyncio.Future[Any]] = {}  # a pooling request's id -> its output
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -204,7 +206,7 @@ class EngineLoop:
         if self._loop is not None:
             self._loop.cancel()
 
-    def _engine_request(self, request_id: str, prompt: Mapping[str, Any], params: SamplingParams,
+    def _engine_request(self, request_id: str, prompt: Mapping[str, Any], params: SamplingParams | PoolingParams,
                         supported: tuple[Any, ...], kwargs: dict[str, Any]) -> EngineCoreRequest:
         (rendered,) = self.renderer.render_cmpl([parse_model_prompt(self.model_config, prompt)],
                                                 self.renderer.default_cmpl_tok_params)
@@ -251,6 +253,39 @@ class EngineLoop:
             raise
         finally:
             self._unregister(request_id, job)
+
+    async def pool(self, request_id: str, inputs: Sequence[tuple[Mapping[str, Any], PoolingParams]], *,
+                   priority: int = 0) -> list[Any]:
+        """A pooling job's outputs (vLLM's ``pooling_output`` tensors), one per input, in input order:
+        each input an engine request ``{i}-{request_id}``, rendered and processed in one hop to the
+        renderer's thread, all sent before any is awaited, so the engine batches them per step."""
+        if self.errored:
+            raise EngineDeadError()
+        if self._supported is None:
+            self._supported = await self.engine_core.get_supported_tasks_async()
+        requests = await self._process_pooling(request_id, inputs, self._supported, priority)
+        outputs: list[asyncio.Future[Any]] = []
+        for request in requests:
+            self.input_processor.assign_request_id(request)
+            outputs.append(self._pooling.setdefault(request.request_id, asyncio.get_running_loop().create_future()))
+        self._start()
+        ids = [request.request_id for request in requests]
+        try:
+            for request in requests:
+                await self.engine_core.add_request_async(request)
+            return list(await asyncio.gather(*outputs))
+        except BaseException:
+            if live := [rid for rid in ids if self._pooling.pop(rid, None) is not None]:
+                await self.engine_core.abort_requests_async(live)
+            raise
+        finally:
+            for rid in ids:
+                self._pooling.pop(rid, None)
+
+    def _pooling_requests(self, request_id: str, inputs: Sequence[tuple[Mapping[str, Any], PoolingParams]],
+                          supported: tuple[Any, ...], priority: int) -> list[EngineCoreRequest]:
+        return [self._engine_request(f"{i}-{request_id}", prompt, params, supported, {"priority": priority})
+                for i, (prompt, params) in enumerate(inputs)]
 
     async def _submit(self, request_id: str, prompt: Mapping[str, Any], params: SamplingParams,
                       deliver: Callable[[Step], None], fail: Callable[[BaseException], None], *, priority: int,
@@ -370,12 +405,26 @@ class EngineLoop:
             for job in {id(state.job): state.job for state in self._requests.values()}.values():
                 job.fail(exc)
             self._requests.clear()
+            for pooled in self._pooling.values():
+                if not pooled.done():
+                    pooled.set_exception(exc)
+            self._pooling.clear()
 
     def _handle(self, outputs: list[EngineCoreOutput]) -> list[str]:
         """One chunk of a step's outputs, each to its job; returns the requests a stop string ended."""
         stopped = []
         for out in outputs:
             rid = out.request_id
+            if (pooled := self._pooling.get(rid)) is not None:
+                if out.pooling_output is not None or out.finished:
+                    del self._pooling[rid]
+                    if pooled.done():
+                        pass  # its job was cancelled
+                    elif out.pooling_output is not None:
+                        pooled.set_result(out.pooling_output)
+                    else:  # finished without an output: the engine ended it
+                        pooled.set_exception(RuntimeError(f"the engine ended pooling request {rid} without an output"))
+                continue
             state = self._requests.get(rid)
             if state is None:  # aborted, or its job gone
                 continue

@@ -18,6 +18,7 @@ import io
 from collections.abc import Mapping
 from typing import Any
 
+from shared.config import ModelKind
 from shared.errors import InvalidRequest
 from shared.media import ImageCost, MediaStore, ModelInfo
 from shared.schemas import GenerationRequest
@@ -50,10 +51,10 @@ async def load_images(store: MediaStore, req: GenerationRequest, *, hold_s: floa
     return images
 
 
-def model_info(multimodal: bool, cost: ImageCost | None) -> ModelInfo:
-    """What a worker's model takes: images when vLLM serves it as multimodal, counted by ``cost``
-    (the processor's config, workers/vision.py) or, for a family llmq cannot read, as
-    ``ImageCost()``'s flat zero (the job's real count corrects it when it ends)."""
+def model_info(multimodal: bool, cost: ImageCost | None, kind: ModelKind = "generate") -> ModelInfo:
+    """What a worker's model does (``kind``) and takes: images when vLLM serves it as multimodal,
+    counted by ``cost`` (the processor's config, workers/vision.py) or, for a family llmq cannot
+    read, as ``ImageCost()``'s flat zero (the job's real count corrects it when it ends)."""
     if not multimodal:
-        return ModelInfo()
-    return ModelInfo(input_modalities=["text", "image"], image=cost or ImageCost())
+        return ModelInfo(kind=kind)
+    return ModelInfo(kind=kind, input_modalities=["text", "image"], image=cost or ImageCost())

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
 
 from shared.events import TokenDelta
-from shared.schemas import GenerationRequest, PromptInfo
+from shared.schemas import GenerationRequest, Pooled, PromptInfo
 
 __all__ = ["Engine", "Step", "AdapterState", "Death", "Part", "Published", "drain"]
 
@@ -32,6 +32,8 @@ class Step:
     prompt_token_ids: list[int] | None = None
     """The prompt's token ids as the engine saw them, on the first step: kept with the job so
     another worker can continue it if this one dies (workers/continuation.py)."""
+    pooled: Pooled | None = None
+    """A pooling job's outputs, on its one step (finished, no deltas)."""
 
 
 @dataclass(slots=True)

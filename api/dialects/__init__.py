@@ -23,6 +23,7 @@ from api.dialects import (
     lmtp,
     openai_chat,
     openai_completions,
+    openai_embeddings,
     openai_responses,
     tgi,
     triton,
@@ -54,7 +55,8 @@ class Dialect(Protocol):
 
 
 _ALL: tuple[Dialect, ...] = (jobs, lmi, lmi.TGI_COMPAT, lmi.DYNAMIC_BATCH, openai_completions, openai_chat, tgi, triton,
-                             happy_vllm, lmtp, anthropic_messages, openai_responses)
+                             happy_vllm, lmtp, anthropic_messages, openai_responses,
+                             openai_embeddings)
 _DIALECTS: dict[str, Dialect] = {d.NAME: d for d in _ALL}
 
 

@@ -213,6 +213,9 @@ class Model(msgspec.Struct, kw_only=True):
     """What the model takes (llmq's, as OpenRouter names it): ``["text", "image"]`` for a model
     its workers serve with images (docs/images.md); ``["text"]`` otherwise, or while no worker
     has said."""
+    kind: str = "generate"
+    """What the model does (llmq's): ``generate``, ``embed`` (``/v1/embeddings``) or ``rerank``
+    (a cross-encoder's scores), as its workers report it; LLMQ_MODEL's own until one has."""
 
 
 class ModelList(msgspec.Struct, kw_only=True):

@@ -13,7 +13,7 @@ from api.http import decode_body, json_response
 from api.models import caller
 from api.operations import ASYNC, ASYNC_HEADERS, JSON, OPENAI_ERROR, OPENAI_ERRORS, documented
 from api.services import Svc
-from shared.media import TEXT_ONLY
+from shared.media import TEXT_ONLY, ModelInfo
 
 __all__ = ["ROUTES", "completions", "models", "completions_response"]
 
@@ -46,17 +46,18 @@ async def models(svc: Svc, ctx: Ctx) -> Response:
     adapters = await svc.models.visible_adapters(who)
     bases = list(dict.fromkeys([*names, *(a.base for a in adapters)]))
     lengths = await svc.models.context_lengths(bases)
-    modalities: dict[str, list[str]] = {}
+    infos: dict[str, ModelInfo] = {}
     for name in bases:  # one read of llmq:model-info for all of them (cached a second)
         info = await svc.media.infos.get(name) if svc.media is not None else None
-        modalities[name] = list((info or TEXT_ONLY).input_modalities)
+        infos[name] = info or (ModelInfo(kind=svc.settings.kind) if name == svc.model else TEXT_ONLY)
     cards = [
         oc.Model(id=name, root=svc.settings.model if name == svc.model else name, max_model_len=lengths[name],
-                 input_modalities=modalities[name])
+                 input_modalities=list(infos[name].input_modalities), kind=infos[name].kind)
         for name in names
     ]
     cards += [oc.Model(id=a.name, root=a.source if who.operator else a.name, parent=a.base,
-                       max_model_len=lengths[a.base], input_modalities=modalities[a.base]) for a in adapters]
+                       max_model_len=lengths[a.base], input_modalities=list(infos[a.base].input_modalities),
+                       kind=infos[a.base].kind) for a in adapters]
     return json_response(oc.ModelList(data=cards))
 
 

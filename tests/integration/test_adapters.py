@@ -137,7 +137,8 @@ async def test_an_operator_registers_lists_uses_and_removes_an_adapter(stack, di
     assert "private" not in found and "tenant" not in found
     # Listed as vLLM lists an adapter, its base model as parent; its source as root to operators only.
     card = {"id": "sql", "object": "model", "created": 0, "owned_by": "llmq", "root": str(dirs["op"]),
-            "parent": "tiny", "max_model_len": settings.max_model_len, "input_modalities": ["text"]}
+            "parent": "tiny", "max_model_len": settings.max_model_len, "input_modalities": ["text"],
+            "kind": "generate"}
     assert (await model_ids(client, OP))["sql"] == card
     assert (await model_ids(client, A))["sql"] == {**card, "root": "sql"}
 

@@ -73,7 +73,7 @@ async def test_models_list_is_openais_shape_with_vllms_extras(stack):
     assert resp.status_code == 200
     # The served name "tiny" is the configured model's alias: its root is the model itself.
     card = (f'{{"id":"tiny","object":"model","created":0,"owned_by":"llmq","root":"{settings.model}",'
-            f'"parent":null,"max_model_len":{settings.max_model_len},"input_modalities":["text"]}}')
+            f'"parent":null,"max_model_len":{settings.max_model_len},"input_modalities":["text"],"kind":"generate"}}')
     assert resp.content == f'{{"object":"list","data":[{card}]}}'.encode()
 
 

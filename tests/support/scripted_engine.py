@@ -15,6 +15,7 @@ the e2e suite runs the same paths on real vLLM.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import contextvars
@@ -25,7 +26,7 @@ import msgspec
 
 from shared.errors import EngineDead, GenerationFailed, InvalidRequest
 from shared.events import TokenDelta
-from shared.schemas import GenerationRequest, PromptInfo
+from shared.schemas import GenerationRequest, Pooled, PromptInfo
 from workers.continuation import run_parts
 from workers.protocol import AdapterState, Death, Part, Step, drain
 
@@ -137,6 +138,14 @@ class ScriptedEngine:
     async def steps(self, job_id: str, req: GenerationRequest, replay: Sequence[int] = ()) -> AsyncIterator[Step]:
         """One engine request's steps: the hook a subclass overrides. ``replay``: output tokens to
         force first (only when :attr:`forces_replay`)."""
+        if req.pooling is not None:  # one step: a scripted vector per input (its length, then 1s)
+            await asyncio.sleep(self.delay_s)
+            inputs = req.pooling.texts or req.pooling.token_ids
+            width = req.pooling.dimensions or 4
+            rows = [[float(len(x)), *[1.0] * (width - 1)] for x in inputs]
+            yield Step(deltas=[], finished=True, prompt_tokens=sum(len(x) for x in inputs),
+                       pooled=Pooled(data=array.array("f", [v for row in rows for v in row]).tobytes(), width=width))
+            return
         prompt = req.prompt or "".join(chr(97 + t % 26) for t in req.prompt_token_ids or [0])
         if req.messages:
             prompt = req.messages[-1].content or "a"
