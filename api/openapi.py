@@ -28,6 +28,7 @@ from api.auth import HEALTH_PATHS, OPEN_PATHS
 from api.dialects import anthropic_batches as message_batches
 from api.dialects import anthropic_messages as anthropic
 from api.dialects import openai_responses as responses
+from api.dialects import rerank, tei, vllm_score
 from api.dialects.happy_vllm import HappyOptions, VllmSampling
 from api.dialects.lmi import LmiRequest
 from api.dialects.openai_chat import ChatRequest
@@ -50,9 +51,9 @@ from api.routes import (
     openai_batches,
     openai_chat,
     openai_completions,
-    openai_embeddings,
     openai_responses,
     overview,
+    pooling,
     tgi,
     triton,
     usage,
@@ -186,7 +187,8 @@ def _invocations_body(schema: dict[Any, dict[str, Any]]) -> dict[str, Any]:
     ]}
 
 
-_REQUESTS = (CompletionRequest, EmbeddingRequest, ChatRequest, LmiRequest, TgiRequest,
+_REQUESTS = (CompletionRequest, EmbeddingRequest, rerank.RerankRequest, vllm_score.ScoreRequest,
+             tei.EmbedRequest, tei.RerankRequest, ChatRequest, LmiRequest, TgiRequest,
              GenerationRequest, BatchCreate, responses.ResponsesRequest, anthropic.MessagesRequest,
              anthropic.CountTokensRequest, message_batches.CreateBatch, LoadAdapter, UnloadAdapter)
 
@@ -210,6 +212,10 @@ def _bodies(schema: dict[Any, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {
         "completions": schema[CompletionRequest],
         "embeddings": schema[EmbeddingRequest],
+        "rerank": schema[rerank.RerankRequest],
+        "rerank_any": {"anyOf": [schema[rerank.RerankRequest], schema[tei.RerankRequest]]},
+        "score": schema[vllm_score.ScoreRequest],
+        "tei_embed": schema[tei.EmbedRequest],
         "chat": schema[ChatRequest],
         "lmi": schema[LmiRequest],
         "invocations": _invocations_body(schema),
@@ -325,7 +331,7 @@ HTTP_ROUTES = (
     *openai_responses.ROUTES,
     *anthropic_messages.ROUTES,
     *anthropic_batches.ROUTES,
-    *openai_embeddings.ROUTES,
+    *pooling.ROUTES,
     openai_completions.models,
     *adapters.ROUTES,
     *lmi.ROUTES,

@@ -30,7 +30,8 @@ from api.services import Services
 from api.watches import JobWatch
 from shared.admission import new_job
 from shared.codec import decode_request, encode
-from shared.errors import InvalidRequest
+from shared.config import ModelKind
+from shared.errors import InvalidRequest, ModelNotFound
 from shared.events import Event
 from shared.media import default_timeout_s
 from shared.schemas import GenerationRequest, JobRecord, Slo, wrong_kind
@@ -126,6 +127,19 @@ async def check_kind(svc: Services, req: GenerationRequest) -> None:
     kind = info.kind if info is not None else svc.settings.kind if req.model == svc.model else None
     if kind is not None and kind != req.kind:
         raise wrong_kind(kind)
+
+
+async def default_of_kind(svc: Services, kind: ModelKind) -> str:
+    """The model a request of ``kind`` goes to when it names none (TEI's, and vLLM's rerank and score
+    without ``model``): LLMQ_MODEL when it is of that kind, else the first known model whose workers
+    say they are; none: the dialect's 404."""
+    if kind == svc.settings.kind:
+        return svc.model
+    for name in await svc.models.known():
+        info = await svc.media.infos.get(name) if svc.media is not None else None
+        if info is not None and info.kind == kind:
+            return name
+    raise ModelNotFound(f"no {kind} model is served here: name one as `model`", param="model")
 
 
 def _record(svc: Services, ctx: RequestContext, req: GenerationRequest) -> JobRecord:

@@ -53,6 +53,9 @@ MERGES_STEPS: dict[DialectName, bool] = {
     "lmtp": False,
     # Never streamed: a pooling job's one event is its end.
     "openai_embeddings": False,
+    "rerank": False,
+    "vllm_score": False,
+    "tei": False,
 }
 assert set(MERGES_STEPS) == set(get_args(DialectName)), "every dialect says whether it merges"
 

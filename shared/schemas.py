@@ -66,7 +66,8 @@ __all__ = [
 JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
 
 DialectName = Literal["jobs", "lmi", "lmi_tgi", "lmi_batch", "openai_completions", "openai_chat", "tgi", "triton",
-                      "happy_vllm", "lmtp", "anthropic_messages", "openai_responses", "openai_embeddings"]
+                      "happy_vllm", "lmtp", "anthropic_messages", "openai_responses", "openai_embeddings", "rerank",
+                      "vllm_score", "tei"]
 """Every shape a result or an error is rendered in (``api/dialects``: one module each; LMI has three
 shapes). A request naming another is refused when it is decoded, never rendered by a fallback."""
 
@@ -346,6 +347,10 @@ class Pooling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """An input longer than the model takes is cut to its end, not refused (TEI's ``truncate``)."""
     encoding: Literal["float", "base64"] = "float"
     """How its dialect renders the vectors (OpenAI's ``encoding_format``)."""
+    top_n: Annotated[int, Meta(ge=0)] = 0
+    """How its dialect renders a ranking: the best ``top_n`` documents only (0: all of them)."""
+    return_text: bool = True
+    """How its dialect renders a ranking: each document's text with its score."""
 
     @property
     def size(self) -> int:

@@ -25,8 +25,11 @@ from api.dialects import (
     openai_completions,
     openai_embeddings,
     openai_responses,
+    rerank,
+    tei,
     tgi,
     triton,
+    vllm_score,
 )
 from api.dialects.lmi_render import render_batch_result
 from api.dialects.stream import StreamRenderer
@@ -56,7 +59,7 @@ class Dialect(Protocol):
 
 _ALL: tuple[Dialect, ...] = (jobs, lmi, lmi.TGI_COMPAT, lmi.DYNAMIC_BATCH, openai_completions, openai_chat, tgi, triton,
                              happy_vllm, lmtp, anthropic_messages, openai_responses,
-                             openai_embeddings)
+                             openai_embeddings, rerank, vllm_score, tei)
 _DIALECTS: dict[str, Dialect] = {d.NAME: d for d in _ALL}
 
 

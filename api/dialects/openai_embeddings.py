@@ -18,9 +18,8 @@ from msgspec import Meta
 
 from api.dialects import openai_completions
 from api.dialects.common import ErrorResponse, refuse
-from api.dialects.stream import StreamRenderer
+from api.dialects.stream import unstreamed
 from shared.errors import InvalidRequest, ServiceError
-from shared.events import Done, Tokens
 from shared.schemas import GenerationRequest, JobResult, OutputOptions, Pooling, Reported
 
 __all__ = ["NAME", "MAX_INPUTS", "EmbeddingRequest", "EmbeddingResponse", "to_generation_request", "render_result",
@@ -107,19 +106,7 @@ def render_result(req: GenerationRequest, result: JobResult, job_id: str, create
                              usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
 
 
-class _Unstreamed(StreamRenderer[bytes]):
-    """An embeddings job is never streamed (its route answers one body): the protocol's renderer,
-    which sends nothing while the job waits and refuses any event."""
-
-    def step(self, event: Tokens | Done) -> list[bytes]:
-        raise InvalidRequest("embeddings do not stream: the answer is one JSON body")
-
-    def fail(self, exc: ServiceError) -> list[bytes]:
-        raise InvalidRequest("embeddings do not stream: the answer is one JSON body")
-
-
-def stream(req: GenerationRequest, job_id: str, created: int) -> StreamRenderer[bytes]:
-    return _Unstreamed()
+stream = unstreamed
 
 
 def error_body(exc: ServiceError) -> tuple[int, ErrorResponse]:

@@ -20,11 +20,11 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Generic, TypeVar
 
-from shared.errors import ServiceError
+from shared.errors import InvalidRequest, ServiceError
 from shared.events import Done, Error, Event, Tokens
 from shared.framing import KEEPALIVE_TICK, Keepalive, comment
 
-__all__ = ["StreamRenderer", "drive", "render", "SSE", "JSONLINES", "NDJSON", "SseKeepalive"]
+__all__ = ["StreamRenderer", "drive", "render", "SSE", "JSONLINES", "NDJSON", "SseKeepalive", "unstreamed"]
 
 F = TypeVar("F")
 
@@ -65,6 +65,23 @@ class StreamRenderer(Generic[F]):
     def close(self) -> list[F]:
         """Frames after the last event (OpenAI's ``[DONE]``), also after an error."""
         return []
+
+
+class _Unstreamed(StreamRenderer[bytes]):
+    """What a pooling dialect (embeddings, scores, rankings) streams: nothing. Its routes answer one
+    body; the renderer exists for the protocol, sends nothing while the job waits, and refuses any
+    event."""
+
+    def step(self, event: Tokens | Done) -> list[bytes]:
+        raise InvalidRequest("this answer does not stream: it is one JSON body")
+
+    def fail(self, exc: ServiceError) -> list[bytes]:
+        raise InvalidRequest("this answer does not stream: it is one JSON body")
+
+
+def unstreamed(req: object, job_id: str, created: int) -> StreamRenderer[bytes]:
+    """The ``stream`` of a dialect whose answers never stream."""
+    return _Unstreamed()
 
 
 class SseKeepalive:

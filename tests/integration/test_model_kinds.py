@@ -19,7 +19,6 @@ from shared.media import ModelInfo
 from tests.support.scripted_stack import scripted_stack
 
 
-
 @pytest.fixture(scope="module")
 async def stack(redis_url):
     # "tiny" is the scripted worker's (it says nothing of its kind: a generator, LLMQ_MODEL's own).
@@ -93,3 +92,80 @@ async def test_a_pooling_job_runs_through_the_queue_answered_whole_or_polled(red
         assert all(isinstance(d["embedding"], str) for d in done["result"]["data"])
         completion = await s.client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
         assert completion.status_code == 400 and "makes embeddings" in completion.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+async def ranker(redis_url):
+    """A scripted reranker: its worker scores a document by its length (over 8: exact in float32)."""
+    async with scripted_stack(redis_url, f"rank-{uuid.uuid4().hex[:6]}", model_kind="rerank",
+                              info=ModelInfo(kind="rerank")) as s:
+        yield s
+
+
+DOCS = ["a", "abcd", "ab", "abc"]
+
+
+@pytest.mark.parametrize("path", ["/rerank", "/v1/rerank", "/v2/rerank"])
+async def test_vllms_rerank_sorts_best_first_cut_to_top_n(ranker, path):
+    resp = await ranker.client.post(path, json={"query": "q", "documents": [*DOCS[:3], {"text": DOCS[3]}],
+                                                "top_n": 3})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["id"].startswith("rerank-") and body["model"] == "tiny"
+    assert [(r["index"], r["document"]["text"], r["relevance_score"]) for r in body["results"]] == [
+        (1, "abcd", 0.5), (3, "abc", 0.375), (2, "ab", 0.25)]
+    hidden = (await ranker.client.post(path, json={"query": "q", "documents": DOCS, "return_documents": False})).json()
+    assert [list(r) for r in hidden["results"]] == [["index", "relevance_score"]] * 4
+
+
+async def test_teis_rerank_and_its_errors(ranker):
+    resp = await ranker.client.post("/rerank", json={"query": "q", "texts": DOCS, "return_text": True})
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == [{"index": 1, "text": "abcd", "score": 0.5}, {"index": 3, "text": "abc", "score": 0.375},
+                           {"index": 2, "text": "ab", "score": 0.25}, {"index": 0, "text": "a", "score": 0.125}]
+    bare = (await ranker.client.post("/rerank", json={"query": "q", "texts": ["ab"]})).json()
+    assert bare == [{"index": 0, "score": 0.25}]
+    neither = await ranker.client.post("/rerank", json={"query": "q"})
+    assert neither.status_code == 422 and neither.json()["error_type"] == "validation"
+    assert "`texts`" in neither.json()["error"]
+    empty = await ranker.client.post("/rerank", json={"query": "q", "texts": []})
+    assert (empty.status_code, empty.json()) == (422, {"error": "`texts` cannot be empty", "error_type": "validation"})
+    embed = await ranker.client.post("/embed", json={"inputs": "x", "model": "tiny"})
+    assert embed.status_code == 424 and embed.json()["error_type"] == "backend"
+    assert embed.json()["error"].startswith("this model scores (query, document) pairs")
+    vllm_refused = await ranker.client.post("/rerank", json={"query": "q", "documents": []})
+    assert vllm_refused.status_code == 400 and vllm_refused.json()["error"]["param"] == "documents"
+
+
+@pytest.mark.parametrize(("body", "scores"), [
+    ({"text_1": "q", "text_2": ["ab", "abc"]}, [0.25, 0.375]),
+    ({"queries": ["q1", "q2"], "documents": ["a", "abcd"]}, [0.125, 0.5]),
+    ({"queries": "q", "items": "abc"}, [0.375]),
+    ({"data_1": ["q"], "data_2": ["ab"]}, [0.25]),
+])
+async def test_vllms_score_takes_its_pairs_under_any_of_its_names(ranker, body, scores):
+    resp = await ranker.client.post("/score", json=body)
+    assert resp.status_code == 200, resp.text
+    answer = resp.json()
+    assert answer["object"] == "list" and answer["id"].startswith("score-")
+    assert [(d["index"], d["object"], d["score"]) for d in answer["data"]] == [
+        (i, "score", s) for i, s in enumerate(scores)]
+
+
+async def test_vllms_score_refuses_sides_that_do_not_pair(ranker):
+    uneven = await ranker.client.post("/v1/score", json={"text_1": ["a", "b"], "text_2": ["c", "d", "e"]})
+    assert uneven.status_code == 400 and "one text or as many as the second" in uneven.json()["error"]["message"]
+    unnamed = await ranker.client.post("/score", json={"left": "a", "right": "b"})
+    assert unnamed.status_code == 400 and unnamed.json()["error"]["param"] == "text_1"
+
+
+async def test_teis_embed_goes_to_the_model_of_its_kind(redis_url):
+    async with scripted_stack(redis_url, f"tei-{uuid.uuid4().hex[:6]}", model_kind="embed",
+                              info=ModelInfo(kind="embed")) as s:
+        resp = await s.client.post("/embed", json={"inputs": ["abc", "d"], "normalize": False})
+        assert resp.status_code == 200, resp.text
+        assert resp.json() == [[3.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]
+        one = await s.client.post("/embed", json={"inputs": "ab", "dimensions": 2})
+        assert one.json() == [[2.0, 1.0]]
+        rerank = await s.client.post("/rerank", json={"query": "q", "texts": ["a"]})
+        assert rerank.status_code == 404 and rerank.json()["error_type"] == "model_not_found"

@@ -138,11 +138,11 @@ class ScriptedEngine:
     async def steps(self, job_id: str, req: GenerationRequest, replay: Sequence[int] = ()) -> AsyncIterator[Step]:
         """One engine request's steps: the hook a subclass overrides. ``replay``: output tokens to
         force first (only when :attr:`forces_replay`)."""
-        if req.pooling is not None:  # one step: a scripted vector per input (its length, then 1s)
-            await asyncio.sleep(self.delay_s)
+        if req.pooling is not None:  # one step: per input a scripted vector (its length, then 1s)
+            await asyncio.sleep(self.delay_s)  # or score (its length over 8)
             inputs = req.pooling.texts or req.pooling.token_ids
-            width = req.pooling.dimensions or 4
-            rows = [[float(len(x)), *[1.0] * (width - 1)] for x in inputs]
+            width = 1 if req.pooling.task == "score" else req.pooling.dimensions or 4
+            rows = [[len(x) / 8] if width == 1 else [float(len(x)), *[1.0] * (width - 1)] for x in inputs]
             yield Step(deltas=[], finished=True, prompt_tokens=sum(len(x) for x in inputs),
                        pooled=Pooled(data=array.array("f", [v for row in rows for v in row]).tobytes(), width=width))
             return

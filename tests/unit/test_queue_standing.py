@@ -25,7 +25,8 @@ FRAME = b": queue position=7 eta_s=12.3\n\n"
 # Each dialect's stream as its HTTP route renders it: SSE, or not (LMI's JSON lines, its SSE
 # formatter's lines, its dynamic batch, Triton's SSE without comments, happy_vllm's NDJSON).
 SSE_DIALECTS = ["jobs", "openai_completions", "openai_chat", "openai_responses", "anthropic_messages", "tgi", "lmtp"]
-SILENT_DIALECTS = ["lmi", "lmi_tgi", "lmi_batch", "triton", "happy_vllm", "openai_embeddings"]
+SILENT_DIALECTS = ["lmi", "lmi_tgi", "lmi_batch", "triton", "happy_vllm", "openai_embeddings", "rerank",
+                   "vllm_score", "tei"]
 
 
 def test_every_dialect_is_one_or_the_other():
