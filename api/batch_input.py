@@ -20,7 +20,7 @@ import asyncio
 import msgspec
 
 from api.context import RequestContext
-from api.dialects import openai_chat, openai_completions
+from api.dialects import openai_chat, openai_completions, openai_embeddings
 from api.services import Services
 from api.submit import admit
 from shared import json_input
@@ -28,13 +28,15 @@ from shared.batches import BatchError, InputLine, LineError, StoredLine
 from shared.codec import encode
 from shared.errors import InvalidRequest, ServiceError
 
-__all__ = ["read_lines", "MAX_LINES"]
+__all__ = ["read_lines", "MAX_LINES", "MAX_EMBEDDING_INPUTS"]
 
 MAX_LINES = 50_000  # OpenAI's limit per batch
+MAX_EMBEDDING_INPUTS = 50_000  # OpenAI's limit on the inputs of all the lines of an embeddings batch
 YIELD_EVERY = 256
 _line = msgspec.json.Decoder(InputLine)
 _chat = msgspec.json.Decoder(openai_chat.ChatRequest)
 _completion = msgspec.json.Decoder(openai_completions.CompletionRequest)
+_embeddings = msgspec.json.Decoder(openai_embeddings.EmbeddingRequest)
 
 
 async def read_lines(svc: Services, ctx: RequestContext, content: bytes, endpoint: str
@@ -70,6 +72,10 @@ async def read_lines(svc: Services, ctx: RequestContext, content: bytes, endpoin
         else:
             seen.add(line.custom_id)
             lines.append(await _translate(svc, ctx, line, endpoint))
+    inputs = sum(req.pooling.size for line in lines for req in line.requests if req.pooling is not None)
+    if inputs > MAX_EMBEDDING_INPUTS:
+        errors.append(BatchError(code="too_many_inputs", message=f"An embeddings batch holds at most "
+                                 f"{MAX_EMBEDDING_INPUTS} inputs across its requests; the file has {inputs}."))
     return lines, errors
 
 
@@ -79,6 +85,8 @@ async def _translate(svc: Services, ctx: RequestContext, line: InputLine, endpoi
             chat = _decode(_chat, line.body)
             _refuse_stream(chat.stream)
             reqs = [openai_chat.to_generation_request(chat, max_model_len=svc.settings.max_model_len)]
+        elif endpoint == "/v1/embeddings":
+            reqs = [openai_embeddings.to_generation_request(_decode(_embeddings, line.body))]
         else:
             completion = _decode(_completion, line.body)
             _refuse_stream(completion.stream)

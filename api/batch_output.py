@@ -15,9 +15,10 @@ from collections.abc import Callable
 
 import msgspec
 
-from api.dialects import anthropic_batches, openai_chat, openai_completions
+from api.dialects import anthropic_batches, openai_chat, openai_completions, openai_embeddings
 from api.dialects.openai_chat import ChatCompletion
 from api.dialects.openai_completions import Completion, ErrorResponse
+from api.dialects.openai_embeddings import EmbeddingResponse
 from shared.batches import RESULTS, Answered, BatchStore, Failed, FileObject, LineOutcome, NotRun, Refused
 from shared.codec import encode
 
@@ -27,10 +28,13 @@ YIELD_EVERY = 256  # lines rendered between yields to the event loop (a file has
 _outcome = msgspec.json.Decoder(LineOutcome)
 
 
+Body = Completion | ChatCompletion | EmbeddingResponse | ErrorResponse | msgspec.Raw
+
+
 class BatchResponse(msgspec.Struct, kw_only=True):
     status_code: int
     request_id: str
-    body: Completion | ChatCompletion | ErrorResponse | msgspec.Raw
+    body: Body
     """The endpoint's own answer; Raw for a refusal, whose body was stored already as JSON."""
 
 
@@ -49,8 +53,7 @@ class BatchRequestOutput(msgspec.Struct, kw_only=True):
     error: BatchRequestError | None = None
 
 
-def _answered(outcome: LineOutcome, status: int, body: Completion | ChatCompletion | ErrorResponse | msgspec.Raw
-              ) -> BatchRequestOutput:
+def _answered(outcome: LineOutcome, status: int, body: Body) -> BatchRequestOutput:
     response = BatchResponse(status_code=status, request_id=outcome.request_id, body=body)
     return BatchRequestOutput(id=f"batch_req_{outcome.request_id}", custom_id=outcome.custom_id, response=response)
 
@@ -61,6 +64,9 @@ def render_line(outcome: LineOutcome) -> BatchRequestOutput:
         case Answered(requests=[first, *_]) if first.dialect == openai_chat.NAME:
             chat = openai_chat.render_result(first, outcome.results[0], outcome.request_id, outcome.created)
             return _answered(outcome, 200, chat)
+        case Answered(requests=[first]) if first.dialect == openai_embeddings.NAME:
+            embeddings = openai_embeddings.render_result(first, outcome.results[0], outcome.request_id, outcome.created)
+            return _answered(outcome, 200, embeddings)
         case Answered(requests=requests) if requests[0].dialect == openai_completions.NAME:
             completion = openai_completions.render_results(requests, outcome.results, outcome.request_id,
                                                            outcome.created)
@@ -73,7 +79,7 @@ def render_line(outcome: LineOutcome) -> BatchRequestOutput:
         case NotRun(code=code, message=message):
             error = BatchRequestError(code=code, message=message)
             return BatchRequestOutput(id=f"batch_req_{outcome.request_id}", custom_id=outcome.custom_id, error=error)
-    # Only the two batch endpoints' lines are ever queued (api/batch_input.py).
+    # Only the batch endpoints' lines are ever queued (api/batch_input.py).
     raise ValueError(f"no batch endpoint renders {outcome!r}")
 
 

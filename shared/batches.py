@@ -30,7 +30,7 @@ __all__ = ["FileObject", "BatchCreate", "BatchObject", "BatchError", "RequestCou
 
 BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
                       "cancelled"]
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 MESSAGES = "/v1/messages"
 """The endpoint of Anthropic's Message Batches (api/routes/anthropic_batches.py): requests given
 inline, not a file; not one of OpenAI's :data:`ENDPOINTS`, so neither API lists the other's."""

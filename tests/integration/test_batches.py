@@ -17,6 +17,7 @@ from shared import batches
 from shared.batches import MESSAGES, Answered, BatchObject, BatchStore, Failed, FileObject, LineError, NotRun, Refused
 from shared.codec import encode
 from shared.keys import Keys
+from shared.media import ModelInfo
 from shared.queue import JobStore
 from shared.schemas import ChatMessage, Choice, GenerationRequest, JobError, JobResult, SamplingParams, Usage
 from shared.tenants import key_hash
@@ -151,6 +152,49 @@ async def test_a_malformed_input_file_fails_the_batch_with_line_numbers(redis_ur
         assert await s.redis.scard(Keys(prefix).batches_active()) == 0  # nothing left to run
 
 
+def _embeddings_line(custom_id: str, given: object, **extra) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings",
+            "body": {"model": MODEL, "input": given, **extra}}
+
+
+async def test_an_embeddings_batch_answers_each_line_as_the_endpoint_would(redis_url, prefix, tmp_path):
+    # The scripted worker pools: a vector per input (its length, then 1s; tests/support/scripted_engine.py).
+    async with scripted_stack(redis_url, prefix, model_kind="embed", info=ModelInfo(kind="embed")) as s:
+        client = AsyncOpenAI(base_url=f"{s.url}/v1", api_key="none")
+        with housekeeping(redis_url, prefix, tmp_path):
+            lines = [_embeddings_line(f"e{i}", ["x" * (i + 1), "yy"], dimensions=2) for i in range(40)]
+            lines.append(_embeddings_line("bad", []))
+            upload = await client.files.create(file=("e.jsonl", _jsonl(lines)), purpose="batch")
+            batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings",
+                                                completion_window="24h")
+            done, _ = await _until(client, batch.id, ("completed", "failed"))
+            assert done.status == "completed", done
+            assert (done.request_counts.completed, done.request_counts.failed) == (40, 1)
+            output = _by_custom_id((await client.files.content(done.output_file_id)).text)
+            assert sorted(output) == sorted(f"e{i}" for i in range(40))
+            for i in range(40):
+                body = output[f"e{i}"]["response"]["body"]
+                assert body["object"] == "list" and body["model"] == MODEL
+                assert [d["embedding"] for d in body["data"]] == [[float(i + 1), 1.0], [2.0, 1.0]]
+                assert body["usage"]["prompt_tokens"] == i + 3
+            errors = _by_custom_id((await client.files.content(done.error_file_id)).text)
+            assert errors["bad"]["response"]["status_code"] == 400
+            assert errors["bad"]["response"]["body"]["error"]["param"] == "input"
+
+
+async def test_an_embeddings_batch_of_more_than_openais_inputs_fails_whole(redis_url, prefix):
+    async with scripted_stack(redis_url, prefix, model_kind="embed", info=ModelInfo(kind="embed")) as s:
+        client = AsyncOpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0)
+        lines = [_embeddings_line(f"e{i}", ["a"] * 2048) for i in range(25)]  # 51,200 inputs
+        upload = await client.files.create(file=("big.jsonl", _jsonl(lines)), purpose="batch")
+        batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings",
+                                            completion_window="24h")
+        assert batch.status == "failed"
+        assert [(e.code, e.message) for e in batch.errors.data] == [
+            ("too_many_inputs", "An embeddings batch holds at most 50000 inputs across its requests; "
+                                "the file has 51200.")]
+
+
 async def test_bad_batch_requests_get_openai_errors(redis_url, prefix):
     async with scripted_stack(redis_url, prefix) as s:
         client = AsyncOpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0)
@@ -163,7 +207,8 @@ async def test_bad_batch_requests_get_openai_errors(redis_url, prefix):
             await client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
         upload = await client.files.create(file=("x.jsonl", _jsonl([_chat_line("a", "hi")])), purpose="batch")
         with pytest.raises(openai.BadRequestError):
-            await client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings", completion_window="24h")
+            await client.batches.create(input_file_id=upload.id, endpoint="/v1/audio/transcriptions",
+                                        completion_window="24h")
         deleted = await client.files.delete(upload.id)
         assert deleted.deleted
         with pytest.raises(openai.NotFoundError):
