@@ -59,6 +59,8 @@ class LevelView(msgspec.Struct, kw_only=True):
 
 class ModelView(msgspec.Struct, kw_only=True):
     name: str
+    kind: str = "generate"
+    """What it does: ``generate``, or a pooling model's ``embed`` or ``rerank``."""
     ready_workers: int
     loading_workers: int
     slots: int

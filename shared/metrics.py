@@ -69,6 +69,7 @@ CATALOGUE: dict[str, Metric] = {
     "llmq_worker_jobs_reclaimed_total": Metric("counter", "Jobs the worker took over after their lease lapsed."),
     "llmq_worker_jobs_ended_total": Metric("counter", "Jobs the worker ended, by outcome (done or an error code)."),
     "llmq_worker_tokens_total": Metric("counter", "Tokens the worker generated."),
+    "llmq_worker_pooled_inputs_total": Metric("counter", "Inputs the worker pooled: embeddings made, pairs scored."),
     "llmq_worker_preemptions_total": Metric("counter", "Running jobs the worker handed back for a waiting job owed "
                                                        "their slot."),
     "llmq_tenant_preemptions_total": Metric("counter", "The tenant's jobs that gave their slot to a job owed it, "
@@ -97,6 +98,7 @@ CATALOGUE: dict[str, Metric] = {
 WORKER_ZEROS: tuple[tuple[str, dict[str, str]], ...] = (
     ("llmq_worker_jobs_started_total", {}), ("llmq_worker_jobs_reclaimed_total", {}),
     ("llmq_worker_jobs_ended_total", {"outcome": "done"}), ("llmq_worker_tokens_total", {}),
+    ("llmq_worker_pooled_inputs_total", {}),
     ("llmq_worker_adapter_loads_total", {}), ("llmq_worker_adapter_evictions_total", {}),
     ("llmq_worker_preemptions_total", {}), ("llmq_worker_engine_deaths_total", {}))
 """A worker's counters as they start: at 0, so each series exists from its first heartbeat on

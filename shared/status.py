@@ -25,8 +25,9 @@ from redis.asyncio import Redis
 from shared.config import Settings, load_settings
 from shared.inspection import read_queue
 from shared.keys import Keys
+from shared.media import ModelInfo
 from shared.metrics import Sample, decode_samples
-from shared.redis import connect
+from shared.redis import connect, reply
 from shared.registry import Registry
 from shared.slo import Rates
 from shared.tenants import today, top_tenants
@@ -62,9 +63,14 @@ class Parallel(msgspec.Struct, kw_only=True, frozen=True):
                    nodes=settings.nnodes)
 
 
+_model_info = msgspec.json.Decoder(ModelInfo)
+
+
 class WorkerStatus(msgspec.Struct, kw_only=True):
     id: str
     model: str
+    kind: str = "generate"
+    """What its model does: a pooling worker's is ``embed`` or ``rerank`` (its jobs are embeddings or scores)."""
     status: str  # warming, ready, draining
     slots: int
     running: int
@@ -111,6 +117,8 @@ class Held(msgspec.Struct, kw_only=True):
 
 class ModelStatus(msgspec.Struct, kw_only=True):
     name: str
+    kind: str = "generate"
+    """What it does (``generate``, ``embed``, ``rerank``), as its workers last reported it."""
     waiting: int
     running: int
     dead_letters: int
@@ -142,8 +150,9 @@ async def _model(redis: Redis, keys: Keys, name: str, now: float, top: int, held
     levels = [LevelStatus(level=lv.level, stream=lv.stream, waiting=lv.waiting, running=lv.pending,
                           oldest_age_s=None if lv.oldest_ms is None else _age_s(lv.oldest_ms, now))
               for lv in reading.levels if lv.exists]
+    info = await reply(redis.hget(keys.model_info(), name))
     return ModelStatus(
-        name=name, waiting=sum(lv.waiting for lv in levels), running=sum(lv.running for lv in levels),
+        name=name, kind=_model_info.decode(info).kind if info else "generate", waiting=sum(lv.waiting for lv in levels), running=sum(lv.running for lv in levels),
         held=await _held(redis, keys, name) if held else [],
         dead_letters=reading.dead_letters, ready_workers=reading.ready_workers, levels=levels,
         top_tenants=[TenantUsage(tenant=tenant, requests=u.get("requests", 0), prompt_tokens=u.get("prompt_tokens", 0),
@@ -202,9 +211,10 @@ async def snapshot(redis: Redis, keys: Keys, *, top: int = TOP_TENANTS, held: bo
     and of every live worker."""
     now = time.time()
     names = models if models is not None else sorted(n.decode() for n in await redis.zrange(keys.models(), 0, -1))
-    return Status(prefix=keys.prefix, at=round(now, 3), day=today(now),
-                  models=[await _model(redis, keys, n, now, top, held) for n in names],
-                  workers=await _workers(redis, keys, now))
+    read = [await _model(redis, keys, n, now, top, held) for n in names]
+    kinds = {m.name: m.kind for m in read}
+    workers = [msgspec.structs.replace(w, kind=kinds.get(w.model, w.kind)) for w in await _workers(redis, keys, now)]
+    return Status(prefix=keys.prefix, at=round(now, 3), day=today(now), models=read, workers=workers)
 
 
 def _table(header: list[str], rows: list[list[object]]) -> list[str]:
@@ -225,7 +235,8 @@ def render(status: Status) -> str:
     if not status.models:
         lines.append("no model has been served under this prefix")
     for m in status.models:
-        lines += ["", f"model {m.name}: {m.waiting} waiting, {m.running} running, {m.dead_letters} dead-lettered, "
+        kind = "" if m.kind == "generate" else f" ({m.kind})"
+        lines += ["", f"model {m.name}{kind}: {m.waiting} waiting, {m.running} running, {m.dead_letters} dead-lettered, "
                       f"{m.ready_workers} ready worker(s)"]
         lines += _table(["level", "stream", "waiting", "running", "oldest (s)"],
                         [[lv.level, lv.stream, lv.waiting, lv.running, lv.oldest_age_s] for lv in m.levels])
@@ -241,9 +252,9 @@ def render(status: Status) -> str:
                               t.preemptions, round(t.preempted_seconds, 3)] for t in m.top_tenants])
     lines += ["", f"workers: {len(status.workers)}"]
     if status.workers:
-        lines += _table(["id", "model", "status", "slots", "running", "host", "pid", "device", "layout",
+        lines += _table(["id", "model", "kind", "status", "slots", "running", "host", "pid", "device", "layout",
                          "last beat (s ago)", "adapters"],
-                        [[w.id, w.model, w.status, w.slots, w.running, w.host, w.pid, w.device or None,
+                        [[w.id, w.model, w.kind, w.status, w.slots, w.running, w.host, w.pid, w.device or None,
                           _layout(w.parallel), w.last_heartbeat_age_s, ", ".join(w.adapters) or None]
                          for w in status.workers])
     return "\n".join(lines)

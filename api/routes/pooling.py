@@ -61,7 +61,7 @@ class _Which(msgspec.Struct, forbid_unknown_fields=False):
             "pooling", body="rerank_any", examples=({"query": "capital?", "documents": ["Paris is", "Bananas are"]},
                                                 {"query": "capital?", "texts": ["Paris is", "Bananas are"]}),
             ok={200: (JSON,), **ASYNC}, errors=(400, 404, 422, 424, 429, 503), headers=ASYNC_HEADERS,
-            answer=rr.RerankResponse, error=OPENAI_ERROR)
+            answer=rr.RerankResponse | list[tei.Rank], error=tei.ErrorResponse | OPENAI_ERROR)
 @post("/rerank", opt={"dialect": tei.NAME}, status_code=200)
 async def rerank(request: Request, svc: Svc, ctx: Ctx) -> Response:
     body = await request.body()

@@ -60,6 +60,8 @@ def build() -> Dashboard:
                              "ended {{outcome}} {{model}}")))
         .with_panel(_series("Tokens per second", "short",
                             (f"sum by (model) (rate(llmq_worker_tokens_total{RATE}))", "{{model}}")))
+        .with_panel(_series("Pooled inputs per second (embeddings, scored pairs)", "short",
+                            (f"sum by (model) (rate(llmq_worker_pooled_inputs_total{RATE}))", "{{model}}")))
         .with_row(Row("Latency"))
         .with_panel(_quantiles("Queue wait", "llmq_queue_wait_seconds").span(8))
         .with_panel(_quantiles("Time to first token", "llmq_ttft_seconds").span(8))

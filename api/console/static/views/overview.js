@@ -48,7 +48,7 @@ function modelSection() {
 }
 
 function fillModel(section, m) {
-  section.querySelector('h2').textContent = m.name;
+  section.querySelector('h2').textContent = m.kind === 'generate' ? m.name : `${m.name} (${m.kind})`;
   section.querySelector('.summary').textContent = [
     `${m.ready_workers} ready, ${m.loading_workers} loading workers`,
     `slots ${m.slots_in_use} / ${m.slots} in use`,
@@ -64,7 +64,7 @@ function fillModel(section, m) {
 
 export function mount(main, ctx) {
   const models = h('div', { class: 'models' });
-  const [workers, workerRows] = table('Workers', ['Worker', 'Model', 'Status', 'Running / slots', 'Host', 'PID', 'Device', 'Layout', 'Heartbeat', 'Adapters']);
+  const [workers, workerRows] = table('Workers', ['Worker', 'Model', 'Kind', 'Status', 'Running / slots', 'Host', 'PID', 'Device', 'Layout', 'Heartbeat', 'Adapters']);
   main.append(h('h1', {}, 'Models and queues'), models, h('h2', {}, 'Workers'), workers);
   const sections = new Map();
 
@@ -83,7 +83,7 @@ export function mount(main, ctx) {
     if (!d.models.length && !models.querySelector('.empty')) models.append(h('p', { class: 'empty muted' }, 'No models deployed.'));
     if (d.models.length) models.querySelector('.empty')?.remove();
     syncRows(workerRows, d.workers, (w) => w.id, (w) => h('tr', {},
-      h('td', {}, w.id), h('td', {}, w.model), h('td', {}, h('span', { class: `tag ${w.status}` }, w.status)),
+      h('td', {}, w.id), h('td', {}, w.model), h('td', {}, w.kind), h('td', {}, h('span', { class: `tag ${w.status}` }, w.status)),
       h('td', {}, `${w.running} / ${w.slots}`), h('td', {}, w.host), h('td', {}, num(w.pid)), h('td', {}, w.device),
       h('td', {}, layout(w.parallel)), h('td', {}, ago(Date.now() - w.last_heartbeat_age_s * 1000)), h('td', {}, w.adapters.join(', ') || dash)));
   });
