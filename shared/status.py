@@ -152,7 +152,8 @@ async def _model(redis: Redis, keys: Keys, name: str, now: float, top: int, held
               for lv in reading.levels if lv.exists]
     info = await reply(redis.hget(keys.model_info(), name))
     return ModelStatus(
-        name=name, kind=_model_info.decode(info).kind if info else "generate", waiting=sum(lv.waiting for lv in levels), running=sum(lv.running for lv in levels),
+        name=name, kind=_model_info.decode(info).kind if info else "generate",
+        waiting=sum(lv.waiting for lv in levels), running=sum(lv.running for lv in levels),
         held=await _held(redis, keys, name) if held else [],
         dead_letters=reading.dead_letters, ready_workers=reading.ready_workers, levels=levels,
         top_tenants=[TenantUsage(tenant=tenant, requests=u.get("requests", 0), prompt_tokens=u.get("prompt_tokens", 0),
@@ -236,8 +237,8 @@ def render(status: Status) -> str:
         lines.append("no model has been served under this prefix")
     for m in status.models:
         kind = "" if m.kind == "generate" else f" ({m.kind})"
-        lines += ["", f"model {m.name}{kind}: {m.waiting} waiting, {m.running} running, {m.dead_letters} dead-lettered, "
-                      f"{m.ready_workers} ready worker(s)"]
+        lines += ["", f"model {m.name}{kind}: {m.waiting} waiting, {m.running} running, "
+                      f"{m.dead_letters} dead-lettered, {m.ready_workers} ready worker(s)"]
         lines += _table(["level", "stream", "waiting", "running", "oldest (s)"],
                         [[lv.level, lv.stream, lv.waiting, lv.running, lv.oldest_age_s] for lv in m.levels])
         if m.held:

@@ -105,7 +105,8 @@ async def deployment(request: Request, svc: Svc) -> Response:
         mine = [w for w in workers if w.model == m.name]
         rates = await browse.throughput(redis, keys, m.name, status.at)
         models.append(ModelView(
-            name=m.name, kind=m.kind, ready_workers=m.ready_workers, loading_workers=sum(w.status == "warming" for w in mine),
+            name=m.name, kind=m.kind, ready_workers=m.ready_workers,
+            loading_workers=sum(w.status == "warming" for w in mine),
             slots=sum(w.slots for w in mine if w.status == "ready"),
             slots_in_use=sum(w.running for w in mine), waiting=m.waiting, running=m.running,
             dead_letters=m.dead_letters, adapters=sorted({a for w in mine for a in w.adapters}),
