@@ -28,16 +28,19 @@ model: install
 
 # The whole stack: embedded Redis (unless LLMQ_REDIS_URL is set), web, worker, housekeeping.
 # The Procfile says `python`: the venv goes first on PATH so that is the venv's.
+comma := ,
+space := $(subst ,, )
 run: export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # Readable lines for a person at a terminal (honcho's pipes are no TTY, so JSON would be picked).
 run: export LLMQ_LOG_JSON ?= false
 # The tiny model's LoRA adapters (docs/adapters.md): registered by api/announce.py once a worker is warm.
 run: export LLMQ_MAX_LORAS ?= 2
 # VISION=1: a second worker serves tiny-vision, the tiny image model, beside the text model
-# (docs/images.md); the API knows it from the start.
-run: export LLMQ_MODELS ?= $(if $(VISION),tiny-vision,)
+# (docs/images.md); POOLING=1: two more serve tiny-embed and tiny-rerank, the tiny pooling models
+# (docs/pooling.md). The API knows them from the start.
+run: export LLMQ_MODELS ?= $(subst $(space),$(comma),$(strip $(if $(VISION),tiny-vision) $(if $(POOLING),tiny-embed tiny-rerank)))
 run: model
-	@procs="web worker housekeeping ready$(if $(VISION), vision,)"; \
+	@procs="web worker housekeeping ready$(if $(VISION), vision,)$(if $(POOLING), embed rerank,)"; \
 	if [ -z "$$LLMQ_REDIS_URL" ]; then procs="redis $$procs"; fi; \
 	exec $(VENV)/bin/honcho -f Procfile.dev start $$procs
 
