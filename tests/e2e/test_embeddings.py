@@ -5,8 +5,10 @@ polled; and the 400s of a request the model cannot serve."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,6 +20,7 @@ import openai
 import pytest
 
 from shared.config import EMBED_MODEL, load_settings
+from tests.support.background import housekeeping
 from tests.support.crash_stack import Small, small_stack
 
 pytestmark = [pytest.mark.e2e]
@@ -98,3 +101,35 @@ def test_what_the_model_cannot_serve_is_openais_400(oai: openai.OpenAI):
         oai.embeddings.create(model=MODEL, input="long " * 200)
     with pytest.raises(openai.BadRequestError, match="'input' must not be empty"):
         oai.embeddings.create(model=MODEL, input=[])
+
+
+def _jsonl(lines: list[dict]) -> bytes:
+    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+
+def test_a_thousand_line_batch_answers_every_line_once_through_a_worker_killed_mid_way(
+        small: Small, oai: openai.OpenAI, tmp_path: Path):
+    """Last in this module: it leaves one worker."""
+    lines = [{"custom_id": f"l{i}", "method": "POST", "url": "/v1/embeddings",
+              "body": {"model": MODEL, "input": [f"line {i}", "the same text"], "encoding_format": "float"}}
+             for i in range(1000)]
+    with housekeeping(small.env["LLMQ_REDIS_URL"], small.prefix, tmp_path, served_model_name=MODEL, batch_rate="200"):
+        upload = oai.files.create(file=("index.jsonl", _jsonl(lines)), purpose="batch")
+        batch = oai.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings", completion_window="24h")
+        deadline = time.monotonic() + 600
+        while (seen := oai.batches.retrieve(batch.id)).request_counts.completed < 200:
+            assert time.monotonic() < deadline and seen.status == "in_progress", seen
+            time.sleep(0.2)
+        [victim, *_] = sorted(small.ready_pids())
+        os.kill(victim, signal.SIGKILL)
+        while (done := oai.batches.retrieve(batch.id)).status not in ("completed", "failed"):
+            assert time.monotonic() < deadline, done
+            time.sleep(0.5)
+    assert done.status == "completed" and done.request_counts.completed == 1000, done
+    assert done.request_counts.failed == 0 and not done.error_file_id
+    output = [json.loads(line) for line in oai.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(line["custom_id"] for line in output) == sorted(f"l{i}" for i in range(1000))  # each once
+    same = np.array([line["response"]["body"]["data"][1]["embedding"] for line in output])
+    assert np.max(np.abs(same - same[0])) <= 1e-5  # "the same text" alike on either worker, before and after the kill
+    assert all(line["response"]["status_code"] == 200 and len(line["response"]["body"]["data"]) == 2
+               for line in output)
