@@ -110,7 +110,7 @@ def _fold(events: list[Any]) -> dict[str, Any]:
 
 def _shape(events: list[Any], base: dict[str, Any]) -> list[Any]:
     """[first seq, templates, template per event, {bulk field: lengths in order}]. A template is
-    an event whose bulk values, seq, and prompt / usage equal to the base's are placeholders:
+    an event whose bulk values, seq, and prompt / usage / pooled equal to the base's are placeholders:
     ints, where the values they stand for are lists, strings or objects, never ints (hence the
     exact ``type(v) is int`` checks: ``bool`` is an int subclass). Turns
     ``events`` (decoded for this call only) into the skeletons in place: no copies per token."""
@@ -118,7 +118,7 @@ def _shape(events: list[Any], base: dict[str, Any]) -> list[Any]:
     skeletons: list[Any] = []
     order: list[int] = []
     lengths: dict[str, list[int]] = {key: [] for key in _BULK}
-    prompt, usage = base.get("prompt"), base.get("usage")
+    prompt, usage, pooled = base.get("prompt"), base.get("usage"), base.get("pooled")
     first = events[0].get("seq", 0) if events else 0
     for skeleton in events:
         if "seq" in skeleton:
@@ -134,6 +134,9 @@ def _shape(events: list[Any], base: dict[str, Any]) -> list[Any]:
             skeleton["prompt"] = 0
         if usage is not None and skeleton.get("type") == "done" and skeleton.get("usage") == usage:
             skeleton["usage"] = 0
+        # A pooling job's outputs: its result holds them, so its log does not again.
+        if pooled is not None and skeleton.get("type") == "done" and skeleton.get("pooled") == pooled:
+            skeleton["pooled"] = 0
         key = _encode(skeleton)
         t = templates.get(key)
         if t is None:
@@ -190,6 +193,8 @@ def _rebuild(shape: list[Any], base: dict[str, Any]) -> list[Any]:
             event["prompt"] = prompt
         if type(event.get("usage")) is int and event.get("type") == "done":
             event["usage"] = usage
+        if type(event.get("pooled")) is int and event.get("type") == "done":
+            event["pooled"] = base.get("pooled")
         events.append(event)
     return events
 

@@ -14,7 +14,7 @@ from shared import eventlog
 from shared.codec import encode
 from shared.events import Done, Error, Event, Timings, TokenDelta, Tokens
 from shared.result import ResultBuilder
-from shared.schemas import JobResult, PromptInfo, TopLogprob, Usage
+from shared.schemas import JobResult, Pooled, PromptInfo, TopLogprob, Usage
 
 WORDS = "the quick brown fox jumps over a lazy dog , . ! é 日本 \n \" \\ \t".split(" ")
 PROMPT = PromptInfo(token_ids=[1, 2, 3], token_texts=["a", "b", "c"], logprobs=[None, -0.5, -1.25])
@@ -59,6 +59,16 @@ def test_a_finished_job_compacts_to_its_shape_in_a_few_hundred_bytes(n, logprobs
     # The target: the result plus at most 1 KB (here far less; the stream took ~150 bytes a token).
     assert len(blob) <= (400 if n == 64 else 1024), len(blob)
     assert len(blob) < len(raw) / 10
+
+
+def test_a_pooling_jobs_log_refers_to_its_results_vectors_rather_than_repeat_them():
+    vectors = Pooled(data=bytes(range(256)) * 32, width=64)  # 32 rows of 64 float32s
+    events: list[Event] = [Done(seq=1, usage=Usage(prompt_tokens=40), pooled=vectors,
+                                timings=Timings(queued_at=1764000000000.125, finished_at=1764000000090.75))]
+    raw, result = encode(events), result_of(events)
+    blob = eventlog.compact(raw, result)
+    assert blob[:1] == eventlog.SHAPE and eventlog.expand(blob, result) == raw
+    assert len(blob) < 200 < len(raw) // 50  # the vectors' base64 (about 11 KB) is the result's alone
 
 
 def test_a_one_character_token_stream_compacts_to_under_a_hundred_bytes():
