@@ -29,7 +29,7 @@ import httpx
 import msgspec
 from redis.asyncio import Redis
 
-from shared.config import DEFAULT_MODEL, Settings, load_settings
+from shared.config import DEFAULT_MODEL, TINY_POOLING_DIRS, Settings, load_settings
 from shared.keys import Keys
 from shared.redis import redis_server_binary
 from tests.bench.cpu import CpuMeter, ProcessCpu, by_role
@@ -317,6 +317,8 @@ def vllm_server_args(settings: Settings, port: int) -> list[str]:
         "--scheduling-policy", "priority", "--disable-log-stats",
         # llmq logs no access line per request; neither should its peer.
         "--disable-uvicorn-access-log",
+        # A pooling model (LLMQ_MODEL_KIND) on the pooling runner, as llmq's worker serves it.
+        *(["--runner", "pooling"] if settings.kind != "generate" else []),
     ]
     if settings.kv_cache_bytes:
         args += ["--kv-cache-memory-bytes", str(settings.kv_cache_bytes)]
@@ -404,6 +406,10 @@ async def start_targets(
         from workers.tiny_model import ensure_tiny_model
 
         ensure_tiny_model(settings.model_path)
+    elif settings.model in TINY_POOLING_DIRS:
+        from workers.tiny_pooling import ensure_tiny_pooling
+
+        ensure_tiny_pooling(settings.model, Path(settings.model_path))
     env = engine_env(settings, overlay)
     procs = owned_processes(stack)
     targets: dict[str, Target] = {}
@@ -426,7 +432,14 @@ async def start_targets(
             await _until_200(f"{vllm.url}/health", [server])
             # One request first: the engine's first request on CPU pays one-off compilation, which
             # llmq's worker also pays before it reports ready.
-            await vllm.run(["warm up"], 1, 8)
+            if settings.kind == "generate":
+                await vllm.run(["warm up"], 1, 8)
+            else:
+                async with httpx.AsyncClient(timeout=120) as client:
+                    path, body = (("/v1/embeddings", {"input": "warm up"}) if settings.kind == "embed"
+                                  else ("/score", {"text_1": "warm", "text_2": "up"}))
+                    (await client.post(f"{vllm.url}{path}", json={"model": settings.model_name, **body})
+                     ).raise_for_status()
 
         waits.append(vllm_ready())
     if "in-process" in names:
