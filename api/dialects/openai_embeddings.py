@@ -22,8 +22,8 @@ from api.dialects.stream import unstreamed
 from shared.errors import InvalidRequest, ServiceError
 from shared.schemas import GenerationRequest, JobResult, OutputOptions, Pooling, Reported
 
-__all__ = ["NAME", "MAX_INPUTS", "EmbeddingRequest", "EmbeddingResponse", "to_generation_request", "render_result",
-           "stream", "error_body"]
+__all__ = ["NAME", "MAX_INPUTS", "EmbeddingRequest", "EmbeddingResponse", "PoolingUsage", "to_generation_request",
+           "render_result", "stream", "error_body"]
 
 NAME: Final = "openai_embeddings"
 MAX_INPUTS: Final = 2048
@@ -48,7 +48,9 @@ class Embedding(msgspec.Struct, kw_only=True):
     embedding: list[float] | str
 
 
-class EmbeddingUsage(msgspec.Struct, kw_only=True):
+class PoolingUsage(msgspec.Struct, kw_only=True):
+    """vLLM's usage of a pooling answer (its ``UsageInfo``): the inputs' tokens, nothing generated."""
+
     prompt_tokens: int
     total_tokens: int
     completion_tokens: int = 0
@@ -60,7 +62,7 @@ class EmbeddingResponse(msgspec.Struct, kw_only=True):
     created: int
     model: str
     data: list[Embedding]
-    usage: EmbeddingUsage
+    usage: PoolingUsage
 
 
 def _inputs(given: str | list[Any]) -> dict[str, Any]:
@@ -103,7 +105,7 @@ def render_result(req: GenerationRequest, result: JobResult, job_id: str, create
         data = [Embedding(index=i, embedding=values) for i, values in enumerate(pooled.rows())]
     tokens = result.usage.prompt_tokens
     return EmbeddingResponse(id=f"embd-{job_id}", created=created, model=req.served_name, data=data,
-                             usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+                             usage=PoolingUsage(prompt_tokens=tokens, total_tokens=tokens))
 
 
 stream = unstreamed

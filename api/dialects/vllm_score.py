@@ -16,6 +16,7 @@ from msgspec import UNSET, UnsetType
 
 from api.dialects import openai_completions
 from api.dialects.common import ErrorResponse, refuse
+from api.dialects.openai_embeddings import PoolingUsage
 from api.dialects.stream import unstreamed
 from shared.errors import InvalidRequest, ServiceError
 from shared.schemas import GenerationRequest, JobResult, Pooling
@@ -50,19 +51,13 @@ class ScoreData(msgspec.Struct, kw_only=True):
     score: float
 
 
-class ScoreUsage(msgspec.Struct, kw_only=True):
-    prompt_tokens: int
-    total_tokens: int
-    completion_tokens: int = 0
-
-
 class ScoreResponse(msgspec.Struct, kw_only=True):
     id: str
     object: str = "list"
     created: int
     model: str
     data: list[ScoreData]
-    usage: ScoreUsage
+    usage: PoolingUsage
 
 
 def _sides(body: ScoreRequest) -> tuple[list[str], list[str]]:
@@ -91,7 +86,7 @@ def render_result(req: GenerationRequest, result: JobResult, job_id: str, create
     tokens = result.usage.prompt_tokens
     return ScoreResponse(id=f"score-{job_id}", created=created, model=req.served_name,
                          data=[ScoreData(index=i, score=row[0]) for i, row in enumerate(result.pooled.rows())],
-                         usage=ScoreUsage(prompt_tokens=tokens, total_tokens=tokens))
+                         usage=PoolingUsage(prompt_tokens=tokens, total_tokens=tokens))
 
 
 stream = unstreamed

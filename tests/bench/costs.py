@@ -26,7 +26,7 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 from shared.config import load_settings
-from tests.bench.cpu import CpuMeter
+from tests.bench.cpu import by_role
 from tests.bench.procs import markdown_table, measured_report, save
 from tests.bench.serving import TARGET_SETS, HttpTarget, start_targets
 from tests.bench.workload import prompts_for
@@ -36,23 +36,15 @@ __all__ = ["main"]
 ROLES = ("api", "worker", "redis", "engine")
 
 
-def _cpu_s(meter: CpuMeter) -> dict[str, float]:
-    out = dict.fromkeys(ROLES, 0.0)
-    for p in meter.sample():
-        if p.role in out:
-            out[p.role] += p.cpu_s
-    return out
-
-
 async def _run(target: HttpTarget, n: int, tokens: int, concurrency: int, tag: str) -> dict[str, float]:
     """CPU µs per request of ``n`` requests of ``tokens`` tokens, by role."""
     assert target.meter is not None
-    before = _cpu_s(target.meter)
+    before = target.meter.sample()
     summary = await target.run(prompts_for(n, tag), concurrency, tokens)
     if summary.errors:
         raise SystemExit(f"FAILED: {summary.errors[:3]}")
-    after = _cpu_s(target.meter)
-    return {role: (after[role] - before[role]) / n * 1e6 for role in ROLES}
+    used = by_role(before, target.meter.sample())
+    return {role: used.get(role, 0.0) / n * 1e6 for role in ROLES}
 
 
 async def measure(rounds: int, concurrency: int, tokens: int, requests: int) -> dict:

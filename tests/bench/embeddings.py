@@ -20,7 +20,7 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 from shared.config import EMBED_MODEL, load_settings
-from tests.bench.cpu import CpuMeter
+from tests.bench.cpu import by_role
 from tests.bench.procs import markdown_table, measured_report, percentile, save
 from tests.bench.serving import FAST, HttpTarget, engine_record, start_targets
 from tests.bench.vllm_client import run_bench
@@ -31,18 +31,10 @@ OVERLAY = {**FAST.overlay, "LLMQ_MODEL": EMBED_MODEL, "LLMQ_MAX_MODEL_LEN": "512
 ROLES = ("api", "worker", "redis", "api-server", "engine")
 
 
-def _cpu_s(meter: CpuMeter) -> dict[str, float]:
-    out = dict.fromkeys(ROLES, 0.0)
-    for p in meter.sample():
-        if p.role in out:
-            out[p.role] += p.cpu_s
-    return out
-
-
 async def _run(target: HttpTarget, tokenizer: str, concurrency: int, requests: int, input_tokens: int,
                seed: int) -> dict[str, float]:
     assert target.meter is not None
-    before = _cpu_s(target.meter)
+    before = target.meter.sample()
     result = await run_bench([
         "--backend", "openai-embeddings", "--base-url", target.url, "--endpoint", "/v1/embeddings",
         "--model", target.model, "--tokenizer", tokenizer, "--dataset-name", "random",
@@ -50,7 +42,7 @@ async def _run(target: HttpTarget, tokenizer: str, concurrency: int, requests: i
         "--num-prompts", str(requests), "--max-concurrency", str(concurrency), "--seed", str(seed),
         "--disable-tqdm", "--ready-check-timeout-sec", "0", "--percentile-metrics", "e2el",
         "--metric-percentiles", "50,99"])
-    after = _cpu_s(target.meter)
+    used = by_role(before, target.meter.sample())
     failed = [e for e in result.get("errors", []) if e]
     if failed or result["completed"] != requests:
         raise SystemExit(f"FAILED ({target.name}): {result['completed']} of {requests} answered: {failed[:3]}")
@@ -58,7 +50,7 @@ async def _run(target: HttpTarget, tokenizer: str, concurrency: int, requests: i
     return {"requests_per_s": result["request_throughput"],
             "e2e_p50_ms": percentile(latencies, 50) if latencies else result["median_e2el_ms"],
             "e2e_p99_ms": percentile(latencies, 99) if latencies else result["p99_e2el_ms"],
-            **{f"{role}_us_per_request": (after[role] - before[role]) / requests * 1e6 for role in ROLES}}
+            **{f"{role}_us_per_request": used.get(role, 0.0) / requests * 1e6 for role in ROLES}}
 
 
 async def measure(rounds: int, concurrencies: list[int], requests: int, input_tokens: int) -> dict:

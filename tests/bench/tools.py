@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from shared.config import load_settings
-from tests.bench.cpu import CpuMeter
+from tests.bench.cpu import by_role
 from tests.bench.procs import markdown_table, measured_report, save
 from tests.bench.serving import TARGET_SETS, HttpTarget, start_targets
 
@@ -49,15 +49,6 @@ def body(model: str, kind: str, i: int, max_tokens: int) -> dict:
     if kind == "tools":
         return chat | {"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False}
     return chat | {"ignore_eos": True}
-
-
-def _cpu_s(meter: CpuMeter) -> dict[str, float]:
-    out = dict.fromkeys(ROLES, 0.0)
-    for p in meter.sample():
-        role = "api" if p.role == "api-server" else p.role  # vllm serve's front end
-        if role in out:
-            out[role] += p.cpu_s
-    return out
 
 
 async def _run(target: HttpTarget, kind: str, n: int, concurrency: int, max_tokens: int) -> tuple[dict, float, float]:
@@ -83,13 +74,14 @@ async def _run(target: HttpTarget, kind: str, n: int, concurrency: int, max_toke
             called += bool(answer["choices"][0]["message"].get("tool_calls"))
             tokens.append(answer["usage"]["completion_tokens"])
 
-    before = _cpu_s(target.meter)
+    before = target.meter.sample()
     async with httpx.AsyncClient(timeout=300) as client:
         await asyncio.gather(*(lane(client) for _ in range(concurrency)))
-    after = _cpu_s(target.meter)
+    used = by_role(before, target.meter.sample())
+    used["api"] = used.get("api", 0.0) + used.get("api-server", 0.0)  # vllm serve's front end
     if errors:
         raise SystemExit(f"FAILED ({target.name}, {kind}): {errors[:3]}")
-    return {role: (after[role] - before[role]) / n * 1e6 for role in ROLES}, statistics.median(tokens), called / n
+    return {role: used.get(role, 0.0) / n * 1e6 for role in ROLES}, statistics.median(tokens), called / n
 
 
 async def measure(rounds: int, concurrency: int, requests: int, max_tokens: int,
