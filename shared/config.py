@@ -63,7 +63,7 @@ TINY_VISION_DIR = f"{VISION_MODEL}-v1"
 # use as tiny-llama is, their cache directories named by their builds.
 EMBED_MODEL = "tiny-embed"
 RERANK_MODEL = "tiny-rerank"
-TINY_POOLING_DIRS = {EMBED_MODEL: f"{EMBED_MODEL}-v1", RERANK_MODEL: f"{RERANK_MODEL}-v1"}
+TINY_POOLING_DIRS = {EMBED_MODEL: f"{EMBED_MODEL}-v1", RERANK_MODEL: f"{RERANK_MODEL}-v2"}
 # What a model does (Settings.kind): generate text, or pool (embeddings; a cross-encoder's scores).
 ModelKind = Literal["generate", "embed", "rerank"]
 # What reads a worker's engine outputs (Settings.engine_front).

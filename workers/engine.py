@@ -266,7 +266,9 @@ def _new_engine(args: AsyncEngineArgs, faults: bool = False, front: EngineFront 
     ``faults`` (LLMQ_TEST_FAULTS) the fault tests' engine killer; read through ``front``."""
     config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
     v2 = config.use_v2_model_runner
-    config.model_config.logits_processors = [forcing.processor_for(v2), *([faults_.killer_for(v2)] if faults else [])]
+    if config.model_config.runner_type != "pooling":  # vLLM refuses logits processors on a pooling model
+        config.model_config.logits_processors = [forcing.processor_for(v2),
+                                                 *([faults_.killer_for(v2)] if faults else [])]
     if front == "loop":
         return EngineLoop(config)
     return AsyncFront(AsyncLLM.from_vllm_config(config, enable_log_requests=args.enable_log_requests,

@@ -70,18 +70,19 @@ def build_tiny_rerank(path: Path) -> Path:
     """Build the cross-encoder's directory at ``path`` (created or overwritten in place)."""
     import torch
     from tokenizers import processors
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-    # BERT's pair framing in tiny-llama's own tokens, the second text of type 1.
-    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+    backend = build_tokenizer().backend_tokenizer
+    bos, eos = backend.token_to_id("<s>"), backend.token_to_id("</s>")
+    # BERT's pair framing in tiny-llama's own tokens, the second text of type 1, and the token types
+    # among the tokenizer's outputs (vLLM reads them for a cross-encoder's pair).
+    backend.post_processor = processors.TemplateProcessing(
         single="<s> $A </s>", pair="<s> $A </s> $B:1 </s>:1", special_tokens=[("<s>", bos), ("</s>", eos)])
-    tokenizer.model_input_names = ["input_ids", "token_type_ids", "attention_mask"]
-    tokenizer.chat_template = None
-    tokenizer.model_max_length = RERANK_POSITIONS
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                        pad_token="<pad>", model_max_length=RERANK_POSITIONS,
+                                        model_input_names=["input_ids", "token_type_ids", "attention_mask"])
     config = BertConfig(
         vocab_size=len(tokenizer), hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=LAYERS,
         intermediate_size=4 * HIDDEN, max_position_embeddings=RERANK_POSITIONS, type_vocab_size=2,
