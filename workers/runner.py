@@ -66,7 +66,7 @@ from shared.metrics import Recorder
 from shared.queue import Consumer, Delivery, Held, Swap, now_ms
 from shared.redis import REDIS_DOWN
 from shared.registry import Registry
-from shared.schemas import GenerationRequest, JobResult, Usage
+from shared.schemas import GenerationRequest, JobResult, Pooling, Usage
 from shared.scripts import NO_AFFINITY, Affinity, Candidate
 from workers import preemption
 from workers.attempt import Attempt, Emission
@@ -88,6 +88,12 @@ log = structlog.get_logger()
 
 
 _info_json = msgspec.json.Encoder().encode
+
+
+# What a worker serves before it reports ready, by its model's kind (a pooling engine generates nothing).
+_WARM_UP = {"generate": GenerationRequest(prompt="warm up", dialect="jobs"),
+            "embed": GenerationRequest(pooling=Pooling(task="embed", texts=["warm up"])),
+            "rerank": GenerationRequest(pooling=Pooling(task="score", texts=["up"], queries=["warm"]))}
 
 
 def _hold(deadline: float | None) -> float | None:
@@ -186,9 +192,7 @@ class Worker:
     async def warm_up(self) -> None:
         """Serve one request before reporting ready: the first request on CPU pays ~20 s of
         one-off compilation that no user should wait for."""
-        req = GenerationRequest(prompt="warm up", dialect="jobs")
-        async for _ in self.engine.stream(f"warmup-{self.worker_id}", req):
-            pass
+        await self.engine.run(f"warmup-{self.worker_id}", _WARM_UP[self.info.kind], on_step=lambda step: None)
         if self._freeze_heap:  # what the worker holds from now on is never scanned again (LLMQ_GC_FREEZE)
             gc.collect()
             gc.freeze()

@@ -40,16 +40,20 @@ def test_every_shape_ranks_the_same_scores(client: httpx.Client):
     score = client.post("/score", json={"text_1": "capital?", "text_2": DOCS}).json()
     scores = [d["score"] for d in score["data"]]
     assert [d["index"] for d in score["data"]] == [0, 1, 2, 3] and all(0 < s < 1 for s in scores)
+    assert min(abs(a - b) for a in scores for b in scores if a != b) > 1e-3  # a ranking no noise reorders
     order = sorted(range(len(DOCS)), key=lambda i: -scores[i])
     cohere = client.post("/v2/rerank", json={"model": MODEL, "query": "capital?", "documents": DOCS, "top_n": 2,
                                              "return_documents": False}).json()
-    assert [(r["index"], r["relevance_score"]) for r in cohere["results"]] == [(i, scores[i]) for i in order[:2]]
+    # A score may move in its last float32 bits with the batch it ran in: compared within 1e-5.
+    assert [r["index"] for r in cohere["results"]] == order[:2]
+    assert [r["relevance_score"] for r in cohere["results"]] == pytest.approx([scores[i] for i in order[:2]], abs=1e-5)
     assert all("document" not in r for r in cohere["results"])
     jina = client.post("/v1/rerank", json={"query": "capital?", "documents": [{"text": d} for d in DOCS]}).json()
     assert [(r["index"], r["document"]["text"]) for r in jina["results"]] == [(i, DOCS[i]) for i in order]
     assert jina["usage"]["total_tokens"] == score["usage"]["total_tokens"] > 4 * 3
     tei = client.post("/rerank", json={"query": "capital?", "texts": DOCS, "return_text": True}).json()
-    assert [(r["index"], r["text"], r["score"]) for r in tei] == [(i, DOCS[i], scores[i]) for i in order]
+    assert [(r["index"], r["text"]) for r in tei] == [(i, DOCS[i]) for i in order]
+    assert [r["score"] for r in tei] == pytest.approx([scores[i] for i in order], abs=1e-5)
     raw = client.post("/rerank", json={"query": "capital?", "texts": DOCS, "raw_scores": True}).json()
     assert all(abs(1 / (1 + math.exp(-r["score"])) - scores[r["index"]]) < 1e-5 for r in raw)
 
