@@ -155,8 +155,9 @@ async def test_the_deployment_shows_each_workers_devices_and_engine_layout(stack
         body = (await get(stack, "/v1/deployment", A)).json()  # a tenant's key: the workers are no one's data
     [shown] = [w for w in body["workers"] if w["id"] == "w-big"]
     assert 0 <= shown.pop("last_heartbeat_age_s") < 5
-    assert shown == {"id": "w-big", "model": "big", "status": "warming", "slots": big.settings.max_num_seqs,
-                     "running": 0, "host": socket.gethostname(), "pid": os.getpid(), "device": "gpu:0,1",
+    assert shown == {"id": "w-big", "model": "big", "kind": "generate", "status": "warming",
+                     "slots": big.settings.max_num_seqs, "running": 0, "host": socket.gethostname(),
+                     "pid": os.getpid(), "device": "gpu:0,1",
                      "devices": ["gpu:0", "gpu:1"], "parallel": {"tensor": 2, "pipeline": 1, "nodes": 1},
                      "adapters": [], "metrics": [], "rates": {}}
     [tiny] = [w for w in body["workers"] if w["id"] == stack.worker.worker_id]
