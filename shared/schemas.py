@@ -371,6 +371,15 @@ class Pooled(msgspec.Struct, frozen=True, kw_only=True):
     data: bytes
     width: int
 
+    @property
+    def count(self) -> int:
+        """How many rows (inputs) it holds."""
+        return len(self.data) // (4 * self.width) if self.width else 0
+
+    def row(self, i: int) -> bytes:
+        """Row ``i``'s float32 bytes, as stored."""
+        return self.data[i * 4 * self.width:(i + 1) * 4 * self.width]
+
     def rows(self) -> list[list[float]]:
         values = array.array("f", self.data)
         if sys.byteorder != "little":

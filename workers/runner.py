@@ -644,8 +644,8 @@ class Worker:
             return False  # its tokens joined the job's event still in the outbox (the flusher is behind)
         if out.terminal is not None:
             assert out.result is not None  # a step's terminal event is its Done, which carries the result
-            if (pooled := out.result.pooled) is not None and pooled.width:
-                self.metrics.inc("llmq_worker_pooled_inputs_total", len(pooled.data) // (4 * pooled.width))
+            if (pooled := out.result.pooled) is not None:
+                self.metrics.inc("llmq_worker_pooled_inputs_total", pooled.count)
             self._emit(d, out.terminal, data=out.data, entry_id=d.entry_id, result=out.result,
                        first_token_at=out.first_token_at, log=out.log, history=attempt.encoded,
                        history_from=attempt.base, history_prompt_ids=attempt.logged_prompt_ids)

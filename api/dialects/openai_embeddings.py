@@ -98,9 +98,7 @@ def render_result(req: GenerationRequest, result: JobResult, job_id: str, create
         raise InvalidRequest("this job made no embeddings")
     data: list[Embedding] = []
     if req.pooling.encoding == "base64":
-        row = pooled.width * 4
-        data = [Embedding(index=i, embedding=base64.b64encode(pooled.data[at:at + row]).decode())
-                for i, at in enumerate(range(0, len(pooled.data), row))]
+        data = [Embedding(index=i, embedding=base64.b64encode(pooled.row(i)).decode()) for i in range(pooled.count)]
     else:
         data = [Embedding(index=i, embedding=values) for i, values in enumerate(pooled.rows())]
     tokens = result.usage.prompt_tokens
